@@ -1,0 +1,113 @@
+"""The one feature computation shared by data generation and decoding.
+
+Every per-token quantity a predictor sees (draft top-k, entropy, max probability, hidden state, companion signals)
+and every raw label quantity (q(x), p(x), min(1, p/q), target argmax, TV) comes from :func:`token_features`.
+``data_gen.labelling`` calls it with target logits over whole sequences; ``decoding`` calls it without target logits
+on each freshly drafted token. A test asserts both paths give equal features for the same token.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["probs_from_logits", "entropy", "token_features", "FEATURE_COLUMNS", "TARGET_COLUMNS", "COMPANION_COLUMNS"]
+
+# Columns computed from the draft alone (available at decode time).
+FEATURE_COLUMNS = ("draft_token", "q", "draft_entropy", "draft_max_prob", "draft_topk")
+# Columns that need the companion model (available at decode time when a companion runs).
+COMPANION_COLUMNS = ("companion_prob", "companion_sim", "companion_entropy", "companion_accept")
+# Raw label quantities: need the target, so only known after verification.
+TARGET_COLUMNS = ("p", "accept_prob", "target_argmax", "greedy_match", "tv")
+
+
+def probs_from_logits(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0) -> Tensor:
+    """Probabilities of the distribution a model samples from (float32).
+
+    Args:
+        logits: [..., V] raw logits.
+        temperature: sampling temperature; 0 means greedy decoding, whose reference distribution is softmax(logits).
+        top_p: nucleus mass kept (1.0 keeps everything); renormalised after the cut.
+    Returns:
+        [..., V] float32 probabilities.
+    """
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        drop_sorted = (cum - sorted_p) >= top_p  # keep the smallest set whose mass reaches top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def entropy(probs: Tensor) -> Tensor:
+    """Natural-log entropy over the last dimension: [..., V] -> [...]."""
+    return -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+
+
+def token_features(
+    draft_logits: Tensor,
+    draft_tokens: Tensor,
+    *,
+    target_logits: Tensor | None = None,
+    companion_logits: Tensor | None = None,
+    draft_hidden: Tensor | None = None,
+    top_k: int = 10,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> dict[str, Tensor]:
+    """Per-draft-token features and raw label quantities.
+
+    The logits at index i are the models' distributions for the token at index i (callers shift: logits of a causal LM
+    at position t score token t+1).
+
+    Args:
+        draft_logits: [..., V] draft logits at the positions being scored.
+        draft_tokens: [...] the drafted token at each position (x ~ q).
+        target_logits: [..., V] target logits at the same positions; adds the label columns.
+        companion_logits: [..., V] companion logits at the same positions; adds the SV signals.
+        draft_hidden: [..., H] draft last hidden state at the position that produced the logits; stored as float16.
+        top_k: number of top draft probabilities kept (sorted, descending).
+        temperature, top_p: the sampling distribution the probabilities describe (see :func:`probs_from_logits`).
+    Returns:
+        dict of tensors with leading shape [...]: ``draft_token, q, draft_entropy, draft_max_prob, draft_topk [..., k]``,
+        optionally ``draft_hidden [..., H]``, ``companion_*`` and ``p, accept_prob, target_argmax, greedy_match, tv``.
+    """
+    for name, t in (("draft", draft_logits), ("target", target_logits), ("companion", companion_logits)):
+        if t is not None and not torch.isfinite(t).all():
+            raise FloatingPointError(f"{name} logits contain NaN or inf")
+    q_all = probs_from_logits(draft_logits, temperature, top_p)
+    tok = draft_tokens.long().unsqueeze(-1)
+    q = q_all.gather(-1, tok).squeeze(-1)
+    k = min(top_k, q_all.shape[-1])
+    out: dict[str, Tensor] = {
+        "draft_token": draft_tokens.long(),
+        "q": q,
+        "draft_entropy": entropy(q_all),
+        "draft_max_prob": q_all.max(-1).values,
+        "draft_topk": q_all.topk(k, dim=-1).values,
+    }
+    if draft_hidden is not None:
+        out["draft_hidden"] = draft_hidden.to(torch.float16)
+    if companion_logits is not None:
+        c_all = probs_from_logits(companion_logits, temperature, top_p)
+        c = c_all.gather(-1, tok).squeeze(-1)
+        out["companion_prob"] = c
+        out["companion_sim"] = torch.minimum(q_all, c_all).sum(-1)
+        out["companion_entropy"] = entropy(c_all)
+        out["companion_accept"] = (c / q.clamp_min(1e-30)).clamp(max=1.0)
+    if target_logits is not None:
+        p_all = probs_from_logits(target_logits, temperature, top_p)
+        p = p_all.gather(-1, tok).squeeze(-1)
+        # Greedy verification compares with the raw argmax (temperature-free).
+        target_argmax = target_logits.argmax(-1)
+        out["p"] = p
+        out["accept_prob"] = (p / q.clamp_min(1e-30)).clamp(max=1.0)
+        out["target_argmax"] = target_argmax
+        out["greedy_match"] = target_argmax == draft_tokens.long()
+        out["tv"] = 0.5 * (p_all - q_all).abs().sum(-1)
+    return out

