@@ -69,9 +69,8 @@ def byte_tokenizer() -> PreTrainedTokenizerBase:
     """A byte-level BPE tokenizer without merges (259 tokens) with ChatML specials, for tiny models."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
-    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()

@@ -1,0 +1,270 @@
+"""Label draft tokens by parallel passes: draft, target and companion each run once over a whole sequence.
+
+A draft token's record depends only on its prefix and on the token drawn, so any sequence (a draft rollout, a target or
+speculative-decoding continuation, dataset text) is labelled by one forward pass of each model over the padded batch.
+At a position j of the labelled segment the prefix is ``tokens[:j]`` and the logits at index j-1 score position j:
+
+- in a *rollout* segment (the draft's own continuation) the drafted token is ``tokens[j]``;
+- in a *teacher-forced* segment the drafted token is drawn from q at j (argmax when greedy, a sample otherwise),
+  while the sequence goes on with ``tokens[j]``.
+
+Only the positions being labelled go through the LM heads (a [N, V] slice, not [B, T, V]).
+
+Usage: ``records, stats = label_sequences(LabelModels(draft, target), seqs, LabelOptions())``
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from data_gen.features import probs_from_logits, token_features
+
+
+@dataclass
+class Segment:
+    """A labelled span ``[start, end)`` of a sequence's token positions."""
+
+    start: int
+    end: int
+    origin: str
+    """Prefix origin recorded for the tokens of this span (see data_gen.schema.ORIGINS)."""
+    rollout: bool
+    """True when the span is the draft's own rollout (the drafted token is the sequence's token)."""
+
+
+@dataclass
+class SequenceSpec:
+    """One sequence to label with its identity and labelled segments."""
+
+    sample_id: str
+    source: str
+    domain: str
+    split: str
+    seq_id: str
+    tokens: list[int]
+    segments: list[Segment]
+
+
+@dataclass
+class LabelModels:
+    """The models of one pair (plus an optional companion) sharing one tokenizer."""
+
+    draft: PreTrainedModel
+    target: PreTrainedModel
+    companion: PreTrainedModel | None = None
+
+
+@dataclass
+class LabelOptions:
+    """How records are computed."""
+
+    top_k: int = 10
+    """Top-k draft probabilities stored per token."""
+    store_hidden: bool = True
+    """Store the draft's last hidden state (float16) for SPRINTER."""
+    temperature: float = 0.0
+    """0: greedy (teacher-forced draft tokens are argmax q); > 0: sampled from q at this temperature."""
+    top_p: float = 1.0
+    """Nucleus mass of the sampling distributions."""
+    pad_token_id: int = 0
+    """Token used for right padding (masked out)."""
+    head_chunk: int = 256
+    """Labelled positions sent through the LM heads at once (bounds the [N, V] logits memory)."""
+
+
+@dataclass
+class LabelStats:
+    """Counts and time of one labelling call."""
+
+    sequences: int = 0
+    tokens_passed: int = 0
+    records: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "target": 0.0, "companion": 0.0})
+
+
+def _body_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """[B, T, H] last hidden states of a causal LM (final norm applied), without the LM head."""
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return out.last_hidden_state
+
+
+@torch.no_grad()
+def label_sequences(
+    models: LabelModels, seqs: list[SequenceSpec], opts: LabelOptions, generator: torch.Generator | None = None
+) -> tuple[dict[str, list], LabelStats]:
+    """Label every segment position of ``seqs`` with one pass of each model over the right-padded batch.
+
+    Args:
+        models: draft, target and optional companion.
+        seqs: sequences with labelled segments; a segment may not start at 0 (a token needs a prefix).
+        opts: feature and sampling options.
+        generator: RNG for teacher-forced sampled draft tokens.
+    Returns:
+        (records as column lists in data_gen.schema order, stats).
+    """
+    stats = LabelStats(sequences=len(seqs))
+    if not seqs:
+        return {}, stats
+    device = next(models.draft.parameters()).device
+    lens = [len(s.tokens) for s in seqs]
+    width = max(lens)
+    ids = torch.full((len(seqs), width), opts.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : lens[b]] = torch.tensor(s.tokens)
+        mask[b, : lens[b]] = 1
+        for seg in s.segments:
+            if not 1 <= seg.start <= seg.end <= lens[b]:
+                raise ValueError(f"segment [{seg.start}, {seg.end}) out of range for sequence {s.seq_id} of {lens[b]}")
+    ids, mask = ids.to(device), mask.to(device)
+    stats.tokens_passed = int(mask.sum())
+
+    # Rows (b, j) to label: logits at j-1 score token j.
+    rows_b: list[int] = []
+    rows_j: list[int] = []
+    for b, s in enumerate(seqs):
+        for seg in s.segments:
+            rows_b.extend([b] * (seg.end - seg.start))
+            rows_j.extend(range(seg.start, seg.end))
+    bi = torch.tensor(rows_b, device=device)
+    ji = torch.tensor(rows_j, device=device)
+
+    hidden: dict[str, Tensor] = {}
+    roles = [("draft", models.draft), ("target", models.target)]
+    if models.companion is not None:
+        roles.append(("companion", models.companion))
+    for role, model in roles:
+        t0 = time.perf_counter()
+        h = _body_hidden(model, ids, mask)
+        hidden[role] = h[bi, ji - 1]  # [N, H] state that predicts token j
+        del h
+        stats.seconds[role] += time.perf_counter() - t0
+
+    feats: dict[str, list[Tensor]] = {}
+    seq_tokens = ids[bi, ji]  # [N] the sequence's own token at j
+    rollout_flag = torch.tensor(
+        [seg.rollout for s in seqs for seg in s.segments for _ in range(seg.end - seg.start)], device=device
+    )
+    for lo in range(0, len(rows_b), opts.head_chunk):
+        sl = slice(lo, lo + opts.head_chunk)
+        t0 = time.perf_counter()
+        d_logits = models.draft.get_output_embeddings()(hidden["draft"][sl]).float()
+        stats.seconds["draft"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        t_logits = models.target.get_output_embeddings()(hidden["target"][sl]).float()
+        stats.seconds["target"] += time.perf_counter() - t0
+        c_logits = None
+        if models.companion is not None:
+            t0 = time.perf_counter()
+            c_logits = models.companion.get_output_embeddings()(hidden["companion"][sl]).float()
+            stats.seconds["companion"] += time.perf_counter() - t0
+        drafted = draw_draft_tokens(d_logits, opts.temperature, opts.top_p, generator)
+        drafted = torch.where(rollout_flag[sl], seq_tokens[sl], drafted)
+        f = token_features(
+            d_logits,
+            drafted,
+            target_logits=t_logits,
+            companion_logits=c_logits,
+            draft_hidden=hidden["draft"][sl] if opts.store_hidden else None,
+            top_k=opts.top_k,
+            temperature=opts.temperature if opts.temperature > 0 else 1.0,
+            top_p=opts.top_p,
+        )
+        for k, v in f.items():
+            feats.setdefault(k, []).append(v.cpu())
+    cat = {k: torch.cat(v) for k, v in feats.items()}
+    records = _assemble(seqs, cat, seq_tokens.cpu())
+    stats.records = len(rows_b)
+    return records, stats
+
+
+def draw_draft_tokens(
+    draft_logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None
+) -> Tensor:
+    """[N] tokens the draft would draw at these positions: argmax when greedy, else a sample of q."""
+    if temperature <= 0:
+        return draft_logits.argmax(-1)
+    probs = probs_from_logits(draft_logits, temperature, top_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def run_positions(follows: np.ndarray, restart: np.ndarray) -> np.ndarray:
+    """Draft position of each token: how many immediately preceding tokens the draft itself produced in this run.
+
+    Args:
+        follows: [N] bool, the drafted token equals the sequence's next token (the draft 'produced' it).
+        restart: [N] bool, a draft window starts here (segment start).
+    """
+    pos = np.zeros(len(follows), dtype=np.int32)
+    for j in range(1, len(follows)):
+        pos[j] = 0 if restart[j] or not follows[j - 1] else pos[j - 1] + 1
+    return pos
+
+
+def oracle_lengths(match: np.ndarray, follows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Oracle draft length from each token of one segment, and whether it was cut by the end of observation.
+
+    Drafting from j, token j+i is accepted when every token j..j+i greedy-matches; the run is observable only while the
+    draft's token is the sequence's token (``follows``): otherwise the next prefix is unknown and the run is censored.
+    """
+    n = len(match)
+    length = np.zeros(n, dtype=np.int32)
+    censored = np.zeros(n, dtype=bool)
+    for j in range(n - 1, -1, -1):
+        if not match[j]:
+            continue
+        if j + 1 < n and follows[j]:
+            length[j] = 1 + length[j + 1]
+            censored[j] = censored[j + 1]
+        else:
+            length[j] = 1
+            censored[j] = True
+    return length, censored
+
+
+def _assemble(seqs: list[SequenceSpec], f: dict[str, Tensor], seq_tokens: Tensor) -> dict[str, list]:
+    """Turn flat feature tensors (segment order) into record columns with ids, positions and oracle lengths."""
+    drafted = f["draft_token"].numpy()
+    match = f["greedy_match"].numpy()
+    next_tok = seq_tokens.numpy()
+    follows = drafted == next_tok
+    cols: dict[str, list] = {
+        k: []
+        for k in (
+            "sample_id", "source", "domain", "split", "seq_id", "origin", "rollout", "prefix_len", "offset",
+            "position", "next_token", "oracle_len", "oracle_censored",
+        )
+    }
+    i = 0
+    for s in seqs:
+        for seg in s.segments:
+            n = seg.end - seg.start
+            sl = slice(i, i + n)
+            restart = np.zeros(n, dtype=bool)
+            restart[0] = True
+            olen, cens = oracle_lengths(match[sl], follows[sl])
+            cols["sample_id"] += [s.sample_id] * n
+            cols["source"] += [s.source] * n
+            cols["domain"] += [s.domain] * n
+            cols["split"] += [s.split] * n
+            cols["seq_id"] += [s.seq_id] * n
+            cols["origin"] += [seg.origin] * n
+            cols["rollout"] += [seg.rollout] * n
+            cols["prefix_len"] += list(range(seg.start, seg.end))
+            cols["offset"] += list(range(n))
+            cols["position"] += run_positions(follows[sl], restart).tolist()
+            cols["next_token"] += next_tok[sl].tolist()
+            cols["oracle_len"] += olen.tolist()
+            cols["oracle_censored"] += cens.tolist()
+            i += n
+    for k, v in f.items():
+        if v.dim() == 1:
+            cols[k] = v.tolist()
+        else:
+            cols[k] = v.numpy().tolist() if k != "draft_hidden" else list(v.numpy())
+    return cols

@@ -1,0 +1,144 @@
+"""One-pass labelling: stub models with known logits, token-by-token equivalence, teacher-forced == rollout, batching."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from data_gen.continuations import continue_batch
+from data_gen.labelling import (
+    LabelModels,
+    LabelOptions,
+    Segment,
+    SequenceSpec,
+    label_sequences,
+    oracle_lengths,
+    run_positions,
+)
+
+
+class StubLM(nn.Module):
+    """A 'language model' whose next-token logits depend only on the current token: logits(t) = table[t]."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        v = table.shape[0]
+        self.embed = nn.Embedding(v, v)
+        self.embed.weight.data = torch.eye(v)
+        self.head = nn.Linear(v, v, bias=False)
+        self.head.weight.data = table.T.contiguous()  # one_hot(t) @ table -> table[t]
+
+    def get_decoder(self):
+        def run(input_ids, attention_mask=None, use_cache=False):
+            return SimpleNamespace(last_hidden_state=self.embed(input_ids))
+
+        return run
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def _spec(tokens, segments, seq_id="s0"):
+    return SequenceSpec("p:0", "stub", "code", "train", seq_id, tokens, segments)
+
+
+def test_stub_labels_known_exactly():
+    v = 4
+    # Draft: after any token t, puts 0.7 on (t+1) % 4 and 0.1 elsewhere. Target: after t, 0.7 on (t+1) % 4 for t < 2, else on t.
+    q = torch.full((v, v), 0.1)
+    p = torch.full((v, v), 0.1)
+    for t in range(v):
+        q[t, (t + 1) % v] = 0.7
+        p[t, (t + 1) % v if t < 2 else t] = 0.7
+    models = LabelModels(StubLM(q.log()), StubLM(p.log()))
+    tokens = [0, 1, 2, 3, 0]  # the draft's greedy rollout from prompt [0]
+    recs, stats = label_sequences(models, [_spec(tokens, [Segment(1, 5, "prompt", True)])], LabelOptions(top_k=2))
+    assert stats.records == 4
+    # Position alignment: token j is scored by the logits after token j-1.
+    assert recs["draft_token"] == [1, 2, 3, 0]
+    np.testing.assert_allclose(recs["q"], [0.7] * 4, rtol=1e-5)
+    np.testing.assert_allclose(recs["p"], [0.7, 0.7, 0.1, 0.1], rtol=1e-5)
+    np.testing.assert_allclose(recs["accept_prob"], [1, 1, 0.1 / 0.7, 0.1 / 0.7], rtol=1e-5)
+    assert recs["target_argmax"] == [1, 2, 2, 3]
+    assert recs["greedy_match"] == [True, True, False, False]
+    np.testing.assert_allclose(recs["tv"], [0.0, 0.0, 0.6, 0.6], atol=1e-5)
+    assert recs["oracle_len"] == [2, 1, 0, 0]
+    assert recs["oracle_censored"] == [False, False, False, False]
+    assert recs["position"] == [0, 1, 2, 3]
+    np.testing.assert_allclose(recs["draft_topk"][0], [0.7, 0.1], rtol=1e-5)
+
+
+def test_oracle_lengths_and_positions():
+    match = np.array([1, 1, 0, 1, 1, 1], bool)
+    follows = np.array([1, 1, 1, 1, 0, 1], bool)
+    length, cens = oracle_lengths(match, follows)
+    assert length.tolist() == [2, 1, 0, 2, 1, 1]
+    assert cens.tolist() == [False, False, False, True, True, True]
+    restart = np.zeros(6, bool)
+    restart[0] = True
+    assert run_positions(follows, restart).tolist() == [0, 1, 2, 3, 4, 0]
+
+
+def _greedy_rollout(tiny_pair, prompt, n):
+    draft, target, tok = tiny_pair
+    conts, _ = continue_batch(draft, [prompt], [n], pad_token_id=tok.pad_token_id, eos_token_id=None)
+    return conts[0]
+
+
+def test_one_pass_equals_token_by_token(tiny_pair):
+    draft, target, tok = tiny_pair
+    prompt = tok("def add(a, b):")["input_ids"]
+    roll = _greedy_rollout(tiny_pair, prompt, 12)
+    seq = prompt + roll
+    recs, _ = label_sequences(
+        LabelModels(draft, target), [_spec(seq, [Segment(len(prompt), len(seq), "prompt", True)])], LabelOptions()
+    )
+    with torch.no_grad():
+        for i, j in enumerate(range(len(prompt), len(seq))):
+            logits = target(torch.tensor([seq[:j]])).logits[0, -1]
+            probs = torch.softmax(logits.float(), -1)
+            assert recs["target_argmax"][i] == int(logits.argmax())
+            assert recs["greedy_match"][i] == (int(logits.argmax()) == seq[j])
+            assert recs["p"][i] == pytest.approx(float(probs[seq[j]]), rel=1e-4, abs=1e-6)
+            dlogits = draft(torch.tensor([seq[:j]])).logits[0, -1]
+            assert int(dlogits.argmax()) == seq[j]  # the rollout is the draft's greedy choice
+
+
+def test_teacher_forced_equals_rollout_on_greedy_draft_continuation(tiny_pair):
+    draft, target, tok = tiny_pair
+    prompt = tok("print('hello')")["input_ids"]
+    seq = prompt + _greedy_rollout(tiny_pair, prompt, 10)
+    models = LabelModels(draft, target)
+    a, _ = label_sequences(models, [_spec(seq, [Segment(len(prompt), len(seq), "prompt", True)])], LabelOptions())
+    b, _ = label_sequences(models, [_spec(seq, [Segment(len(prompt), len(seq), "draft", False)])], LabelOptions())
+    for k in ("draft_token", "target_argmax", "greedy_match", "oracle_len", "position", "next_token"):
+        assert a[k] == b[k], k
+    for k in ("q", "p", "tv", "draft_entropy"):
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5)
+
+
+def test_batched_equals_unbatched(tiny_pair, tiny_companion):
+    draft, target, tok = tiny_pair
+    models = LabelModels(draft, target, tiny_companion)
+    seqs = []
+    for i, text in enumerate(["x = 1", "for i in range(10):\n    print(i)", "a"]):
+        ids = tok(text)["input_ids"]
+        seqs.append(_spec(ids + [65, 66, 67], [Segment(len(ids), len(ids) + 3, "text", False)], seq_id=f"s{i}"))
+    opts = LabelOptions(pad_token_id=tok.pad_token_id)
+    together, _ = label_sequences(models, seqs, opts)
+    alone = [label_sequences(models, [s], opts)[0] for s in seqs]
+    for k in ("q", "p", "tv", "companion_sim", "companion_accept", "draft_entropy"):
+        np.testing.assert_allclose(together[k], sum((r[k] for r in alone), []), rtol=1e-4, atol=1e-6)
+    assert together["greedy_match"] == sum((r["greedy_match"] for r in alone), [])
+
+
+def test_nan_logits_raise(tiny_pair):
+    v = 4
+    bad = torch.zeros(v, v)
+    bad[0, 0] = float("nan")
+    models = LabelModels(StubLM(bad), StubLM(torch.zeros(v, v)))
+    with pytest.raises(FloatingPointError, match="draft"):
+        label_sequences(models, [_spec([0, 1], [Segment(1, 2, "text", False)])], LabelOptions())
