@@ -1,0 +1,232 @@
+"""LightningDataModule over the Parquet shards of labelled draft tokens.
+
+Loads every ``*.parquet`` under a folder with ``datasets`` (only the needed columns), splits by the ``split`` column
+(assigned per prompt: the same ``sample_id`` never appears in two splits, checked here), builds the predictor's input
+features (``predictors.inputs``) and the labels of a family / lambda (``predictors.labels``).
+
+Usage::
+
+    dm = ShardDataModule("data/shards", kind="sprinter", label_family="ratio", lam=1.2, batch_size=256)
+    dm.setup("fit")
+    dm.spec, dm.tensors["train"], dm.label_counts("val")
+
+Errors: no shards / empty data, missing columns, an empty train or val split (test only when testing), a sample id in
+two splits, single-class labels (the message names the family, lambda and counts), NaN features.
+"""
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from predictors.inputs import FEATURE_KINDS, FeatureSpec, build_features
+from predictors.labels import LABEL_FAMILIES, derive_label, label_name
+
+__all__ = ["ShardDataModule", "find_shards", "load_columns", "make_spec", "label_columns", "SPLITS"]
+
+SPLITS = ("train", "val", "test")
+
+
+def find_shards(data_dir: str | Path) -> list[Path]:
+    """Sorted ``*.parquet`` files under ``data_dir`` (recursive); FileNotFoundError when there are none."""
+    root = Path(data_dir).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"data folder {root} does not exist; generate data first (python -m pipelines.generate)")
+    files = sorted(root.rglob("*.parquet")) if root.is_dir() else [root]
+    if not files:
+        raise FileNotFoundError(f"no Parquet shards (*.parquet) under {root}; generate data first (python -m pipelines.generate)")
+    return files
+
+
+def load_columns(data_dir: str | Path, columns: Sequence[str]) -> dict[str, np.ndarray]:
+    """Read ``columns`` of all shards under ``data_dir`` with ``datasets`` into numpy arrays (vector columns are 2-D).
+
+    Raises:
+        FileNotFoundError: no shards.  KeyError: a column is missing (named).  ValueError: the shards hold no rows.
+    """
+    import datasets
+    import pyarrow.parquet as pq
+
+    files = find_shards(data_dir)
+    present = set(pq.read_schema(files[0]).names)
+    missing = [c for c in columns if c not in present]
+    if missing:
+        raise KeyError(f"the shards under {data_dir} lack the columns {missing} (first shard: {files[0].name}; has {sorted(present)})")
+    with tempfile.TemporaryDirectory(prefix="specstop-ds-") as cache:
+        ds = datasets.Dataset.from_parquet(
+            [str(f) for f in files], columns=list(columns), cache_dir=cache, keep_in_memory=True
+        )
+        if len(ds) == 0:
+            raise ValueError(f"the shards under {data_dir} hold no rows")
+        out = ds.with_format("numpy")[:]
+    return {c: np.asarray(out[c]) for c in columns}
+
+
+def label_columns(family: str) -> tuple[str, ...]:
+    """Raw columns a label family is derived from."""
+    return {"greedy": ("greedy_match",), "ratio": ("q", "p"), "soft": ("accept_prob",)}[family]
+
+
+def make_spec(kind: str, columns: dict[str, np.ndarray], **options: Any) -> FeatureSpec:
+    """FeatureSpec for ``kind`` with widths read from the data (options: top_k, position_scale, extra, hidden_size)."""
+    if kind == "disco":
+        width = int(columns["draft_topk"].shape[1])
+        top_k = options.get("top_k") or width
+        if top_k != width:
+            raise ValueError(f"feature width mismatch: top_k={top_k} in the config but the data's draft_topk has width {width}")
+        return FeatureSpec.for_disco(top_k, options.get("position_scale", 40.0), tuple(options.get("extra", ())))
+    if kind == "sprinter":
+        width = int(columns["draft_hidden"].shape[1])
+        hidden = options.get("hidden_size") or width
+        if hidden != width:
+            raise ValueError(f"feature width mismatch: hidden_size={hidden} in the config but the data's draft_hidden has width {width}")
+        return FeatureSpec.for_sprinter(width)
+    if kind == "sv":
+        return FeatureSpec.for_sv()
+    raise ValueError(f"unknown predictor kind {kind!r}; use one of {FEATURE_KINDS}")
+
+
+def _spec_columns(kind: str, options: dict[str, Any]) -> tuple[str, ...]:
+    if kind == "disco":
+        return ("draft_topk", "position", *options.get("extra", ()))
+    if kind == "sprinter":
+        return ("draft_hidden",)
+    if kind == "sv":
+        return ("companion_sim", "companion_accept")
+    raise ValueError(f"unknown predictor kind {kind!r}; use one of {FEATURE_KINDS}")
+
+
+class ShardDataModule(pl.LightningDataModule):
+    """Features + labels of one predictor kind from a folder of shards, split by prompt."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        kind: str,
+        label_family: str,
+        lam: float = 1.0,
+        batch_size: int = 256,
+        num_workers: int = 0,
+        seed: int = 0,
+        tv_target: bool = False,
+        feature_options: dict[str, Any] | None = None,
+        extra_columns: Sequence[str] = ("greedy_match", "accept_prob"),
+    ) -> None:
+        """
+        Args:
+            data_dir: folder of Parquet shards (searched recursively).
+            kind: disco, sprinter or sv (which input features).
+            label_family: greedy, ratio or soft (``predictors.labels``); lam: lambda of the ratio family.
+            batch_size, num_workers: DataLoader settings; seed: the train shuffle's seed.
+            tv_target: also load the ``tv`` column (DISCO's TV regression term); zeros otherwise.
+            feature_options: top_k / position_scale / extra (DISCO), hidden_size (SPRINTER) checked against the data.
+            extra_columns: raw columns kept per split in ``self.raw`` (evaluation labels), when present.
+        """
+        super().__init__()
+        if kind not in FEATURE_KINDS:
+            raise ValueError(f"kind={kind!r}: use one of {FEATURE_KINDS}")
+        if label_family not in LABEL_FAMILIES:
+            raise ValueError(f"label_family={label_family!r}: use one of {LABEL_FAMILIES}")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size={batch_size} must be > 0")
+        self.data_dir, self.kind, self.label_family, self.lam = Path(data_dir), kind, label_family, float(lam)
+        self.batch_size, self.num_workers, self.seed, self.tv_target = batch_size, num_workers, seed, tv_target
+        self.feature_options = dict(feature_options or {})
+        self.extra_columns = tuple(extra_columns)
+        self.spec: FeatureSpec | None = None
+        self.tensors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.raw: dict[str, dict[str, np.ndarray]] = {}
+
+    # ---- loading ----------------------------------------------------------------------------------------------------
+    def setup(self, stage: str | None = None) -> None:
+        if not self.tensors:
+            self._load()
+        needed = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), None: ("train", "val")}.get(stage, ())
+        for split in needed:
+            self._require(split)
+
+    def _load(self) -> None:
+        import pyarrow.parquet as pq
+
+        files = find_shards(self.data_dir)
+        present = set(pq.read_schema(files[0]).names)
+        wanted = ["split", "sample_id", *_spec_columns(self.kind, self.feature_options), *label_columns(self.label_family)]
+        if self.tv_target:
+            wanted.append("tv")
+        wanted += [c for c in self.extra_columns if c in present]
+        wanted = list(dict.fromkeys(wanted))
+        cols = load_columns(self.data_dir, wanted)
+        self.spec = make_spec(self.kind, cols, **self.feature_options)
+        split = cols["split"].astype(str)
+        self._check_disjoint(cols["sample_id"].astype(str), split)
+        x_all = build_features(self.spec, cols)
+        y_all = torch.from_numpy(derive_label(cols, self.label_family, self.lam))
+        tv_all = torch.from_numpy(cols["tv"].astype(np.float32)) if self.tv_target else torch.zeros(len(split))
+        if not torch.isfinite(y_all).all():
+            raise ValueError(f"NaN in the {label_name(self.label_family, self.lam)} labels")
+        for s in SPLITS:
+            idx = torch.from_numpy(np.flatnonzero(split == s))
+            self.tensors[s] = (x_all[idx], y_all[idx].float(), tv_all[idx].float())
+            self.raw[s] = {c: cols[c][idx.numpy()] for c in self.extra_columns if c in cols}
+        unknown = sorted(set(np.unique(split)) - set(SPLITS))
+        if unknown:
+            raise ValueError(f"unknown split values {unknown} in the shards; expected {SPLITS}")
+
+    @staticmethod
+    def _check_disjoint(sample_id: np.ndarray, split: np.ndarray) -> None:
+        seen: dict[str, set[str]] = {}
+        for s in SPLITS:
+            seen[s] = set(np.unique(sample_id[split == s]).tolist())
+        for a, b in (("train", "val"), ("train", "test"), ("val", "test")):
+            both = seen[a] & seen[b]
+            if both:
+                raise ValueError(
+                    f"prompts {sorted(both)[:5]} appear in both the {a} and {b} splits ({len(both)} in all); "
+                    f"splits must be by prompt"
+                )
+
+    def _require(self, split: str) -> None:
+        x, y, _ = self.tensors[split]
+        if x.shape[0] == 0:
+            raise ValueError(
+                f"the {split} split is empty in {self.data_dir} (counts: "
+                f"{ {s: int(t[0].shape[0]) for s, t in self.tensors.items()} }); generate more prompts"
+            )
+        if self.label_family in ("greedy", "ratio"):
+            n_pos, n = int(y.sum()), int(y.numel())
+            if n_pos in (0, n):
+                raise ValueError(
+                    f"single-class labels in the {split} split: label family {self.label_family!r} "
+                    f"({label_name(self.label_family, self.lam)}, lambda={self.lam:g}) gives {n_pos} positive and "
+                    f"{n - n_pos} negative of {n} tokens; a classifier needs both (change lambda or add data)"
+                )
+
+    # ---- summaries --------------------------------------------------------------------------------------------------
+    def label_counts(self, split: str) -> dict[str, int]:
+        """{"n", "pos"} of a split (pos: sum of the labels, rounded, for soft labels)."""
+        y = self.tensors[split][1]
+        return {"n": int(y.numel()), "pos": int(round(float(y.sum())))}
+
+    # ---- loaders ----------------------------------------------------------------------------------------------------
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        self._require(split)
+        g = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            TensorDataset(*self.tensors[split]), batch_size=self.batch_size, shuffle=shuffle,
+            num_workers=self.num_workers, generator=g if shuffle else None,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)

@@ -1,0 +1,81 @@
+"""DISCO: a 2-layer FFN on the top-k draft probabilities, their entropy and the position (+ optional explicit scores).
+
+Trained with BCE on greedy-match labels (class imbalance via pos_weight), optionally with a TV-distance regression term
+(the paper mentions a loss against the TV distance between draft and target). The policy's score is the sigmoid output,
+compared with a threshold (0.5 by default, tuned on validation later), with a hard cap on the draft length.
+
+Usage::
+
+    net = DiscoNet(in_dim=spec.width, hidden_size=64)
+    policy = DiscoPolicy(net, spec, threshold=0.5, max_draft_len=40)
+    keep = policy.keep_drafting(features)   # features: record columns as tensors
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from predictors.inputs import FeatureSpec, LearnedPolicy
+
+__all__ = ["Standardise", "DiscoNet", "DiscoPolicy"]
+
+
+class Standardise(nn.Module):
+    """(x - mean) / std with mean and std fitted on the training split and kept as buffers."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("std", torch.ones(dim))
+
+    @torch.no_grad()
+    def fit(self, x: Tensor) -> None:
+        """Fit on [N, dim] training inputs (constant features keep std 1)."""
+        if x.dim() != 2 or x.shape[1] != self.mean.numel():
+            raise ValueError(f"Standardise.fit expects [N, {self.mean.numel()}], got {tuple(x.shape)}")
+        x = x.double()
+        self.mean.copy_(x.mean(0).float())
+        std = x.std(0, unbiased=False).float()
+        self.std.copy_(torch.where(std > 1e-6, std, torch.ones_like(std)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x - self.mean) / self.std
+
+
+class DiscoNet(nn.Module):
+    """Standardise -> Linear(in, hidden) -> ReLU -> Linear(hidden, 1 [+1 TV head]); forward gives [N] logits."""
+
+    def __init__(self, in_dim: int, hidden_size: int = 64, dropout: float = 0.0, tv_head: bool = False) -> None:
+        super().__init__()
+        if in_dim <= 0 or hidden_size <= 0:
+            raise ValueError(f"DiscoNet needs in_dim > 0 and hidden_size > 0, got {in_dim}, {hidden_size}")
+        self.in_dim, self.hidden_size, self.dropout, self.tv_head = in_dim, hidden_size, dropout, tv_head
+        self.norm = Standardise(in_dim)
+        self.body = nn.Sequential(nn.Linear(in_dim, hidden_size), nn.ReLU(), nn.Dropout(dropout))
+        self.head = nn.Linear(hidden_size, 2 if tv_head else 1)
+
+    def config(self) -> dict[str, Any]:
+        return {"in_dim": self.in_dim, "hidden_size": self.hidden_size, "dropout": self.dropout, "tv_head": self.tv_head}
+
+    def forward_all(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """[N, in_dim] -> ([N] acceptance logits, [N] predicted TV distance in [0, 1] or None)."""
+        out = self.head(self.body(self.norm(x)))  # [N, 1 or 2]
+        tv = torch.sigmoid(out[:, 1]) if self.tv_head else None
+        return out[:, 0], tv
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_all(x)[0]
+
+
+class DiscoPolicy(LearnedPolicy):
+    """DISCO stop policy: keep drafting while sigmoid(FFN(features)) >= threshold, at most ``max_draft_len`` tokens."""
+
+    kind = "disco"
+    output = "logit"
+
+    def __init__(self, net: DiscoNet, spec: FeatureSpec, threshold: float = 0.5, max_draft_len: int = 40) -> None:
+        if spec.kind != "disco" or spec.width != net.in_dim:
+            raise ValueError(f"DiscoPolicy needs a disco FeatureSpec of width {net.in_dim}, got {spec.kind} width {spec.width}")
+        super().__init__(net, spec, threshold, max_draft_len)

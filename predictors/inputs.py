@@ -1,0 +1,240 @@
+"""Input features of the learned predictors, built from a column mapping.
+
+The same code serves Parquet batches at training time (numpy arrays from ``datasets``) and the decode-time features dict
+(torch tensors from ``data_gen.features.token_features`` plus ``position``), so a predictor sees identical inputs on
+both paths.
+
+- DISCO: ``draft_topk`` (k) + entropy of the renormalised top-k + ``position / position_scale``
+  [+ optional explicit training-free scores, e.g. ``draft_max_prob`` and ``draft_entropy``] -> [N, k + 2 + len(extra)].
+- SPRINTER: ``draft_hidden`` as float32 -> [N, H].
+- SV: ``companion_sim`` and ``companion_accept`` -> [N, 2].
+
+Usage::
+
+    spec = FeatureSpec.for_disco(top_k=10)
+    x = build_features(spec, columns)   # [N, spec.width] float32, errors on missing columns, wrong width, NaN
+
+:class:`LearnedPolicy` is the StopPolicy shared by the learned predictors: it builds the inputs with its spec, runs its
+module and turns the output into a continue score.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from predictors.base import StopPolicy
+
+__all__ = ["FeatureSpec", "build_features", "topk_entropy", "LearnedPolicy", "FEATURE_KINDS", "DISCO_EXTRAS"]
+
+FEATURE_KINDS = ("disco", "sprinter", "sv")
+DISCO_EXTRAS = ("draft_max_prob", "draft_entropy")
+"""Training-free scores that may be appended to the DISCO input as explicit features."""
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What a predictor's input is made of; stored in the export metadata and checked at load and score time."""
+
+    kind: str
+    """Which builder: disco, sprinter or sv."""
+    width: int
+    """Number of input features (columns of the [N, width] matrix)."""
+    top_k: int = 10
+    """DISCO: number of top draft probabilities (width of the ``draft_topk`` column)."""
+    position_scale: float = 40.0
+    """DISCO: the position enters as position / position_scale."""
+    extra: tuple[str, ...] = ()
+    """DISCO: training-free scores appended as explicit inputs (from DISCO_EXTRAS)."""
+    hidden_size: int = 0
+    """SPRINTER: width of the ``draft_hidden`` column."""
+    names: tuple[str, ...] = field(default=())
+    """Human-readable name of each input feature (filled in by the constructors)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in FEATURE_KINDS:
+            raise ValueError(f"FeatureSpec.kind={self.kind!r}: use one of {FEATURE_KINDS}")
+        if self.width <= 0:
+            raise ValueError(f"FeatureSpec.width={self.width} must be > 0")
+        if self.position_scale <= 0:
+            raise ValueError(f"FeatureSpec.position_scale={self.position_scale} must be > 0")
+        bad = [e for e in self.extra if e not in DISCO_EXTRAS]
+        if bad:
+            raise ValueError(f"FeatureSpec.extra has unknown columns {bad}; allowed: {DISCO_EXTRAS}")
+        object.__setattr__(self, "extra", tuple(self.extra))
+        object.__setattr__(self, "names", tuple(self.names))
+
+    # ---- constructors -------------------------------------------------------------------------------------------
+    @classmethod
+    def for_disco(cls, top_k: int = 10, position_scale: float = 40.0, extra: Sequence[str] = ()) -> FeatureSpec:
+        """DISCO input: top-k probabilities, their entropy, scaled position, optional explicit scores."""
+        if top_k <= 0:
+            raise ValueError(f"top_k={top_k} must be > 0")
+        names = tuple(f"draft_topk_{i}" for i in range(top_k)) + ("topk_entropy", "position_scaled") + tuple(extra)
+        return cls("disco", len(names), top_k=top_k, position_scale=position_scale, extra=tuple(extra), names=names)
+
+    @classmethod
+    def for_sprinter(cls, hidden_size: int) -> FeatureSpec:
+        """SPRINTER input: the draft's last hidden state."""
+        if hidden_size <= 0:
+            raise ValueError(f"hidden_size={hidden_size} must be > 0 (the data has no draft_hidden column?)")
+        return cls("sprinter", hidden_size, hidden_size=hidden_size, names=tuple(f"draft_hidden_{i}" for i in range(hidden_size)))
+
+    @classmethod
+    def for_sv(cls) -> FeatureSpec:
+        """SV input: draft-companion similarity S and companion acceptance A_c."""
+        return cls("sv", 2, names=("companion_sim", "companion_accept"))
+
+    # ---- (de)serialisation --------------------------------------------------------------------------------------
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Record columns this spec reads."""
+        if self.kind == "disco":
+            return ("draft_topk", "position", *self.extra)
+        if self.kind == "sprinter":
+            return ("draft_hidden",)
+        return ("companion_sim", "companion_accept")
+
+    @property
+    def vector_columns(self) -> dict[str, int]:
+        """Columns holding one vector per token, with their width."""
+        if self.kind == "disco":
+            return {"draft_topk": self.top_k}
+        if self.kind == "sprinter":
+            return {"draft_hidden": self.hidden_size}
+        return {}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["extra"], d["names"] = list(self.extra), list(self.names)
+        d["columns"] = list(self.columns)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> FeatureSpec:
+        keys = {"kind", "width", "top_k", "position_scale", "extra", "hidden_size", "names"}
+        kw = {k: v for k, v in d.items() if k in keys}
+        kw["extra"] = tuple(kw.get("extra", ()))
+        kw["names"] = tuple(kw.get("names", ()))
+        return cls(**kw)
+
+
+def _to_tensor(name: str, value: object) -> Tensor:
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    try:
+        arr = np.asarray(value)
+        if arr.dtype == object:  # list of arrays (e.g. pandas column of vectors)
+            arr = np.stack([np.asarray(v) for v in value])  # type: ignore[union-attr]
+        return torch.from_numpy(np.ascontiguousarray(arr))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"column {name!r} cannot be converted to a numeric tensor: {e}") from e
+
+
+def _get(columns: Mapping[str, object], spec: FeatureSpec, name: str) -> Tensor:
+    if name not in columns:
+        missing = [c for c in spec.columns if c not in columns]
+        raise KeyError(
+            f"{spec.kind} input needs the columns {list(spec.columns)}; missing: {missing} "
+            f"(available: {sorted(columns)})"
+        )
+    return _to_tensor(name, columns[name])
+
+
+def _vector(columns: Mapping[str, object], spec: FeatureSpec, name: str, width: int) -> Tensor:
+    t = _get(columns, spec, name).float()
+    if t.dim() == 1:  # a single token
+        t = t.unsqueeze(0)
+    if t.dim() != 2:
+        raise ValueError(f"column {name!r} must be [N, {width}], got shape {tuple(t.shape)}")
+    if t.shape[1] != width:
+        raise ValueError(
+            f"feature width mismatch: column {name!r} has width {t.shape[1]} but this {spec.kind} predictor was "
+            f"trained with width {width}"
+        )
+    return t
+
+
+def _scalar(columns: Mapping[str, object], spec: FeatureSpec, name: str, n: int) -> Tensor:
+    t = _get(columns, spec, name).float().reshape(-1)
+    if t.numel() == 1 and n != 1:
+        t = t.expand(n)
+    if t.numel() != n:
+        raise ValueError(f"column {name!r} has {t.numel()} values, expected {n} (one per token)")
+    return t
+
+
+def topk_entropy(topk: Tensor) -> Tensor:
+    """[N, k] top-k probabilities -> [N] natural-log entropy of the renormalised top-k."""
+    t = topk.clamp_min(0.0)
+    t = t / t.sum(-1, keepdim=True).clamp_min(1e-12)
+    return -(t * torch.log(t.clamp_min(1e-30))).sum(-1)
+
+
+def build_features(spec: FeatureSpec, columns: Mapping[str, object]) -> Tensor:
+    """[N, spec.width] float32 input matrix for ``spec`` from record columns (numpy arrays, lists or torch tensors).
+
+    Raises:
+        KeyError: a column the spec needs is missing (the message lists the missing and available columns).
+        ValueError: a vector column's width differs from the trained width, or the features contain NaN / inf.
+    """
+    if spec.kind == "disco":
+        topk = _vector(columns, spec, "draft_topk", spec.top_k)
+        n = topk.shape[0]
+        parts = [topk, topk_entropy(topk)[:, None], (_scalar(columns, spec, "position", n) / spec.position_scale)[:, None]]
+        parts += [_scalar(columns, spec, e, n)[:, None] for e in spec.extra]
+        x = torch.cat(parts, dim=1)
+    elif spec.kind == "sprinter":
+        x = _vector(columns, spec, "draft_hidden", spec.hidden_size)
+    else:
+        s = _get(columns, spec, "companion_sim").float().reshape(-1)
+        a = _scalar(columns, spec, "companion_accept", s.numel())
+        x = torch.stack([s, a], dim=1)
+    if x.shape[1] != spec.width:
+        raise ValueError(f"feature width mismatch: built {x.shape[1]} {spec.kind} features, the predictor expects {spec.width}")
+    if not torch.isfinite(x).all():
+        bad = (~torch.isfinite(x)).any(0).nonzero().flatten().tolist()
+        names = [spec.names[i] if i < len(spec.names) else str(i) for i in bad[:10]]
+        n_rows = int((~torch.isfinite(x)).any(1).sum())
+        raise ValueError(f"NaN or inf in {spec.kind} features {names} ({n_rows} of {x.shape[0]} tokens); refusing to score")
+    return x
+
+
+class LearnedPolicy(StopPolicy):
+    """A StopPolicy backed by a torch module on the inputs of a :class:`FeatureSpec`.
+
+    Subclasses set ``kind`` and ``output`` ("logit": the score is sigmoid(module(x)); "prob": the module already
+    returns the score).
+    """
+
+    kind: ClassVar[str] = "learned"
+    output: ClassVar[str] = "logit"
+
+    def __init__(self, net: nn.Module, spec: FeatureSpec, threshold: float = 0.5, max_draft_len: int = 40) -> None:
+        super().__init__(threshold=threshold, max_draft_len=max_draft_len)
+        if max_draft_len <= 0:
+            raise ValueError(f"max_draft_len={max_draft_len} must be > 0")
+        self.net = net.eval()
+        self.spec = spec
+        self.required_columns = spec.columns  # type: ignore[misc]  # instance-level, per spec
+        self.train_info: dict[str, Any] = {}
+        """Filled by training: resolved config, label family / lambda, validation metrics (exported with the weights)."""
+
+    def inputs(self, features: Mapping[str, object]) -> Tensor:
+        """[N, width] inputs (checked) for the policy's module."""
+        return build_features(self.spec, features)
+
+    @torch.no_grad()
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        out = self.net(self.inputs(features))
+        return torch.sigmoid(out) if self.output == "logit" else out
+
+    def net_config(self) -> dict[str, Any]:
+        """Constructor keyword arguments of the module (exported to rebuild it)."""
+        return dict(self.net.config())  # type: ignore[operator]
