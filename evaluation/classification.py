@@ -1,0 +1,476 @@
+"""How well each policy's score separates accepted from rejected draft tokens, per label family.
+
+For every scorer (the training-free score columns below, plus any policy passed in) and every label (greedy match, q/p <= lambda,
+min(1, p/q)): ROC AUC, PR-AUC (average precision), F1 at the policy's own threshold and at its F1-optimal threshold, bootstrap
+confidence intervals over prompts (``sample_id`` groups resampled with replacement), and a per-origin / per-domain breakdown.
+
+Built-in scores (all "higher = more likely accepted"): ``neg-entropy`` (-H(q), no own threshold), ``svip`` (1 - sqrt(0.15 H),
+threshold 1 - h = 0.7), ``adaedl-bound`` (1 - sqrt(0.2 H), initial lambda 0.6), ``max-prob`` (top-1 draft probability, as
+transformers' ConfidenceCriteria, threshold 0.4). Learned policies are scored with ``policy.score`` on
+``predictors.base.as_tensor_dict(columns)``; the SV table is one of them when the companion columns exist.
+
+Soft labels (min(1, p/q)): every token counts as a positive with weight a and as a negative with weight 1 - a (its Bernoulli
+expectation). ROC AUC is then the weighted probability that a positive outranks a negative, PR-AUC and F1 are computed from the
+expected confusion counts. Hard labels are the special case a in {0, 1}; the same weights carry the bootstrap multiplicities.
+
+DISCO's comparison: a static draft length k predicts "accept" for tokens whose ``position`` (tokens the draft produced before
+this one in its run) is < k; the best static F1 over k = 1..40 is reported next to each policy's F1.
+
+SPRINTER (:func:`sprinter_table`): measured TPR / FPR of the policy at its threshold against q/p <= lambda, Theorem 1's TV bound
+eta_FP * mean TV(p, q) and acceptance 1 - (1 - eta_FP) mean TV, and Theorem 2's expected tokens before a target call,
+E[N | r] = sum_{i=1..r} eta_TP^i + eta_TP^r eta_FP / (1 - eta_FP) (equal to the paper's eq. 3,
+(eta_TP - eta_TP^r) / (1 - eta_TP) + eta_TP^r / (1 - eta_FP)), with r the measured run of acceptable tokens of each round,
+against the replayed count along the draft's rollouts.
+
+Usage::
+
+    from evaluation.classification import score_table
+    table = score_table(columns, {"disco": policy}, n_boot=200)
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from predictors.base import StopPolicy, as_tensor_dict
+from predictors.labels import derive_label, label_name
+
+__all__ = [
+    "DEFAULT_LABEL_SPECS",
+    "NegEntropy",
+    "builtin_scorers",
+    "weighted_auc",
+    "weighted_ap",
+    "f1_at",
+    "f1_optimal",
+    "score_table",
+    "static_f1",
+    "sprinter_table",
+    "sprinter_expected_tokens",
+    "roc_points",
+]
+
+DEFAULT_LABEL_SPECS: tuple[tuple[str, float], ...] = (
+    ("greedy", 1.0),
+    ("ratio", 1.0),
+    ("ratio", 1.2),
+    ("ratio", 1.5),
+    ("soft", 1.0),
+)
+
+
+class NegEntropy(StopPolicy):
+    """Score -H(q): the plain entropy signal; it has no threshold of its own (NaN)."""
+
+    kind = "neg_entropy"
+    required_columns = ("draft_entropy",)
+
+    def __init__(self, threshold: float = float("nan"), max_draft_len: int = 40) -> None:
+        super().__init__(threshold, max_draft_len)
+
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        return -features["draft_entropy"].float()
+
+
+def builtin_scorers() -> dict[str, StopPolicy]:
+    """The training-free score columns, as policies at their published thresholds."""
+    from predictors.baselines import SVIP, AdaEDL, MaxConfidence
+
+    return {
+        "neg-entropy": NegEntropy(),
+        "svip": SVIP(h=0.3, gamma=0.15),
+        "adaedl-bound": AdaEDL(lam=0.6, gamma=0.2, online=False),
+        "max-prob": MaxConfidence(threshold=0.4),
+    }
+
+
+# ----------------------------------------------------------------------------------------- weighted metrics (fast)
+
+
+def _levels(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ascending unique score levels, level index of each row)."""
+    return np.unique(scores, return_inverse=True)
+
+
+def weighted_auc(inv: np.ndarray, n_levels: int, wp: np.ndarray, wn: np.ndarray) -> float:
+    """ROC AUC with positive weights ``wp`` and negative weights ``wn`` per row (ties count one half).
+
+    ``inv`` is the ascending score level of each row (from ``np.unique(..., return_inverse=True)``). NaN when either class
+    has zero weight.
+    """
+    P = np.bincount(inv, wp, n_levels)
+    N = np.bincount(inv, wn, n_levels)
+    tp, tn = P.sum(), N.sum()
+    if tp <= 0 or tn <= 0:
+        return float("nan")
+    below = np.cumsum(N) - N
+    return float((P * (below + 0.5 * N)).sum() / (tp * tn))
+
+
+def weighted_ap(inv: np.ndarray, n_levels: int, wp: np.ndarray, wn: np.ndarray) -> float:
+    """Average precision (sum over descending thresholds of recall gain x precision), as sklearn; NaN without positives."""
+    P = np.bincount(inv, wp, n_levels)[::-1]
+    N = np.bincount(inv, wn, n_levels)[::-1]
+    tp, fp = np.cumsum(P), np.cumsum(N)
+    if tp[-1] <= 0:
+        return float("nan")
+    denom = tp + fp
+    prec = np.divide(tp, denom, out=np.zeros_like(tp), where=denom > 0)
+    return float((P / tp[-1] * prec).sum())
+
+
+def f1_at(pred: np.ndarray, wp: np.ndarray, wn: np.ndarray) -> float:
+    """Weighted F1 of boolean predictions; NaN without positives."""
+    tp = float((wp * pred).sum())
+    fp = float((wn * pred).sum())
+    fn = float((wp * ~pred).sum())
+    if tp + fn <= 0:
+        return float("nan")
+    return 2 * tp / (2 * tp + fp + fn) if tp + fp + fn > 0 else float("nan")
+
+
+def f1_optimal(levels: np.ndarray, inv: np.ndarray, wp: np.ndarray, wn: np.ndarray) -> tuple[float, float]:
+    """(best F1 over thresholds "score >= level", that level); NaN without positives."""
+    n = len(levels)
+    P = np.bincount(inv, wp, n)[::-1]
+    N = np.bincount(inv, wn, n)[::-1]
+    tp, fp = np.cumsum(P), np.cumsum(N)
+    total = tp[-1] if n else 0.0
+    if total <= 0:
+        return float("nan"), float("nan")
+    f1 = 2 * tp / (tp + fp + total)
+    i = int(np.argmax(f1))
+    return float(f1[i]), float(levels[::-1][i])
+
+
+def _sk_metrics(scores: np.ndarray, y: np.ndarray, threshold: float) -> dict[str, float]:
+    """Point estimates with scikit-learn (soft labels: each row duplicated as positive (weight a) and negative (1 - a))."""
+    from sklearn.metrics import average_precision_score, f1_score, precision_recall_curve, roc_auc_score
+
+    s2 = np.concatenate([scores, scores])
+    y2 = np.concatenate([np.ones_like(y), np.zeros_like(y)])
+    w2 = np.concatenate([y, 1.0 - y])
+    keep = w2 > 0
+    s2, y2, w2 = s2[keep], y2[keep], w2[keep]
+    out = {"auc": float("nan"), "pr_auc": float("nan"), "f1_own": float("nan"), "f1_opt": float("nan"), "thr_f1_opt": float("nan")}
+    has_pos, has_neg = (y2 == 1).any(), (y2 == 0).any()
+    if has_pos and has_neg:
+        out["auc"] = float(roc_auc_score(y2, s2, sample_weight=w2))
+    if has_pos:
+        out["pr_auc"] = float(average_precision_score(y2, s2, sample_weight=w2))
+        prec, rec, thr = precision_recall_curve(y2, s2, sample_weight=w2)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            f1 = np.where(prec + rec > 0, 2 * prec * rec / (prec + rec), 0.0)[:-1]
+        i = int(np.nanargmax(f1))
+        out["f1_opt"], out["thr_f1_opt"] = float(f1[i]), float(thr[i])
+        if np.isfinite(threshold):
+            out["f1_own"] = float(f1_score(y2, s2 >= threshold, sample_weight=w2, zero_division=0.0))
+    return out
+
+
+def _class_reason(y: np.ndarray) -> str:
+    pos, neg = float(y.sum()), float((1 - y).sum())
+    if pos <= 0 and neg <= 0:
+        return "no tokens"
+    if pos <= 0:
+        return f"one class only: no accepted tokens among {len(y)} (AUC undefined)"
+    if neg <= 0:
+        return f"one class only: every one of {len(y)} tokens accepted (AUC undefined)"
+    return ""
+
+
+# ------------------------------------------------------------------------------------------------------------ scores
+
+
+def _policy_scores(policy: StopPolicy, feats: Mapping[str, Tensor], chunk: int = 16384) -> np.ndarray:
+    n = next(iter(feats.values())).shape[0]
+    parts = []
+    with torch.no_grad():
+        for a in range(0, n, chunk):
+            parts.append(policy.score({k: v[a : a + chunk] for k, v in feats.items()}).detach().float().reshape(-1).numpy())
+    return np.concatenate(parts).astype(np.float64) if parts else np.zeros(0)
+
+
+def _group_codes(columns: Mapping[str, Any], n: int) -> np.ndarray:
+    for key in ("sample_id", "seq_id"):
+        if key in columns:
+            return np.unique(np.asarray(columns[key]).astype(str), return_inverse=True)[1]
+    return np.arange(n)
+
+
+def static_f1(
+    columns: Mapping[str, Any], family: str, lam: float = 1.0, max_k: int = 40
+) -> tuple[int, float, np.ndarray]:
+    """DISCO's static-length F1: length k predicts accept where ``position < k``.
+
+    Returns:
+        (best k, its F1, [max_k] F1 for k = 1..max_k); (0, NaN, ...) without a ``position`` column or positives.
+    """
+    if "position" not in columns:
+        return 0, float("nan"), np.full(max_k, np.nan)
+    y = derive_label(columns, family, lam).astype(np.float64)
+    pos = np.asarray(columns["position"], dtype=np.int64)
+    f1s = np.array([f1_at(pos < k, y, 1.0 - y) for k in range(1, max_k + 1)])
+    if np.all(np.isnan(f1s)):
+        return 0, float("nan"), f1s
+    i = int(np.nanargmax(f1s))
+    return i + 1, float(f1s[i]), f1s
+
+
+def score_table(
+    columns: Mapping[str, np.ndarray],
+    policies: Mapping[str, StopPolicy | None],
+    label_specs: Sequence[tuple[str, float]] = DEFAULT_LABEL_SPECS,
+    n_boot: int = 200,
+    seed: int = 0,
+    *,
+    builtins: bool = True,
+    breakdown: Sequence[str] = ("origin", "domain"),
+    ci: float = 0.95,
+) -> pd.DataFrame:
+    """Classification metrics of every scorer against every label family.
+
+    Args:
+        columns: record columns (``data_gen.schema``) as numpy arrays, already restricted to the split to evaluate.
+        policies: name -> policy (None: a row saying it was not loaded); scored with ``policy.score``.
+        label_specs: (family, lambda) pairs for ``predictors.labels.derive_label``.
+        n_boot: bootstrap resamples of prompts (``sample_id`` groups) for the confidence intervals (0: none).
+        seed: bootstrap seed.
+        builtins: add :func:`builtin_scorers` before the given policies.
+        breakdown: columns to break the metrics down by (rows with ``group_by`` set to the column; no CIs there).
+        ci: confidence level of the intervals.
+    Returns:
+        long frame, one row per (group_by, group, policy, label): n, pos_rate, auc, auc_lo, auc_hi, pr_auc, pr_auc_lo,
+        pr_auc_hi, threshold, f1_own, f1_own_lo, f1_own_hi, f1_opt, thr_f1_opt, static_best_k, f1_static_best,
+        f1_gain_vs_static (F1-optimal minus best static), reason (why a metric is NaN, or which columns are missing).
+        ``group_by == "all"`` holds the headline rows.
+    """
+    n = len(np.asarray(next(iter(columns.values()))))
+    scorers: dict[str, StopPolicy | None] = {}
+    if builtins:
+        scorers.update(builtin_scorers())
+    scorers.update(policies)
+    feats = as_tensor_dict(columns) if n else {}
+    groups = _group_codes(columns, n)
+    n_groups = int(groups.max()) + 1 if n else 0
+    rng = np.random.default_rng(seed)
+    boot_w = [np.bincount(rng.integers(0, n_groups, n_groups), minlength=n_groups)[groups].astype(np.float64)
+              for _ in range(n_boot)] if n_groups else []
+    labels: dict[tuple[str, float], np.ndarray] = {}
+    label_reason: dict[tuple[str, float], str] = {}
+    for fam, lam in label_specs:
+        try:
+            labels[(fam, lam)] = derive_label(columns, fam, lam).astype(np.float64)
+        except KeyError as e:
+            label_reason[(fam, lam)] = f"label columns missing: {e}"
+    statics = {spec: static_f1(columns, *spec) for spec in labels}
+    lo_q, hi_q = 100 * (1 - ci) / 2, 100 * (1 + ci) / 2
+    rows: list[dict[str, Any]] = []
+    for name, pol in scorers.items():
+        base = {"policy": name, "kind": getattr(pol, "kind", ""), "threshold": float(getattr(pol, "threshold", np.nan))}
+        reason = ""
+        scores = None
+        if pol is None:
+            reason = "policy not loaded"
+        else:
+            miss = [c for c in pol.required_columns if c not in columns]
+            if miss:
+                reason = f"missing columns {miss}"
+            elif n == 0:
+                reason = "no tokens"
+            else:
+                try:
+                    scores = _policy_scores(pol, feats)
+                except KeyError as e:
+                    reason = f"missing columns: {e}"
+                if scores is not None and not np.all(np.isfinite(scores)):
+                    reason, scores = f"{int((~np.isfinite(scores)).sum())} non-finite scores", None
+        levels, inv = _levels(scores) if scores is not None else (None, None)
+        for spec in label_specs:
+            fam, lam = spec
+            lab = {"label": label_name(fam, lam), "family": fam, "lam": lam}
+            row: dict[str, Any] = {"group_by": "all", "group": "all", **base, **lab, "n": n}
+            if spec in label_reason or scores is None:
+                rows.append({**row, "reason": label_reason.get(spec, reason)})
+                continue
+            y = labels[spec]
+            thr = base["threshold"]
+            row.update(pos_rate=float(y.mean()), reason=_class_reason(y))
+            row.update(_sk_metrics(scores, y, thr))
+            k, f1s, _ = statics[spec]
+            row.update(static_best_k=k, f1_static_best=f1s, f1_gain_vs_static=row["f1_opt"] - f1s)
+            if boot_w:
+                pred = scores >= thr if np.isfinite(thr) else None
+                bs = {"auc": [], "pr_auc": [], "f1_own": []}
+                for w in boot_w:
+                    wp, wn = w * y, w * (1.0 - y)
+                    bs["auc"].append(weighted_auc(inv, len(levels), wp, wn))
+                    bs["pr_auc"].append(weighted_ap(inv, len(levels), wp, wn))
+                    bs["f1_own"].append(f1_at(pred, wp, wn) if pred is not None else np.nan)
+                for m, vals in bs.items():
+                    v = np.asarray(vals, dtype=np.float64)
+                    v = v[np.isfinite(v)]
+                    row[f"{m}_lo"] = float(np.percentile(v, lo_q)) if v.size else float("nan")
+                    row[f"{m}_hi"] = float(np.percentile(v, hi_q)) if v.size else float("nan")
+            rows.append(row)
+            for col in breakdown:
+                if col not in columns:
+                    continue
+                vals = np.asarray(columns[col]).astype(str)
+                for g in np.unique(vals):
+                    m = (vals == g).astype(np.float64)
+                    wp, wn = m * y, m * (1.0 - y)
+                    sub_y = y[m > 0]
+                    rows.append({
+                        "group_by": col, "group": g, **base, **lab, "n": int(m.sum()),
+                        "pos_rate": float(sub_y.mean()),
+                        "auc": weighted_auc(inv, len(levels), wp, wn),
+                        "pr_auc": weighted_ap(inv, len(levels), wp, wn),
+                        "f1_own": f1_at(scores >= thr, wp, wn) if np.isfinite(thr) else float("nan"),
+                        "reason": _class_reason(sub_y),
+                    })
+    df = pd.DataFrame(rows)
+    order = ["group_by", "group", "policy", "kind", "label", "family", "lam", "n", "pos_rate", "auc", "auc_lo", "auc_hi",
+             "pr_auc", "pr_auc_lo", "pr_auc_hi", "threshold", "f1_own", "f1_own_lo", "f1_own_hi", "f1_opt", "thr_f1_opt",
+             "static_best_k", "f1_static_best", "f1_gain_vs_static", "reason"]
+    for c in order:
+        if c not in df.columns:
+            df[c] = np.nan if c != "reason" else ""
+    df["reason"] = df["reason"].fillna("")
+    return df[order + [c for c in df.columns if c not in order]]
+
+
+def roc_points(
+    columns: Mapping[str, np.ndarray], policies: Mapping[str, StopPolicy | None], family: str = "greedy", lam: float = 1.0,
+    builtins: bool = True,
+) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
+    """name -> (fpr, tpr, auc) with sklearn's roc_curve (soft labels weighted as in :func:`score_table`); scorers that
+    cannot be scored or whose labels have one class are left out."""
+    from sklearn.metrics import auc as sk_auc
+    from sklearn.metrics import roc_curve
+
+    y = derive_label(columns, family, lam).astype(np.float64)
+    if _class_reason(y):
+        return {}
+    feats = as_tensor_dict(columns)
+    scorers: dict[str, StopPolicy | None] = {**(builtin_scorers() if builtins else {}), **policies}
+    out = {}
+    for name, pol in scorers.items():
+        if pol is None or any(c not in columns for c in pol.required_columns):
+            continue
+        s = _policy_scores(pol, feats)
+        if not np.all(np.isfinite(s)):
+            continue
+        s2, y2, w2 = np.concatenate([s, s]), np.concatenate([np.ones_like(y), np.zeros_like(y)]), np.concatenate([y, 1 - y])
+        keep = w2 > 0
+        fpr, tpr, _ = roc_curve(y2[keep], s2[keep], sample_weight=w2[keep])
+        out[name] = (fpr, tpr, float(sk_auc(fpr, tpr)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- SPRINTER
+
+
+def sprinter_expected_tokens(tpr: float, fpr: float, r: int | np.ndarray) -> np.ndarray:
+    """SPRINTER Theorem 2: expected tokens generated before the target is called when the first r tokens are acceptable.
+
+    E[N] = sum_{i=1..r} tpr^i + tpr^r * fpr / (1 - fpr)  ( = (tpr - tpr^r)/(1 - tpr) + tpr^r/(1 - fpr), the paper's eq. 3).
+    """
+    r = np.asarray(r, dtype=np.float64)
+    if tpr >= 1.0:
+        head = r
+    else:
+        head = (tpr - tpr ** (r + 1)) / (1.0 - tpr)
+    tail = np.inf if fpr >= 1.0 else fpr / (1.0 - fpr)
+    return head + tpr**r * tail
+
+
+def _leading_run(mask: np.ndarray) -> int:
+    stop = np.flatnonzero(~mask)
+    return int(stop[0]) if stop.size else int(mask.size)
+
+
+def sprinter_table(
+    columns: Mapping[str, np.ndarray],
+    policies: Mapping[str, StopPolicy | None],
+    lams: Sequence[float] = (1.0, 1.2, 1.5),
+    builtins: bool = True,
+    max_draft_len: int = 40,
+) -> pd.DataFrame:
+    """SPRINTER's theory checked on the data, per policy (at its own threshold) and lambda.
+
+    Replayed tokens before a target call: SPRINTER-style rounds along the draft's rollouts (``rollout == True`` sequences
+    when that column exists, else all): from offset s the draft continues while the policy keeps drafting; N = leading
+    tokens the policy lets through (capped at ``max_draft_len``), r = leading acceptable tokens (q/p <= lambda); the next
+    round starts at s + N + 1. Rounds where N or r run into the end of the observed sequence are censored and left out.
+
+    Returns:
+        one row per (policy, lambda): tpr, fpr, mean_tv, tv_bound (Theorem 1: fpr * mean TV), accept_rate_thm1
+        (1 - (1 - fpr) mean TV), rounds, censored_rounds, mean_r, e_tokens_theorem2, e_tokens_replayed, reason.
+    """
+    from evaluation.replay import ReplayConfig, policy_scores, prepare_replay_data
+
+    scorers: dict[str, StopPolicy | None] = {**(builtin_scorers() if builtins else {}), **policies}
+    cols = dict(columns)
+    if "rollout" in cols and np.asarray(cols["rollout"], dtype=bool).any():
+        m = np.asarray(cols["rollout"], dtype=bool)
+        cols = {k: np.asarray(v)[m] for k, v in cols.items()}
+        seq_note = "draft rollouts"
+    else:
+        seq_note = "all sequences (no rollout column or no rollouts)"
+    rows = []
+    try:
+        data = prepare_replay_data(cols, ReplayConfig(origins=None, teacher_forced_only=False))
+    except (KeyError, ValueError) as e:
+        return pd.DataFrame([{"policy": n, "reason": str(e)} for n in scorers])
+    sorted_cols = {k: v.numpy() for k, v in data.features.items()}
+    for name, pol in scorers.items():
+        base = {"policy": name, "threshold": float(getattr(pol, "threshold", np.nan)), "sequences": seq_note}
+        if pol is None:
+            rows += [{**base, "lam": lam, "reason": "policy not loaded"} for lam in lams]
+            continue
+        miss = [c for c in pol.required_columns if c not in data.features]
+        if miss or not np.isfinite(base["threshold"]) or getattr(pol, "kind", "") in ("static", "heuristic", "oracle"):
+            why = f"missing columns {miss}" if miss else "no score threshold"
+            rows += [{**base, "lam": lam, "reason": why} for lam in lams]
+            continue
+        keep = policy_scores(pol, data.features) >= pol.threshold
+        for lam in lams:
+            y = derive_label(sorted_cols, "ratio", lam).astype(bool)
+            row: dict[str, Any] = {**base, "lam": lam}
+            n_pos, n_neg = int(y.sum()), int((~y).sum())
+            tpr = float(keep[y].mean()) if n_pos else float("nan")
+            fpr = float(keep[~y].mean()) if n_neg else float("nan")
+            mean_tv = float(np.mean(sorted_cols["tv"])) if "tv" in sorted_cols else float("nan")
+            row.update(tpr=tpr, fpr=fpr, mean_tv=mean_tv, tv_bound=fpr * mean_tv, accept_rate_thm1=1 - (1 - fpr) * mean_tv)
+            ns, rs, cens, n_rounds = [], [], 0, 0
+            for a, b in zip(data.starts.tolist(), data.ends.tolist()):
+                s = a
+                while s < b:
+                    cap = min(max_draft_len, b - s)
+                    n_tok = _leading_run(keep[s : s + cap])
+                    r = _leading_run(y[s:b])
+                    n_rounds += 1
+                    if (n_tok == b - s) or (r == b - s):
+                        cens += 1
+                    else:
+                        ns.append(n_tok)
+                        rs.append(r)
+                    s += n_tok + 1
+            row.update(rounds=n_rounds, censored_rounds=cens)
+            if ns and np.isfinite(tpr) and np.isfinite(fpr):
+                row.update(
+                    mean_r=float(np.mean(rs)),
+                    e_tokens_theorem2=float(np.mean(sprinter_expected_tokens(tpr, fpr, np.asarray(rs)))),
+                    e_tokens_replayed=float(np.mean(ns)),
+                    reason="",
+                )
+            else:
+                row["reason"] = "one class only or every round censored"
+            rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,606 @@
+"""Offline replay of stop policies over stored labelled sequences: no model runs, only the per-token records.
+
+Records are grouped by ``seq_id`` and ordered by ``offset``. A round starts at offset ``s``: the policy drafts tokens
+``s, s+1, ...``, and after each drafted token ``keep_drafting`` says whether to draft another (the token that triggers the
+stop is still drafted and verified), up to ``policy.draft_cap()`` tokens and the end of the sequence. Verification:
+
+- ``greedy``: accepted count ``a`` = leading ``greedy_match`` among the drafted tokens (first mismatch);
+- ``sampling``: the expectation ``E[a] = sum_k prod_{j<=k} accept_prob_j`` over the drafted prefix (exact speculative
+  sampling accepts token j with ``min(1, p/q)``), and the next round starts at ``s + round(E[a]) + 1``.
+
+The round emits ``a + 1`` tokens (the correction, or the bonus token when all were accepted) and costs
+``CostModel.round_time(n_drafted)``; ``policy.update(RoundFeedback(...))`` follows each round and ``policy.reset()`` starts
+each sequence. Predicted speedup = (tokens / replayed seconds) * target-only seconds per token (``target_s[1]``).
+
+Why this is exact for greedy on ``origin == "target"`` teacher-forced sequences: greedy speculative decoding outputs exactly
+the target's greedy continuation, and along that continuation the draft's prefix at offset ``s + j`` is identical to the
+stored one while every earlier drafted token matched. So the accepted counts, the round boundaries and the emitted tokens of
+every round are those of a real run. Two caveats: (1) the draft tokens *after* the first mismatch of a round were drafted in a
+real run from the draft's own (wrong) token, while the stored features there come from the target's token, so the number of
+*wasted* drafts of a threshold policy is approximate (accepted counts are not); (2) it holds when the stored target
+continuation is the target's greedy output (temperature 0). Elsewhere (draft rollouts, dataset text, sampling) the sequence
+after a mismatch is not what speculative decoding would have produced, and the replay is an approximation that uses the
+stored prefixes as a sample of contexts. :class:`ReplayConfig` replays the exact case by default and falls back, with a note
+in ``ReplayData.note``, when the data holds no such sequences.
+
+Special policies: the oracle (``kind == "oracle"``) drafts exactly the acceptable run (greedy: leading matches; sampling:
+until the first rejection, in expectation), the upper bound; SV-like policies (``kind`` in ``ReplayConfig.goodput_kinds``)
+draft while the goodput of verifying everything drafted improves, then verify the goodput-maximising length
+(``predictors.goodput.goodput_length``), paying companion steps per drafted token.
+
+Usage::
+
+    from evaluation.replay import replay_table, ReplayConfig
+    table = replay_table(columns, {"disco": policy}, cost_model, ReplayConfig(mode="greedy"))
+"""
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from evaluation.cost_model import CostModel
+from predictors.base import RoundFeedback, StopPolicy, as_tensor_dict
+
+__all__ = [
+    "ReplayConfig",
+    "ReplayData",
+    "ReplayResult",
+    "prepare_replay_data",
+    "replay_policy",
+    "replay_table",
+    "threshold_sweep",
+    "tune_threshold",
+    "default_grid",
+    "default_replay_policies",
+    "policy_scores",
+    "missing_columns",
+]
+
+REPLAY_MODES = ("greedy", "sampling")
+UNTHRESHOLDED_KINDS = ("static", "heuristic", "oracle")
+
+
+@dataclass
+class ReplayConfig:
+    """Which sequences to replay and how verification is modelled."""
+
+    mode: str = "greedy"
+    """'greedy' (accept while greedy_match) or 'sampling' (expected acceptance from accept_prob)."""
+    origins: tuple[str, ...] | None = ("target",)
+    """Prefix origins whose sequences are replayed (None: all). 'target' is the exact case for greedy."""
+    teacher_forced_only: bool = True
+    """Keep only sequences that are teacher-forced along the stored continuation (``rollout == False``), when that column
+    exists; a draft rollout after a target prefix is not the speculative-decoding path."""
+    split: str | None = None
+    """Only rows of this ``split`` (None: all rows given)."""
+    fallback_to_all: bool = True
+    """When the selection above is empty, replay every sequence instead (the result is then marked approximate)."""
+    max_draft_len: int | None = None
+    """Extra cap on draft tokens per round for every policy (None: each policy's own ``draft_cap()``)."""
+    goodput_kinds: tuple[str, ...] = ("sv", "sv_table")
+    """Policy kinds replayed with SV's goodput-maximising verification length instead of their threshold."""
+    online_roc_baseline: bool = False
+    """Also replay transformers' max-confidence with online ROC re-tuning (one sklearn call per round: slow)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in REPLAY_MODES:
+            raise ValueError(f"ReplayConfig.mode={self.mode!r}: use one of {REPLAY_MODES}")
+        if self.max_draft_len is not None and self.max_draft_len < 1:
+            raise ValueError(f"ReplayConfig.max_draft_len must be >= 1 or None, got {self.max_draft_len}")
+
+
+@dataclass
+class ReplayData:
+    """Rows sorted by (seq_id, offset) with per-sequence boundaries, ready for replay."""
+
+    features: dict[str, Tensor]
+    """Column -> tensor, rows sorted by sequence then offset (what policies score)."""
+    starts: np.ndarray
+    """[S] first row of each sequence."""
+    ends: np.ndarray
+    """[S] one past the last row of each sequence."""
+    greedy: np.ndarray
+    """[N] bool greedy_match."""
+    accept: np.ndarray
+    """[N] float accept_prob = min(1, p/q)."""
+    q: np.ndarray
+    """[N] float q(x) of the drafted token."""
+    match_run: np.ndarray
+    """[N] consecutive greedy matches starting at each row, within its sequence."""
+    exact: bool
+    """True when greedy replay on these sequences reproduces real accepted counts (teacher-forced target sequences)."""
+    note: str
+    """Which sequences were selected and why."""
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.greedy.shape[0])
+
+    @property
+    def n_seqs(self) -> int:
+        return int(self.starts.shape[0])
+
+
+@dataclass
+class ReplayResult:
+    """Totals of one policy replayed over all sequences."""
+
+    n_seqs: int = 0
+    n_rounds: int = 0
+    tokens: float = 0.0
+    """Tokens emitted (accepted + one target token per round)."""
+    drafted: float = 0.0
+    """Draft tokens produced."""
+    verified: float = 0.0
+    """Draft tokens sent to the target."""
+    accepted: float = 0.0
+    """Draft tokens accepted (expected in sampling mode)."""
+    time_s: float = 0.0
+    """Replayed seconds under the cost model."""
+    target_only_s: float = 0.0
+    """Seconds target-only decoding would take for the same tokens."""
+    draft_len_hist: dict[int, int] = field(default_factory=dict)
+    """Rounds by number of drafted tokens."""
+
+    @property
+    def tokens_per_call(self) -> float:
+        """Tokens emitted per target call (mean accepted length + 1)."""
+        return self.tokens / self.n_rounds if self.n_rounds else float("nan")
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.accepted / self.n_rounds if self.n_rounds else float("nan")
+
+    @property
+    def drafted_per_round(self) -> float:
+        return self.drafted / self.n_rounds if self.n_rounds else float("nan")
+
+    @property
+    def wasted_per_round(self) -> float:
+        """Draft tokens not accepted, per round (rejected, after the first rejection, or drafted but not verified)."""
+        return (self.drafted - self.accepted) / self.n_rounds if self.n_rounds else float("nan")
+
+    @property
+    def speedup(self) -> float:
+        """Predicted speedup over target-only decoding."""
+        return self.target_only_s / self.time_s if self.time_s > 0 else float("nan")
+
+    def as_row(self) -> dict[str, float]:
+        return {
+            "n_seqs": self.n_seqs,
+            "n_rounds": self.n_rounds,
+            "tokens": self.tokens,
+            "tokens_per_call": self.tokens_per_call,
+            "mean_accepted": self.mean_accepted,
+            "drafted_per_round": self.drafted_per_round,
+            "wasted_per_round": self.wasted_per_round,
+            "time_s": self.time_s,
+            "speedup": self.speedup,
+        }
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+
+
+def _sort_order(columns: Mapping[str, object]) -> np.ndarray:
+    seq = np.asarray(columns["seq_id"])
+    _, codes = np.unique(seq.astype(str), return_inverse=True)
+    offset = np.asarray(columns["offset"], dtype=np.int64)
+    return np.lexsort((offset, codes))
+
+
+def _match_run(greedy: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    run = np.zeros(greedy.shape[0], dtype=np.int64)
+    for a, b in zip(starts, ends):
+        r = 0
+        for i in range(b - 1, a - 1, -1):
+            r = r + 1 if greedy[i] else 0
+            run[i] = r
+    return run
+
+
+def _select(columns: Mapping[str, object], cfg: ReplayConfig) -> tuple[np.ndarray, bool, str]:
+    n = len(np.asarray(columns["seq_id"]))
+    base = np.ones(n, dtype=bool)
+    if cfg.split is not None and "split" in columns:
+        base &= np.asarray(columns["split"]).astype(str) == cfg.split
+        if not base.any():
+            raise ValueError(f"no rows in split {cfg.split!r} to replay")
+    origin = np.asarray(columns["origin"]).astype(str) if "origin" in columns else None
+    rollout = np.asarray(columns["rollout"], dtype=bool) if "rollout" in columns else None
+    attempts: list[tuple[np.ndarray, bool, str]] = []
+    if cfg.origins is not None and origin is not None:
+        m = base & np.isin(origin, list(cfg.origins))
+        exact = set(cfg.origins) <= {"target"}
+        if cfg.teacher_forced_only and rollout is not None:
+            attempts.append((m & ~rollout, exact, f"origins {list(cfg.origins)}, teacher-forced (rollout == False)"))
+        attempts.append((m, exact and rollout is None, f"origins {list(cfg.origins)}"))
+    elif cfg.origins is not None:
+        attempts.append((base, False, "no origin column: all sequences"))
+    if cfg.origins is None or cfg.fallback_to_all:
+        attempts.append((base, False, "all sequences"))
+    for i, (mask, exact, desc) in enumerate(attempts):
+        if mask.any():
+            note = desc if i == 0 else f"{desc} (FALLBACK: nothing matched {attempts[0][2]})"
+            return mask, exact, note
+    raise ValueError(f"no sequences to replay: nothing matched {attempts[0][2]}")
+
+
+def prepare_replay_data(columns: Mapping[str, object], cfg: ReplayConfig | None = None) -> ReplayData:
+    """Select, sort and index the sequences to replay.
+
+    Args:
+        columns: record columns (``data_gen.schema``) as numpy arrays / lists; needs seq_id, offset, greedy_match,
+            accept_prob, q.
+        cfg: selection and mode (default :class:`ReplayConfig`).
+    """
+    cfg = cfg or ReplayConfig()
+    need = [c for c in ("seq_id", "offset", "greedy_match", "accept_prob", "q") if c not in columns]
+    if need:
+        raise KeyError(f"replay needs the columns {need}; they are missing from the data")
+    mask, exact, note = _select(columns, cfg)
+    idx = np.flatnonzero(mask)
+    sub = {k: np.asarray(v)[idx] for k, v in columns.items()}
+    order = _sort_order(sub)
+    sub = {k: v[order] for k, v in sub.items()}
+    seq = sub["seq_id"].astype(str)
+    change = np.flatnonzero(seq[1:] != seq[:-1]) + 1
+    starts = np.concatenate([[0], change]).astype(np.int64)
+    ends = np.concatenate([change, [len(seq)]]).astype(np.int64)
+    greedy = sub["greedy_match"].astype(bool)
+    exact = exact and cfg.mode == "greedy"
+    return ReplayData(
+        features=as_tensor_dict(sub),
+        starts=starts,
+        ends=ends,
+        greedy=greedy,
+        accept=sub["accept_prob"].astype(np.float64),
+        q=sub["q"].astype(np.float64),
+        match_run=_match_run(greedy, starts, ends),
+        exact=exact,
+        note=f"{note}; {len(starts)} sequences, {len(seq)} tokens",
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ policies
+
+
+def missing_columns(policy: StopPolicy, available: Iterable[str]) -> list[str]:
+    """Columns the policy needs that the data lacks."""
+    have = set(available)
+    return [c for c in getattr(policy, "required_columns", ()) if c not in have]
+
+
+def _overrides(policy: StopPolicy, name: str) -> bool:
+    return getattr(type(policy), name) is not getattr(StopPolicy, name)
+
+
+def _needs_round_features(policy: StopPolicy) -> bool:
+    """Scores depend on the in-round position or on earlier tokens of the round: score per round, not once."""
+    return "position" in getattr(policy, "required_columns", ()) or _overrides(policy, "keep_drafting")
+
+
+def policy_scores(policy: StopPolicy, features: Mapping[str, Tensor], chunk: int = 16384) -> np.ndarray:
+    """[N] ``policy.score`` over all rows, in chunks, as float64 numpy."""
+    n = next(iter(features.values())).shape[0]
+    out = []
+    with torch.no_grad():
+        for a in range(0, n, chunk):
+            part = {k: v[a : a + chunk] for k, v in features.items()}
+            out.append(policy.score(part).detach().float().reshape(-1).cpu().numpy())
+    return np.concatenate(out).astype(np.float64) if out else np.zeros(0)
+
+
+def _window(features: Mapping[str, Tensor], a: int, b: int) -> dict[str, Tensor]:
+    w = {k: v[a:b] for k, v in features.items()}
+    w["position"] = torch.arange(b - a)  # the in-round draft position, as the decoder sees it
+    return w
+
+
+def _is_oracle(policy: StopPolicy) -> bool:
+    return getattr(policy, "kind", "") == "oracle"
+
+
+def _set_threshold(policy: StopPolicy, threshold: float) -> StopPolicy:
+    """A copy of ``policy`` starting at ``threshold`` (online policies restart from it on every reset)."""
+    p = copy.deepcopy(policy)
+    old = p.threshold
+    p.threshold = float(threshold)
+    init = getattr(p, "initial", None)
+    if isinstance(init, float) and math.isclose(init, old):
+        p.initial = float(threshold)
+    return p
+
+
+# -------------------------------------------------------------------------------------------------------- replay
+
+
+def _sampling_oracle(acc: np.ndarray, cm: CostModel, companion: bool) -> tuple[float, float, float]:
+    """Expected (accepted, drafted, seconds) of drafting exactly until the first rejection (capped at len(acc))."""
+    surv = np.cumprod(acc)  # P(A >= k), k = 1..n
+    n = len(acc)
+    p_eq = np.append(1.0 - acc[0], surv[:-1] * (1.0 - acc[1:])) if n else np.zeros(0)  # P(A = k), k = 0..n-1
+    probs = np.append(p_eq, surv[-1]) if n else np.array([1.0])  # k = 0..n
+    ks = np.arange(n + 1)
+    times = np.array([cm.round_time(int(k), companion=companion) for k in ks])
+    return float(surv.sum()), float((probs * ks).sum()), float((probs * times).sum())
+
+
+def replay_policy(
+    policy: StopPolicy,
+    data: ReplayData,
+    cost_model: CostModel,
+    mode: str = "greedy",
+    *,
+    goodput: bool = False,
+    max_draft_len: int | None = None,
+    scores: np.ndarray | None = None,
+) -> ReplayResult:
+    """Replay one policy (mutated: reset / update are called on it) over every sequence of ``data``.
+
+    Args:
+        policy: the stop policy; its threshold and online state are used as they are.
+        data: from :func:`prepare_replay_data`.
+        cost_model: round latency model.
+        mode: 'greedy' or 'sampling' verification.
+        goodput: SV mode: draft while goodput improves, verify the goodput-maximising length of ``policy.score``.
+        max_draft_len: extra cap on drafted tokens per round.
+        scores: precomputed ``policy.score`` over ``data`` rows (skips recomputing across a threshold sweep).
+    """
+    if mode not in REPLAY_MODES:
+        raise ValueError(f"mode={mode!r}: use one of {REPLAY_MODES}")
+    miss = missing_columns(policy, data.features)
+    if miss:
+        raise KeyError(f"{getattr(policy, 'kind', type(policy).__name__)} needs the columns {miss}; missing from the data")
+    oracle = _is_oracle(policy)
+    per_round = _needs_round_features(policy) and not oracle
+    if scores is None and not per_round and not oracle:
+        scores = policy_scores(policy, data.features)
+    companion = any(c.startswith("companion_") for c in getattr(policy, "required_columns", ()))
+    online = _overrides(policy, "update")
+    cm = cost_model
+    res = ReplayResult(n_seqs=data.n_seqs)
+    per_draft = cm.draft_s_per_token + (cm.companion_s_per_token if companion else 0.0)
+    t1 = cm.target_only_s_per_token
+    for a0, b0 in zip(data.starts.tolist(), data.ends.tolist()):
+        policy.reset()
+        s = a0
+        while s < b0:
+            cap = min(int(policy.draft_cap()), b0 - s)
+            if max_draft_len is not None:
+                cap = min(cap, max_draft_len)
+            cap = max(cap, 0)
+            n_verify = None
+            if oracle and mode == "sampling":
+                acc_exp, n_exp, t = _sampling_oracle(data.accept[s : s + cap], cm, companion)
+                res.n_rounds += 1
+                res.tokens += acc_exp + 1
+                res.accepted += acc_exp
+                res.drafted += n_exp
+                res.verified += n_exp
+                res.time_s += t
+                res.target_only_s += (acc_exp + 1) * t1
+                a_int = int(round(acc_exp))
+                res.draft_len_hist[a_int] = res.draft_len_hist.get(a_int, 0) + 1
+                s += a_int + 1
+                continue
+            if oracle:
+                n = min(int(data.match_run[s]), cap)
+            elif cap == 0:
+                n = 0
+            elif goodput:
+                est = scores[s : s + cap] if not per_round else policy.score(_window(data.features, s, s + cap)).numpy()
+                est = np.clip(np.asarray(est, dtype=np.float64), 0.0, 1.0)
+                n, n_verify = _goodput_round(est, cm, per_draft)
+            else:
+                if per_round:
+                    keep = policy.keep_drafting(_window(data.features, s, s + cap)).cpu().numpy().astype(bool)
+                else:
+                    keep = scores[s : s + cap] >= policy.threshold
+                n = cap if keep.all() else int(keep.argmin()) + 1
+            nv = n if n_verify is None else n_verify
+            if mode == "greedy":
+                acc = float(min(nv, int(data.match_run[s])))
+                a_int = int(acc)
+            else:
+                acc = float(np.cumprod(data.accept[s : s + nv]).sum()) if nv else 0.0
+                a_int = int(round(acc))
+            t = n * per_draft + cm.target_time(nv + 1)
+            res.n_rounds += 1
+            res.tokens += acc + 1
+            res.accepted += acc
+            res.drafted += n
+            res.verified += nv
+            res.time_s += t
+            res.target_only_s += (acc + 1) * t1
+            res.draft_len_hist[n] = res.draft_len_hist.get(n, 0) + 1
+            if online:
+                policy.update(
+                    RoundFeedback(
+                        n_drafted=nv,
+                        n_accepted=a_int,
+                        draft_probs=data.q[s : s + nv].tolist(),
+                        accepted=[j < a_int for j in range(nv)],
+                    )
+                )
+            s += a_int + 1
+    return res
+
+
+def _goodput_round(est: np.ndarray, cm: CostModel, per_draft: float) -> tuple[int, int]:
+    """SV round: draft while verifying everything drafted improves goodput; verify the goodput-maximising length."""
+    from predictors.goodput import goodput_length
+
+    def latency(L: int) -> float:
+        return L * per_draft + cm.target_time(L + 1)
+
+    surv = np.cumprod(est)
+    best_g = 1.0 / latency(0)
+    n = len(est)
+    for j in range(1, len(est) + 1):
+        g = (surv[:j].sum() + 1.0) / latency(j)
+        if g < best_g:
+            n = j  # the j-th token was drafted, then found not worth verifying
+            break
+        best_g = g
+    sunk = n * per_draft
+    L, _ = goodput_length(est[:n], lambda L: sunk + cm.target_time(L + 1))
+    return n, int(L)
+
+
+# ---------------------------------------------------------------------------------------------------------- tables
+
+
+def default_replay_policies(
+    static_lengths: Iterable[int] = range(1, 11), max_draft_len: int = 40, online_roc: bool = False
+) -> dict[str, StopPolicy]:
+    """The training-free baselines replayed next to the learned policies."""
+    from predictors.baselines import SVIP, AdaEDL, HFHeuristic, MaxConfidence, Oracle, StaticLength
+
+    pols: dict[str, StopPolicy] = {f"static-{k}": StaticLength(k, max_draft_len=max(max_draft_len, k)) for k in static_lengths}
+    pols["hf-heuristic"] = HFHeuristic(initial=5, max_draft_len=max_draft_len)
+    pols["svip"] = SVIP(h=0.3, gamma=0.15, max_draft_len=max_draft_len)
+    pols["adaedl"] = AdaEDL(lam=0.6, gamma=0.2, max_draft_len=max_draft_len, online=True)
+    pols["max-confidence"] = MaxConfidence(threshold=0.4, max_draft_len=max_draft_len)
+    if online_roc:
+        # transformers' online ROC re-tuning: one sklearn roc_curve per round, slow on large data, so opt-in.
+        pols["hf-confidence-roc"] = MaxConfidence(threshold=0.4, max_draft_len=max_draft_len, online_roc=True)
+    pols["oracle"] = Oracle(threshold=0.5, max_draft_len=max_draft_len)
+    return pols
+
+
+def default_grid(policy: StopPolicy, data: ReplayData, n: int = 15, scores: np.ndarray | None = None) -> list[float]:
+    """Thresholds to sweep: quantiles of the policy's scores on the data, plus its own threshold."""
+    if scores is None:
+        scores = policy_scores(policy, data.features) if not _needs_round_features(policy) else None
+    if scores is None or scores.size == 0:
+        base = np.linspace(0.05, 0.95, n)
+    else:
+        base = np.quantile(scores[np.isfinite(scores)], np.linspace(0.02, 0.98, n))
+    grid = sorted(set(np.round(np.append(base, policy.threshold), 6).tolist()))
+    return [float(g) for g in grid]
+
+
+def _is_goodput(policy: StopPolicy, cfg: ReplayConfig) -> bool:
+    return getattr(policy, "kind", "") in cfg.goodput_kinds
+
+
+def threshold_sweep(
+    policy: StopPolicy,
+    data: ReplayData,
+    cost_model: CostModel,
+    grid: Sequence[float] | None = None,
+    mode: str = "greedy",
+    max_draft_len: int | None = None,
+) -> pd.DataFrame:
+    """Replay ``policy`` at each threshold of ``grid`` (default :func:`default_grid`); one row per threshold."""
+    scores = None if _needs_round_features(policy) else policy_scores(policy, data.features)
+    grid = list(grid) if grid is not None else default_grid(policy, data, scores=scores)
+    rows = []
+    for thr in grid:
+        p = _set_threshold(policy, thr)
+        r = replay_policy(p, data, cost_model, mode, max_draft_len=max_draft_len, scores=scores)
+        rows.append({"threshold": float(thr), **r.as_row()})
+    return pd.DataFrame(rows)
+
+
+def tune_threshold(
+    policy: StopPolicy,
+    columns: Mapping[str, object],
+    cost_model: CostModel,
+    grid: Sequence[float] | None = None,
+    *,
+    split: str | None = "val",
+    mode: str = "greedy",
+    origins: tuple[str, ...] | None = ("target",),
+) -> tuple[float, float]:
+    """Threshold maximising predicted speedup on the ``split`` rows (DISCO tunes for latency, not F1).
+
+    Args:
+        policy: the policy to tune (not modified).
+        columns: record columns; rows of ``split`` are used when a ``split`` column exists (pass split=None to use all).
+        cost_model: round latency model.
+        grid: thresholds to try (default: quantiles of the policy's scores).
+    Returns:
+        (best threshold, its predicted speedup).
+    """
+    if split is not None and "split" in columns and not np.any(np.asarray(columns["split"]).astype(str) == split):
+        raise ValueError(f"tune_threshold: no rows in split {split!r}")
+    cfg = ReplayConfig(mode=mode, origins=origins, split=split if "split" in columns else None)
+    data = prepare_replay_data(columns, cfg)
+    sweep = threshold_sweep(policy, data, cost_model, grid, mode)
+    best = sweep.loc[sweep["speedup"].idxmax()]
+    return float(best["threshold"]), float(best["speedup"])
+
+
+def replay_table(
+    columns: Mapping[str, object],
+    policies: Mapping[str, StopPolicy | None],
+    cost_model: CostModel,
+    cfg: ReplayConfig | None = None,
+    *,
+    static_lengths: Iterable[int] = range(1, 11),
+    include_baselines: bool = True,
+    sweep: bool = True,
+    grid_size: int = 15,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Replay every policy (the given ones plus the baselines) at its own threshold, and sweep thresholds.
+
+    Args:
+        columns: record columns (numpy arrays / lists).
+        policies: name -> policy (None: listed with the reason 'not loaded').
+        cost_model: round latency model.
+        cfg: sequence selection and verification mode.
+        static_lengths: static draft lengths added as baselines (the best one is added as 'static-best').
+        include_baselines: add :func:`default_replay_policies`.
+        sweep: also replay each thresholded policy over a grid (the second frame).
+    Returns:
+        (table, sweep): one row per policy (policy, kind, threshold, ..., speedup, reason), and one row per
+        (policy, threshold) of the sweep.
+    """
+    cfg = cfg or ReplayConfig()
+    data = prepare_replay_data(columns, cfg)
+    all_pols: dict[str, StopPolicy | None] = {}
+    if include_baselines:
+        all_pols.update(default_replay_policies(static_lengths, online_roc=cfg.online_roc_baseline))
+    all_pols.update(policies)
+    common = {
+        "mode": cfg.mode,
+        "sequences": data.note,
+        "exact_accepts": data.exact,
+        "cost_model": "assumed" if cost_model.assumed else "measured",
+    }
+    rows, sweeps = [], []
+    for name, pol in all_pols.items():
+        base = {"policy": name, "kind": getattr(pol, "kind", ""), "threshold": getattr(pol, "threshold", float("nan"))}
+        if pol is None:
+            rows.append({**base, **common, "reason": "policy not loaded"})
+            continue
+        miss = missing_columns(pol, data.features)
+        if miss:
+            rows.append({**base, **common, "reason": f"missing columns {miss}"})
+            continue
+        gp = _is_goodput(pol, cfg)
+        p = copy.deepcopy(pol)
+        r = replay_policy(p, data, cost_model, cfg.mode, goodput=gp, max_draft_len=cfg.max_draft_len)
+        rows.append({**base, **common, **r.as_row(), "verification": "goodput" if gp else "threshold", "reason": ""})
+        thresholded = getattr(pol, "kind", "") not in UNTHRESHOLDED_KINDS and not gp and not getattr(pol, "online_roc", False)
+        if sweep and thresholded:
+            sw = threshold_sweep(pol, data, cost_model, None, cfg.mode, cfg.max_draft_len)
+            sw.insert(0, "policy", name)
+            sweeps.append(sw)
+    table = pd.DataFrame(rows)
+    static = table[table["policy"].str.startswith("static-") & table.get("speedup", pd.Series(dtype=float)).notna()]
+    if len(static):
+        best = static.loc[static["speedup"].idxmax()].to_dict()
+        best["policy"] = f"static-best (k={best['policy'].removeprefix('static-')})"
+        table = pd.concat([table, pd.DataFrame([best])], ignore_index=True)
+    sweep_df = pd.concat(sweeps, ignore_index=True) if sweeps else pd.DataFrame(columns=["policy", "threshold", "speedup"])
+    return table, sweep_df
