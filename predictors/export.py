@@ -1,0 +1,234 @@
+"""Export and load stop policies: a folder with ``predictor.json`` (+ ``weights.safetensors`` for learned ones).
+
+The folder loads with torch + safetensors alone (MLflow is imported only for ``models:/`` references). Metadata:
+format version, kind, feature spec (input width and columns), draft model fingerprint {name, vocab_size, hidden_size,
+vocab_sha}, training label family + lambda, the chosen threshold, draft cap, validation metrics, the resolved config,
+plus whatever the caller adds. The training-free baselines export as kind + constructor parameters (no weights), so
+evaluation and decoding load any policy the same way.
+
+Usage::
+
+    folder = export_predictor(policy, "runs/disco/export", {"draft_fingerprint": fp, "data_fingerprint": "..."})
+    update_metadata(folder, threshold=0.62)                       # e.g. the speedup-tuned threshold
+    policy = load_predictor(folder, draft_fingerprint=fp)         # or "models:/specstop-disco-...@champion"
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from predictors.base import StopPolicy
+
+log = logging.getLogger(__name__)
+
+__all__ = ["export_predictor", "load_predictor", "update_metadata", "read_metadata", "check_fingerprint",
+           "METADATA_FILE", "WEIGHTS_FILE", "FingerprintMismatch"]
+
+METADATA_FILE = "predictor.json"
+WEIGHTS_FILE = "weights.safetensors"
+FORMAT_VERSION = 1
+FINGERPRINT_KEYS = ("name", "vocab_size", "hidden_size")
+"""Fields that must agree between the exported predictor's draft model and the draft in use."""
+
+
+class FingerprintMismatch(ValueError):
+    """The predictor was trained for another draft model."""
+
+
+def _learned() -> dict[str, tuple[type, type]]:
+    from predictors.disco import DiscoNet, DiscoPolicy
+    from predictors.sprinter import SprinterNet, SprinterPolicy
+    from predictors.sv_table import SVPolicy, SVTable
+
+    return {"disco": (DiscoNet, DiscoPolicy), "sprinter": (SprinterNet, SprinterPolicy), "sv": (SVTable, SVPolicy)}
+
+
+def _baselines() -> dict[str, type[StopPolicy]]:
+    from predictors.baselines import BASELINES
+
+    return BASELINES
+
+
+def _jsonable(x: Any) -> Any:
+    """Make metrics / configs JSON-safe (tuples -> lists, NaN -> None, numpy / torch scalars -> Python)."""
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    if hasattr(x, "item") and callable(x.item) and getattr(x, "ndim", 1) == 0:
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def baseline_params(policy: StopPolicy) -> dict[str, Any]:
+    """Constructor parameters of a training-free policy, read back from the instance (initial values of online ones)."""
+    params: dict[str, Any] = {}
+    for name in list(inspect.signature(type(policy).__init__).parameters)[1:]:
+        if name in ("threshold", "lam"):
+            params[name] = float(getattr(policy, "initial", policy.threshold))
+        elif hasattr(policy, name):
+            params[name] = getattr(policy, name)
+        else:
+            raise ValueError(f"cannot export {policy.kind}: constructor parameter {name!r} is not an attribute")
+    return params
+
+
+def export_predictor(policy: StopPolicy, folder: str | Path, metadata: dict) -> Path:
+    """Write ``policy`` to ``folder`` (created): ``predictor.json`` and, for learned kinds, ``weights.safetensors``.
+
+    Args:
+        policy: a learned policy (DiscoPolicy, SprinterPolicy, SVPolicy) or a training-free baseline.
+        folder: destination folder.
+        metadata: extra fields, e.g. ``draft_fingerprint`` (data_gen.models.model_fingerprint), data fingerprint, target
+            and companion identities, ``metrics``, ``config``; given keys override the ones taken from the policy
+            (``policy.train_info`` supplies label, metrics and config after ``fit_predictor``).
+    Returns:
+        The folder path.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    learned, baselines = _learned(), _baselines()
+    meta: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "kind": policy.kind,
+        "threshold": float(policy.threshold),
+        "max_draft_len": int(policy.max_draft_len),
+        "exact": bool(policy.exact),
+        "draft_fingerprint": None,
+    }
+    if policy.kind in learned:
+        from safetensors.torch import save_file
+
+        net = policy.net  # type: ignore[attr-defined]
+        info = dict(getattr(policy, "train_info", {}) or {})
+        meta.update({
+            "learned": True,
+            "weights": WEIGHTS_FILE,
+            "net": {"class": type(net).__name__, "config": net.config()},
+            "feature_spec": policy.spec.to_dict(),  # type: ignore[attr-defined]
+            "input_width": policy.spec.width,  # type: ignore[attr-defined]
+            "columns": list(policy.spec.columns),  # type: ignore[attr-defined]
+            "label": info.get("label"),
+            "metrics": info.get("metrics", {}),
+            "config": info.get("config", {}),
+            "checkpoint": info.get("checkpoint"),
+        })
+        state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+        save_file(state, str(folder / WEIGHTS_FILE), metadata={"kind": policy.kind, "format_version": str(FORMAT_VERSION)})
+    elif policy.kind in baselines:
+        meta.update({
+            "learned": False,
+            "weights": None,
+            "params": baseline_params(policy),
+            "columns": list(policy.required_columns),
+            "label": None,
+            "metrics": {},
+            "config": {},
+        })
+    else:
+        raise ValueError(f"cannot export policy kind {policy.kind!r}; known: {sorted(learned) + sorted(baselines)}")
+    meta.update(metadata or {})
+    (folder / METADATA_FILE).write_text(json.dumps(_jsonable(meta), indent=2, sort_keys=True))
+    return folder
+
+
+def read_metadata(folder: str | Path) -> dict[str, Any]:
+    """The ``predictor.json`` of an export folder (FileNotFoundError naming the folder when absent)."""
+    path = Path(folder) / METADATA_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {folder} is not a predictor export folder")
+    return json.loads(path.read_text())
+
+
+def update_metadata(folder: str | Path, **fields: Any) -> dict[str, Any]:
+    """Update top-level fields of ``predictor.json`` (e.g. ``threshold=0.62``, ``metrics={...}``; dicts are merged)."""
+    meta = read_metadata(folder)
+    for k, v in fields.items():
+        if isinstance(v, Mapping) and isinstance(meta.get(k), dict):
+            meta[k] = {**meta[k], **v}
+        else:
+            meta[k] = v
+    (Path(folder) / METADATA_FILE).write_text(json.dumps(_jsonable(meta), indent=2, sort_keys=True))
+    return meta
+
+
+def check_fingerprint(stored: Mapping | None, current: Mapping | None, force: bool = False, where: str = "") -> None:
+    """Refuse (FingerprintMismatch) a predictor trained for another draft model: name, vocab_size or hidden_size differ.
+
+    Nothing is checked when either fingerprint is missing; ``force=True`` turns the error into a warning.
+    """
+    if not stored or not current:
+        return
+    diffs = [f"{k}: {stored.get(k)!r} vs {current.get(k)!r}" for k in FINGERPRINT_KEYS
+             if k in stored and k in current and stored.get(k) != current.get(k)]
+    if stored.get("vocab_sha") and current.get("vocab_sha") and stored["vocab_sha"] != current["vocab_sha"]:
+        log.warning("predictor %s: draft vocabulary hash differs (%s vs %s)", where, stored["vocab_sha"], current["vocab_sha"])
+    if not diffs:
+        return
+    msg = (f"predictor {where} was trained for draft model {dict(stored)} but the draft in use is {dict(current)} "
+           f"({'; '.join(diffs)} (predictor vs draft in use))")
+    if force:
+        log.warning("%s; loading anyway (force=True)", msg)
+        return
+    raise FingerprintMismatch(msg + "; pass force=True to load it anyway")
+
+
+def load_predictor(
+    ref: str | Path, draft_fingerprint: dict | None = None, force: bool = False, tracking_uri: str | None = None
+) -> StopPolicy:
+    """Load a policy from an export folder or an MLflow model URI.
+
+    Args:
+        ref: an export folder, or ``models:/<name>@<alias>`` / ``models:/<name>/<version>`` (artifacts downloaded first).
+        draft_fingerprint: the draft model in use (``data_gen.models.model_fingerprint``); a predictor trained for a
+            different draft (name, vocab_size or hidden_size) is refused with FingerprintMismatch unless ``force``.
+        force: load despite a fingerprint mismatch (logs a warning).
+        tracking_uri: MLflow tracking / registry URI for ``models:/`` refs (default: the configured one, else
+            sqlite:///mlflow.db).
+    """
+    if isinstance(ref, str) and ref.startswith(("models:/", "runs:/", "mlflow-artifacts:/")):
+        from predictors.registry import download_model
+
+        folder = download_model(ref, tracking_uri=tracking_uri)
+    else:
+        folder = Path(ref).expanduser()
+    meta = read_metadata(folder)
+    kind = meta.get("kind")
+    check_fingerprint(meta.get("draft_fingerprint"), draft_fingerprint, force, where=f"{kind} at {ref}")
+    learned, baselines = _learned(), _baselines()
+    if meta.get("learned"):
+        if kind not in learned:
+            raise ValueError(f"{folder}: unknown learned predictor kind {kind!r}; known: {sorted(learned)}")
+        from safetensors.torch import load_file
+
+        from predictors.inputs import FeatureSpec
+
+        net_cls, policy_cls = learned[kind]
+        net = net_cls(**meta["net"]["config"])
+        state = load_file(str(folder / meta.get("weights", WEIGHTS_FILE)))
+        net.load_state_dict(state)
+        policy = policy_cls(net, FeatureSpec.from_dict(meta["feature_spec"]), float(meta["threshold"]),
+                            int(meta.get("max_draft_len", 40)))
+        policy.train_info = {k: meta.get(k) for k in ("label", "metrics", "config", "checkpoint")}
+    else:
+        if kind not in baselines:
+            raise ValueError(f"{folder}: unknown policy kind {kind!r}; known: {sorted(learned) + sorted(baselines)}")
+        params = dict(meta.get("params", {}))
+        policy = baselines[kind](**params)
+        if "threshold" in meta:  # a threshold tuned after export (update_metadata) wins over the constructor's
+            policy.threshold = float(meta["threshold"])
+            if hasattr(policy, "initial") and isinstance(policy.initial, float):
+                policy.initial = policy.threshold  # online policies reset() to it
+    policy.metadata = meta  # type: ignore[attr-defined]
+    return policy

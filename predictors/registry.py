@@ -1,0 +1,272 @@
+"""MLflow model registry for exported predictors.
+
+``register_predictor`` logs an export folder (``predictors.export``) as an MLflow pyfunc model whose ``predict`` takes a
+DataFrame of feature columns (vector columns either as list-valued columns or flattened to ``<column>_<i>``) and returns
+the continue scores; the model has a signature inferred from an example; the export folder is its artifact. The model is
+registered under a name per predictor kind and draft model (:func:`registry_name`), its validation metric is stored as
+a model-version tag, and the alias ``champion`` moves to the new version only when it beats the current champion.
+
+The default tracking URI, when none is configured, is ``sqlite:///mlflow.db`` (embedded, supports the registry); any
+URI works, a remote ``mlflow server`` included. An unreachable server raises :class:`TrackingUnreachable` naming the
+URI; the export folder on disk is never touched.
+
+Usage::
+
+    name = registry_name("disco", draft_fingerprint)          # "specstop-disco-qwen2.5-coder-0.5b-instruct"
+    info = register_predictor(folder, name, metrics["val_auc"], run_id=mlf_logger.run_id)
+    policy = load_predictor(f"models:/{name}@champion")       # predictors.export
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
+
+from predictors.base import StopPolicy
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_TRACKING_URI", "CHAMPION", "registry_name", "register_predictor", "download_model",
+           "resolve_tracking_uri", "check_reachable", "TrackingUnreachable", "RegistryError", "PredictorModel",
+           "frame_to_columns", "example_frame"]
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+CHAMPION = "champion"
+
+
+class TrackingUnreachable(ConnectionError):
+    """The MLflow tracking server cannot be reached."""
+
+
+class RegistryError(RuntimeError):
+    """Logging or registering the model failed (the export folder is kept)."""
+
+
+def registry_name(kind: str, draft_fingerprint: Mapping | None) -> str:
+    """Registered-model name per predictor kind and draft model, e.g. ``specstop-disco-qwen2.5-coder-0.5b-instruct``."""
+    base = ""
+    if draft_fingerprint and draft_fingerprint.get("name"):
+        base = str(draft_fingerprint["name"]).rstrip("/").removeprefix("packaged:").split("/")[-1].removesuffix(".gguf")
+        base = re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-.")
+    kind = re.sub(r"[^a-z0-9._-]+", "-", kind.lower()).strip("-")
+    return f"specstop-{kind}-{base}" if base else f"specstop-{kind}"
+
+
+def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
+    """The given URI, else the configured one (MLFLOW_TRACKING_URI / mlflow.set_tracking_uri), else sqlite:///mlflow.db."""
+    if tracking_uri:
+        return tracking_uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    try:
+        from mlflow.tracking._tracking_service.utils import is_tracking_uri_set
+
+        if is_tracking_uri_set():
+            return mlflow.get_tracking_uri()
+    except ImportError:  # pragma: no cover - older/newer MLflow layout
+        pass
+    return DEFAULT_TRACKING_URI
+
+
+def check_reachable(uri: str, timeout: float | None = None) -> None:
+    """Raise TrackingUnreachable naming ``uri`` when an http(s) tracking server does not answer ``/health``."""
+    if not uri.startswith(("http://", "https://")):
+        if uri.startswith("sqlite:///"):
+            Path(uri.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        return
+    import requests
+
+    timeout = timeout if timeout is not None else float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", 10))
+    try:
+        requests.get(uri.rstrip("/") + "/health", timeout=timeout)
+    except requests.RequestException as e:
+        raise TrackingUnreachable(f"MLflow tracking server {uri} is unreachable ({type(e).__name__}: {e})") from e
+
+
+@contextlib.contextmanager
+def _uris(uri: str) -> Iterator[None]:
+    """Point MLflow's fluent API at ``uri`` (tracking and registry) and restore the previous setting afterwards."""
+    from mlflow.tracking._model_registry import utils as reg_utils
+    from mlflow.tracking._tracking_service import utils as trk_utils
+
+    old_t, old_r = getattr(trk_utils, "_tracking_uri", None), getattr(reg_utils, "_registry_uri", None)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        yield
+    finally:
+        trk_utils._tracking_uri = old_t
+        reg_utils._registry_uri = old_r
+
+
+# ---- the pyfunc wrapper ---------------------------------------------------------------------------------------------
+def frame_to_columns(frame: pd.DataFrame, policy: StopPolicy) -> dict[str, Any]:
+    """Record columns for ``policy`` from a DataFrame: scalar columns as is; a vector column either list-valued under
+    its own name or flattened into ``<name>_0 .. <name>_{w-1}``."""
+    spec = getattr(policy, "spec", None)
+    vectors = spec.vector_columns if spec is not None else {}
+    cols: dict[str, Any] = {}
+    for c in policy.required_columns:
+        if c in frame.columns:
+            v = frame[c].to_numpy()
+            cols[c] = np.stack([np.asarray(x, dtype=np.float32) for x in v]) if v.dtype == object else v.astype(np.float32)
+        elif c in vectors:
+            names = [f"{c}_{i}" for i in range(vectors[c])]
+            missing = [n for n in names if n not in frame.columns]
+            if missing:
+                raise KeyError(f"input frame lacks {c!r} (list-valued) or its flattened columns, e.g. {missing[:3]}")
+            cols[c] = frame[names].to_numpy(dtype=np.float32)
+        else:
+            raise KeyError(f"{policy.kind} needs the column {c!r}; the input frame has {list(frame.columns)[:20]}")
+    return cols
+
+
+def example_frame(policy: StopPolicy, n: int = 2) -> pd.DataFrame:
+    """A small valid flattened input frame for ``policy`` (used to infer the model signature)."""
+    spec = getattr(policy, "spec", None)
+    vectors = spec.vector_columns if spec is not None else {}
+    data: dict[str, np.ndarray] = {}
+    for c in policy.required_columns:
+        if c in vectors:
+            w = vectors[c]
+            vec = np.full(w, 1.0 / (w + 1)) if c == "draft_topk" else np.zeros(w)
+            for i in range(w):
+                data[f"{c}_{i}"] = np.full(n, vec[i], dtype=np.float64)
+        else:
+            data[c] = np.linspace(0.2, 0.8, n) if c != "position" else np.arange(n, dtype=np.float64)
+    return pd.DataFrame(data)
+
+
+class PredictorModel(mlflow.pyfunc.PythonModel):
+    """pyfunc wrapper: loads the export folder artifact; ``predict(frame)`` returns the continue scores."""
+
+    def load_context(self, context: Any) -> None:
+        from predictors.export import load_predictor
+
+        self.policy = load_predictor(context.artifacts["predictor"])
+
+    def predict(self, context: Any, model_input: pd.DataFrame, params: dict | None = None) -> np.ndarray:
+        return self.policy.score(frame_to_columns(model_input, self.policy)).numpy()
+
+
+# ---- register / download ----------------------------------------------------------------------------------------------
+def _better(new: float, old: float | None, higher_is_better: bool) -> bool:
+    if old is None or (isinstance(old, float) and math.isnan(old)):
+        return True
+    if isinstance(new, float) and math.isnan(new):
+        return False
+    return new > old if higher_is_better else new < old
+
+
+def register_predictor(
+    folder: Path,
+    name: str,
+    val_metric: float,
+    metric_name: str = "val_auc",
+    higher_is_better: bool = True,
+    run_id: str | None = None,
+    tracking_uri: str | None = None,
+) -> dict:
+    """Log the export ``folder`` as a pyfunc model, register it under ``name`` and maybe move ``champion`` to it.
+
+    Args:
+        folder: an export folder (``predictors.export.export_predictor``).
+        name: registered-model name (see :func:`registry_name`).
+        val_metric: the new version's validation metric (stored as the model-version tag ``metric_name``).
+        metric_name: tag name of the metric; champions are compared on it.
+        higher_is_better: direction of the comparison (the alias moves only on a strict improvement).
+        run_id: log the model into this run (e.g. ``MLFlowLogger.run_id``); None starts a new run.
+        tracking_uri: tracking / registry URI; default :func:`resolve_tracking_uri`.
+    Returns:
+        {"name", "version", "champion" (this version is now champion), "champion_version", "previous_champion",
+        "model_uri", "run_id", "tracking_uri"}.
+    Raises:
+        TrackingUnreachable: the server does not answer (the folder stays on disk).
+        RegistryError: MLflow refused to log / register.
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.models import infer_signature
+    from mlflow.tracking import MlflowClient
+
+    from predictors.export import load_predictor
+
+    folder = Path(folder)
+    uri = resolve_tracking_uri(tracking_uri)
+    policy = load_predictor(folder)  # validates the folder before anything is logged
+    example = example_frame(policy)
+    signature = infer_signature(example, policy.score(frame_to_columns(example, policy)).numpy().astype(np.float64))
+    check_reachable(uri)
+    try:
+        with _uris(uri):
+            run_ctx = mlflow.start_run(run_id=run_id) if run_id else mlflow.start_run(run_name=f"register-{name}")
+            with run_ctx as run:
+                info = mlflow.pyfunc.log_model(
+                    name="predictor",
+                    python_model=PredictorModel(),
+                    artifacts={"predictor": str(folder)},
+                    signature=signature,
+                    pip_requirements=["torch", "safetensors", "numpy", "pandas"],
+                    registered_model_name=name,
+                    await_registration_for=120,
+                )
+                used_run = run.info.run_id
+        client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+        version = str(info.registered_model_version)
+        client.set_model_version_tag(name, version, metric_name, repr(float(val_metric)))
+        client.set_model_version_tag(name, version, "kind", policy.kind)
+        previous: str | None = None
+        old_metric: float | None = None
+        try:
+            champ = client.get_model_version_by_alias(name, CHAMPION)
+            previous = str(champ.version)
+            raw = champ.tags.get(metric_name)
+            old_metric = float(raw) if raw is not None else None
+        except MlflowException:
+            champ = None  # no champion yet
+        promoted = _better(float(val_metric), old_metric, higher_is_better)
+        if promoted:
+            client.set_registered_model_alias(name, CHAMPION, version)
+    except MlflowException as e:
+        raise RegistryError(f"MLflow at {uri} failed to register {name!r} from {folder}: {e}; the export stays at {folder}") from e
+    except OSError as e:  # connection errors surfacing from requests / sqlite
+        raise TrackingUnreachable(f"MLflow tracking at {uri} failed ({e}); the export stays at {folder}") from e
+    log.info("registered %s version %s (%s=%s)%s", name, version, metric_name, val_metric, " as champion" if promoted else "")
+    return {
+        "name": name,
+        "version": int(version),
+        "champion": promoted,
+        "champion_version": int(version) if promoted else (int(previous) if previous else None),
+        "previous_champion": int(previous) if previous else None,
+        "model_uri": f"models:/{name}/{version}",
+        "run_id": used_run,
+        "tracking_uri": uri,
+    }
+
+
+def download_model(ref: str, tracking_uri: str | None = None, dst: str | Path | None = None) -> Path:
+    """Download a registered model's artifacts (``models:/<name>@<alias>`` or ``models:/<name>/<version>``) and return
+    the export folder inside (the one holding ``predictor.json``)."""
+    from mlflow.exceptions import MlflowException
+
+    uri = resolve_tracking_uri(tracking_uri)
+    check_reachable(uri)
+    dst = Path(dst) if dst else Path(tempfile.mkdtemp(prefix="specstop-model-"))
+    try:
+        path = mlflow.artifacts.download_artifacts(artifact_uri=ref, dst_path=str(dst), tracking_uri=uri, registry_uri=uri)
+    except MlflowException as e:
+        raise RegistryError(f"cannot download {ref} from MLflow at {uri}: {e}") from e
+    found = sorted(Path(path).rglob("predictor.json"))
+    if not found:
+        raise RegistryError(f"{ref} (MLflow at {uri}) holds no predictor.json; not a specstop predictor")
+    return found[0].parent

@@ -1,0 +1,376 @@
+"""Training of the learned predictors with a Lightning Trainer (EarlyStopping + ModelCheckpoint, seeds fixed).
+
+``fit_predictor(kind, cfg, data_dir, out_dir, logger)`` trains one predictor from a folder of Parquet shards and returns
+``(policy, metrics)``; the caller (``python -m pipelines.train``) exports, registers and aggregates. The distributed
+setup is config, not code: ``accelerator`` / ``strategy`` / ``devices`` are passed to the Trainer as given
+(e.g. ``strategy="ddp", devices=2``).
+
+Usage::
+
+    policy, metrics = fit_predictor("disco", DiscoConfig(max_epochs=20), "data/shards", "runs/disco", logger=mlf_logger)
+    metrics["val_auc"], metrics["val_loss"]
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from predictors.base import StopPolicy
+from predictors.labels import LABEL_FAMILIES, label_name
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TrainConfig", "DiscoConfig", "SprinterConfig", "SVTableConfig", "CONFIGS", "fit_predictor", "binary_metrics"]
+
+PAPER_LAMBDAS = (1.0, 1.2, 1.5)
+
+
+@dataclass
+class TrainConfig:
+    """Settings shared by every predictor's training."""
+
+    lr: float = 1e-3
+    """Adam learning rate."""
+    weight_decay: float = 0.0
+    """Adam weight decay."""
+    batch_size: int = 256
+    """Training and evaluation batch size."""
+    max_epochs: int = 30
+    """Most training epochs (EarlyStopping usually stops earlier)."""
+    patience: int = 3
+    """EarlyStopping patience in epochs without a lower val_loss."""
+    label_family: str = "greedy"
+    """Label family (predictors.labels): greedy, ratio (q/p <= lam) or soft (min(1, p/q))."""
+    lam: float = 1.0
+    """Lambda of the ratio family (SPRINTER: 1, 1.2 or 1.5; larger accepts more)."""
+    pos_weight: float | None = None
+    """BCE weight of the positive class; None = n_neg / n_pos of the training split (balanced); 1.0 = unweighted."""
+    threshold: float = 0.5
+    """Decision threshold of the exported policy (keep drafting while score >= threshold); tuned later on validation."""
+    max_draft_len: int = 40
+    """Hard cap on the draft length of the policy."""
+    seed: int = 0
+    """Seed of everything (lightning.seed_everything, data shuffling)."""
+    accelerator: str = "cpu"
+    """Lightning accelerator: cpu, gpu, auto..."""
+    strategy: str = "auto"
+    """Lightning strategy: auto, ddp, ddp_spawn, fsdp..."""
+    devices: int | str = 1
+    """Lightning devices: a count, a list string like "0,1", or "auto"."""
+    num_nodes: int = 1
+    """Lightning num_nodes (multi-node DDP)."""
+    num_workers: int = 0
+    """DataLoader worker processes."""
+    deterministic: bool = True
+    """Lightning deterministic mode."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay} must be >= 0")
+        if self.batch_size <= 0:
+            raise ValueError(f"batch_size={self.batch_size} must be > 0")
+        if self.max_epochs <= 0:
+            raise ValueError(f"max_epochs={self.max_epochs} must be > 0")
+        if self.patience < 0:
+            raise ValueError(f"patience={self.patience} must be >= 0")
+        if self.label_family not in LABEL_FAMILIES:
+            raise ValueError(f"label_family={self.label_family!r}: use one of {LABEL_FAMILIES}")
+        if self.lam <= 0:
+            raise ValueError(f"lam={self.lam} must be > 0")
+        if self.pos_weight is not None and self.pos_weight <= 0:
+            raise ValueError(f"pos_weight={self.pos_weight} must be > 0 (or None for balanced)")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold={self.threshold} must be in [0, 1]")
+        if self.max_draft_len <= 0:
+            raise ValueError(f"max_draft_len={self.max_draft_len} must be > 0")
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers={self.num_workers} must be >= 0")
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """Trainer arguments of the distributed setup."""
+        return {"accelerator": self.accelerator, "strategy": self.strategy, "devices": self.devices,
+                "num_nodes": self.num_nodes, "deterministic": self.deterministic}
+
+
+@dataclass
+class DiscoConfig(TrainConfig):
+    """DISCO FFN: 2 layers on top-k probabilities + their entropy + position [+ explicit training-free scores]."""
+
+    hidden_size: int = 64
+    """Width of the FFN's hidden layer."""
+    dropout: float = 0.0
+    """Dropout after the hidden layer."""
+    top_k: int = 10
+    """Top-k width of the input; must equal the data's draft_topk width."""
+    position_scale: float = 40.0
+    """The position enters as position / position_scale."""
+    extra_features: tuple[str, ...] = ()
+    """Training-free scores appended as explicit inputs: any of draft_max_prob, draft_entropy."""
+    tv_weight: float = 0.0
+    """Weight of the TV-distance regression term (0 = BCE only); adds a TV head."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.hidden_size <= 0:
+            raise ValueError(f"hidden_size={self.hidden_size} must be > 0")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.top_k <= 0:
+            raise ValueError(f"top_k={self.top_k} must be > 0")
+        if self.position_scale <= 0:
+            raise ValueError(f"position_scale={self.position_scale} must be > 0")
+        from predictors.inputs import DISCO_EXTRAS
+
+        self.extra_features = tuple(self.extra_features)
+        bad = [e for e in self.extra_features if e not in DISCO_EXTRAS]
+        if bad:
+            raise ValueError(f"extra_features has unknown entries {bad}; allowed: {DISCO_EXTRAS}")
+        if self.tv_weight < 0:
+            raise ValueError(f"tv_weight={self.tv_weight} must be >= 0")
+        if self.label_family == "soft":
+            raise ValueError("label_family='soft' is not a binary label; DISCO uses greedy (or ratio)")
+
+
+@dataclass
+class SprinterConfig(TrainConfig):
+    """SPRINTER verifier: one linear layer + sigmoid on the draft's last hidden state."""
+
+    label_family: str = "ratio"
+    """Label family; SPRINTER uses ratio: q/p <= lam."""
+    lr: float = 1e-2
+    """Adam learning rate (a single linear layer tolerates a larger step)."""
+    hidden_size: int | None = None
+    """Hidden-state width; None = read from the data (a number is checked against the data)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.label_family == "soft":
+            raise ValueError("label_family='soft' is not a binary label; SPRINTER uses ratio (q/p <= lam)")
+        if self.label_family == "ratio" and self.lam not in PAPER_LAMBDAS:
+            log.warning("SPRINTER lam=%s is outside the paper's values %s", self.lam, PAPER_LAMBDAS)
+        if self.hidden_size is not None and self.hidden_size <= 0:
+            raise ValueError(f"hidden_size={self.hidden_size} must be > 0 (or None to read it from the data)")
+
+
+@dataclass
+class SVTableConfig(TrainConfig):
+    """SV bin table over (S, A_c), fitted in one pass without gradients."""
+
+    label_family: str = "soft"
+    """The cell value is the mean of this label; SV uses soft: min(1, p/q)."""
+    batch_size: int = 4096
+    """Batch size of the one counting pass."""
+    max_epochs: int = 1
+    """One pass (the table is fitted at the end of the epoch); must be 1."""
+    s_bins: int = 20
+    """Equal-count bins of the draft-companion similarity S (paper: 10-30)."""
+    a_bins: int = 10
+    """Equal-count bins of the companion acceptance A_c (paper: 10-20)."""
+    prior_count: float = 5.0
+    """Smoothing: pseudo-count pulling a cell toward its S row's mean (the row toward the global mean)."""
+    ig_levels: int = 0
+    """A's discretisation for the information gain: 0 = binary accept event ~ Bernoulli(accept_prob); L = L levels."""
+    auc_label: str = "greedy"
+    """Binary label the reported val_auc of the cell values is computed against (greedy, or ratio with lam)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_epochs != 1:
+            raise ValueError(f"max_epochs={self.max_epochs}: the SV table is fitted in one pass, use 1")
+        if not 1 <= self.s_bins <= 1000:
+            raise ValueError(f"s_bins={self.s_bins} must be in [1, 1000] (paper: 10-30)")
+        if not 1 <= self.a_bins <= 1000:
+            raise ValueError(f"a_bins={self.a_bins} must be in [1, 1000] (paper: 10-20)")
+        if self.prior_count < 0:
+            raise ValueError(f"prior_count={self.prior_count} must be >= 0")
+        if self.ig_levels < 0:
+            raise ValueError(f"ig_levels={self.ig_levels} must be >= 0")
+        if self.auc_label not in ("greedy", "ratio"):
+            raise ValueError(f"auc_label={self.auc_label!r}: use greedy or ratio")
+
+
+CONFIGS: dict[str, type[TrainConfig]] = {"disco": DiscoConfig, "sprinter": SprinterConfig, "sv": SVTableConfig}
+
+
+def binary_metrics(scores: np.ndarray, labels: np.ndarray, threshold: float, prefix: str = "val_") -> dict[str, float]:
+    """AUC (scikit-learn), unweighted BCE, accuracy, precision, recall and F1 at ``threshold``."""
+    from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score, roc_auc_score
+
+    y = (np.asarray(labels) > 0.5).astype(int)
+    s = np.asarray(scores, dtype=np.float64)
+    pred = (s >= threshold).astype(int)
+    out = {
+        "auc": float(roc_auc_score(y, s)) if len(np.unique(y)) == 2 else float("nan"),
+        "bce": float(F.binary_cross_entropy(torch.from_numpy(s).clamp(1e-6, 1 - 1e-6), torch.from_numpy(y).double())),
+        "accuracy": float(accuracy_score(y, pred)),
+        "precision": float(precision_score(y, pred, zero_division=0)),
+        "recall": float(recall_score(y, pred, zero_division=0)),
+        "f1": float(f1_score(y, pred, zero_division=0)),
+    }
+    return {prefix + k: v for k, v in out.items()}
+
+
+def _trainer(cfg: TrainConfig, out_dir: Path, logger: Any, callbacks: list, max_epochs: int, n_batches: int):
+    import pytorch_lightning as pl
+    from pytorch_lightning.loggers import CSVLogger
+
+    if logger is None:
+        logger = CSVLogger(str(out_dir), name="logs")
+    return pl.Trainer(
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        logger=logger,
+        default_root_dir=str(out_dir),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=max(1, min(50, n_batches)),
+        **cfg.trainer_kwargs(),
+    )
+
+
+def fit_predictor(
+    kind: str, cfg: TrainConfig, data_dir: str | Path, out_dir: str | Path, logger: Any = None
+) -> tuple[StopPolicy, dict[str, float]]:
+    """Train one predictor on the shards under ``data_dir``; checkpoints and logs go to ``out_dir``.
+
+    Args:
+        kind: "disco", "sprinter" or "sv".
+        cfg: the matching config (DiscoConfig, SprinterConfig, SVTableConfig).
+        data_dir: folder of Parquet shards (``predictors.datamodule``).
+        out_dir: checkpoints (``out_dir/checkpoints``) and, without a logger, CSV logs (``out_dir/logs``).
+        logger: a Lightning logger (MLFlowLogger in the main job) receiving per-epoch metrics and the summary metrics
+            (prefixed ``final_``); None logs to CSV under ``out_dir``.
+    Returns:
+        (policy, metrics): the policy carries the best-val-loss weights, ``cfg.threshold`` and ``policy.train_info``
+        (resolved config, label, metrics, checkpoint path; exported by ``predictors.export``). metrics include
+        ``val_auc`` (scikit-learn, val split), ``val_loss`` (the checkpointed val loss), ``val_bce``/``f1``/...,
+        ``best_epoch``, ``epochs_run``, ``n_train``, ``n_val``, ``train_pos_rate``, ``pos_weight``; for SV also the
+        information gain in bits on train and val.
+    """
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+
+    from predictors.datamodule import ShardDataModule
+
+    if kind not in CONFIGS:
+        raise ValueError(f"unknown predictor kind {kind!r}; use one of {sorted(CONFIGS)}")
+    if not isinstance(cfg, CONFIGS[kind]):
+        raise TypeError(f"fit_predictor({kind!r}) needs a {CONFIGS[kind].__name__}, got {type(cfg).__name__}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    options: dict[str, Any] = {}
+    if isinstance(cfg, DiscoConfig):
+        options = {"top_k": cfg.top_k, "position_scale": cfg.position_scale, "extra": cfg.extra_features}
+    elif isinstance(cfg, SprinterConfig):
+        options = {"hidden_size": cfg.hidden_size}
+    dm = ShardDataModule(
+        data_dir, kind, cfg.label_family, cfg.lam, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
+        seed=cfg.seed, tv_target=isinstance(cfg, DiscoConfig) and cfg.tv_weight > 0, feature_options=options,
+    )
+    dm.setup("fit")
+    assert dm.spec is not None
+    x_tr, y_tr, _ = dm.tensors["train"]
+    x_val, y_val, _ = dm.tensors["val"]
+    n_batches = max(1, -(-x_tr.shape[0] // cfg.batch_size))
+    metrics: dict[str, float] = {"n_train": float(x_tr.shape[0]), "n_val": float(x_val.shape[0]),
+                                 "train_pos_rate": float(y_tr.mean()), "val_pos_rate": float(y_val.mean())}
+    ckpt_dir = out_dir / "checkpoints"
+
+    if kind == "sv":
+        policy, m = _fit_sv(cfg, dm, out_dir, logger, n_batches, ckpt_dir)  # type: ignore[arg-type]
+        metrics.update(m)
+    else:
+        policy, m = _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir)
+        metrics.update(m)
+    policy.train_info = {
+        "config": asdict(cfg),
+        "label": {"family": cfg.label_family, "lam": cfg.lam, "name": label_name(cfg.label_family, cfg.lam)},
+        "metrics": metrics,
+        "data_dir": str(data_dir),
+        "checkpoint": metrics.pop("_checkpoint", ""),  # type: ignore[arg-type]
+    }
+    if logger is not None:
+        logger.log_metrics({f"final_{k}": v for k, v in metrics.items() if np.isfinite(v)})
+    return policy, metrics
+
+
+def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[StopPolicy, dict[str, Any]]:
+    from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+
+    from predictors.disco import DiscoPolicy
+    from predictors.lightning_modules import DiscoModule, SprinterModule
+    from predictors.sprinter import SprinterPolicy
+
+    x_tr, y_tr, _ = dm.tensors["train"]
+    n_pos = float(y_tr.sum())
+    pos_weight = cfg.pos_weight if cfg.pos_weight is not None else (y_tr.numel() - n_pos) / n_pos
+    if kind == "disco":
+        module = DiscoModule(dm.spec.width, cfg.hidden_size, cfg.dropout, cfg.tv_weight, cfg.lr, cfg.weight_decay, pos_weight)
+    else:
+        module = SprinterModule(dm.spec.width, cfg.lr, cfg.weight_decay, pos_weight)
+    module.net.norm.fit(x_tr)
+    ckpt = ModelCheckpoint(dirpath=str(ckpt_dir), filename=f"{kind}-best", monitor="val_loss", mode="min",
+                           save_top_k=1, enable_version_counter=False)
+    stop = EarlyStopping(monitor="val_loss", mode="min", patience=cfg.patience)
+    trainer = _trainer(cfg, out_dir, logger, [ckpt, stop], cfg.max_epochs, n_batches)
+    trainer.fit(module, datamodule=dm)
+    best = ckpt.best_model_path
+    best_epoch = trainer.current_epoch - 1
+    if best:
+        saved = torch.load(best, map_location="cpu", weights_only=False)
+        module.load_state_dict(saved["state_dict"])
+        best_epoch = int(saved.get("epoch", best_epoch))
+    net = module.net.cpu().eval()
+    with torch.no_grad():
+        scores = torch.sigmoid(net(dm.tensors["val"][0])).numpy()
+    m: dict[str, Any] = binary_metrics(scores, dm.tensors["val"][1].numpy(), cfg.threshold)
+    m["val_loss"] = float(ckpt.best_model_score) if ckpt.best_model_score is not None else m["val_bce"]
+    m.update({"pos_weight": float(pos_weight), "epochs_run": float(trainer.current_epoch), "best_epoch": float(max(best_epoch, 0)),
+              "_checkpoint": best})
+    policy_cls = DiscoPolicy if kind == "disco" else SprinterPolicy
+    return policy_cls(net, dm.spec, cfg.threshold, cfg.max_draft_len), m
+
+
+def _fit_sv(cfg: SVTableConfig, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[StopPolicy, dict[str, Any]]:
+    from predictors.labels import derive_label
+    from predictors.lightning_modules import SVTableModule
+    from predictors.sv_table import SVPolicy
+
+    module = SVTableModule(cfg.s_bins, cfg.a_bins, cfg.prior_count)
+    trainer = _trainer(cfg, out_dir, logger, [], 1, n_batches)
+    trainer.fit(module, train_dataloaders=dm.train_dataloader())
+    val = trainer.validate(module, dataloaders=dm.val_dataloader(), verbose=False)[0]
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / "sv-table.ckpt"
+    trainer.save_checkpoint(str(path))
+    table = module.net.cpu().eval()
+    x_val, y_val, _ = dm.tensors["val"]
+    with torch.no_grad():
+        scores = table(x_val).numpy()
+    raw = dm.raw["val"]
+    if cfg.auc_label == "greedy" and "greedy_match" in raw:
+        auc_labels = raw["greedy_match"].astype(np.float32)
+    else:  # ratio label at lam from q, p (loaded when available) or accept == 1 (q <= p)
+        auc_labels = (y_val.numpy() >= 1.0 - 1e-6).astype(np.float32) if cfg.lam == 1.0 else derive_label(raw, "ratio", cfg.lam)
+    m: dict[str, Any] = binary_metrics(scores, auc_labels, cfg.threshold)
+    m["val_loss"] = float(val["val_loss"])
+    m["val_mse"] = float(val["val_mse"])
+    x_tr, y_tr, _ = dm.tensors["train"]
+    info_tr = table.information_gain(x_tr[:, 0], x_tr[:, 1], y_tr, levels=cfg.ig_levels)
+    info_val = table.information_gain(x_val[:, 0], x_val[:, 1], y_val, levels=cfg.ig_levels)
+    m.update({f"train_{k}": v for k, v in info_tr.items()})
+    m.update({f"val_{k}": v for k, v in info_val.items()})
+    m.update({"s_bins": float(table.s_bins), "a_bins": float(table.a_bins), "epochs_run": 1.0, "best_epoch": 0.0,
+              "_checkpoint": str(path)})
+    return SVPolicy(table, dm.spec, cfg.threshold, cfg.max_draft_len), m
