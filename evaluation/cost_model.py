@@ -107,12 +107,14 @@ class CostModel:
         d["target_s"] = {str(k): v for k, v in sorted(self.target_s.items())}
         return d
 
-    def to_json(self, path: str | Path) -> Path:
-        """Write the cost model as JSON; returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2))
-        return path
+    def to_json(self, path: str | Path | None = None) -> str:
+        """The cost model as a JSON string; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        return text
 
     @classmethod
     def from_json(cls, path: str | Path) -> CostModel:

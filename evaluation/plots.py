@@ -1,0 +1,108 @@
+"""PNG plots of the evaluation report (matplotlib, Agg backend): ROC overlay, threshold vs predicted speedup, oracle draft
+length histogram, acceptance against draft entropy (SVIP's Figure 2).
+
+Usage::
+
+    from evaluation.plots import plot_roc
+    plot_roc(roc_points(columns, policies), "out/roc.png")
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+__all__ = ["plot_roc", "plot_threshold_speedup", "plot_oracle_hist", "plot_accept_vs_entropy"]
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_roc(roc: Mapping[str, tuple[np.ndarray, np.ndarray, float]], path: str | Path, title: str = "ROC") -> Path:
+    """Overlay of ROC curves: name -> (fpr, tpr, auc) (from ``evaluation.classification.roc_points``)."""
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for name, (fpr, tpr, auc) in sorted(roc.items(), key=lambda kv: -kv[1][2]):
+        ax.plot(fpr, tpr, label=f"{name} (AUC {auc:.3f})")
+    ax.plot([0, 1], [0, 1], "k--", lw=0.8, label="chance")
+    ax.set(xlabel="false positive rate", ylabel="true positive rate", title=title, xlim=(0, 1), ylim=(0, 1.01))
+    if not roc:
+        ax.text(0.5, 0.5, "no scorer could be evaluated\n(one class only, or missing columns)", ha="center")
+    ax.legend(fontsize=7, loc="lower right")
+    return _save(fig, path)
+
+
+def plot_threshold_speedup(sweep: pd.DataFrame, table: pd.DataFrame | None, path: str | Path, title: str = "") -> Path:
+    """Predicted speedup against threshold per policy, with the best static length and the oracle as reference lines."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    if sweep is not None and len(sweep):
+        for name, g in sweep.groupby("policy", sort=False):
+            g = g.sort_values("threshold")
+            ax.plot(g["threshold"], g["speedup"], marker=".", label=str(name))
+    if table is not None and len(table) and "speedup" in table:
+        refs = table[table["policy"].str.startswith(("static-best", "oracle"))]
+        for _, r in refs.iterrows():
+            if np.isfinite(r["speedup"]):
+                ax.axhline(r["speedup"], ls="--", lw=0.9, color="gray")
+                ax.text(ax.get_xlim()[0], r["speedup"], f" {r['policy']} {r['speedup']:.2f}x", fontsize=7, va="bottom")
+    ax.axhline(1.0, color="k", lw=0.6)
+    ax.set(xlabel="threshold (policy score scale)", ylabel="predicted speedup vs target only",
+           title=title or "threshold vs predicted speedup (replay)")
+    if sweep is None or not len(sweep):
+        ax.text(0.5, 0.5, "no threshold sweep", transform=ax.transAxes, ha="center")
+    else:
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_oracle_hist(columns: Mapping[str, Any], path: str | Path, max_len: int = 40) -> Path:
+    """Histogram of the oracle draft length (``oracle_len``), censored runs stacked separately."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if "oracle_len" in columns and len(np.asarray(columns["oracle_len"])):
+        L = np.minimum(np.asarray(columns["oracle_len"], dtype=np.int64), max_len)
+        cens = np.asarray(columns.get("oracle_censored", np.zeros(len(L), bool)), dtype=bool)
+        bins = np.arange(0, max_len + 2) - 0.5
+        ax.hist([L[~cens], L[cens]], bins=bins, stacked=True, label=["ended by a mismatch", "censored (end of rollout)"])
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        ax.set_title(f"oracle draft length (n={len(L)}, mean {L.mean():.2f}, capped at {max_len})")
+    else:
+        ax.text(0.5, 0.5, "no oracle_len column", transform=ax.transAxes, ha="center")
+    ax.set(xlabel="consecutive greedy matches from this token", ylabel="tokens")
+    return _save(fig, path)
+
+
+def plot_accept_vs_entropy(columns: Mapping[str, Any], path: str | Path, bins: int = 20) -> Path:
+    """SVIP Figure 2 style: draft entropy (equal-count bins) against mean acceptance min(1, p/q) and greedy-match rate,
+    with SVIP's 1 - sqrt(0.15 H) and AdaEDL's 1 - sqrt(0.2 H) bounds for reference."""
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    if "draft_entropy" in columns and len(np.asarray(columns["draft_entropy"])):
+        H = np.asarray(columns["draft_entropy"], dtype=np.float64)
+        edges = np.unique(np.quantile(H, np.linspace(0, 1, bins + 1)))
+        idx = np.clip(np.searchsorted(edges, H, side="right") - 1, 0, max(len(edges) - 2, 0))
+        centers = np.array([H[idx == b].mean() for b in range(len(edges) - 1) if (idx == b).any()])
+        for col, label in (("accept_prob", "mean min(1, p/q)"), ("greedy_match", "greedy-match rate")):
+            if col in columns:
+                v = np.asarray(columns[col], dtype=np.float64)
+                ax.plot(centers, [v[idx == b].mean() for b in range(len(edges) - 1) if (idx == b).any()], "o-", label=label)
+        hh = np.linspace(0, max(H.max(), 1e-3), 100)
+        ax.plot(hh, 1 - np.sqrt(0.15 * hh), "k--", lw=0.8, label="SVIP 1 - sqrt(0.15 H)")
+        ax.plot(hh, 1 - np.sqrt(0.2 * hh), "k:", lw=0.8, label="AdaEDL 1 - sqrt(0.2 H)")
+        ax.set_ylim(-0.05, 1.05)
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no draft_entropy column", transform=ax.transAxes, ha="center")
+    ax.set(xlabel="draft entropy H(q) (nats)", ylabel="acceptance", title="acceptance against draft entropy")
+    return _save(fig, path)

@@ -1,0 +1,253 @@
+"""The evaluation report: report.md with the measured tables, PNG plots and CSVs in one folder, logged to MLflow.
+
+Usage::
+
+    from evaluation.report import write_report
+    path = write_report("runs/eval", classification=cls_df, replay=rep_df, sweep=sweep_df, sprinter=spr_df,
+                        cost_model=cm, columns=columns, policies=policies, tracking=True,
+                        command="python -m pipelines.evaluate --data_dir data --out_dir runs/eval")
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from evaluation.cost_model import CostModel
+from predictors.base import StopPolicy
+
+__all__ = ["write_report", "markdown_table", "report_metrics"]
+
+log = logging.getLogger(__name__)
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, (bool, np.bool_)):
+        return str(bool(v))
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, (float, np.floating)):
+        if math.isnan(v):
+            return "NaN"
+        return f"{v:.{digits}f}" if abs(v) < 1e5 else f"{v:.3g}"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+INT_COLUMNS = {"n", "n_seqs", "n_rounds", "rounds", "censored_rounds", "static_best_k"}
+"""Columns printed as integers (pandas turns them into floats when a row has NaN)."""
+
+
+def markdown_table(df: pd.DataFrame | None, columns: Sequence[str] | None = None, digits: int = 3) -> str:
+    """A pipe table of ``df`` (only ``columns`` that exist); '(empty)' for no rows."""
+    if df is None or not len(df):
+        return "(empty)\n"
+    cols = [c for c in (columns or df.columns) if c in df.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, r in df[cols].iterrows():
+        cells = []
+        for c in cols:
+            v = r[c]
+            if c in INT_COLUMNS and isinstance(v, (float, np.floating)) and np.isfinite(v):
+                v = int(v)
+            cells.append(_fmt(v, digits))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _ci(df: pd.DataFrame, m: str) -> pd.Series:
+    if f"{m}_lo" not in df:
+        return df[m].map(_fmt)
+    return [
+        f"{_fmt(v)} [{_fmt(lo)}, {_fmt(hi)}]" if np.isfinite(lo) else _fmt(v)
+        for v, lo, hi in zip(df[m], df[f"{m}_lo"], df[f"{m}_hi"])
+    ]
+
+
+def _metric_key(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_\-. /]", "_", s)
+
+
+def report_metrics(classification: pd.DataFrame | None, replay: pd.DataFrame | None) -> dict[str, float]:
+    """Flat metrics for MLflow: ``auc/<label>/<policy>``, ``pr_auc/...``, ``f1_opt/...``, ``speedup/<policy>``,
+    ``tokens_per_call/<policy>``."""
+    out: dict[str, float] = {}
+    if classification is not None and len(classification):
+        heads = classification[classification["group_by"] == "all"]
+        for _, r in heads.iterrows():
+            for m in ("auc", "pr_auc", "f1_opt", "f1_own"):
+                v = r.get(m)
+                if v is not None and np.isfinite(v):
+                    out[_metric_key(f"{m}/{r['label']}/{r['policy']}")] = float(v)
+    if replay is not None and len(replay) and "speedup" in replay:
+        for _, r in replay.iterrows():
+            for m in ("speedup", "tokens_per_call"):
+                v = r.get(m)
+                if v is not None and np.isfinite(v):
+                    out[_metric_key(f"{m}/{r['policy']}")] = float(v)
+    return out
+
+
+def _log_mlflow(out_dir: Path, metrics: Mapping[str, float]) -> bool:
+    try:
+        import mlflow
+    except ImportError:
+        return False
+    if mlflow.active_run() is None:
+        return False
+    mlflow.log_artifacts(str(out_dir), artifact_path="evaluation")
+    if metrics:
+        mlflow.log_metrics({f"eval/{k}": v for k, v in metrics.items()})
+    return True
+
+
+def write_report(
+    out_dir: str | Path,
+    *,
+    classification: pd.DataFrame | None = None,
+    replay: pd.DataFrame | None = None,
+    sweep: pd.DataFrame | None = None,
+    sprinter: pd.DataFrame | None = None,
+    cost_model: CostModel | None = None,
+    columns: Mapping[str, Any] | None = None,
+    policies: Mapping[str, StopPolicy | None] | None = None,
+    tracking: bool = True,
+    command: str = "",
+    notes: Sequence[str] = (),
+    tuned: Mapping[str, tuple[float, float]] | None = None,
+    roc_label: tuple[str, float] = ("greedy", 1.0),
+) -> Path:
+    """Write report.md, plots/*.png and the tables as CSV into ``out_dir``; log them to the active MLflow run.
+
+    Args:
+        out_dir: report folder (created).
+        classification: :func:`evaluation.classification.score_table` output.
+        replay, sweep: :func:`evaluation.replay.replay_table` outputs.
+        sprinter: :func:`evaluation.classification.sprinter_table` output.
+        cost_model: the cost model the speedups use (None: speedups unavailable, said in the report).
+        columns: the evaluated records (for the ROC overlay, the oracle histogram and the entropy plot).
+        policies: the learned / extra policies (added to the ROC overlay next to the built-in scores).
+        tracking: log the folder (``mlflow.log_artifacts``) and metrics when an MLflow run is active.
+        command: the command that reproduces the numbers.
+        notes: extra lines for the report header (data selection, fallbacks).
+        tuned: policy name -> (threshold, val speedup) from ``tune_threshold``.
+        roc_label: (family, lambda) of the ROC overlay.
+    Returns:
+        path of report.md.
+    """
+    from evaluation.classification import roc_points
+    from evaluation.plots import plot_accept_vs_entropy, plot_oracle_hist, plot_roc, plot_threshold_speedup
+    from predictors.labels import label_name
+
+    out = Path(out_dir)
+    plots = out / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    for name, df in (("classification", classification), ("replay", replay), ("sweep", sweep), ("sprinter", sprinter)):
+        if df is not None:
+            df.to_csv(out / f"{name}.csv", index=False)
+    if cost_model is not None:
+        cost_model.to_json(out / "cost_model.json")
+
+    pngs: dict[str, Path] = {}
+    if columns is not None:
+        try:
+            roc = roc_points(columns, policies or {}, *roc_label)
+        except KeyError as e:
+            roc = {}
+            log.warning("ROC overlay skipped: %s", e)
+        pngs["roc"] = plot_roc(roc, plots / "roc.png", f"ROC, label {label_name(*roc_label)}")
+        pngs["oracle"] = plot_oracle_hist(columns, plots / "oracle_len_hist.png")
+        pngs["entropy"] = plot_accept_vs_entropy(columns, plots / "accept_vs_entropy.png")
+    ref_rows = replay
+    if replay is not None and sweep is not None and len(sweep) and "mode" in sweep and "mode" in replay:
+        ref_rows = replay[replay["mode"] == sweep["mode"].iloc[0]]
+    sweep_title = f"threshold vs predicted speedup ({sweep['mode'].iloc[0]} replay)" if (
+        sweep is not None and len(sweep) and "mode" in sweep) else ""
+    pngs["sweep"] = plot_threshold_speedup(sweep, ref_rows, plots / "threshold_speedup.png", sweep_title)
+
+    md: list[str] = ["# specstop evaluation report", ""]
+    if command:
+        md += ["Reproduce with:", "", "```", command, "```", ""]
+    for n in notes:
+        md.append(f"- {n}")
+    if columns is not None:
+        n = len(np.asarray(next(iter(columns.values()))))
+        md.append(f"- tokens evaluated: {n}")
+    if cost_model is None:
+        md.append("- **speedups unavailable**: no cost model (cost_model.json) was given; replay reports tokens per call only.")
+    else:
+        md.append(f"- cost model: {cost_model.describe()}")
+        if cost_model.assumed:
+            md.append("- **every speedup below uses an ASSUMED cost model, not a measurement on this machine.**")
+    md.append("")
+
+    if classification is not None and len(classification):
+        heads = classification[classification["group_by"] == "all"].copy()
+        md += ["## Classification (test split)", "",
+               "ROC AUC, PR-AUC (average precision) and F1 with 95% bootstrap intervals over prompts; soft labels count each "
+               "token as a positive with weight min(1,p/q) and a negative with the rest. `f1_static_best`: DISCO's best "
+               "static draft length (accept where position < k).", ""]
+        heads["auc (CI)"] = _ci(heads, "auc")
+        heads["pr_auc (CI)"] = _ci(heads, "pr_auc")
+        heads["f1_own (CI)"] = _ci(heads, "f1_own")
+        for label, g in heads.groupby("label", sort=False):
+            md += [f"### label: {label}", ""]
+            md.append(markdown_table(g, ["policy", "n", "pos_rate", "auc (CI)", "pr_auc (CI)", "threshold", "f1_own (CI)",
+                                         "f1_opt", "thr_f1_opt", "static_best_k", "f1_static_best", "f1_gain_vs_static",
+                                         "reason"]))
+        br = classification[classification["group_by"] != "all"]
+        if len(br):
+            md += ["### Breakdown by origin and domain (greedy-match label)", ""]
+            g = br[br["family"] == "greedy"] if (br["family"] == "greedy").any() else br
+            md.append(markdown_table(g, ["group_by", "group", "policy", "n", "pos_rate", "auc", "pr_auc", "f1_own", "reason"]))
+        md.append("")
+
+    if sprinter is not None and len(sprinter):
+        md += ["## SPRINTER theory against the data", "",
+               "TPR / FPR at each policy's own threshold against q/p <= lambda; Theorem 1: TV(p, p_SPRINTER) = FPR x mean TV; "
+               "Theorem 2: expected tokens before a target call with r = measured acceptable run per round, against the "
+               "replayed count along draft rollouts.", ""]
+        md.append(markdown_table(sprinter, ["policy", "lam", "threshold", "tpr", "fpr", "mean_tv", "tv_bound",
+                                            "accept_rate_thm1", "rounds", "censored_rounds", "mean_r",
+                                            "e_tokens_theorem2", "e_tokens_replayed", "reason"]))
+
+    if replay is not None and len(replay):
+        md += ["## Offline replay", "",
+               "Tokens per target call = mean accepted + 1; wasted = drafted but not accepted, per round; speedup = "
+               "predicted over target-only decoding under the cost model. Greedy replays accept up to the first mismatch; "
+               "sampling replays use the expected acceptance.", ""]
+        cols = ["policy", "kind", "threshold", "verification", "n_rounds", "tokens_per_call", "mean_accepted",
+                "drafted_per_round", "wasted_per_round", "speedup", "reason"]
+        if cost_model is None:
+            cols.remove("speedup")
+        groups = replay.groupby("mode", sort=False) if "mode" in replay else [("", replay)]
+        for mode, g in groups:
+            md += [f"### {mode} verification" if mode else "### replay", ""]
+            for col in ("sequences", "exact_accepts"):
+                if col in g and g[col].notna().any():
+                    md.append(f"- {col}: {g[col].dropna().iloc[0]}")
+            md += ["", markdown_table(g, cols)]
+    if tuned:
+        md += ["### Thresholds tuned for latency on the validation split", ""]
+        md.append(markdown_table(pd.DataFrame([{"policy": k, "threshold": v[0], "val_speedup": v[1]}
+                                               for k, v in tuned.items()])))
+    md += ["## Plots", ""]
+    titles = {"roc": "ROC overlay", "sweep": "threshold vs predicted speedup", "oracle": "oracle draft length",
+              "entropy": "acceptance against draft entropy (SVIP Figure 2)"}
+    for k, p in pngs.items():
+        md += [f"### {titles[k]}", "", f"![{titles[k]}](plots/{p.name})", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(md))
+    if tracking:
+        try:
+            _log_mlflow(out, report_metrics(classification, replay))
+        except Exception as e:  # tracking must not lose the report already written
+            log.warning("could not log the report to MLflow: %s", e)
+    return path

@@ -1,0 +1,361 @@
+"""Evaluate stop policies on held-out labelled draft tokens: classification tables, offline replay, report.
+
+Usage:
+    python -m pipelines.evaluate --data_dir data/smoke --out_dir runs/eval
+    python -m pipelines.evaluate --data_dir data/default --predictors '[runs/disco/export, "models:/specstop-sv@champion"]' \\
+        --out_dir runs/eval --tune_thresholds true
+    python -m pipelines.evaluate --config configs/evaluate.yaml
+
+From the main job: ``run_evaluation(EvaluateConfig(data_dir=..., out_dir=...), policies={"disco": policy})``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from predictors.base import StopPolicy
+
+log = logging.getLogger(__name__)
+
+BASE_COLUMNS = (
+    "sample_id", "source", "domain", "split", "seq_id", "origin", "rollout", "offset", "position", "draft_token", "q", "p",
+    "accept_prob", "target_argmax", "greedy_match", "tv", "draft_entropy", "draft_max_prob", "draft_topk",
+    "companion_prob", "companion_sim", "companion_entropy", "companion_accept", "oracle_len", "oracle_censored",
+)
+"""Columns always read when present (``draft_hidden`` only when a policy needs it)."""
+
+
+@dataclass
+class EvaluateConfig:
+    """Arguments of ``python -m pipelines.evaluate`` (YAML files mirror these fields)."""
+
+    data_dir: str
+    """Folder of the Parquet shards (``shard-*.parquet``, or any ``*.parquet``), with config.json / cost_model.json."""
+    out_dir: str = "runs/evaluate"
+    """Report folder (report.md, plots/, CSV tables)."""
+    predictors: list[str] = field(default_factory=list)
+    """Predictor refs: export folders (with predictor.json) or ``models:/name@alias`` registry URIs."""
+    split: str = "test"
+    """Split evaluated (the ``split`` column; by prompt)."""
+    tune_split: str = "val"
+    """Split the latency-optimal thresholds are tuned on."""
+    tune_thresholds: bool = False
+    """Tune each learned policy's threshold for predicted speedup on ``tune_split`` (reported, and replayed as '<name>
+    (val-tuned)')."""
+    store_thresholds: bool = False
+    """Write the tuned threshold into each local export folder's predictor.json (``predictors.export.update_metadata``)."""
+    label_specs: list[tuple[str, float]] = field(
+        default_factory=lambda: [("greedy", 1.0), ("ratio", 1.0), ("ratio", 1.2), ("ratio", 1.5), ("soft", 1.0)]
+    )
+    """Label families (family, lambda) scored against: greedy, ratio (q/p <= lambda), soft (min(1, p/q))."""
+    n_boot: int = 200
+    """Bootstrap resamples of prompts for the confidence intervals (0: none)."""
+    seed: int = 0
+    """Seed of the bootstrap and of the prompt subsample."""
+    max_prompts: int | None = None
+    """Evaluate at most this many prompts of the split (random, seeded); None: all."""
+    replay_modes: list[str] = field(default_factory=lambda: ["greedy", "sampling"])
+    """Verification modes replayed: greedy (first mismatch) and / or sampling (expected acceptance)."""
+    replay_origins: list[str] | None = field(default_factory=lambda: ["target"])
+    """Origins replayed (target: exact for greedy); falls back to all sequences when none match. null: all."""
+    static_lengths: list[int] = field(default_factory=lambda: list(range(1, 11)))
+    """Static draft lengths replayed as baselines."""
+    cost_model: str | None = None
+    """Cost model JSON (default: <data_dir>/cost_model.json)."""
+    assume_cost_model: bool = False
+    """Without a cost model, replay with an explicitly labelled assumed one (else speedups are reported unavailable)."""
+    force: bool = False
+    """Load predictors trained for another draft model anyway (otherwise refused)."""
+    skip_refused: bool = False
+    """A predictor that cannot be loaded (refused, missing) is listed in the report instead of stopping the run."""
+    tracking: bool = True
+    """Log the report and metrics to MLflow (the active run, or a new one in ``experiment``)."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI when no run is active (default: sqlite:///mlflow.db)."""
+    experiment: str = "specstop-evaluate"
+    """MLflow experiment of the run started by the CLI."""
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.replay_modes if m not in ("greedy", "sampling")]
+        if bad:
+            raise ValueError(f"--replay_modes has {bad}; use greedy and / or sampling")
+        fams = [f for f, _ in self.label_specs if f not in ("greedy", "ratio", "soft")]
+        if fams:
+            raise ValueError(f"--label_specs has unknown families {fams}; use greedy, ratio, soft")
+        if self.n_boot < 0:
+            raise ValueError(f"--n_boot must be >= 0, got {self.n_boot}")
+        if self.store_thresholds and not self.tune_thresholds:
+            raise ValueError("--store_thresholds needs --tune_thresholds true")
+        self.label_specs = [(str(f), float(l)) for f, l in self.label_specs]
+
+
+# -------------------------------------------------------------------------------------------------------------- data
+
+
+def _shard_files(data_dir: Path) -> list[Path]:
+    files = sorted(data_dir.glob("shard-*.parquet")) or sorted(data_dir.rglob("*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"no Parquet shards in {data_dir}: run python -m pipelines.generate first")
+    return files
+
+
+def load_columns(
+    data_dir: str | Path, splits: list[str] | None = None, extra_columns: tuple[str, ...] = ()
+) -> dict[str, np.ndarray]:
+    """Record columns of the shards in ``data_dir`` (rows of ``splits`` only), as numpy arrays (vectors 2-D).
+
+    Args:
+        data_dir: shard folder.
+        splits: keep these ``split`` values (None: all rows).
+        extra_columns: columns read beyond :data:`BASE_COLUMNS` (e.g. ``draft_hidden``), when present.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.dataset as pads
+
+    ds = pads.dataset([str(f) for f in _shard_files(Path(data_dir))], format="parquet")
+    names = set(ds.schema.names)
+    want = [c for c in (*BASE_COLUMNS, *extra_columns) if c in names]
+    flt = pc.field("split").isin(splits) if splits is not None and "split" in names else None
+    table = ds.to_table(columns=want, filter=flt)
+    out: dict[str, np.ndarray] = {}
+    for name in table.column_names:
+        col = table.column(name).combine_chunks()
+        if pa.types.is_fixed_size_list(col.type):
+            width = col.type.list_size
+            out[name] = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), width)
+        elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            out[name] = np.stack([np.asarray(v) for v in col.to_pylist()]) if len(col) else np.zeros((0, 0))
+        else:
+            out[name] = col.to_numpy(zero_copy_only=False)
+    return out
+
+
+def subset(columns: Mapping[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v)[mask] for k, v in columns.items()}
+
+
+def draft_fingerprint(data_dir: str | Path) -> dict | None:
+    """The draft model fingerprint stored in ``data_dir/config.json`` (None when absent)."""
+    path = Path(data_dir) / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
+    for getter in (
+        lambda c: c["resolved"]["fingerprints"]["draft"],
+        lambda c: c["fingerprints"]["draft"],
+        lambda c: c["draft_fingerprint"],
+    ):
+        try:
+            fp = getter(cfg)
+        except (KeyError, TypeError):
+            continue
+        if isinstance(fp, dict):
+            return fp
+    return None
+
+
+def load_cost_model(cfg: EvaluateConfig) -> tuple[Any, str]:
+    """(CostModel or None, a note for the report)."""
+    from evaluation.cost_model import CostModel, assumed_cost_model
+
+    path = Path(cfg.cost_model) if cfg.cost_model else Path(cfg.data_dir) / "cost_model.json"
+    if path.is_file():
+        return CostModel.from_json(path), f"cost model from {path}"
+    if cfg.cost_model:
+        raise FileNotFoundError(f"--cost_model {path} does not exist")
+    if cfg.assume_cost_model:
+        return assumed_cost_model(), f"no {path}: speedups use an ASSUMED cost model (--assume_cost_model true)"
+    return None, f"no {path}: speedups unavailable (pass --assume_cost_model true for a labelled assumption)"
+
+
+def _ref_name(ref: str, taken: set[str]) -> str:
+    base = ref.rstrip("/").split("/")[-1] if not ref.startswith("models:/") else ref.removeprefix("models:/")
+    name, i = base, 2
+    while name in taken:
+        name, i = f"{base}-{i}", i + 1
+    return name
+
+
+def load_policies(cfg: EvaluateConfig) -> tuple[dict[str, StopPolicy | None], dict[str, str], list[str]]:
+    """(name -> policy or None, name -> ref, notes): predictors loaded from refs, refused on a draft mismatch."""
+    from predictors.export import load_predictor
+
+    fp = draft_fingerprint(cfg.data_dir)
+    pols: dict[str, StopPolicy | None] = {}
+    refs: dict[str, str] = {}
+    notes: list[str] = []
+    for ref in cfg.predictors:
+        name = _ref_name(ref, set(pols))
+        try:
+            pols[name] = load_predictor(ref, draft_fingerprint=fp, force=cfg.force)
+            refs[name] = ref
+        except Exception as e:
+            if not cfg.skip_refused:
+                raise
+            pols[name] = None
+            notes.append(f"predictor {ref} NOT evaluated: {type(e).__name__}: {e}")
+    if fp is None and cfg.predictors:
+        notes.append("data_dir/config.json holds no draft fingerprint: predictors were not checked against the draft model")
+    return pols, refs, notes
+
+
+# ------------------------------------------------------------------------------------------------------------- run
+
+
+def _sample_prompts(columns: dict[str, np.ndarray], k: int | None, seed: int) -> dict[str, np.ndarray]:
+    if k is None or "sample_id" not in columns:
+        return columns
+    ids = np.unique(columns["sample_id"].astype(str))
+    if len(ids) <= k:
+        return columns
+    keep = np.random.default_rng(seed).choice(ids, k, replace=False)
+    return subset(columns, np.isin(columns["sample_id"].astype(str), keep))
+
+
+def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None] | None = None) -> dict[str, Any]:
+    """Classification tables, SPRINTER checks, offline replay (and threshold tuning) and the report.
+
+    Args:
+        cfg: the configuration.
+        policies: name -> policy to evaluate directly (the main job passes its trained policies); ``cfg.predictors``
+            refs are loaded and added.
+    Returns:
+        dict with report (path), classification, sprinter, replay, sweep (DataFrames), tuned (name -> (threshold,
+        val speedup)), metrics (flat dict), cost_model (or None), notes.
+    """
+    from evaluation.classification import score_table, sprinter_table
+    from evaluation.cost_model import assumed_cost_model
+    from evaluation.replay import ReplayConfig, _set_threshold, replay_table, tune_threshold
+    from evaluation.report import report_metrics, write_report
+
+    pols: dict[str, StopPolicy | None] = dict(policies or {})
+    refs: dict[str, str] = {}
+    notes: list[str] = []
+    if cfg.predictors:
+        loaded, refs, load_notes = load_policies(cfg)
+        pols.update(loaded)
+        notes += load_notes
+    extra = tuple(sorted({c for p in pols.values() if p is not None for c in p.required_columns} - set(BASE_COLUMNS)))
+    splits = [cfg.split] + ([cfg.tune_split] if cfg.tune_thresholds and cfg.tune_split != cfg.split else [])
+    allcols = load_columns(cfg.data_dir, splits, extra)
+    if "split" in allcols:
+        cols = subset(allcols, allcols["split"].astype(str) == cfg.split)
+    else:
+        cols = allcols
+        notes.append("no split column: every row evaluated")
+    if not len(cols.get("seq_id", [])):
+        raise ValueError(f"no rows in split {cfg.split!r} of {cfg.data_dir}")
+    cols = _sample_prompts(cols, cfg.max_prompts, cfg.seed)
+    n_prompts = len(np.unique(cols["sample_id"].astype(str))) if "sample_id" in cols else -1
+    notes.insert(0, f"data: {cfg.data_dir}, split {cfg.split!r}: {len(cols['seq_id'])} tokens, {n_prompts} prompts")
+
+    cm, cm_note = load_cost_model(cfg)
+    notes.append(cm_note)
+    live = {k: v for k, v in pols.items() if v is not None}
+
+    log.info("classification tables on %d tokens", len(cols["seq_id"]))
+    cls = score_table(cols, pols, cfg.label_specs, n_boot=cfg.n_boot, seed=cfg.seed)
+    spr = sprinter_table(cols, pols)
+
+    tuned: dict[str, tuple[float, float]] = {}
+    replay_pols: dict[str, StopPolicy | None] = dict(pols)
+    replay_cm = cm if cm is not None else assumed_cost_model()
+    if cfg.tune_thresholds:
+        tune_cols = subset(allcols, allcols["split"].astype(str) == cfg.tune_split) if "split" in allcols else None
+        if tune_cols is None or not len(tune_cols["seq_id"]):
+            notes.append(f"threshold tuning skipped: no rows in split {cfg.tune_split!r}")
+        else:
+            for name, p in live.items():
+                if getattr(p, "kind", "") in ("static", "heuristic", "oracle", "sv"):
+                    continue
+                try:
+                    thr, sp = tune_threshold(p, tune_cols, replay_cm, split=None, mode=cfg.replay_modes[0],
+                                             origins=tuple(cfg.replay_origins) if cfg.replay_origins else None)
+                except (KeyError, ValueError) as e:
+                    notes.append(f"threshold tuning of {name} failed: {e}")
+                    continue
+                tuned[name] = (thr, sp)
+                replay_pols[f"{name} (val-tuned)"] = _set_threshold(p, thr)
+                if cfg.store_thresholds and name in refs and Path(refs[name]).is_dir():
+                    from predictors.export import update_metadata
+
+                    update_metadata(refs[name], threshold=thr,
+                                    tuning={"split": cfg.tune_split, "speedup": sp, "mode": cfg.replay_modes[0],
+                                            "cost_model_assumed": replay_cm.assumed})
+    import pandas as pd
+
+    reps, sweeps = [], []
+    for i, mode in enumerate(cfg.replay_modes):
+        rcfg = ReplayConfig(mode=mode, origins=tuple(cfg.replay_origins) if cfg.replay_origins else None)
+        try:
+            rep, sw = replay_table(cols, replay_pols, replay_cm, rcfg, static_lengths=cfg.static_lengths, sweep=(i == 0))
+        except (KeyError, ValueError) as e:
+            notes.append(f"replay ({mode}) not possible: {e}")
+            continue
+        reps.append(rep)
+        if len(sw):
+            sw.insert(1, "mode", mode)
+            sweeps.append(sw)
+    replay = pd.concat(reps, ignore_index=True) if reps else None
+    sweep = pd.concat(sweeps, ignore_index=True) if sweeps else None
+    if cm is None and replay is not None:
+        for c in ("time_s", "speedup"):
+            if c in replay:
+                replay[c] = np.nan
+        if sweep is not None and "speedup" in sweep:
+            sweep["speedup"] = np.nan
+    command = "python -m pipelines.evaluate " + " ".join(
+        f"--{k} {shlex.quote(json.dumps(v) if not isinstance(v, str) else v)}" for k, v in asdict(cfg).items()
+        if v is not None
+    )
+    report = write_report(
+        cfg.out_dir, classification=cls, replay=replay, sweep=sweep, sprinter=spr, cost_model=cm, columns=cols,
+        policies=pols, tracking=cfg.tracking, command=command, notes=notes, tuned=tuned,
+    )
+    (Path(cfg.out_dir) / "evaluate_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    return {
+        "report": report,
+        "classification": cls,
+        "sprinter": spr,
+        "replay": replay,
+        "sweep": sweep,
+        "tuned": tuned,
+        "metrics": report_metrics(cls, replay),
+        "cost_model": cm,
+        "notes": notes,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from pipelines.cli import parse_config, setup_logging
+
+    setup_logging()
+    cfg = parse_config(EvaluateConfig, argv, __doc__)
+    if cfg.tracking:
+        import mlflow
+
+        if mlflow.active_run() is None:
+            mlflow.set_tracking_uri(cfg.tracking_uri or "sqlite:///mlflow.db")
+            mlflow.set_experiment(cfg.experiment)
+            with mlflow.start_run(run_name="evaluate"):
+                mlflow.log_params({k: str(v)[:250] for k, v in asdict(cfg).items()})
+                result = run_evaluation(cfg)
+        else:
+            result = run_evaluation(cfg)
+    else:
+        result = run_evaluation(cfg)
+    print(f"report: {result['report']}")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

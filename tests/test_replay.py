@@ -1,0 +1,241 @@
+"""Offline replay: hand-made rollouts with hand-computed accepted counts and speedups, the oracle bound, SV goodput,
+threshold tuning, and the cost model measured on tiny models."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+from evaluation.cost_model import CostModel, measure_cost_model
+from evaluation.replay import (
+    ReplayConfig,
+    _goodput_round,
+    prepare_replay_data,
+    replay_policy,
+    replay_table,
+    tune_threshold,
+)
+from predictors.base import RoundFeedback, StopPolicy
+from predictors.baselines import SVIP, HFHeuristic, MaxConfidence, Oracle, StaticLength
+
+
+class ColumnScore(StopPolicy):
+    """Keep drafting while the column ``x`` is >= threshold; records the feedback it gets."""
+
+    kind = "column"
+    required_columns = ("x",)
+
+    def __init__(self, threshold: float = 0.5, max_draft_len: int = 40) -> None:
+        super().__init__(threshold, max_draft_len)
+        self.feedback: list[RoundFeedback] = []
+        self.resets = 0
+
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        return features["x"].float()
+
+    def update(self, feedback: RoundFeedback) -> None:
+        self.feedback.append(feedback)
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+class SVLike(StopPolicy):
+    """Acceptance estimate from the companion column (replayed with SV's goodput length)."""
+
+    kind = "sv"
+    required_columns = ("companion_sim", "companion_accept")
+
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        return features["companion_accept"].float()
+
+
+def hand_rollout() -> dict[str, np.ndarray]:
+    """One teacher-forced target sequence of 6 tokens."""
+    return {
+        "seq_id": np.array(["a"] * 6),
+        "sample_id": np.array(["p0"] * 6),
+        "origin": np.array(["target"] * 6),
+        "rollout": np.zeros(6, dtype=bool),
+        "offset": np.array([3, 1, 0, 2, 5, 4]),  # stored out of order: replay sorts by offset
+        # by offset 0..5: greedy [1,1,0,1,1,1], accept [.5,.5,1,.8,1,1], x [.9,.2,.9,.9,.1,.9]
+        "greedy_match": np.array([1, 1, 1, 0, 1, 1], dtype=bool),
+        "accept_prob": np.array([0.8, 0.5, 0.5, 1.0, 1.0, 1.0]),
+        "q": np.full(6, 0.5),
+        "x": np.array([0.9, 0.2, 0.9, 0.9, 0.9, 0.1]),
+        "position": np.zeros(6, dtype=np.int64),
+    }
+
+
+CONST = CostModel(draft_s_per_token=1.0, target_s={1: 4.0, 40: 4.0})
+
+
+def test_greedy_static_hand_computed():
+    data = prepare_replay_data(hand_rollout())
+    assert data.exact and data.greedy.tolist() == [True, True, False, True, True, True]
+    # static-2: rounds at 0 (a=2, emits 3) and 3 (a=2, emits 3); each costs 2 * 1 + 4 = 6 s
+    r = replay_policy(StaticLength(2), data, CONST, "greedy")
+    assert (r.n_rounds, r.tokens, r.accepted, r.drafted, r.time_s) == (2, 6, 4, 4, 12)
+    assert r.tokens_per_call == 3 and r.wasted_per_round == 0
+    assert r.speedup == pytest.approx(6 * 4 / 12)
+    # static-3: round 0 drafts 3 and accepts 2 (one wasted), round 3 accepts 3: 7 tokens in 14 s
+    r = replay_policy(StaticLength(3), data, CONST, "greedy")
+    assert (r.n_rounds, r.tokens, r.accepted, r.drafted, r.time_s) == (2, 7, 5, 6, 14)
+    assert r.speedup == pytest.approx(7 * 4 / 14)
+
+
+def test_oracle_hand_computed():
+    data = prepare_replay_data(hand_rollout())
+    r = replay_policy(Oracle(), data, CONST, "greedy")
+    # drafts exactly the match runs: 2 (emits 3) then 3 (emits 4)
+    assert (r.n_rounds, r.tokens, r.drafted, r.time_s) == (2, 7, 5, 13)
+    assert r.speedup == pytest.approx(28 / 13)
+
+
+def test_sampling_expectation_hand_computed():
+    data = prepare_replay_data(hand_rollout(), ReplayConfig(mode="sampling"))
+    r = replay_policy(StaticLength(2), data, CONST, "sampling")
+    # s=0: E[a] = .5 + .25 = .75 -> next at 0+1+1=2; s=2: E = 1 + .8 = 1.8 -> next at 2+2+1=5; s=5: 1 token, E = 1
+    assert r.n_rounds == 3
+    assert r.accepted == pytest.approx(0.75 + 1.8 + 1.0)
+    assert r.tokens == pytest.approx(6.55)
+    assert r.time_s == pytest.approx(6 + 6 + 5)
+    assert r.speedup == pytest.approx(6.55 * 4 / 17)
+
+
+def test_threshold_policy_and_feedback():
+    data = prepare_replay_data(hand_rollout())
+    pol = ColumnScore(0.5)
+    r = replay_policy(pol, data, CONST, "greedy")
+    # s=0: x=[.9,.2] -> drafts 2 (stops after the .2 token), a=2; s=3: x=[.9,.1] -> drafts 2, a=2
+    assert (r.n_rounds, r.tokens, r.drafted) == (2, 6, 4)
+    assert pol.resets == 1
+    assert [(f.n_drafted, f.n_accepted) for f in pol.feedback] == [(2, 2), (2, 2)]
+    assert pol.feedback[0].accepted == [True, True] and pol.feedback[0].draft_probs == [0.5, 0.5]
+
+
+def test_heuristic_schedule():
+    data = prepare_replay_data(hand_rollout())
+    # k=1: s=0 a=1 (all accepted -> k=3); s=2: drafts 3, a=0 (k=2); s=3: drafts 2, a=2 (k=4); s=6 end
+    r = replay_policy(HFHeuristic(initial=1), data, CONST, "greedy")
+    assert (r.n_rounds, r.drafted, r.accepted, r.tokens) == (3, 6, 3, 6)
+
+
+def _random_columns(n_seq: int = 12, length: int = 80, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    n = n_seq * length
+    H = rng.gamma(1.0, 1.0, n)
+    greedy = rng.random(n) < 1 / (1 + np.exp(2 * (H - 1)))
+    return {
+        "seq_id": np.repeat([f"s{i}" for i in range(n_seq)], length),
+        "sample_id": np.repeat([f"p{i}" for i in range(n_seq)], length),
+        "split": np.repeat(["val" if i % 2 else "test" for i in range(n_seq)], length),
+        "origin": np.array(["target"] * n),
+        "rollout": np.zeros(n, dtype=bool),
+        "offset": np.tile(np.arange(length), n_seq),
+        "position": np.zeros(n, dtype=np.int64),
+        "greedy_match": greedy,
+        "accept_prob": np.where(greedy, rng.uniform(0.6, 1, n), rng.uniform(0, 0.6, n)),
+        "q": rng.uniform(0.1, 1, n),
+        "draft_entropy": H,
+        "draft_max_prob": np.exp(-H / 2),
+        "x": greedy + rng.normal(0, 0.8, n),
+    }
+
+
+def test_oracle_never_loses():
+    cols = _random_columns()
+    cm = CostModel(draft_s_per_token=0.1, target_s={1: 0.3, 8: 0.34, 41: 0.5})
+    pols = {"col": ColumnScore(0.5), "col-low": ColumnScore(-0.5), "col-high": ColumnScore(1.2)}
+    table, sweep = replay_table(cols, pols, cm, ReplayConfig(mode="greedy"), static_lengths=range(1, 11))
+    oracle = table.loc[table["policy"] == "oracle", "speedup"].item()
+    others = table.loc[table["policy"] != "oracle", "speedup"]
+    assert others.notna().all() and len(others) >= 15
+    assert oracle >= others.max()
+    assert oracle >= sweep["speedup"].max()
+    assert any(table["policy"].str.startswith("static-best"))
+    assert table["exact_accepts"].all()
+
+
+def test_missing_columns_and_unloaded_policy_rows():
+    cols = _random_columns(n_seq=2, length=20)
+    table, _ = replay_table(cols, {"sv": SVLike(), "gone": None}, CONST, sweep=False, static_lengths=[1])
+    sv = table.loc[table["policy"] == "sv", "reason"].item()
+    assert "companion_sim" in sv and "companion_accept" in sv
+    assert table.loc[table["policy"] == "gone", "reason"].item() == "policy not loaded"
+
+
+def test_sv_goodput_round_hand_computed():
+    est = np.array([0.9, 0.9, 0.1, 0.9])
+    # constant target cost: goodput (E+1)/(L+4) rises to L=2 then falls at L=3 -> 3 drafted; sunk cost -> verify all 3
+    assert _goodput_round(est, CONST, 1.0) == (3, 3)
+    steep = CostModel(draft_s_per_token=1.0, target_s={1: 4.0, 5: 8.0})  # T(m) = 3 + m
+    # latency 2L + 4: goodput .25, .317, .339, .279 -> 3 drafted; verify L maximising (E+1)/(3 + 3 + L + 1) -> L = 2
+    assert _goodput_round(est, steep, 1.0) == (3, 2)
+
+
+def test_sv_replay_with_companion_columns():
+    cols = _random_columns(n_seq=4, length=40)
+    cols["companion_accept"] = np.asarray(cols["accept_prob"])
+    cols["companion_sim"] = np.ones(len(cols["q"]))
+    table, _ = replay_table(cols, {"sv": SVLike()}, CONST, sweep=False, static_lengths=[1])
+    row = table[table["policy"] == "sv"].iloc[0]
+    assert row["verification"] == "goodput" and row["reason"] == ""
+    assert row["tokens_per_call"] >= 1 and np.isfinite(row["speedup"])
+
+
+def test_tune_threshold_on_val():
+    cols = _random_columns()
+    grid = [-1.0, 0.0, 0.5, 1.0, 2.0]
+    thr, sp = tune_threshold(ColumnScore(0.5), cols, CONST, grid, split="val")
+    assert thr in grid and sp > 0
+    val = {k: v[cols["split"] == "val"] for k, v in cols.items()}
+    data = prepare_replay_data(val)
+    best = max(replay_policy(ColumnScore(g), data, CONST).speedup for g in grid)
+    assert sp == pytest.approx(best)
+    with pytest.raises(ValueError, match="no rows in split"):
+        tune_threshold(ColumnScore(0.5), cols, CONST, grid, split="nosuch")
+
+
+def test_fallback_when_no_target_sequences():
+    cols = _random_columns(n_seq=2, length=10)
+    cols["origin"] = np.array(["prompt"] * 20)
+    data = prepare_replay_data(cols)
+    assert not data.exact and "FALLBACK" in data.note and data.n_seqs == 2
+    with pytest.raises(ValueError, match="no sequences"):
+        prepare_replay_data(cols, ReplayConfig(fallback_to_all=False))
+
+
+def test_builtin_policies_run():
+    data = prepare_replay_data(_random_columns(n_seq=2, length=30))
+    for p in (SVIP(), MaxConfidence(0.4, online_roc=True)):
+        r = replay_policy(p, data, CONST)
+        assert r.n_rounds > 0 and r.speedup > 0
+
+
+def test_cost_model_json_and_interpolation(tmp_path):
+    cm = CostModel(draft_s_per_token=0.01, target_s={1: 0.1, 4: 0.13, 8: 0.2}, companion_s_per_token=0.005)
+    assert cm.target_time(2) == pytest.approx(0.11)
+    assert cm.target_time(16) == pytest.approx(0.2 + 8 * (0.07 / 4))  # linear beyond the last two points
+    assert cm.round_time(3) == pytest.approx(0.03 + 0.13)
+    assert cm.round_time(3, n_verify=1, companion=True) == pytest.approx(3 * 0.015 + 0.11)
+    cm.to_json(tmp_path / "cm.json")
+    back = CostModel.from_json(tmp_path / "cm.json")
+    assert back.target_s == cm.target_s and back.round_time(5) == pytest.approx(cm.round_time(5))
+    with pytest.raises(ValueError, match="target_s"):
+        CostModel(0.01, {})
+
+
+def test_measure_cost_model_tiny():
+    from data_gen.models import tiny_model
+
+    torch.manual_seed(0)
+    draft, target = tiny_model(1).eval(), tiny_model(2, 48, 2).eval()
+    cm = measure_cost_model(draft, target, companion=draft, lengths=(1, 2, 4, 8), prompt_len=16, repeats=2, decode_steps=3)
+    assert cm.draft_s_per_token > 0 and cm.companion_s_per_token > 0
+    assert sorted(cm.target_s) == [1, 2, 4, 8] and all(v > 0 for v in cm.target_s.values())
+    assert cm.round_time(4) > cm.round_time(0) > 0
+    assert not cm.assumed and cm.prompt_len == 16
