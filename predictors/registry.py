@@ -204,9 +204,9 @@ def register_predictor(
     folder = Path(folder)
     uri = resolve_tracking_uri(tracking_uri)
     policy = load_predictor(folder)  # validates the folder before anything is logged
+    check_reachable(uri)
     example = example_frame(policy)
     signature = infer_signature(example, policy.score(frame_to_columns(example, policy)).numpy().astype(np.float64))
-    check_reachable(uri)
     try:
         with _uris(uri):
             run_ctx = mlflow.start_run(run_id=run_id) if run_id else mlflow.start_run(run_name=f"register-{name}")

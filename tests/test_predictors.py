@@ -1,0 +1,147 @@
+"""Feature builders, predictor modules and policies, the SV bin table (no training loop; see test_training.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from predictors.disco import DiscoNet, DiscoPolicy
+from predictors.inputs import FeatureSpec, build_features, topk_entropy
+from predictors.sprinter import SprinterNet, SprinterPolicy
+from predictors.sv_table import SVPolicy, SVTable, binary_entropy_bits
+from tests.synthetic import make_records
+
+
+@pytest.fixture(scope="module")
+def rec() -> dict[str, np.ndarray]:
+    return make_records(n_prompts=10, tokens_per_prompt=10, hidden_size=8)
+
+
+def test_disco_features_numpy_and_decode_time_tensors_agree(rec):
+    spec = FeatureSpec.for_disco(top_k=10, extra=("draft_max_prob", "draft_entropy"))
+    x_np = build_features(spec, rec)  # Parquet path: numpy columns
+    feats = {c: torch.as_tensor(rec[c]) for c in ("draft_topk", "position", "draft_max_prob", "draft_entropy")}
+    x_t = build_features(spec, feats)  # decode path: tensors
+    assert x_np.shape == (100, 14) == (100, spec.width)
+    assert torch.equal(x_np, x_t)
+    t = torch.as_tensor(rec["draft_topk"]) / torch.as_tensor(rec["draft_topk"]).sum(1, keepdim=True)
+    assert torch.allclose(x_np[:, 10], -(t * t.log()).sum(1), atol=1e-5)
+    assert torch.allclose(x_np[:, 11], torch.as_tensor(rec["position"]).float() / 40.0)
+    # one token at decode time, position as a plain int
+    one = build_features(spec, {"draft_topk": feats["draft_topk"][3], "position": 3,
+                                "draft_max_prob": feats["draft_max_prob"][3:4], "draft_entropy": feats["draft_entropy"][3:4]})
+    assert torch.allclose(one[0], x_np[3])
+
+
+def test_topk_entropy_uniform():
+    assert torch.allclose(topk_entropy(torch.full((2, 4), 0.1)), torch.full((2,), float(np.log(4))))
+
+
+def test_feature_errors(rec):
+    spec = FeatureSpec.for_disco(top_k=10)
+    with pytest.raises(KeyError, match="position"):
+        build_features(spec, {"draft_topk": rec["draft_topk"]})
+    with pytest.raises(ValueError, match="width mismatch.*width 5.*width 10"):
+        build_features(spec, {"draft_topk": rec["draft_topk"][:, :5], "position": rec["position"]})
+    bad = rec["draft_topk"].copy()
+    bad[2, 1] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        build_features(spec, {"draft_topk": bad, "position": rec["position"]})
+    with pytest.raises(ValueError, match="width mismatch"):
+        build_features(FeatureSpec.for_sprinter(16), {"draft_hidden": rec["draft_hidden"]})
+    with pytest.raises(ValueError, match="extra"):
+        FeatureSpec.for_disco(extra=("q",))
+
+
+def test_spec_roundtrip():
+    for spec in (FeatureSpec.for_disco(8, 20.0, ("draft_entropy",)), FeatureSpec.for_sprinter(12), FeatureSpec.for_sv()):
+        assert FeatureSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_policies_score_threshold_and_cap(rec):
+    spec = FeatureSpec.for_disco(10)
+    net = DiscoNet(spec.width, hidden_size=8)
+    pol = DiscoPolicy(net, spec, threshold=0.5, max_draft_len=7)
+    feats = {"draft_topk": torch.as_tensor(rec["draft_topk"]), "position": torch.as_tensor(rec["position"])}
+    s = pol.score(feats)
+    assert s.shape == (100,) and ((s >= 0) & (s <= 1)).all()
+    assert torch.equal(pol.keep_drafting(feats), s >= 0.5)
+    assert pol.draft_cap() == 7 and pol.exact and pol.kind == "disco"
+    assert pol.required_columns == ("draft_topk", "position")
+    sp = SprinterPolicy(SprinterNet(8), FeatureSpec.for_sprinter(8))
+    assert not sp.exact and sp.kind == "sprinter"
+    assert sp.score({"draft_hidden": torch.as_tensor(rec["draft_hidden"])}).shape == (100,)
+    with pytest.raises(ValueError, match="width"):
+        DiscoPolicy(DiscoNet(5), spec)
+
+
+def test_standardise_buffers(rec):
+    net = SprinterNet(8)
+    x = torch.as_tensor(rec["draft_hidden"]).float()
+    net.norm.fit(x)
+    z = net.norm(x)
+    assert torch.allclose(z.mean(0), torch.zeros(8), atol=1e-4) and torch.allclose(z.std(0, unbiased=False), torch.ones(8), atol=1e-3)
+    assert set(net.state_dict()) >= {"norm.mean", "norm.std"}
+
+
+def _planted_sv(n: int = 32_000, seed: int = 0):
+    """S, A_c on a 4 x 4 grid of equally filled cells (values kept 10% away from the cell borders, so equal-count edges
+    fall between cells); acceptance constant per cell, at the centres of 16 equal-width levels."""
+    rng = np.random.default_rng(seed)
+    i, j = np.arange(n) % 4, (np.arange(n) // 4) % 4
+    s = (i + rng.uniform(0.1, 0.9, n)) / 4
+    a = (j + rng.uniform(0.1, 0.9, n)) / 4
+    means = (np.arange(16).reshape(4, 4) + 0.5) / 16  # [4, 4], all distinct
+    return s, a, means[i, j], means
+
+
+def test_sv_table_recovers_cell_means():
+    s, a, y, means = _planted_sv()
+    table = SVTable(s_bins=4, a_bins=4, prior_count=1.0)
+    table.fit(s, a, y)
+    assert table.table.shape == (4, 4)
+    assert np.allclose(table.table.numpy(), means, atol=1e-3)
+    assert np.allclose(table.s_edges.numpy(), np.linspace(0, 1, 5), atol=0.03)
+    pol = SVPolicy(table)
+    x = {"companion_sim": torch.tensor([0.1, 0.9]), "companion_accept": torch.tensor([0.1, 0.6])}
+    assert torch.allclose(pol.score(x), torch.tensor([means[0, 0], means[3, 2]], dtype=torch.float32), atol=0.03)
+
+
+def test_sv_information_gain_known_value():
+    s, a, y, means = _planted_sv()
+    table = SVTable(4, 4, prior_count=0.0)
+    info = table.fit(s, a, y)
+    # Bernoulli events: H(A) = h2(mean), H(A | cell) = mean over (equally likely) cells of h2(cell mean)
+    expected = binary_entropy_bits(means.mean()) - binary_entropy_bits(means).mean()
+    assert info["information_gain_bits"] == pytest.approx(float(expected), abs=0.01)
+    assert info["h_a_bits"] == pytest.approx(float(binary_entropy_bits(means.mean())), abs=0.01)
+    # levels: accept_prob is a deterministic function of the cell, 16 distinct values in 16 levels -> H(A | cell) = 0
+    lv = table.information_gain(s, a, y, levels=16)
+    assert lv["h_a_given_cells_bits"] == pytest.approx(0.0, abs=0.02)
+    assert lv["information_gain_bits"] == pytest.approx(4.0, abs=0.02)  # 16 equally likely levels
+    # no signal: the gain vanishes
+    rng = np.random.default_rng(1)
+    noise = table.information_gain(rng.random(20000), rng.random(20000), np.full(20000, 0.3))
+    assert noise["information_gain_bits"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_sv_table_smooths_thin_cells():
+    rng = np.random.default_rng(0)
+    s = np.concatenate([rng.random(1000) * 0.5, [0.9]])  # the top S bin gets a single token
+    a = rng.random(1001)
+    y = np.concatenate([np.full(1000, 0.5), [1.0]])
+    table = SVTable(2, 2, prior_count=5.0)
+    table.fit(s, a, y)
+    top_row = table.table[-1]
+    assert (top_row < 1.0).all() and (top_row > 0.5).all()  # shrunk toward the (shrunk) row / global mean
+    assert not torch.isnan(table.table).any()
+
+
+def test_sv_table_duplicate_quantiles_merge():
+    s = np.random.default_rng(0).random(1000)
+    a = np.concatenate([np.random.default_rng(1).random(400), np.ones(600)])  # A_c = 1 for most tokens
+    table = SVTable(10, 10)
+    table.fit(s, a, a)
+    assert table.a_bins < 10 and table.table.shape == (10, table.a_bins)
+    i, j = table.cells(torch.tensor([0.5]), torch.tensor([1.0]))
+    assert int(j) == table.a_bins - 1
