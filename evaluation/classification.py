@@ -97,14 +97,7 @@ def _levels(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.unique(scores, return_inverse=True)
 
 
-def weighted_auc(inv: np.ndarray, n_levels: int, wp: np.ndarray, wn: np.ndarray) -> float:
-    """ROC AUC with positive weights ``wp`` and negative weights ``wn`` per row (ties count one half).
-
-    ``inv`` is the ascending score level of each row (from ``np.unique(..., return_inverse=True)``). NaN when either class
-    has zero weight.
-    """
-    P = np.bincount(inv, wp, n_levels)
-    N = np.bincount(inv, wn, n_levels)
+def _auc_from_levels(P: np.ndarray, N: np.ndarray) -> float:
     tp, tn = P.sum(), N.sum()
     if tp <= 0 or tn <= 0:
         return float("nan")
@@ -112,16 +105,28 @@ def weighted_auc(inv: np.ndarray, n_levels: int, wp: np.ndarray, wn: np.ndarray)
     return float((P * (below + 0.5 * N)).sum() / (tp * tn))
 
 
-def weighted_ap(inv: np.ndarray, n_levels: int, wp: np.ndarray, wn: np.ndarray) -> float:
-    """Average precision (sum over descending thresholds of recall gain x precision), as sklearn; NaN without positives."""
-    P = np.bincount(inv, wp, n_levels)[::-1]
-    N = np.bincount(inv, wn, n_levels)[::-1]
+def _ap_from_levels(P: np.ndarray, N: np.ndarray) -> float:
+    P, N = P[::-1], N[::-1]
     tp, fp = np.cumsum(P), np.cumsum(N)
-    if tp[-1] <= 0:
+    if not len(tp) or tp[-1] <= 0:
         return float("nan")
     denom = tp + fp
     prec = np.divide(tp, denom, out=np.zeros_like(tp), where=denom > 0)
     return float((P / tp[-1] * prec).sum())
+
+
+def weighted_auc(inv: np.ndarray, n_levels: int, wp: np.ndarray, wn: np.ndarray) -> float:
+    """ROC AUC with positive weights ``wp`` and negative weights ``wn`` per row (ties count one half).
+
+    ``inv`` is the ascending score level of each row (from ``np.unique(..., return_inverse=True)``). NaN when either class
+    has zero weight.
+    """
+    return _auc_from_levels(np.bincount(inv, wp, n_levels), np.bincount(inv, wn, n_levels))
+
+
+def weighted_ap(inv: np.ndarray, n_levels: int, wp: np.ndarray, wn: np.ndarray) -> float:
+    """Average precision (sum over descending thresholds of recall gain x precision), as sklearn; NaN without positives."""
+    return _ap_from_levels(np.bincount(inv, wp, n_levels), np.bincount(inv, wn, n_levels))
 
 
 def f1_at(pred: np.ndarray, wp: np.ndarray, wn: np.ndarray) -> float:
@@ -259,8 +264,9 @@ def score_table(
     groups = _group_codes(columns, n)
     n_groups = int(groups.max()) + 1 if n else 0
     rng = np.random.default_rng(seed)
-    boot_w = [np.bincount(rng.integers(0, n_groups, n_groups), minlength=n_groups)[groups].astype(np.float64)
-              for _ in range(n_boot)] if n_groups else []
+    # [n_boot, G] prompt multiplicities, shared by every scorer and label (paired resamples); row weights on the fly
+    boot_counts = [np.bincount(rng.integers(0, n_groups, n_groups), minlength=n_groups).astype(np.float64)
+                   for _ in range(n_boot)] if n_groups else []
     labels: dict[tuple[str, float], np.ndarray] = {}
     label_reason: dict[tuple[str, float], str] = {}
     for fam, lam in label_specs:
@@ -304,13 +310,16 @@ def score_table(
             row.update(_sk_metrics(scores, y, thr))
             k, f1s, _ = statics[spec]
             row.update(static_best_k=k, f1_static_best=f1s, f1_gain_vs_static=row["f1_opt"] - f1s)
-            if boot_w:
+            if boot_counts:
                 pred = scores >= thr if np.isfinite(thr) else None
                 bs = {"auc": [], "pr_auc": [], "f1_own": []}
-                for w in boot_w:
-                    wp, wn = w * y, w * (1.0 - y)
-                    bs["auc"].append(weighted_auc(inv, len(levels), wp, wn))
-                    bs["pr_auc"].append(weighted_ap(inv, len(levels), wp, wn))
+                for counts in boot_counts:
+                    w = counts[groups]
+                    wp, wn = w * y, w - w * y
+                    P = np.bincount(inv, wp, len(levels))
+                    N = np.bincount(inv, wn, len(levels))
+                    bs["auc"].append(_auc_from_levels(P, N))
+                    bs["pr_auc"].append(_ap_from_levels(P, N))
                     bs["f1_own"].append(f1_at(pred, wp, wn) if pred is not None else np.nan)
                 for m, vals in bs.items():
                     v = np.asarray(vals, dtype=np.float64)

@@ -60,6 +60,7 @@ __all__ = [
     "default_grid",
     "default_replay_policies",
     "policy_scores",
+    "position_score_matrix",
     "missing_columns",
 ]
 
@@ -287,6 +288,34 @@ def _needs_round_features(policy: StopPolicy) -> bool:
     return "position" in getattr(policy, "required_columns", ()) or _overrides(policy, "keep_drafting")
 
 
+def _position_dependent(policy: StopPolicy) -> bool:
+    """The score reads the in-round ``position`` but is otherwise per token: precompute one column per position."""
+    return "position" in getattr(policy, "required_columns", ()) and not _overrides(policy, "keep_drafting")
+
+
+def position_score_matrix(policy: StopPolicy, features: Mapping[str, Tensor], width: int) -> np.ndarray:
+    """[N, width] ``policy.score`` of every row as if it were drafted at in-round position j = 0..width-1."""
+    n = next(iter(features.values())).shape[0]
+    out = np.empty((n, width), dtype=np.float64)
+    for j in range(width):
+        feats = dict(features)
+        feats["position"] = torch.full((n,), j, dtype=torch.long)
+        out[:, j] = policy_scores(policy, feats)
+    return out
+
+
+def _scores_for(policy: StopPolicy, data: ReplayData, max_draft_len: int | None) -> np.ndarray | None:
+    """Precomputed scores: [N] for per-token policies, [N, cap] for position-dependent ones, None for the rest."""
+    if _is_oracle(policy):
+        return None
+    if _position_dependent(policy):
+        width = int(policy.max_draft_len) if max_draft_len is None else min(int(policy.max_draft_len), max_draft_len)
+        return position_score_matrix(policy, data.features, max(width, 1))
+    if _needs_round_features(policy):
+        return None
+    return policy_scores(policy, data.features)
+
+
 def policy_scores(policy: StopPolicy, features: Mapping[str, Tensor], chunk: int = 16384) -> np.ndarray:
     """[N] ``policy.score`` over all rows, in chunks, as float64 numpy."""
     n = next(iter(features.values())).shape[0]
@@ -360,9 +389,9 @@ def replay_policy(
     if miss:
         raise KeyError(f"{getattr(policy, 'kind', type(policy).__name__)} needs the columns {miss}; missing from the data")
     oracle = _is_oracle(policy)
-    per_round = _needs_round_features(policy) and not oracle
-    if scores is None and not per_round and not oracle:
-        scores = policy_scores(policy, data.features)
+    if scores is None:
+        scores = _scores_for(policy, data, max_draft_len)
+    matrix = scores is not None and scores.ndim == 2
     companion = any(c.startswith("companion_") for c in getattr(policy, "required_columns", ()))
     online = _overrides(policy, "update")
     cm = cost_model
@@ -395,16 +424,22 @@ def replay_policy(
                 n = min(int(data.match_run[s]), cap)
             elif cap == 0:
                 n = 0
-            elif goodput:
-                est = scores[s : s + cap] if not per_round else policy.score(_window(data.features, s, s + cap)).numpy()
-                est = np.clip(np.asarray(est, dtype=np.float64), 0.0, 1.0)
-                n, n_verify = _goodput_round(est, cm, per_draft)
             else:
-                if per_round:
-                    keep = policy.keep_drafting(_window(data.features, s, s + cap)).cpu().numpy().astype(bool)
+                if scores is None or (matrix and cap > scores.shape[1]):
+                    w = None  # keep_drafting overridden: ask the policy on this round's window
+                elif matrix:
+                    w = scores[np.arange(s, s + cap), np.arange(cap)]
                 else:
-                    keep = scores[s : s + cap] >= policy.threshold
-                n = cap if keep.all() else int(keep.argmin()) + 1
+                    w = scores[s : s + cap]
+                if goodput:
+                    est = w if w is not None else policy.score(_window(data.features, s, s + cap)).numpy()
+                    n, n_verify = _goodput_round(np.clip(np.asarray(est, dtype=np.float64), 0.0, 1.0), cm, per_draft)
+                else:
+                    if w is None:
+                        keep = policy.keep_drafting(_window(data.features, s, s + cap)).cpu().numpy().astype(bool)
+                    else:
+                        keep = w >= policy.threshold
+                    n = cap if keep.all() else int(keep.argmin()) + 1
             nv = n if n_verify is None else n_verify
             if mode == "greedy":
                 acc = float(min(nv, int(data.match_run[s])))
@@ -479,11 +514,12 @@ def default_replay_policies(
 def default_grid(policy: StopPolicy, data: ReplayData, n: int = 15, scores: np.ndarray | None = None) -> list[float]:
     """Thresholds to sweep: quantiles of the policy's scores on the data, plus its own threshold."""
     if scores is None:
-        scores = policy_scores(policy, data.features) if not _needs_round_features(policy) else None
+        scores = _scores_for(policy, data, None)
     if scores is None or scores.size == 0:
         base = np.linspace(0.05, 0.95, n)
     else:
-        base = np.quantile(scores[np.isfinite(scores)], np.linspace(0.02, 0.98, n))
+        flat = (scores[:, 0] if scores.ndim == 2 else scores).ravel()  # first drafted position for position scores
+        base = np.quantile(flat[np.isfinite(flat)], np.linspace(0.02, 0.98, n))
     grid = sorted(set(np.round(np.append(base, policy.threshold), 6).tolist()))
     return [float(g) for g in grid]
 
@@ -501,7 +537,7 @@ def threshold_sweep(
     max_draft_len: int | None = None,
 ) -> pd.DataFrame:
     """Replay ``policy`` at each threshold of ``grid`` (default :func:`default_grid`); one row per threshold."""
-    scores = None if _needs_round_features(policy) else policy_scores(policy, data.features)
+    scores = _scores_for(policy, data, max_draft_len)
     grid = list(grid) if grid is not None else default_grid(policy, data, scores=scores)
     rows = []
     for thr in grid:

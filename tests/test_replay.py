@@ -239,3 +239,44 @@ def test_measure_cost_model_tiny():
     assert sorted(cm.target_s) == [1, 2, 4, 8] and all(v > 0 for v in cm.target_s.values())
     assert cm.round_time(4) > cm.round_time(0) > 0
     assert not cm.assumed and cm.prompt_len == 16
+
+
+class FirstTwo(StopPolicy):
+    """Score 1 at in-round positions 0 and 1, else 0: with threshold 0.5 it drafts exactly 3 tokens (like static-3)."""
+
+    kind = "first_two"
+    required_columns = ("position",)
+
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        return (features["position"] < 2).float()
+
+
+class CumulativeProduct(StopPolicy):
+    """SpecDec++-style rule: keep drafting while the product of the round's ``x`` values stays >= threshold."""
+
+    kind = "cumprod"
+    required_columns = ("x",)
+
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        return features["x"].float()
+
+    def keep_drafting(self, features: Mapping[str, Tensor]) -> Tensor:
+        return torch.cumprod(features["x"].float(), 0) >= self.threshold
+
+
+def test_position_uses_in_round_index():
+    data = prepare_replay_data(hand_rollout())  # stored positions are all 0: the replay must override them
+    a = replay_policy(FirstTwo(0.5), data, CONST)
+    b = replay_policy(StaticLength(3), data, CONST)
+    assert (a.n_rounds, a.tokens, a.drafted, a.time_s) == (b.n_rounds, b.tokens, b.drafted, b.time_s)
+
+
+def test_keep_drafting_override_sees_the_round():
+    data = prepare_replay_data(hand_rollout())
+    # x by offset [.9,.2,.9,.9,.1,.9]; threshold .5: s=0 cumprod [.9,.18] -> drafts 2, a=2, next 3;
+    # s=3 cumprod [.9,.09] -> drafts 2, a=2, next 6
+    r = replay_policy(CumulativeProduct(0.5), data, CONST)
+    assert (r.n_rounds, r.drafted, r.accepted, r.tokens) == (2, 4, 4, 6)
+    # threshold .05: s=0 cumprod [.9,.18,.162,.146,.0146] -> drafts 5, a=2 -> next 3; s=3 [.9,.09,.081] -> 3, a=3
+    r = replay_policy(CumulativeProduct(0.05), data, CONST)
+    assert (r.n_rounds, r.drafted, r.accepted, r.tokens) == (2, 8, 5, 7)
