@@ -1,0 +1,275 @@
+"""Speculative decoding engine: greedy exactness for every exact policy, batches, features, limits, SV, SPRINTER, bad input."""
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+
+import pytest
+import torch
+from torch import Tensor
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from data_gen.features import token_features
+from decoding.engine import SpeculativeDecoder
+from decoding.latency import LatencyTable, profile_latency
+from decoding.policies import build_decoder, build_policy
+from predictors.base import StopPolicy
+
+EXACT_SPECS = ["static:1", "static:4", "heuristic", "max_confidence", "max_confidence_fixed:0.3", "svip:0.3", "adaedl",
+               "oracle"]
+
+
+def make_pair(noise: float = 0.5, seed: int = 0, vocab: int = 260, hidden: int = 32):
+    """Untied tiny Qwen2 draft and a perturbed copy as target: they agree often, not always (mixed accept / reject)."""
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, eos_token_id=257, pad_token_id=256)
+    torch.manual_seed(seed)
+    draft = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(8.0)
+    target = copy.deepcopy(draft)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.add_(noise * p.std() * torch.randn_like(p))
+    return draft, target
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_pair()
+
+
+@pytest.fixture(scope="module")
+def companion():
+    return make_pair(noise=0.3, seed=0)[1]
+
+
+PROMPT = torch.tensor([[67, 68, 69, 220, 69, 78, 78, 7, 87, 8, 25]])
+
+
+def greedy_loop(model, ids: Tensor, n: int) -> list[int]:
+    """Target-only greedy decoding, one full forward per token (no cache): the plain reference."""
+    out = ids.clone()
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = model(out).logits[:, -1].argmax(-1, keepdim=True)
+            out = torch.cat([out, nxt], 1)
+    return out[0, ids.shape[1]:].tolist()
+
+
+class Recorder(StopPolicy):
+    """Continue while the draft's max probability is high; records every features dict it sees."""
+
+    kind = "recorder"
+    required_columns = ("draft_max_prob",)
+
+    def __init__(self, threshold: float = 0.3, max_draft_len: int = 8) -> None:
+        super().__init__(threshold, max_draft_len)
+        self.seen: list[dict[str, Tensor]] = []
+
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        self.seen.append({k: v.clone() for k, v in features.items()})
+        return features["draft_max_prob"]
+
+
+@pytest.mark.parametrize("spec", EXACT_SPECS)
+def test_greedy_equals_target_only(pair, spec):
+    draft, target = pair
+    ref = target.generate(PROMPT, do_sample=False, max_new_tokens=20, pad_token_id=256, eos_token_id=None)
+    dec = SpeculativeDecoder(draft, target, build_policy(spec))
+    out, stats = dec.generate(PROMPT, None, max_new_tokens=20, eos_token_id=None, seed=0)
+    assert out.tolist() == ref.tolist()
+    assert out[0, PROMPT.shape[1]:].tolist() == greedy_loop(target, PROMPT, 20)
+    assert stats.new_tokens == 20
+    assert stats.accepted + stats.wasted == stats.draft_tokens
+    assert stats.accepted + stats.rounds == stats.new_tokens  # each round adds accepted + one target token
+    assert len(stats.accepted_lengths) == stats.rounds == stats.target_calls
+
+
+def test_mixed_acceptance_and_draft_cap(pair):
+    """The pair really rejects sometimes, and static k never drafts more than k."""
+    draft, target = pair
+    _, stats = SpeculativeDecoder(draft, target, build_policy("static:4")).generate(PROMPT, None, 30, None, 0)
+    assert max(stats.draft_lengths) <= 4
+    assert 0 < stats.wasted < stats.draft_tokens
+    _, st2 = SpeculativeDecoder(draft, target, build_policy("static:8"), max_draft_len=3).generate(PROMPT, None, 20)
+    assert max(st2.draft_lengths) <= 3
+
+
+def test_features_match_data_generation_path(pair):
+    """Features the policy sees equal token_features over a whole-sequence draft pass (the data_gen path)."""
+    draft, target = pair
+    pol = Recorder(threshold=0.0, max_draft_len=4)
+    out, stats = SpeculativeDecoder(draft, target, pol).generate(PROMPT, None, 12, None, 0)
+    first = pol.seen[0]  # the first drafted token follows the prompt directly
+    tok = first["draft_token"]
+    with torch.no_grad():
+        logits = draft(torch.cat([PROMPT, tok.view(1, 1)], 1)).logits[:, PROMPT.shape[1] - 1]
+    ref = token_features(logits, tok, top_k=10)
+    for k in ("q", "draft_entropy", "draft_max_prob", "draft_topk"):
+        torch.testing.assert_close(first[k], ref[k], rtol=1e-4, atol=1e-5)
+    assert int(first["position"]) == 0
+    positions = [int(f["position"]) for f in pol.seen]
+    assert max(positions) >= 1  # later tokens of a window carry their index
+
+
+def test_hidden_state_feature(pair):
+    draft, target = pair
+
+    class NeedsHidden(Recorder):
+        required_columns = ("draft_hidden",)
+
+    pol = NeedsHidden()
+    SpeculativeDecoder(draft, target, pol).generate(PROMPT, None, 6, None, 0)
+    h = pol.seen[0]["draft_hidden"]
+    with torch.no_grad():
+        ref = draft(PROMPT, output_hidden_states=True).hidden_states[-1][:, -1]
+    torch.testing.assert_close(h.float(), ref.to(torch.float16).float())
+
+
+def disco_policy(threshold: float = 0.5) -> StopPolicy:
+    from predictors.disco import DiscoNet, DiscoPolicy
+    from predictors.inputs import FeatureSpec
+
+    spec = FeatureSpec.for_disco(top_k=10)
+    torch.manual_seed(1)
+    return DiscoPolicy(DiscoNet(spec.width, 16), spec, threshold=threshold, max_draft_len=8)
+
+
+@pytest.mark.parametrize("spec", ["static:3", "svip:0.3", "disco"])
+def test_batch_equals_per_sequence(pair, spec):
+    draft, target = pair
+    policy = disco_policy() if spec == "disco" else build_policy(spec)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 250, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :8] = 0  # a one-token prompt
+    dec = SpeculativeDecoder(draft, target, policy)
+    out, stats = dec.generate(ids, mask, 12, None, 0)
+    for b in range(3):
+        single = ids[b : b + 1, mask[b].bool()]
+        o1, s1 = dec.generate(single, None, 12, None, 0)
+        assert out[b, 9:].tolist() == o1[0, single.shape[1]:].tolist()
+    assert stats.new_tokens == 36
+    if spec != "static:3":
+        assert len(set(stats.draft_lengths)) > 1  # per-sequence draft lengths
+
+
+def test_eos_and_max_new_tokens(pair):
+    draft, target = pair
+    ref = target.generate(PROMPT, do_sample=False, max_new_tokens=15, pad_token_id=256)[0, PROMPT.shape[1]:].tolist()
+    eos = ref[6]
+    out, stats = SpeculativeDecoder(draft, target, build_policy("static:5")).generate(PROMPT, None, 15, eos, 0)
+    new = out[0, PROMPT.shape[1]:].tolist()
+    assert new[: new.index(eos) + 1] == ref[: ref.index(eos) + 1]
+    assert stats.new_tokens == ref.index(eos) + 1
+    out, stats = SpeculativeDecoder(draft, target, build_policy("static:5")).generate(PROMPT, None, 7, None, 0)
+    assert out.shape[1] == PROMPT.shape[1] + 7 and stats.new_tokens == 7
+
+
+class CompanionAccept(StopPolicy):
+    """SV-like stub: score = companion acceptance."""
+
+    kind = "sv"
+    required_columns = ("companion_accept",)
+
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        return features["companion_accept"]
+
+
+def test_sv_goodput_verification_is_exact(pair, companion):
+    draft, target = pair
+    table = LatencyTable(draft_step_s=0.1, target_s={0: 0.3, 8: 0.5})
+    pol = CompanionAccept(threshold=0.2, max_draft_len=8)
+    dec = SpeculativeDecoder(draft, target, pol, companion=companion, latency=table)
+    out, stats = dec.generate(PROMPT, None, 25, None, 0)
+    ref = target.generate(PROMPT, do_sample=False, max_new_tokens=25, pad_token_id=256)
+    assert out.tolist() == ref.tolist()
+    assert stats.accepted + stats.rounds == 25
+
+
+def test_sv_real_table_policy(pair, companion):
+    """The SV bin-table policy from predictors.sv_table runs in the engine, with a profiled latency table."""
+    from predictors.sv_table import SVPolicy, SVTable
+
+    draft, target = pair
+    table = SVTable(s_bins=4, a_bins=4)
+    g = torch.Generator().manual_seed(0)
+    s, a = torch.rand(200, generator=g), torch.rand(200, generator=g)
+    table.fit(s, a, (s + a) / 2)
+    lat, _ = profile_latency(draft, target, companion, prompt_len=8, lengths=(0, 2, 8), repeats=1)
+    dec = SpeculativeDecoder(draft, target, SVPolicy(table, threshold=0.1, max_draft_len=8), companion=companion,
+                             latency=lat)
+    out, stats = dec.generate(PROMPT, None, 15, None, 0)
+    ref = target.generate(PROMPT, do_sample=False, max_new_tokens=15, pad_token_id=256)
+    assert out.tolist() == ref.tolist()
+
+
+class Sequential(StopPolicy):
+    """SPRINTER-like stub: not exact, verifier score = draft max probability."""
+
+    kind = "sprinter"
+    exact = False
+    required_columns = ("draft_max_prob",)
+
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        return features["draft_max_prob"]
+
+
+def test_sprinter_sequential_verification(pair):
+    draft, target = pair
+    ref = target.generate(PROMPT, do_sample=False, max_new_tokens=20, pad_token_id=256)
+    # Stopping after every token: the single drafted token is always verified -> exact output.
+    one = SpeculativeDecoder(draft, target, Sequential(threshold=2.0, max_draft_len=8))
+    out, _ = one.generate(PROMPT, None, 20, None, 0)
+    assert out.tolist() == ref.tolist()
+    # Never stopping before the cap: only every 8th token is checked; the output may differ but the counts add up.
+    seq = SpeculativeDecoder(draft, target, Sequential(threshold=-1.0, max_draft_len=8))
+    out, stats = seq.generate(PROMPT, None, 20, None, 0)
+    assert stats.new_tokens == 20 and stats.accepted + stats.rounds == 20
+    assert stats.accepted_lengths[0] >= 7  # the 7 tokens before the checked one are taken unverified
+
+
+def test_sprinter_policy_from_predictors(pair):
+    from predictors.inputs import FeatureSpec
+    from predictors.sprinter import SprinterNet, SprinterPolicy
+
+    draft, target = pair
+    pol = SprinterPolicy(SprinterNet(32), FeatureSpec.for_sprinter(32), threshold=0.5, max_draft_len=6)
+    out, stats = SpeculativeDecoder(draft, target, pol).generate(PROMPT, None, 12, None, 0)
+    assert stats.new_tokens == 12
+
+
+def test_bad_input(pair, companion):
+    draft, target = pair
+    dec = SpeculativeDecoder(draft, target, build_policy("static:3"))
+    with pytest.raises(ValueError, match="empty prompt"):
+        dec.generate(torch.zeros(1, 0, dtype=torch.long), None, 5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dec.generate(PROMPT, None, 0)
+    with pytest.raises(ValueError, match="companion"):
+        SpeculativeDecoder(draft, target, CompanionAccept())
+    with pytest.raises(ValueError, match="unknown policy"):
+        build_policy("nonsense:3")
+
+
+def test_tokenizer_and_fingerprint_checks(tmp_path, tiny_pair):
+    from data_gen.models import byte_tokenizer, model_fingerprint
+    from predictors.baselines import SVIP
+    from predictors.export import export_predictor
+
+    draft, target, tok = tiny_pair
+    other = byte_tokenizer()
+    other.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match="tokenizers differ|vocabulary"):
+        build_decoder(draft, target, "static:3", draft_tokenizer=tok, target_tokenizer=other)
+    fp = model_fingerprint(draft, tok)
+    fp_other = dict(fp, hidden_size=fp["hidden_size"] + 1, name="another-draft")
+    export_predictor(SVIP(0.4), tmp_path / "svip", {"draft_fingerprint": fp_other})
+    with pytest.raises(ValueError, match="trained for draft model"):
+        build_decoder(draft, target, str(tmp_path / "svip"), draft_tokenizer=tok, target_tokenizer=tok)
+    export_predictor(SVIP(0.4), tmp_path / "ok", {"draft_fingerprint": fp})
+    dec = build_decoder(draft, target, str(tmp_path / "ok"), draft_tokenizer=tok, target_tokenizer=tok)
+    assert dec.policy.kind == "svip" and abs(dec.policy.h - 0.4) < 1e-9
