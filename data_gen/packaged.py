@@ -294,6 +294,12 @@ def ensure_packaged(name: str, cache_dir: Path) -> Path:
         if (final / MARKER).is_file():  # another process converted it while we waited
             return final
         locate_parts(model)  # fail fast (missing / wrong size) before writing anything
+        for stale in cache_dir.glob(f".{model.name}.tmp-*"):  # left by a killed conversion; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        free = shutil.disk_usage(cache_dir).free
+        if free < 8 * model.total_size:  # joined GGUF + float32 weights (about 6.5x a Q8 GGUF)
+            log.warning("only %.1f GB free in %s; converting %s needs about %.1f GB", free / 1e9, cache_dir, model.name,
+                        8 * model.total_size / 1e9)
         tmp = Path(tempfile.mkdtemp(prefix=f".{model.name}.tmp-", dir=cache_dir))
         try:
             t0 = time.perf_counter()

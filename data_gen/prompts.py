@@ -287,7 +287,7 @@ def _pick(columns: list[str], wanted: str | None, candidates: Iterable[str], wha
     return None
 
 
-def _rows(cfg: PromptSourceConfig, seed: int) -> Iterator[tuple[int, dict]]:
+def _rows(cfg: PromptSourceConfig) -> Iterator[tuple[int, dict]]:
     import datasets
 
     where = f"prompt source {cfg.name!r}"
@@ -331,14 +331,14 @@ def _rows(cfg: PromptSourceConfig, seed: int) -> Iterator[tuple[int, dict]]:
         yield i, {"domain": "chat", "messages": messages, "reference": reference}
 
 
-def _iter_source(cfg: PromptSourceConfig, seed: int, stats: dict) -> Iterator[tuple[int, dict]]:
+def _iter_source(cfg: PromptSourceConfig, stats: dict) -> Iterator[tuple[int, dict]]:
     if cfg.name == "humaneval":
         return _humaneval()
     if cfg.name == "mtbench":
         return _mtbench()
     if cfg.name == "sharegpt":
         return _sharegpt(stats)
-    return _rows(cfg, seed)
+    return _rows(cfg)
 
 
 def load_prompts(sources: list[PromptSourceConfig], seed: int = 0) -> tuple[list[Prompt], dict]:
@@ -368,7 +368,7 @@ def load_prompts(sources: list[PromptSourceConfig], seed: int = 0) -> tuple[list
         rng = random.Random(f"{seed}:{src}")
         picked: list[Prompt] = []
         seen = 0
-        for index, item in _iter_source(cfg, seed, st):
+        for index, item in _iter_source(cfg, st):
             if not any(m["content"].strip() for m in item["messages"] if m["role"] == "user"):
                 st["empty_skipped"] += 1
                 continue

@@ -138,7 +138,11 @@ def test_unfinished_folder_is_redone(tmp_path, monkeypatch, fake_convert):
     stale = tmp_path / "cache" / "fake-model"
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"half written")
+    killed = tmp_path / "cache" / ".fake-model.tmp-killed"  # a conversion killed half-way
+    killed.mkdir()
+    (killed / "fake-model.gguf").write_bytes(b"partial")
     folder = ensure_packaged("fake-model", tmp_path / "cache")
+    assert not killed.exists()
     assert (folder / MARKER).is_file() and not (folder / "model.safetensors").read_bytes().startswith(b"half")
 
 

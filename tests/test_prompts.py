@@ -82,6 +82,13 @@ def test_local_parquet_named_fields_and_limit(tmp_path):
     assert [p.id for p in a] == [p.id for p in b] and len(a) == 4
 
 
+def test_local_json_array(tmp_path):
+    path = tmp_path / "arr.json"
+    path.write_text(json.dumps([{"question": "Why?", "answer": "Because."}, {"question": "How?"}]))
+    prompts, _ = load_prompts([PromptSourceConfig(str(path))])
+    assert [p.id for p in prompts] == ["arr:0", "arr:1"] and prompts[0].reference == "Because."
+
+
 def test_alpaca_instruction_input(tmp_path):
     f = _write_jsonl(tmp_path / "alp.jsonl", [{"instruction": "Translate", "input": "hola", "output": "hello"}])
     (p,), _ = load_prompts([PromptSourceConfig(f)])
