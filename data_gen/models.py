@@ -82,8 +82,15 @@ def byte_tokenizer() -> PreTrainedTokenizerBase:
     return tok
 
 
-def tiny_model(seed: int, hidden: int = 32, layers: int = 2, vocab_size: int = 260) -> PreTrainedModel:
-    """A random-init Qwen2 causal LM small enough for unit tests (deterministic for a seed)."""
+def tiny_model(seed: int, hidden: int = 32, layers: int = 2, vocab_size: int = 260, mix: float = 20.0,
+               head_noise: float = 1.2) -> PreTrainedModel:
+    """A random-init Qwen2 causal LM small enough for unit tests (deterministic for a seed).
+
+    Tiny models of one hidden size share a base 'bigram' structure (embedding and an untied LM head that maps each
+    token's embedding to a fixed random successor), so a draft and a target of the same width agree on part of the
+    tokens, as a real pair does; seed-specific noise on the head (``head_noise``) and the transformer layers (scaled
+    by ``mix``) make them differ: tiny:1 and tiny:2:32:3 greedy-match on roughly 70% of tokens.
+    """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
@@ -94,16 +101,25 @@ def tiny_model(seed: int, hidden: int = 32, layers: int = 2, vocab_size: int = 2
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=2048,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=257,
         pad_token_id=256,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg)
-    # Random-init logits are nearly flat; scale them so distributions have some confidence, like a trained model.
+    base = torch.Generator().manual_seed(1234 + hidden)
+    emb = torch.randn(vocab_size, hidden, generator=base)
+    succ = torch.randperm(vocab_size, generator=base)
     with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(40.0)
+        model.model.embed_tokens.weight.copy_(emb)
+        head = torch.empty_like(emb)
+        head[succ] = emb  # logits[v] ~ <emb[pred(v)], h>: the successor of token t scores highest
+        own = torch.Generator().manual_seed(seed)
+        model.lm_head.weight.copy_((head + head_noise * torch.randn(head.shape, generator=own)) * 0.25)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(mix)
+            layer.mlp.down_proj.weight.mul_(mix)
     return model
 
 

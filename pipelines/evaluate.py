@@ -26,7 +26,7 @@ from predictors.base import StopPolicy
 log = logging.getLogger(__name__)
 
 BASE_COLUMNS = (
-    "sample_id", "source", "domain", "split", "seq_id", "origin", "rollout", "offset", "position", "draft_token", "q", "p",
+    "sample_id", "source", "domain", "split", "seq_id", "origin", "rollout", "prefix_len", "offset", "position", "draft_token", "q", "p",
     "accept_prob", "target_argmax", "greedy_match", "tv", "draft_entropy", "draft_max_prob", "draft_topk",
     "companion_prob", "companion_sim", "companion_entropy", "companion_accept", "oracle_len", "oracle_censored",
 )
@@ -163,6 +163,18 @@ def draft_fingerprint(data_dir: str | Path) -> dict | None:
     return None
 
 
+def data_temperature(data_dir: str | Path) -> float | None:
+    """Sampling temperature the data was generated at (``config.json``; None when unknown)."""
+    path = Path(data_dir) / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
+    for sect in (cfg.get("data"), cfg.get("resolved"), cfg):
+        if isinstance(sect, dict) and isinstance(sect.get("temperature"), (int, float)):
+            return float(sect["temperature"])
+    return None
+
+
 def load_cost_model(cfg: EvaluateConfig) -> tuple[Any, str]:
     """(CostModel or None, a note for the report)."""
     from evaluation.cost_model import CostModel, assumed_cost_model
@@ -260,6 +272,10 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
 
     cm, cm_note = load_cost_model(cfg)
     notes.append(cm_note)
+    temp = data_temperature(cfg.data_dir)
+    if temp is not None and temp > 0 and "greedy" in cfg.replay_modes:
+        notes.append(f"data generated at temperature {temp:g}: the stored target continuations are sampled, so the greedy "
+                     "replay is an approximation even on target sequences")
     live = {k: v for k, v in pols.items() if v is not None}
 
     log.info("classification tables on %d tokens", len(cols["seq_id"]))

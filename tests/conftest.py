@@ -35,7 +35,7 @@ def tiny_pair():
     from data_gen.models import ModelSpec, load_model
 
     draft, tok = load_model(ModelSpec("tiny:1"))
-    target, _ = load_model(ModelSpec("tiny:2:48:2"))
+    target, _ = load_model(ModelSpec("tiny:2:32:3"))
     return draft, target, tok
 
 

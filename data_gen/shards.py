@@ -1,0 +1,134 @@
+"""Parquet shards of labelled draft tokens: atomic writes, resume, config guard and summary statistics.
+
+A shard holds the records of one chunk of prompts and is named by the chunk index (``shard-00042.parquet``), so any
+number of ranks can write into one folder and a restarted run skips every chunk whose shard exists. A shard is written
+to a temporary name and renamed when complete: a leftover temporary file is a partial shard, deleted and redone.
+
+Usage: ``writer = ShardWriter(out_dir, features); writer.write(chunk_index, records)``
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import pyarrow.parquet as pq
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+SUMMARY_FILE = "summary.json"
+SHARD_GLOB = "shard-*.parquet"
+
+
+def shard_path(out_dir: Path, chunk: int) -> Path:
+    return out_dir / f"shard-{chunk:05d}.parquet"
+
+
+def config_fingerprint(data_config: dict) -> str:
+    """Hash of the fields that change what the records are (not out_dir, not progress options)."""
+    return hashlib.sha256(json.dumps(data_config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def prepare_out_dir(out_dir: Path, data_config: dict, resolved: dict, overwrite: bool) -> None:
+    """Create ``out_dir`` or check that its shards were made by the same data config.
+
+    Raises:
+        FileExistsError: the folder holds shards of a different config and ``overwrite`` is False.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fp = config_fingerprint(data_config)
+    cfg_file = out_dir / CONFIG_FILE
+    shards = list(out_dir.glob(SHARD_GLOB))
+    if cfg_file.exists():
+        old = json.loads(cfg_file.read_text())
+        if old.get("fingerprint") != fp and shards:
+            if not overwrite:
+                changed = sorted(
+                    k for k in set(old.get("data", {})) | set(data_config)
+                    if old.get("data", {}).get(k) != data_config.get(k)
+                )
+                raise FileExistsError(
+                    f"{out_dir} holds {len(shards)} shards of a different data config (changed: {changed}). "
+                    f"Use another out_dir, or pass --overwrite true to delete them."
+                )
+            log.warning("overwrite: deleting %d shards of a different config in %s", len(shards), out_dir)
+            for p in shards:
+                p.unlink()
+            (out_dir / SUMMARY_FILE).unlink(missing_ok=True)
+    elif shards and not overwrite:
+        raise FileExistsError(f"{out_dir} holds shards but no {CONFIG_FILE}; pass --overwrite true or use another out_dir")
+    tmp = cfg_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"fingerprint": fp, "data": data_config, "resolved": resolved}, indent=2, default=str))
+    os.replace(tmp, cfg_file)
+
+
+def finished_chunks(out_dir: Path) -> dict[int, int]:
+    """Chunk index -> row count of every complete shard; partial (temporary) shards are deleted."""
+    for partial in out_dir.glob("*.parquet.tmp"):
+        log.warning("removing partial shard %s (a run was interrupted while writing it)", partial.name)
+        partial.unlink()
+    done = {}
+    for p in sorted(out_dir.glob(SHARD_GLOB)):
+        done[int(p.stem.split("-")[1])] = pq.ParquetFile(p).metadata.num_rows
+    return done
+
+
+class ShardWriter:
+    """Writes one chunk's records as a Parquet shard through ``datasets`` (atomic rename)."""
+
+    def __init__(self, out_dir: Path, features: datasets.Features) -> None:
+        self.out_dir = out_dir
+        self.features = features
+
+    def write(self, chunk: int, records: dict[str, list]) -> int:
+        cols = {k: records[k] for k in self.features}  # schema order; extra keys are not stored
+        ds = datasets.Dataset.from_dict(cols, features=self.features)
+        final = shard_path(self.out_dir, chunk)
+        tmp = final.with_name(final.name + ".tmp")
+        ds.to_parquet(str(tmp))
+        os.replace(tmp, final)
+        return len(ds)
+
+
+def load_records(data_dir: str | Path, columns: list[str] | None = None) -> datasets.Dataset:
+    """All shards of a folder as one ``datasets.Dataset`` (optionally only some columns)."""
+    files = sorted(str(p) for p in Path(data_dir).glob(SHARD_GLOB))
+    if not files:
+        raise FileNotFoundError(f"no shards ({SHARD_GLOB}) in {data_dir}: run python -m pipelines.generate first")
+    ds = datasets.Dataset.from_parquet(files, columns=columns)
+    return ds
+
+
+def summarize(data_dir: Path, extra: dict | None = None) -> dict:
+    """Acceptance rate, greedy-match rate and oracle draft-length histogram, overall and per origin / domain / split."""
+    cols = ["origin", "domain", "split", "greedy_match", "accept_prob", "oracle_len", "oracle_censored", "rollout"]
+    df = load_records(data_dir, cols).to_pandas()
+
+    def block(d) -> dict:
+        starts = d[d["rollout"]] if d["rollout"].any() else d
+        hist = Counter(int(x) for x in starts["oracle_len"])
+        return {
+            "records": int(len(d)),
+            "acceptance_rate": float(d["accept_prob"].mean()),
+            "greedy_match_rate": float(d["greedy_match"].mean()),
+            "oracle_len_mean": float(d["oracle_len"].mean()),
+            "oracle_len_hist": {str(k): hist[k] for k in sorted(hist)},
+        }
+
+    summary = {"overall": block(df)}
+    for key in ("origin", "domain", "split"):
+        summary[f"by_{key}"] = {str(k): block(g) for k, g in df.groupby(key)}
+    if extra:
+        summary.update(extra)
+    (data_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def rows_to_budget(records: dict[str, list], keep: int) -> dict[str, list]:
+    """The first ``keep`` records (the budget's last shard is trimmed to the exact count)."""
+    return {k: v[:keep] for k, v in records.items()}
