@@ -1,6 +1,7 @@
 """Offline replay of stop policies over stored labelled sequences: no model runs, only the per-token records.
 
-Records are grouped by ``seq_id`` and ordered by ``offset``. A round starts at offset ``s``: the policy drafts tokens
+Records are grouped by labelled segment (``seq_id`` and the segment start ``prefix_len - offset``, see
+:func:`segment_keys`) and ordered by ``offset``. A round starts at offset ``s``: the policy drafts tokens
 ``s, s+1, ...``, and after each drafted token ``keep_drafting`` says whether to draft another (the token that triggers the
 stop is still drafted and verified), up to ``policy.draft_cap()`` tokens and the end of the sequence. Verification:
 
@@ -190,9 +191,23 @@ class ReplayResult:
 # ----------------------------------------------------------------------------------------------------------- data
 
 
-def _sort_order(columns: Mapping[str, object]) -> np.ndarray:
-    seq = np.asarray(columns["seq_id"])
-    _, codes = np.unique(seq.astype(str), return_inverse=True)
+def segment_keys(columns: Mapping[str, object]) -> np.ndarray:
+    """[N] id of the labelled segment of each row: ``seq_id`` plus the segment start (``prefix_len - offset``).
+
+    One ``seq_id`` can hold two segments whose offsets both start at 0 (the teacher-forced continuation, then the draft
+    rollout); without ``prefix_len`` the ``rollout`` flag separates them.
+    """
+    seq = np.asarray(columns["seq_id"]).astype(str)
+    if "prefix_len" in columns:
+        start = np.asarray(columns["prefix_len"], dtype=np.int64) - np.asarray(columns["offset"], dtype=np.int64)
+        return np.char.add(np.char.add(seq, "|"), start.astype(str))
+    if "rollout" in columns:
+        return np.char.add(np.char.add(seq, "|r"), np.asarray(columns["rollout"], dtype=bool).astype(int).astype(str))
+    return seq
+
+
+def _sort_order(columns: Mapping[str, object], keys: np.ndarray) -> np.ndarray:
+    _, codes = np.unique(keys, return_inverse=True)
     offset = np.asarray(columns["offset"], dtype=np.int64)
     return np.lexsort((offset, codes))
 
@@ -249,9 +264,10 @@ def prepare_replay_data(columns: Mapping[str, object], cfg: ReplayConfig | None 
     mask, exact, note = _select(columns, cfg)
     idx = np.flatnonzero(mask)
     sub = {k: np.asarray(v)[idx] for k, v in columns.items()}
-    order = _sort_order(sub)
+    keys = segment_keys(sub)
+    order = _sort_order(sub, keys)
     sub = {k: v[order] for k, v in sub.items()}
-    seq = sub["seq_id"].astype(str)
+    seq = keys[order]
     change = np.flatnonzero(seq[1:] != seq[:-1]) + 1
     starts = np.concatenate([[0], change]).astype(np.int64)
     ends = np.concatenate([change, [len(seq)]]).astype(np.int64)

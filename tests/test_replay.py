@@ -280,3 +280,14 @@ def test_keep_drafting_override_sees_the_round():
     # threshold .05: s=0 cumprod [.9,.18,.162,.146,.0146] -> drafts 5, a=2 -> next 3; s=3 [.9,.09,.081] -> 3, a=3
     r = replay_policy(CumulativeProduct(0.05), data, CONST)
     assert (r.n_rounds, r.drafted, r.accepted, r.tokens) == (2, 8, 5, 7)
+
+
+def test_two_segments_of_one_sequence_are_replayed_apart():
+    one = hand_rollout()
+    two = {k: np.concatenate([v, v]) for k, v in one.items()}
+    # same seq_id, both offsets from 0: the teacher-forced continuation starts at 10, the rollout at 16
+    two["prefix_len"] = np.concatenate([10 + one["offset"], 16 + one["offset"]])
+    data = prepare_replay_data(two, ReplayConfig(teacher_forced_only=False))
+    assert data.n_seqs == 2 and data.greedy.tolist() == [True, True, False, True, True, True] * 2
+    r = replay_policy(StaticLength(2), data, CONST)
+    assert (r.n_rounds, r.tokens, r.time_s) == (4, 12, 24)
