@@ -189,13 +189,13 @@ def build_features(spec: FeatureSpec, columns: Mapping[str, object]) -> Tensor:
         n = topk.shape[0]
         parts = [topk, topk_entropy(topk)[:, None], (_scalar(columns, spec, "position", n) / spec.position_scale)[:, None]]
         parts += [_scalar(columns, spec, e, n)[:, None] for e in spec.extra]
-        x = torch.cat(parts, dim=1)
+        x = torch.cat([t.to(topk.device) for t in parts], dim=1)
     elif spec.kind == "sprinter":
         x = _vector(columns, spec, "draft_hidden", spec.hidden_size)
     else:
         s = _get(columns, spec, "companion_sim").float().reshape(-1)
         a = _scalar(columns, spec, "companion_accept", s.numel())
-        x = torch.stack([s, a], dim=1)
+        x = torch.stack([s, a.to(s.device)], dim=1)
     if x.shape[1] != spec.width:
         raise ValueError(f"feature width mismatch: built {x.shape[1]} {spec.kind} features, the predictor expects {spec.width}")
     if not torch.isfinite(x).all():
@@ -230,10 +230,22 @@ class LearnedPolicy(StopPolicy):
         """[N, width] inputs (checked) for the policy's module."""
         return build_features(self.spec, features)
 
+    def device(self) -> torch.device:
+        """Device of the module's parameters / buffers."""
+        t = next(iter(self.net.state_dict().values()), None)
+        return t.device if t is not None else torch.device("cpu")
+
+    def to(self, device: str | torch.device) -> LearnedPolicy:
+        """Move the module (e.g. to the decoder's GPU); scores come back on the features' device."""
+        self.net.to(device)
+        return self
+
     @torch.no_grad()
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
-        out = self.net(self.inputs(features))
-        return torch.sigmoid(out) if self.output == "logit" else out
+        x = self.inputs(features)
+        out = self.net(x.to(self.device()))
+        out = torch.sigmoid(out) if self.output == "logit" else out
+        return out.to(x.device)
 
     def net_config(self) -> dict[str, Any]:
         """Constructor keyword arguments of the module (exported to rebuild it)."""

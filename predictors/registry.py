@@ -209,7 +209,13 @@ def register_predictor(
     signature = infer_signature(example, policy.score(frame_to_columns(example, policy)).numpy().astype(np.float64))
     try:
         with _uris(uri):
-            run_ctx = mlflow.start_run(run_id=run_id) if run_id else mlflow.start_run(run_name=f"register-{name}")
+            active = mlflow.active_run()
+            if run_id and active is not None and active.info.run_id == run_id:
+                run_ctx = contextlib.nullcontext(active)  # the caller's active run: log into it, leave it open
+            elif run_id:
+                run_ctx = mlflow.start_run(run_id=run_id, nested=active is not None)
+            else:
+                run_ctx = mlflow.start_run(run_name=f"register-{name}", nested=active is not None)
             with run_ctx as run:
                 info = mlflow.pyfunc.log_model(
                     name="predictor",

@@ -195,6 +195,8 @@ class SVTableConfig(TrainConfig):
             raise ValueError(f"ig_levels={self.ig_levels} must be >= 0")
         if self.auc_label not in ("greedy", "ratio"):
             raise ValueError(f"auc_label={self.auc_label!r}: use greedy or ratio")
+        if self.auc_label == "ratio" and self.lam < 1:
+            raise ValueError(f"lam={self.lam}: auc_label='ratio' derives q/p <= lam from min(1, p/q), which needs lam >= 1")
 
 
 CONFIGS: dict[str, type[TrainConfig]] = {"disco": DiscoConfig, "sprinter": SprinterConfig, "sv": SVTableConfig}
@@ -257,7 +259,6 @@ def fit_predictor(
         information gain in bits on train and val.
     """
     import pytorch_lightning as pl
-    from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
     from predictors.datamodule import ShardDataModule
 
@@ -343,7 +344,6 @@ def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[St
 
 
 def _fit_sv(cfg: SVTableConfig, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[StopPolicy, dict[str, Any]]:
-    from predictors.labels import derive_label
     from predictors.lightning_modules import SVTableModule
     from predictors.sv_table import SVPolicy
 
@@ -361,8 +361,8 @@ def _fit_sv(cfg: SVTableConfig, dm, out_dir, logger, n_batches, ckpt_dir) -> tup
     raw = dm.raw["val"]
     if cfg.auc_label == "greedy" and "greedy_match" in raw:
         auc_labels = raw["greedy_match"].astype(np.float32)
-    else:  # ratio label at lam from q, p (loaded when available) or accept == 1 (q <= p)
-        auc_labels = (y_val.numpy() >= 1.0 - 1e-6).astype(np.float32) if cfg.lam == 1.0 else derive_label(raw, "ratio", cfg.lam)
+    else:  # ratio label q/p <= lam  <=>  min(1, p/q) >= 1/lam  (lam >= 1, checked in the config)
+        auc_labels = (y_val.numpy() >= 1.0 / cfg.lam - 1e-6).astype(np.float32)
     m: dict[str, Any] = binary_metrics(scores, auc_labels, cfg.threshold)
     m["val_loss"] = float(val["val_loss"])
     m["val_mse"] = float(val["val_mse"])

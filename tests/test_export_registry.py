@@ -158,7 +158,17 @@ def _round_trip(trained, uri: str) -> None:
 
 def test_register_and_load_by_alias_sqlite(trained, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the embedded store keeps artifacts in ./mlruns
-    _round_trip(trained, f"sqlite:///{tmp_path / 'mlflow.db'}")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    _round_trip(trained, uri)
+    # into an existing run (the main job passes MLFlowLogger.run_id)
+    from mlflow.tracking import MlflowClient
+
+    from predictors.registry import register_predictor
+
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("train-job"))
+    info = register_predictor(trained[1]["sv"], "specstop-sv-test", 0.5, run_id=run.info.run_id, tracking_uri=uri)
+    assert info["run_id"] == run.info.run_id and info["champion"]
 
 
 def test_unreachable_tracking_server_keeps_export(trained, monkeypatch):
