@@ -177,8 +177,21 @@ def _crop(cache: Any, length: int) -> None:
         cache.crop(-extra)
 
 
-def _time_decode(model: Any, prompt: Any, steps: int, repeats: int) -> tuple[float, list[float]]:
-    """Median seconds of one single-token decode step over a KV cache of the prompt."""
+def _stat(times: list[float], statistic: str) -> float:
+    return min(times) if statistic == "min" else statistics.median(times)
+
+
+def _monotone(lengths: list[int], times: list[float]) -> list[float]:
+    """Non-decreasing fit of verification time against length (a longer pass cannot be cheaper; the rest is noise)."""
+    from sklearn.isotonic import IsotonicRegression
+
+    if len(lengths) < 2:
+        return list(times)
+    return IsotonicRegression(increasing=True).fit_transform(np.asarray(lengths, float), np.asarray(times, float)).tolist()
+
+
+def _time_decode(model: Any, prompt: Any, steps: int, repeats: int, statistic: str) -> tuple[float, list[float]]:
+    """Seconds of one single-token decode step over a KV cache of the prompt (min or median over all steps)."""
     import torch
 
     dev = prompt.device
@@ -196,7 +209,7 @@ def _time_decode(model: Any, prompt: Any, steps: int, repeats: int) -> tuple[flo
             out.logits[:, -1].argmax(-1)
             _sync(dev)
             times.append(time.perf_counter() - t0)
-    return statistics.median(times), times
+    return _stat(times, statistic), times
 
 
 def measure_cost_model(
@@ -207,6 +220,7 @@ def measure_cost_model(
     prompt_len: int = 128,
     repeats: int = 3,
     decode_steps: int = 8,
+    statistic: str = "min",
 ) -> CostModel:
     """Time the draft decode step and the target verification pass on the models' own device, under ``torch.no_grad``.
 
@@ -214,8 +228,11 @@ def measure_cost_model(
         draft, target, companion: causal LMs (transformers ``PreTrainedModel``), already on their device / dtype.
         lengths: verification lengths L to time (one target forward of L new tokens over a cached prefix).
         prompt_len: tokens in the cached prefix (random token ids).
-        repeats: timed repetitions per measurement (the median is kept).
+        repeats: timed repetitions per measurement.
         decode_steps: draft / companion decode steps timed per repetition.
+        statistic: 'min' (default: the cost without interference from other processes, as ``timeit`` advises on a shared
+            machine) or 'median' of the timed repetitions. Verification times are then made non-decreasing in L
+            (isotonic fit); the raw timings stay in ``extra``.
     Returns:
         the :class:`CostModel` (raw timings in ``extra``).
     """
@@ -223,6 +240,8 @@ def measure_cost_model(
 
     if not lengths or min(lengths) < 1:
         raise ValueError(f"lengths must be non-empty and >= 1, got {lengths}")
+    if statistic not in ("min", "median"):
+        raise ValueError(f"statistic={statistic!r}: use 'min' or 'median'")
     if repeats < 1 or prompt_len < 1:
         raise ValueError(f"repeats ({repeats}) and prompt_len ({prompt_len}) must be >= 1")
     param = next(target.parameters())
@@ -232,27 +251,30 @@ def measure_cost_model(
     prompt = torch.randint(0, vocab, (1, prompt_len), generator=g).to(dev)
     extra: dict[str, Any] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     with torch.no_grad():
-        draft_s, raw = _time_decode(draft, prompt.to(next(draft.parameters()).device), decode_steps, repeats)
+        draft_s, raw = _time_decode(draft, prompt.to(next(draft.parameters()).device), decode_steps, repeats, statistic)
         extra["draft_raw_s"] = raw
         comp_s = 0.0
         if companion is not None:
-            comp_s, raw = _time_decode(companion, prompt.to(next(companion.parameters()).device), decode_steps, repeats)
+            comp_s, raw = _time_decode(
+                companion, prompt.to(next(companion.parameters()).device), decode_steps, repeats, statistic
+            )
             extra["companion_raw_s"] = raw
         cache = _prefill(target, prompt)
-        target_s: dict[int, float] = {}
-        for L in sorted(set(int(x) for x in lengths)):
-            new = torch.randint(0, vocab, (1, L), generator=g).to(dev)
-            times = []
-            for r in range(repeats + 1):  # first pass is a warm-up
+        ls = sorted(set(int(x) for x in lengths))
+        new = {L: torch.randint(0, vocab, (1, L), generator=g).to(dev) for L in ls}
+        raw_t: dict[int, list[float]] = {L: [] for L in ls}
+        for r in range(repeats + 1):  # the first sweep is a warm-up; lengths interleaved so load spikes spread out
+            for L in ls:
                 _crop(cache, prompt_len)
                 _sync(dev)
                 t0 = time.perf_counter()
-                target(input_ids=new, past_key_values=cache, use_cache=True)
+                target(input_ids=new[L], past_key_values=cache, use_cache=True)
                 _sync(dev)
                 if r:
-                    times.append(time.perf_counter() - t0)
-            target_s[L] = statistics.median(times)
-            extra[f"target_raw_s_L{L}"] = times
+                    raw_t[L].append(time.perf_counter() - t0)
+        for L in ls:
+            extra[f"target_raw_s_L{L}"] = raw_t[L]
+        target_s = dict(zip(ls, _monotone(ls, [_stat(raw_t[L], statistic) for L in ls])))
 
     def _name(m: Any) -> str:
         return "" if m is None else str(getattr(m.config, "name_or_path", "") or type(m).__name__)
@@ -267,6 +289,7 @@ def measure_cost_model(
         target_name=_name(target),
         companion_name=_name(companion),
         prompt_len=prompt_len,
-        notes=f"median of {repeats} repeats ({decode_steps} decode steps each); prefix of {prompt_len} random tokens",
+        notes=(f"{statistic} of {repeats} repeats ({decode_steps} decode steps each), verification times made "
+               f"non-decreasing in L; prefix of {prompt_len} random tokens"),
         extra=extra,
     )

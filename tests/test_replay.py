@@ -237,6 +237,9 @@ def test_measure_cost_model_tiny():
     cm = measure_cost_model(draft, target, companion=draft, lengths=(1, 2, 4, 8), prompt_len=16, repeats=2, decode_steps=3)
     assert cm.draft_s_per_token > 0 and cm.companion_s_per_token > 0
     assert sorted(cm.target_s) == [1, 2, 4, 8] and all(v > 0 for v in cm.target_s.values())
+    ts = [cm.target_s[k] for k in sorted(cm.target_s)]
+    assert all(a <= b for a, b in zip(ts, ts[1:]))  # made non-decreasing in L
+    assert len(cm.extra["target_raw_s_L4"]) == 2
     assert cm.round_time(4) > cm.round_time(0) > 0
     assert not cm.assumed and cm.prompt_len == 16
 
