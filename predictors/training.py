@@ -12,6 +12,7 @@ Usage::
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -220,12 +221,17 @@ def binary_metrics(scores: np.ndarray, labels: np.ndarray, threshold: float, pre
     return {prefix + k: v for k, v in out.items()}
 
 
-def _trainer(cfg: TrainConfig, out_dir: Path, logger: Any, callbacks: list, max_epochs: int, n_batches: int):
+def _trainer(
+    cfg: TrainConfig, out_dir: Path, logger: Any, callbacks: list, max_epochs: int, n_batches: int, single: bool = False
+):
     import pytorch_lightning as pl
     from pytorch_lightning.loggers import CSVLogger
 
     if logger is None:
         logger = CSVLogger(str(out_dir), name="logs")
+    kwargs = cfg.trainer_kwargs()
+    if single:  # no parameters to synchronise (the SV table): one process, whatever the configured strategy
+        kwargs.update(strategy="auto", devices=1, num_nodes=1)
     return pl.Trainer(
         max_epochs=max_epochs,
         callbacks=callbacks,
@@ -235,7 +241,7 @@ def _trainer(cfg: TrainConfig, out_dir: Path, logger: Any, callbacks: list, max_
         enable_model_summary=False,
         num_sanity_val_steps=0,
         log_every_n_steps=max(1, min(50, n_batches)),
-        **cfg.trainer_kwargs(),
+        **kwargs,
     )
 
 
@@ -301,9 +307,21 @@ def fit_predictor(
         "data_dir": str(data_dir),
         "checkpoint": metrics.pop("_checkpoint", ""),  # type: ignore[arg-type]
     }
+    resolved = {"kind": kind, "feature_spec": dm.spec.to_dict(), **policy.train_info}
+    (out_dir / "resolved_config.json").write_text(json.dumps(_jsonable(resolved), indent=2, sort_keys=True))
     if logger is not None:
         logger.log_metrics({f"final_{k}": v for k, v in metrics.items() if np.isfinite(v)})
     return policy, metrics
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    return x
 
 
 def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[StopPolicy, dict[str, Any]]:
@@ -348,7 +366,9 @@ def _fit_sv(cfg: SVTableConfig, dm, out_dir, logger, n_batches, ckpt_dir) -> tup
     from predictors.sv_table import SVPolicy
 
     module = SVTableModule(cfg.s_bins, cfg.a_bins, cfg.prior_count)
-    trainer = _trainer(cfg, out_dir, logger, [], 1, n_batches)
+    # DDP cannot wrap a module without trainable parameters; the one counting pass runs in a single process (under a
+    # multi-process launch every rank fits the same table from the same data).
+    trainer = _trainer(cfg, out_dir, logger, [], 1, n_batches, single=True)
     trainer.fit(module, train_dataloaders=dm.train_dataloader())
     val = trainer.validate(module, dataloaders=dm.val_dataloader(), verbose=False)[0]
     ckpt_dir.mkdir(parents=True, exist_ok=True)

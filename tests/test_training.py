@@ -1,6 +1,7 @@
 """Training through Lightning on synthetic shards: planted signals are learned; bad data gives clear errors."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,8 @@ def test_disco_learns_planted_signal(shards, tmp_path):
     assert np.isfinite(m["val_loss"]) and m["n_train"] == 1260 and m["pos_weight"] > 0
     assert (tmp_path / "checkpoints" / "disco-best.ckpt").is_file()
     assert list((tmp_path / "logs").rglob("metrics.csv"))  # per-epoch metrics (CSV without a logger)
+    resolved = json.loads((tmp_path / "resolved_config.json").read_text())
+    assert resolved["config"]["hidden_size"] == 16 and resolved["feature_spec"]["width"] == 12
     assert policy.kind == "disco" and policy.threshold == 0.5
     assert policy.train_info["label"]["family"] == "greedy" and policy.train_info["config"]["hidden_size"] == 16
 
