@@ -373,9 +373,10 @@ class SpeculativeDecoder:
             n_sent = [len(d) for d in drafted]
             if self.is_sv:
                 lat = self._sv_latency()
-                for b in live:
-                    if drafted[b]:
-                        n_sent[b] = goodput_prefix(scores[b], lat)
+                if batch == 1:
+                    n_sent[0] = goodput_prefix(scores[0], lat) if drafted[0] else 0
+                else:
+                    n_sent = sv_batch_lengths([scores[b] if b in live else [] for b in range(batch)], lat)
 
             # ---------------------------------------------------------- verification
             if self.analysis:
@@ -490,8 +491,38 @@ class SpeculativeDecoder:
 
 
 def goodput_prefix(accept_probs: list[float], latency) -> int:
-    """SV: the verification length maximising goodput, at least 1 when anything was drafted."""
+    """SV: the verification length maximising goodput (predictors.goodput.goodput_length)."""
     from predictors.goodput import goodput_length
 
     best, _ = goodput_length(accept_probs, latency)
     return best
+
+
+def sv_batch_lengths(accept_probs: list[list[float]], latency) -> list[int]:
+    """SV across a batch: greedily add the draft token with the largest gain in expected accepted length while the
+    batch goodput (sum of expected tokens) / latency(total verified tokens) improves.
+
+    Args:
+        accept_probs: per sequence, the estimated acceptance of each drafted token, in order.
+        latency: seconds of a round verifying n tokens in all (``LatencyTable.round_latency``).
+    Returns:
+        per sequence, how many of its drafted tokens to verify.
+    """
+    n_seq = len(accept_probs)
+    lengths = [0] * n_seq
+    surv = [1.0] * n_seq  # P(all verified tokens so far accepted), per sequence
+    expected = float(sum(1 for a in accept_probs if a is not None))  # each sequence emits one target token
+    best = expected / max(latency(0), 1e-12)
+    while True:
+        gains = [
+            (surv[b] * accept_probs[b][lengths[b]], b) for b in range(n_seq) if lengths[b] < len(accept_probs[b])
+        ]
+        if not gains:
+            return lengths
+        gain, b = max(gains)
+        goodput = (expected + gain) / max(latency(sum(lengths) + 1), 1e-12)
+        if goodput <= best:
+            return lengths
+        best, expected = goodput, expected + gain
+        surv[b] *= accept_probs[b][lengths[b]]
+        lengths[b] += 1

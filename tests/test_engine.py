@@ -273,3 +273,40 @@ def test_tokenizer_and_fingerprint_checks(tmp_path, tiny_pair):
     export_predictor(SVIP(0.4), tmp_path / "ok", {"draft_fingerprint": fp})
     dec = build_decoder(draft, target, str(tmp_path / "ok"), draft_tokenizer=tok, target_tokenizer=tok)
     assert dec.policy.kind == "svip" and abs(dec.policy.h - 0.4) < 1e-9
+
+
+def test_sv_batch_greedy_selection(pair, companion):
+    from decoding.engine import sv_batch_lengths
+
+    lat = LatencyTable(draft_step_s=0.0, target_s={0: 1.0, 10: 2.0}).round_latency
+    # Confident sequence 0 gets its tokens, hopeless sequence 1 none.
+    assert sv_batch_lengths([[0.99, 0.99, 0.99], [0.01, 0.9]], lat) == [3, 0]
+    assert sv_batch_lengths([[], []], lat) == [0, 0]
+    draft, target = pair
+    pol = CompanionAccept(threshold=0.2, max_draft_len=6)
+    dec = SpeculativeDecoder(draft, target, pol, companion=companion,
+                             latency=LatencyTable(draft_step_s=0.01, target_s={0: 0.3, 8: 0.4}))
+    ids = torch.cat([PROMPT, PROMPT.flip(1)])
+    out, _ = dec.generate(ids, None, 10, None, 0)
+    for b in range(2):
+        ref = target.generate(ids[b : b + 1], do_sample=False, max_new_tokens=10, pad_token_id=256)
+        assert out[b].tolist() == ref[0].tolist()
+
+
+@pytest.mark.real
+def test_real_pair_greedy_exact():
+    """The packaged Qwen pair: engine output equals target-only greedy output (run with --real under
+    flock /tmp/specstop-real.lock)."""
+    from data_gen.models import ModelSpec, load_model
+
+    draft, tok = load_model(ModelSpec("packaged:qwen2.5-coder-0.5b-instruct"))
+    target, _ = load_model(ModelSpec("packaged:qwen2.5-coder-1.5b-instruct"))
+    ids = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that reverses a list."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ref = target.generate(ids, do_sample=False, max_new_tokens=24)
+    for spec in ("static:5", "svip:0.3"):
+        out, stats = SpeculativeDecoder(draft, target, build_policy(spec)).generate(
+            ids, None, 24, target.generation_config.eos_token_id, 0)
+        n = min(out.shape[1], ref.shape[1])
+        assert out[0, :n].tolist() == ref[0, :n].tolist()
+        assert stats.mean_accepted > 0.5
