@@ -116,7 +116,7 @@ class ShardDataModule(pl.LightningDataModule):
         seed: int = 0,
         tv_target: bool = False,
         feature_options: dict[str, Any] | None = None,
-        extra_columns: Sequence[str] = ("greedy_match", "accept_prob"),
+        extra_columns: Sequence[str] = ("greedy_match", "accept_prob", "draft_max_prob", "draft_entropy"),
     ) -> None:
         """
         Args:

@@ -27,7 +27,7 @@ from predictors.labels import LABEL_FAMILIES, label_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainConfig", "DiscoConfig", "SprinterConfig", "SVTableConfig", "CONFIGS", "fit_predictor", "binary_metrics"]
+__all__ = ["TrainConfig", "DiscoConfig", "SprinterConfig", "SVTableConfig", "CONFIGS", "fit_predictor", "binary_metrics", "baseline_aucs"]
 
 PAPER_LAMBDAS = (1.0, 1.2, 1.5)
 
@@ -221,6 +221,22 @@ def binary_metrics(scores: np.ndarray, labels: np.ndarray, threshold: float, pre
     return {prefix + k: v for k, v in out.items()}
 
 
+def baseline_aucs(raw: dict[str, np.ndarray], labels: np.ndarray, prefix: str = "val_") -> dict[str, float]:
+    """AUC of the training-free scores on the same labels: top-1 draft probability (max-confidence) and negative draft
+    entropy (SVIP / AdaEDL rank tokens by it), the bars a learned predictor should beat."""
+    from sklearn.metrics import roc_auc_score
+
+    y = (np.asarray(labels) > 0.5).astype(int)
+    out: dict[str, float] = {}
+    if len(np.unique(y)) < 2:
+        return out
+    if "draft_max_prob" in raw:
+        out[f"{prefix}auc_max_prob"] = float(roc_auc_score(y, raw["draft_max_prob"].astype(np.float64)))
+    if "draft_entropy" in raw:
+        out[f"{prefix}auc_neg_entropy"] = float(roc_auc_score(y, -raw["draft_entropy"].astype(np.float64)))
+    return out
+
+
 def _trainer(
     cfg: TrainConfig, out_dir: Path, logger: Any, callbacks: list, max_epochs: int, n_batches: int, single: bool = False
 ):
@@ -261,8 +277,9 @@ def fit_predictor(
         (policy, metrics): the policy carries the best-val-loss weights, ``cfg.threshold`` and ``policy.train_info``
         (resolved config, label, metrics, checkpoint path; exported by ``predictors.export``). metrics include
         ``val_auc`` (scikit-learn, val split), ``val_loss`` (the checkpointed val loss), ``val_bce``/``f1``/...,
-        ``best_epoch``, ``epochs_run``, ``n_train``, ``n_val``, ``train_pos_rate``, ``pos_weight``; for SV also the
-        information gain in bits on train and val.
+        ``best_epoch``, ``epochs_run``, ``n_train``, ``n_val``, ``train_pos_rate``, ``pos_weight``,
+        ``val_auc_max_prob`` / ``val_auc_neg_entropy`` (the training-free scores' AUC on the same labels); for SV
+        also the information gain in bits on train and val.
     """
     import pytorch_lightning as pl
 
@@ -354,6 +371,7 @@ def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[St
     with torch.no_grad():
         scores = torch.sigmoid(net(dm.tensors["val"][0])).numpy()
     m: dict[str, Any] = binary_metrics(scores, dm.tensors["val"][1].numpy(), cfg.threshold)
+    m.update(baseline_aucs(dm.raw["val"], dm.tensors["val"][1].numpy()))
     m["val_loss"] = float(ckpt.best_model_score) if ckpt.best_model_score is not None else m["val_bce"]
     m.update({"pos_weight": float(pos_weight), "epochs_run": float(trainer.current_epoch), "best_epoch": float(max(best_epoch, 0)),
               "_checkpoint": best})
@@ -384,6 +402,7 @@ def _fit_sv(cfg: SVTableConfig, dm, out_dir, logger, n_batches, ckpt_dir) -> tup
     else:  # ratio label q/p <= lam  <=>  min(1, p/q) >= 1/lam  (lam >= 1, checked in the config)
         auc_labels = (y_val.numpy() >= 1.0 / cfg.lam - 1e-6).astype(np.float32)
     m: dict[str, Any] = binary_metrics(scores, auc_labels, cfg.threshold)
+    m.update(baseline_aucs(raw, auc_labels))
     m["val_loss"] = float(val["val_loss"])
     m["val_mse"] = float(val["val_mse"])
     x_tr, y_tr, _ = dm.tensors["train"]

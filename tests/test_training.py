@@ -36,6 +36,7 @@ def test_disco_learns_planted_signal(shards, tmp_path):
     policy, m = fit_predictor("disco", cfg, shards, tmp_path)
     assert m["val_auc"] > 0.9
     assert np.isfinite(m["val_loss"]) and m["n_train"] == 1260 and m["pos_weight"] > 0
+    assert 0.5 < m["val_auc_max_prob"] <= 1 and "val_auc_neg_entropy" in m  # training-free bars on the same labels
     assert (tmp_path / "checkpoints" / "disco-best.ckpt").is_file()
     assert list((tmp_path / "logs").rglob("metrics.csv"))  # per-epoch metrics (CSV without a logger)
     resolved = json.loads((tmp_path / "resolved_config.json").read_text())
