@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from predictors.base import StopPolicy
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -313,16 +313,16 @@ def fit_predictor(
 
     if kind == "sv":
         policy, m = _fit_sv(cfg, dm, out_dir, logger, n_batches, ckpt_dir)  # type: ignore[arg-type]
-        metrics.update(m)
     else:
         policy, m = _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir)
-        metrics.update(m)
+    checkpoint = str(m.pop("_checkpoint", ""))
+    metrics.update(m)
     policy.train_info = {
         "config": asdict(cfg),
         "label": {"family": cfg.label_family, "lam": cfg.lam, "name": label_name(cfg.label_family, cfg.lam)},
         "metrics": metrics,
         "data_dir": str(data_dir),
-        "checkpoint": metrics.pop("_checkpoint", ""),  # type: ignore[arg-type]
+        "checkpoint": checkpoint,
     }
     resolved = {"kind": kind, "feature_spec": dm.spec.to_dict(), **policy.train_info}
     (out_dir / "resolved_config.json").write_text(json.dumps(_jsonable(resolved), indent=2, sort_keys=True))
