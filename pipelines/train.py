@@ -1,0 +1,244 @@
+"""The main job: labelled draft tokens -> trained, evaluated, registered stop predictors, and a comparison table.
+
+1. Generate the labelled-token shards if the data folder is missing or short of its budget (resumes otherwise).
+2. Train the learned predictors with Lightning (DISCO FFN, SPRINTER verifier, SV bin table), each logged to MLflow
+   through MLFlowLogger (params, per-epoch metrics, data fingerprint, model identities, resolved config).
+3. Evaluate them on the test split against the training-free scores (ROC / F1 / replayed speedup) and tune each
+   threshold for predicted speedup on the validation split (``pipelines.evaluate``); the report is logged to MLflow.
+4. Export each predictor (safetensors + JSON) with its tuned threshold, register it in the MLflow registry, move the
+   ``champion`` alias when it beats the current champion on validation AUC, and print the table.
+
+Usage:
+    python -m pipelines.train                                 # default config: the real Qwen2.5-Coder pair
+    python -m pipelines.train --config configs/smoke.yaml     # tiny random-init models, under a minute
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from data_gen.generate import GenerateConfig
+from pipelines.cli import parse_config, setup_logging
+from predictors.training import DiscoConfig, SprinterConfig, SVTableConfig
+
+log = logging.getLogger("pipelines.train")
+
+
+@dataclass
+class TrainJobConfig:
+    """Arguments of ``python -m pipelines.train``; configs/default.yaml and configs/smoke.yaml mirror them."""
+
+    data: GenerateConfig = field(
+        default_factory=lambda: GenerateConfig(out_dir="outputs/default/data", max_records=50_000)
+    )
+    """How the labelled-token data is generated (``pipelines.generate``); its out_dir is the data folder."""
+    generate_if_missing: bool = True
+    """Generate (or resume) the data when the folder has no shards or fewer records than data.max_records."""
+    out_dir: str = "outputs/default/train"
+    """Checkpoints, exports (``<out_dir>/<kind>/export``), the evaluation report and the results table."""
+    predictors: list[str] = field(default_factory=lambda: ["disco", "sprinter", "sv"])
+    """Learned predictors to train: disco, sprinter, sv."""
+    disco: DiscoConfig = field(default_factory=lambda: DiscoConfig(extra_features=("draft_max_prob", "draft_entropy")))
+    """DISCO FFN training (greedy-match labels)."""
+    sprinter: SprinterConfig = field(default_factory=SprinterConfig)
+    """SPRINTER verifier training (q/p <= lam labels)."""
+    sv: SVTableConfig = field(default_factory=SVTableConfig)
+    """SV bin table fitting (needs companion columns in the data)."""
+    evaluate: bool = True
+    """Run the evaluation (classification, replay, threshold tuning, report) after training."""
+    n_boot: int = 200
+    """Bootstrap resamples over prompts for the evaluation's confidence intervals."""
+    register: bool = True
+    """Register every trained predictor in the MLflow model registry (champion alias on improvement)."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db); a remote server works too."""
+    experiment: str = "specstop"
+    """MLflow experiment name."""
+
+    def __post_init__(self) -> None:
+        bad = [p for p in self.predictors if p not in ("disco", "sprinter", "sv")]
+        if bad:
+            raise ValueError(f"--predictors has unknown kinds {bad}; use disco, sprinter, sv")
+
+
+def _ensure_data(cfg: TrainJobConfig) -> Path:
+    from data_gen.shards import SHARD_GLOB, finished_chunks
+    from pipelines.generate import generate
+
+    data_dir = Path(cfg.data.out_dir)
+    have = sum(finished_chunks(data_dir).values()) if data_dir.exists() else 0
+    short = have == 0 or (cfg.data.max_records is not None and have < cfg.data.max_records)
+    if short and cfg.generate_if_missing:
+        log.info("data folder %s has %d records: generating (resumes finished shards)", data_dir, have)
+        generate(cfg.data)
+    elif have == 0:
+        raise FileNotFoundError(
+            f"no shards ({SHARD_GLOB}) in {data_dir}; run python -m pipelines.generate or pass --generate_if_missing true"
+        )
+    return data_dir
+
+
+def _data_identity(data_dir: Path) -> dict[str, Any]:
+    """Fingerprints of the data and of the models that made it (from the generator's config.json / summary.json)."""
+    from data_gen.shards import CONFIG_FILE, SUMMARY_FILE, finished_chunks
+
+    cfg = json.loads((data_dir / CONFIG_FILE).read_text()) if (data_dir / CONFIG_FILE).exists() else {}
+    summary = json.loads((data_dir / SUMMARY_FILE).read_text()) if (data_dir / SUMMARY_FILE).exists() else {}
+    fps = cfg.get("resolved", {}).get("fingerprints", {})
+    return {
+        "data_fingerprint": cfg.get("fingerprint"),
+        "records": sum(finished_chunks(data_dir).values()),
+        "draft": fps.get("draft"),
+        "target": fps.get("target"),
+        "companion": fps.get("companion"),
+        "acceptance_rate": summary.get("overall", {}).get("acceptance_rate"),
+        "greedy_match_rate": summary.get("overall", {}).get("greedy_match_rate"),
+    }
+
+
+def _has_columns(data_dir: Path, columns: tuple[str, ...]) -> bool:
+    import pyarrow.parquet as pq
+
+    first = next(iter(sorted(data_dir.glob("shard-*.parquet"))))
+    names = set(pq.ParquetFile(first).schema_arrow.names)
+    return all(c in names for c in columns)
+
+
+def _flat_params(prefix: str, obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if dataclasses.is_dataclass(obj):
+        obj = dataclasses.asdict(obj)
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_flat_params(f"{prefix}.{k}" if prefix else str(k), v))
+    else:
+        out[prefix] = str(obj)[:500]
+    return out
+
+
+def train_all(cfg: TrainJobConfig) -> dict[str, Any]:
+    """Run the whole chain; returns {"results": rows of the table, "report": path, "data": identity}."""
+    from pytorch_lightning.loggers import MLFlowLogger
+
+    from predictors.export import export_predictor, update_metadata
+    from predictors.registry import check_reachable, register_predictor, registry_name, resolve_tracking_uri
+    from predictors.training import fit_predictor
+
+    t0 = time.perf_counter()
+    uri = resolve_tracking_uri(cfg.tracking_uri)
+    check_reachable(uri)  # fail before any work when the tracking server is down
+    data_dir = _ensure_data(cfg)
+    ident = _data_identity(data_dir)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "resolved_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
+    kinds_cfg = {"disco": cfg.disco, "sprinter": cfg.sprinter, "sv": cfg.sv}
+    needs = {"sprinter": ("draft_hidden",), "sv": ("companion_sim", "companion_accept")}
+    policies: dict[str, Any] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    exports: dict[str, Path] = {}
+    loggers: dict[str, MLFlowLogger] = {}
+    for kind in cfg.predictors:
+        if not _has_columns(data_dir, needs.get(kind, ())):
+            why = f"data has no {needs[kind]} columns (" + (
+                "configure data.models.companion" if kind == "sv" else "set data.store_hidden true") + ")"
+            log.warning("skipping %s: %s", kind, why)
+            rows[kind] = {"predictor": kind, "status": f"skipped: {why}"}
+            continue
+        logger = MLFlowLogger(experiment_name=cfg.experiment, tracking_uri=uri, run_name=f"train-{kind}")
+        logger.log_hyperparams({**_flat_params(kind, kinds_cfg[kind]), **_flat_params("data", ident),
+                                "data.generate": json.dumps(dataclasses.asdict(cfg.data), default=str)[:6000]})
+        log.info("training %s", kind)
+        policy, metrics = fit_predictor(kind, kinds_cfg[kind], data_dir, out / kind, logger=logger)
+        folder = export_predictor(policy, out / kind / "export", {
+            "draft_fingerprint": ident["draft"], "target": ident["target"], "companion": ident["companion"],
+            "data_fingerprint": ident["data_fingerprint"], "data_dir": str(data_dir),
+        })
+        policies[kind], exports[kind], loggers[kind] = policy, folder, logger
+        rows[kind] = {"predictor": kind, "status": "trained", "val_auc": metrics.get("val_auc"),
+                      "val_auc_top1": metrics.get("val_auc_max_prob"), "epochs": metrics.get("epochs_run"),
+                      "n_train": metrics.get("n_train")}
+        if kind == "sv":
+            rows[kind]["info_gain_bits"] = metrics.get("val_info_gain_bits", metrics.get("info_gain_bits"))
+    report = None
+    if cfg.evaluate and policies:
+        report = _evaluate(cfg, data_dir, policies, exports, rows, uri)
+    for kind, folder in exports.items():
+        if cfg.register:
+            try:
+                reg = register_predictor(folder, registry_name(kind, ident["draft"]), float(rows[kind]["val_auc"] or 0.0),
+                                         run_id=loggers[kind].run_id, tracking_uri=uri)
+            except ConnectionError as e:
+                raise ConnectionError(f"{e}. The trained predictor is kept on disk at {folder}") from e
+            rows[kind].update(registered=f"{reg['name']} v{reg['version']}", champion=reg["champion"])
+        update_metadata(folder, registry=rows[kind].get("registered"))
+    result = {"results": list(rows.values()), "report": str(report) if report else None, "data": ident,
+              "seconds": time.perf_counter() - t0}
+    (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+def _evaluate(cfg: TrainJobConfig, data_dir: Path, policies: dict, exports: dict, rows: dict, uri: str) -> Path:
+    """Test-split evaluation of the trained policies against the baselines; tuned thresholds go into the exports."""
+    import mlflow
+
+    from pipelines.evaluate import EvaluateConfig, run_evaluation
+    from predictors.export import update_metadata
+
+    ecfg = EvaluateConfig(data_dir=str(data_dir), out_dir=str(Path(cfg.out_dir) / "report"), tune_thresholds=True,
+                          n_boot=cfg.n_boot, tracking=True, tracking_uri=uri, experiment=cfg.experiment)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment(cfg.experiment)
+    with mlflow.start_run(run_name="evaluate"):
+        res = run_evaluation(ecfg, policies)
+    table = res.get("classification")
+    for kind in policies:
+        rows[kind]["test_auc_greedy"] = _headline_auc(table, kind)
+        rows[kind]["test_auc_top1"] = _headline_auc(table, "max-prob")
+        tuned = res.get("tuned", {}).get(kind)
+        if tuned:
+            thr, speed = tuned
+            policies[kind].threshold = float(thr)
+            rows[kind].update(threshold=float(thr), val_speedup=float(speed))
+            update_metadata(exports[kind], threshold=float(thr), tuned_val_speedup=float(speed))
+    return Path(res["report"])
+
+
+def _headline_auc(table: Any, policy: str, label: str = "greedy match") -> float | None:
+    """Test AUC of ``policy`` for ``label`` over the whole split (the evaluation's headline row)."""
+    if table is None or not len(table) or "auc" not in table:
+        return None
+    sel = table[(table["group_by"] == "all") & (table["policy"] == policy) & (table["label"] == label)]
+    return float(sel["auc"].iloc[0]) if len(sel) else None
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of the results."""
+    cols = ["predictor", "status", "val_auc", "val_auc_top1", "test_auc_greedy", "test_auc_top1", "threshold",
+            "val_speedup", "info_gain_bits", "registered", "champion"]
+    cols = [c for c in cols if any(c in r for r in rows)]
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    setup_logging()
+    cfg = parse_config(TrainJobConfig, argv, __doc__)
+    result = train_all(cfg)
+    print(format_table(result["results"]))
+    if result["report"]:
+        print(f"\nreport: {result['report']}")
+    print(f"done in {result['seconds']:.0f}s")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
