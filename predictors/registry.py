@@ -230,7 +230,12 @@ def register_predictor(
         client = MlflowClient(tracking_uri=uri, registry_uri=uri)
         version = str(info.registered_model_version)
         client.set_model_version_tag(name, version, metric_name, repr(float(val_metric)))
-        client.set_model_version_tag(name, version, "kind", policy.kind)
+        meta = getattr(policy, "metadata", {}) or {}
+        tags = {"kind": policy.kind, "higher_is_better": str(higher_is_better),
+                "draft": (meta.get("draft_fingerprint") or {}).get("name", ""),
+                "label": (meta.get("label") or {}).get("name", "") if isinstance(meta.get("label"), dict) else ""}
+        for k, v in tags.items():
+            client.set_model_version_tag(name, version, k, str(v))
         previous: str | None = None
         old_metric: float | None = None
         try:

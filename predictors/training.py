@@ -271,8 +271,10 @@ def fit_predictor(
         cfg: the matching config (DiscoConfig, SprinterConfig, SVTableConfig).
         data_dir: folder of Parquet shards (``predictors.datamodule``).
         out_dir: checkpoints (``out_dir/checkpoints``) and, without a logger, CSV logs (``out_dir/logs``).
-        logger: a Lightning logger (MLFlowLogger in the main job) receiving per-epoch metrics and the summary metrics
-            (prefixed ``final_``); None logs to CSV under ``out_dir``.
+        logger: a Lightning logger (MLFlowLogger in the main job) receiving the module hyperparameters, per-epoch
+            metrics and the summary metrics (prefixed ``final_``); None logs to CSV under ``out_dir``. Use one logger
+            (one MLflow run) per predictor: MLflow refuses to change a param's value within a run, and the metric
+            names (val_loss, val_auc...) are the same for every kind.
     Returns:
         (policy, metrics): the policy carries the best-val-loss weights, ``cfg.threshold`` and ``policy.train_info``
         (resolved config, label, metrics, checkpoint path; exported by ``predictors.export``). metrics include

@@ -142,7 +142,9 @@ def _round_trip(trained, uri: str) -> None:
     v2 = load_predictor(f"models:/{name}/2", tracking_uri=uri)
     assert v2.kind == "sv"
     client = MlflowClient(uri, uri)
-    assert client.get_model_version(name, "3").tags["val_auc"] == "0.95"
+    tags = client.get_model_version(name, "3").tags
+    assert tags["val_auc"] == "0.95" and tags["kind"] == "sprinter" and tags["draft"] == "tiny:1"
+    assert tags["label"] == "q/p<=1.5"
     # the pyfunc flavour predicts the same scores from a flattened feature frame
     mlflow.set_tracking_uri(uri)
     try:
