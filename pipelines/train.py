@@ -165,7 +165,8 @@ def train_all(cfg: TrainJobConfig) -> dict[str, Any]:
                       "val_auc_top1": metrics.get("val_auc_max_prob"), "epochs": metrics.get("epochs_run"),
                       "n_train": metrics.get("n_train")}
         if kind == "sv":
-            rows[kind]["info_gain_bits"] = metrics.get("val_info_gain_bits", metrics.get("info_gain_bits"))
+            rows[kind]["info_gain_bits"] = metrics.get("val_information_gain_bits")
+            rows[kind]["info_gain_frac"] = metrics.get("val_information_gain_frac")
     report = None
     if cfg.evaluate and policies:
         report = _evaluate(cfg, data_dir, policies, exports, rows, uri)
@@ -221,7 +222,7 @@ def _headline_auc(table: Any, policy: str, label: str = "greedy match") -> float
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of the results."""
     cols = ["predictor", "status", "val_auc", "val_auc_top1", "test_auc_greedy", "test_auc_top1", "threshold",
-            "val_speedup", "info_gain_bits", "registered", "champion"]
+            "val_speedup", "info_gain_bits", "info_gain_frac", "registered", "champion"]
     cols = [c for c in cols if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
