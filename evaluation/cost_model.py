@@ -182,12 +182,17 @@ def _stat(times: list[float], statistic: str) -> float:
 
 
 def _monotone(lengths: list[int], times: list[float]) -> list[float]:
-    """Non-decreasing fit of verification time against length (a longer pass cannot be cheaper; the rest is noise)."""
-    from sklearn.isotonic import IsotonicRegression
+    """Lower monotone envelope T(L) = min over L' >= L of the time at L'.
 
-    if len(lengths) < 2:
-        return list(times)
-    return IsotonicRegression(increasing=True).fit_transform(np.asarray(lengths, float), np.asarray(times, float)).tolist()
+    A longer verification pass cannot be cheaper than a shorter one, and load from other processes only ever adds time,
+    so a shorter length measured slower than a longer one is a load spike: it is replaced by the longer one's time.
+    """
+    order = np.argsort(lengths)
+    t = np.asarray(times, dtype=np.float64)[order]
+    env = np.minimum.accumulate(t[::-1])[::-1]
+    out = np.empty_like(env)
+    out[order] = env
+    return out.tolist()
 
 
 def _time_decode(model: Any, prompt: Any, steps: int, repeats: int, statistic: str) -> tuple[float, list[float]]:
@@ -232,7 +237,7 @@ def measure_cost_model(
         decode_steps: draft / companion decode steps timed per repetition.
         statistic: 'min' (default: the cost without interference from other processes, as ``timeit`` advises on a shared
             machine) or 'median' of the timed repetitions. Verification times are then made non-decreasing in L
-            (isotonic fit); the raw timings stay in ``extra``.
+            (lower monotone envelope, see :func:`_monotone`); the raw timings stay in ``extra``.
     Returns:
         the :class:`CostModel` (raw timings in ``extra``).
     """
@@ -289,7 +294,7 @@ def measure_cost_model(
         target_name=_name(target),
         companion_name=_name(companion),
         prompt_len=prompt_len,
-        notes=(f"{statistic} of {repeats} repeats ({decode_steps} decode steps each), verification times made "
-               f"non-decreasing in L; prefix of {prompt_len} random tokens"),
+        notes=(f"{statistic} of {repeats} repeats ({decode_steps} decode steps each), verification times: lower "
+               f"monotone envelope in L; prefix of {prompt_len} random tokens"),
         extra=extra,
     )
