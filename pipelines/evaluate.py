@@ -331,8 +331,10 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
             sweep["speedup"] = np.nan
     command = "python -m pipelines.evaluate " + " ".join(
         f"--{k} {shlex.quote(json.dumps(v) if not isinstance(v, str) else v)}" for k, v in asdict(cfg).items()
-        if v is not None
     )
+    if policies:
+        notes.append(f"policies passed in by the caller (not in the command above; pass their export folders with "
+                     f"--predictors to reproduce): {sorted(policies)}")
     report = write_report(
         cfg.out_dir, classification=cls, replay=replay, sweep=sweep, sprinter=spr, cost_model=cm, columns=cols,
         policies=pols, tracking=cfg.tracking, command=command, notes=notes, tuned=tuned,

@@ -294,3 +294,13 @@ def test_two_segments_of_one_sequence_are_replayed_apart():
     assert data.n_seqs == 2 and data.greedy.tolist() == [True, True, False, True, True, True] * 2
     r = replay_policy(StaticLength(2), data, CONST)
     assert (r.n_rounds, r.tokens, r.time_s) == (4, 12, 24)
+
+
+def test_sampling_oracle_hand_computed():
+    data = prepare_replay_data(hand_rollout(), ReplayConfig(mode="sampling"))
+    r = replay_policy(Oracle(), data, CONST, "sampling")
+    # s=0: accept [.5,.5,1,.8,1,1]: E[A] = .5+.25+.25+.2+.2+.2 = 1.6, E[time] = 1.6 + 4 -> next at 0+2+1 = 3
+    # s=3: accept [.8,1,1]: E[A] = 2.4, E[time] = 2.4 + 4 -> next at 6
+    assert r.n_rounds == 2
+    assert r.tokens == pytest.approx(2.6 + 3.4) and r.drafted == pytest.approx(4.0)
+    assert r.time_s == pytest.approx(5.6 + 6.4) and r.speedup == pytest.approx(2.0)
