@@ -7,7 +7,10 @@ Accepted model names (``ModelSpec.name``):
 - ``tiny:SEED[:HIDDEN[:LAYERS]]``: a tiny random-init Qwen2 model with a byte-level tokenizer (tests, smoke runs);
 - a local directory holding ``config.json`` (a ``save_pretrained`` folder);
 - a ``.gguf`` file (loaded with transformers' GGUF support, needs ``gguf``);
-- a Hugging Face hub id ``org/name`` (needs network).
+- a Hugging Face hub id ``org/name`` (needs network);
+- ``truncated:N:<any form above>``: that model cut to its first N transformer layers (final norm and LM head kept), a
+  cheaper model sharing the tokenizer; the offline companion for Speculative Verification when no other model of the
+  draft's family is at hand.
 
 Usage: ``model, tokenizer = load_model(ModelSpec("tiny:1"))``
 """
@@ -26,7 +29,7 @@ log = logging.getLogger(__name__)
 
 ACCEPTED_FORMS = (
     "packaged:<name> (offline packaged models: {packaged}), tiny:SEED[:HIDDEN[:LAYERS]] (random-init test model), "
-    "a local directory with config.json, a .gguf file, or a hub id org/name"
+    "a local directory with config.json, a .gguf file, a hub id org/name, or truncated:N:<one of these>"
 )
 
 CHATML_TEMPLATE = (
@@ -130,6 +133,20 @@ def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
         ValueError: for an unknown model source (the message lists the accepted forms).
     """
     name = spec.name
+    if name.startswith("truncated:"):
+        _, n, base = name.split(":", 2)
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"bad truncated model name {name!r}: use truncated:N:<model> with N >= 1 layers")
+        model, tok = load_model(ModelSpec(base, spec.dtype, spec.device, spec.cache_dir))
+        layers = model.get_decoder().layers
+        if int(n) >= len(layers):
+            raise ValueError(f"{name!r}: {base} has only {len(layers)} layers; N must be smaller")
+        model.get_decoder().layers = layers[: int(n)]
+        model.config.num_hidden_layers = int(n)
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[: int(n)]
+        model.config.name_or_path = name
+        return model, tok
     if name.startswith("tiny:"):
         parts = name.split(":")[1:]
         try:
