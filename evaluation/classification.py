@@ -252,7 +252,8 @@ def score_table(
     Returns:
         long frame, one row per (group_by, group, policy, label): n, pos_rate, auc, auc_lo, auc_hi, pr_auc, pr_auc_lo,
         pr_auc_hi, threshold, f1_own, f1_own_lo, f1_own_hi, f1_opt, thr_f1_opt, static_best_k, f1_static_best,
-        f1_gain_vs_static (F1-optimal minus best static), reason (why a metric is NaN, or which columns are missing).
+        f1_gain_vs_static (F1-optimal minus best static), f1_own_vs_static (F1 at the own threshold minus best static),
+        reason (why a metric is NaN, or which columns are missing).
         ``group_by == "all"`` holds the headline rows.
     """
     n = len(np.asarray(next(iter(columns.values()))))
@@ -309,7 +310,8 @@ def score_table(
             row.update(pos_rate=float(y.mean()), reason=_class_reason(y))
             row.update(_sk_metrics(scores, y, thr))
             k, f1s, _ = statics[spec]
-            row.update(static_best_k=k, f1_static_best=f1s, f1_gain_vs_static=row["f1_opt"] - f1s)
+            row.update(static_best_k=k, f1_static_best=f1s, f1_gain_vs_static=row["f1_opt"] - f1s,
+                       f1_own_vs_static=row["f1_own"] - f1s)
             if boot_counts:
                 pred = scores >= thr if np.isfinite(thr) else None
                 bs = {"auc": [], "pr_auc": [], "f1_own": []}
@@ -346,7 +348,7 @@ def score_table(
     df = pd.DataFrame(rows)
     order = ["group_by", "group", "policy", "kind", "label", "family", "lam", "n", "pos_rate", "auc", "auc_lo", "auc_hi",
              "pr_auc", "pr_auc_lo", "pr_auc_hi", "threshold", "f1_own", "f1_own_lo", "f1_own_hi", "f1_opt", "thr_f1_opt",
-             "static_best_k", "f1_static_best", "f1_gain_vs_static", "reason"]
+             "static_best_k", "f1_static_best", "f1_gain_vs_static", "f1_own_vs_static", "reason"]
     for c in order:
         if c not in df.columns:
             df[c] = np.nan if c != "reason" else ""

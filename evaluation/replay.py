@@ -580,8 +580,16 @@ def tune_threshold(
         columns: record columns; rows of ``split`` are used when a ``split`` column exists (pass split=None to use all).
         cost_model: round latency model.
         grid: thresholds to try (default: quantiles of the policy's scores).
+        split: rows to tune on ('val'); mode: greedy or sampling verification; origins: sequences replayed (see
+            :class:`ReplayConfig`; falls back to every sequence when none match).
     Returns:
-        (best threshold, its predicted speedup).
+        (best threshold, its predicted speedup). The policy is replayed with its threshold rule (SV's goodput length
+        has no threshold to tune).
+
+    Example (what the main job does after training)::
+
+        thr, sp = tune_threshold(policy, val_columns, CostModel.from_json(data_dir / "cost_model.json"))
+        update_metadata(export_folder, threshold=thr, tuning={"split": "val", "speedup": sp})
     """
     if split is not None and "split" in columns and not np.any(np.asarray(columns["split"]).astype(str) == split):
         raise ValueError(f"tune_threshold: no rows in split {split!r}")

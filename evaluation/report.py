@@ -201,6 +201,7 @@ def write_report(
             md += [f"### label: {label}", ""]
             md.append(markdown_table(g, ["policy", "n", "pos_rate", "auc (CI)", "pr_auc (CI)", "threshold", "f1_own (CI)",
                                          "f1_opt", "thr_f1_opt", "static_best_k", "f1_static_best", "f1_gain_vs_static",
+                                         "f1_own_vs_static",
                                          "reason"]))
         br = classification[classification["group_by"] != "all"]
         if len(br):
