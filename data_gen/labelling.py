@@ -165,6 +165,15 @@ def label_sequences(
             stats.seconds["companion"] += time.perf_counter() - t0
         drafted = draw_draft_tokens(d_logits, opts.temperature, opts.top_p, generator)
         drafted = torch.where(rollout_flag[sl], seq_tokens[sl], drafted)
+        for role, lg in (("draft", d_logits), ("target", t_logits), ("companion", c_logits)):
+            if lg is not None and not torch.isfinite(lg).all():
+                bad_rows = (~torch.isfinite(lg)).any(-1).nonzero().flatten().tolist()
+                bad = sorted({seqs[rows_b[lo + r]].seq_id for r in bad_rows})
+                name = getattr(getattr(models, role).config, "name_or_path", role)
+                raise FloatingPointError(
+                    f"{role} model {name!r} gave NaN or inf logits on sample(s) {bad}; nothing of this batch was written "
+                    f"(check the model's dtype: float16 overflows on CPU, use float32 or bfloat16)"
+                )
         f = token_features(
             d_logits,
             drafted,

@@ -30,6 +30,7 @@ class StubLM(nn.Module):
         self.embed.weight.data = torch.eye(v)
         self.head = nn.Linear(v, v, bias=False)
         self.head.weight.data = table.T.contiguous()  # one_hot(t) @ table -> table[t]
+        self.config = SimpleNamespace(name_or_path="stub")
 
     def get_decoder(self):
         def run(input_ids, attention_mask=None, use_cache=False):
@@ -140,5 +141,5 @@ def test_nan_logits_raise(tiny_pair):
     bad = torch.zeros(v, v)
     bad[0, 0] = float("nan")
     models = LabelModels(StubLM(bad), StubLM(torch.zeros(v, v)))
-    with pytest.raises(FloatingPointError, match="draft"):
+    with pytest.raises(FloatingPointError, match=r"draft model .* NaN or inf logits on sample\(s\) \['s0'\]"):
         label_sequences(models, [_spec([0, 1], [Segment(1, 2, "text", False)])], LabelOptions())
