@@ -24,8 +24,16 @@ after a mismatch is not what speculative decoding would have produced, and the r
 stored prefixes as a sample of contexts. :class:`ReplayConfig` replays the exact case by default and falls back, with a note
 in ``ReplayData.note``, when the data holds no such sequences.
 
-Special policies: the oracle (``kind == "oracle"``) drafts exactly the acceptable run (greedy: leading matches; sampling:
-until the first rejection, in expectation), the upper bound; SV-like policies (``kind`` in ``ReplayConfig.goodput_kinds``)
+Tokens are counted up to the end of the stored sequence (a round that would emit its bonus token past the end is clipped),
+so in greedy mode every policy emits the same tokens and the speedup is a pure time ratio.
+
+Special policies: the oracle (``kind == "oracle"``, DISCO's definition) drafts exactly the acceptable run (greedy: leading
+matches; sampling: until the first rejection, in expectation), never the last stored token (its bonus would lie past the end);
+it is the upper bound when a verification pass costs more than a draft step and verification time is subadditive in length.
+The schedule oracle (``kind == "oracle_schedule"``, :class:`OracleSchedule`) is the exact bound under any non-decreasing cost
+model in greedy mode: a dynamic programme over each sequence picks, at every round start, how many of the acceptable tokens
+to draft so that the total replayed time is minimal (in sampling mode it falls back to the expectation oracle). SV-like
+policies (``kind`` in ``ReplayConfig.goodput_kinds``)
 draft while the goodput of verifying everything drafted improves, then verify the goodput-maximising length
 (``predictors.goodput.goodput_length``), paying companion steps per drafted token.
 
@@ -63,10 +71,12 @@ __all__ = [
     "policy_scores",
     "position_score_matrix",
     "missing_columns",
+    "OracleSchedule",
+    "segment_keys",
 ]
 
 REPLAY_MODES = ("greedy", "sampling")
-UNTHRESHOLDED_KINDS = ("static", "heuristic", "oracle")
+UNTHRESHOLDED_KINDS = ("static", "heuristic", "oracle", "oracle_schedule")
 
 
 @dataclass
@@ -137,7 +147,7 @@ class ReplayResult:
     n_seqs: int = 0
     n_rounds: int = 0
     tokens: float = 0.0
-    """Tokens emitted (accepted + one target token per round)."""
+    """Tokens emitted (accepted + one target token per round, clipped at the end of the stored sequence)."""
     drafted: float = 0.0
     """Draft tokens produced."""
     verified: float = 0.0
@@ -349,8 +359,38 @@ def _window(features: Mapping[str, Tensor], a: int, b: int) -> dict[str, Tensor]
     return w
 
 
+class OracleSchedule(StopPolicy):
+    """Cost-optimal hindsight schedule (greedy replay): the fastest way to emit each stored sequence under the cost model."""
+
+    kind = "oracle_schedule"
+    required_columns = ("greedy_match",)
+
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        return features["greedy_match"].float()
+
+
 def _is_oracle(policy: StopPolicy) -> bool:
-    return getattr(policy, "kind", "") == "oracle"
+    return getattr(policy, "kind", "") in ("oracle", "oracle_schedule")
+
+
+def _schedule(run: np.ndarray, a0: int, b0: int, cap: int, per_draft: float, cm: CostModel) -> dict[int, int]:
+    """round start -> tokens to draft, minimising the time to emit rows [a0, b0) (greedy; draft only acceptable tokens)."""
+    T = np.array([cm.target_time(k + 1) for k in range(cap + 1)])  # verification of k drafts + 1
+    best = np.zeros(b0 - a0 + 1)
+    choice = np.zeros(b0 - a0, dtype=np.int64)
+    for s in range(b0 - 1, a0 - 1, -1):
+        i = s - a0
+        m = min(int(run[s]), cap, b0 - s)
+        ns = np.arange(m + 1)
+        nxt = np.minimum(i + ns + 1, b0 - a0)
+        cost = ns * per_draft + T[ns] + best[nxt]
+        j = int(np.argmin(cost))
+        best[i], choice[i] = cost[j], j
+    out, s = {}, a0
+    while s < b0:
+        out[s] = int(choice[s - a0])
+        s += out[s] + 1
+    return out
 
 
 def _set_threshold(policy: StopPolicy, threshold: float) -> StopPolicy:
@@ -414,30 +454,40 @@ def replay_policy(
     res = ReplayResult(n_seqs=data.n_seqs)
     per_draft = cm.draft_s_per_token + (cm.companion_s_per_token if companion else 0.0)
     t1 = cm.target_only_s_per_token
+    scheduled = oracle and mode == "greedy" and getattr(policy, "kind", "") == "oracle_schedule"
     for a0, b0 in zip(data.starts.tolist(), data.ends.tolist()):
         policy.reset()
         s = a0
+        plan = None
+        if scheduled:
+            top = int(policy.draft_cap()) if max_draft_len is None else min(int(policy.draft_cap()), max_draft_len)
+            plan = _schedule(data.match_run, a0, b0, max(top, 0), per_draft, cm)
         while s < b0:
-            cap = min(int(policy.draft_cap()), b0 - s)
+            rem = b0 - s
+            cap = min(int(policy.draft_cap()), rem)
             if max_draft_len is not None:
                 cap = min(cap, max_draft_len)
             cap = max(cap, 0)
             n_verify = None
             if oracle and mode == "sampling":
-                acc_exp, n_exp, t = _sampling_oracle(data.accept[s : s + cap], cm, companion)
+                # never draft the last stored token: its bonus would lie past the end
+                acc_exp, n_exp, t = _sampling_oracle(data.accept[s : s + min(cap, rem - 1)], cm, companion)
+                emitted = min(acc_exp + 1, rem)
                 res.n_rounds += 1
-                res.tokens += acc_exp + 1
+                res.tokens += emitted
                 res.accepted += acc_exp
                 res.drafted += n_exp
                 res.verified += n_exp
                 res.time_s += t
-                res.target_only_s += (acc_exp + 1) * t1
+                res.target_only_s += emitted * t1
                 a_int = int(round(acc_exp))
                 res.draft_len_hist[a_int] = res.draft_len_hist.get(a_int, 0) + 1
                 s += a_int + 1
                 continue
-            if oracle:
-                n = min(int(data.match_run[s]), cap)
+            if plan is not None:
+                n = plan[s]
+            elif oracle:
+                n = min(int(data.match_run[s]), cap, rem - 1)
             elif cap == 0:
                 n = 0
             else:
@@ -464,13 +514,14 @@ def replay_policy(
                 acc = float(np.cumprod(data.accept[s : s + nv]).sum()) if nv else 0.0
                 a_int = int(round(acc))
             t = n * per_draft + cm.target_time(nv + 1)
+            emitted = min(acc + 1, rem)  # tokens past the stored end are not counted
             res.n_rounds += 1
-            res.tokens += acc + 1
+            res.tokens += emitted
             res.accepted += acc
             res.drafted += n
             res.verified += nv
             res.time_s += t
-            res.target_only_s += (acc + 1) * t1
+            res.target_only_s += emitted * t1
             res.draft_len_hist[n] = res.draft_len_hist.get(n, 0) + 1
             if online:
                 policy.update(
@@ -524,6 +575,7 @@ def default_replay_policies(
         # transformers' online ROC re-tuning: one sklearn roc_curve per round, slow on large data, so opt-in.
         pols["hf-confidence-roc"] = MaxConfidence(threshold=0.4, max_draft_len=max_draft_len, online_roc=True)
     pols["oracle"] = Oracle(threshold=0.5, max_draft_len=max_draft_len)
+    pols["oracle-schedule"] = OracleSchedule(threshold=0.5, max_draft_len=max_draft_len)
     return pols
 
 
