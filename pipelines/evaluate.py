@@ -290,6 +290,8 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
         if tune_cols is None or not len(tune_cols["seq_id"]):
             notes.append(f"threshold tuning skipped: no rows in split {cfg.tune_split!r}")
         else:
+            if replay_cm.assumed:
+                notes.append("thresholds were tuned under an ASSUMED cost model (no measured cost_model.json)")
             for name, p in live.items():
                 if getattr(p, "kind", "") in ("static", "heuristic", "oracle", "sv"):
                     continue
