@@ -143,3 +143,13 @@ def test_nan_logits_raise(tiny_pair):
     models = LabelModels(StubLM(bad), StubLM(torch.zeros(v, v)))
     with pytest.raises(FloatingPointError, match=r"draft model .* NaN or inf logits on sample\(s\) \['s0'\]"):
         label_sequences(models, [_spec([0, 1], [Segment(1, 2, "text", False)])], LabelOptions())
+
+
+def test_batched_rollouts_equal_unbatched(tiny_pair):
+    draft, _, tok = tiny_pair
+    prompts = [tok(t)["input_ids"] for t in ("def f(x):", "import numpy as np\nx = np.zeros(3)", "print(1)")]
+    kw = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    together, _ = continue_batch(draft, prompts, [8, 5, 8], **kw)
+    alone = [continue_batch(draft, [p], [n], **kw)[0][0] for p, n in zip(prompts, [8, 5, 8])]
+    assert together == alone
+    assert [len(c) for c in together] == [8, 5, 8]
