@@ -76,6 +76,7 @@ def plot_oracle_hist(columns: Mapping[str, Any], path: str | Path, max_len: int 
         bins = np.arange(0, max_len + 2) - 0.5
         ax.hist([L[~cens], L[cens]], bins=bins, stacked=True, label=["ended by a mismatch", "censored (end of rollout)"])
         ax.set_yscale("log")
+        ax.set_xlim(-0.5, min(max_len, int(L.max()) + 1) + 0.5)
         ax.legend(fontsize=8)
         ax.set_title(f"oracle draft length (n={len(L)}, mean {L.mean():.2f}, capped at {max_len})")
     else:
