@@ -465,19 +465,30 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
         run_hf("static:3", draft, target, prompts[:1], short, tok, eos)
         run_engine("static:3", draft, target, None, prompts[:1], short, tok, eos, None)
 
-    rows: list[Row] = [run_target_only(target, prompts, cfg, tok, eos)]
+    rows: list[Row] = []
+
+    def done(row: Row) -> None:
+        rows.append(row)
+        base = rows[0].tokens_per_s
+        log.info("row %s: %.3f tokens/s (x%.3f), %d tokens in %.1fs, mean accepted %.2f", row.name, row.tokens_per_s,
+                 row.tokens_per_s / base if base else 0.0, row.tokens, row.seconds,
+                 row.accepted / row.rounds if row.rounds else 0.0)
+        partial = [r.metrics(base) for r in rows]
+        (out_dir / "benchmark.partial.json").write_text(json.dumps(partial, indent=2))
+
+    done(run_target_only(target, prompts, cfg, tok, eos))
     for kind in cfg.hf_rows:
-        rows.append(run_hf(kind, draft, target, prompts, cfg, tok, eos))
+        done(run_hf(kind, draft, target, prompts, cfg, tok, eos))
     for spec in specs:
         if spec.startswith("hfp:"):
-            rows.append(run_hf_policy(spec[4:], draft, target, prompts, cfg, tok, eos))
+            done(run_hf_policy(spec[4:], draft, target, prompts, cfg, tok, eos))
             continue
         try:
-            rows.append(run_engine(spec, draft, target, companion, prompts, cfg, tok, eos, latency))
+            done(run_engine(spec, draft, target, companion, prompts, cfg, tok, eos, latency))
         except ValueError as e:
             if "companion" in str(e) and companion is None:
                 log.warning("skipping %s: %s", spec, e)
-                rows.append(Row(spec, "engine", note=f"skipped: {e}"))
+                done(Row(spec, "engine", note=f"skipped: {e}"))
                 continue
             raise
     ref = rows[0].outputs
