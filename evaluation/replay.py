@@ -702,7 +702,8 @@ def replay_table(
         gp = _is_goodput(pol, cfg)
         p = copy.deepcopy(pol)
         r = replay_policy(p, data, cost_model, cfg.mode, goodput=gp, max_draft_len=cfg.max_draft_len)
-        rows.append({**base, **common, **r.as_row(), "verification": "goodput" if gp else "threshold", "reason": ""})
+        how = "goodput" if gp else ("hindsight" if _is_oracle(pol) else "threshold")
+        rows.append({**base, **common, **r.as_row(), "verification": how, "reason": ""})
         thresholded = getattr(pol, "kind", "") not in UNTHRESHOLDED_KINDS and not gp and not getattr(pol, "online_roc", False)
         if sweep and thresholded:
             sw = threshold_sweep(pol, data, cost_model, None, cfg.mode, cfg.max_draft_len)
