@@ -331,6 +331,8 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
     features = features_schema(
         cfg.top_k, models.draft.config.hidden_size if cfg.store_hidden else None, models.companion is not None
     )
+    if rank == 0 and cfg.measure_costs and not (out_dir / "cost_model.json").exists():
+        _measure_costs(models, out_dir)  # first, so that an interrupted run still leaves the replay its cost model
     writer = ShardWriter(out_dir, features)
     chunks = [list(range(i, min(i + cfg.prompts_per_shard, len(prompts)))) for i in range(0, len(prompts), cfg.prompts_per_shard)]
     done = finished_chunks(out_dir)
@@ -387,8 +389,6 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
     }
     if rank != 0:
         return run_stats
-    if cfg.measure_costs and not (out_dir / "cost_model.json").exists():
-        _measure_costs(models, out_dir)
     summary = summarize(out_dir, {"last_run": run_stats, "fingerprints": fingerprints})
     log.info("labelled %d new tokens in %.0fs (%.1f tok/s); total %d", new_records, elapsed,
              run_stats["labelled_tokens_per_s"], summary["overall"]["records"])
