@@ -15,6 +15,16 @@ from decoding.latency import LatencyTable, profile_latency
 from decoding.policies import build_decoder, build_policy
 from predictors.base import StopPolicy
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run far faster on one thread when the CPU is shared (no OpenMP spin-waits); restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 EXACT_SPECS = ["static:1", "static:4", "heuristic", "max_confidence", "max_confidence_fixed:0.3", "svip:0.3", "adaedl",
                "oracle"]
 

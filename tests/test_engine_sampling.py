@@ -13,6 +13,16 @@ from data_gen.features import probs_from_logits
 from decoding.engine import SpeculativeDecoder
 from decoding.policies import build_policy
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run far faster on one thread when the CPU is shared (no OpenMP spin-waits); restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 PROMPT = torch.tensor([[67, 68, 69, 220, 69, 78, 78, 7]])
 N_PER_BATCH, N_BATCHES = 500, 4
 
