@@ -112,6 +112,13 @@ class DecodeStats:
         }
 
 
+def _clock(device: torch.device) -> float:
+    """perf_counter after the device finished its queued work (CUDA kernels are asynchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class _Stream:
     """One model's KV cache plus its per-position validity mask [B, S] (0 = padding or a discarded token)."""
 
@@ -316,10 +323,10 @@ class SpeculativeDecoder:
                 feed = [
                     (d_pending[b] if step == 0 else [drafted[b][-1]]) if active[b] else [] for b in range(batch)
                 ]
-                t0 = time.perf_counter()
+                t0 = _clock(device)
                 logits, hid, idx = drf.forward(feed, left_pad=True, all_logits=False, hidden=self.needs_hidden)
                 c_logits = cmp.forward(feed, left_pad=True, all_logits=False)[0][:, -1] if cmp is not None else None
-                stats.draft_time += time.perf_counter() - t0
+                stats.draft_time += _clock(device) - t0
                 stats.draft_forwards += 1
                 logits = logits[:, -1]
                 for b in range(batch):
@@ -327,7 +334,7 @@ class SpeculativeDecoder:
                 tok = self._pick(logits, gen)  # [B]
                 t_logits = None
                 if self.analysis:
-                    t0 = time.perf_counter()
+                    t0 = _clock(device)
                     t_feed = [
                         (t_pending[b] if step == 0 else [drafted[b][-1]]) if active[b] else [] for b in range(batch)
                     ]
@@ -335,8 +342,8 @@ class SpeculativeDecoder:
                     t_logits = tl[:, -1]
                     for b in range(batch):
                         t_idx[b] += tidx[b]
-                    stats.analysis_time += time.perf_counter() - t0
-                t0 = time.perf_counter()
+                    stats.analysis_time += _clock(device) - t0
+                t0 = _clock(device)
                 feats = token_features(
                     logits,
                     tok,
@@ -350,7 +357,7 @@ class SpeculativeDecoder:
                 feats["position"] = torch.full((batch,), step, dtype=torch.long, device=device)
                 keep = self.policy.keep_drafting(feats).tolist()
                 sc = self.policy.score(feats).tolist() if self.is_sv else None
-                stats.stop_time += time.perf_counter() - t0
+                stats.stop_time += _clock(device) - t0
                 stats.stop_decisions += 1
                 q_all = self._probs(logits) if self.temperature > 0 else None
                 toks, qs = tok.tolist(), feats["q"].tolist()
@@ -384,9 +391,9 @@ class SpeculativeDecoder:
                 t_feed = [t_feed[b] if not done[b] else [] for b in range(batch)]
             else:
                 t_feed = [t_pending[b] + drafted[b][: n_sent[b]] if not done[b] else [] for b in range(batch)]
-            t0 = time.perf_counter()
+            t0 = _clock(device)
             tl, _, tidx = tgt.forward(t_feed, left_pad=False, all_logits=True)
-            stats.target_time += time.perf_counter() - t0
+            stats.target_time += _clock(device) - t0
             for b in range(batch):
                 t_idx[b] += tidx[b]
 
@@ -444,7 +451,7 @@ class SpeculativeDecoder:
         for b, o in enumerate(outputs):
             if o:
                 new[b, : len(o)] = torch.tensor(o, device=device)
-        stats.wall_time = time.perf_counter() - t_start
+        stats.wall_time = _clock(device) - t_start
         return torch.cat([input_ids, new], dim=1), stats
 
     def _verify(
