@@ -194,10 +194,16 @@ def _evaluate(cfg: TrainJobConfig, data_dir: Path, policies: dict, exports: dict
 
     ecfg = EvaluateConfig(data_dir=str(data_dir), out_dir=str(Path(cfg.out_dir) / "report"), tune_thresholds=True,
                           n_boot=cfg.n_boot, tracking=True, tracking_uri=uri, experiment=cfg.experiment)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(cfg.experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(cfg.experiment)
+    previous_uri = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment(cfg.experiment)
-    with mlflow.start_run(run_name="evaluate"):
-        res = run_evaluation(ecfg, policies)
+    try:
+        with mlflow.start_run(run_name="evaluate", experiment_id=exp_id):
+            res = run_evaluation(ecfg, policies)
+    finally:
+        mlflow.set_tracking_uri(previous_uri)
     table = res.get("classification")
     for kind in policies:
         rows[kind]["test_auc_greedy"] = _headline_auc(table, kind)

@@ -29,6 +29,19 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _mlflow_isolation():
+    """No MLflow global state (active run, experiment, tracking URI) leaks from one test into another."""
+    yield
+    import mlflow
+    from mlflow.tracking import fluent
+
+    while mlflow.active_run() is not None:
+        mlflow.end_run()
+    fluent._active_experiment_id = None
+    mlflow.set_tracking_uri(None)
+
+
 @pytest.fixture(scope="session")
 def tiny_pair():
     """(draft, target, tokenizer): tiny random-init Qwen2 models sharing the byte-level tokenizer."""
