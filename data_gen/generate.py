@@ -365,8 +365,11 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
             totals.label_seconds_by_origin[o] += st.label_seconds_by_origin[o]
         totals.text_fallbacks += st.text_fallbacks
         elapsed = time.perf_counter() - t_start
+        rate = new_records / elapsed
         bar.update(n)
-        bar.set_postfix(tok_s=f"{new_records / elapsed:.1f}", chunk=f"{c + 1}/{len(chunks)}")
+        bar.set_postfix(tok_s=f"{rate:.1f}", chunk=f"{c + 1}/{len(chunks)}")
+        eta = f", ETA {(budget - have) / rate / 60:.0f} min" if budget is not None and rate > 0 else ""
+        log.info("shard %d: %d records (%d/%s labelled, %.1f tok/s%s)", c, n, have, budget or "all", rate, eta)
     bar.close()
     elapsed = time.perf_counter() - t_start
     run_stats = {
