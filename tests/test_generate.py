@@ -118,3 +118,14 @@ def test_two_fabric_processes_write_their_own_shards(tmp_path):
 def test_bad_origin_named_in_error():
     with pytest.raises(ValueError, match="--origins"):
         GenerateConfig(origins={"bogus": 1.0})
+
+
+def test_measure_costs_rewrites_cost_model(tmp_path):
+    from pipelines.measure_costs import main as measure
+
+    out = tmp_path / "m"
+    generate(tiny_cfg(out, max_records=5))
+    assert not (out / "cost_model.json").exists()
+    cm = measure(["--data_dir", str(out), "--repeats", "1"])
+    assert cm["draft_s_per_token"] > 0 and all(v > 0 for v in cm["target_s"].values())
+    assert json.loads((out / "cost_model.json").read_text())["draft_name"] == "tiny:1"
