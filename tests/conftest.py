@@ -39,6 +39,7 @@ def _mlflow_isolation():
     while mlflow.active_run() is not None:
         mlflow.end_run()
     fluent._active_experiment_id = None
+    os.environ.pop("MLFLOW_EXPERIMENT_ID", None)  # mlflow.set_experiment exports it
     mlflow.set_tracking_uri(None)
 
 
