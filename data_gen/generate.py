@@ -80,7 +80,9 @@ class GenerateConfig:
     sequences_per_prompt: int = 2
     """Sequences (each one origin) planned per prompt."""
     prefix_tokens: tuple[int, int] = (8, 64)
-    """Range of m, the continuation tokens before the rollout (non-prompt origins)."""
+    """Range of m, the continuation tokens before the rollout (draft, target and spec origins: generated sequentially)."""
+    text_tokens: tuple[int, int] | None = None
+    """Range of m for the text origin (dataset answers cost no generation, so long spans are cheap); None: prefix_tokens."""
     rollout_len: int = 40
     """L, the draft rollout length after the prefix (SVIP's maximum draft length is 40)."""
     label_prefix: bool = True
@@ -127,6 +129,8 @@ class GenerateConfig:
         lo, hi = self.prefix_tokens
         if not 0 <= lo <= hi:
             raise ValueError(f"--prefix_tokens must be (min, max) with 0 <= min <= max, got {self.prefix_tokens}")
+        if self.text_tokens is not None and not 0 <= self.text_tokens[0] <= self.text_tokens[1]:
+            raise ValueError(f"--text_tokens must be (min, max) with 0 <= min <= max, got {self.text_tokens}")
         if self.max_records is not None and self.max_records <= 0:
             raise ValueError(f"--max_records must be positive or null, got {self.max_records}")
         if abs(sum(self.split_fractions) - 1) > 1e-6:
@@ -177,7 +181,8 @@ def plan_prompt(cfg: GenerateConfig, index: int, sample_id: str) -> list[Planned
     out = []
     for r in range(cfg.sequences_per_prompt):
         origin = str(rng.choice(names, p=shares / shares.sum()))
-        m = 0 if origin == "prompt" else int(rng.integers(cfg.prefix_tokens[0], cfg.prefix_tokens[1] + 1))
+        lo, hi = cfg.text_tokens if origin == "text" and cfg.text_tokens else cfg.prefix_tokens
+        m = 0 if origin == "prompt" else int(rng.integers(lo, hi + 1))
         out.append(Planned(index, origin, m, f"{sample_id}#{r}"))
     return out
 
