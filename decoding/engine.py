@@ -25,6 +25,7 @@ Usage:
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -117,6 +118,21 @@ def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+@contextmanager
+def _one_thread(device: torch.device):
+    """Run small per-token tensor work on one CPU thread: for [B, V] vectors OpenMP start-up and spin-waits cost more
+    than the work itself (several times more on a shared CPU)."""
+    n = torch.get_num_threads()
+    if device.type != "cpu" or n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 class _Stream:
@@ -344,19 +360,20 @@ class SpeculativeDecoder:
                         t_idx[b] += tidx[b]
                     stats.analysis_time += _clock(device) - t0
                 t0 = _clock(device)
-                feats = token_features(
-                    logits,
-                    tok,
-                    target_logits=t_logits,
-                    companion_logits=c_logits,
-                    draft_hidden=hid,
-                    top_k=self.top_k_features,
-                    temperature=self.temperature,
-                    top_p=self.top_p,
-                )
-                feats["position"] = torch.full((batch,), step, dtype=torch.long, device=device)
-                keep = self.policy.keep_drafting(feats).tolist()
-                sc = self.policy.score(feats).tolist() if self.is_sv else None
+                with _one_thread(device):
+                    feats = token_features(
+                        logits,
+                        tok,
+                        target_logits=t_logits,
+                        companion_logits=c_logits,
+                        draft_hidden=hid,
+                        top_k=self.top_k_features,
+                        temperature=self.temperature,
+                        top_p=self.top_p,
+                    )
+                    feats["position"] = torch.full((batch,), step, dtype=torch.long, device=device)
+                    keep = self.policy.keep_drafting(feats).tolist()
+                    sc = self.policy.score(feats).tolist() if self.is_sv else None
                 stats.stop_time += _clock(device) - t0
                 stats.stop_decisions += 1
                 q_all = self._probs(logits) if self.temperature > 0 else None
