@@ -165,31 +165,39 @@ def label_sequences(
             stats.seconds["companion"] += time.perf_counter() - t0
         drafted = draw_draft_tokens(d_logits, opts.temperature, opts.top_p, generator)
         drafted = torch.where(rollout_flag[sl], seq_tokens[sl], drafted)
-        for role, lg in (("draft", d_logits), ("target", t_logits), ("companion", c_logits)):
-            if lg is not None and not torch.isfinite(lg).all():
-                bad_rows = (~torch.isfinite(lg)).any(-1).nonzero().flatten().tolist()
-                bad = sorted({seqs[rows_b[lo + r]].seq_id for r in bad_rows})
-                name = getattr(getattr(models, role).config, "name_or_path", role)
-                raise FloatingPointError(
-                    f"{role} model {name!r} gave NaN or inf logits on sample(s) {bad}; nothing of this batch was written "
-                    f"(check the model's dtype: float16 overflows on CPU, use float32 or bfloat16)"
-                )
-        f = token_features(
-            d_logits,
-            drafted,
-            target_logits=t_logits,
-            companion_logits=c_logits,
-            draft_hidden=hidden["draft"][sl] if opts.store_hidden else None,
-            top_k=opts.top_k,
-            temperature=opts.temperature if opts.temperature > 0 else 1.0,
-            top_p=opts.top_p,
-        )
+        try:
+            f = token_features(
+                d_logits,
+                drafted,
+                target_logits=t_logits,
+                companion_logits=c_logits,
+                draft_hidden=hidden["draft"][sl] if opts.store_hidden else None,
+                top_k=opts.top_k,
+                temperature=opts.temperature if opts.temperature > 0 else 1.0,
+                top_p=opts.top_p,
+            )
+        except FloatingPointError:  # token_features checks finiteness once; name the model and the samples here
+            raise _non_finite_error(models, seqs, rows_b, lo, d_logits, t_logits, c_logits) from None
         for k, v in f.items():
             feats.setdefault(k, []).append(v.cpu())
     cat = {k: torch.cat(v) for k, v in feats.items()}
     records = _assemble(seqs, cat, seq_tokens.cpu())
     stats.records = len(rows_b)
     return records, stats
+
+
+def _non_finite_error(models: LabelModels, seqs, rows_b, lo, *logits: Tensor | None) -> FloatingPointError:
+    """The error for NaN / inf logits, naming the model and the samples (nothing of the batch is written)."""
+    for role, lg in zip(("draft", "target", "companion"), logits):
+        if lg is not None and not torch.isfinite(lg).all():
+            bad_rows = (~torch.isfinite(lg)).any(-1).nonzero().flatten().tolist()
+            bad = sorted({seqs[rows_b[lo + r]].seq_id for r in bad_rows})
+            name = getattr(getattr(models, role).config, "name_or_path", role)
+            return FloatingPointError(
+                f"{role} model {name!r} gave NaN or inf logits on sample(s) {bad}; nothing of this batch was written "
+                f"(check the model's dtype: float16 overflows on CPU, use float32 or bfloat16)"
+            )
+    return FloatingPointError("non-finite logits")
 
 
 def draw_draft_tokens(
