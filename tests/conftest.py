@@ -43,6 +43,15 @@ def _mlflow_isolation():
     mlflow.set_tracking_uri(None)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run far faster on one thread when the CPU is shared (no OpenMP spin-waits); restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_pair():
     """(draft, target, tokenizer): tiny random-init Qwen2 models sharing the byte-level tokenizer."""

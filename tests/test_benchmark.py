@@ -11,13 +11,7 @@ import yaml
 from pipelines.benchmark import BenchmarkConfig, main
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run far faster on one thread when the CPU is shared (no OpenMP spin-waits); restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 ROOT = Path(__file__).resolve().parents[1]

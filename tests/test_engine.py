@@ -1,48 +1,25 @@
 """Speculative decoding engine: greedy exactness for every exact policy, batches, features, limits, SV, SPRINTER, bad input."""
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 
 import pytest
 import torch
 from torch import Tensor
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from data_gen.features import token_features
+from tests.tiny_pairs import make_pair
 from decoding.engine import SpeculativeDecoder
 from decoding.latency import LatencyTable, profile_latency
 from decoding.policies import build_decoder, build_policy
 from predictors.base import StopPolicy
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run far faster on one thread when the CPU is shared (no OpenMP spin-waits); restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 EXACT_SPECS = ["static:1", "static:4", "heuristic", "max_confidence", "max_confidence_fixed:0.3", "svip:0.3", "adaedl",
                "oracle"]
-
-
-def make_pair(noise: float = 0.5, seed: int = 0, vocab: int = 260, hidden: int = 32):
-    """Untied tiny Qwen2 draft and a perturbed copy as target: they agree often, not always (mixed accept / reject)."""
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, eos_token_id=257, pad_token_id=256)
-    torch.manual_seed(seed)
-    draft = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        draft.lm_head.weight.mul_(8.0)
-    target = copy.deepcopy(draft)
-    with torch.no_grad():
-        for p in target.parameters():
-            p.add_(noise * p.std() * torch.randn_like(p))
-    return draft, target
 
 
 @pytest.fixture(scope="module")

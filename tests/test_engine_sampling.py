@@ -1,46 +1,23 @@
 """Exact speculative sampling: the engine's output distribution is the target's (chi-square on the first two tokens)."""
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from data_gen.features import probs_from_logits
+from tests.tiny_pairs import make_pair
 from decoding.engine import SpeculativeDecoder
 from decoding.policies import build_policy
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run far faster on one thread when the CPU is shared (no OpenMP spin-waits); restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 PROMPT = torch.tensor([[67, 68, 69, 220, 69, 78, 78, 7]])
 N_PER_BATCH, N_BATCHES = 500, 4
-
-
-def make_pair(noise: float = 0.5, seed: int = 0, vocab: int = 260, hidden: int = 32):
-    """Untied tiny Qwen2 draft and a perturbed copy as target (as in test_engine.py)."""
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, eos_token_id=257, pad_token_id=256)
-    torch.manual_seed(seed)
-    draft = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        draft.lm_head.weight.mul_(8.0)
-    target = copy.deepcopy(draft)
-    with torch.no_grad():
-        for p in target.parameters():
-            p.add_(noise * p.std() * torch.randn_like(p))
-    return draft, target
 
 
 def exact_marginals(target, temperature: float, top_p: float) -> tuple[np.ndarray, np.ndarray]:

@@ -14,13 +14,7 @@ from decoding.policies import build_policy
 from predictors.base import StopPolicy
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run far faster on one thread when the CPU is shared (no OpenMP spin-waits); restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 PROMPT = torch.tensor([[67, 68, 69, 220, 69, 78, 78, 7, 87, 8, 25]])
