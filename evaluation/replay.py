@@ -161,6 +161,18 @@ class ReplayResult:
     draft_len_hist: dict[int, int] = field(default_factory=dict)
     """Rounds by number of drafted tokens."""
 
+    def add_round(self, emitted: float, accepted: float, drafted: float, verified: float, seconds: float,
+                  target_s_per_token: float, hist_key: int) -> None:
+        """Count one verification round."""
+        self.n_rounds += 1
+        self.tokens += emitted
+        self.accepted += accepted
+        self.drafted += drafted
+        self.verified += verified
+        self.time_s += seconds
+        self.target_only_s += emitted * target_s_per_token
+        self.draft_len_hist[hist_key] = self.draft_len_hist.get(hist_key, 0) + 1
+
     @property
     def tokens_per_call(self) -> float:
         """Tokens emitted per target call (mean accepted length + 1)."""
@@ -472,16 +484,8 @@ def replay_policy(
             if oracle and mode == "sampling":
                 # never draft the last stored token: its bonus would lie past the end
                 acc_exp, n_exp, t = _sampling_oracle(data.accept[s : s + min(cap, rem - 1)], cm, companion)
-                emitted = min(acc_exp + 1, rem)
-                res.n_rounds += 1
-                res.tokens += emitted
-                res.accepted += acc_exp
-                res.drafted += n_exp
-                res.verified += n_exp
-                res.time_s += t
-                res.target_only_s += emitted * t1
                 a_int = int(round(acc_exp))
-                res.draft_len_hist[a_int] = res.draft_len_hist.get(a_int, 0) + 1
+                res.add_round(min(acc_exp + 1, rem), acc_exp, n_exp, n_exp, t, t1, a_int)
                 s += a_int + 1
                 continue
             if plan is not None:
@@ -514,15 +518,7 @@ def replay_policy(
                 acc = float(np.cumprod(data.accept[s : s + nv]).sum()) if nv else 0.0
                 a_int = int(round(acc))
             t = n * per_draft + cm.target_time(nv + 1)
-            emitted = min(acc + 1, rem)  # tokens past the stored end are not counted
-            res.n_rounds += 1
-            res.tokens += emitted
-            res.accepted += acc
-            res.drafted += n
-            res.verified += nv
-            res.time_s += t
-            res.target_only_s += emitted * t1
-            res.draft_len_hist[n] = res.draft_len_hist.get(n, 0) + 1
+            res.add_round(min(acc + 1, rem), acc, n, nv, t, t1, n)  # tokens past the stored end are not counted
             if online:
                 policy.update(
                     RoundFeedback(
