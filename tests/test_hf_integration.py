@@ -1,14 +1,13 @@
 """A stop policy inside transformers' assisted generation: exact greedy output, and the policy drives draft lengths."""
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 
 import pytest
 import torch
 from torch import Tensor
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from tests.tiny_pairs import make_pair
 from decoding.hf_integration import generate_with_policy
 from decoding.policies import build_policy
 from predictors.base import StopPolicy
@@ -22,19 +21,8 @@ PROMPT = torch.tensor([[67, 68, 69, 220, 69, 78, 78, 7, 87, 8, 25]])
 
 @pytest.fixture(scope="module")
 def pair():
-    """Untied tiny Qwen2 draft and a perturbed copy as target (as in test_engine.py)."""
-    cfg = Qwen2Config(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-                      eos_token_id=257, pad_token_id=256)
-    torch.manual_seed(0)
-    draft = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        draft.lm_head.weight.mul_(8.0)
-    target = copy.deepcopy(draft)
-    with torch.no_grad():
-        for p in target.parameters():
-            p.add_(0.5 * p.std() * torch.randn_like(p))
-    return draft, target
+    """Untied tiny Qwen2 draft and a perturbed copy as target (tests/tiny_pairs.py)."""
+    return make_pair()
 
 
 @pytest.mark.parametrize("spec", ["static:3", "svip:0.3", "heuristic", "max_confidence", "disco"])
