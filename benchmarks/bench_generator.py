@@ -79,8 +79,8 @@ def main() -> None:
     text_s = time.perf_counter() - t0
     tn = len(trecs["draft_token"])
     floor_rate = fl_tok / fl_s
-    print(f"| path | labelled tokens | seconds | tokens/s | ratio to floor |")
-    print(f"|---|---|---|---|---|")
+    print("| path | labelled tokens | seconds | tokens/s | ratio to floor |")
+    print("|---|---|---|---|---|")
     print(f"| floor: draft steps + 1 target pass per rollout | {fl_tok} | {fl_s:.1f} | {floor_rate:.2f} | 1.00 |")
     print(f"| generator, prompt rollouts (L={cfg.rollout_len}) | {n} | {gen_s:.1f} | {n / gen_s:.2f} | {n / gen_s / floor_rate:.2f} |")
     print(f"| generator, teacher-forced text ({args.text_tokens} tokens) + 1-token rollout | {tn} | {text_s:.1f} | {tn / text_s:.2f} | {tn / text_s / floor_rate:.2f} |")

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from data_gen.continuations import GenStats, continue_batch, speculative_trajectory
+from data_gen.continuations import continue_batch, speculative_trajectory
 from data_gen.labelling import LabelModels, LabelOptions, Segment, SequenceSpec, label_sequences
 from data_gen.models import ModelSpec, check_same_tokenizer, load_model, model_fingerprint
 from data_gen.prompts import PromptSourceConfig, load_prompts, render_prompt, split_of

@@ -127,8 +127,3 @@ def summarize(data_dir: Path, extra: dict | None = None) -> dict:
         summary.update(extra)
     (data_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     return summary
-
-
-def rows_to_budget(records: dict[str, list], keep: int) -> dict[str, list]:
-    """The first ``keep`` records (the budget's last shard is trimmed to the exact count)."""
-    return {k: v[:keep] for k, v in records.items()}

@@ -501,7 +501,7 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
     base = rows[0].tokens_per_s
     table = [r.metrics(base) for r in rows]
     md = [
-        f"# Decoding benchmark\n",
+        "# Decoding benchmark\n",
         f"draft `{cfg.models.draft}`, target `{cfg.models.target}`, companion `{cfg.models.companion}`; "
         f"{len(prompts)} prompts ({', '.join(names)}), {cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, "
         f"device {cfg.models.device}, dtype {cfg.models.dtype}, batch size {cfg.batch_size}.\n",

@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from pipelines.benchmark import BenchmarkConfig, main

@@ -4,7 +4,6 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -38,7 +37,7 @@ def test_config_parses_against_its_entry_point(path: Path) -> None:
 
 
 def test_smoke_main_job_end_to_end(tmp_path, monkeypatch):
-    from pipelines.train import TrainJobConfig, main
+    from pipelines.train import main
 
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
