@@ -95,13 +95,23 @@ class ShardWriter:
         return len(ds)
 
 
+def shard_files(data_dir: str | Path) -> list[Path]:
+    """The Parquet files of a data folder: its ``shard-*.parquet`` files, else any ``*.parquet`` below it (a folder of
+    the user's own), or the path itself when it is one file. The one place every reader finds its shards."""
+    root = Path(data_dir).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"data folder {root} does not exist; generate data first (python -m pipelines.generate)")
+    if root.is_file():
+        return [root]
+    files = sorted(root.glob(SHARD_GLOB)) or sorted(root.rglob("*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"no Parquet shards ({SHARD_GLOB}) in {root}; generate data first (python -m pipelines.generate)")
+    return files
+
+
 def load_records(data_dir: str | Path, columns: list[str] | None = None) -> datasets.Dataset:
     """All shards of a folder as one ``datasets.Dataset`` (optionally only some columns)."""
-    files = sorted(str(p) for p in Path(data_dir).glob(SHARD_GLOB))
-    if not files:
-        raise FileNotFoundError(f"no shards ({SHARD_GLOB}) in {data_dir}: run python -m pipelines.generate first")
-    ds = datasets.Dataset.from_parquet(files, columns=columns)
-    return ds
+    return datasets.Dataset.from_parquet([str(p) for p in shard_files(data_dir)], columns=columns)
 
 
 def summarize(data_dir: Path, extra: dict | None = None) -> dict:

@@ -100,13 +100,6 @@ class EvaluateConfig:
 # -------------------------------------------------------------------------------------------------------------- data
 
 
-def _shard_files(data_dir: Path) -> list[Path]:
-    files = sorted(data_dir.glob("shard-*.parquet")) or sorted(data_dir.rglob("*.parquet"))
-    if not files:
-        raise FileNotFoundError(f"no Parquet shards in {data_dir}: run python -m pipelines.generate first")
-    return files
-
-
 def load_columns(
     data_dir: str | Path, splits: list[str] | None = None, extra_columns: tuple[str, ...] = ()
 ) -> dict[str, np.ndarray]:
@@ -121,7 +114,9 @@ def load_columns(
     import pyarrow.compute as pc
     import pyarrow.dataset as pads
 
-    ds = pads.dataset([str(f) for f in _shard_files(Path(data_dir))], format="parquet")
+    from data_gen.shards import shard_files
+
+    ds = pads.dataset([str(f) for f in shard_files(data_dir)], format="parquet")
     names = set(ds.schema.names)
     want = [c for c in (*BASE_COLUMNS, *extra_columns) if c in names]
     flt = pc.field("split").isin(splits) if splits is not None and "split" in names else None

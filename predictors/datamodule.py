@@ -34,14 +34,10 @@ SPLITS = ("train", "val", "test")
 
 
 def find_shards(data_dir: str | Path) -> list[Path]:
-    """Sorted ``*.parquet`` files under ``data_dir`` (recursive); FileNotFoundError when there are none."""
-    root = Path(data_dir).expanduser()
-    if not root.exists():
-        raise FileNotFoundError(f"data folder {root} does not exist; generate data first (python -m pipelines.generate)")
-    files = sorted(root.rglob("*.parquet")) if root.is_dir() else [root]
-    if not files:
-        raise FileNotFoundError(f"no Parquet shards (*.parquet) under {root}; generate data first (python -m pipelines.generate)")
-    return files
+    """The Parquet shards of ``data_dir`` (``data_gen.shards.shard_files``); FileNotFoundError when there are none."""
+    from data_gen.shards import shard_files
+
+    return shard_files(data_dir)
 
 
 def load_columns(data_dir: str | Path, columns: Sequence[str]) -> dict[str, np.ndarray]:
