@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from data_gen.continuations import continue_batch, speculative_trajectory
-from data_gen.labelling import LabelModels, LabelOptions, Segment, SequenceSpec, label_sequences
+from data_gen.labelling import LabelModels, LabelOptions, Segment, SequenceSpec, label_sequences, shared_prefix_len
 from data_gen.models import ModelSpec, check_same_tokenizer, load_model, model_fingerprint
 from data_gen.prompts import PromptSourceConfig, load_prompts, render_prompt, split_of
 from data_gen.schema import ORIGINS, features_schema
@@ -193,11 +193,29 @@ def _batches(items: list, size: int):
 
 
 def _label_batches(seqs: list[SequenceSpec], budget_tokens: int) -> list[list[SequenceSpec]]:
-    """Pack sequences (sorted by length) so that batch size x longest length stays within the token budget."""
-    order = sorted(seqs, key=lambda s: len(s.tokens))
+    """Pack sequences into labelling passes within a token budget.
+
+    Sequences of one prompt go together: their common prompt is passed once and its KV cache shared
+    (``data_gen.labelling``), so such a pass costs shared + batch x (longest - shared) tokens. The remaining sequences
+    are packed by length so that batch x longest stays within the budget.
+    """
+    by_prompt: dict[str, list[SequenceSpec]] = defaultdict(list)
+    for s in seqs:
+        by_prompt[s.sample_id].append(s)
     batches: list[list[SequenceSpec]] = []
-    cur: list[SequenceSpec] = []
-    for s in order:
+    singles: list[SequenceSpec] = []
+    for group in by_prompt.values():
+        cur: list[SequenceSpec] = []
+        for s in sorted(group, key=lambda s: len(s.tokens)):
+            shared = shared_prefix_len([c.tokens for c in [*cur, s]])
+            if cur and shared + (len(cur) + 1) * (len(s.tokens) - shared) > budget_tokens:
+                batches.append(cur) if len(cur) > 1 else singles.append(cur[0])
+                cur = []
+            cur.append(s)
+        if cur:
+            batches.append(cur) if len(cur) > 1 else singles.append(cur[0])
+    cur = []
+    for s in sorted(singles, key=lambda s: len(s.tokens)):
         if cur and (len(cur) + 1) * len(s.tokens) > budget_tokens:
             batches.append(cur)
             cur = []

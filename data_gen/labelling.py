@@ -75,6 +75,9 @@ class LabelOptions:
     """Token used for right padding (masked out)."""
     head_chunk: int = 256
     """Labelled positions sent through the LM heads at once (bounds the [N, V] logits memory)."""
+    min_shared_prefix: int = 16
+    """When every sequence of a batch starts with the same tokens (several sequences of one prompt), a common prefix
+    this long or longer is passed once and its KV cache shared by the batch; 0 turns sharing off."""
 
 
 @dataclass
@@ -87,10 +90,32 @@ class LabelStats:
     seconds: dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "target": 0.0, "companion": 0.0})
 
 
-def _body_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """[B, T, H] last hidden states of a causal LM (final norm applied), without the LM head."""
-    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return out.last_hidden_state
+def _body_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, shared: int = 0) -> Tensor:
+    """[B, T, H] last hidden states of a causal LM (final norm applied), without the LM head.
+
+    With ``shared`` > 0 the first ``shared`` tokens, the same in every row, are passed once (batch 1) and their KV
+    cache is repeated over the batch for the rest: same states, fewer FLOPs when a prompt is shared.
+    """
+    decoder = model.get_decoder()
+    if shared <= 0:
+        return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    b = input_ids.shape[0]
+    pre = decoder(input_ids=input_ids[:1, :shared], attention_mask=attention_mask[:1, :shared], use_cache=True)
+    cache = pre.past_key_values
+    cache.batch_repeat_interleave(b)
+    rest = decoder(input_ids=input_ids[:, shared:], attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    return torch.cat([pre.last_hidden_state.expand(b, -1, -1), rest.last_hidden_state], dim=1)
+
+
+def shared_prefix_len(seqs: list[list[int]]) -> int:
+    """Length of the longest common prefix of the token lists, kept at least one token short of the shortest list."""
+    if not seqs:
+        return 0
+    limit = min(len(s) for s in seqs) - 1
+    n = 0
+    while n < limit and all(s[n] == seqs[0][n] for s in seqs[1:]):
+        n += 1
+    return n
 
 
 @torch.no_grad()
@@ -122,7 +147,9 @@ def label_sequences(
             if not 1 <= seg.start <= seg.end <= lens[b]:
                 raise ValueError(f"segment [{seg.start}, {seg.end}) out of range for sequence {s.seq_id} of {lens[b]}")
     ids, mask = ids.to(device), mask.to(device)
-    stats.tokens_passed = int(mask.sum())
+    shared = shared_prefix_len([s.tokens for s in seqs]) if len(seqs) > 1 else 0
+    shared = shared if opts.min_shared_prefix > 0 and shared >= opts.min_shared_prefix else 0
+    stats.tokens_passed = int(mask.sum()) - shared * (len(seqs) - 1)
 
     # Rows (b, j) to label: logits at j-1 score token j.
     rows_b: list[int] = []
@@ -140,7 +167,7 @@ def label_sequences(
         roles.append(("companion", models.companion))
     for role, model in roles:
         t0 = time.perf_counter()
-        h = _body_hidden(model, ids, mask)
+        h = _body_hidden(model, ids, mask, shared)
         hidden[role] = h[bi, ji - 1]  # [N, H] state that predicts token j
         del h
         stats.seconds[role] += time.perf_counter() - t0

@@ -13,9 +13,11 @@ import json
 import logging
 import os
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pyarrow.parquet as pq
 
 log = logging.getLogger(__name__)
@@ -95,9 +97,24 @@ class ShardWriter:
         return len(ds)
 
 
-def shard_files(data_dir: str | Path) -> list[Path]:
+DataPath = str | Path | Sequence[str | Path]
+"""Where records are: one data folder (or Parquet file), or a list of them read as one data set."""
+
+
+def data_paths(data: DataPath) -> list[Path]:
+    """``data`` as a list of paths (a single folder or file becomes a list of one)."""
+    items = [data] if isinstance(data, (str, Path)) else list(data)
+    if not items:
+        raise ValueError("no data folder given: pass a folder of shards or a list of them")
+    return [Path(d).expanduser() for d in items]
+
+
+def shard_files(data_dir: DataPath) -> list[Path]:
     """The Parquet files of a data folder: its ``shard-*.parquet`` files, else any ``*.parquet`` below it (a folder of
-    the user's own), or the path itself when it is one file. The one place every reader finds its shards."""
+    the user's own), or the path itself when it is one file; for a list of folders, theirs in order. The one place
+    every reader finds its shards."""
+    if not isinstance(data_dir, (str, Path)):
+        return [f for d in data_paths(data_dir) for f in shard_files(d)]
     root = Path(data_dir).expanduser()
     if not root.exists():
         raise FileNotFoundError(f"data folder {root} does not exist; generate data first (python -m pipelines.generate)")
@@ -109,7 +126,49 @@ def shard_files(data_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_records(data_dir: str | Path, columns: list[str] | None = None) -> datasets.Dataset:
+def read_columns(
+    data_dir: DataPath, columns: Sequence[str], splits: Sequence[str] | None = None, required: bool = True
+) -> dict[str, np.ndarray]:
+    """Columns of every shard under ``data_dir`` (a folder or a list of folders) as numpy arrays; vector columns 2-D.
+
+    Args:
+        columns: the columns to read.
+        splits: keep only rows whose ``split`` is one of these (None: all rows).
+        required: a column missing from some folder's shards raises KeyError naming it; False: such columns are
+            left out of the result.
+    Raises:
+        FileNotFoundError: no shards.  KeyError: a required column is missing.  ValueError: the shards hold no rows.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.dataset as pads
+
+    files = shard_files(data_dir)
+    present: set[str] | None = None
+    for f in {f.parent: f for f in files}.values():  # first shard of every folder
+        names = set(pq.read_schema(f).names)
+        missing = [c for c in columns if c not in names]
+        if missing and required:
+            raise KeyError(f"the shards under {f.parent} lack the columns {missing} (shard {f.name}; has {sorted(names)})")
+        present = names if present is None else present & names
+    want = [c for c in dict.fromkeys(columns) if present and c in present]
+    flt = pc.field("split").isin(list(splits)) if splits is not None and present and "split" in present else None
+    table = pads.dataset([str(f) for f in files], format="parquet").to_table(columns=want, filter=flt)
+    if table.num_rows == 0 and splits is None:
+        raise ValueError(f"the shards under {data_dir} hold no rows")
+    out: dict[str, np.ndarray] = {}
+    for name in table.column_names:
+        col = table.column(name).combine_chunks()
+        if pa.types.is_fixed_size_list(col.type):
+            out[name] = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), col.type.list_size)
+        elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            out[name] = np.stack([np.asarray(v) for v in col.to_pylist()]) if len(col) else np.zeros((0, 0))
+        else:
+            out[name] = col.to_numpy(zero_copy_only=False)
+    return out
+
+
+def load_records(data_dir: DataPath, columns: list[str] | None = None) -> datasets.Dataset:
     """All shards of a folder as one ``datasets.Dataset`` (optionally only some columns)."""
     return datasets.Dataset.from_parquet([str(p) for p in shard_files(data_dir)], columns=columns)
 

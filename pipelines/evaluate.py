@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from data_gen.shards import DataPath, read_columns
 from predictors.base import StopPolicy
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class EvaluateConfig:
 
     data_dir: str
     """Folder of the Parquet shards (``shard-*.parquet``, or any ``*.parquet``), with config.json / cost_model.json."""
+    extra_data_dirs: list[str] = field(default_factory=list)
+    """More shard folders read with data_dir as one data set (same models and features; e.g. a code-domain run)."""
     out_dir: str = "runs/evaluate"
     """Report folder (report.md, plots/, CSV tables)."""
     predictors: list[str] = field(default_factory=list)
@@ -101,37 +104,11 @@ class EvaluateConfig:
 
 
 def load_columns(
-    data_dir: str | Path, splits: list[str] | None = None, extra_columns: tuple[str, ...] = ()
+    data_dir: DataPath, splits: list[str] | None = None, extra_columns: tuple[str, ...] = ()
 ) -> dict[str, np.ndarray]:
-    """Record columns of the shards in ``data_dir`` (rows of ``splits`` only), as numpy arrays (vectors 2-D).
-
-    Args:
-        data_dir: shard folder.
-        splits: keep these ``split`` values (None: all rows).
-        extra_columns: columns read beyond :data:`BASE_COLUMNS` (e.g. ``draft_hidden``), when present.
-    """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.dataset as pads
-
-    from data_gen.shards import shard_files
-
-    ds = pads.dataset([str(f) for f in shard_files(data_dir)], format="parquet")
-    names = set(ds.schema.names)
-    want = [c for c in (*BASE_COLUMNS, *extra_columns) if c in names]
-    flt = pc.field("split").isin(splits) if splits is not None and "split" in names else None
-    table = ds.to_table(columns=want, filter=flt)
-    out: dict[str, np.ndarray] = {}
-    for name in table.column_names:
-        col = table.column(name).combine_chunks()
-        if pa.types.is_fixed_size_list(col.type):
-            width = col.type.list_size
-            out[name] = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), width)
-        elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
-            out[name] = np.stack([np.asarray(v) for v in col.to_pylist()]) if len(col) else np.zeros((0, 0))
-        else:
-            out[name] = col.to_numpy(zero_copy_only=False)
-    return out
+    """Record columns of the shards in ``data_dir`` (a folder or a list; rows of ``splits`` only), as numpy arrays
+    (vectors 2-D): :data:`BASE_COLUMNS` and ``extra_columns`` (e.g. ``draft_hidden``), those present."""
+    return read_columns(data_dir, (*BASE_COLUMNS, *extra_columns), splits=splits, required=False)
 
 
 def subset(columns: Mapping[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:
@@ -253,7 +230,7 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
         notes += load_notes
     extra = tuple(sorted({c for p in pols.values() if p is not None for c in p.required_columns} - set(BASE_COLUMNS)))
     splits = [cfg.split] + ([cfg.tune_split] if cfg.tune_thresholds and cfg.tune_split != cfg.split else [])
-    allcols = load_columns(cfg.data_dir, splits, extra)
+    allcols = load_columns([cfg.data_dir, *cfg.extra_data_dirs], splits, extra)
     if "split" in allcols:
         cols = subset(allcols, allcols["split"].astype(str) == cfg.split)
     else:
@@ -263,7 +240,7 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
         raise ValueError(f"no rows in split {cfg.split!r} of {cfg.data_dir}")
     cols = _sample_prompts(cols, cfg.max_prompts, cfg.seed)
     n_prompts = len(np.unique(cols["sample_id"].astype(str))) if "sample_id" in cols else -1
-    notes.insert(0, f"data: {cfg.data_dir}, split {cfg.split!r}: {len(cols['seq_id'])} tokens, {n_prompts} prompts")
+    notes.insert(0, f"data: {', '.join([cfg.data_dir, *cfg.extra_data_dirs])}, split {cfg.split!r}: {len(cols['seq_id'])} tokens, {n_prompts} prompts")
 
     cm, cm_note = load_cost_model(cfg)
     notes.append(cm_note)

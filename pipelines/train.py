@@ -38,6 +38,10 @@ class TrainJobConfig:
         default_factory=lambda: GenerateConfig(out_dir="outputs/default/data", max_records=50_000)
     )
     """How the labelled-token data is generated (``pipelines.generate``); its out_dir is the data folder."""
+    extra_data: list[str] = field(default_factory=list)
+    """More data runs: generate-config YAML files (paths from the working directory, e.g. configs/generate-code.yaml),
+    generated like ``data`` and read with it as one data set; same models and features. ``data``'s folder holds the
+    cost model."""
     generate_if_missing: bool = True
     """Generate (or resume) the data when the folder has no shards or fewer records than data.max_records."""
     out_dir: str = "outputs/default/train"
@@ -67,33 +71,57 @@ class TrainJobConfig:
             raise ValueError(f"--predictors has unknown kinds {bad}; use disco, sprinter, sv")
 
 
-def _ensure_data(cfg: TrainJobConfig) -> Path:
+def _ensure_data(cfg: TrainJobConfig) -> list[Path]:
+    """The data folders (``data`` first, then ``extra_data``), each generated or resumed when short."""
     from data_gen.shards import SHARD_GLOB, finished_chunks
     from pipelines.generate import generate
 
-    data_dir = Path(cfg.data.out_dir)
-    have = sum(finished_chunks(data_dir).values()) if data_dir.exists() else 0
-    short = have == 0 or (cfg.data.max_records is not None and have < cfg.data.max_records)
-    if short and cfg.generate_if_missing:
-        log.info("data folder %s has %d records: generating (resumes finished shards)", data_dir, have)
-        generate(cfg.data)
-    elif have == 0:
-        raise FileNotFoundError(
-            f"no shards ({SHARD_GLOB}) in {data_dir}; run python -m pipelines.generate or pass --generate_if_missing true"
-        )
-    return data_dir
+    dirs = []
+    for gen in [cfg.data, *map(_generate_config, cfg.extra_data)]:
+        data_dir = Path(gen.out_dir)
+        have = sum(finished_chunks(data_dir).values()) if data_dir.exists() else 0
+        short = have == 0 or (gen.max_records is not None and have < gen.max_records)
+        if short and cfg.generate_if_missing:
+            log.info("data folder %s has %d records: generating (resumes finished shards)", data_dir, have)
+            generate(gen)
+        elif have == 0:
+            raise FileNotFoundError(
+                f"no shards ({SHARD_GLOB}) in {data_dir}; run python -m pipelines.generate or pass --generate_if_missing true"
+            )
+        dirs.append(data_dir)
+    return dirs
 
 
-def _data_identity(data_dir: Path) -> dict[str, Any]:
-    """Fingerprints of the data and of the models that made it (from the generator's config.json / summary.json)."""
+def _generate_config(path: str) -> GenerateConfig:
+    """A generate config from its YAML file (an ``extra_data`` entry)."""
+    from pipelines.cli import parse_config
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"extra_data entry {path!r} is not a file (give generate-config YAML paths from {Path.cwd()})")
+    return parse_config(GenerateConfig, ["--config", path], "generate config")
+
+
+def _data_identity(data_dirs: list[Path]) -> dict[str, Any]:
+    """Fingerprints of the data and of the models that made it (from the generators' config.json / summary.json).
+
+    Several folders must come from the same draft / target / companion; their data fingerprints are joined."""
     from data_gen.shards import CONFIG_FILE, SUMMARY_FILE, finished_chunks
 
-    cfg = json.loads((data_dir / CONFIG_FILE).read_text()) if (data_dir / CONFIG_FILE).exists() else {}
-    summary = json.loads((data_dir / SUMMARY_FILE).read_text()) if (data_dir / SUMMARY_FILE).exists() else {}
-    fps = cfg.get("resolved", {}).get("fingerprints", {})
+    def read(d: Path, name: str) -> dict:
+        return json.loads((d / name).read_text()) if (d / name).exists() else {}
+
+    cfgs = [read(d, CONFIG_FILE) for d in data_dirs]
+    fps = cfgs[0].get("resolved", {}).get("fingerprints", {})
+    for d, c in zip(data_dirs[1:], cfgs[1:]):
+        other = c.get("resolved", {}).get("fingerprints", {})
+        if other and fps and other != fps:
+            raise ValueError(f"data folders {data_dirs[0]} and {d} were made by different models ({fps} vs {other}); "
+                             f"a predictor trains on one model pair")
+    summary = read(data_dirs[0], SUMMARY_FILE)
+    prints = [c.get("fingerprint") for c in cfgs]
     return {
-        "data_fingerprint": cfg.get("fingerprint"),
-        "records": sum(finished_chunks(data_dir).values()),
+        "data_fingerprint": prints[0] if len(prints) == 1 else "+".join(str(p) for p in prints),
+        "records": sum(sum(finished_chunks(d).values()) for d in data_dirs),
         "draft": fps.get("draft"),
         "target": fps.get("target"),
         "companion": fps.get("companion"),
@@ -102,12 +130,12 @@ def _data_identity(data_dir: Path) -> dict[str, Any]:
     }
 
 
-def _has_columns(data_dir: Path, columns: tuple[str, ...]) -> bool:
+def _has_columns(data_dirs: list[Path], columns: tuple[str, ...]) -> bool:
     import pyarrow.parquet as pq
 
-    first = next(iter(sorted(data_dir.glob("shard-*.parquet"))))
-    names = set(pq.ParquetFile(first).schema_arrow.names)
-    return all(c in names for c in columns)
+    from data_gen.shards import shard_files
+
+    return all(c in set(pq.read_schema(shard_files(d)[0]).names) for d in data_dirs for c in columns)
 
 
 def _flat_params(prefix: str, obj: Any) -> dict[str, Any]:
@@ -133,8 +161,8 @@ def train_all(cfg: TrainJobConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     uri = resolve_tracking_uri(cfg.tracking_uri)
     check_reachable(uri)  # fail before any work when the tracking server is down
-    data_dir = _ensure_data(cfg)
-    ident = _data_identity(data_dir)
+    data_dirs = _ensure_data(cfg)
+    ident = _data_identity(data_dirs)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "resolved_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
@@ -145,7 +173,7 @@ def train_all(cfg: TrainJobConfig) -> dict[str, Any]:
     exports: dict[str, Path] = {}
     loggers: dict[str, MLFlowLogger] = {}
     for kind in cfg.predictors:
-        if not _has_columns(data_dir, needs.get(kind, ())):
+        if not _has_columns(data_dirs, needs.get(kind, ())):
             why = f"data has no {needs[kind]} columns (" + (
                 "configure data.models.companion" if kind == "sv" else "set data.store_hidden true") + ")"
             log.warning("skipping %s: %s", kind, why)
@@ -155,10 +183,10 @@ def train_all(cfg: TrainJobConfig) -> dict[str, Any]:
         logger.log_hyperparams({**_flat_params(kind, kinds_cfg[kind]), **_flat_params("data", ident),
                                 "data.generate": json.dumps(dataclasses.asdict(cfg.data), default=str)[:6000]})
         log.info("training %s", kind)
-        policy, metrics = fit_predictor(kind, kinds_cfg[kind], data_dir, out / kind, logger=logger)
+        policy, metrics = fit_predictor(kind, kinds_cfg[kind], data_dirs, out / kind, logger=logger)
         folder = export_predictor(policy, out / kind / "export", {
             "draft_fingerprint": ident["draft"], "target": ident["target"], "companion": ident["companion"],
-            "data_fingerprint": ident["data_fingerprint"], "data_dir": str(data_dir),
+            "data_fingerprint": ident["data_fingerprint"], "data_dir": ", ".join(map(str, data_dirs)),
         })
         policies[kind], exports[kind], loggers[kind] = policy, folder, logger
         rows[kind] = {"predictor": kind, "status": "trained", "val_auc": metrics.get("val_auc"),
@@ -169,7 +197,7 @@ def train_all(cfg: TrainJobConfig) -> dict[str, Any]:
             rows[kind]["info_gain_frac"] = metrics.get("val_information_gain_frac")
     report = None
     if cfg.evaluate and policies:
-        report = _evaluate(cfg, data_dir, policies, exports, rows, uri)
+        report = _evaluate(cfg, data_dirs, policies, exports, rows, uri)
     for kind, folder in exports.items():
         if cfg.register:
             try:
@@ -185,14 +213,15 @@ def train_all(cfg: TrainJobConfig) -> dict[str, Any]:
     return result
 
 
-def _evaluate(cfg: TrainJobConfig, data_dir: Path, policies: dict, exports: dict, rows: dict, uri: str) -> Path:
+def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, exports: dict, rows: dict, uri: str) -> Path:
     """Test-split evaluation of the trained policies against the baselines; tuned thresholds go into the exports."""
     import mlflow
 
     from pipelines.evaluate import EvaluateConfig, run_evaluation
     from predictors.export import update_metadata
 
-    ecfg = EvaluateConfig(data_dir=str(data_dir), out_dir=str(Path(cfg.out_dir) / "report"), tune_thresholds=True,
+    ecfg = EvaluateConfig(data_dir=str(data_dirs[0]), extra_data_dirs=[str(d) for d in data_dirs[1:]],
+                          out_dir=str(Path(cfg.out_dir) / "report"), tune_thresholds=True,
                           n_boot=cfg.n_boot, tracking=True, tracking_uri=uri, experiment=cfg.experiment)
     client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(cfg.experiment)

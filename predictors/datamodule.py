@@ -15,10 +15,9 @@ two splits, single-class labels (the message names the family, lambda and counts
 """
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytorch_lightning as pl
@@ -28,40 +27,30 @@ from torch.utils.data import DataLoader, TensorDataset
 from predictors.inputs import FEATURE_KINDS, FeatureSpec, build_features
 from predictors.labels import LABEL_FAMILIES, derive_label, label_name
 
+if TYPE_CHECKING:
+    from data_gen.shards import DataPath
+
 __all__ = ["ShardDataModule", "find_shards", "load_columns", "make_spec", "label_columns", "SPLITS"]
 
 SPLITS = ("train", "val", "test")
 
 
-def find_shards(data_dir: str | Path) -> list[Path]:
+def find_shards(data_dir: DataPath) -> list[Path]:
     """The Parquet shards of ``data_dir`` (``data_gen.shards.shard_files``); FileNotFoundError when there are none."""
     from data_gen.shards import shard_files
 
     return shard_files(data_dir)
 
 
-def load_columns(data_dir: str | Path, columns: Sequence[str]) -> dict[str, np.ndarray]:
-    """Read ``columns`` of all shards under ``data_dir`` with ``datasets`` into numpy arrays (vector columns are 2-D).
+def load_columns(data_dir: DataPath, columns: Sequence[str]) -> dict[str, np.ndarray]:
+    """``columns`` of all shards under ``data_dir`` (a folder or a list of folders) as numpy arrays (vectors 2-D).
 
     Raises:
         FileNotFoundError: no shards.  KeyError: a column is missing (named).  ValueError: the shards hold no rows.
     """
-    import datasets
-    import pyarrow.parquet as pq
+    from data_gen.shards import read_columns
 
-    files = find_shards(data_dir)
-    present = set(pq.read_schema(files[0]).names)
-    missing = [c for c in columns if c not in present]
-    if missing:
-        raise KeyError(f"the shards under {data_dir} lack the columns {missing} (first shard: {files[0].name}; has {sorted(present)})")
-    with tempfile.TemporaryDirectory(prefix="specstop-ds-") as cache:
-        ds = datasets.Dataset.from_parquet(
-            [str(f) for f in files], columns=list(columns), cache_dir=cache, keep_in_memory=True
-        )
-        if len(ds) == 0:
-            raise ValueError(f"the shards under {data_dir} hold no rows")
-        out = ds.with_format("numpy")[:]
-    return {c: np.asarray(out[c]) for c in columns}
+    return read_columns(data_dir, columns)
 
 
 def label_columns(family: str) -> tuple[str, ...]:
@@ -69,30 +58,38 @@ def label_columns(family: str) -> tuple[str, ...]:
     return {"greedy": ("greedy_match",), "ratio": ("q", "p"), "soft": ("accept_prob",)}[family]
 
 
+def _checked_width(columns: dict[str, np.ndarray], column: str, option: str, wanted: int | None) -> int:
+    width = int(columns[column].shape[1])
+    if wanted and wanted != width:
+        raise ValueError(f"feature width mismatch: {option}={wanted} in the config but the data's {column} has width {width}")
+    return width
+
+
 def make_spec(kind: str, columns: dict[str, np.ndarray], **options: Any) -> FeatureSpec:
-    """FeatureSpec for ``kind`` with widths read from the data (options: top_k, position_scale, extra, hidden_size)."""
+    """FeatureSpec for ``kind`` with widths read from the data.
+
+    options: top_k, position_scale, extra, with_hidden (DISCO's hybrid head); hidden_size, with_disco (SPRINTER with
+    the DISCO features as explicit inputs)."""
+    scale, extra = options.get("position_scale", 40.0), tuple(options.get("extra", ()))
     if kind == "disco":
-        width = int(columns["draft_topk"].shape[1])
-        top_k = options.get("top_k") or width
-        if top_k != width:
-            raise ValueError(f"feature width mismatch: top_k={top_k} in the config but the data's draft_topk has width {width}")
-        return FeatureSpec.for_disco(top_k, options.get("position_scale", 40.0), tuple(options.get("extra", ())))
+        top_k = _checked_width(columns, "draft_topk", "top_k", options.get("top_k"))
+        hidden = _checked_width(columns, "draft_hidden", "hidden_size", None) if options.get("with_hidden") else 0
+        return FeatureSpec.for_disco(top_k, scale, extra, hidden_size=hidden)
     if kind == "sprinter":
-        width = int(columns["draft_hidden"].shape[1])
-        hidden = options.get("hidden_size") or width
-        if hidden != width:
-            raise ValueError(f"feature width mismatch: hidden_size={hidden} in the config but the data's draft_hidden has width {width}")
-        return FeatureSpec.for_sprinter(width)
+        hidden = _checked_width(columns, "draft_hidden", "hidden_size", options.get("hidden_size"))
+        top_k = _checked_width(columns, "draft_topk", "top_k", None) if options.get("with_disco") else 0
+        return FeatureSpec.for_sprinter(hidden, top_k, scale, extra)
     if kind == "sv":
         return FeatureSpec.for_sv()
     raise ValueError(f"unknown predictor kind {kind!r}; use one of {FEATURE_KINDS}")
 
 
 def _spec_columns(kind: str, options: dict[str, Any]) -> tuple[str, ...]:
+    disco = ("draft_topk", "position", *options.get("extra", ()))
     if kind == "disco":
-        return ("draft_topk", "position", *options.get("extra", ()))
+        return disco + (("draft_hidden",) if options.get("with_hidden") else ())
     if kind == "sprinter":
-        return ("draft_hidden",)
+        return ("draft_hidden",) + (disco if options.get("with_disco") else ())
     if kind == "sv":
         return ("companion_sim", "companion_accept")
     raise ValueError(f"unknown predictor kind {kind!r}; use one of {FEATURE_KINDS}")
@@ -103,7 +100,7 @@ class ShardDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        data_dir: str | Path,
+        data_dir: DataPath,
         kind: str,
         label_family: str,
         lam: float = 1.0,
@@ -116,7 +113,7 @@ class ShardDataModule(pl.LightningDataModule):
     ) -> None:
         """
         Args:
-            data_dir: folder of Parquet shards (searched recursively).
+            data_dir: folder of Parquet shards, or a list of folders read as one data set.
             kind: disco, sprinter or sv (which input features).
             label_family: greedy, ratio or soft (``predictors.labels``); lam: lambda of the ratio family.
             batch_size, num_workers: DataLoader settings; seed: the train shuffle's seed.
@@ -131,7 +128,7 @@ class ShardDataModule(pl.LightningDataModule):
             raise ValueError(f"label_family={label_family!r}: use one of {LABEL_FAMILIES}")
         if batch_size <= 0:
             raise ValueError(f"batch_size={batch_size} must be > 0")
-        self.data_dir, self.kind, self.label_family, self.lam = Path(data_dir), kind, label_family, float(lam)
+        self.data_dir, self.kind, self.label_family, self.lam = data_dir, kind, label_family, float(lam)
         self.batch_size, self.num_workers, self.seed, self.tv_target = batch_size, num_workers, seed, tv_target
         self.feature_options = dict(feature_options or {})
         self.extra_columns = tuple(extra_columns)
@@ -151,7 +148,7 @@ class ShardDataModule(pl.LightningDataModule):
         import pyarrow.parquet as pq
 
         files = find_shards(self.data_dir)
-        present = set(pq.read_schema(files[0]).names)
+        present = set.intersection(*(set(pq.read_schema(f).names) for f in {f.parent: f for f in files}.values()))
         wanted = ["split", "sample_id", *_spec_columns(self.kind, self.feature_options), *label_columns(self.label_family)]
         if self.tv_target:
             wanted.append("tv")

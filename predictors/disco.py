@@ -45,23 +45,46 @@ class Standardise(nn.Module):
 
 
 class DiscoNet(nn.Module):
-    """Standardise -> Linear(in, hidden) -> ReLU -> Linear(hidden, 1 [+1 TV head]); forward gives [N] logits."""
+    """Standardise -> Linear(in, hidden) -> ReLU -> Linear(hidden, 1 [+1 TV head]); forward gives [N] logits.
 
-    def __init__(self, in_dim: int, hidden_size: int = 64, dropout: float = 0.0, tv_head: bool = False) -> None:
+    Hybrid head: with ``hidden_dim`` > 0 the last ``hidden_dim`` inputs are the draft's hidden state, projected to
+    ``hidden_rank`` values (a linear map, dropout) before joining the DISCO features; a linear skip from the DISCO
+    features to the logit keeps the training-free scores' ranking reachable by a small model.
+    """
+
+    def __init__(
+        self, in_dim: int, hidden_size: int = 64, dropout: float = 0.0, tv_head: bool = False,
+        hidden_dim: int = 0, hidden_rank: int = 0,
+    ) -> None:
         super().__init__()
         if in_dim <= 0 or hidden_size <= 0:
             raise ValueError(f"DiscoNet needs in_dim > 0 and hidden_size > 0, got {in_dim}, {hidden_size}")
+        if hidden_dim and not (0 < hidden_dim < in_dim and hidden_rank > 0):
+            raise ValueError(f"DiscoNet hybrid head needs 0 < hidden_dim < in_dim and hidden_rank > 0, got "
+                             f"hidden_dim={hidden_dim}, in_dim={in_dim}, hidden_rank={hidden_rank}")
         self.in_dim, self.hidden_size, self.dropout, self.tv_head = in_dim, hidden_size, dropout, tv_head
+        self.hidden_dim, self.hidden_rank = hidden_dim, hidden_rank if hidden_dim else 0
         self.norm = Standardise(in_dim)
-        self.body = nn.Sequential(nn.Linear(in_dim, hidden_size), nn.ReLU(), nn.Dropout(dropout))
+        base = in_dim - hidden_dim
+        if hidden_dim:
+            self.proj = nn.Sequential(nn.Dropout(dropout), nn.Linear(hidden_dim, hidden_rank))
+            self.skip = nn.Linear(base, 1, bias=False)
+        self.body = nn.Sequential(nn.Linear(base + self.hidden_rank, hidden_size), nn.ReLU(), nn.Dropout(dropout))
         self.head = nn.Linear(hidden_size, 2 if tv_head else 1)
 
     def config(self) -> dict[str, Any]:
-        return {"in_dim": self.in_dim, "hidden_size": self.hidden_size, "dropout": self.dropout, "tv_head": self.tv_head}
+        return {"in_dim": self.in_dim, "hidden_size": self.hidden_size, "dropout": self.dropout, "tv_head": self.tv_head,
+                "hidden_dim": self.hidden_dim, "hidden_rank": self.hidden_rank}
 
     def forward_all(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """[N, in_dim] -> ([N] acceptance logits, [N] predicted TV distance in [0, 1] or None)."""
-        out = self.head(self.body(self.norm(x)))  # [N, 1 or 2]
+        z = self.norm(x)
+        if self.hidden_dim:
+            zd, zh = z[:, : -self.hidden_dim], z[:, -self.hidden_dim :]
+            out = self.head(self.body(torch.cat([zd, self.proj(zh)], dim=1)))
+            out = out + torch.nn.functional.pad(self.skip(zd), (0, out.shape[1] - 1))  # skip feeds the logit only
+        else:
+            out = self.head(self.body(z))  # [N, 1 or 2]
         tv = torch.sigmoid(out[:, 1]) if self.tv_head else None
         return out[:, 0], tv
 

@@ -4,10 +4,15 @@ The same code serves Parquet batches at training time (numpy arrays from ``datas
 (torch tensors from ``data_gen.features.token_features`` plus ``position``), so a predictor sees identical inputs on
 both paths.
 
-- DISCO: ``draft_topk`` (k) + entropy of the renormalised top-k + ``position / position_scale``
-  [+ optional explicit training-free scores, e.g. ``draft_max_prob`` and ``draft_entropy``] -> [N, k + 2 + len(extra)].
-- SPRINTER: ``draft_hidden`` as float32 -> [N, H].
-- SV: ``companion_sim`` and ``companion_accept`` -> [N, 2].
+An input is made of parts, concatenated in order:
+
+- ``disco``: ``draft_topk`` (k) + entropy of the renormalised top-k + ``position / position_scale``
+  [+ optional explicit training-free scores, e.g. ``draft_max_prob`` and ``draft_entropy``] -> k + 2 + len(extra);
+- ``hidden``: ``draft_hidden`` as float32 -> H;
+- ``sv``: ``companion_sim`` and ``companion_accept`` -> 2.
+
+DISCO reads ``disco`` (optionally followed by ``hidden``: the hybrid head), SPRINTER ``hidden`` (optionally followed
+by ``disco``: the training-free scores as explicit inputs of the linear verifier), SV ``sv``.
 
 Usage::
 
@@ -29,9 +34,12 @@ from torch import Tensor, nn
 
 from predictors.base import StopPolicy
 
-__all__ = ["FeatureSpec", "build_features", "topk_entropy", "LearnedPolicy", "FEATURE_KINDS", "DISCO_EXTRAS"]
+__all__ = ["FeatureSpec", "build_features", "topk_entropy", "LearnedPolicy", "FEATURE_KINDS", "PARTS", "DISCO_EXTRAS"]
 
 FEATURE_KINDS = ("disco", "sprinter", "sv")
+PARTS = ("disco", "hidden", "sv")
+"""Building blocks of an input (see the module docstring)."""
+DEFAULT_PARTS = {"disco": ("disco",), "sprinter": ("hidden",), "sv": ("sv",)}
 DISCO_EXTRAS = ("draft_max_prob", "draft_entropy")
 """Training-free scores that may be appended to the DISCO input as explicit features."""
 
@@ -51,9 +59,11 @@ class FeatureSpec:
     extra: tuple[str, ...] = ()
     """DISCO: training-free scores appended as explicit inputs (from DISCO_EXTRAS)."""
     hidden_size: int = 0
-    """SPRINTER: width of the ``draft_hidden`` column."""
+    """Width of the ``draft_hidden`` column (the ``hidden`` part)."""
     names: tuple[str, ...] = field(default=())
     """Human-readable name of each input feature (filled in by the constructors)."""
+    parts: tuple[str, ...] = ()
+    """Parts of the input in order (from PARTS); empty: the kind's default (DEFAULT_PARTS)."""
 
     def __post_init__(self) -> None:
         if self.kind not in FEATURE_KINDS:
@@ -67,22 +77,44 @@ class FeatureSpec:
             raise ValueError(f"FeatureSpec.extra has unknown columns {bad}; allowed: {DISCO_EXTRAS}")
         object.__setattr__(self, "extra", tuple(self.extra))
         object.__setattr__(self, "names", tuple(self.names))
+        object.__setattr__(self, "parts", tuple(self.parts) or DEFAULT_PARTS[self.kind])
+        bad = [p for p in self.parts if p not in PARTS]
+        if bad or len(set(self.parts)) != len(self.parts):
+            raise ValueError(f"FeatureSpec.parts={self.parts}: use distinct parts from {PARTS}")
+        if "hidden" in self.parts and self.hidden_size <= 0:
+            raise ValueError("FeatureSpec with a hidden part needs hidden_size > 0 (the data has no draft_hidden column?)")
 
     # ---- constructors -------------------------------------------------------------------------------------------
-    @classmethod
-    def for_disco(cls, top_k: int = 10, position_scale: float = 40.0, extra: Sequence[str] = ()) -> FeatureSpec:
-        """DISCO input: top-k probabilities, their entropy, scaled position, optional explicit scores."""
+    @staticmethod
+    def _disco_names(top_k: int, extra: Sequence[str]) -> tuple[str, ...]:
         if top_k <= 0:
             raise ValueError(f"top_k={top_k} must be > 0")
-        names = tuple(f"draft_topk_{i}" for i in range(top_k)) + ("topk_entropy", "position_scaled") + tuple(extra)
-        return cls("disco", len(names), top_k=top_k, position_scale=position_scale, extra=tuple(extra), names=names)
+        return tuple(f"draft_topk_{i}" for i in range(top_k)) + ("topk_entropy", "position_scaled") + tuple(extra)
 
-    @classmethod
-    def for_sprinter(cls, hidden_size: int) -> FeatureSpec:
-        """SPRINTER input: the draft's last hidden state."""
+    @staticmethod
+    def _hidden_names(hidden_size: int) -> tuple[str, ...]:
         if hidden_size <= 0:
             raise ValueError(f"hidden_size={hidden_size} must be > 0 (the data has no draft_hidden column?)")
-        return cls("sprinter", hidden_size, hidden_size=hidden_size, names=tuple(f"draft_hidden_{i}" for i in range(hidden_size)))
+        return tuple(f"draft_hidden_{i}" for i in range(hidden_size))
+
+    @classmethod
+    def for_disco(
+        cls, top_k: int = 10, position_scale: float = 40.0, extra: Sequence[str] = (), hidden_size: int = 0
+    ) -> FeatureSpec:
+        """DISCO input: top-k probabilities, their entropy, scaled position, optional explicit scores; with
+        ``hidden_size`` > 0 the draft's hidden state follows (the hybrid head)."""
+        names = cls._disco_names(top_k, extra) + (cls._hidden_names(hidden_size) if hidden_size else ())
+        return cls("disco", len(names), top_k=top_k, position_scale=position_scale, extra=tuple(extra),
+                   hidden_size=hidden_size, names=names, parts=("disco", "hidden") if hidden_size else ("disco",))
+
+    @classmethod
+    def for_sprinter(
+        cls, hidden_size: int, top_k: int = 0, position_scale: float = 40.0, extra: Sequence[str] = ()
+    ) -> FeatureSpec:
+        """SPRINTER input: the draft's last hidden state; with ``top_k`` > 0 the DISCO features follow."""
+        names = cls._hidden_names(hidden_size) + (cls._disco_names(top_k, extra) if top_k else ())
+        return cls("sprinter", len(names), top_k=top_k or 10, position_scale=position_scale, extra=tuple(extra),
+                   hidden_size=hidden_size, names=names, parts=("hidden", "disco") if top_k else ("hidden",))
 
     @classmethod
     def for_sv(cls) -> FeatureSpec:
@@ -93,33 +125,33 @@ class FeatureSpec:
     @property
     def columns(self) -> tuple[str, ...]:
         """Record columns this spec reads."""
-        if self.kind == "disco":
-            return ("draft_topk", "position", *self.extra)
-        if self.kind == "sprinter":
-            return ("draft_hidden",)
-        return ("companion_sim", "companion_accept")
+        cols = {"disco": ("draft_topk", "position", *self.extra), "hidden": ("draft_hidden",),
+                "sv": ("companion_sim", "companion_accept")}
+        return tuple(c for p in self.parts for c in cols[p])
 
     @property
     def vector_columns(self) -> dict[str, int]:
         """Columns holding one vector per token, with their width."""
-        if self.kind == "disco":
-            return {"draft_topk": self.top_k}
-        if self.kind == "sprinter":
-            return {"draft_hidden": self.hidden_size}
-        return {}
+        vec = {"disco": {"draft_topk": self.top_k}, "hidden": {"draft_hidden": self.hidden_size}, "sv": {}}
+        return {k: v for p in self.parts for k, v in vec[p].items()}
+
+    @property
+    def hidden_width(self) -> int:
+        """Width of the hidden part when it closes the input (DISCO's hybrid head), else 0."""
+        return self.hidden_size if self.parts[-1] == "hidden" and len(self.parts) > 1 else 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["extra"], d["names"] = list(self.extra), list(self.names)
+        d["extra"], d["names"], d["parts"] = list(self.extra), list(self.names), list(self.parts)
         d["columns"] = list(self.columns)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FeatureSpec:
-        keys = {"kind", "width", "top_k", "position_scale", "extra", "hidden_size", "names"}
+        keys = {"kind", "width", "top_k", "position_scale", "extra", "hidden_size", "names", "parts"}
         kw = {k: v for k, v in d.items() if k in keys}
-        kw["extra"] = tuple(kw.get("extra", ()))
-        kw["names"] = tuple(kw.get("names", ()))
+        for k in ("extra", "names", "parts"):  # exports written before parts existed take the kind's default
+            kw[k] = tuple(kw.get(k, ()))
         return cls(**kw)
 
 
@@ -177,6 +209,21 @@ def topk_entropy(topk: Tensor) -> Tensor:
     return -(t * torch.log(t.clamp_min(1e-30))).sum(-1)
 
 
+def _part(spec: FeatureSpec, part: str, columns: Mapping[str, object]) -> Tensor:
+    """[N, width of the part] for one input part."""
+    if part == "disco":
+        topk = _vector(columns, spec, "draft_topk", spec.top_k)
+        n = topk.shape[0]
+        parts = [topk, topk_entropy(topk)[:, None], (_scalar(columns, spec, "position", n) / spec.position_scale)[:, None]]
+        parts += [_scalar(columns, spec, e, n)[:, None] for e in spec.extra]
+        return torch.cat([t.to(topk.device) for t in parts], dim=1)
+    if part == "hidden":
+        return _vector(columns, spec, "draft_hidden", spec.hidden_size)
+    s = _get(columns, spec, "companion_sim").float().reshape(-1)
+    a = _scalar(columns, spec, "companion_accept", s.numel())
+    return torch.stack([s, a.to(s.device)], dim=1)
+
+
 def build_features(spec: FeatureSpec, columns: Mapping[str, object]) -> Tensor:
     """[N, spec.width] float32 input matrix for ``spec`` from record columns (numpy arrays, lists or torch tensors).
 
@@ -184,18 +231,11 @@ def build_features(spec: FeatureSpec, columns: Mapping[str, object]) -> Tensor:
         KeyError: a column the spec needs is missing (the message lists the missing and available columns).
         ValueError: a vector column's width differs from the trained width, or the features contain NaN / inf.
     """
-    if spec.kind == "disco":
-        topk = _vector(columns, spec, "draft_topk", spec.top_k)
-        n = topk.shape[0]
-        parts = [topk, topk_entropy(topk)[:, None], (_scalar(columns, spec, "position", n) / spec.position_scale)[:, None]]
-        parts += [_scalar(columns, spec, e, n)[:, None] for e in spec.extra]
-        x = torch.cat([t.to(topk.device) for t in parts], dim=1)
-    elif spec.kind == "sprinter":
-        x = _vector(columns, spec, "draft_hidden", spec.hidden_size)
-    else:
-        s = _get(columns, spec, "companion_sim").float().reshape(-1)
-        a = _scalar(columns, spec, "companion_accept", s.numel())
-        x = torch.stack([s, a.to(s.device)], dim=1)
+    blocks = [_part(spec, p, columns) for p in spec.parts]
+    n = blocks[0].shape[0]
+    if any(b.shape[0] != n for b in blocks):
+        raise ValueError(f"{spec.kind} input parts {spec.parts} have different row counts {[b.shape[0] for b in blocks]}")
+    x = torch.cat([b.to(blocks[0].device) for b in blocks], dim=1)
     if x.shape[1] != spec.width:
         raise ValueError(f"feature width mismatch: built {x.shape[1]} {spec.kind} features, the predictor expects {spec.width}")
     if not torch.isfinite(x).all():

@@ -105,10 +105,12 @@ class DiscoModule(BinaryPredictorModule):
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         pos_weight: float = 1.0,
+        hidden_dim: int = 0,
+        hidden_rank: int = 0,
     ) -> None:
         super().__init__(lr, weight_decay, pos_weight, tv_weight)
         self.save_hyperparameters()
-        self.net = DiscoNet(in_dim, hidden_size, dropout, tv_head=tv_weight > 0)
+        self.net = DiscoNet(in_dim, hidden_size, dropout, tv_head=tv_weight > 0, hidden_dim=hidden_dim, hidden_rank=hidden_rank)
 
 
 class SprinterModule(BinaryPredictorModule):

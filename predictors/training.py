@@ -16,13 +16,16 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from predictors.base import StopPolicy
+
+if TYPE_CHECKING:
+    from data_gen.shards import DataPath
 from predictors.labels import LABEL_FAMILIES, label_name
 
 log = logging.getLogger(__name__)
@@ -117,6 +120,8 @@ class DiscoConfig(TrainConfig):
     """Training-free scores appended as explicit inputs: any of draft_max_prob, draft_entropy."""
     tv_weight: float = 0.0
     """Weight of the TV-distance regression term (0 = BCE only); adds a TV head."""
+    hidden_rank: int = 0
+    """> 0: hybrid head, the draft's hidden state projected to this many values joins the inputs (needs draft_hidden)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -136,6 +141,8 @@ class DiscoConfig(TrainConfig):
             raise ValueError(f"extra_features has unknown entries {bad}; allowed: {DISCO_EXTRAS}")
         if self.tv_weight < 0:
             raise ValueError(f"tv_weight={self.tv_weight} must be >= 0")
+        if self.hidden_rank < 0:
+            raise ValueError(f"hidden_rank={self.hidden_rank} must be >= 0 (0: no hidden state)")
         if self.label_family == "soft":
             raise ValueError("label_family='soft' is not a binary label; DISCO uses greedy (or ratio)")
 
@@ -150,6 +157,10 @@ class SprinterConfig(TrainConfig):
     """Adam learning rate (a single linear layer tolerates a larger step)."""
     hidden_size: int | None = None
     """Hidden-state width; None = read from the data (a number is checked against the data)."""
+    disco_features: bool = False
+    """Also feed the DISCO features (top-k, entropy, position and the extra_features) to the linear verifier."""
+    extra_features: tuple[str, ...] = ("draft_max_prob", "draft_entropy")
+    """With disco_features: training-free scores appended as explicit inputs."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -262,14 +273,14 @@ def _trainer(
 
 
 def fit_predictor(
-    kind: str, cfg: TrainConfig, data_dir: str | Path, out_dir: str | Path, logger: Any = None
+    kind: str, cfg: TrainConfig, data_dir: DataPath, out_dir: str | Path, logger: Any = None
 ) -> tuple[StopPolicy, dict[str, float]]:
     """Train one predictor on the shards under ``data_dir``; checkpoints and logs go to ``out_dir``.
 
     Args:
         kind: "disco", "sprinter" or "sv".
         cfg: the matching config (DiscoConfig, SprinterConfig, SVTableConfig).
-        data_dir: folder of Parquet shards (``predictors.datamodule``).
+        data_dir: folder of Parquet shards, or a list of folders read as one (``predictors.datamodule``).
         out_dir: checkpoints (``out_dir/checkpoints``) and, without a logger, CSV logs (``out_dir/logs``).
         logger: a Lightning logger (MLFlowLogger in the main job) receiving the module hyperparameters, per-epoch
             metrics and the summary metrics (prefixed ``final_``); None logs to CSV under ``out_dir``. Use one logger
@@ -297,9 +308,11 @@ def fit_predictor(
 
     options: dict[str, Any] = {}
     if isinstance(cfg, DiscoConfig):
-        options = {"top_k": cfg.top_k, "position_scale": cfg.position_scale, "extra": cfg.extra_features}
+        options = {"top_k": cfg.top_k, "position_scale": cfg.position_scale, "extra": cfg.extra_features,
+                   "with_hidden": cfg.hidden_rank > 0}
     elif isinstance(cfg, SprinterConfig):
-        options = {"hidden_size": cfg.hidden_size}
+        options = {"hidden_size": cfg.hidden_size, "with_disco": cfg.disco_features,
+                   "extra": tuple(cfg.extra_features) if cfg.disco_features else ()}
     dm = ShardDataModule(
         data_dir, kind, cfg.label_family, cfg.lam, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
         seed=cfg.seed, tv_target=isinstance(cfg, DiscoConfig) and cfg.tv_weight > 0, feature_options=options,
@@ -323,7 +336,7 @@ def fit_predictor(
         "config": asdict(cfg),
         "label": {"family": cfg.label_family, "lam": cfg.lam, "name": label_name(cfg.label_family, cfg.lam)},
         "metrics": metrics,
-        "data_dir": str(data_dir),
+        "data_dir": str(data_dir) if isinstance(data_dir, (str, Path)) else [str(d) for d in data_dir],
         "checkpoint": checkpoint,
     }
     resolved = {"kind": kind, "feature_spec": dm.spec.to_dict(), **policy.train_info}
@@ -354,7 +367,8 @@ def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[St
     n_pos = float(y_tr.sum())
     pos_weight = cfg.pos_weight if cfg.pos_weight is not None else (y_tr.numel() - n_pos) / n_pos
     if kind == "disco":
-        module = DiscoModule(dm.spec.width, cfg.hidden_size, cfg.dropout, cfg.tv_weight, cfg.lr, cfg.weight_decay, pos_weight)
+        module = DiscoModule(dm.spec.width, cfg.hidden_size, cfg.dropout, cfg.tv_weight, cfg.lr, cfg.weight_decay, pos_weight,
+                             hidden_dim=dm.spec.hidden_width, hidden_rank=cfg.hidden_rank)
     else:
         module = SprinterModule(dm.spec.width, cfg.lr, cfg.weight_decay, pos_weight)
     module.net.norm.fit(x_tr)

@@ -153,3 +153,24 @@ def test_batched_rollouts_equal_unbatched(tiny_pair):
     alone = [continue_batch(draft, [p], [n], **kw)[0][0] for p, n in zip(prompts, [8, 5, 8])]
     assert together == alone
     assert [len(c) for c in together] == [8, 5, 8]
+
+
+def test_shared_prompt_pass_equals_separate_passes(tiny_pair, tiny_companion):
+    """Sequences of one prompt share its KV cache in one pass; records equal labelling each sequence alone."""
+    draft, target, tok = tiny_pair
+    models = LabelModels(draft, target, tiny_companion)
+    prompt = tok("def add(a, b):\n    return a + b\n# now a longer shared prompt for the cache")["input_ids"]
+    conts = [[65, 66, 67, 68], [70, 71], [65, 66, 80, 81, 82, 83]]
+    seqs = [_spec(prompt + c, [Segment(len(prompt) - 2, len(prompt) + len(c), "text", False)], seq_id=f"s{i}")
+            for i, c in enumerate(conts)]
+    opts = LabelOptions(pad_token_id=tok.pad_token_id, min_shared_prefix=8)
+    together, stats = label_sequences(models, seqs, opts)
+    assert stats.tokens_passed == len(prompt) + sum(len(c) for c in conts)  # the prompt passed once
+    alone = [label_sequences(models, [s], opts)[0] for s in seqs]
+    for k in ("q", "p", "tv", "companion_sim", "companion_accept", "draft_entropy"):
+        np.testing.assert_allclose(together[k], sum((r[k] for r in alone), []), rtol=1e-4, atol=1e-6)
+    for k in ("greedy_match", "draft_token", "target_argmax", "oracle_len", "position"):
+        assert together[k] == sum((r[k] for r in alone), [])
+    np.testing.assert_allclose(np.stack(together["draft_hidden"]).astype(np.float32),
+                               np.concatenate([np.stack(r["draft_hidden"]) for r in alone]).astype(np.float32),
+                               rtol=1e-2, atol=1e-3)

@@ -120,3 +120,32 @@ def test_config_checks_name_the_field():
         DiscoConfig(extra_features=("p",))
     with pytest.raises(TypeError, match="SprinterConfig"):
         fit_predictor("sprinter", DiscoConfig(), "x", "y")
+
+
+def test_hybrid_heads_train_export_and_reload(shards, tmp_path):
+    """DISCO with the hidden state (hybrid head) and SPRINTER with the DISCO features: widths, learning, round trip."""
+    from predictors.export import export_predictor, load_predictor
+
+    disco, m = fit_predictor("disco", DiscoConfig(hidden_size=16, lr=5e-3, hidden_rank=4, **FAST), shards, tmp_path / "d")
+    assert disco.spec.parts == ("disco", "hidden") and disco.spec.width == 12 + 16 and m["val_auc"] > 0.9
+    assert "draft_hidden" in disco.required_columns  # the engine then passes the hidden state
+    sprinter, m = fit_predictor("sprinter", SprinterConfig(lam=1.2, disco_features=True, **FAST), shards, tmp_path / "s")
+    assert sprinter.spec.parts == ("hidden", "disco") and sprinter.spec.width == 16 + 12 + 2 and m["val_auc"] > 0.9
+    from data_gen.shards import read_columns
+
+    cols = read_columns(shards, ["draft_topk", "position", "draft_max_prob", "draft_entropy", "draft_hidden"])
+    for policy in (disco, sprinter):
+        back = load_predictor(export_predictor(policy, tmp_path / f"export-{policy.kind}", {}))
+        assert back.spec == policy.spec
+        np.testing.assert_allclose(back.score(cols).numpy(), policy.score(cols).numpy(), rtol=1e-6)
+
+
+def test_two_folders_read_as_one(shards, tmp_path):
+    """A list of data folders is one data set: the splits and counts add up (pipelines.train's extra_data)."""
+    other = tmp_path / "more"
+    write_shards(other, make_records(n_prompts=20, tokens_per_prompt=30, hidden_size=16, seed=7))
+    one = ShardDataModule(shards, "disco", "greedy")
+    both = ShardDataModule([shards, other], "disco", "greedy")
+    one.setup("fit"), both.setup("fit")
+    total = lambda dm: sum(dm.tensors[s][0].shape[0] for s in ("train", "val", "test"))  # noqa: E731
+    assert total(both) == total(one) + 20 * 30
