@@ -203,6 +203,8 @@ class SpeculativeDecoder:
         max_draft_len: hard cap on draft tokens per round (on top of ``policy.draft_cap()``).
         top_k_features: top-k draft probabilities in the features (must match the predictor's training data).
         latency: ``decoding.latency.LatencyTable`` (needed by SV; profiled on the fly when missing).
+        sv_patience: SV stops drafting once this many drafted tokens lie beyond the goodput-best prefix (drafting
+            further is unlikely to lengthen it: the expected acceptance of a longer prefix only falls).
     """
 
     def __init__(
@@ -216,6 +218,7 @@ class SpeculativeDecoder:
         max_draft_len: int = 40,
         top_k_features: int = 10,
         latency=None,
+        sv_patience: int = 2,
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
@@ -242,6 +245,9 @@ class SpeculativeDecoder:
         self.analysis = any(c in TARGET_COLUMNS for c in policy.required_columns)
         self.sequential = policy.kind == "sprinter" or not policy.exact
         self.is_sv = policy.kind == "sv"
+        if sv_patience < 1:
+            raise ValueError(f"sv_patience={sv_patience}: must be >= 1")
+        self.sv_patience = int(sv_patience)
 
     # ------------------------------------------------------------------ helpers
     def _probs(self, logits: Tensor) -> Tensor:
@@ -374,6 +380,12 @@ class SpeculativeDecoder:
                     feats["position"] = torch.full((batch,), step, dtype=torch.long, device=device)
                     keep = self.policy.keep_drafting(feats).tolist()
                     sc = self.policy.score(feats).tolist() if self.is_sv else None
+                    if sc is not None:  # SV: stop once the goodput-best prefix has not grown for sv_patience tokens
+                        lat = self._sv_latency()
+                        for b in range(batch):
+                            if active[b]:
+                                s_b = [*scores[b], float(sc[b])]
+                                keep[b] = keep[b] and len(s_b) - goodput_prefix(s_b, lat) < self.sv_patience
                 stats.stop_time += _clock(device) - t0
                 stats.stop_decisions += 1
                 q_all = self._probs(logits) if self.temperature > 0 else None

@@ -297,3 +297,16 @@ def test_real_pair_greedy_exact():
         n = min(out.shape[1], ref.shape[1])
         assert out[0, :n].tolist() == ref[0, :n].tolist()
         assert stats.mean_accepted > 0.5
+
+
+def test_sv_stops_drafting_when_goodput_says_verify_nothing(pair, companion):
+    """When verification is so dear that the goodput-best prefix stays empty, SV stops drafting after sv_patience
+    tokens instead of drafting to the cap and throwing everything away; the output stays exact."""
+    draft, target = pair
+    dear = LatencyTable(draft_step_s=0.1, target_s={0: 0.3, 1: 10.0, 8: 80.0})
+    pol = CompanionAccept(threshold=0.0, max_draft_len=8)  # the policy alone would always draft to the cap
+    dec = SpeculativeDecoder(draft, target, pol, companion=companion, latency=dear, sv_patience=2)
+    out, stats = dec.generate(PROMPT, None, 10, None, 0)
+    ref = target.generate(PROMPT, do_sample=False, max_new_tokens=10, pad_token_id=256)
+    assert out.tolist() == ref.tolist()
+    assert stats.accepted == 0 and stats.draft_tokens <= 2 * stats.rounds  # at most two drafted per round, none sent

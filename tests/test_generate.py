@@ -129,3 +129,25 @@ def test_measure_costs_rewrites_cost_model(tmp_path):
     cm = measure(["--data_dir", str(out), "--repeats", "1"])
     assert cm["draft_s_per_token"] > 0 and all(v > 0 for v in cm["target_s"].values())
     assert json.loads((out / "cost_model.json").read_text())["draft_name"] == "tiny:1"
+
+
+def test_label_batches_group_a_prompts_sequences_within_budget():
+    """Sequences of one prompt share a pass (their prompt is passed once); the padded cost stays within the budget."""
+    from data_gen.generate import _label_batches
+    from data_gen.labelling import Segment, SequenceSpec, shared_prefix_len
+
+    def seq(pid: str, prompt: list[int], n: int, k: int) -> SequenceSpec:
+        toks = prompt + list(range(1000 + k, 1000 + k + n))
+        return SequenceSpec(pid, "t", "code", "train", f"{pid}#{k}", toks, [Segment(len(prompt), len(toks), "text", False)])
+
+    a, b = list(range(1, 101)), list(range(201, 251))
+    seqs = [seq("a", a, 20, k) for k in range(6)] + [seq("b", b, 10, k) for k in range(2)] + [seq("c", [7, 8, 9], 5, 0)]
+    batches = _label_batches(seqs, budget_tokens=200)
+    assert sorted(s.seq_id for bt in batches for s in bt) == sorted(s.seq_id for s in seqs)
+    for bt in batches:
+        if len({s.sample_id for s in bt}) == 1 and len(bt) > 1:
+            shared = shared_prefix_len([s.tokens for s in bt])
+            assert shared >= 50 and shared + len(bt) * (max(len(s.tokens) for s in bt) - shared) <= 200
+        else:
+            assert len(bt) * max(len(s.tokens) for s in bt) <= 200 or len(bt) == 1
+    assert any(len(bt) == 5 and {s.sample_id for s in bt} == {"a"} for bt in batches)  # 100 + 5 x 20 <= 200
