@@ -237,7 +237,9 @@ class SpeculativeDecoder:
                 f"policy {policy.kind!r} needs a companion model (columns {needs_companion}); none is configured "
                 f"(pass companion=... / --companion)"
             )
-        self.draft, self.target, self.policy, self.companion = draft, target, policy, companion
+        # A companion the policy does not read is not run: it would only slow the draft loop down.
+        self.draft, self.target, self.policy = draft, target, policy
+        self.companion = companion if needs_companion else None
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.max_draft_len, self.top_k_features = int(max_draft_len), int(top_k_features)
         self.latency = latency

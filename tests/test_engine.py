@@ -310,3 +310,11 @@ def test_sv_stops_drafting_when_goodput_says_verify_nothing(pair, companion):
     ref = target.generate(PROMPT, do_sample=False, max_new_tokens=10, pad_token_id=256)
     assert out.tolist() == ref.tolist()
     assert stats.accepted == 0 and stats.draft_tokens <= 2 * stats.rounds  # at most two drafted per round, none sent
+
+
+def test_companion_runs_only_for_policies_that_read_it(pair, companion):
+    """A companion passed to a decoder whose policy does not read it is not run (it would slow every draft step)."""
+    draft, target = pair
+    assert SpeculativeDecoder(draft, target, build_policy("static:3"), companion=companion).companion is None
+    pol = CompanionAccept(threshold=0.2, max_draft_len=4)
+    assert SpeculativeDecoder(draft, target, pol, companion=companion).companion is companion
