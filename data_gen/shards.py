@@ -126,16 +126,23 @@ def shard_files(data_dir: DataPath) -> list[Path]:
     return files
 
 
+def folder_columns(data_dir: DataPath) -> dict[Path, set[str]]:
+    """Column names of each shard folder under ``data_dir`` (read from the folder's first shard's schema)."""
+    first: dict[Path, Path] = {}
+    for f in shard_files(data_dir):
+        first.setdefault(f.parent, f)
+    return {d: set(pq.read_schema(f).names) for d, f in first.items()}
+
+
 def read_columns(
-    data_dir: DataPath, columns: Sequence[str], splits: Sequence[str] | None = None, required: bool = True
+    data_dir: DataPath, columns: Sequence[str], splits: Sequence[str] | None = None, optional: Sequence[str] = ()
 ) -> dict[str, np.ndarray]:
     """Columns of every shard under ``data_dir`` (a folder or a list of folders) as numpy arrays; vector columns 2-D.
 
     Args:
-        columns: the columns to read.
+        columns: the columns to read; one missing from some folder's shards raises KeyError naming it.
         splits: keep only rows whose ``split`` is one of these (None: all rows).
-        required: a column missing from some folder's shards raises KeyError naming it; False: such columns are
-            left out of the result.
+        optional: columns read when every folder has them, left out of the result otherwise.
     Raises:
         FileNotFoundError: no shards.  KeyError: a required column is missing.  ValueError: the shards hold no rows.
     """
@@ -143,17 +150,16 @@ def read_columns(
     import pyarrow.compute as pc
     import pyarrow.dataset as pads
 
-    files = shard_files(data_dir)
-    present: set[str] | None = None
-    for f in {f.parent: f for f in files}.values():  # first shard of every folder
-        names = set(pq.read_schema(f).names)
+    per_folder = folder_columns(data_dir)
+    for folder, names in per_folder.items():
         missing = [c for c in columns if c not in names]
-        if missing and required:
-            raise KeyError(f"the shards under {f.parent} lack the columns {missing} (shard {f.name}; has {sorted(names)})")
-        present = names if present is None else present & names
-    want = [c for c in dict.fromkeys(columns) if present and c in present]
-    flt = pc.field("split").isin(list(splits)) if splits is not None and present and "split" in present else None
-    table = pads.dataset([str(f) for f in files], format="parquet").to_table(columns=want, filter=flt)
+        if missing:
+            raise KeyError(f"the shards under {folder} lack the columns {missing} (has {sorted(names)})")
+    present = set.intersection(*per_folder.values())
+    want = list(dict.fromkeys([*columns, *(c for c in optional if c in present)]))
+    flt = pc.field("split").isin(list(splits)) if splits is not None and "split" in present else None
+    files = [str(f) for f in shard_files(data_dir)]
+    table = pads.dataset(files, format="parquet").to_table(columns=want, filter=flt)
     if table.num_rows == 0 and splits is None:
         raise ValueError(f"the shards under {data_dir} hold no rows")
     out: dict[str, np.ndarray] = {}

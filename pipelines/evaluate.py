@@ -108,7 +108,7 @@ def load_columns(
 ) -> dict[str, np.ndarray]:
     """Record columns of the shards in ``data_dir`` (a folder or a list; rows of ``splits`` only), as numpy arrays
     (vectors 2-D): :data:`BASE_COLUMNS` and ``extra_columns`` (e.g. ``draft_hidden``), those present."""
-    return read_columns(data_dir, (*BASE_COLUMNS, *extra_columns), splits=splits, required=False)
+    return read_columns(data_dir, (), splits=splits, optional=(*BASE_COLUMNS, *extra_columns))
 
 
 def subset(columns: Mapping[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:

@@ -131,11 +131,9 @@ def _data_identity(data_dirs: list[Path]) -> dict[str, Any]:
 
 
 def _has_columns(data_dirs: list[Path], columns: tuple[str, ...]) -> bool:
-    import pyarrow.parquet as pq
+    from data_gen.shards import folder_columns
 
-    from data_gen.shards import shard_files
-
-    return all(c in set(pq.read_schema(shard_files(d)[0]).names) for d in data_dirs for c in columns)
+    return all(set(columns) <= names for names in folder_columns(data_dirs).values())
 
 
 def _flat_params(prefix: str, obj: Any) -> dict[str, Any]:

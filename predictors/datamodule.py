@@ -16,7 +16,6 @@ two splits, single-class labels (the message names the family, lambda and counts
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,27 +29,9 @@ from predictors.labels import LABEL_FAMILIES, derive_label, label_name
 if TYPE_CHECKING:
     from data_gen.shards import DataPath
 
-__all__ = ["ShardDataModule", "find_shards", "load_columns", "make_spec", "label_columns", "SPLITS"]
+__all__ = ["ShardDataModule", "make_spec", "label_columns", "SPLITS"]
 
 SPLITS = ("train", "val", "test")
-
-
-def find_shards(data_dir: DataPath) -> list[Path]:
-    """The Parquet shards of ``data_dir`` (``data_gen.shards.shard_files``); FileNotFoundError when there are none."""
-    from data_gen.shards import shard_files
-
-    return shard_files(data_dir)
-
-
-def load_columns(data_dir: DataPath, columns: Sequence[str]) -> dict[str, np.ndarray]:
-    """``columns`` of all shards under ``data_dir`` (a folder or a list of folders) as numpy arrays (vectors 2-D).
-
-    Raises:
-        FileNotFoundError: no shards.  KeyError: a column is missing (named).  ValueError: the shards hold no rows.
-    """
-    from data_gen.shards import read_columns
-
-    return read_columns(data_dir, columns)
 
 
 def label_columns(family: str) -> tuple[str, ...]:
@@ -145,16 +126,12 @@ class ShardDataModule(pl.LightningDataModule):
             self._require(split)
 
     def _load(self) -> None:
-        import pyarrow.parquet as pq
+        from data_gen.shards import read_columns
 
-        files = find_shards(self.data_dir)
-        present = set.intersection(*(set(pq.read_schema(f).names) for f in {f.parent: f for f in files}.values()))
         wanted = ["split", "sample_id", *_spec_columns(self.kind, self.feature_options), *label_columns(self.label_family)]
         if self.tv_target:
             wanted.append("tv")
-        wanted += [c for c in self.extra_columns if c in present]
-        wanted = list(dict.fromkeys(wanted))
-        cols = load_columns(self.data_dir, wanted)
+        cols = read_columns(self.data_dir, wanted, optional=self.extra_columns)
         self.spec = make_spec(self.kind, cols, **self.feature_options)
         split = cols["split"].astype(str)
         self._check_disjoint(cols["sample_id"].astype(str), split)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from predictors.baselines import BASELINES
-from predictors.datamodule import load_columns
+from data_gen.shards import read_columns
 from predictors.export import FingerprintMismatch, export_predictor, load_predictor, read_metadata, update_metadata
 from predictors.training import DiscoConfig, SprinterConfig, SVTableConfig, fit_predictor
 from tests.synthetic import make_records, write_shards
@@ -38,7 +38,7 @@ def trained(tmp_path_factory):
         policy, metrics = fit_predictor(kind, cfg, root / "shards", root / kind)
         folders[kind] = export_predictor(policy, root / kind / "export", {"draft_fingerprint": FP, "data": "synthetic"})
         folders[kind + "_policy"] = policy
-    cols = load_columns(root / "shards", COLUMNS)
+    cols = read_columns(root / "shards", COLUMNS)
     return cols, folders
 
 
