@@ -91,6 +91,9 @@ class GenerateConfig:
     """0: greedy drafts and continuations; > 0: sampled at this temperature (q and p describe that distribution)."""
     top_p: float = 1.0
     """Nucleus sampling mass for sampled drafts and continuations."""
+    sample_draw: bool = False
+    """Greedy data only: at every labelled position also record a token sampled from q (draw "sample") beside the argmax
+    one, so the sampling labels (q/p <= lambda, min(1, p/q)) get their own tokens at no extra model pass."""
     top_k: int = 10
     """Top-k draft probabilities stored per token."""
     store_hidden: bool = True
@@ -133,6 +136,9 @@ class GenerateConfig:
             raise ValueError(f"--text_tokens must be (min, max) with 0 <= min <= max, got {self.text_tokens}")
         if self.max_records is not None and self.max_records <= 0:
             raise ValueError(f"--max_records must be positive or null, got {self.max_records}")
+        if self.sample_draw and self.temperature > 0:
+            raise ValueError(f"--sample_draw true needs --temperature 0 (got {self.temperature:g}): sampled data draws "
+                             "every token from q already")
         if abs(sum(self.split_fractions) - 1) > 1e-6:
             raise ValueError(f"--split_fractions must sum to 1, got {self.split_fractions}")
 
@@ -293,7 +299,8 @@ def produce_chunk(
             split = split_of(prompt.id, cfg.split_fractions, cfg.seed)
             seqs.append(SequenceSpec(prompt.id, prompt.source, prompt.domain, split, p.seq_id, ids + p.cont + p.rollout, segs))
     opts = LabelOptions(
-        top_k=cfg.top_k, store_hidden=cfg.store_hidden, temperature=cfg.temperature, top_p=cfg.top_p, pad_token_id=pad
+        top_k=cfg.top_k, store_hidden=cfg.store_hidden, temperature=cfg.temperature, top_p=cfg.top_p, pad_token_id=pad,
+        sample_draw=cfg.sample_draw,
     )
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + chunk)
     parts: list[dict[str, list]] = []

@@ -8,6 +8,10 @@ At a position j of the labelled segment the prefix is ``tokens[:j]`` and the log
 - in a *teacher-forced* segment the drafted token is drawn from q at j (argmax when greedy, a sample otherwise),
   while the sequence goes on with ``tokens[j]``.
 
+With ``sample_draw`` (greedy data) every labelled position also gives a second record, ``draw="sample"``: a token drawn
+from q (temperature 1) with its own q(x), p(x), min(1, p/q) and greedy match. The distributions are already computed,
+so the sampled draw costs no model FLOPs, and the sampling-mode labels (q/p <= lambda, min(1, p/q)) get their own tokens.
+
 Only the positions being labelled go through the LM heads (a [N, V] slice, not [B, T, V]).
 
 Usage: ``records, stats = label_sequences(LabelModels(draft, target), seqs, LabelOptions())``
@@ -75,6 +79,9 @@ class LabelOptions:
     """Token used for right padding (masked out)."""
     head_chunk: int = 256
     """Labelled positions sent through the LM heads at once (bounds the [N, V] logits memory)."""
+    sample_draw: bool = False
+    """With greedy data (temperature 0): also record, at every labelled position, a token sampled from q (draw
+    "sample") beside the argmax one (draw "greedy"); no extra model pass."""
     min_shared_prefix: int = 16
     """When every sequence of a batch starts with the same tokens (several sequences of one prompt), a common prefix
     this long or longer is passed once and its KV cache shared by the batch; 0 turns sharing off."""
@@ -133,6 +140,9 @@ def label_sequences(
         (records as column lists in data_gen.schema order, stats).
     """
     stats = LabelStats(sequences=len(seqs))
+    if opts.sample_draw and opts.temperature > 0:
+        raise ValueError("sample_draw adds a sampled token beside the argmax one of greedy data; with temperature "
+                         f"{opts.temperature:g} every token is sampled already (set --sample_draw false)")
     if not seqs:
         return {}, stats
     device = next(models.draft.parameters()).device
@@ -172,7 +182,9 @@ def label_sequences(
         del h
         stats.seconds[role] += time.perf_counter() - t0
 
-    feats: dict[str, list[Tensor]] = {}
+    main_draw = "greedy" if opts.temperature <= 0 else "sample"
+    draws = [main_draw] + (["sample"] if opts.sample_draw else [])
+    feats: dict[str, dict[str, list[Tensor]]] = {d: {} for d in draws}
     seq_tokens = ids[bi, ji]  # [N] the sequence's own token at j
     rollout_flag = torch.tensor(
         [seg.rollout for s in seqs for seg in s.segments for _ in range(seg.end - seg.start)], device=device
@@ -191,25 +203,28 @@ def label_sequences(
             c_logits = models.companion.get_output_embeddings()(hidden["companion"][sl]).float()
             stats.seconds["companion"] += time.perf_counter() - t0
         drafted = draw_draft_tokens(d_logits, opts.temperature, opts.top_p, generator)
-        drafted = torch.where(rollout_flag[sl], seq_tokens[sl], drafted)
-        try:
-            f = token_features(
-                d_logits,
-                drafted,
-                target_logits=t_logits,
-                companion_logits=c_logits,
-                draft_hidden=hidden["draft"][sl] if opts.store_hidden else None,
-                top_k=opts.top_k,
-                temperature=opts.temperature if opts.temperature > 0 else 1.0,
-                top_p=opts.top_p,
-            )
-        except FloatingPointError:  # token_features checks finiteness once; name the model and the samples here
-            raise _non_finite_error(models, seqs, rows_b, lo, d_logits, t_logits, c_logits) from None
-        for k, v in f.items():
-            feats.setdefault(k, []).append(v.cpu())
-    cat = {k: torch.cat(v) for k, v in feats.items()}
-    records = _assemble(seqs, cat, seq_tokens.cpu())
-    stats.records = len(rows_b)
+        tokens_by_draw = {main_draw: torch.where(rollout_flag[sl], seq_tokens[sl], drafted)}
+        if opts.sample_draw:
+            tokens_by_draw["sample"] = draw_draft_tokens(d_logits, 1.0, opts.top_p, generator)
+        for draw, tokens in tokens_by_draw.items():
+            try:
+                f = token_features(
+                    d_logits,
+                    tokens,
+                    target_logits=t_logits,
+                    companion_logits=c_logits,
+                    draft_hidden=hidden["draft"][sl] if opts.store_hidden else None,
+                    top_k=opts.top_k,
+                    temperature=opts.temperature if opts.temperature > 0 else 1.0,
+                    top_p=opts.top_p,
+                )
+            except FloatingPointError:  # token_features checks finiteness once; name the model and the samples here
+                raise _non_finite_error(models, seqs, rows_b, lo, d_logits, t_logits, c_logits) from None
+            for k, v in f.items():
+                feats[draw].setdefault(k, []).append(v.cpu())
+    parts = [_assemble(seqs, {k: torch.cat(v) for k, v in feats[d].items()}, seq_tokens.cpu(), d) for d in draws]
+    records = {k: [x for part in parts for x in part[k]] for k in parts[0]}
+    stats.records = len(rows_b) * len(draws)
     return records, stats
 
 
@@ -271,8 +286,9 @@ def oracle_lengths(match: np.ndarray, follows: np.ndarray) -> tuple[np.ndarray, 
     return length, censored
 
 
-def _assemble(seqs: list[SequenceSpec], f: dict[str, Tensor], seq_tokens: Tensor) -> dict[str, list]:
-    """Turn flat feature tensors (segment order) into record columns with ids, positions and oracle lengths."""
+def _assemble(seqs: list[SequenceSpec], f: dict[str, Tensor], seq_tokens: Tensor, draw: str) -> dict[str, list]:
+    """Turn flat feature tensors (segment order) of one draw into record columns with ids, positions and oracle
+    lengths."""
     drafted = f["draft_token"].numpy()
     match = f["greedy_match"].numpy()
     next_tok = seq_tokens.numpy()
@@ -280,7 +296,7 @@ def _assemble(seqs: list[SequenceSpec], f: dict[str, Tensor], seq_tokens: Tensor
     cols: dict[str, list] = {
         k: []
         for k in (
-            "sample_id", "source", "domain", "split", "seq_id", "origin", "rollout", "prefix_len", "offset",
+            "sample_id", "source", "domain", "split", "seq_id", "origin", "draw", "rollout", "prefix_len", "offset",
             "position", "next_token", "oracle_len", "oracle_censored",
         )
     }
@@ -298,6 +314,7 @@ def _assemble(seqs: list[SequenceSpec], f: dict[str, Tensor], seq_tokens: Tensor
             cols["split"] += [s.split] * n
             cols["seq_id"] += [s.seq_id] * n
             cols["origin"] += [seg.origin] * n
+            cols["draw"] += [draw] * n
             cols["rollout"] += [seg.rollout] * n
             cols["prefix_len"] += list(range(seg.start, seg.end))
             cols["offset"] += list(range(n))

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import datasets
 
+DRAWS = ("greedy", "sample")
+"""How a record's drafted token was drawn from q: argmax (greedy decoding) or a sample (speculative sampling)."""
+
 ORIGINS = ("prompt", "draft", "target", "spec", "text")
 """Where the tokens before a labelled position come from.
 
@@ -22,6 +25,7 @@ COLUMNS: dict[str, str] = {
     "split": "train / val / test, assigned by a hash of sample_id",
     "seq_id": "id of the labelled sequence (one model pass)",
     "origin": "prefix origin, one of ORIGINS",
+    "draw": "how the drafted token was drawn from q: greedy (argmax) or sample; greedy data may hold both per position",
     "rollout": "true when the labelled segment is the draft's own rollout (draft tokens follow one another)",
     "prefix_len": "tokens before this draft token (prompt included)",
     "offset": "index of this token in the labelled segment",
@@ -56,6 +60,7 @@ def features_schema(top_k: int, hidden_size: int | None, companion: bool) -> dat
         "split": datasets.Value("string"),
         "seq_id": datasets.Value("string"),
         "origin": datasets.Value("string"),
+        "draw": datasets.Value("string"),
         "rollout": datasets.Value("bool"),
         "prefix_len": datasets.Value("int32"),
         "offset": datasets.Value("int32"),

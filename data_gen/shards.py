@@ -181,8 +181,9 @@ def load_records(data_dir: DataPath, columns: list[str] | None = None) -> datase
 
 def summarize(data_dir: Path, extra: dict | None = None) -> dict:
     """Acceptance rate, greedy-match rate and oracle draft-length histogram, overall and per origin / domain / split."""
-    cols = ["origin", "domain", "split", "greedy_match", "accept_prob", "oracle_len", "oracle_censored", "rollout"]
-    df = load_records(data_dir, cols).to_pandas()
+    cols = ["origin", "domain", "split", "draw", "greedy_match", "accept_prob", "oracle_len", "oracle_censored", "rollout"]
+    present = set.union(*folder_columns(data_dir).values())
+    df = load_records(data_dir, [c for c in cols if c in present]).to_pandas()
 
     def block(d) -> dict:
         starts = d[d["rollout"]] if d["rollout"].any() else d
@@ -196,7 +197,9 @@ def summarize(data_dir: Path, extra: dict | None = None) -> dict:
         }
 
     summary = {"overall": block(df)}
-    for key in ("origin", "domain", "split"):
+    for key in ("origin", "domain", "split", "draw"):
+        if key not in df:
+            continue
         summary[f"by_{key}"] = {str(k): block(g) for k, g in df.groupby(key)}
     if extra:
         summary.update(extra)

@@ -6,7 +6,8 @@ confidence intervals over prompts (``sample_id`` groups resampled with replaceme
 
 Built-in scores (all "higher = more likely accepted"): ``neg-entropy`` (-H(q), no own threshold), ``svip`` (1 - sqrt(0.15 H),
 threshold 1 - h = 0.7), ``adaedl-bound`` (1 - sqrt(0.2 H), initial lambda 0.6), ``max-prob`` (top-1 draft probability, as
-transformers' ConfidenceCriteria, threshold 0.4). Learned policies are scored with ``policy.score`` on
+AdaEDL's Max-Confidence, threshold 0.4), ``draft-prob`` (q(x), the drafted token's probability, as transformers'
+ConfidenceCriteria; equal to ``max-prob`` on greedy draws). Learned policies are scored with ``policy.score`` on
 ``predictors.base.as_tensor_dict(columns)``; the SV table is one of them when the companion columns exist.
 
 Soft labels (min(1, p/q)): every token counts as a positive with weight a and as a negative with weight 1 - a (its Bernoulli
@@ -43,6 +44,7 @@ from predictors.labels import derive_label, label_name
 __all__ = [
     "DEFAULT_LABEL_SPECS",
     "NegEntropy",
+    "DraftProb",
     "builtin_scorers",
     "weighted_auc",
     "weighted_ap",
@@ -77,6 +79,20 @@ class NegEntropy(StopPolicy):
         return -features["draft_entropy"].float()
 
 
+class DraftProb(StopPolicy):
+    """Score q(x), the drafted token's own probability: what transformers' ``assistant_confidence_threshold`` compares
+    (the top-1 probability on greedy draws; on sampled draws it tells a likely token from an unlikely one)."""
+
+    kind = "draft_prob"
+    required_columns = ("q",)
+
+    def __init__(self, threshold: float = 0.4, max_draft_len: int = 40) -> None:
+        super().__init__(threshold, max_draft_len)
+
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        return features["q"].float()
+
+
 def builtin_scorers() -> dict[str, StopPolicy]:
     """The training-free score columns, as policies at their published thresholds."""
     from predictors.baselines import SVIP, AdaEDL, MaxConfidence
@@ -86,6 +102,7 @@ def builtin_scorers() -> dict[str, StopPolicy]:
         "svip": SVIP(h=0.3, gamma=0.15),
         "adaedl-bound": AdaEDL(lam=0.6, gamma=0.2, online=False),
         "max-prob": MaxConfidence(threshold=0.4),
+        "draft-prob": DraftProb(threshold=0.4),
     }
 
 

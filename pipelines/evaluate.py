@@ -23,11 +23,12 @@ import numpy as np
 
 from data_gen.shards import DataPath, read_columns
 from predictors.base import StopPolicy
+from predictors.labels import draw_mask, label_draw, label_name
 
 log = logging.getLogger(__name__)
 
 BASE_COLUMNS = (
-    "sample_id", "source", "domain", "split", "seq_id", "origin", "rollout", "prefix_len", "offset", "position", "draft_token", "q", "p",
+    "sample_id", "source", "domain", "split", "seq_id", "origin", "draw", "rollout", "prefix_len", "offset", "position", "draft_token", "q", "p",
     "accept_prob", "target_argmax", "greedy_match", "tv", "draft_entropy", "draft_max_prob", "draft_topk",
     "companion_prob", "companion_sim", "companion_entropy", "companion_accept", "oracle_len", "oracle_censored",
 )
@@ -113,6 +114,22 @@ def load_columns(
 
 def subset(columns: Mapping[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:
     return {k: np.asarray(v)[mask] for k, v in columns.items()}
+
+
+def label_specs_by_draw(
+    columns: Mapping[str, np.ndarray], label_specs: list[tuple[str, float]]
+) -> dict[str, tuple[dict[str, np.ndarray], list[tuple[str, float]]]]:
+    """draw -> (its rows, the label specs scored on them): greedy match on argmax draws, q/p <= lambda and min(1, p/q)
+    on sampled draws (``predictors.labels.label_draw``); data with one draw per position is one group, "all"."""
+    out: dict[str, tuple[dict[str, np.ndarray], list[tuple[str, float]]]] = {}
+    for fam, lam in label_specs:
+        draw = label_draw(fam)
+        mask = draw_mask(columns, draw)
+        key = draw if mask is not None else "all"
+        if key not in out:
+            out[key] = (subset(columns, mask) if mask is not None else dict(columns), [])
+        out[key][1].append((fam, lam))
+    return out
 
 
 def draft_fingerprint(data_dir: str | Path) -> dict | None:
@@ -220,6 +237,7 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
     from evaluation.cost_model import assumed_cost_model
     from evaluation.replay import ReplayConfig, _set_threshold, replay_table, tune_threshold
     from evaluation.report import report_metrics, write_report
+    import pandas as pd
 
     pols: dict[str, StopPolicy | None] = dict(policies or {})
     refs: dict[str, str] = {}
@@ -242,6 +260,15 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
     n_prompts = len(np.unique(cols["sample_id"].astype(str))) if "sample_id" in cols else -1
     notes.insert(0, f"data: {', '.join([cfg.data_dir, *cfg.extra_data_dirs])}, split {cfg.split!r}: {len(cols['seq_id'])} tokens, {n_prompts} prompts")
 
+    by_draw = label_specs_by_draw(cols, cfg.label_specs)
+    main = draw_mask(cols, "greedy")  # replay, tuning and the SPRINTER checks follow the draft's own (greedy) rollouts
+    if main is not None:
+        cols = subset(cols, main)
+        allcols = subset(allcols, draw_mask(allcols, "greedy"))
+        notes.append("records of two draws per position: " + "; ".join(
+            f"{len(c['seq_id'])} {d}-draw tokens scored against {', '.join(label_name(f, l) for f, l in specs)}"
+            for d, (c, specs) in by_draw.items()) + "; replay on the greedy draws")
+
     cm, cm_note = load_cost_model(cfg)
     notes.append(cm_note)
     temp = data_temperature(cfg.data_dir)
@@ -251,7 +278,8 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
     live = {k: v for k, v in pols.items() if v is not None}
 
     log.info("classification tables on %d tokens", len(cols["seq_id"]))
-    cls = score_table(cols, pols, cfg.label_specs, n_boot=cfg.n_boot, seed=cfg.seed)
+    cls = pd.concat([score_table(c, pols, specs, n_boot=cfg.n_boot, seed=cfg.seed).assign(draw=d)
+                     for d, (c, specs) in by_draw.items()], ignore_index=True)
     spr = sprinter_table(cols, pols)
 
     tuned: dict[str, tuple[float, float]] = {}
@@ -281,8 +309,6 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
                     update_metadata(refs[name], threshold=thr,
                                     tuning={"split": cfg.tune_split, "speedup": sp, "mode": cfg.replay_modes[0],
                                             "cost_model_assumed": replay_cm.assumed})
-    import pandas as pd
-
     reps, sweeps = [], []
     for i, mode in enumerate(cfg.replay_modes):
         rcfg = ReplayConfig(mode=mode, origins=tuple(cfg.replay_origins) if cfg.replay_origins else None)

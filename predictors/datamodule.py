@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from predictors.inputs import FEATURE_KINDS, FeatureSpec, build_features
-from predictors.labels import LABEL_FAMILIES, derive_label, label_name
+from predictors.labels import LABEL_FAMILIES, derive_label, draw_mask, label_draw, label_name
 
 if TYPE_CHECKING:
     from data_gen.shards import DataPath
@@ -90,7 +90,8 @@ class ShardDataModule(pl.LightningDataModule):
         seed: int = 0,
         tv_target: bool = False,
         feature_options: dict[str, Any] | None = None,
-        extra_columns: Sequence[str] = ("greedy_match", "accept_prob", "draft_max_prob", "draft_entropy"),
+        extra_columns: Sequence[str] = ("greedy_match", "accept_prob", "draft_max_prob", "draft_entropy", "q"),
+        draw: str | None = None,
     ) -> None:
         """
         Args:
@@ -101,6 +102,8 @@ class ShardDataModule(pl.LightningDataModule):
             tv_target: also load the ``tv`` column (DISCO's TV regression term); zeros otherwise.
             feature_options: top_k / position_scale / extra (DISCO), hidden_size (SPRINTER) checked against the data.
             extra_columns: raw columns kept per split in ``self.raw`` (evaluation labels), when present.
+            draw: train on the records of this draw (greedy or sample) when the data holds several per position;
+                None: the label family's own (``predictors.labels.label_draw``).
         """
         super().__init__()
         if kind not in FEATURE_KINDS:
@@ -113,6 +116,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.batch_size, self.num_workers, self.seed, self.tv_target = batch_size, num_workers, seed, tv_target
         self.feature_options = dict(feature_options or {})
         self.extra_columns = tuple(extra_columns)
+        self.draw = draw or label_draw(label_family)
         self.spec: FeatureSpec | None = None
         self.tensors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.raw: dict[str, dict[str, np.ndarray]] = {}
@@ -131,7 +135,10 @@ class ShardDataModule(pl.LightningDataModule):
         wanted = ["split", "sample_id", *_spec_columns(self.kind, self.feature_options), *label_columns(self.label_family)]
         if self.tv_target:
             wanted.append("tv")
-        cols = read_columns(self.data_dir, wanted, optional=self.extra_columns)
+        cols = read_columns(self.data_dir, wanted, optional=(*self.extra_columns, "draw"))
+        keep = draw_mask(cols, self.draw)
+        if keep is not None:
+            cols = {k: v[keep] for k, v in cols.items()}
         self.spec = make_spec(self.kind, cols, **self.feature_options)
         split = cols["split"].astype(str)
         self._check_disjoint(cols["sample_id"].astype(str), split)

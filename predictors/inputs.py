@@ -40,7 +40,7 @@ FEATURE_KINDS = ("disco", "sprinter", "sv")
 PARTS = ("disco", "hidden", "sv")
 """Building blocks of an input (see the module docstring)."""
 DEFAULT_PARTS = {"disco": ("disco",), "sprinter": ("hidden",), "sv": ("sv",)}
-DISCO_EXTRAS = ("draft_max_prob", "draft_entropy")
+DISCO_EXTRAS = ("draft_max_prob", "draft_entropy", "q")
 """Training-free scores that may be appended to the DISCO input as explicit features."""
 
 

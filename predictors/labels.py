@@ -13,6 +13,24 @@ import numpy as np
 LABEL_FAMILIES = ("greedy", "ratio", "soft")
 
 
+def label_draw(family: str) -> str:
+    """The draw (``data_gen.schema.DRAWS``) a family's labels are meant for: greedy match judges argmax draft tokens
+    (greedy decoding); q/p <= lambda and min(1, p/q) judge sampled tokens (speculative sampling)."""
+    if family not in LABEL_FAMILIES:
+        raise ValueError(f"unknown label family {family!r}; use one of {LABEL_FAMILIES}")
+    return "greedy" if family == "greedy" else "sample"
+
+
+def draw_mask(columns: Mapping[str, object], draw: str) -> np.ndarray | None:
+    """Boolean row mask of the records drawn as ``draw``; None when every row is to be used: the data has no ``draw``
+    column (one draw per position) or holds only other draws (e.g. all sampled, at a temperature > 0)."""
+    if "draw" not in columns:
+        return None
+    d = np.asarray(columns["draw"]).astype(str)
+    mask = d == draw
+    return mask if mask.any() else None
+
+
 def derive_label(columns: Mapping[str, object], family: str, lam: float = 1.0) -> np.ndarray:
     """Label array for ``family`` (float32: 0/1 for greedy and ratio, in [0, 1] for soft)."""
     if family == "greedy":

@@ -117,7 +117,8 @@ class DiscoConfig(TrainConfig):
     position_scale: float = 40.0
     """The position enters as position / position_scale."""
     extra_features: tuple[str, ...] = ()
-    """Training-free scores appended as explicit inputs: any of draft_max_prob, draft_entropy."""
+    """Training-free scores appended as explicit inputs: any of draft_max_prob, draft_entropy, q (the drafted token's
+    probability, which differs from the top-1 on sampled draws)."""
     tv_weight: float = 0.0
     """Weight of the TV-distance regression term (0 = BCE only); adds a TV head."""
     hidden_rank: int = 0
@@ -243,6 +244,8 @@ def baseline_aucs(raw: dict[str, np.ndarray], labels: np.ndarray, prefix: str = 
         return out
     if "draft_max_prob" in raw:
         out[f"{prefix}auc_max_prob"] = float(roc_auc_score(y, raw["draft_max_prob"].astype(np.float64)))
+    if "q" in raw:  # the drafted token's own probability (transformers' confidence criterion); = top-1 on greedy draws
+        out[f"{prefix}auc_draft_prob"] = float(roc_auc_score(y, raw["q"].astype(np.float64)))
     if "draft_entropy" in raw:
         out[f"{prefix}auc_neg_entropy"] = float(roc_auc_score(y, -raw["draft_entropy"].astype(np.float64)))
     return out

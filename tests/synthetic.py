@@ -71,6 +71,7 @@ def make_records(
         "split": np.array([_split(i) for i in prompt]),
         "seq_id": np.array([f"syn:{i}:0" for i in prompt]),
         "origin": np.array([ORIGINS[i % len(ORIGINS)] for i in prompt]),
+        "draw": np.array(["greedy"] * n),
         "rollout": np.ones(n, dtype=bool),
         "prefix_len": (20 + offset).astype(np.int32),
         "offset": offset.astype(np.int32),

@@ -174,3 +174,52 @@ def test_shared_prompt_pass_equals_separate_passes(tiny_pair, tiny_companion):
     np.testing.assert_allclose(np.stack(together["draft_hidden"]).astype(np.float32),
                                np.concatenate([np.stack(r["draft_hidden"]) for r in alone]).astype(np.float32),
                                rtol=1e-2, atol=1e-3)
+
+
+def test_sample_draw_records_known_exactly():
+    """sample_draw: every position also gives a record of a token sampled from q, with that token's q, p and labels."""
+    v = 4
+    q = torch.full((v, v), 0.1)
+    p = torch.full((v, v), 0.1)
+    for t in range(v):
+        q[t, (t + 1) % v] = 0.7
+        p[t, (t + 1) % v if t < 2 else t] = 0.7
+    models = LabelModels(StubLM(q.log()), StubLM(p.log()))
+    spec = _spec([0, 1, 2, 3, 0], [Segment(1, 5, "prompt", True)])
+    greedy, _ = label_sequences(models, [spec], LabelOptions(top_k=2))
+    recs, stats = label_sequences(models, [spec], LabelOptions(top_k=2, sample_draw=True),
+                                  generator=torch.Generator().manual_seed(0))
+    assert stats.records == 8
+    assert recs["draw"] == ["greedy"] * 4 + ["sample"] * 4
+    # the greedy half is exactly the single-draw labelling
+    for k in ("draft_token", "q", "p", "greedy_match", "oracle_len", "position"):
+        assert list(np.asarray(recs[k][:4])) == list(np.asarray(greedy[k])), k
+    # the sampled half: each token's own q(x), p(x), min(1, p/q) and match, from the same distributions
+    prev = [0, 1, 2, 3]  # token before each labelled position
+    for i, x in enumerate(recs["draft_token"][4:]):
+        t = prev[i]
+        np.testing.assert_allclose(recs["q"][4 + i], float(q[t, x]), rtol=1e-5)
+        np.testing.assert_allclose(recs["p"][4 + i], float(p[t, x]), rtol=1e-5)
+        np.testing.assert_allclose(recs["accept_prob"][4 + i], min(1.0, float(p[t, x] / q[t, x])), rtol=1e-5)
+        assert recs["greedy_match"][4 + i] == (x == int(p[t].argmax()))
+        np.testing.assert_allclose(recs["draft_topk"][4 + i], recs["draft_topk"][i], rtol=1e-6)  # same position
+    with pytest.raises(ValueError, match="sample_draw"):
+        label_sequences(models, [spec], LabelOptions(temperature=1.0, sample_draw=True))
+
+
+def test_sample_draw_follows_q():
+    """Sampled draws are distributed as q: over many positions the drafted token is q's mode about 70% of the time."""
+    v = 4
+    q = torch.full((v, v), 0.1)
+    for t in range(v):
+        q[t, (t + 1) % v] = 0.7
+    models = LabelModels(StubLM(q.log()), StubLM(q.log()))
+    tokens = [i % v for i in range(801)]
+    recs, _ = label_sequences(models, [_spec(tokens, [Segment(1, 801, "text", False)])],
+                              LabelOptions(top_k=2, sample_draw=True), generator=torch.Generator().manual_seed(1))
+    d = np.asarray(recs["draw"])
+    sampled = np.asarray(recs["draft_token"])[d == "sample"]
+    mode = (np.asarray(tokens[:800]) + 1) % v
+    assert 0.64 < float((sampled == mode).mean()) < 0.76
+    # q == p here: every sampled draw is accepted with probability 1
+    np.testing.assert_allclose(np.asarray(recs["accept_prob"])[d == "sample"], 1.0, rtol=1e-5)

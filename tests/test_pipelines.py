@@ -42,7 +42,7 @@ def test_smoke_main_job_end_to_end(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     result = main(["--config", str(ROOT / "configs/smoke.yaml"), "--data.out_dir", str(tmp_path / "data"),
-                   "--out_dir", str(tmp_path / "train"), "--tracking_uri", uri, "--data.max_records", "900",
+                   "--out_dir", str(tmp_path / "train"), "--tracking_uri", uri, "--data.max_records", "1800",
                    "--n_boot", "5"])
     rows = {r["predictor"]: r for r in result["results"]}
     assert set(rows) == {"disco", "sprinter", "sv"}

@@ -50,7 +50,7 @@ def test_feature_errors(rec):
     with pytest.raises(ValueError, match="width mismatch"):
         build_features(FeatureSpec.for_sprinter(16), {"draft_hidden": rec["draft_hidden"]})
     with pytest.raises(ValueError, match="extra"):
-        FeatureSpec.for_disco(extra=("q",))
+        FeatureSpec.for_disco(extra=("p",))
 
 
 def test_spec_roundtrip():
