@@ -33,6 +33,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from data_gen.features import COMPANION_COLUMNS, TARGET_COLUMNS, probs_from_logits, token_features
+from decoding.companion import needs_companion
 from predictors.base import RoundFeedback, StopPolicy
 
 __all__ = ["DecodeStats", "SpeculativeDecoder"]
@@ -231,15 +232,16 @@ class SpeculativeDecoder:
             widths["companion"] = companion.get_output_embeddings().weight.shape[0]
         if len(set(widths.values())) > 1:
             raise ValueError(f"draft / target / companion vocabulary sizes differ: {widths}")
-        needs_companion = [c for c in policy.required_columns if c in COMPANION_COLUMNS] or policy.kind == "sv"
-        if needs_companion and companion is None:
+        reads_companion = needs_companion(policy)
+        if reads_companion and companion is None:
+            cols = [c for c in policy.required_columns if c in COMPANION_COLUMNS]
             raise ValueError(
-                f"policy {policy.kind!r} needs a companion model (columns {needs_companion}); none is configured "
+                f"policy {policy.kind!r} needs a companion model (columns {cols}); none is configured "
                 f"(pass companion=... / --companion)"
             )
         # A companion the policy does not read is not run: it would only slow the draft loop down.
         self.draft, self.target, self.policy = draft, target, policy
-        self.companion = companion if needs_companion else None
+        self.companion = companion if reads_companion else None
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.max_draft_len, self.top_k_features = int(max_draft_len), int(top_k_features)
         self.latency = latency

@@ -19,7 +19,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data_gen.features import COMPANION_COLUMNS
+from decoding.companion import needs_companion
 from predictors.base import StopPolicy
 from predictors.baselines import SVIP, AdaEDL, HFHeuristic, MaxConfidence, Oracle, StaticLength
 
@@ -104,11 +104,6 @@ def build_policy(
         f"unknown policy {spec!r}: use one of {', '.join(k + '[:param]' for k in _NAMED)}, an export folder or "
         f"models:/<name>@<alias>"
     )
-
-
-def needs_companion(policy: StopPolicy) -> bool:
-    """True for policies that read companion columns (SV)."""
-    return policy.kind == "sv" or any(c in COMPANION_COLUMNS for c in policy.required_columns)
 
 
 def policy_label(spec: str | dict | StopPolicy, policy: StopPolicy) -> str:
