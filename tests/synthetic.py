@@ -124,3 +124,17 @@ def write_shards(
         ds.to_parquet(str(path))
         paths.append(path)
     return paths
+
+
+def with_sample_draw(records: dict[str, np.ndarray], seed: int = 1) -> dict[str, np.ndarray]:
+    """``records`` (greedy draws) plus a sampled draw per position: same position features, another token with its own
+    q(x) (below the top-1), p(x), min(1, p/q) and greedy match (about a third match)."""
+    rng = np.random.default_rng(seed)
+    n = len(records["sample_id"])
+    s = {k: v.copy() for k, v in records.items()}
+    s["draw"] = np.array(["sample"] * n)
+    s["q"] = (records["draft_max_prob"] * rng.uniform(0.2, 1.0, n)).astype(np.float32)
+    s["p"] = np.clip(s["q"] * np.exp(rng.normal(0, 1, n)), 0, 1).astype(np.float32)
+    s["accept_prob"] = np.minimum(1.0, s["p"] / s["q"]).astype(np.float32)
+    s["greedy_match"] = rng.random(n) < 1 / 3
+    return {k: np.concatenate([records[k], s[k]]) for k in records}

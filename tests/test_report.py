@@ -117,3 +117,24 @@ def test_predictor_for_other_draft_is_refused(shards, tmp_path):
     assert any("NOT evaluated" in n for n in res["notes"])
     row = res["classification"][(res["classification"]["policy"] == "pred") & (res["classification"]["group_by"] == "all")]
     assert (row["reason"] == "policy not loaded").all()
+
+
+def test_evaluation_scores_each_label_on_its_draw(tmp_path):
+    """Greedy match is scored on the argmax draws, q/p <= lambda and min(1, p/q) on the sampled ones; replay follows the
+    greedy rollouts; draft-prob (q(x)) differs from max-prob only on sampled draws."""
+    from tests.synthetic import with_sample_draw
+
+    both = with_sample_draw(make_records(n_prompts=30, tokens_per_prompt=20, hidden_size=0))
+    write_shards(tmp_path / "two", both)
+    cfg = EvaluateConfig(data_dir=str(tmp_path / "two"), out_dir=str(tmp_path / "eval"), n_boot=0, tracking=False,
+                         label_specs=[("greedy", 1.0), ("ratio", 1.2)], assume_cost_model=True)
+    res = run_evaluation(cfg)
+    head = res["classification"][res["classification"]["group_by"] == "all"]
+    n_test = int(((both["split"] == "test") & (both["draw"] == "greedy")).sum())
+    by_label = {lab: g for lab, g in head.groupby("label")}
+    assert set(by_label["greedy match"]["draw"]) == {"greedy"} and set(by_label["q/p<=1.2"]["draw"]) == {"sample"}
+    assert set(by_label["greedy match"]["n"]) == {n_test} and set(by_label["q/p<=1.2"]["n"]) == {n_test}
+    g, s = by_label["greedy match"].set_index("policy"), by_label["q/p<=1.2"].set_index("policy")
+    assert g.loc["draft-prob", "auc"] == pytest.approx(g.loc["max-prob", "auc"])
+    assert s.loc["draft-prob", "auc"] != pytest.approx(s.loc["max-prob", "auc"])
+    assert any("two draws" in n for n in res["notes"])

@@ -149,3 +149,25 @@ def test_two_folders_read_as_one(shards, tmp_path):
     one.setup("fit"), both.setup("fit")
     total = lambda dm: sum(dm.tensors[s][0].shape[0] for s in ("train", "val", "test"))  # noqa: E731
     assert total(both) == total(one) + 20 * 30
+
+
+def test_each_label_family_reads_its_draw(tmp_path):
+    """With two draws per position, greedy labels come from the argmax rows, ratio labels from the sampled rows."""
+    from predictors.labels import derive_label
+    from tests.synthetic import with_sample_draw
+
+    recs = make_records(n_prompts=20, tokens_per_prompt=20, hidden_size=16)
+    both = with_sample_draw(recs)
+    write_shards(tmp_path / "two", both)
+    greedy = ShardDataModule(tmp_path / "two", "disco", "greedy")
+    ratio = ShardDataModule(tmp_path / "two", "sprinter", "ratio", lam=1.2)
+    greedy.setup("fit"), ratio.setup("fit")
+    assert (greedy.draw, ratio.draw) == ("greedy", "sample")
+    train = both["split"] == "train"
+    for dm, draw, fam in ((greedy, "greedy", "greedy"), (ratio, "sample", "ratio")):
+        rows = {k: v[train & (both["draw"] == draw)] for k, v in both.items()}
+        np.testing.assert_array_equal(dm.tensors["train"][1].numpy(), derive_label(rows, fam, 1.2))
+    # the draw can be forced; greedy-only data serves every family
+    forced = ShardDataModule(tmp_path / "two", "disco", "greedy", draw="sample")
+    forced.setup("fit")
+    assert forced.tensors["train"][1].numpy().mean() < greedy.tensors["train"][1].numpy().mean()
