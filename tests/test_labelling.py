@@ -46,15 +46,19 @@ def _spec(tokens, segments, seq_id="s0"):
     return SequenceSpec("p:0", "stub", "code", "train", seq_id, tokens, segments)
 
 
-def test_stub_labels_known_exactly():
-    v = 4
-    # Draft: after any token t, puts 0.7 on (t+1) % 4 and 0.1 elsewhere. Target: after t, 0.7 on (t+1) % 4 for t < 2, else on t.
+def _stub_pair(v: int = 4) -> tuple[torch.Tensor, torch.Tensor, LabelModels]:
+    """(q table, p table, models). Draft: after any token t, 0.7 on (t+1) % v and 0.1 elsewhere. Target: after t, 0.7
+    on (t+1) % v for t < 2, else on t."""
     q = torch.full((v, v), 0.1)
     p = torch.full((v, v), 0.1)
     for t in range(v):
         q[t, (t + 1) % v] = 0.7
         p[t, (t + 1) % v if t < 2 else t] = 0.7
-    models = LabelModels(StubLM(q.log()), StubLM(p.log()))
+    return q, p, LabelModels(StubLM(q.log()), StubLM(p.log()))
+
+
+def test_stub_labels_known_exactly():
+    q, p, models = _stub_pair()
     tokens = [0, 1, 2, 3, 0]  # the draft's greedy rollout from prompt [0]
     recs, stats = label_sequences(models, [_spec(tokens, [Segment(1, 5, "prompt", True)])], LabelOptions(top_k=2))
     assert stats.records == 4
@@ -178,13 +182,7 @@ def test_shared_prompt_pass_equals_separate_passes(tiny_pair, tiny_companion):
 
 def test_sample_draw_records_known_exactly():
     """sample_draw: every position also gives a record of a token sampled from q, with that token's q, p and labels."""
-    v = 4
-    q = torch.full((v, v), 0.1)
-    p = torch.full((v, v), 0.1)
-    for t in range(v):
-        q[t, (t + 1) % v] = 0.7
-        p[t, (t + 1) % v if t < 2 else t] = 0.7
-    models = LabelModels(StubLM(q.log()), StubLM(p.log()))
+    q, p, models = _stub_pair()
     spec = _spec([0, 1, 2, 3, 0], [Segment(1, 5, "prompt", True)])
     greedy, _ = label_sequences(models, [spec], LabelOptions(top_k=2))
     recs, stats = label_sequences(models, [spec], LabelOptions(top_k=2, sample_draw=True),
@@ -210,9 +208,7 @@ def test_sample_draw_records_known_exactly():
 def test_sample_draw_follows_q():
     """Sampled draws are distributed as q: over many positions the drafted token is q's mode about 70% of the time."""
     v = 4
-    q = torch.full((v, v), 0.1)
-    for t in range(v):
-        q[t, (t + 1) % v] = 0.7
+    q, _, _ = _stub_pair(v)
     models = LabelModels(StubLM(q.log()), StubLM(q.log()))
     tokens = [i % v for i in range(801)]
     recs, _ = label_sequences(models, [_spec(tokens, [Segment(1, 801, "text", False)])],
