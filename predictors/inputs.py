@@ -34,14 +34,24 @@ from torch import Tensor, nn
 
 from predictors.base import StopPolicy
 
-__all__ = ["FeatureSpec", "build_features", "topk_entropy", "LearnedPolicy", "FEATURE_KINDS", "PARTS", "DISCO_EXTRAS"]
+__all__ = ["FeatureSpec", "build_features", "extra_column", "topk_entropy", "LearnedPolicy", "FEATURE_KINDS", "PARTS", "DISCO_EXTRAS"]
 
 FEATURE_KINDS = ("disco", "sprinter", "sv")
 PARTS = ("disco", "hidden", "sv")
 """Building blocks of an input (see the module docstring)."""
 DEFAULT_PARTS = {"disco": ("disco",), "sprinter": ("hidden",), "sv": ("sv",)}
-DISCO_EXTRAS = ("draft_max_prob", "draft_entropy", "q")
-"""Training-free scores that may be appended to the DISCO input as explicit features."""
+DISCO_EXTRAS = ("draft_max_prob", "draft_entropy", "q", "log_max_prob", "log_q")
+"""Training-free scores that may be appended to the DISCO input as explicit features; ``log_<col>`` is the natural log
+of the column (floored at 1e-9): q/p <= lambda is a threshold on log q - log p, linear in log q."""
+LOG_PREFIX = "log_"
+
+
+def extra_column(name: str) -> str:
+    """Record column an explicit input reads (``log_q`` reads ``q``; ``log_max_prob`` reads ``draft_max_prob``)."""
+    if not name.startswith(LOG_PREFIX):
+        return name
+    base = name[len(LOG_PREFIX):]
+    return "draft_max_prob" if base == "max_prob" else base
 
 
 @dataclass(frozen=True)
@@ -125,7 +135,8 @@ class FeatureSpec:
     @property
     def columns(self) -> tuple[str, ...]:
         """Record columns this spec reads."""
-        cols = {"disco": ("draft_topk", "position", *self.extra), "hidden": ("draft_hidden",),
+        extra = tuple(dict.fromkeys(extra_column(e) for e in self.extra))
+        cols = {"disco": ("draft_topk", "position", *extra), "hidden": ("draft_hidden",),
                 "sv": ("companion_sim", "companion_accept")}
         return tuple(c for p in self.parts for c in cols[p])
 
@@ -215,7 +226,9 @@ def _part(spec: FeatureSpec, part: str, columns: Mapping[str, object]) -> Tensor
         topk = _vector(columns, spec, "draft_topk", spec.top_k)
         n = topk.shape[0]
         parts = [topk, topk_entropy(topk)[:, None], (_scalar(columns, spec, "position", n) / spec.position_scale)[:, None]]
-        parts += [_scalar(columns, spec, e, n)[:, None] for e in spec.extra]
+        for e in spec.extra:
+            v = _scalar(columns, spec, extra_column(e), n)
+            parts.append((torch.log(v.clamp_min(1e-9)) if e.startswith(LOG_PREFIX) else v)[:, None])
         return torch.cat([t.to(topk.device) for t in parts], dim=1)
     if part == "hidden":
         return _vector(columns, spec, "draft_hidden", spec.hidden_size)

@@ -118,7 +118,7 @@ class DiscoConfig(TrainConfig):
     """The position enters as position / position_scale."""
     extra_features: tuple[str, ...] = ()
     """Training-free scores appended as explicit inputs: any of draft_max_prob, draft_entropy, q (the drafted token's
-    probability, which differs from the top-1 on sampled draws)."""
+    probability, which differs from the top-1 on sampled draws), log_max_prob, log_q."""
     tv_weight: float = 0.0
     """Weight of the TV-distance regression term (0 = BCE only); adds a TV head."""
     hidden_rank: int = 0

@@ -145,3 +145,17 @@ def test_sv_table_duplicate_quantiles_merge():
     assert table.a_bins < 10 and table.table.shape == (10, table.a_bins)
     i, j = table.cells(torch.tensor([0.5]), torch.tensor([1.0]))
     assert int(j) == table.a_bins - 1
+
+
+def test_log_extras_read_their_column():
+    """log_q / log_max_prob enter as the log of q / draft_max_prob, on the training and the decode path alike."""
+    spec = FeatureSpec.for_disco(top_k=2, extra=("q", "log_q", "log_max_prob"))
+    assert spec.columns == ("draft_topk", "position", "q", "draft_max_prob")
+    cols = {"draft_topk": np.array([[0.5, 0.2], [0.9, 0.05]], np.float32), "position": np.array([0, 3]),
+            "q": np.array([0.2, 0.9], np.float32), "draft_max_prob": np.array([0.5, 0.9], np.float32)}
+    x = build_features(spec, cols)
+    np.testing.assert_allclose(x[:, -3].numpy(), [0.2, 0.9], rtol=1e-6)
+    np.testing.assert_allclose(x[:, -2].numpy(), np.log([0.2, 0.9]), rtol=1e-6)
+    np.testing.assert_allclose(x[:, -1].numpy(), np.log([0.5, 0.9]), rtol=1e-6)
+    one = build_features(spec, {k: torch.as_tensor(v[1]) for k, v in cols.items()})  # a single decode-time token
+    np.testing.assert_allclose(one.numpy(), x[1:].numpy(), rtol=1e-6)
