@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from data_gen.shards import DataPath, read_columns
+from evaluation.classification import DEFAULT_LABEL_SPECS
 from predictors.base import StopPolicy
 from predictors.labels import draw_mask, label_draw, label_name
 
@@ -57,7 +58,7 @@ class EvaluateConfig:
     store_thresholds: bool = False
     """Write the tuned threshold into each local export folder's predictor.json (``predictors.export.update_metadata``)."""
     label_specs: list[tuple[str, float]] = field(
-        default_factory=lambda: [("greedy", 1.0), ("ratio", 1.0), ("ratio", 1.2), ("ratio", 1.5), ("soft", 1.0)]
+        default_factory=lambda: [tuple(spec) for spec in DEFAULT_LABEL_SPECS]
     )
     """Label families (family, lambda) scored against: greedy, ratio (q/p <= lambda), soft (min(1, p/q))."""
     n_boot: int = 200

@@ -187,9 +187,10 @@ def train_all(cfg: TrainJobConfig) -> dict[str, Any]:
             "data_fingerprint": ident["data_fingerprint"], "data_dir": ", ".join(map(str, data_dirs)),
         })
         policies[kind], exports[kind], loggers[kind] = policy, folder, logger
-        rows[kind] = {"predictor": kind, "status": "trained", "val_auc": metrics.get("val_auc"),
-                      "val_auc_top1": metrics.get("val_auc_max_prob"), "epochs": metrics.get("epochs_run"),
-                      "n_train": metrics.get("n_train")}
+        free = [metrics[k] for k in ("val_auc_max_prob", "val_auc_draft_prob", "val_auc_neg_entropy") if k in metrics]
+        rows[kind] = {"predictor": kind, "status": "trained", "label": _own_label(kinds_cfg[kind])[0],
+                      "val_auc": metrics.get("val_auc"), "val_auc_best_free": max(free) if free else None,
+                      "epochs": metrics.get("epochs_run"), "n_train": metrics.get("n_train")}
         if kind == "sv":
             rows[kind]["info_gain_bits"] = metrics.get("val_information_gain_bits")
             rows[kind]["info_gain_frac"] = metrics.get("val_information_gain_frac")
@@ -215,11 +216,15 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, export
     """Test-split evaluation of the trained policies against the baselines; tuned thresholds go into the exports."""
     import mlflow
 
+    from evaluation.classification import DEFAULT_LABEL_SPECS
     from pipelines.evaluate import EvaluateConfig, run_evaluation
     from predictors.export import update_metadata
 
+    own = {kind: _own_label(c) for kind, c in (("disco", cfg.disco), ("sprinter", cfg.sprinter), ("sv", cfg.sv))}
+    specs = [tuple(spec) for spec in DEFAULT_LABEL_SPECS]
+    specs += [spec for kind, (_, spec) in own.items() if kind in policies and spec not in specs]
     ecfg = EvaluateConfig(data_dir=str(data_dirs[0]), extra_data_dirs=[str(d) for d in data_dirs[1:]],
-                          out_dir=str(Path(cfg.out_dir) / "report"), tune_thresholds=True,
+                          out_dir=str(Path(cfg.out_dir) / "report"), tune_thresholds=True, label_specs=specs,
                           n_boot=cfg.n_boot, tracking=True, tracking_uri=uri, experiment=cfg.experiment)
     client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(cfg.experiment)
@@ -233,8 +238,13 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, export
         mlflow.set_tracking_uri(previous_uri)
     table = res.get("classification")
     for kind in policies:
-        rows[kind]["test_auc_greedy"] = _headline_auc(table, kind)
-        rows[kind]["test_auc_top1"] = _headline_auc(table, "max-prob")
+        label = own[kind][0]
+        rows[kind]["test_auc"] = _headline_auc(table, kind, label)
+        free = {name: _headline_auc(table, name, label) for name in TRAINING_FREE}
+        free = {k: v for k, v in free.items() if v is not None}
+        if free:
+            best = max(free, key=free.__getitem__)
+            rows[kind].update(best_free=best, test_auc_best_free=free[best])
         tuned = res.get("tuned", {}).get(kind)
         if tuned:
             thr, speed = tuned
@@ -242,6 +252,18 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, export
             rows[kind].update(threshold=float(thr), val_speedup=float(speed))
             update_metadata(exports[kind], threshold=float(thr), tuned_val_speedup=float(speed))
     return Path(res["report"])
+
+
+TRAINING_FREE = ("max-prob", "draft-prob", "neg-entropy")
+"""The training-free scores a learned predictor is compared with (SVIP's and AdaEDL's bounds rank tokens as -entropy)."""
+
+
+def _own_label(kcfg: Any) -> tuple[str, tuple[str, float]]:
+    """(label name, (family, lambda)) a predictor is trained for (the SV table: the label its val AUC is reported on)."""
+    from predictors.labels import label_name
+
+    family = getattr(kcfg, "auc_label", None) or kcfg.label_family
+    return label_name(family, kcfg.lam), (family, float(kcfg.lam))
 
 
 def _headline_auc(table: Any, policy: str, label: str = "greedy match") -> float | None:
@@ -254,7 +276,8 @@ def _headline_auc(table: Any, policy: str, label: str = "greedy match") -> float
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of the results."""
-    cols = ["predictor", "status", "val_auc", "val_auc_top1", "test_auc_greedy", "test_auc_top1", "threshold",
+    cols = ["predictor", "status", "label", "val_auc", "val_auc_best_free", "test_auc", "best_free", "test_auc_best_free",
+            "threshold",
             "val_speedup", "info_gain_bits", "info_gain_frac", "registered", "champion"]
     cols = [c for c in cols if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731

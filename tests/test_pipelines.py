@@ -46,10 +46,13 @@ def test_smoke_main_job_end_to_end(tmp_path, monkeypatch):
                    "--n_boot", "5"])
     rows = {r["predictor"]: r for r in result["results"]}
     assert set(rows) == {"disco", "sprinter", "sv"}
+    assert (rows["disco"]["label"], rows["sprinter"]["label"], rows["sv"]["label"]) == ("greedy match", "q/p<=1", "greedy match")
     for kind, row in rows.items():
         assert row["status"] == "trained"
         assert 0.0 <= row["val_auc"] <= 1.0
         assert row["registered"].startswith(f"specstop-{kind}-tiny-1")
+        # each predictor is compared with the best training-free score on its own label
+        assert 0.0 <= row["test_auc"] <= 1.0 and row["best_free"] in ("max-prob", "draft-prob", "neg-entropy")
         meta = json.loads((tmp_path / "train" / kind / "export" / "predictor.json").read_text())
         assert meta["draft_fingerprint"]["name"] == "tiny:1"
     assert (tmp_path / "data" / "summary.json").exists() and (tmp_path / "data" / "cost_model.json").exists()
