@@ -318,6 +318,19 @@ def produce_chunk(
     return records, st
 
 
+def _origin_cost(st: ChunkStats) -> dict[str, dict[str, float]]:
+    """Per origin: records labelled (both draws), tokens generated sequentially, generation and labelling seconds."""
+    return {
+        o: {
+            "records": int(st.records_by_origin[o]),
+            "generated_tokens": int(st.gen_tokens_by_origin[o]),
+            "generation_s": round(st.gen_seconds_by_origin[o], 3),
+            "labelling_s": round(st.label_seconds_by_origin[o], 3),
+        }
+        for o in sorted(st.records_by_origin)
+    }
+
+
 def _load_models(cfg: GenerateConfig, device: str | None = None):
     mc = dataclasses.replace(cfg.models, device=device or cfg.models.device)
     draft, tok = load_model(mc.spec(mc.draft))
@@ -378,6 +391,7 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
             break
         if c in done:
             continue
+        t_chunk = time.perf_counter()
         records, st = produce_chunk(cfg, models, tok, prompts, rendered, chunks[c], c)
         if not records:
             continue
@@ -385,7 +399,9 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
         if budget is not None and have + n > budget:
             records = {k: v[: budget - have] for k, v in records.items()}
             n = budget - have
-        writer.write(c, records)
+        writer.write(c, records, cost={"records": n, "wall_s": round(time.perf_counter() - t_chunk, 3), "rank": rank,
+                                       "origin": _origin_cost(st),
+                                       "label_s_by_model": {m: round(v, 3) for m, v in st.label_seconds.items()}})
         have += n
         new_records += n
         for o, k in st.records_by_origin.items():
@@ -410,15 +426,7 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
         "prompts": prompt_stats,
         "truncated_prompts": truncated,
         "text_fallbacks": totals.text_fallbacks,
-        "origin_cost": {
-            o: {
-                "records": int(totals.records_by_origin[o]),
-                "generated_tokens": int(totals.gen_tokens_by_origin[o]),
-                "generation_s": round(totals.gen_seconds_by_origin[o], 3),
-                "labelling_s": round(totals.label_seconds_by_origin[o], 3),
-            }
-            for o in sorted(totals.records_by_origin)
-        },
+        "origin_cost": _origin_cost(totals),
     }
     if rank != 0:
         return run_stats

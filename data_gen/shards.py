@@ -27,8 +27,16 @@ SUMMARY_FILE = "summary.json"
 SHARD_GLOB = "shard-*.parquet"
 
 
+COST_SUFFIX = ".cost.json"
+
+
 def shard_path(out_dir: Path, chunk: int) -> Path:
     return out_dir / f"shard-{chunk:05d}.parquet"
+
+
+def cost_path(shard: Path) -> Path:
+    """The cost accounting written beside a shard (``shard-00042.cost.json``)."""
+    return shard.with_name(shard.stem + COST_SUFFIX)
 
 
 def config_fingerprint(data_config: dict) -> str:
@@ -61,6 +69,7 @@ def prepare_out_dir(out_dir: Path, data_config: dict, resolved: dict, overwrite:
             log.warning("overwrite: deleting %d shards of a different config in %s", len(shards), out_dir)
             for p in shards:
                 p.unlink()
+                cost_path(p).unlink(missing_ok=True)
             (out_dir / SUMMARY_FILE).unlink(missing_ok=True)
     elif shards and not overwrite:
         raise FileExistsError(f"{out_dir} holds shards but no {CONFIG_FILE}; pass --overwrite true or use another out_dir")
@@ -87,10 +96,16 @@ class ShardWriter:
         self.out_dir = out_dir
         self.features = features
 
-    def write(self, chunk: int, records: dict[str, list]) -> int:
+    def write(self, chunk: int, records: dict[str, list], cost: dict | None = None) -> int:
+        """Write the chunk's shard; ``cost`` (its origin mix and seconds) goes beside it first, so that every complete
+        shard has its accounting and a stopped, resumed run still sums the whole folder's."""
         cols = {k: records[k] for k in self.features}  # schema order; extra keys are not stored
         ds = datasets.Dataset.from_dict(cols, features=self.features)
         final = shard_path(self.out_dir, chunk)
+        if cost is not None:
+            tmp_cost = final.with_name(final.name + ".cost.tmp")
+            tmp_cost.write_text(json.dumps(cost, indent=1))
+            os.replace(tmp_cost, cost_path(final))
         tmp = final.with_name(final.name + ".tmp")
         ds.to_parquet(str(tmp))
         os.replace(tmp, final)
@@ -174,6 +189,29 @@ def read_columns(
     return out
 
 
+def folder_cost(data_dir: Path) -> dict:
+    """The cost accounting of every complete shard of a folder, added up: records and seconds per origin, labelling
+    seconds per model, wall seconds and records per second; shards written without accounting are counted apart."""
+    total: dict = {"shards": 0, "shards_without_cost": 0, "records": 0, "wall_s": 0.0, "origin": {}, "label_s_by_model": {}}
+    for shard in sorted(Path(data_dir).glob(SHARD_GLOB)):
+        f = cost_path(shard)
+        if not f.is_file():
+            total["shards_without_cost"] += 1
+            continue
+        c = json.loads(f.read_text())
+        total["shards"] += 1
+        total["records"] += int(c.get("records", 0))
+        total["wall_s"] += float(c.get("wall_s", 0.0))
+        for o, d in c.get("origin", {}).items():
+            acc = total["origin"].setdefault(o, {})
+            for k, v in d.items():
+                acc[k] = acc.get(k, 0) + v
+        for m, v in c.get("label_s_by_model", {}).items():
+            total["label_s_by_model"][m] = total["label_s_by_model"].get(m, 0.0) + v
+    total["records_per_s"] = total["records"] / total["wall_s"] if total["wall_s"] > 0 else None
+    return total
+
+
 def load_records(data_dir: DataPath, columns: list[str] | None = None) -> datasets.Dataset:
     """All shards of a folder as one ``datasets.Dataset`` (optionally only some columns)."""
     return datasets.Dataset.from_parquet([str(p) for p in shard_files(data_dir)], columns=columns)
@@ -196,7 +234,7 @@ def summarize(data_dir: Path, extra: dict | None = None) -> dict:
             "oracle_len_hist": {str(k): hist[k] for k in sorted(hist)},
         }
 
-    summary = {"overall": block(df)}
+    summary = {"overall": block(df), "cost": folder_cost(data_dir)}
     for key in ("origin", "domain", "split", "draw"):
         if key not in df:
             continue

@@ -63,10 +63,16 @@ def test_budget_stops_at_exact_count_and_resume_reaches_it(tmp_path):
     prompts = [PromptSourceConfig("humaneval", limit=16)]
     generate(tiny_cfg(out, max_records=25, prompts=prompts))
     assert len(frame(out)) == 25
-    generate(tiny_cfg(out, max_records=60, prompts=prompts))  # a larger budget resumes: no duplicates
+    summary = generate(tiny_cfg(out, max_records=60, prompts=prompts))  # a larger budget resumes: no duplicates
     df = frame(out)
     assert len(df) == 60
     assert not df.duplicated(KEY).any()
+    # the cost accounting covers both runs: every shard's origin mix and seconds, added up
+    cost = summary["cost"]
+    assert cost["shards"] == len(list(out.glob("shard-*.parquet"))) and cost["shards_without_cost"] == 0
+    assert cost["records"] == 60 and cost["wall_s"] > 0 and cost["records_per_s"] > 0
+    assert sum(o["records"] for o in cost["origin"].values()) >= 60  # before the budget's cut of the last chunk
+    assert set(cost["label_s_by_model"]) >= {"draft", "target"}
 
 
 def test_config_mismatch_refused_unless_overwrite(tmp_path):
