@@ -19,7 +19,10 @@ from torch import Tensor, nn
 
 from predictors.inputs import FeatureSpec, LearnedPolicy
 
-__all__ = ["Standardise", "DiscoNet", "DiscoPolicy"]
+__all__ = ["Standardise", "PriorLogit", "DiscoNet", "DiscoPolicy"]
+
+PRIOR_COLUMNS = ("q", "draft_max_prob")
+"""Training-free scores a learned predictor can start from (``prior``): probabilities, entered as their logit."""
 
 
 class Standardise(nn.Module):
@@ -44,17 +47,42 @@ class Standardise(nn.Module):
         return (x - self.mean) / self.std
 
 
+class PriorLogit(nn.Module):
+    """``scale * logit(x[:, index]) + bias``: a training-free probability among the raw inputs, as a logit.
+
+    A predictor with a prior adds its learned output to this term and starts with that output at zero, so it starts
+    ranking tokens exactly as the training-free score does and moves away only as far as training takes it.
+    """
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        if index < 0:
+            raise ValueError(f"PriorLogit index={index} must be >= 0")
+        self.index = index
+        self.scale = nn.Parameter(torch.ones(1))
+        self.bias = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """[N, D] raw (unstandardised) inputs -> [N] logits."""
+        p = x[:, self.index].clamp(1e-6, 1 - 1e-6)
+        return self.scale * torch.logit(p) + self.bias
+
+
 class DiscoNet(nn.Module):
     """Standardise -> Linear(in, hidden) -> ReLU -> Linear(hidden, 1 [+1 TV head]); forward gives [N] logits.
 
     Hybrid head: with ``hidden_dim`` > 0 the last ``hidden_dim`` inputs are the draft's hidden state, projected to
     ``hidden_rank`` values (a linear map, dropout) before joining the DISCO features; a linear skip from the DISCO
     features to the logit keeps the training-free scores' ranking reachable by a small model.
+
+    Prior: with ``prior_index`` >= 0 the input column at that index (a probability, e.g. the drafted token's q) enters
+    the logit as :class:`PriorLogit` and the FFN's logit output starts at zero: the untrained net ranks exactly as the
+    training-free score, and the FFN learns a correction to it.
     """
 
     def __init__(
         self, in_dim: int, hidden_size: int = 64, dropout: float = 0.0, tv_head: bool = False,
-        hidden_dim: int = 0, hidden_rank: int = 0,
+        hidden_dim: int = 0, hidden_rank: int = 0, prior_index: int = -1,
     ) -> None:
         super().__init__()
         if in_dim <= 0 or hidden_size <= 0:
@@ -71,10 +99,20 @@ class DiscoNet(nn.Module):
             self.skip = nn.Linear(base, 1, bias=False)
         self.body = nn.Sequential(nn.Linear(base + self.hidden_rank, hidden_size), nn.ReLU(), nn.Dropout(dropout))
         self.head = nn.Linear(hidden_size, 2 if tv_head else 1)
+        if prior_index >= in_dim:
+            raise ValueError(f"DiscoNet prior_index={prior_index} must be < in_dim={in_dim}")
+        self.prior_index = prior_index
+        if prior_index >= 0:
+            self.prior = PriorLogit(prior_index)
+            with torch.no_grad():  # the correction starts at zero
+                self.head.weight[0].zero_()
+                self.head.bias[0].zero_()
+                if hidden_dim:
+                    self.skip.weight.zero_()
 
     def config(self) -> dict[str, Any]:
         return {"in_dim": self.in_dim, "hidden_size": self.hidden_size, "dropout": self.dropout, "tv_head": self.tv_head,
-                "hidden_dim": self.hidden_dim, "hidden_rank": self.hidden_rank}
+                "hidden_dim": self.hidden_dim, "hidden_rank": self.hidden_rank, "prior_index": self.prior_index}
 
     def forward_all(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """[N, in_dim] -> ([N] acceptance logits, [N] predicted TV distance in [0, 1] or None)."""
@@ -85,6 +123,8 @@ class DiscoNet(nn.Module):
             out = out + torch.nn.functional.pad(self.skip(zd), (0, out.shape[1] - 1))  # skip feeds the logit only
         else:
             out = self.head(self.body(z))  # [N, 1 or 2]
+        if self.prior_index >= 0:
+            out = out + torch.nn.functional.pad(self.prior(x)[:, None], (0, out.shape[1] - 1))
         tv = torch.sigmoid(out[:, 1]) if self.tv_head else None
         return out[:, 0], tv
 

@@ -107,19 +107,23 @@ class DiscoModule(BinaryPredictorModule):
         pos_weight: float = 1.0,
         hidden_dim: int = 0,
         hidden_rank: int = 0,
+        prior_index: int = -1,
     ) -> None:
         super().__init__(lr, weight_decay, pos_weight, tv_weight)
         self.save_hyperparameters()
-        self.net = DiscoNet(in_dim, hidden_size, dropout, tv_head=tv_weight > 0, hidden_dim=hidden_dim, hidden_rank=hidden_rank)
+        self.net = DiscoNet(in_dim, hidden_size, dropout, tv_head=tv_weight > 0, hidden_dim=hidden_dim, hidden_rank=hidden_rank,
+                            prior_index=prior_index)
 
 
 class SprinterModule(BinaryPredictorModule):
     """SPRINTER verifier training (q/p <= lambda labels)."""
 
-    def __init__(self, hidden_size: int, lr: float = 1e-3, weight_decay: float = 0.0, pos_weight: float = 1.0) -> None:
+    def __init__(
+        self, hidden_size: int, lr: float = 1e-3, weight_decay: float = 0.0, pos_weight: float = 1.0, prior_index: int = -1
+    ) -> None:
         super().__init__(lr, weight_decay, pos_weight)
         self.save_hyperparameters()
-        self.net = SprinterNet(hidden_size)
+        self.net = SprinterNet(hidden_size, prior_index)
 
 
 class SVTableModule(pl.LightningModule):

@@ -14,28 +14,39 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from predictors.disco import Standardise
+from predictors.disco import PriorLogit, Standardise
 from predictors.inputs import FeatureSpec, LearnedPolicy
 
 __all__ = ["SprinterNet", "SprinterPolicy"]
 
 
 class SprinterNet(nn.Module):
-    """Standardise -> Linear(hidden_size, 1); forward gives [N] logits (H + 1 trainable parameters)."""
+    """Standardise -> Linear(hidden_size, 1); forward gives [N] logits (H + 1 trainable parameters).
 
-    def __init__(self, hidden_size: int) -> None:
+    With ``prior_index`` >= 0 the raw input at that index (a probability) enters the logit as
+    :class:`~predictors.disco.PriorLogit` and the linear layer starts at zero (a learned correction to the prior).
+    """
+
+    def __init__(self, hidden_size: int, prior_index: int = -1) -> None:
         super().__init__()
         if hidden_size <= 0:
             raise ValueError(f"SprinterNet needs hidden_size > 0, got {hidden_size}")
-        self.hidden_size = hidden_size
+        if prior_index >= hidden_size:
+            raise ValueError(f"SprinterNet prior_index={prior_index} must be < hidden_size={hidden_size}")
+        self.hidden_size, self.prior_index = hidden_size, prior_index
         self.norm = Standardise(hidden_size)
         self.linear = nn.Linear(hidden_size, 1)
+        if prior_index >= 0:
+            self.prior = PriorLogit(prior_index)
+            nn.init.zeros_(self.linear.weight)
+            nn.init.zeros_(self.linear.bias)
 
     def config(self) -> dict[str, Any]:
-        return {"hidden_size": self.hidden_size}
+        return {"hidden_size": self.hidden_size, "prior_index": self.prior_index}
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear(self.norm(x)).squeeze(-1)  # [N]
+        out = self.linear(self.norm(x)).squeeze(-1)  # [N]
+        return out + self.prior(x) if self.prior_index >= 0 else out
 
 
 class SprinterPolicy(LearnedPolicy):

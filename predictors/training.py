@@ -30,9 +30,11 @@ from predictors.labels import LABEL_FAMILIES, label_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainConfig", "DiscoConfig", "SprinterConfig", "SVTableConfig", "CONFIGS", "fit_predictor", "binary_metrics", "baseline_aucs"]
+__all__ = ["TrainConfig", "DiscoConfig", "SprinterConfig", "SVTableConfig", "CONFIGS", "make_datamodule", "fit_predictor", "binary_metrics", "baseline_aucs"]
 
 PAPER_LAMBDAS = (1.0, 1.2, 1.5)
+MONITORS = {"val_loss": "min", "val_auc": "max"}
+"""Metrics a training run can select its checkpoint by, with their direction."""
 
 
 @dataclass
@@ -73,6 +75,13 @@ class TrainConfig:
     """DataLoader worker processes."""
     deterministic: bool = True
     """Lightning deterministic mode."""
+    monitor: str = "val_loss"
+    """Checkpoint and early-stopping metric: val_loss (lower is better) or val_auc (higher is better; the metric the
+    predictors are compared by)."""
+    prior: str | None = None
+    """DISCO / SPRINTER: start from a training-free score (q or draft_max_prob, which must be among the explicit
+    inputs): its logit joins the output and the learned part starts at zero, so the untrained predictor ranks exactly
+    as the score; if no epoch beats it on the monitored metric, the predictor keeps these initial weights."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -97,6 +106,16 @@ class TrainConfig:
             raise ValueError(f"max_draft_len={self.max_draft_len} must be > 0")
         if self.num_workers < 0:
             raise ValueError(f"num_workers={self.num_workers} must be >= 0")
+        if self.monitor not in MONITORS:
+            raise ValueError(f"monitor={self.monitor!r}: use one of {tuple(MONITORS)}")
+        from predictors.disco import PRIOR_COLUMNS
+
+        if self.prior is not None and self.prior not in PRIOR_COLUMNS:
+            raise ValueError(f"prior={self.prior!r}: use one of {PRIOR_COLUMNS} (or null for none)")
+
+    def _check_prior(self, extra: tuple[str, ...], field: str) -> None:
+        if self.prior is not None and self.prior not in extra:
+            raise ValueError(f"prior={self.prior!r} must also be an explicit input: add it to {field} (now {list(extra)})")
 
     def trainer_kwargs(self) -> dict[str, Any]:
         """Trainer arguments of the distributed setup."""
@@ -146,6 +165,7 @@ class DiscoConfig(TrainConfig):
             raise ValueError(f"hidden_rank={self.hidden_rank} must be >= 0 (0: no hidden state)")
         if self.label_family == "soft":
             raise ValueError("label_family='soft' is not a binary label; DISCO uses greedy (or ratio)")
+        self._check_prior(self.extra_features, "extra_features")
 
 
 @dataclass
@@ -171,6 +191,10 @@ class SprinterConfig(TrainConfig):
             log.warning("SPRINTER lam=%s is outside the paper's values %s", self.lam, PAPER_LAMBDAS)
         if self.hidden_size is not None and self.hidden_size <= 0:
             raise ValueError(f"hidden_size={self.hidden_size} must be > 0 (or None to read it from the data)")
+        self.extra_features = tuple(self.extra_features)
+        if self.prior is not None and not self.disco_features:
+            raise ValueError(f"prior={self.prior!r} needs disco_features: true (the prior is read from the explicit inputs)")
+        self._check_prior(self.extra_features, "extra_features")
 
 
 @dataclass
@@ -208,6 +232,8 @@ class SVTableConfig(TrainConfig):
             raise ValueError(f"ig_levels={self.ig_levels} must be >= 0")
         if self.auc_label not in ("greedy", "ratio"):
             raise ValueError(f"auc_label={self.auc_label!r}: use greedy or ratio")
+        if self.prior is not None:
+            raise ValueError(f"prior={self.prior!r}: the SV table has no prior (set it on disco or sprinter)")
         if self.auc_label == "ratio" and self.lam < 1:
             raise ValueError(f"lam={self.lam}: auc_label='ratio' derives q/p <= lam from min(1, p/q), which needs lam >= 1")
 
@@ -275,8 +301,26 @@ def _trainer(
     )
 
 
+def make_datamodule(kind: str, cfg: TrainConfig, data_dir: DataPath, **kwargs: Any) -> Any:
+    """The :class:`~predictors.datamodule.ShardDataModule` a predictor of ``kind`` trains on with ``cfg``; ``kwargs``
+    go to the DataModule (e.g. ``folds=(5, 0)``, ``extra_columns=(...)``)."""
+    from predictors.datamodule import ShardDataModule
+
+    options: dict[str, Any] = {}
+    if isinstance(cfg, DiscoConfig):
+        options = {"top_k": cfg.top_k, "position_scale": cfg.position_scale, "extra": cfg.extra_features,
+                   "with_hidden": cfg.hidden_rank > 0}
+    elif isinstance(cfg, SprinterConfig):
+        options = {"hidden_size": cfg.hidden_size, "with_disco": cfg.disco_features,
+                   "extra": tuple(cfg.extra_features) if cfg.disco_features else ()}
+    return ShardDataModule(
+        data_dir, kind, cfg.label_family, cfg.lam, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
+        seed=cfg.seed, tv_target=isinstance(cfg, DiscoConfig) and cfg.tv_weight > 0, feature_options=options, **kwargs,
+    )
+
+
 def fit_predictor(
-    kind: str, cfg: TrainConfig, data_dir: DataPath, out_dir: str | Path, logger: Any = None
+    kind: str, cfg: TrainConfig, data_dir: DataPath, out_dir: str | Path, logger: Any = None, datamodule: Any = None,
 ) -> tuple[StopPolicy, dict[str, float]]:
     """Train one predictor on the shards under ``data_dir``; checkpoints and logs go to ``out_dir``.
 
@@ -299,8 +343,6 @@ def fit_predictor(
     """
     import pytorch_lightning as pl
 
-    from predictors.datamodule import ShardDataModule
-
     if kind not in CONFIGS:
         raise ValueError(f"unknown predictor kind {kind!r}; use one of {sorted(CONFIGS)}")
     if not isinstance(cfg, CONFIGS[kind]):
@@ -309,17 +351,7 @@ def fit_predictor(
     out_dir.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    options: dict[str, Any] = {}
-    if isinstance(cfg, DiscoConfig):
-        options = {"top_k": cfg.top_k, "position_scale": cfg.position_scale, "extra": cfg.extra_features,
-                   "with_hidden": cfg.hidden_rank > 0}
-    elif isinstance(cfg, SprinterConfig):
-        options = {"hidden_size": cfg.hidden_size, "with_disco": cfg.disco_features,
-                   "extra": tuple(cfg.extra_features) if cfg.disco_features else ()}
-    dm = ShardDataModule(
-        data_dir, kind, cfg.label_family, cfg.lam, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
-        seed=cfg.seed, tv_target=isinstance(cfg, DiscoConfig) and cfg.tv_weight > 0, feature_options=options,
-    )
+    dm = datamodule if datamodule is not None else make_datamodule(kind, cfg, data_dir)
     dm.setup("fit")
     assert dm.spec is not None
     x_tr, y_tr, _ = dm.tensors["train"]
@@ -369,15 +401,18 @@ def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[St
     x_tr, y_tr, _ = dm.tensors["train"]
     n_pos = float(y_tr.sum())
     pos_weight = cfg.pos_weight if cfg.pos_weight is not None else (y_tr.numel() - n_pos) / n_pos
+    prior_index = dm.spec.names.index(cfg.prior) if cfg.prior is not None else -1
     if kind == "disco":
         module = DiscoModule(dm.spec.width, cfg.hidden_size, cfg.dropout, cfg.tv_weight, cfg.lr, cfg.weight_decay, pos_weight,
-                             hidden_dim=dm.spec.hidden_width, hidden_rank=cfg.hidden_rank)
+                             hidden_dim=dm.spec.hidden_width, hidden_rank=cfg.hidden_rank, prior_index=prior_index)
     else:
-        module = SprinterModule(dm.spec.width, cfg.lr, cfg.weight_decay, pos_weight)
+        module = SprinterModule(dm.spec.width, cfg.lr, cfg.weight_decay, pos_weight, prior_index=prior_index)
     module.net.norm.fit(x_tr)
-    ckpt = ModelCheckpoint(dirpath=str(ckpt_dir), filename=f"{kind}-best", monitor="val_loss", mode="min",
+    mode = MONITORS[cfg.monitor]
+    initial = (_monitored(module, dm, cfg.monitor), {k: v.clone() for k, v in module.state_dict().items()})
+    ckpt = ModelCheckpoint(dirpath=str(ckpt_dir), filename=f"{kind}-best", monitor=cfg.monitor, mode=mode,
                            save_top_k=1, enable_version_counter=False)
-    stop = EarlyStopping(monitor="val_loss", mode="min", patience=cfg.patience)
+    stop = EarlyStopping(monitor=cfg.monitor, mode=mode, patience=cfg.patience)
     trainer = _trainer(cfg, out_dir, logger, [ckpt, stop], cfg.max_epochs, n_batches)
     trainer.fit(module, datamodule=dm)
     best = ckpt.best_model_path
@@ -386,16 +421,39 @@ def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[St
         saved = torch.load(best, map_location="cpu", weights_only=False)
         module.load_state_dict(saved["state_dict"])
         best_epoch = int(saved.get("epoch", best_epoch))
-    net = module.net.cpu().eval()
+    best_score = float(ckpt.best_model_score) if ckpt.best_model_score is not None else None
+    kept_prior = prior_index >= 0 and (best_score is None or (best_score < initial[0] if mode == "max" else best_score > initial[0]))
+    if kept_prior:  # no epoch beat the training-free score the predictor started from: keep its ranking
+        module.load_state_dict(initial[1])
+        best_epoch, best_score = -1, initial[0]
+        log.info("%s: no epoch beat the prior %s on %s (%.4f); keeping the initial weights", kind, cfg.prior, cfg.monitor, initial[0])
+    module.cpu()
+    net = module.net.eval()
     with torch.no_grad():
         scores = torch.sigmoid(net(dm.tensors["val"][0])).numpy()
     m: dict[str, Any] = binary_metrics(scores, dm.tensors["val"][1].numpy(), cfg.threshold)
     m.update(baseline_aucs(dm.raw["val"], dm.tensors["val"][1].numpy()))
-    m["val_loss"] = float(ckpt.best_model_score) if ckpt.best_model_score is not None else m["val_bce"]
+    m["val_loss"] = _monitored(module, dm, "val_loss")  # the weighted BCE of the kept weights (what val_loss monitors)
     m.update({"pos_weight": float(pos_weight), "epochs_run": float(trainer.current_epoch), "best_epoch": float(max(best_epoch, 0)),
-              "_checkpoint": best})
+              "_checkpoint": "" if kept_prior else best})
+    if prior_index >= 0:
+        m["kept_prior"] = float(kept_prior)
     policy_cls = DiscoPolicy if kind == "disco" else SprinterPolicy
     return policy_cls(net, dm.spec, cfg.threshold, cfg.max_draft_len), m
+
+
+def _monitored(module: Any, dm: Any, monitor: str) -> float:
+    """The monitored validation metric of a module as it stands (before training: the prior alone)."""
+    from predictors.lightning_modules import _auc
+
+    x, y, _ = dm.tensors["val"]
+    training = module.net.training
+    with torch.no_grad():
+        logits = module.net.eval()(x)
+    module.net.train(training)
+    if monitor == "val_auc":
+        return _auc(torch.sigmoid(logits).numpy(), y.numpy())
+    return float(F.binary_cross_entropy_with_logits(logits, y, pos_weight=module.pos_weight))
 
 
 def _fit_sv(cfg: SVTableConfig, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[StopPolicy, dict[str, Any]]:
