@@ -14,10 +14,12 @@ import importlib.util
 import json
 import logging
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -493,3 +495,33 @@ def split_of(sample_id: str, fractions: tuple[float, float, float] = (0.8, 0.1, 
     if u < fractions[0] + fractions[1]:
         return "val"
     return "test"
+
+
+def fold_splits(
+    sample_id: Sequence[str] | np.ndarray, strata: Sequence[str] | np.ndarray | None, folds: int, fold: int, seed: int = 0
+) -> np.ndarray:
+    """Per-record split of grouped k-fold cross-validation over prompts: fold ``fold`` is ``test``, the next fold
+    ``val``, the rest ``train``.
+
+    Prompts (``sample_id`` groups) are ordered by a hash of (seed, id) within each stratum (e.g. the domain) and dealt
+    to the folds in turn, so every fold holds about 1/k of each stratum's prompts and every record of a prompt lands
+    in one fold. Over the k folds every prompt is tested exactly once.
+
+    Usage::
+
+        split = fold_splits(cols["sample_id"], cols["domain"], folds=5, fold=0)   # array of train / val / test
+    """
+    if folds < 3:
+        raise ValueError(f"folds={folds}: cross-validation needs at least 3 folds (one test, one val, the rest train)")
+    if not 0 <= fold < folds:
+        raise ValueError(f"fold={fold} must be in [0, {folds})")
+    ids = np.asarray(sample_id).astype(str)
+    groups = np.asarray(strata).astype(str) if strata is not None else np.full(len(ids), "")
+    fold_of: dict[str, int] = {}
+    for stratum in np.unique(groups):
+        members = sorted(set(ids[groups == stratum].tolist()) - set(fold_of),
+                         key=lambda s: hashlib.sha256(f"{seed}:{s}".encode()).digest())
+        offset = len(fold_of)  # continue the deal across strata so small strata do not all start at fold 0
+        fold_of.update({s: (offset + j) % folds for j, s in enumerate(members)})
+    which = np.array([fold_of[s] for s in ids], dtype=np.int64)
+    return np.where(which == fold, "test", np.where(which == (fold + 1) % folds, "val", "train"))

@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-__all__ = ["plot_roc", "plot_threshold_speedup", "plot_oracle_hist", "plot_accept_vs_entropy"]
+__all__ = ["plot_roc", "plot_threshold_speedup", "plot_oracle_hist", "plot_accept_vs_entropy", "plot_crossval"]
 
 
 def _save(fig: Any, path: str | Path) -> Path:
@@ -106,4 +106,24 @@ def plot_accept_vs_entropy(columns: Mapping[str, Any], path: str | Path, bins: i
     else:
         ax.text(0.5, 0.5, "no draft_entropy column", transform=ax.transAxes, ha="center")
     ax.set(xlabel="draft entropy H(q) (nats)", ylabel="acceptance", title="acceptance against draft entropy")
+    return _save(fig, path)
+
+
+def plot_crossval(table: pd.DataFrame, path: str | Path) -> Path:
+    """Cross-validated AUC difference (learned minus the best training-free score) with its bootstrap interval, one
+    row per predictor and group (``evaluation.crossval.summarise``); right of the zero line the learned one wins."""
+    rows = table[np.isfinite(table.get("diff", pd.Series(np.nan, index=table.index)))] if len(table) else table
+    fig, ax = plt.subplots(figsize=(7, 0.45 * max(len(rows), 1) + 1.2))
+    for i, r in enumerate(rows.to_dict("records")):
+        lo, hi = r.get("diff_lo", r["diff"]), r.get("diff_hi", r["diff"])
+        color = "tab:green" if lo > 0 else ("tab:red" if hi < 0 else "tab:gray")
+        ax.errorbar(r["diff"], i, xerr=[[r["diff"] - lo], [hi - r["diff"]]], fmt="o", color=color, capsize=3)
+    labels = [f"{r['predictor']} · {r['label']} · {r['group']} (vs {r['best_free']})" for r in rows.to_dict("records")]
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.axvline(0.0, color="k", lw=0.8)
+    ax.invert_yaxis()
+    ax.set(xlabel="AUC difference, learned - best training-free (95% bootstrap CI over prompts)",
+           title="Cross-validated: does the learned predictor win?")
+    if not len(rows):
+        ax.text(0.5, 0.5, "no comparison could be made", ha="center", transform=ax.transAxes)
     return _save(fig, path)

@@ -5,6 +5,7 @@
    through MLFlowLogger (params, per-epoch metrics, data fingerprint, model identities, resolved config).
 3. Evaluate them on the test split against the training-free scores (ROC / F1 / replayed speedup) and tune each
    threshold for predicted speedup on the validation split (``pipelines.evaluate``); the report is logged to MLflow.
+   With ``crossval_folds`` > 0, also cross-validate DISCO and SPRINTER over folds of prompts (``pipelines.crossval``).
 4. Export each predictor (safetensors + JSON) with its tuned threshold, register it in the MLflow registry, move the
    ``champion`` alias when it beats the current champion on validation AUC, and print the table.
 
@@ -58,6 +59,10 @@ class TrainJobConfig:
     """Run the evaluation (classification, replay, threshold tuning, report) after training."""
     n_boot: int = 200
     """Bootstrap resamples over prompts for the evaluation's confidence intervals."""
+    crossval_folds: int = 0
+    """> 0 (at least 3): also cross-validate DISCO and SPRINTER over that many folds of prompts (``pipelines.crossval``):
+    every prompt tested once, AUC against the best training-free score with a paired bootstrap interval (the table's
+    cv_* columns; the report under ``<out_dir>/crossval``)."""
     register: bool = True
     """Register every trained predictor in the MLflow model registry (champion alias on improvement)."""
     tracking_uri: str | None = None
@@ -69,6 +74,8 @@ class TrainJobConfig:
         bad = [p for p in self.predictors if p not in ("disco", "sprinter", "sv")]
         if bad:
             raise ValueError(f"--predictors has unknown kinds {bad}; use disco, sprinter, sv")
+        if self.crossval_folds and self.crossval_folds < 3:
+            raise ValueError(f"crossval_folds={self.crossval_folds}: use 0 (off) or at least 3")
 
 
 def _ensure_data(cfg: TrainJobConfig) -> list[Path]:
@@ -197,6 +204,8 @@ def train_all(cfg: TrainJobConfig) -> dict[str, Any]:
     report = None
     if cfg.evaluate and policies:
         report = _evaluate(cfg, data_dirs, policies, exports, rows, uri)
+    if cfg.crossval_folds and any(k in policies for k in ("disco", "sprinter")):
+        _crossval(cfg, data_dirs, [k for k in ("disco", "sprinter") if k in policies], rows, uri)
     for kind, folder in exports.items():
         if cfg.register:
             try:
@@ -254,6 +263,19 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, export
     return Path(res["report"])
 
 
+def _crossval(cfg: TrainJobConfig, data_dirs: list[Path], kinds: list[str], rows: dict, uri: str) -> None:
+    """Cross-validate the job's DISCO / SPRINTER configs; the cv_* columns of the table (group "all")."""
+    from pipelines.crossval import CrossValConfig, CrossValRun, run_crossval
+
+    runs = [CrossValRun(kind, kind, **{kind: getattr(cfg, kind)}) for kind in kinds]
+    ccfg = CrossValConfig(data_dir=str(data_dirs[0]), extra_data_dirs=[str(d) for d in data_dirs[1:]],
+                          out_dir=str(Path(cfg.out_dir) / "crossval"), runs=runs, folds=cfg.crossval_folds,
+                          n_boot=cfg.n_boot, tracking=True, tracking_uri=uri, experiment=cfg.experiment)
+    table = run_crossval(ccfg)["table"]
+    for r in table[table["group"] == "all"].to_dict("records"):
+        rows[r["predictor"]].update({f"cv_{k}": r.get(k) for k in ("auc", "best_free", "auc_best_free", "diff", "diff_lo", "diff_hi")})
+
+
 TRAINING_FREE = ("max-prob", "draft-prob", "neg-entropy")
 """The training-free scores a learned predictor is compared with (SVIP's and AdaEDL's bounds rank tokens as -entropy)."""
 
@@ -277,10 +299,10 @@ def _headline_auc(table: Any, policy: str, label: str = "greedy match") -> float
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of the results."""
     cols = ["predictor", "status", "label", "val_auc", "val_auc_best_free", "test_auc", "best_free", "test_auc_best_free",
-            "threshold",
+            "cv_auc", "cv_best_free", "cv_auc_best_free", "cv_diff", "cv_diff_lo", "cv_diff_hi", "threshold",
             "val_speedup", "info_gain_bits", "info_gain_frac", "registered", "champion"]
     cols = [c for c in cols if any(c in r for r in rows)]
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines)

@@ -93,6 +93,7 @@ class ShardDataModule(pl.LightningDataModule):
         feature_options: dict[str, Any] | None = None,
         extra_columns: Sequence[str] = ("greedy_match", "accept_prob", "draft_max_prob", "draft_entropy", "q"),
         draw: str | None = None,
+        folds: tuple[int, int] | None = None,
     ) -> None:
         """
         Args:
@@ -105,6 +106,8 @@ class ShardDataModule(pl.LightningDataModule):
             extra_columns: raw columns kept per split in ``self.raw`` (evaluation labels), when present.
             draw: train on the records of this draw (greedy or sample) when the data holds several per position;
                 None: the label family's own (``predictors.labels.label_draw``).
+            folds: ``(k, i)``: ignore the stored ``split`` column and split by grouped k-fold cross-validation over
+                prompts, stratified by ``domain`` (``data_gen.prompts.fold_splits``): fold i is test, fold i+1 val.
         """
         super().__init__()
         if kind not in FEATURE_KINDS:
@@ -118,6 +121,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.feature_options = dict(feature_options or {})
         self.extra_columns = tuple(extra_columns)
         self.draw = draw or label_draw(label_family)
+        self.folds = folds
         self.spec: FeatureSpec | None = None
         self.tensors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.raw: dict[str, dict[str, np.ndarray]] = {}
@@ -136,12 +140,16 @@ class ShardDataModule(pl.LightningDataModule):
         wanted = ["split", "sample_id", *_spec_columns(self.kind, self.feature_options), *label_columns(self.label_family)]
         if self.tv_target:
             wanted.append("tv")
-        cols = read_columns(self.data_dir, wanted, optional=(*self.extra_columns, "draw"))
+        cols = read_columns(self.data_dir, wanted, optional=(*self.extra_columns, "draw", "domain"))
         keep = draw_mask(cols, self.draw)
         if keep is not None:
             cols = {k: v[keep] for k, v in cols.items()}
         self.spec = make_spec(self.kind, cols, **self.feature_options)
         split = cols["split"].astype(str)
+        if self.folds is not None:
+            from data_gen.prompts import fold_splits
+
+            split = fold_splits(cols["sample_id"], cols.get("domain"), *self.folds, seed=self.seed)
         self._check_disjoint(cols["sample_id"].astype(str), split)
         x_all = build_features(self.spec, cols)
         y_all = torch.from_numpy(derive_label(cols, self.label_family, self.lam))

@@ -1,0 +1,182 @@
+"""Grouped k-fold cross-validation over prompts: does a learned predictor beat the training-free scores, and by how much?
+
+One train / val / test split of a few hundred prompts leaves about a tenth of them for the test, and the comparison
+that matters (a learned predictor against the top-1 probability on the same tokens) then differs by less than its
+noise. Cross-validation tests every prompt once: the prompts are dealt to k folds within each domain
+(``data_gen.prompts.fold_splits``); for fold i the predictor trains on k - 2 folds, early-stops on fold i + 1 and
+scores fold i. The out-of-fold scores of all folds are compared with the training-free scores (top-1
+probability, the drafted token's q, -entropy) on the same rows and labels: AUC overall and per domain (the mean over
+folds of the AUC within each fold: scores of different folds come from different models), the difference to
+the best training-free score with a paired bootstrap over prompts (the same resampled prompts for both scores), the
+share of resamples in which the learned predictor wins, and in how many folds it wins on its own.
+
+Usage::
+
+    from evaluation.crossval import crossvalidate, summarise
+    oof = crossvalidate({"disco": ("disco", DiscoConfig(...))}, ["outputs/default/data"], "out/cv", folds=5)
+    table = summarise(oof, n_boot=200)
+
+or ``python -m pipelines.crossval --config configs/crossval.yaml``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from evaluation.classification import _levels, weighted_auc
+from predictors.labels import label_name
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FREE_SCORES", "crossvalidate", "summarise", "to_markdown"]
+
+FREE_SCORES = {"max-prob": "draft_max_prob", "draft-prob": "q", "neg-entropy": "draft_entropy"}
+"""Training-free scores compared against (name -> record column; the entropy enters negated)."""
+_KEEP = ("sample_id", "domain", "draw", *FREE_SCORES.values())
+
+
+def _free_score(name: str, values: np.ndarray) -> np.ndarray:
+    v = np.asarray(values, dtype=np.float64)
+    return -v if name == "neg-entropy" else v
+
+
+def crossvalidate(
+    predictors: Mapping[str, tuple[str, Any]], data_dir: Any, out_dir: str | Path, folds: int = 5,
+) -> pd.DataFrame:
+    """Train every predictor on each of ``folds`` grouped folds and collect its out-of-fold scores.
+
+    Args:
+        predictors: display name -> (kind, training config) (``predictors.training.CONFIGS``; disco or sprinter).
+        data_dir: a folder of shards or a list of folders read as one data set.
+        out_dir: checkpoints and CSV logs, ``<out_dir>/<name>/fold-<i>``.
+        folds: k >= 3.
+    Returns:
+        one row per (predictor, test token): predictor, label, draw, fold, sample_id, domain, y (its own label),
+        score (the learned logit) and the training-free score columns.
+    """
+    from predictors.training import fit_predictor, make_datamodule
+
+    parts = []
+    t0 = time.perf_counter()
+    runs = [(name, i) for name in predictors for i in range(folds)]
+    for n_done, (name, i) in enumerate(runs):
+        kind, cfg = predictors[name]
+        if kind not in ("disco", "sprinter"):
+            raise ValueError(f"cross-validation trains disco or sprinter predictors, got {name!r} of kind {kind!r}")
+        dm = make_datamodule(kind, cfg, data_dir, folds=(folds, i), extra_columns=_KEEP)
+        policy, metrics = fit_predictor(kind, cfg, data_dir, Path(out_dir) / name / f"fold-{i}", datamodule=dm)
+        dm.setup("test")
+        x, y, _ = dm.tensors["test"]
+        with torch.no_grad():
+            score = policy.net.eval()(x).double().numpy()  # the logit: ranks as the policy's score
+        raw = dm.raw["test"]
+        part = pd.DataFrame({"predictor": name, "label": label_name(cfg.label_family, cfg.lam), "draw": "all",
+                             "fold": i, "y": y.numpy().astype(np.float64), "score": score,
+                             **{c: raw[c] for c in _KEEP if c in raw}})  # draw: the rows' own (one-draw data: all)
+        if "domain" not in part:
+            part["domain"] = "all"
+        parts.append(part)
+        elapsed = time.perf_counter() - t0
+        log.info("cross-validation %s fold %d/%d: %d test tokens, val AUC %.4f, %.0fs elapsed, ETA %.0fs", name, i + 1,
+                 folds, len(part), metrics.get("val_auc", float("nan")), elapsed,
+                 elapsed / (n_done + 1) * (len(runs) - n_done - 1))
+    return pd.concat(parts, ignore_index=True)
+
+
+def _aucs(frame: pd.DataFrame, names: Sequence[str], weights: np.ndarray | None = None) -> dict[str, float]:
+    """Mean over folds of each scorer's AUC within the fold (weighted by the fold's token weight): the learned scores
+    of different folds come from different models, so only tokens of one fold are ranked against each other."""
+    y = frame["y"].to_numpy()
+    w = np.ones(len(y)) if weights is None else weights
+    fold = frame["fold"].to_numpy()
+    sums, total = dict.fromkeys(names, 0.0), 0.0
+    for f in np.unique(fold):
+        m = fold == f
+        wf, yf = w[m], y[m]
+        if (wf * yf).sum() <= 0 or (wf * (1.0 - yf)).sum() <= 0:
+            continue  # one class only in this fold (or resample): it ranks nothing
+        for name in names:
+            s = frame["score"].to_numpy()[m] if name == "learned" else _free_score(name, frame[FREE_SCORES[name]].to_numpy()[m])
+            levels, inv = _levels(s)
+            sums[name] += wf.sum() * weighted_auc(inv, len(levels), wf * yf, wf * (1.0 - yf))
+        total += wf.sum()
+    return {name: sums[name] / total if total > 0 else float("nan") for name in names}
+
+
+def summarise(oof: pd.DataFrame, n_boot: int = 200, seed: int = 0, ci: float = 0.95) -> pd.DataFrame:
+    """AUC of each predictor's out-of-fold scores against the training-free scores, per domain.
+
+    Every AUC is the mean over folds of the AUC within the fold (tokens of one fold ranked against each other), for
+    the learned and the training-free scores alike.
+
+    Returns:
+        one row per (predictor, group: all or a domain): label, draw, n, prompts, auc (learned), auc_<free> for each
+        training-free score, best_free (highest AUC in that group), auc_best_free, diff = auc - auc_best_free,
+        diff_lo / diff_hi (paired bootstrap over prompts), p_win (share of resamples with diff > 0), folds_won
+        (folds whose own test AUC favours the learned predictor; group "all" only) and folds.
+    """
+    rows = []
+    rng = np.random.default_rng(seed)
+    lo_q, hi_q = 100 * (1 - ci) / 2, 100 * (1 + ci) / 2
+    for name, frame in oof.groupby("predictor", sort=False):
+        free = [f for f, col in FREE_SCORES.items() if col in frame]
+        groups = [("all", frame)] + [(str(d), g) for d, g in frame.groupby("domain", sort=True)] \
+            if frame["domain"].nunique() > 1 else [("all", frame)]
+        for group, g in groups:
+            g = g.reset_index(drop=True)
+            y = g["y"].to_numpy()
+            row: dict[str, Any] = {"predictor": name, "label": g["label"].iloc[0], "draw": g["draw"].iloc[0],
+                                   "group": group, "n": len(g), "prompts": g["sample_id"].nunique(),
+                                   "pos_rate": float(y.mean())}
+            if y.min() == y.max():
+                rows.append({**row, "reason": "one class only"})
+                continue
+            point = _aucs(g, ["learned", *free])
+            best = max(free, key=point.__getitem__)
+            row.update(auc=point["learned"], **{f"auc_{f}": point[f] for f in free}, best_free=best,
+                       auc_best_free=point[best], diff=point["learned"] - point[best])
+            codes = np.unique(g["sample_id"].astype(str), return_inverse=True)[1]
+            n_groups = int(codes.max()) + 1
+            diffs = []
+            for _ in range(n_boot):
+                w = np.bincount(rng.integers(0, n_groups, n_groups), minlength=n_groups).astype(np.float64)[codes]
+                a = _aucs(g, ["learned", best], w)
+                diffs.append(a["learned"] - a[best])
+            d = np.asarray(diffs)
+            d = d[np.isfinite(d)]
+            if d.size:
+                row.update(diff_lo=float(np.percentile(d, lo_q)), diff_hi=float(np.percentile(d, hi_q)),
+                           p_win=float((d > 0).mean()))
+            if group == "all":
+                won = 0
+                for _, fg in g.groupby("fold"):
+                    if fg["y"].min() < fg["y"].max():
+                        a = _aucs(fg, ["learned", best])
+                        won += int(a["learned"] > a[best])
+                row.update(folds_won=won, folds=int(g["fold"].nunique()))
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def to_markdown(table: pd.DataFrame) -> str:
+    """The summary as a Markdown table (AUCs to 4 places, the difference with its interval)."""
+    lines = ["| predictor | label (draw) | group | n | prompts | learned AUC | best training-free | its AUC | "
+             "difference [95% CI] | P(win) | folds won |", "|" + "---|" * 11]
+    for r in table.to_dict("records"):
+        if "auc" not in r or not np.isfinite(r.get("auc", np.nan)):
+            lines.append(f"| {r['predictor']} | {r['label']} ({r['draw']}) | {r['group']} | {r['n']} | {r['prompts']} "
+                         f"| {r.get('reason', '')} | | | | | |")
+            continue
+        folds = f"{int(r['folds_won'])}/{int(r['folds'])}" if np.isfinite(r.get("folds_won", np.nan)) else ""
+        lines.append(
+            f"| {r['predictor']} | {r['label']} ({r['draw']}) | {r['group']} | {r['n']} | {r['prompts']} | "
+            f"{r['auc']:.4f} | {r['best_free']} | {r['auc_best_free']:.4f} | {r['diff']:+.4f} "
+            f"[{r.get('diff_lo', np.nan):+.4f}, {r.get('diff_hi', np.nan):+.4f}] | {r.get('p_win', np.nan):.2f} | {folds} |")
+    return "\n".join(lines)
