@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -498,14 +499,17 @@ def split_of(sample_id: str, fractions: tuple[float, float, float] = (0.8, 0.1, 
 
 
 def fold_splits(
-    sample_id: Sequence[str] | np.ndarray, strata: Sequence[str] | np.ndarray | None, folds: int, fold: int, seed: int = 0
+    sample_id: Sequence[str] | np.ndarray, strata: Sequence[str] | np.ndarray | None, folds: int, fold: int, seed: int = 0,
+    train_fraction: float = 1.0,
 ) -> np.ndarray:
     """Per-record split of grouped k-fold cross-validation over prompts: fold ``fold`` is ``test``, the next fold
     ``val``, the rest ``train``.
 
     Prompts (``sample_id`` groups) are ordered by a hash of (seed, id) within each stratum (e.g. the domain) and dealt
     to the folds in turn, so every fold holds about 1/k of each stratum's prompts and every record of a prompt lands
-    in one fold. Over the k folds every prompt is tested exactly once.
+    in one fold. Over the k folds every prompt is tested exactly once. With ``train_fraction`` < 1 only that share of
+    the training prompts (within each stratum, the first in hash order: smaller fractions are subsets of larger ones)
+    stays ``train``; the rest become ``unused`` (a learning curve on the same test and val folds).
 
     Usage::
 
@@ -515,13 +519,21 @@ def fold_splits(
         raise ValueError(f"folds={folds}: cross-validation needs at least 3 folds (one test, one val, the rest train)")
     if not 0 <= fold < folds:
         raise ValueError(f"fold={fold} must be in [0, {folds})")
+    if not 0 < train_fraction <= 1:
+        raise ValueError(f"train_fraction={train_fraction} must be in (0, 1]")
     ids = np.asarray(sample_id).astype(str)
     groups = np.asarray(strata).astype(str) if strata is not None else np.full(len(ids), "")
     fold_of: dict[str, int] = {}
+    unused: set[str] = set()
     for stratum in np.unique(groups):
         members = sorted(set(ids[groups == stratum].tolist()) - set(fold_of),
                          key=lambda s: hashlib.sha256(f"{seed}:{s}".encode()).digest())
         offset = len(fold_of)  # continue the deal across strata so small strata do not all start at fold 0
         fold_of.update({s: (offset + j) % folds for j, s in enumerate(members)})
+        train = [s for s in members if fold_of[s] not in (fold, (fold + 1) % folds)]
+        unused.update(train[max(1, math.ceil(train_fraction * len(train))):] if train_fraction < 1 else ())
     which = np.array([fold_of[s] for s in ids], dtype=np.int64)
-    return np.where(which == fold, "test", np.where(which == (fold + 1) % folds, "val", "train"))
+    split = np.where(which == fold, "test", np.where(which == (fold + 1) % folds, "val", "train")).astype("<U6")
+    if unused:
+        split[np.isin(ids, list(unused))] = "unused"
+    return split

@@ -49,6 +49,7 @@ def _free_score(name: str, values: np.ndarray) -> np.ndarray:
 
 def crossvalidate(
     predictors: Mapping[str, tuple[str, Any]], data_dir: Any, out_dir: str | Path, folds: int = 5,
+    train_fraction: float = 1.0,
 ) -> pd.DataFrame:
     """Train every predictor on each of ``folds`` grouped folds and collect its out-of-fold scores.
 
@@ -57,9 +58,11 @@ def crossvalidate(
         data_dir: a folder of shards or a list of folders read as one data set.
         out_dir: checkpoints and CSV logs, ``<out_dir>/<name>/fold-<i>``.
         folds: k >= 3.
+        train_fraction: train on this share of each fold's training prompts (the same test and val folds; smaller
+            shares are subsets of larger ones): a learning curve.
     Returns:
-        one row per (predictor, test token): predictor, label, draw, fold, sample_id, domain, y (its own label),
-        score (the learned logit) and the training-free score columns.
+        one row per (predictor, test token): predictor, label, draw, train_fraction, n_train (training tokens of the
+        fold), fold, sample_id, domain, y (its own label), score (the learned logit) and the training-free scores.
     """
     from predictors.training import fit_predictor, make_datamodule
 
@@ -70,22 +73,23 @@ def crossvalidate(
         kind, cfg = predictors[name]
         if kind not in ("disco", "sprinter"):
             raise ValueError(f"cross-validation trains disco or sprinter predictors, got {name!r} of kind {kind!r}")
-        dm = make_datamodule(kind, cfg, data_dir, folds=(folds, i), extra_columns=_KEEP)
-        policy, metrics = fit_predictor(kind, cfg, data_dir, Path(out_dir) / name / f"fold-{i}", datamodule=dm)
+        dm = make_datamodule(kind, cfg, data_dir, folds=(folds, i, train_fraction), extra_columns=_KEEP)
+        run_dir = Path(out_dir) / name / (f"fold-{i}" if train_fraction == 1 else f"train{train_fraction:g}-fold-{i}")
+        policy, metrics = fit_predictor(kind, cfg, data_dir, run_dir, datamodule=dm)
         dm.setup("test")
         x, y, _ = dm.tensors["test"]
         with torch.no_grad():
             score = policy.net.eval()(x).double().numpy()  # the logit: ranks as the policy's score
         raw = dm.raw["test"]
         part = pd.DataFrame({"predictor": name, "label": label_name(cfg.label_family, cfg.lam), "draw": "all",
-                             "fold": i, "y": y.numpy().astype(np.float64), "score": score,
+                             "train_fraction": train_fraction, "n_train": int(metrics["n_train"]), "fold": i, "y": y.numpy().astype(np.float64), "score": score,
                              **{c: raw[c] for c in _KEEP if c in raw}})  # draw: the rows' own (one-draw data: all)
         if "domain" not in part:
             part["domain"] = "all"
         parts.append(part)
         elapsed = time.perf_counter() - t0
-        log.info("cross-validation %s fold %d/%d: %d test tokens, val AUC %.4f, %.0fs elapsed, ETA %.0fs", name, i + 1,
-                 folds, len(part), metrics.get("val_auc", float("nan")), elapsed,
+        log.info("cross-validation %s (train share %g) fold %d/%d: %d test tokens, val AUC %.4f, %.0fs elapsed, "
+                 "ETA %.0fs", name, train_fraction, i + 1, folds, len(part), metrics.get("val_auc", float("nan")), elapsed,
                  elapsed / (n_done + 1) * (len(runs) - n_done - 1))
     return pd.concat(parts, ignore_index=True)
 
@@ -117,7 +121,8 @@ def summarise(oof: pd.DataFrame, n_boot: int = 200, seed: int = 0, ci: float = 0
     the learned and the training-free scores alike.
 
     Returns:
-        one row per (predictor, group: all or a domain): label, draw, n, prompts, auc (learned), auc_<free> for each
+        one row per (predictor, train_fraction, group: all or a domain): label, draw, n_train (mean training tokens
+        per fold), n, prompts, auc (learned), auc_<free> for each
         training-free score, best_free (highest AUC in that group), auc_best_free, diff = auc - auc_best_free,
         diff_lo / diff_hi (paired bootstrap over prompts), p_win (share of resamples with diff > 0), folds_won
         (folds whose own test AUC favours the learned predictor; group "all" only) and folds.
@@ -125,7 +130,9 @@ def summarise(oof: pd.DataFrame, n_boot: int = 200, seed: int = 0, ci: float = 0
     rows = []
     rng = np.random.default_rng(seed)
     lo_q, hi_q = 100 * (1 - ci) / 2, 100 * (1 + ci) / 2
-    for name, frame in oof.groupby("predictor", sort=False):
+    if "train_fraction" not in oof:
+        oof = oof.assign(train_fraction=1.0)
+    for (name, fraction), frame in oof.groupby(["predictor", "train_fraction"], sort=False):
         free = [f for f, col in FREE_SCORES.items() if col in frame]
         groups = [("all", frame)] + [(str(d), g) for d, g in frame.groupby("domain", sort=True)] \
             if frame["domain"].nunique() > 1 else [("all", frame)]
@@ -133,6 +140,8 @@ def summarise(oof: pd.DataFrame, n_boot: int = 200, seed: int = 0, ci: float = 0
             g = g.reset_index(drop=True)
             y = g["y"].to_numpy()
             row: dict[str, Any] = {"predictor": name, "label": g["label"].iloc[0], "draw": g["draw"].iloc[0],
+                                   "train_fraction": float(fraction),
+                                   "n_train": float(g.groupby("fold")["n_train"].first().mean()) if "n_train" in g else np.nan,
                                    "group": group, "n": len(g), "prompts": g["sample_id"].nunique(),
                                    "pos_rate": float(y.mean())}
             if y.min() == y.max():
@@ -167,16 +176,17 @@ def summarise(oof: pd.DataFrame, n_boot: int = 200, seed: int = 0, ci: float = 0
 
 def to_markdown(table: pd.DataFrame) -> str:
     """The summary as a Markdown table (AUCs to 4 places, the difference with its interval)."""
-    lines = ["| predictor | label (draw) | group | n | prompts | learned AUC | best training-free | its AUC | "
-             "difference [95% CI] | P(win) | folds won |", "|" + "---|" * 11]
+    lines = ["| predictor | label (draw) | train tokens | group | n | prompts | learned AUC | best training-free | "
+             "its AUC | difference [95% CI] | P(win) | folds won |", "|" + "---|" * 12]
     for r in table.to_dict("records"):
+        n_train = f"{r['n_train']:.0f}" if np.isfinite(r.get("n_train", np.nan)) else ""
+        head = f"| {r['predictor']} | {r['label']} ({r['draw']}) | {n_train} | {r['group']} | {r['n']} | {r['prompts']} |"
         if "auc" not in r or not np.isfinite(r.get("auc", np.nan)):
-            lines.append(f"| {r['predictor']} | {r['label']} ({r['draw']}) | {r['group']} | {r['n']} | {r['prompts']} "
-                         f"| {r.get('reason', '')} | | | | | |")
+            lines.append(f"{head} {r.get('reason', '')} | | | | | |")
             continue
         folds = f"{int(r['folds_won'])}/{int(r['folds'])}" if np.isfinite(r.get("folds_won", np.nan)) else ""
         lines.append(
-            f"| {r['predictor']} | {r['label']} ({r['draw']}) | {r['group']} | {r['n']} | {r['prompts']} | "
+            f"{head} "
             f"{r['auc']:.4f} | {r['best_free']} | {r['auc_best_free']:.4f} | {r['diff']:+.4f} "
             f"[{r.get('diff_lo', np.nan):+.4f}, {r.get('diff_hi', np.nan):+.4f}] | {r.get('p_win', np.nan):.2f} | {folds} |")
     return "\n".join(lines)

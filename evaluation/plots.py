@@ -118,7 +118,9 @@ def plot_crossval(table: pd.DataFrame, path: str | Path) -> Path:
         lo, hi = r.get("diff_lo", r["diff"]), r.get("diff_hi", r["diff"])
         color = "tab:green" if lo > 0 else ("tab:red" if hi < 0 else "tab:gray")
         ax.errorbar(r["diff"], i, xerr=[[r["diff"] - lo], [hi - r["diff"]]], fmt="o", color=color, capsize=3)
-    labels = [f"{r['predictor']} · {r['label']} · {r['group']} (vs {r['best_free']})" for r in rows.to_dict("records")]
+    share = lambda r: "" if r.get("train_fraction", 1.0) == 1 else f" · {r['train_fraction']:g} of train"  # noqa: E731
+    labels = [f"{r['predictor']}{share(r)} · {r['label']} · {r['group']} (vs {r['best_free']})"
+              for r in rows.to_dict("records")]
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.axvline(0.0, color="k", lw=0.8)
     ax.invert_yaxis()

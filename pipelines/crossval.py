@@ -7,6 +7,7 @@ interval of the difference over prompts, the chance the learned one wins and the
 Usage:
     python -m pipelines.crossval --config configs/crossval.yaml
     python -m pipelines.crossval --config configs/crossval.yaml --folds 10 --n_boot 500
+    python -m pipelines.crossval --config configs/crossval.yaml --train_fractions '[0.25,0.5,1.0]'   # learning curve
 
 From the main job (``crossval_folds`` > 0): ``run_crossval(CrossValConfig(...))``. Writes ``crossval.md``,
 ``crossval.csv``, the out-of-fold scores (``oof.parquet``) and ``crossval.png`` (the differences with their intervals)
@@ -64,6 +65,9 @@ class CrossValConfig:
     """The predictors compared."""
     folds: int = 5
     """Folds of prompts (>= 3: one tested, one for early stopping, the rest for training)."""
+    train_fractions: list[float] = field(default_factory=lambda: [1.0])
+    """Shares of each fold's training prompts to train on, e.g. [0.25, 0.5, 1.0]: a learning curve on the same test
+    and val folds (does more data close the gap?)."""
     n_boot: int = 200
     """Bootstrap resamples of prompts for the intervals."""
     seed: int = 0
@@ -78,6 +82,9 @@ class CrossValConfig:
     def __post_init__(self) -> None:
         if self.folds < 3:
             raise ValueError(f"folds={self.folds}: use at least 3 (one tested, one for early stopping, the rest train)")
+        bad = [f for f in self.train_fractions if not 0 < f <= 1]
+        if bad or not self.train_fractions:
+            raise ValueError(f"train_fractions={self.train_fractions}: give shares in (0, 1]")
         names = [r.name for r in self.runs]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"runs need distinct names, got {names}")
@@ -85,13 +92,17 @@ class CrossValConfig:
 
 def run_crossval(cfg: CrossValConfig) -> dict[str, Any]:
     """Train every run on every fold, summarise, write and log the results; returns {"table", "markdown", "files"}."""
+    import pandas as pd
+
     from evaluation.crossval import crossvalidate, summarise, to_markdown
     from evaluation.plots import plot_crossval
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = [cfg.data_dir, *cfg.extra_data_dirs] if cfg.extra_data_dirs else cfg.data_dir
-    oof = crossvalidate({r.name: (r.kind, r.config) for r in cfg.runs}, data, out, cfg.folds)
+    runs = {r.name: (r.kind, r.config) for r in cfg.runs}
+    oof = pd.concat([crossvalidate(runs, data, out, cfg.folds, f) for f in sorted(set(cfg.train_fractions))],
+                    ignore_index=True)
     table = summarise(oof, cfg.n_boot, cfg.seed)
     markdown = to_markdown(table)
     files = [out / "oof.parquet", out / "crossval.csv", out / "crossval.md", out / "crossval_config.json"]
@@ -115,7 +126,8 @@ def _log_mlflow(cfg: CrossValConfig, table: Any, files: list[Path]) -> None:
             for key in ("auc", "auc_best_free", "diff", "diff_lo", "diff_hi", "p_win"):
                 v = r.get(key)
                 if isinstance(v, float) and math.isfinite(v):
-                    mlflow.log_metric(f"cv_{r['predictor']}_{r['group']}_{key}", v)
+                    share = "" if r["train_fraction"] == 1 else f"_train{r['train_fraction']:g}"
+                    mlflow.log_metric(f"cv_{r['predictor']}{share}_{r['group']}_{key}", v)
         for f in files:
             mlflow.log_artifact(str(f), artifact_path="crossval")
 
@@ -127,7 +139,8 @@ def _log_mlflow(cfg: CrossValConfig, table: Any, files: list[Path]) -> None:
         mlflow.set_tracking_uri(resolve_tracking_uri(cfg.tracking_uri))
         mlflow.set_experiment(cfg.experiment)
         with mlflow.start_run(run_name="crossval"):
-            mlflow.log_params({"folds": cfg.folds, "n_boot": cfg.n_boot, "runs": ",".join(r.name for r in cfg.runs)})
+            mlflow.log_params({"folds": cfg.folds, "n_boot": cfg.n_boot, "runs": ",".join(r.name for r in cfg.runs),
+                               "train_fractions": ",".join(map(str, cfg.train_fractions))})
             log_all()
 
 

@@ -93,7 +93,7 @@ class ShardDataModule(pl.LightningDataModule):
         feature_options: dict[str, Any] | None = None,
         extra_columns: Sequence[str] = ("greedy_match", "accept_prob", "draft_max_prob", "draft_entropy", "q"),
         draw: str | None = None,
-        folds: tuple[int, int] | None = None,
+        folds: tuple[int, int] | tuple[int, int, float] | None = None,
     ) -> None:
         """
         Args:
@@ -107,7 +107,8 @@ class ShardDataModule(pl.LightningDataModule):
             draw: train on the records of this draw (greedy or sample) when the data holds several per position;
                 None: the label family's own (``predictors.labels.label_draw``).
             folds: ``(k, i)``: ignore the stored ``split`` column and split by grouped k-fold cross-validation over
-                prompts, stratified by ``domain`` (``data_gen.prompts.fold_splits``): fold i is test, fold i+1 val.
+                prompts, stratified by ``domain`` (``data_gen.prompts.fold_splits``): fold i is test, fold i+1 val;
+                ``(k, i, f)`` trains on the share f of the training prompts (a learning curve).
         """
         super().__init__()
         if kind not in FEATURE_KINDS:
@@ -149,7 +150,9 @@ class ShardDataModule(pl.LightningDataModule):
         if self.folds is not None:
             from data_gen.prompts import fold_splits
 
-            split = fold_splits(cols["sample_id"], cols.get("domain"), *self.folds, seed=self.seed)
+            k, i, *fraction = self.folds
+            split = fold_splits(cols["sample_id"], cols.get("domain"), k, i, seed=self.seed,
+                                train_fraction=fraction[0] if fraction else 1.0)
         self._check_disjoint(cols["sample_id"].astype(str), split)
         x_all = build_features(self.spec, cols)
         y_all = torch.from_numpy(derive_label(cols, self.label_family, self.lam))
@@ -160,7 +163,7 @@ class ShardDataModule(pl.LightningDataModule):
             idx = torch.from_numpy(np.flatnonzero(split == s))
             self.tensors[s] = (x_all[idx], y_all[idx].float(), tv_all[idx].float())
             self.raw[s] = {c: cols[c][idx.numpy()] for c in self.extra_columns if c in cols}
-        unknown = sorted(set(np.unique(split)) - set(SPLITS))
+        unknown = sorted(set(np.unique(split)) - set(SPLITS) - {"unused"})  # unused: left out of a learning curve
         if unknown:
             raise ValueError(f"unknown split values {unknown} in the shards; expected {SPLITS}")
 

@@ -1,6 +1,7 @@
 """Cross-validation over prompts (folds, out-of-fold scores, paired bootstrap) and predictors that start from a prior."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,17 @@ def test_fold_splits_test_every_prompt_once_stratified():
         tested += sorted(test_ids)
     assert sorted(tested) == sorted(set(ids))  # each prompt tested exactly once
     assert (fold_splits(ids, domain, 5, 0, seed=1) != fold_splits(ids, domain, 5, 0)).any()
+    # learning curve: a share of the training prompts, nested, the same test and val folds, the rest unused
+    full, half, quarter = (fold_splits(ids, domain, 5, 0, train_fraction=f) for f in (1.0, 0.5, 0.25))
+    for part in (half, quarter):
+        np.testing.assert_array_equal(part == "test", full == "test")
+        np.testing.assert_array_equal(part == "val", full == "val")
+    train_ids = lambda split: set(ids[split == "train"])  # noqa: E731
+    assert train_ids(quarter) < train_ids(half) < train_ids(full)
+    assert len(train_ids(half)) == 3 + 6  # 6 code and 12 chat training prompts: half of each stratum
+    assert set(ids[half == "unused"]) == train_ids(full) - train_ids(half)
+    with pytest.raises(ValueError, match="train_fraction=0"):
+        fold_splits(ids, domain, 5, 0, train_fraction=0)
     with pytest.raises(ValueError, match="at least 3 folds"):
         fold_splits(ids, domain, 2, 0)
     with pytest.raises(ValueError, match="fold=5"):
@@ -120,22 +132,24 @@ def test_crossval_end_to_end_finds_the_planted_hidden_signal(tmp_path):
 
     shards = tmp_path / "greedy-only"  # the planted log(p/q) is on these rows (with_sample_draw's are random)
     write_shards(shards, make_records(n_prompts=40, tokens_per_prompt=25, hidden_size=16, noise=1.0))  # q sees z only
-    cfg = CrossValConfig(data_dir=str(shards), out_dir=str(tmp_path / "cv"), folds=4, n_boot=50, runs=[
+    cfg = CrossValConfig(data_dir=str(shards), out_dir=str(tmp_path / "cv"), folds=4, n_boot=50, train_fractions=[0.5, 1.0], runs=[
         CrossValRun("disco", "disco", disco=DiscoConfig(hidden_size=8, extra_features=("q",), prior="q", **FAST)),
         CrossValRun("sprinter", "sprinter", sprinter=SprinterConfig(lam=1.2, **FAST)),
     ])
     result = run_crossval(cfg)
     table = result["table"]
     oof = pd.read_parquet(tmp_path / "cv" / "oof.parquet")
-    for name, g in oof.groupby("predictor"):
-        assert g["sample_id"].nunique() == 40 and len(g) == 40 * 25  # every prompt tested once, on its draw only
-    sp = table[(table["predictor"] == "sprinter") & (table["group"] == "all")].iloc[0]
+    for _, g in oof.groupby(["predictor", "train_fraction"]):
+        assert g["sample_id"].nunique() == 40 and len(g) == 40 * 25  # every prompt tested once
+    all_rows = table[(table["predictor"] == "sprinter") & (table["group"] == "all")].set_index("train_fraction")
+    assert all_rows.loc[0.5, "n_train"] == pytest.approx(all_rows.loc[1.0, "n_train"] / 2, rel=0.2)  # 10 of 20 prompts
+    sp = all_rows.loc[1.0]
     assert sp["label"] == "q/p<=1.2" and sp["draw"] == "greedy"  # one-draw data: every family reads its rows
     assert sp["diff"] > 0.1 and sp["diff_lo"] > 0 and sp["folds_won"] == 4
     assert set(table["group"]) == {"all", "code", "chat"}
     for f in ("crossval.md", "crossval.csv", "crossval.png", "crossval_config.json"):
         assert (tmp_path / "cv" / f).is_file()
-    assert "| sprinter | q/p<=1.2 (greedy) | all |" in result["markdown"]
+    assert re.search(r"\| sprinter \| q/p<=1.2 \(greedy\) \| \d+ \| all \|", result["markdown"])
     with pytest.raises(ValueError, match="distinct names"):
         CrossValConfig(runs=[CrossValRun("a"), CrossValRun("a")])
     with pytest.raises(ValueError, match="kind='sv'"):
