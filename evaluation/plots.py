@@ -19,7 +19,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-__all__ = ["plot_roc", "plot_threshold_speedup", "plot_oracle_hist", "plot_accept_vs_entropy", "plot_crossval"]
+__all__ = ["plot_roc", "plot_threshold_speedup", "plot_oracle_hist", "plot_accept_vs_entropy", "plot_crossval",
+           "plot_learning_curve"]
 
 
 def _save(fig: Any, path: str | Path) -> Path:
@@ -111,21 +112,44 @@ def plot_accept_vs_entropy(columns: Mapping[str, Any], path: str | Path, bins: i
 
 def plot_crossval(table: pd.DataFrame, path: str | Path) -> Path:
     """Cross-validated AUC difference (learned minus the best training-free score) with its bootstrap interval, one
-    row per predictor and group (``evaluation.crossval.summarise``); right of the zero line the learned one wins."""
+    row per predictor and group (``evaluation.crossval.summarise``; the largest training share when there are
+    several); right of the zero line the learned one wins."""
     rows = table[np.isfinite(table.get("diff", pd.Series(np.nan, index=table.index)))] if len(table) else table
-    fig, ax = plt.subplots(figsize=(7, 0.45 * max(len(rows), 1) + 1.2))
+    if len(rows) and "train_fraction" in rows:
+        rows = rows[rows["train_fraction"] == rows["train_fraction"].max()]
+    fig, ax = plt.subplots(figsize=(9, 0.4 * max(len(rows), 1) + 1.4))
     for i, r in enumerate(rows.to_dict("records")):
         lo, hi = r.get("diff_lo", r["diff"]), r.get("diff_hi", r["diff"])
         color = "tab:green" if lo > 0 else ("tab:red" if hi < 0 else "tab:gray")
         ax.errorbar(r["diff"], i, xerr=[[r["diff"] - lo], [hi - r["diff"]]], fmt="o", color=color, capsize=3)
-    share = lambda r: "" if r.get("train_fraction", 1.0) == 1 else f" · {r['train_fraction']:g} of train"  # noqa: E731
-    labels = [f"{r['predictor']}{share(r)} · {r['label']} · {r['group']} (vs {r['best_free']})"
-              for r in rows.to_dict("records")]
+    labels = [f"{r['predictor']} · {r['label']} · {r['group']} (vs {r['best_free']})" for r in rows.to_dict("records")]
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.axvline(0.0, color="k", lw=0.8)
     ax.invert_yaxis()
-    ax.set(xlabel="AUC difference, learned - best training-free (95% bootstrap CI over prompts)",
-           title="Cross-validated: does the learned predictor win?")
+    ax.set(xlabel="AUC difference: learned - best training-free (95% CI over prompts)",
+           title="Cross-validated: does the learned predictor win? (green: yes, red: no, gray: tie)")
     if not len(rows):
+        ax.text(0.5, 0.5, "no comparison could be made", ha="center", transform=ax.transAxes)
+    return _save(fig, path)
+
+
+def plot_learning_curve(table: pd.DataFrame, path: str | Path) -> Path:
+    """Cross-validated AUC difference (learned - best training-free, group "all") against the training tokens per
+    fold, one line per predictor with its bootstrap interval as a band (``pipelines.crossval`` with several
+    ``train_fractions``)."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    rows = table[(table["group"] == "all") & np.isfinite(table.get("diff", pd.Series(np.nan, index=table.index)))] \
+        if len(table) else table
+    for name, g in rows.groupby("predictor", sort=False):
+        g = g.sort_values("n_train")
+        line, = ax.plot(g["n_train"], g["diff"], marker="o", label=f"{name} ({g['label'].iloc[0]})")
+        if "diff_lo" in g:
+            ax.fill_between(g["n_train"], g["diff_lo"], g["diff_hi"], color=line.get_color(), alpha=0.15)
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set(xscale="log", xlabel="training tokens per fold", ylabel="AUC difference to the best training-free score",
+           title="Learning curve (cross-validated, 95% CI over prompts)")
+    if len(rows):
+        ax.legend(fontsize=7)
+    else:
         ax.text(0.5, 0.5, "no comparison could be made", ha="center", transform=ax.transAxes)
     return _save(fig, path)

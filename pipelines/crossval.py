@@ -10,8 +10,8 @@ Usage:
     python -m pipelines.crossval --config configs/crossval.yaml --train_fractions '[0.25,0.5,1.0]'   # learning curve
 
 From the main job (``crossval_folds`` > 0): ``run_crossval(CrossValConfig(...))``. Writes ``crossval.md``,
-``crossval.csv``, the out-of-fold scores (``oof.parquet``) and ``crossval.png`` (the differences with their intervals)
-to ``out_dir``, and logs them to the active MLflow run (or a new ``crossval`` run with ``tracking``).
+``crossval.csv``, the out-of-fold scores (``oof.parquet``), ``crossval.png`` (the differences with their intervals)
+and, with several ``train_fractions``, ``learning_curve.png`` to ``out_dir``, and logs them to the active MLflow run (or a new ``crossval`` run with ``tracking``).
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def run_crossval(cfg: CrossValConfig) -> dict[str, Any]:
     import pandas as pd
 
     from evaluation.crossval import crossvalidate, summarise, to_markdown
-    from evaluation.plots import plot_crossval
+    from evaluation.plots import plot_crossval, plot_learning_curve
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,6 +112,8 @@ def run_crossval(cfg: CrossValConfig) -> dict[str, Any]:
                         f"{markdown}\n")
     files[3].write_text(json.dumps(asdict(cfg), indent=2, default=str))
     files.append(plot_crossval(table, out / "crossval.png"))
+    if len(set(cfg.train_fractions)) > 1:
+        files.append(plot_learning_curve(table, out / "learning_curve.png"))
     _log_mlflow(cfg, table, files)
     return {"table": table, "markdown": markdown, "files": [str(f) for f in files]}
 

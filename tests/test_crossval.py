@@ -147,7 +147,7 @@ def test_crossval_end_to_end_finds_the_planted_hidden_signal(tmp_path):
     assert sp["label"] == "q/p<=1.2" and sp["draw"] == "greedy"  # one-draw data: every family reads its rows
     assert sp["diff"] > 0.1 and sp["diff_lo"] > 0 and sp["folds_won"] == 4
     assert set(table["group"]) == {"all", "code", "chat"}
-    for f in ("crossval.md", "crossval.csv", "crossval.png", "crossval_config.json"):
+    for f in ("crossval.md", "crossval.csv", "crossval.png", "learning_curve.png", "crossval_config.json"):
         assert (tmp_path / "cv" / f).is_file()
     assert re.search(r"\| sprinter \| q/p<=1.2 \(greedy\) \| \d+ \| all \|", result["markdown"])
     with pytest.raises(ValueError, match="distinct names"):
