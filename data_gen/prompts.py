@@ -499,8 +499,8 @@ def split_of(sample_id: str, fractions: tuple[float, float, float] = (0.8, 0.1, 
 
 
 def fold_splits(
-    sample_id: Sequence[str] | np.ndarray, strata: Sequence[str] | np.ndarray | None, folds: int, fold: int, seed: int = 0,
-    train_fraction: float = 1.0,
+    sample_id: Sequence[str] | np.ndarray, strata: Sequence[str] | np.ndarray | None, folds: int, fold: int,
+    seed: int = 0, train_fraction: float = 1.0,
 ) -> np.ndarray:
     """Per-record split of grouped k-fold cross-validation over prompts: fold ``fold`` is ``test``, the next fold
     ``val``, the rest ``train``.

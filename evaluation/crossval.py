@@ -81,16 +81,19 @@ def crossvalidate(
         with torch.no_grad():
             score = policy.net.eval()(x).double().numpy()  # the logit: ranks as the policy's score
         raw = dm.raw["test"]
-        part = pd.DataFrame({"predictor": name, "label": label_name(cfg.label_family, cfg.lam), "draw": "all",
-                             "train_fraction": train_fraction, "n_train": int(metrics["n_train"]), "fold": i, "y": y.numpy().astype(np.float64), "score": score,
-                             **{c: raw[c] for c in _KEEP if c in raw}})  # draw: the rows' own (one-draw data: all)
+        part = pd.DataFrame({
+            "predictor": name, "label": label_name(cfg.label_family, cfg.lam), "draw": "all",
+            "train_fraction": train_fraction, "n_train": int(metrics["n_train"]), "fold": i,
+            "y": y.numpy().astype(np.float64), "score": score,
+            **{c: raw[c] for c in _KEEP if c in raw},  # draw: the rows' own (one-draw data: all)
+        })
         if "domain" not in part:
             part["domain"] = "all"
         parts.append(part)
         elapsed = time.perf_counter() - t0
         log.info("cross-validation %s (train share %g) fold %d/%d: %d test tokens, val AUC %.4f, %.0fs elapsed, "
-                 "ETA %.0fs", name, train_fraction, i + 1, folds, len(part), metrics.get("val_auc", float("nan")), elapsed,
-                 elapsed / (n_done + 1) * (len(runs) - n_done - 1))
+                 "ETA %.0fs", name, train_fraction, i + 1, folds, len(part), metrics.get("val_auc", float("nan")),
+                 elapsed, elapsed / (n_done + 1) * (len(runs) - n_done - 1))
     return pd.concat(parts, ignore_index=True)
 
 
@@ -107,7 +110,8 @@ def _aucs(frame: pd.DataFrame, names: Sequence[str], weights: np.ndarray | None 
         if (wf * yf).sum() <= 0 or (wf * (1.0 - yf)).sum() <= 0:
             continue  # one class only in this fold (or resample): it ranks nothing
         for name in names:
-            s = frame["score"].to_numpy()[m] if name == "learned" else _free_score(name, frame[FREE_SCORES[name]].to_numpy()[m])
+            col = frame["score"] if name == "learned" else _free_score(name, frame[FREE_SCORES[name]])
+            s = np.asarray(col)[m]
             levels, inv = _levels(s)
             sums[name] += wf.sum() * weighted_auc(inv, len(levels), wf * yf, wf * (1.0 - yf))
         total += wf.sum()
@@ -141,7 +145,8 @@ def summarise(oof: pd.DataFrame, n_boot: int = 200, seed: int = 0, ci: float = 0
             y = g["y"].to_numpy()
             row: dict[str, Any] = {"predictor": name, "label": g["label"].iloc[0], "draw": g["draw"].iloc[0],
                                    "train_fraction": float(fraction),
-                                   "n_train": float(g.groupby("fold")["n_train"].first().mean()) if "n_train" in g else np.nan,
+                                   "n_train": float(g.groupby("fold")["n_train"].first().mean())
+                                   if "n_train" in g else np.nan,
                                    "group": group, "n": len(g), "prompts": g["sample_id"].nunique(),
                                    "pos_rate": float(y.mean())}
             if y.min() == y.max():
@@ -180,7 +185,8 @@ def to_markdown(table: pd.DataFrame) -> str:
              "its AUC | difference [95% CI] | P(win) | folds won |", "|" + "---|" * 12]
     for r in table.to_dict("records"):
         n_train = f"{r['n_train']:.0f}" if np.isfinite(r.get("n_train", np.nan)) else ""
-        head = f"| {r['predictor']} | {r['label']} ({r['draw']}) | {n_train} | {r['group']} | {r['n']} | {r['prompts']} |"
+        head = (f"| {r['predictor']} | {r['label']} ({r['draw']}) | {n_train} | {r['group']} | {r['n']} "
+                f"| {r['prompts']} |")
         if "auc" not in r or not np.isfinite(r.get("auc", np.nan)):
             lines.append(f"{head} {r.get('reason', '')} | | | | | |")
             continue
@@ -188,5 +194,6 @@ def to_markdown(table: pd.DataFrame) -> str:
         lines.append(
             f"{head} "
             f"{r['auc']:.4f} | {r['best_free']} | {r['auc_best_free']:.4f} | {r['diff']:+.4f} "
-            f"[{r.get('diff_lo', np.nan):+.4f}, {r.get('diff_hi', np.nan):+.4f}] | {r.get('p_win', np.nan):.2f} | {folds} |")
+            f"[{r.get('diff_lo', np.nan):+.4f}, {r.get('diff_hi', np.nan):+.4f}] | {r.get('p_win', np.nan):.2f} "
+            f"| {folds} |")
     return "\n".join(lines)
