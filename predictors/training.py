@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -471,13 +471,18 @@ def _fit_sv(cfg: SVTableConfig, dm, out_dir, logger, n_batches, ckpt_dir) -> tup
     trainer.save_checkpoint(str(path))
     table = module.net.cpu().eval()
     x_val, y_val, _ = dm.tensors["val"]
-    with torch.no_grad():
-        scores = table(x_val).numpy()
     raw = dm.raw["val"]
     if cfg.auc_label == "greedy" and "greedy_match" in raw:
-        auc_labels = raw["greedy_match"].astype(np.float32)
+        # greedy match judges argmax draws: with two draws per position read those rows (the table is fitted on the
+        # sampled ones, where min(1, p/q) is the acceptance), as the evaluation does
+        greedy = make_datamodule("sv", replace(cfg, label_family="greedy"), dm.data_dir, folds=dm.folds, draw="greedy")
+        greedy.setup("validate")
+        x_val, raw = greedy.tensors["val"][0], greedy.raw["val"]
+        auc_labels = greedy.tensors["val"][1].numpy()
     else:  # ratio label q/p <= lam  <=>  min(1, p/q) >= 1/lam  (lam >= 1, checked in the config)
         auc_labels = (y_val.numpy() >= 1.0 / cfg.lam - 1e-6).astype(np.float32)
+    with torch.no_grad():
+        scores = table(x_val).numpy()
     m: dict[str, Any] = binary_metrics(scores, auc_labels, cfg.threshold)
     m.update(baseline_aucs(raw, auc_labels))
     m["val_loss"] = float(val["val_loss"])

@@ -171,3 +171,21 @@ def test_each_label_family_reads_its_draw(tmp_path):
     forced = ShardDataModule(tmp_path / "two", "disco", "greedy", draw="sample")
     forced.setup("fit")
     assert forced.tensors["train"][1].numpy().mean() < greedy.tensors["train"][1].numpy().mean()
+
+
+def test_sv_greedy_auc_reads_the_argmax_rows(tmp_path):
+    """The SV table is fitted on the sampled draws (min(1, p/q)); its greedy-match val AUC is taken on the argmax rows,
+    as the evaluation takes it, and so are the training-free bars beside it."""
+    import torch
+    from sklearn.metrics import roc_auc_score
+
+    from tests.synthetic import with_sample_draw
+
+    both = with_sample_draw(make_records(n_prompts=30, tokens_per_prompt=20, hidden_size=0))
+    write_shards(tmp_path / "two", both)
+    policy, m = fit_predictor("sv", SVTableConfig(s_bins=5, a_bins=5), tmp_path / "two", tmp_path / "sv")
+    rows = (both["split"] == "val") & (both["draw"] == "greedy")
+    x = torch.from_numpy(np.stack([both["companion_sim"][rows], both["companion_accept"][rows]], 1))
+    y = both["greedy_match"][rows]
+    assert m["val_auc"] == pytest.approx(roc_auc_score(y, policy.net(x).numpy()))
+    assert m["val_auc_max_prob"] == pytest.approx(roc_auc_score(y, both["draft_max_prob"][rows]))
