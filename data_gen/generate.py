@@ -318,6 +318,20 @@ def produce_chunk(
     return records, st
 
 
+def cut_to_budget(records: dict[str, list], limit: int) -> dict[str, list]:
+    """The first whole positions of a chunk's records that fit in ``limit`` records: both draws of a position (same
+    ``seq_id`` and ``prefix_len``) are kept or dropped together, so a budget cut leaves no position with one draw."""
+    first: dict[tuple, int] = {}
+    rank = [first.setdefault(key, len(first)) for key in zip(records["seq_id"], records["prefix_len"])]
+    sizes = Counter(rank)
+    kept, total = 0, 0
+    while kept < len(first) and total + sizes[kept] <= limit:
+        total += sizes[kept]
+        kept += 1
+    keep = [r < kept for r in rank]
+    return {k: [v for v, m in zip(vals, keep) if m] for k, vals in records.items()}
+
+
 def _origin_cost(st: ChunkStats) -> dict[str, dict[str, float]]:
     """Per origin: records labelled (both draws), tokens generated sequentially, generation and labelling seconds."""
     return {
@@ -386,8 +400,9 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
     t_start = time.perf_counter()
     bar = tqdm(total=budget, initial=min(have, budget or have), unit="tok", desc=f"labelling (rank {rank})", disable=None)
     new_records = 0
+    per_position = 2 if cfg.sample_draw else 1  # records of one labelled position (the budget keeps whole positions)
     for c in mine:
-        if budget is not None and have >= budget:
+        if budget is not None and budget - have < per_position:
             break
         if c in done:
             continue
@@ -395,11 +410,13 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
         records, st = produce_chunk(cfg, models, tok, prompts, rendered, chunks[c], c)
         if not records:
             continue
-        n = len(records["draft_token"])
+        n = labelled = len(records["draft_token"])
         if budget is not None and have + n > budget:
-            records = {k: v[: budget - have] for k, v in records.items()}
-            n = budget - have
-        writer.write(c, records, cost={"records": n, "wall_s": round(time.perf_counter() - t_chunk, 3), "rank": rank,
+            records = cut_to_budget(records, budget - have)
+            n = len(records["draft_token"])
+            st.records_by_origin = Counter(records["origin"])  # kept records; the seconds were spent on all
+        writer.write(c, records, cost={"records": n, "dropped_by_budget": labelled - n,
+                                       "wall_s": round(time.perf_counter() - t_chunk, 3), "rank": rank,
                                        "origin": _origin_cost(st),
                                        "label_s_by_model": {m: round(v, 3) for m, v in st.label_seconds.items()}})
         have += n

@@ -190,9 +190,11 @@ def read_columns(
 
 
 def folder_cost(data_dir: Path) -> dict:
-    """The cost accounting of every complete shard of a folder, added up: records and seconds per origin, labelling
-    seconds per model, wall seconds and records per second; shards written without accounting are counted apart."""
-    total: dict = {"shards": 0, "shards_without_cost": 0, "records": 0, "wall_s": 0.0, "origin": {}, "label_s_by_model": {}}
+    """The cost accounting of every complete shard of a folder, added up: records kept and seconds spent per origin,
+    labelling seconds per model, records labelled but cut by the budget, wall seconds and records per second; shards
+    written without accounting are counted apart."""
+    total: dict = {"shards": 0, "shards_without_cost": 0, "records": 0, "dropped_by_budget": 0, "wall_s": 0.0, "origin": {},
+                   "label_s_by_model": {}}
     for shard in sorted(Path(data_dir).glob(SHARD_GLOB)):
         f = cost_path(shard)
         if not f.is_file():
@@ -201,6 +203,7 @@ def folder_cost(data_dir: Path) -> dict:
         c = json.loads(f.read_text())
         total["shards"] += 1
         total["records"] += int(c.get("records", 0))
+        total["dropped_by_budget"] += int(c.get("dropped_by_budget", 0))  # labelled, then cut by the budget
         total["wall_s"] += float(c.get("wall_s", 0.0))
         for o, d in c.get("origin", {}).items():
             acc = total["origin"].setdefault(o, {})

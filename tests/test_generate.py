@@ -71,8 +71,23 @@ def test_budget_stops_at_exact_count_and_resume_reaches_it(tmp_path):
     cost = summary["cost"]
     assert cost["shards"] == len(list(out.glob("shard-*.parquet"))) and cost["shards_without_cost"] == 0
     assert cost["records"] == 60 and cost["wall_s"] > 0 and cost["records_per_s"] > 0
-    assert sum(o["records"] for o in cost["origin"].values()) >= 60  # before the budget's cut of the last chunk
+    assert sum(o["records"] for o in cost["origin"].values()) == 60  # the records kept, per origin
+    assert cost["dropped_by_budget"] > 0  # labelled (and paid for), then cut by the budget
     assert set(cost["label_s_by_model"]) >= {"draft", "target"}
+
+
+def test_budget_keeps_whole_positions_with_two_draws(tmp_path):
+    """With two draws per position the budget keeps both or neither: an odd budget stops one record short, and a
+    resumed run reaches a larger one with every position complete."""
+    out = tmp_path / "two"
+    prompts = [PromptSourceConfig("humaneval", limit=16)]
+    generate(tiny_cfg(out, max_records=25, prompts=prompts, sample_draw=True))
+    assert len(frame(out)) == 24
+    generate(tiny_cfg(out, max_records=60, prompts=prompts, sample_draw=True))
+    df = frame(out)
+    assert len(df) == 60 and not df.duplicated([*KEY, "draw"]).any()
+    draws = df.groupby(["seq_id", "prefix_len"])["draw"].agg(lambda d: tuple(sorted(d)))
+    assert set(draws) == {("greedy", "sample")}
 
 
 def test_config_mismatch_refused_unless_overwrite(tmp_path):
