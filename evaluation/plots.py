@@ -121,7 +121,11 @@ def plot_crossval(table: pd.DataFrame, path: str | Path) -> Path:
     for i, r in enumerate(rows.to_dict("records")):
         lo, hi = r.get("diff_lo", r["diff"]), r.get("diff_hi", r["diff"])
         color = "tab:green" if lo > 0 else ("tab:red" if hi < 0 else "tab:gray")
-        ax.errorbar(r["diff"], i, xerr=[[r["diff"] - lo], [hi - r["diff"]]], fmt="o", color=color, capsize=3)
+        # a percentile interval of a few prompts may miss its own point estimate: draw the bar to what it covers
+        ax.errorbar(r["diff"], i, xerr=[[max(0.0, r["diff"] - lo)], [max(0.0, hi - r["diff"])]], fmt="o", color=color,
+                    capsize=3)
+        if not lo <= r["diff"] <= hi:
+            ax.plot([lo, hi], [i, i], color=color, lw=1, ls=":")
     labels = [f"{r['predictor']} · {r['label']} · {r['group']} (vs {r['best_free']})" for r in rows.to_dict("records")]
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.axvline(0.0, color="k", lw=0.8)

@@ -154,3 +154,13 @@ def test_crossval_end_to_end_finds_the_planted_hidden_signal(tmp_path):
         CrossValConfig(runs=[CrossValRun("a"), CrossValRun("a")])
     with pytest.raises(ValueError, match="kind='sv'"):
         CrossValRun("a", "sv")
+
+
+def test_forest_plot_draws_an_interval_that_misses_its_point(tmp_path):
+    """A percentile bootstrap over a few prompts can leave the point estimate outside its interval; the plot still
+    draws (matplotlib refuses negative error bars)."""
+    from evaluation.plots import plot_crossval
+
+    table = pd.DataFrame([{"predictor": "p", "label": "greedy match", "group": "all", "best_free": "max-prob",
+                           "train_fraction": 1.0, "diff": 0.02, "diff_lo": 0.025, "diff_hi": 0.05}])
+    assert plot_crossval(table, tmp_path / "cv.png").is_file()
