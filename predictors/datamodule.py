@@ -23,7 +23,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from predictors.inputs import FEATURE_KINDS, FeatureSpec, extra_column, build_features
+from predictors.inputs import FEATURE_KINDS, FeatureSpec, build_features, disco_columns
 from predictors.labels import LABEL_FAMILIES, derive_label, draw_mask, label_draw, label_name
 
 if TYPE_CHECKING:
@@ -66,8 +66,7 @@ def make_spec(kind: str, columns: dict[str, np.ndarray], **options: Any) -> Feat
 
 
 def _spec_columns(kind: str, options: dict[str, Any]) -> tuple[str, ...]:
-    extra = tuple(dict.fromkeys(extra_column(e) for e in options.get("extra", ())))
-    disco = ("draft_topk", "position", *extra)
+    disco = disco_columns(options.get("extra", ()))
     if kind == "disco":
         return disco + (("draft_hidden",) if options.get("with_hidden") else ())
     if kind == "sprinter":

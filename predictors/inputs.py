@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from predictors.base import StopPolicy
 
-__all__ = ["FeatureSpec", "build_features", "extra_column", "topk_entropy", "LearnedPolicy", "FEATURE_KINDS", "PARTS", "DISCO_EXTRAS"]
+__all__ = ["FeatureSpec", "build_features", "extra_column", "disco_columns", "topk_entropy", "LearnedPolicy", "FEATURE_KINDS", "PARTS", "DISCO_EXTRAS"]
 
 FEATURE_KINDS = ("disco", "sprinter", "sv")
 PARTS = ("disco", "hidden", "sv")
@@ -52,6 +52,11 @@ def extra_column(name: str) -> str:
         return name
     base = name[len(LOG_PREFIX):]
     return "draft_max_prob" if base == "max_prob" else base
+
+
+def disco_columns(extra: Sequence[str]) -> tuple[str, ...]:
+    """Record columns the ``disco`` part reads: the top-k, the position and each explicit input's column, once."""
+    return ("draft_topk", "position", *dict.fromkeys(extra_column(e) for e in extra))
 
 
 @dataclass(frozen=True)
@@ -135,8 +140,7 @@ class FeatureSpec:
     @property
     def columns(self) -> tuple[str, ...]:
         """Record columns this spec reads."""
-        extra = tuple(dict.fromkeys(extra_column(e) for e in self.extra))
-        cols = {"disco": ("draft_topk", "position", *extra), "hidden": ("draft_hidden",),
+        cols = {"disco": disco_columns(self.extra), "hidden": ("draft_hidden",),
                 "sv": ("companion_sim", "companion_accept")}
         return tuple(c for p in self.parts for c in cols[p])
 
