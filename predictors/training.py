@@ -409,7 +409,11 @@ def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[St
         module = SprinterModule(dm.spec.width, cfg.lr, cfg.weight_decay, pos_weight, prior_index=prior_index)
     module.net.norm.fit(x_tr)
     mode = MONITORS[cfg.monitor]
-    initial = (_monitored(module, dm, cfg.monitor), {k: v.clone() for k, v in module.state_dict().items()})
+    x_val, y_val, _ = dm.tensors["val"]
+    initial = None
+    if prior_index >= 0:  # the prior alone is a candidate: its metric and weights, kept if no epoch beats them
+        initial = (_val_metric(_val_logits(module.net, x_val), y_val, cfg.monitor, module.pos_weight),
+                   {k: v.clone() for k, v in module.state_dict().items()})
     ckpt = ModelCheckpoint(dirpath=str(ckpt_dir), filename=f"{kind}-best", monitor=cfg.monitor, mode=mode,
                            save_top_k=1, enable_version_counter=False)
     stop = EarlyStopping(monitor=cfg.monitor, mode=mode, patience=cfg.patience)
@@ -422,18 +426,18 @@ def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[St
         module.load_state_dict(saved["state_dict"])
         best_epoch = int(saved.get("epoch", best_epoch))
     best_score = float(ckpt.best_model_score) if ckpt.best_model_score is not None else None
-    kept_prior = prior_index >= 0 and (best_score is None or (best_score < initial[0] if mode == "max" else best_score > initial[0]))
+    kept_prior = initial is not None and (
+        best_score is None or (best_score < initial[0] if mode == "max" else best_score > initial[0]))
     if kept_prior:  # no epoch beat the training-free score the predictor started from: keep its ranking
         module.load_state_dict(initial[1])
         best_epoch, best_score = -1, initial[0]
         log.info("%s: no epoch beat the prior %s on %s (%.4f); keeping the initial weights", kind, cfg.prior, cfg.monitor, initial[0])
     module.cpu()
     net = module.net.eval()
-    with torch.no_grad():
-        scores = torch.sigmoid(net(dm.tensors["val"][0])).numpy()
-    m: dict[str, Any] = binary_metrics(scores, dm.tensors["val"][1].numpy(), cfg.threshold)
-    m.update(baseline_aucs(dm.raw["val"], dm.tensors["val"][1].numpy()))
-    m["val_loss"] = _monitored(module, dm, "val_loss")  # the weighted BCE of the kept weights (what val_loss monitors)
+    logits = _val_logits(net, x_val)
+    m: dict[str, Any] = binary_metrics(torch.sigmoid(logits).numpy(), y_val.numpy(), cfg.threshold)
+    m.update(baseline_aucs(dm.raw["val"], y_val.numpy()))
+    m["val_loss"] = _val_metric(logits, y_val, "val_loss", module.pos_weight)  # the kept weights' weighted BCE
     m.update({"pos_weight": float(pos_weight), "epochs_run": float(trainer.current_epoch), "best_epoch": float(max(best_epoch, 0)),
               "_checkpoint": "" if kept_prior else best})
     if prior_index >= 0:
@@ -442,18 +446,22 @@ def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[St
     return policy_cls(net, dm.spec, cfg.threshold, cfg.max_draft_len), m
 
 
-def _monitored(module: Any, dm: Any, monitor: str) -> float:
-    """The monitored validation metric of a module as it stands (before training: the prior alone)."""
+def _val_logits(net: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The net's logits on the validation inputs, in eval mode (the net's own mode restored)."""
+    training = net.training
+    with torch.no_grad():
+        logits = net.eval()(x)
+    net.train(training)
+    return logits
+
+
+def _val_metric(logits: torch.Tensor, y: torch.Tensor, monitor: str, pos_weight: torch.Tensor) -> float:
+    """A monitored metric from validation logits: val_auc, or val_loss (BCE with the training pos_weight)."""
     from predictors.lightning_modules import _auc
 
-    x, y, _ = dm.tensors["val"]
-    training = module.net.training
-    with torch.no_grad():
-        logits = module.net.eval()(x)
-    module.net.train(training)
     if monitor == "val_auc":
         return _auc(torch.sigmoid(logits).numpy(), y.numpy())
-    return float(F.binary_cross_entropy_with_logits(logits, y, pos_weight=module.pos_weight))
+    return float(F.binary_cross_entropy_with_logits(logits, y, pos_weight=pos_weight))
 
 
 def _fit_sv(cfg: SVTableConfig, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[StopPolicy, dict[str, Any]]:
