@@ -97,23 +97,37 @@ def crossvalidate(
     return pd.concat(parts, ignore_index=True)
 
 
-def _aucs(frame: pd.DataFrame, names: Sequence[str], weights: np.ndarray | None = None) -> dict[str, float]:
-    """Mean over folds of each scorer's AUC within the fold (weighted by the fold's token weight): the learned scores
-    of different folds come from different models, so only tokens of one fold are ranked against each other."""
-    y = frame["y"].to_numpy()
-    w = np.ones(len(y)) if weights is None else weights
+FoldRanks = list[tuple[np.ndarray, dict[str, tuple[int, np.ndarray]]]]
+"""Per fold: its row mask and, per scorer, (number of score levels, level index of each of its rows)."""
+
+
+def _fold_ranks(frame: pd.DataFrame, names: Sequence[str]) -> FoldRanks:
+    """Rank every scorer's scores within each fold once (the bootstrap only reweights rows)."""
     fold = frame["fold"].to_numpy()
-    sums, total = dict.fromkeys(names, 0.0), 0.0
+    scores = {n: frame["score"].to_numpy() if n == "learned" else _free_score(n, frame[FREE_SCORES[n]]) for n in names}
+    out: FoldRanks = []
     for f in np.unique(fold):
         m = fold == f
+        ranked = {}
+        for n, s in scores.items():
+            levels, inv = _levels(s[m])
+            ranked[n] = (len(levels), inv)
+        out.append((m, ranked))
+    return out
+
+
+def _aucs(y: np.ndarray, ranks: FoldRanks, names: Sequence[str], weights: np.ndarray | None = None) -> dict[str, float]:
+    """Mean over folds of each scorer's AUC within the fold (weighted by the fold's token weight): the learned scores
+    of different folds come from different models, so only tokens of one fold are ranked against each other."""
+    w = np.ones(len(y)) if weights is None else weights
+    sums, total = dict.fromkeys(names, 0.0), 0.0
+    for m, ranked in ranks:
         wf, yf = w[m], y[m]
         if (wf * yf).sum() <= 0 or (wf * (1.0 - yf)).sum() <= 0:
             continue  # one class only in this fold (or resample): it ranks nothing
         for name in names:
-            col = frame["score"] if name == "learned" else _free_score(name, frame[FREE_SCORES[name]])
-            s = np.asarray(col)[m]
-            levels, inv = _levels(s)
-            sums[name] += wf.sum() * weighted_auc(inv, len(levels), wf * yf, wf * (1.0 - yf))
+            n_levels, inv = ranked[name]
+            sums[name] += wf.sum() * weighted_auc(inv, n_levels, wf * yf, wf * (1.0 - yf))
         total += wf.sum()
     return {name: sums[name] / total if total > 0 else float("nan") for name in names}
 
@@ -152,7 +166,8 @@ def summarise(oof: pd.DataFrame, n_boot: int = 200, seed: int = 0, ci: float = 0
             if y.min() == y.max():
                 rows.append({**row, "reason": "one class only"})
                 continue
-            point = _aucs(g, ["learned", *free])
+            ranks = _fold_ranks(g, ["learned", *free])
+            point = _aucs(y, ranks, ["learned", *free])
             best = max(free, key=point.__getitem__)
             row.update(auc=point["learned"], **{f"auc_{f}": point[f] for f in free}, best_free=best,
                        auc_best_free=point[best], diff=point["learned"] - point[best])
@@ -161,7 +176,7 @@ def summarise(oof: pd.DataFrame, n_boot: int = 200, seed: int = 0, ci: float = 0
             diffs = []
             for _ in range(n_boot):
                 w = np.bincount(rng.integers(0, n_groups, n_groups), minlength=n_groups).astype(np.float64)[codes]
-                a = _aucs(g, ["learned", best], w)
+                a = _aucs(y, ranks, ["learned", best], w)
                 diffs.append(a["learned"] - a[best])
             d = np.asarray(diffs)
             d = d[np.isfinite(d)]
@@ -170,11 +185,11 @@ def summarise(oof: pd.DataFrame, n_boot: int = 200, seed: int = 0, ci: float = 0
                            p_win=float((d > 0).mean()))
             if group == "all":
                 won = 0
-                for _, fg in g.groupby("fold"):
-                    if fg["y"].min() < fg["y"].max():
-                        a = _aucs(fg, ["learned", best])
+                for m, ranked in ranks:
+                    if y[m].min() < y[m].max():
+                        a = _aucs(y, [(m, ranked)], ["learned", best])
                         won += int(a["learned"] > a[best])
-                row.update(folds_won=won, folds=int(g["fold"].nunique()))
+                row.update(folds_won=won, folds=len(ranks))
             rows.append(row)
     return pd.DataFrame(rows)
 
