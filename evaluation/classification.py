@@ -43,6 +43,7 @@ from predictors.labels import derive_label, label_name
 
 __all__ = [
     "DEFAULT_LABEL_SPECS",
+    "FREE_SCORES",
     "NegEntropy",
     "DraftProb",
     "builtin_scorers",
@@ -64,6 +65,11 @@ DEFAULT_LABEL_SPECS: tuple[tuple[str, float], ...] = (
     ("ratio", 1.5),
     ("soft", 1.0),
 )
+
+
+FREE_SCORES = {"max-prob": "draft_max_prob", "draft-prob": "q", "neg-entropy": "draft_entropy"}
+"""The training-free scores a learned predictor is compared with, by name, and the record column each reads (the
+entropy enters negated; SVIP's and AdaEDL's bounds rank tokens as -entropy does)."""
 
 
 class NegEntropy(StopPolicy):

@@ -30,15 +30,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evaluation.classification import _levels, weighted_auc
+from evaluation.classification import FREE_SCORES, _levels, weighted_auc
 from predictors.labels import label_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FREE_SCORES", "crossvalidate", "summarise", "to_markdown"]
+__all__ = ["crossvalidate", "summarise", "to_markdown"]
 
-FREE_SCORES = {"max-prob": "draft_max_prob", "draft-prob": "q", "neg-entropy": "draft_entropy"}
-"""Training-free scores compared against (name -> record column; the entropy enters negated)."""
 _KEEP = ("sample_id", "domain", "draw", *FREE_SCORES.values())
 
 

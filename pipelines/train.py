@@ -225,7 +225,7 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, export
     """Test-split evaluation of the trained policies against the baselines; tuned thresholds go into the exports."""
     import mlflow
 
-    from evaluation.classification import DEFAULT_LABEL_SPECS
+    from evaluation.classification import DEFAULT_LABEL_SPECS, FREE_SCORES
     from pipelines.evaluate import EvaluateConfig, run_evaluation
     from predictors.export import update_metadata
 
@@ -249,7 +249,7 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, export
     for kind in policies:
         label = own[kind][0]
         rows[kind]["test_auc"] = _headline_auc(table, kind, label)
-        free = {name: _headline_auc(table, name, label) for name in TRAINING_FREE}
+        free = {name: _headline_auc(table, name, label) for name in FREE_SCORES}
         free = {k: v for k, v in free.items() if v is not None}
         if free:
             best = max(free, key=free.__getitem__)
@@ -274,10 +274,6 @@ def _crossval(cfg: TrainJobConfig, data_dirs: list[Path], kinds: list[str], rows
     table = run_crossval(ccfg)["table"]
     for r in table[table["group"] == "all"].to_dict("records"):
         rows[r["predictor"]].update({f"cv_{k}": r.get(k) for k in ("auc", "best_free", "auc_best_free", "diff", "diff_lo", "diff_hi")})
-
-
-TRAINING_FREE = ("max-prob", "draft-prob", "neg-entropy")
-"""The training-free scores a learned predictor is compared with (SVIP's and AdaEDL's bounds rank tokens as -entropy)."""
 
 
 def _own_label(kcfg: Any) -> tuple[str, tuple[str, float]]:
