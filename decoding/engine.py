@@ -6,13 +6,18 @@ the current draft window) and the policy decides whether to draft another; then 
 forward pass (exact: greedy match or min(1, p/q) with a correction from norm(max(0, p - q)) and a bonus token), the
 policy is told the outcome (``policy.update``) and both KV caches (transformers ``DynamicCache``) are cropped.
 
-Policy kinds with special decoding:
-- ``sv``: drafts while the predicted acceptance is useful, then verifies the goodput-best prefix
-  (``predictors.goodput.goodput_length`` with the latency table of ``decoding.latency``); needs a companion model.
-- ``sprinter`` (``policy.exact`` False): approximate sequential verification; drafted tokens before the last one are taken
-  unverified, the target checks only the last token (min(1, p/q) or a resample from norm(max(0, p - q))).
-- policies needing target columns (``oracle``): analysis only; the target runs one step per drafted token to give
+How a round runs follows what the policy declares (``predictors.base.StopPolicy``), never its kind:
+- ``verification == GOODPUT`` (SV): drafts while the predicted acceptance is useful, then verifies the goodput-best
+  prefix (the round rules of ``predictors.sv`` with the latency table of ``decoding.latency``); needs a companion.
+- ``verification == SEQUENTIAL`` (SPRINTER, ``policy.exact`` False): approximate sequential verification; drafted tokens
+  before the last one are taken unverified, the target checks only the last token (min(1, p/q) or a resample from
+  norm(max(0, p - q))).
+- ``policy.needs_target`` (the oracle): analysis only; the target runs one step per drafted token to give
   ``greedy_match``; that time is reported apart (``DecodeStats.analysis_time``).
+
+Phases of ``SpeculativeDecoder.generate`` (in the manner of gpt-fast's generate.py): prefill; then per round
+``_draft_round`` (draft steps, each ``_draft_step`` with the stop decision ``_decide``), ``_verify_round`` (one target
+pass, per-sequence ``_verify``) and ``_settle`` (statistics, cache bookkeeping, limits).
 
 Batches (B > 1): prompts left-padded; each sequence drafts its own length; a sequence that stopped drafting feeds masked
 dummy tokens while the others continue; rejected positions become masked holes in the caches (positions come from the
@@ -32,9 +37,9 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from data_gen.features import COMPANION_COLUMNS, TARGET_COLUMNS, probs_from_logits, token_features
-from decoding.companion import needs_companion
-from predictors.base import RoundFeedback, StopPolicy
+from data_gen.features import COMPANION_COLUMNS, probs_from_logits, token_features
+from predictors import sv
+from predictors.base import GOODPUT, SEQUENTIAL, RoundFeedback, StopPolicy
 
 __all__ = ["DecodeStats", "SpeculativeDecoder"]
 
@@ -192,6 +197,71 @@ class _Stream:
             self.mask = self.mask[:, :keep]
 
 
+@dataclass
+class _Decoding:
+    """The state of one ``generate`` call that outlives a round (B sequences)."""
+
+    tgt: _Stream
+    drf: _Stream
+    cmp: _Stream | None
+    t_pending: list[list[int]]
+    """[B][n] tokens the target has not processed yet (the last emitted ones)."""
+    d_pending: list[list[int]]
+    """[B][n] the same for the draft (and companion)."""
+    outputs: list[list[int]]
+    """[B][emitted] new tokens per sequence."""
+    done: list[bool]
+    """[B] finished (eos or max_new_tokens)."""
+    eos: set[int]
+    max_new_tokens: int
+    gen: torch.Generator | None
+    stats: DecodeStats
+    device: torch.device
+
+    @property
+    def batch(self) -> int:
+        return len(self.done)
+
+    def streams(self) -> list[_Stream]:
+        return [s for s in (self.tgt, self.drf, self.cmp) if s is not None]
+
+
+@dataclass
+class _Round:
+    """What one round drafted, per sequence b of the batch (lists of length B; n_b drafted tokens for sequence b)."""
+
+    caps: list[int]
+    """[B] most tokens sequence b may draft this round."""
+    active: list[bool]
+    """[B] sequence b is still drafting."""
+    drafted: list[list[int]]
+    """[B][n_b] drafted token ids."""
+    q_rows: list[list[Tensor]]
+    """[B][n_b] of [V]: sampling distribution of each drafted token (sampling only)."""
+    q_x: list[list[float]]
+    """[B][n_b] q(x) of each drafted token (policy feedback)."""
+    scores: list[list[float]]
+    """[B][n_b] SV: estimated acceptance of each drafted token."""
+    peek_logits: list[list[Tensor]]
+    """[B][n_b] of [V]: analysis only, the target's logits at each drafted token."""
+    t_idx: list[list[int]]
+    """[B] target cache index of the pending + drafted tokens fed this round."""
+    d_idx: list[list[int]]
+    """[B] draft (and companion) cache index of the tokens fed this round."""
+
+    @classmethod
+    def start(cls, caps: list[int]) -> _Round:
+        def empty() -> list:
+            return [[] for _ in caps]
+
+        return cls(caps, [c > 0 for c in caps], empty(), empty(), empty(), empty(), empty(), empty(), empty())
+
+    def feed(self, pending: list[list[int]], step: int) -> list[list[int]]:
+        """[B] tokens each active sequence feeds at this draft step: its pending tokens first, then its last draft."""
+        return [(pending[b] if step == 0 else [self.drafted[b][-1]]) if self.active[b] else []
+                for b in range(len(self.caps))]
+
+
 class SpeculativeDecoder:
     """Speculative decoding of ``target`` with ``draft`` proposals, drafting lengths chosen by ``policy``.
 
@@ -232,7 +302,7 @@ class SpeculativeDecoder:
             widths["companion"] = companion.get_output_embeddings().weight.shape[0]
         if len(set(widths.values())) > 1:
             raise ValueError(f"draft / target / companion vocabulary sizes differ: {widths}")
-        reads_companion = needs_companion(policy)
+        reads_companion = policy.needs_companion
         if reads_companion and companion is None:
             cols = [c for c in policy.required_columns if c in COMPANION_COLUMNS]
             raise ValueError(
@@ -246,9 +316,9 @@ class SpeculativeDecoder:
         self.max_draft_len, self.top_k_features = int(max_draft_len), int(top_k_features)
         self.latency = latency
         self.needs_hidden = "draft_hidden" in policy.required_columns
-        self.analysis = any(c in TARGET_COLUMNS for c in policy.required_columns)
-        self.sequential = policy.kind == "sprinter" or not policy.exact
-        self.is_sv = policy.kind == "sv"
+        self.analysis = policy.needs_target
+        self.sequential = policy.verification == SEQUENTIAL
+        self.is_sv = policy.verification == GOODPUT
         if sv_patience < 1:
             raise ValueError(f"sv_patience={sv_patience}: must be >= 1")
         self.sv_patience = int(sv_patience)
@@ -264,6 +334,7 @@ class SpeculativeDecoder:
         return torch.multinomial(self._probs(logits), 1, generator=gen).squeeze(-1)
 
     def _sample(self, probs: Tensor, gen: torch.Generator | None) -> int:
+        """[V] probabilities -> one sampled token id."""
         return int(torch.multinomial(probs, 1, generator=gen))
 
     def _sv_latency(self):
@@ -295,6 +366,20 @@ class SpeculativeDecoder:
             ([B, T + N] prompt + new tokens, right-padded with the pad / eos id), stats.
         """
         t_start = time.perf_counter()
+        input_ids, mask = self._check_prompt(input_ids, attention_mask, max_new_tokens)
+        st = self._prefill(input_ids, mask, max_new_tokens, eos_token_id, seed)
+        while not all(st.done):
+            rnd = self._draft_round(st)
+            n_sent = self._verification_lengths(st, rnd)
+            self._verify_round(st, rnd, n_sent)
+            for s in st.streams():
+                s.crop()
+        st.stats.wall_time = _clock(st.device) - t_start
+        return torch.cat([input_ids, self._padded_outputs(st)], dim=1), st.stats
+
+    def _check_prompt(self, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int
+                      ) -> tuple[Tensor, Tensor]:
+        """Validate the inputs; returns ([B, T] ids, [B, T] long mask) on the target's device."""
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={max_new_tokens}: must be > 0")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -306,186 +391,183 @@ class SpeculativeDecoder:
             raise ValueError("empty prompt: a sequence has no tokens (attention_mask all zero)")
         if (mask[:, -1] == 0).any():
             raise ValueError("prompts must be left-padded: attention_mask[:, -1] has zeros")
+        return input_ids, mask
+
+    def _prefill(self, input_ids: Tensor, mask: Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None,
+                 seed: int | None) -> _Decoding:
+        """Fresh caches holding every prompt token but the last (each model's first pending input)."""
+        device = self.target.device
         eos = set() if eos_token_id is None else ({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
         gen = None
         if self.temperature > 0:
             gen = torch.Generator(device=device)
             gen.manual_seed(seed if seed is not None else torch.seed() % 2**63)
-
         batch = input_ids.shape[0]
-        stats = DecodeStats()
         self.policy.reset()
-        tgt = _Stream(self.target, batch, device)
-        drf = _Stream(self.draft, batch, device)
         cmp = _Stream(self.companion, batch, device) if self.companion is not None else None
+        st = _Decoding(
+            tgt=_Stream(self.target, batch, device), drf=_Stream(self.draft, batch, device), cmp=cmp,
+            t_pending=[], d_pending=[], outputs=[[] for _ in range(batch)], done=[False] * batch, eos=eos,
+            max_new_tokens=max_new_tokens, gen=gen, stats=DecodeStats(), device=device,
+        )
         prompts = [input_ids[b][mask[b].bool()].tolist() for b in range(batch)]
-        # Prefill all but the last prompt token (it is each model's first pending input).
         if input_ids.shape[1] > 1:
-            pre = [p[:-1] for p in prompts]
-            for s in (tgt, drf, cmp):
-                if s is not None:
-                    s.forward(pre, left_pad=True, all_logits=False)
-        t_pending = [[p[-1]] for p in prompts]  # tokens the target has not processed yet
-        d_pending = [[p[-1]] for p in prompts]  # same for the draft (and companion)
-        outputs: list[list[int]] = [[] for _ in range(batch)]
-        done = [False] * batch
+            for s in st.streams():
+                s.forward([p[:-1] for p in prompts], left_pad=True, all_logits=False)
+        st.t_pending = [[p[-1]] for p in prompts]
+        st.d_pending = [[p[-1]] for p in prompts]
+        return st
 
-        while not all(done):
-            live = [b for b in range(batch) if not done[b]]
-            # ---------------------------------------------------------- drafting
-            caps = [0] * batch
-            for b in live:
-                caps[b] = max(0, min(self.policy.draft_cap(), self.max_draft_len, max_new_tokens - len(outputs[b]) - 1))
-            drafted: list[list[int]] = [[] for _ in range(batch)]
-            q_rows: list[list[Tensor]] = [[] for _ in range(batch)]  # sampling distributions of drafted tokens
-            scores: list[list[float]] = [[] for _ in range(batch)]
-            q_x: list[list[float]] = [[] for _ in range(batch)]  # q(x) of drafted tokens (policy feedback)
-            peek_logits: list[list[Tensor]] = [[] for _ in range(batch)]  # analysis: target logits per draft token
-            t_idx: list[list[int]] = [[] for _ in range(batch)]  # target cache index of pending + drafted tokens
-            d_idx: list[list[int]] = [[] for _ in range(batch)]
-            active = [caps[b] > 0 for b in range(batch)]
-            step = 0
-            while any(active):
-                feed = [
-                    (d_pending[b] if step == 0 else [drafted[b][-1]]) if active[b] else [] for b in range(batch)
-                ]
-                t0 = _clock(device)
-                logits, hid, idx = drf.forward(feed, left_pad=True, all_logits=False, hidden=self.needs_hidden)
-                c_logits = cmp.forward(feed, left_pad=True, all_logits=False)[0][:, -1] if cmp is not None else None
-                stats.draft_time += _clock(device) - t0
-                stats.draft_forwards += 1
-                logits = logits[:, -1]
-                for b in range(batch):
-                    d_idx[b] += idx[b]
-                tok = self._pick(logits, gen)  # [B]
-                t_logits = None
-                if self.analysis:
-                    t0 = _clock(device)
-                    t_feed = [
-                        (t_pending[b] if step == 0 else [drafted[b][-1]]) if active[b] else [] for b in range(batch)
-                    ]
-                    tl, _, tidx = tgt.forward(t_feed, left_pad=True, all_logits=False)
-                    t_logits = tl[:, -1]
-                    for b in range(batch):
-                        t_idx[b] += tidx[b]
-                    stats.analysis_time += _clock(device) - t0
-                t0 = _clock(device)
-                with _one_thread(device):
-                    feats = token_features(
-                        logits,
-                        tok,
-                        target_logits=t_logits,
-                        companion_logits=c_logits,
-                        draft_hidden=hid,
-                        top_k=self.top_k_features,
-                        temperature=self.temperature,
-                        top_p=self.top_p,
-                    )
-                    feats["position"] = torch.full((batch,), step, dtype=torch.long, device=device)
-                    keep = self.policy.keep_drafting(feats).tolist()
-                    sc = self.policy.score(feats).tolist() if self.is_sv else None
-                    if sc is not None:  # SV: stop once the goodput-best prefix has not grown for sv_patience tokens
-                        lat = self._sv_latency()
-                        for b in range(batch):
-                            if active[b]:
-                                s_b = [*scores[b], float(sc[b])]
-                                keep[b] = keep[b] and len(s_b) - goodput_prefix(s_b, lat) < self.sv_patience
-                stats.stop_time += _clock(device) - t0
-                stats.stop_decisions += 1
-                q_all = self._probs(logits) if self.temperature > 0 else None
-                toks, qs = tok.tolist(), feats["q"].tolist()
-                for b in range(batch):
-                    if not active[b]:
-                        continue
-                    drafted[b].append(toks[b])
-                    q_x[b].append(qs[b])
-                    if q_all is not None:
-                        q_rows[b].append(q_all[b])
-                    if t_logits is not None:
-                        peek_logits[b].append(t_logits[b])
-                    if sc is not None:
-                        scores[b].append(float(sc[b]))
-                    if len(drafted[b]) >= caps[b] or not keep[b]:
-                        active[b] = False
-                step += 1
-
-            # SV: verify only the goodput-best prefix of what was drafted.
-            n_sent = [len(d) for d in drafted]
-            if self.is_sv:
-                lat = self._sv_latency()
-                if batch == 1:
-                    n_sent[0] = goodput_prefix(scores[0], lat) if drafted[0] else 0
-                else:
-                    n_sent = sv_batch_lengths([scores[b] if b in live else [] for b in range(batch)], lat)
-
-            # ---------------------------------------------------------- verification
-            if self.analysis:
-                t_feed = [[drafted[b][-1]] if drafted[b] else list(t_pending[b]) for b in range(batch)]
-                t_feed = [t_feed[b] if not done[b] else [] for b in range(batch)]
-            else:
-                t_feed = [t_pending[b] + drafted[b][: n_sent[b]] if not done[b] else [] for b in range(batch)]
-            t0 = _clock(device)
-            tl, _, tidx = tgt.forward(t_feed, left_pad=False, all_logits=True)
-            stats.target_time += _clock(device) - t0
-            for b in range(batch):
-                t_idx[b] += tidx[b]
-
-            for b in live:
-                stats.target_calls += 1  # one verification per sequence-round
-                k = n_sent[b]
-                if self.analysis:
-                    logit_rows = peek_logits[b][:k] + [tl[b, 0]]
-                else:
-                    logit_rows = [tl[b, j] for j in range(k + 1)]
-                emitted, n_acc, acc_flags = self._verify(drafted[b][:k], q_rows[b][:k], logit_rows, gen)
-                # Feedback to the policy.
-                self.policy.update(
-                    RoundFeedback(n_drafted=k, n_accepted=n_acc, draft_probs=q_x[b][:k], accepted=acc_flags)
-                )
-                stats.rounds += 1
-                stats.draft_tokens += len(drafted[b])
-                stats.accepted += n_acc
-                stats.wasted += len(drafted[b]) - n_acc
-                stats.accepted_lengths.append(n_acc)
-                stats.draft_lengths.append(len(drafted[b]))
-                # Cache bookkeeping: keep pending + accepted drafted tokens.
-                tgt.discard(b, t_idx[b][1 + n_acc :])
-                t_pending[b] = emitted[n_acc:]
-                if drafted[b]:
-                    fed = len(drafted[b]) - 1  # the draft never fed its last drafted token
-                    keep_n = min(n_acc, fed)
-                    n_old = len(d_idx[b]) - fed
-                    drf.discard(b, d_idx[b][n_old + keep_n :])
-                    if cmp is not None:
-                        cmp.discard(b, d_idx[b][n_old + keep_n :])
-                    d_pending[b] = emitted[keep_n:]
-                else:
-                    d_pending[b] = d_pending[b] + emitted
-                # Limits.
-                for j, t in enumerate(emitted):
-                    if t in eos:
-                        emitted = emitted[: j + 1]
-                        done[b] = True
-                        break
-                emitted = emitted[: max_new_tokens - len(outputs[b])]
-                outputs[b] += emitted
-                if len(outputs[b]) >= max_new_tokens:
-                    done[b] = True
-            for s in (tgt, drf, cmp):
-                if s is not None:
-                    s.crop()
-
-        stats.new_tokens = sum(len(o) for o in outputs)
+    def _padded_outputs(self, st: _Decoding) -> Tensor:
+        """[B, N] the new tokens, right-padded with the pad (else eos, else 0) id; counts them in the stats."""
+        st.stats.new_tokens = sum(len(o) for o in st.outputs)
         pad = self.target.config.pad_token_id
         if pad is None:
-            pad = next(iter(eos)) if eos else 0
-        width = max(len(o) for o in outputs)
-        new = torch.full((batch, width), int(pad), dtype=torch.long, device=device)
-        for b, o in enumerate(outputs):
+            pad = next(iter(st.eos)) if st.eos else 0
+        width = max(len(o) for o in st.outputs)
+        new = torch.full((st.batch, width), int(pad), dtype=torch.long, device=st.device)
+        for b, o in enumerate(st.outputs):
             if o:
-                new[b, : len(o)] = torch.tensor(o, device=device)
-        stats.wall_time = _clock(device) - t_start
-        return torch.cat([input_ids, new], dim=1), stats
+                new[b, : len(o)] = torch.tensor(o, device=st.device)
+        return new
+
+    # ------------------------------------------------------------------ drafting
+    def _draft_round(self, st: _Decoding) -> _Round:
+        """Draft step by step until every live sequence stopped (policy decision or cap)."""
+        caps = [0] * st.batch
+        for b in range(st.batch):
+            if not st.done[b]:
+                caps[b] = self.policy.round_cap(self.max_draft_len, st.max_new_tokens - len(st.outputs[b]) - 1)
+        rnd = _Round.start(caps)
+        step = 0
+        while any(rnd.active):
+            self._draft_step(st, rnd, step)
+            step += 1
+        return rnd
+
+    def _draft_step(self, st: _Decoding, rnd: _Round, step: int) -> None:
+        """One batched draft forward pass (B sequences), the stop decision, and the drafted tokens appended."""
+        t0 = _clock(st.device)
+        feed = rnd.feed(st.d_pending, step)
+        logits, hid, idx = st.drf.forward(feed, left_pad=True, all_logits=False, hidden=self.needs_hidden)
+        c_logits = st.cmp.forward(feed, left_pad=True, all_logits=False)[0][:, -1] if st.cmp is not None else None
+        st.stats.draft_time += _clock(st.device) - t0
+        st.stats.draft_forwards += 1
+        logits = logits[:, -1]  # [B, V]
+        for b in range(st.batch):
+            rnd.d_idx[b] += idx[b]
+        tok = self._pick(logits, st.gen)  # [B]
+        t_logits = self._peek_target(st, rnd, step) if self.analysis else None  # [B, V]
+        t0 = _clock(st.device)
+        with _one_thread(st.device):
+            feats = token_features(logits, tok, target_logits=t_logits, companion_logits=c_logits, draft_hidden=hid,
+                                   top_k=self.top_k_features, temperature=self.temperature, top_p=self.top_p)
+            feats["position"] = torch.full((st.batch,), step, dtype=torch.long, device=st.device)
+            keep, sc = self._decide(feats, rnd)
+        st.stats.stop_time += _clock(st.device) - t0
+        st.stats.stop_decisions += 1
+        q_all = self._probs(logits) if self.temperature > 0 else None  # [B, V]
+        toks, qs = tok.tolist(), feats["q"].tolist()
+        for b in range(st.batch):
+            if not rnd.active[b]:
+                continue
+            rnd.drafted[b].append(toks[b])
+            rnd.q_x[b].append(qs[b])
+            if q_all is not None:
+                rnd.q_rows[b].append(q_all[b])
+            if t_logits is not None:
+                rnd.peek_logits[b].append(t_logits[b])
+            if sc is not None:
+                rnd.scores[b].append(float(sc[b]))
+            if len(rnd.drafted[b]) >= rnd.caps[b] or not keep[b]:
+                rnd.active[b] = False
+
+    def _peek_target(self, st: _Decoding, rnd: _Round, step: int) -> Tensor:
+        """Analysis only: the target's [B, V] logits at the token each active sequence feeds (one step)."""
+        t0 = _clock(st.device)
+        tl, _, tidx = st.tgt.forward(rnd.feed(st.t_pending, step), left_pad=True, all_logits=False)
+        for b in range(st.batch):
+            rnd.t_idx[b] += tidx[b]
+        st.stats.analysis_time += _clock(st.device) - t0
+        return tl[:, -1]
+
+    def _decide(self, feats: dict[str, Tensor], rnd: _Round) -> tuple[list[bool], list[float] | None]:
+        """[B] draft another token after this one; SV also returns its [B] acceptance estimates."""
+        keep = self.policy.keep_drafting(feats).tolist()
+        if not self.is_sv:
+            return keep, None
+        sc = self.policy.score(feats).tolist()
+        lat = self._sv_latency()
+        for b in range(len(keep)):  # SV: stop once the goodput-best prefix has not grown for sv_patience tokens
+            if rnd.active[b]:
+                keep[b] = keep[b] and sv.keep_drafting([*rnd.scores[b], float(sc[b])], lat, self.sv_patience)
+        return keep, sc
+
+    # ------------------------------------------------------------------ verification
+    def _verification_lengths(self, st: _Decoding, rnd: _Round) -> list[int]:
+        """[B] drafted tokens sent to the target: all of them, or SV's goodput-best prefix."""
+        if not self.is_sv:
+            return [len(d) for d in rnd.drafted]
+        lat = self._sv_latency()
+        if st.batch == 1:
+            return [sv.goodput_prefix(rnd.scores[0], lat)]
+        return sv.batch_lengths([rnd.scores[b] if not st.done[b] else [] for b in range(st.batch)], lat)
+
+    def _verify_round(self, st: _Decoding, rnd: _Round, n_sent: list[int]) -> None:
+        """One target forward pass over every live sequence's window, then per-sequence verification and bookkeeping."""
+        live = [b for b in range(st.batch) if not st.done[b]]
+        if self.analysis:  # the target has seen every drafted token but the last
+            t_feed = [[d[-1]] if d else list(p) for d, p in zip(rnd.drafted, st.t_pending)]
+        else:
+            t_feed = [st.t_pending[b] + rnd.drafted[b][: n_sent[b]] for b in range(st.batch)]
+        t_feed = [t_feed[b] if not st.done[b] else [] for b in range(st.batch)]
+        t0 = _clock(st.device)
+        tl, _, tidx = st.tgt.forward(t_feed, left_pad=False, all_logits=True)  # [B, n, V]
+        st.stats.target_time += _clock(st.device) - t0
+        for b in range(st.batch):
+            rnd.t_idx[b] += tidx[b]
+        for b in live:
+            k = n_sent[b]
+            if self.analysis:
+                logit_rows = rnd.peek_logits[b][:k] + [tl[b, 0]]
+            else:
+                logit_rows = [tl[b, j] for j in range(k + 1)]
+            emitted, n_acc, flags = self._verify(rnd.drafted[b][:k], rnd.q_rows[b][:k], logit_rows, st.gen)
+            self.policy.update(RoundFeedback(n_drafted=k, n_accepted=n_acc, draft_probs=rnd.q_x[b][:k], accepted=flags))
+            self._settle(st, rnd, b, emitted, n_acc)
+
+    def _settle(self, st: _Decoding, rnd: _Round, b: int, emitted: list[int], n_acc: int) -> None:
+        """Sequence b after verification: statistics, caches keep pending + accepted tokens, limits."""
+        n_drafted = len(rnd.drafted[b])
+        stats = st.stats
+        stats.target_calls += 1  # one verification per sequence-round
+        stats.rounds += 1
+        stats.draft_tokens += n_drafted
+        stats.accepted += n_acc
+        stats.wasted += n_drafted - n_acc
+        stats.accepted_lengths.append(n_acc)
+        stats.draft_lengths.append(n_drafted)
+        st.tgt.discard(b, rnd.t_idx[b][1 + n_acc :])
+        st.t_pending[b] = emitted[n_acc:]
+        if n_drafted:
+            fed = n_drafted - 1  # the draft never fed its last drafted token
+            keep_n = min(n_acc, fed)
+            n_old = len(rnd.d_idx[b]) - fed
+            for s in (st.drf, st.cmp):
+                if s is not None:
+                    s.discard(b, rnd.d_idx[b][n_old + keep_n :])
+            st.d_pending[b] = emitted[keep_n:]
+        else:
+            st.d_pending[b] = st.d_pending[b] + emitted
+        for j, t in enumerate(emitted):
+            if t in st.eos:
+                emitted = emitted[: j + 1]
+                st.done[b] = True
+                break
+        emitted = emitted[: st.max_new_tokens - len(st.outputs[b])]
+        st.outputs[b] += emitted
+        if len(st.outputs[b]) >= st.max_new_tokens:
+            st.done[b] = True
 
     def _verify(
         self, drafted: list[int], q_rows: list[Tensor], logit_rows: list[Tensor], gen: torch.Generator | None
@@ -528,41 +610,3 @@ class SpeculativeDecoder:
         if float(resid.sum()) <= 0:
             resid = p
         return False, self._sample(resid / resid.sum(), gen)
-
-
-def goodput_prefix(accept_probs: list[float], latency) -> int:
-    """SV: the verification length maximising goodput (predictors.goodput.goodput_length)."""
-    from predictors.goodput import goodput_length
-
-    best, _ = goodput_length(accept_probs, latency)
-    return best
-
-
-def sv_batch_lengths(accept_probs: list[list[float]], latency) -> list[int]:
-    """SV across a batch: greedily add the draft token with the largest gain in expected accepted length while the
-    batch goodput (sum of expected tokens) / latency(total verified tokens) improves.
-
-    Args:
-        accept_probs: per sequence, the estimated acceptance of each drafted token, in order.
-        latency: seconds of a round verifying n tokens in all (``LatencyTable.round_latency``).
-    Returns:
-        per sequence, how many of its drafted tokens to verify.
-    """
-    n_seq = len(accept_probs)
-    lengths = [0] * n_seq
-    surv = [1.0] * n_seq  # P(all verified tokens so far accepted), per sequence
-    expected = float(sum(1 for a in accept_probs if a is not None))  # each sequence emits one target token
-    best = expected / max(latency(0), 1e-12)
-    while True:
-        gains = [
-            (surv[b] * accept_probs[b][lengths[b]], b) for b in range(n_seq) if lengths[b] < len(accept_probs[b])
-        ]
-        if not gains:
-            return lengths
-        gain, b = max(gains)
-        goodput = (expected + gain) / max(latency(sum(lengths) + 1), 1e-12)
-        if goodput <= best:
-            return lengths
-        best, expected = goodput, expected + gain
-        surv[b] *= accept_probs[b][lengths[b]]
-        lengths[b] += 1

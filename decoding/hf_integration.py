@@ -28,7 +28,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from data_gen.features import COMPANION_COLUMNS, TARGET_COLUMNS, token_features
-from predictors.base import RoundFeedback, StopPolicy
+from predictors.base import GOODPUT, RoundFeedback, StopPolicy
 
 __all__ = ["PolicyCandidateGenerator", "generate_with_policy", "check_hf_policy"]
 
@@ -36,7 +36,7 @@ __all__ = ["PolicyCandidateGenerator", "generate_with_policy", "check_hf_policy"
 def check_hf_policy(policy: StopPolicy) -> None:
     """Refuse policies that cannot run inside transformers' assisted generation."""
     bad = [c for c in policy.required_columns if c in COMPANION_COLUMNS or c in TARGET_COLUMNS]
-    if bad or policy.kind == "sv":
+    if bad or policy.verification == GOODPUT:
         raise ValueError(
             f"policy {policy.kind!r} needs columns {bad or ['companion']} that transformers' assisted generation does "
             f"not compute; use decoding.engine.SpeculativeDecoder"

@@ -19,11 +19,15 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from decoding.companion import needs_companion
 from predictors.base import StopPolicy
 from predictors.baselines import SVIP, AdaEDL, HFHeuristic, MaxConfidence, Oracle, StaticLength
 
 __all__ = ["build_policy", "build_decoder", "policy_label", "needs_companion"]
+
+def needs_companion(policy: StopPolicy) -> bool:
+    """``policy.needs_companion`` (what the policy declares); a function for callers that map over policies."""
+    return policy.needs_companion
+
 
 _NAMED = ("static", "heuristic", "max_confidence", "max_confidence_fixed", "svip", "adaedl", "oracle")
 
@@ -149,6 +153,6 @@ def build_decoder(
         max_draft_len=decoder_kwargs.get("max_draft_len", 40),
         force=force,
     )
-    if needs_companion(pol) and companion is None:
+    if pol.needs_companion and companion is None:
         raise ValueError(f"policy {pol.kind!r} needs a companion model; none is configured (set companion)")
     return SpeculativeDecoder(draft, target, pol, companion=companion, **decoder_kwargs)

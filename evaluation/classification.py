@@ -469,7 +469,7 @@ def sprinter_table(
             rows += [{**base, "lam": lam, "reason": "policy not loaded"} for lam in lams]
             continue
         miss = [c for c in pol.required_columns if c not in data.features]
-        if miss or not np.isfinite(base["threshold"]) or getattr(pol, "kind", "") in ("static", "heuristic", "oracle"):
+        if miss or not np.isfinite(base["threshold"]) or not pol.has_threshold:
             why = f"missing columns {miss}" if miss else "no score threshold"
             rows += [{**base, "lam": lam, "reason": why} for lam in lams]
             continue

@@ -27,15 +27,17 @@ in ``ReplayData.note``, when the data holds no such sequences.
 Tokens are counted up to the end of the stored sequence (a round that would emit its bonus token past the end is clipped),
 so in greedy mode every policy emits the same tokens and the speedup is a pure time ratio.
 
-Special policies: the oracle (``kind == "oracle"``, DISCO's definition) drafts exactly the acceptable run (greedy: leading
+Special policies: the oracle (``verification == HINDSIGHT``, DISCO's definition) drafts exactly the acceptable run (greedy: leading
 matches; sampling: until the first rejection, in expectation), never the last stored token (its bonus would lie past the end);
 it is the upper bound when a verification pass costs more than a draft step and verification time is subadditive in length.
-The schedule oracle (``kind == "oracle_schedule"``, :class:`OracleSchedule`) is the exact bound under any non-decreasing cost
+The schedule oracle (:class:`OracleSchedule`) is the exact bound under any non-decreasing cost
 model in greedy mode: a dynamic programme over each sequence picks, at every round start, how many of the acceptable tokens
 to draft so that the total replayed time is minimal (in sampling mode it falls back to the expectation oracle). SV-like
-policies (``kind`` in ``ReplayConfig.goodput_kinds``)
-draft while the goodput of verifying everything drafted improves, then verify the goodput-maximising length
-(``predictors.goodput.goodput_length``), paying companion steps per drafted token.
+policies (``verification == GOODPUT``) draft while the goodput of verifying everything drafted improves, then verify
+the goodput-maximising length (``predictors.sv.goodput_round``), paying companion steps per drafted token.
+
+Phases: :func:`replay_policy` runs :func:`_replay_sequence` per stored sequence, which runs rounds
+(:func:`_replay_round`: :func:`_draft_round` decides drafted and verified counts, then acceptance and cost are counted).
 
 Usage::
 
@@ -55,7 +57,8 @@ import torch
 from torch import Tensor
 
 from evaluation.cost_model import CostModel
-from predictors.base import RoundFeedback, StopPolicy, as_tensor_dict
+from predictors import sv
+from predictors.base import GOODPUT, HINDSIGHT, THRESHOLD, RoundFeedback, StopPolicy, as_tensor_dict, drafted_length
 
 __all__ = [
     "ReplayConfig",
@@ -73,10 +76,10 @@ __all__ = [
     "missing_columns",
     "OracleSchedule",
     "segment_keys",
+    "with_threshold",
 ]
 
 REPLAY_MODES = ("greedy", "sampling")
-UNTHRESHOLDED_KINDS = ("static", "heuristic", "oracle", "oracle_schedule")
 
 
 @dataclass
@@ -96,8 +99,6 @@ class ReplayConfig:
     """When the selection above is empty, replay every sequence instead (the result is then marked approximate)."""
     max_draft_len: int | None = None
     """Extra cap on draft tokens per round for every policy (None: each policy's own ``draft_cap()``)."""
-    goodput_kinds: tuple[str, ...] = ("sv", "sv_table")
-    """Policy kinds replayed with SV's goodput-maximising verification length instead of their threshold."""
     online_roc_baseline: bool = False
     """Also replay transformers' max-confidence with online ROC re-tuning (one sklearn call per round: slow)."""
 
@@ -344,7 +345,7 @@ def position_score_matrix(policy: StopPolicy, features: Mapping[str, Tensor], wi
 
 def _scores_for(policy: StopPolicy, data: ReplayData, max_draft_len: int | None) -> np.ndarray | None:
     """Precomputed scores: [N] for per-token policies, [N, cap] for position-dependent ones, None for the rest."""
-    if _is_oracle(policy):
+    if policy.verification == HINDSIGHT:
         return None
     if _position_dependent(policy):
         width = int(policy.max_draft_len) if max_draft_len is None else min(int(policy.max_draft_len), max_draft_len)
@@ -376,13 +377,11 @@ class OracleSchedule(StopPolicy):
 
     kind = "oracle_schedule"
     required_columns = ("greedy_match",)
+    verification = HINDSIGHT
+    has_threshold = False
 
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
         return features["greedy_match"].float()
-
-
-def _is_oracle(policy: StopPolicy) -> bool:
-    return getattr(policy, "kind", "") in ("oracle", "oracle_schedule")
 
 
 def _schedule(run: np.ndarray, a0: int, b0: int, cap: int, per_draft: float, cm: CostModel) -> dict[int, int]:
@@ -405,7 +404,7 @@ def _schedule(run: np.ndarray, a0: int, b0: int, cap: int, per_draft: float, cm:
     return out
 
 
-def _set_threshold(policy: StopPolicy, threshold: float) -> StopPolicy:
+def with_threshold(policy: StopPolicy, threshold: float) -> StopPolicy:
     """A copy of ``policy`` starting at ``threshold`` (online policies restart from it on every reset)."""
     p = copy.deepcopy(policy)
     old = p.threshold
@@ -428,6 +427,25 @@ def _sampling_oracle(acc: np.ndarray, cm: CostModel, companion: bool) -> tuple[f
     ks = np.arange(n + 1)
     times = np.array([cm.round_time(int(k), companion=companion) for k in ks])
     return float(surv.sum()), float((probs * ks).sum()), float((probs * times).sum())
+
+
+@dataclass
+class _Replay:
+    """One policy's replay over ``data``: what every round reads, and the running totals."""
+
+    policy: StopPolicy
+    data: ReplayData
+    cm: CostModel
+    mode: str
+    goodput: bool
+    max_draft_len: int | None
+    scores: np.ndarray | None
+    """[N] per-token scores, [N, width] per in-round position, or None (ask the policy on each round's window)."""
+    per_draft: float
+    """Seconds of one draft step (plus the companion's when the policy reads it)."""
+    companion: bool
+    online: bool
+    res: ReplayResult
 
 
 def replay_policy(
@@ -456,101 +474,95 @@ def replay_policy(
     miss = missing_columns(policy, data.features)
     if miss:
         raise KeyError(f"{getattr(policy, 'kind', type(policy).__name__)} needs the columns {miss}; missing from the data")
-    oracle = _is_oracle(policy)
-    if scores is None:
-        scores = _scores_for(policy, data, max_draft_len)
-    matrix = scores is not None and scores.ndim == 2
-    companion = any(c.startswith("companion_") for c in getattr(policy, "required_columns", ()))
-    online = _overrides(policy, "update")
+    companion = policy.needs_companion
     cm = cost_model
-    res = ReplayResult(n_seqs=data.n_seqs)
-    per_draft = cm.draft_s_per_token + (cm.companion_s_per_token if companion else 0.0)
-    t1 = cm.target_only_s_per_token
-    scheduled = oracle and mode == "greedy" and getattr(policy, "kind", "") == "oracle_schedule"
+    rp = _Replay(
+        policy=policy, data=data, cm=cm, mode=mode, goodput=goodput, max_draft_len=max_draft_len,
+        scores=scores if scores is not None else _scores_for(policy, data, max_draft_len),
+        per_draft=cm.draft_s_per_token + (cm.companion_s_per_token if companion else 0.0),
+        companion=companion, online=_overrides(policy, "update"), res=ReplayResult(n_seqs=data.n_seqs),
+    )
     for a0, b0 in zip(data.starts.tolist(), data.ends.tolist()):
-        policy.reset()
-        s = a0
-        plan = None
-        if scheduled:
-            top = int(policy.draft_cap()) if max_draft_len is None else min(int(policy.draft_cap()), max_draft_len)
-            plan = _schedule(data.match_run, a0, b0, max(top, 0), per_draft, cm)
-        while s < b0:
-            rem = b0 - s
-            cap = min(int(policy.draft_cap()), rem)
-            if max_draft_len is not None:
-                cap = min(cap, max_draft_len)
-            cap = max(cap, 0)
-            n_verify = None
-            if oracle and mode == "sampling":
-                # never draft the last stored token: its bonus would lie past the end
-                acc_exp, n_exp, t = _sampling_oracle(data.accept[s : s + min(cap, rem - 1)], cm, companion)
-                a_int = int(round(acc_exp))
-                res.add_round(min(acc_exp + 1, rem), acc_exp, n_exp, n_exp, t, t1, a_int)
-                s += a_int + 1
-                continue
-            if plan is not None:
-                n = plan[s]
-            elif oracle:
-                n = min(int(data.match_run[s]), cap, rem - 1)
-            elif cap == 0:
-                n = 0
-            else:
-                if scores is None or (matrix and cap > scores.shape[1]):
-                    w = None  # keep_drafting overridden: ask the policy on this round's window
-                elif matrix:
-                    w = scores[np.arange(s, s + cap), np.arange(cap)]
-                else:
-                    w = scores[s : s + cap]
-                if goodput:
-                    est = w if w is not None else policy.score(_window(data.features, s, s + cap)).numpy()
-                    n, n_verify = _goodput_round(np.clip(np.asarray(est, dtype=np.float64), 0.0, 1.0), cm, per_draft)
-                else:
-                    if w is None:
-                        keep = policy.keep_drafting(_window(data.features, s, s + cap)).cpu().numpy().astype(bool)
-                    else:
-                        keep = w >= policy.threshold
-                    n = cap if keep.all() else int(keep.argmin()) + 1
-            nv = n if n_verify is None else n_verify
-            if mode == "greedy":
-                acc = float(min(nv, int(data.match_run[s])))
-                a_int = int(acc)
-            else:
-                acc = float(np.cumprod(data.accept[s : s + nv]).sum()) if nv else 0.0
-                a_int = int(round(acc))
-            t = n * per_draft + cm.target_time(nv + 1)
-            res.add_round(min(acc + 1, rem), acc, n, nv, t, t1, n)  # tokens past the stored end are not counted
-            if online:
-                policy.update(
-                    RoundFeedback(
-                        n_drafted=nv,
-                        n_accepted=a_int,
-                        draft_probs=data.q[s : s + nv].tolist(),
-                        accepted=[j < a_int for j in range(nv)],
-                    )
-                )
-            s += a_int + 1
-    return res
+        _replay_sequence(rp, a0, b0)
+    return rp.res
 
 
-def _goodput_round(est: np.ndarray, cm: CostModel, per_draft: float) -> tuple[int, int]:
-    """SV round: draft while verifying everything drafted improves goodput; verify the goodput-maximising length."""
-    from predictors.goodput import goodput_length
+def _replay_sequence(rp: _Replay, a0: int, b0: int) -> None:
+    """Rounds over rows [a0, b0) of one stored sequence, each starting where the previous one's emitted tokens end."""
+    rp.policy.reset()
+    plan = None
+    if isinstance(rp.policy, OracleSchedule) and rp.mode == "greedy":
+        top = rp.policy.round_cap(rp.max_draft_len)
+        plan = _schedule(rp.data.match_run, a0, b0, top, rp.per_draft, rp.cm)
+    s = a0
+    while s < b0:
+        if rp.policy.verification == HINDSIGHT and rp.mode == "sampling":
+            s = _sampling_oracle_round(rp, s, b0)
+        else:
+            s = _replay_round(rp, s, b0, plan)
 
-    def latency(L: int) -> float:
-        return L * per_draft + cm.target_time(L + 1)
 
-    surv = np.cumprod(est)
-    best_g = 1.0 / latency(0)
-    n = len(est)
-    for j in range(1, len(est) + 1):
-        g = (surv[:j].sum() + 1.0) / latency(j)
-        if g < best_g:
-            n = j  # the j-th token was drafted, then found not worth verifying
-            break
-        best_g = g
-    sunk = n * per_draft
-    L, _ = goodput_length(est[:n], lambda L: sunk + cm.target_time(L + 1))
-    return n, int(L)
+def _sampling_oracle_round(rp: _Replay, s: int, b0: int) -> int:
+    """The oracle in sampling mode: draft until the first rejection, in expectation; returns the next round's start."""
+    rem = b0 - s
+    cap = rp.policy.round_cap(rem, rp.max_draft_len)
+    # never draft the last stored token: its bonus would lie past the end
+    acc_exp, n_exp, t = _sampling_oracle(rp.data.accept[s : s + min(cap, rem - 1)], rp.cm, rp.companion)
+    a_int = int(round(acc_exp))
+    rp.res.add_round(min(acc_exp + 1, rem), acc_exp, n_exp, n_exp, t, rp.cm.target_only_s_per_token, a_int)
+    return s + a_int + 1
+
+
+def _replay_round(rp: _Replay, s: int, b0: int, plan: dict[int, int] | None) -> int:
+    """One round from row s: draft, verify (greedy match or expected acceptance), count; returns the next start."""
+    rem = b0 - s
+    cap = rp.policy.round_cap(rem, rp.max_draft_len)
+    n, nv = _draft_round(rp, s, cap, rem, plan)  # drafted, verified
+    if rp.mode == "greedy":
+        acc = float(min(nv, int(rp.data.match_run[s])))
+        a_int = int(acc)
+    else:
+        acc = float(np.cumprod(rp.data.accept[s : s + nv]).sum()) if nv else 0.0
+        a_int = int(round(acc))
+    t = n * rp.per_draft + rp.cm.target_time(nv + 1)
+    # tokens past the stored end are not counted
+    rp.res.add_round(min(acc + 1, rem), acc, n, nv, t, rp.cm.target_only_s_per_token, n)
+    if rp.online:
+        q = rp.data.q[s : s + nv].tolist()
+        rp.policy.update(RoundFeedback.leading(n_drafted=nv, n_accepted=a_int, draft_probs=q))
+    return s + a_int + 1
+
+
+def _draft_round(rp: _Replay, s: int, cap: int, rem: int, plan: dict[int, int] | None) -> tuple[int, int]:
+    """(drafted, verified) tokens of the round starting at row s: the schedule's, the oracle's, SV's goodput rule, or
+    the policy's stop decisions over the round's window (the token that triggers the stop is drafted and verified)."""
+    if plan is not None:
+        return plan[s], plan[s]
+    if rp.policy.verification == HINDSIGHT:
+        n = min(int(rp.data.match_run[s]), cap, rem - 1)
+        return n, n
+    if cap == 0:
+        return 0, 0
+    w = _window_scores(rp, s, cap)  # [cap] or None
+    if rp.goodput:
+        est = w if w is not None else rp.policy.score(_window(rp.data.features, s, s + cap)).numpy()
+        return sv.goodput_round(np.clip(np.asarray(est, dtype=np.float64), 0.0, 1.0), rp.cm.target_time, rp.per_draft)
+    if w is None:
+        keep = rp.policy.keep_drafting(_window(rp.data.features, s, s + cap)).cpu().numpy().astype(bool)
+    else:
+        keep = w >= rp.policy.threshold
+    n = drafted_length(keep)
+    return n, n
+
+
+def _window_scores(rp: _Replay, s: int, cap: int) -> np.ndarray | None:
+    """[cap] precomputed scores of rows s..s+cap-1 at in-round positions 0..cap-1; None: ask the policy."""
+    sc = rp.scores
+    if sc is None or (sc.ndim == 2 and cap > sc.shape[1]):
+        return None  # keep_drafting overridden (or positions beyond the matrix): ask the policy on this window
+    if sc.ndim == 2:
+        return sc[np.arange(s, s + cap), np.arange(cap)]
+    return sc[s : s + cap]
 
 
 # ---------------------------------------------------------------------------------------------------------- tables
@@ -588,10 +600,6 @@ def default_grid(policy: StopPolicy, data: ReplayData, n: int = 15, scores: np.n
     return [float(g) for g in grid]
 
 
-def _is_goodput(policy: StopPolicy, cfg: ReplayConfig) -> bool:
-    return getattr(policy, "kind", "") in cfg.goodput_kinds
-
-
 def threshold_sweep(
     policy: StopPolicy,
     data: ReplayData,
@@ -605,7 +613,7 @@ def threshold_sweep(
     grid = list(grid) if grid is not None else default_grid(policy, data, scores=scores)
     rows = []
     for thr in grid:
-        p = _set_threshold(policy, thr)
+        p = with_threshold(policy, thr)
         r = replay_policy(p, data, cost_model, mode, max_draft_len=max_draft_len, scores=scores)
         rows.append({"threshold": float(thr), **r.as_row()})
     return pd.DataFrame(rows)
@@ -695,13 +703,13 @@ def replay_table(
         if miss:
             rows.append({**base, **common, "reason": f"missing columns {miss}"})
             continue
-        gp = _is_goodput(pol, cfg)
+        gp = pol.verification == GOODPUT
         p = copy.deepcopy(pol)
         r = replay_policy(p, data, cost_model, cfg.mode, goodput=gp, max_draft_len=cfg.max_draft_len)
-        how = "goodput" if gp else ("hindsight" if _is_oracle(pol) else "threshold")
+        # replay models SPRINTER's rounds with exact verification (threshold), SV's with its goodput rule
+        how = pol.verification if pol.verification in (GOODPUT, HINDSIGHT) else THRESHOLD
         rows.append({**base, **common, **r.as_row(), "verification": how, "reason": ""})
-        thresholded = getattr(pol, "kind", "") not in UNTHRESHOLDED_KINDS and not gp and not getattr(pol, "online_roc", False)
-        if sweep and thresholded:
+        if sweep and pol.tunable:
             sw = threshold_sweep(pol, data, cost_model, None, cfg.mode, cfg.max_draft_len)
             sw.insert(0, "policy", name)
             sweeps.append(sw)

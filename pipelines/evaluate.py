@@ -236,7 +236,7 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
     """
     from evaluation.classification import score_table, sprinter_table
     from evaluation.cost_model import assumed_cost_model
-    from evaluation.replay import ReplayConfig, _set_threshold, replay_table, tune_threshold
+    from evaluation.replay import ReplayConfig, with_threshold, replay_table, tune_threshold
     from evaluation.report import report_metrics, write_report
     import pandas as pd
 
@@ -294,7 +294,7 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
             if replay_cm.assumed:
                 notes.append("thresholds were tuned under an ASSUMED cost model (no measured cost_model.json)")
             for name, p in live.items():
-                if getattr(p, "kind", "") in ("static", "heuristic", "oracle", "sv"):
+                if not p.tunable:  # no score threshold, SV's goodput rule, or re-tuned online
                     continue
                 try:
                     thr, sp = tune_threshold(p, tune_cols, replay_cm, split=None, mode=cfg.replay_modes[0],
@@ -303,7 +303,7 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
                     notes.append(f"threshold tuning of {name} failed: {e}")
                     continue
                 tuned[name] = (thr, sp)
-                replay_pols[f"{name} (val-tuned)"] = _set_threshold(p, thr)
+                replay_pols[f"{name} (val-tuned)"] = with_threshold(p, thr)
                 if cfg.store_thresholds and name in refs and Path(refs[name]).is_dir():
                     from predictors.export import update_metadata
 

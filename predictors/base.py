@@ -7,12 +7,26 @@ accepted; for learned policies an estimated acceptance probability) and a decisi
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch import Tensor
+
+from data_gen.features import COMPANION_COLUMNS, TARGET_COLUMNS
+
+THRESHOLD = "threshold"
+"""Verification kind: draft while ``score >= threshold``, verify every drafted token exactly (DISCO, SVIP, AdaEDL...)."""
+GOODPUT = "goodput"
+"""Verification kind (Speculative Verification): draft while useful, verify the goodput-best prefix
+(``predictors.sv``)."""
+HINDSIGHT = "hindsight"
+"""Verification kind (oracles): the draft length is read from the target's answer; analysis only."""
+SEQUENTIAL = "sequential"
+"""Verification kind (SPRINTER): drafted tokens before the last are taken unverified, the target checks the last one;
+approximate."""
+VERIFICATIONS = (THRESHOLD, GOODPUT, HINDSIGHT, SEQUENTIAL)
 
 
 @dataclass
@@ -28,18 +42,49 @@ class RoundFeedback:
     accepted: list[bool] = field(default_factory=list)
     """Per drafted token: accepted (or greedy match) or not; positions after the first rejection are False."""
 
+    @classmethod
+    def leading(cls, n_drafted: int, n_accepted: int, draft_probs: list[float]) -> RoundFeedback:
+        """Feedback of a round whose first ``n_accepted`` drafted tokens were accepted (the replay's rounds)."""
+        return cls(n_drafted, n_accepted, draft_probs, [j < n_accepted for j in range(n_drafted)])
+
 
 class StopPolicy:
     """Base class: score draft tokens, continue drafting while ``score >= threshold``, up to ``draft_cap()`` tokens.
 
     Subclasses set ``kind`` and ``required_columns`` and implement :meth:`score`; online policies override
     :meth:`update` (called once per verification round) and :meth:`reset` (called at the start of each sequence).
+    A policy says what it is, so that the engine, the replay and the evaluation never test its kind by name:
+    ``verification`` (one of :data:`VERIFICATIONS`), ``has_threshold``, and the properties :attr:`exact`,
+    :attr:`needs_companion`, :attr:`needs_target` and :attr:`tunable`.
     """
 
     kind: ClassVar[str] = "base"
     required_columns: ClassVar[tuple[str, ...]] = ()
-    exact: ClassVar[bool] = True
-    """False for policies whose decoding is approximate (SPRINTER's sequential verification)."""
+    verification: ClassVar[str] = THRESHOLD
+    """How a round is drafted and verified (:data:`VERIFICATIONS`)."""
+    has_threshold: ClassVar[bool] = True
+    """The decision is ``score >= threshold`` (False for static lengths, the +2/-1 heuristic and the oracles)."""
+
+    @property
+    def exact(self) -> bool:
+        """False when decoding with this policy is approximate (SPRINTER's sequential verification)."""
+        return self.verification != SEQUENTIAL
+
+    @property
+    def needs_companion(self) -> bool:
+        """Reads the companion model's signals (SV, learned predictors given companion inputs)."""
+        return any(c in COMPANION_COLUMNS for c in self.required_columns)
+
+    @property
+    def needs_target(self) -> bool:
+        """Reads the target's answer for the drafted token (the oracles): analysis only."""
+        return any(c in TARGET_COLUMNS for c in self.required_columns)
+
+    @property
+    def tunable(self) -> bool:
+        """A threshold a sweep can tune: thresholded, not SV's goodput rule, not re-tuned online by the policy itself."""
+        return (self.has_threshold and self.verification in (THRESHOLD, SEQUENTIAL)
+                and not getattr(self, "online_roc", False))
 
     def __init__(self, threshold: float = 0.5, max_draft_len: int = 40) -> None:
         self.threshold = float(threshold)
@@ -57,6 +102,11 @@ class StopPolicy:
         """Most draft tokens in the next round (static and heuristic policies override)."""
         return self.max_draft_len
 
+    def round_cap(self, *limits: int | None) -> int:
+        """Most tokens the next round may draft: ``draft_cap()`` under the given limits (None: no limit), >= 0.
+        The engine and the replay both cap their rounds with it."""
+        return max(0, min([int(self.draft_cap()), *(int(x) for x in limits if x is not None)]))
+
     def update(self, feedback: RoundFeedback) -> None:
         """Online adaptation after a verification round; training-free and stateless policies ignore it."""
 
@@ -68,6 +118,15 @@ class StopPolicy:
         missing = [c for c in self.required_columns if c not in features]
         if missing:
             raise KeyError(f"{self.kind} needs the columns {missing}; they are missing from the data")
+
+
+def drafted_length(keep: Sequence[bool]) -> int:
+    """Tokens a round drafts given the stop decision after each candidate token (``keep[j]``: draft another after
+    token j): up to and including the first False, else all of them."""
+    for j, k in enumerate(keep):
+        if not k:
+            return j + 1
+    return len(keep)
 
 
 def as_tensor_dict(columns: Mapping[str, object]) -> dict[str, Tensor]:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from predictors.base import RoundFeedback, StopPolicy
+from predictors.base import HINDSIGHT, RoundFeedback, StopPolicy
 
 
 def entropy_bound(features: Mapping[str, Tensor], gamma: float) -> Tensor:
@@ -22,6 +22,7 @@ class StaticLength(StopPolicy):
     """Always draft exactly ``k`` tokens (the SL-k baselines)."""
 
     kind = "static"
+    has_threshold = False
     required_columns = ()
 
     def __init__(self, k: int = 5, max_draft_len: int = 40) -> None:
@@ -40,6 +41,7 @@ class HFHeuristic(StopPolicy):
     """transformers' ``num_assistant_tokens_schedule='heuristic'`` / DISCO's dynHeur: +2 when all accepted, else -1."""
 
     kind = "heuristic"
+    has_threshold = False
 
     def __init__(self, initial: int = 5, max_draft_len: int = 40) -> None:
         super().__init__(threshold=0.0, max_draft_len=max_draft_len)
@@ -175,6 +177,8 @@ class Oracle(StopPolicy):
     """Draft exactly until the first target mismatch (known in hindsight): the upper bound, for analysis only."""
 
     kind = "oracle"
+    verification = HINDSIGHT
+    has_threshold = False
     required_columns = ("greedy_match",)
 
     def score(self, features: Mapping[str, Tensor]) -> Tensor:

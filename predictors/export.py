@@ -44,7 +44,7 @@ class FingerprintMismatch(ValueError):
 def _learned() -> dict[str, tuple[type, type]]:
     from predictors.disco import DiscoNet, DiscoPolicy
     from predictors.sprinter import SprinterNet, SprinterPolicy
-    from predictors.sv_table import SVPolicy, SVTable
+    from predictors.sv import SVPolicy, SVTable
 
     return {"disco": (DiscoNet, DiscoPolicy), "sprinter": (SprinterNet, SprinterPolicy), "sv": (SVTable, SVPolicy)}
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from predictors.disco import DiscoNet
 from predictors.sprinter import SprinterNet
-from predictors.sv_table import SVTable
+from predictors.sv import SVTable
 
 __all__ = ["BinaryPredictorModule", "DiscoModule", "SprinterModule", "SVTableModule"]
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from predictors.base import SEQUENTIAL
 from predictors.disco import PriorLogit, Standardise
 from predictors.inputs import FeatureSpec, LearnedPolicy
 
@@ -53,7 +54,7 @@ class SprinterPolicy(LearnedPolicy):
     """SPRINTER: keep drafting while V(h) >= tau; approximate decoding (``exact = False``)."""
 
     kind = "sprinter"
-    exact = False
+    verification = SEQUENTIAL
     output = "logit"
 
     def __init__(self, net: SprinterNet, spec: FeatureSpec, threshold: float = 0.5, max_draft_len: int = 40) -> None:

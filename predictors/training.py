@@ -466,7 +466,7 @@ def _val_metric(logits: torch.Tensor, y: torch.Tensor, monitor: str, pos_weight:
 
 def _fit_sv(cfg: SVTableConfig, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[StopPolicy, dict[str, Any]]:
     from predictors.lightning_modules import SVTableModule
-    from predictors.sv_table import SVPolicy
+    from predictors.sv import SVPolicy
 
     module = SVTableModule(cfg.s_bins, cfg.a_bins, cfg.prior_count)
     # DDP cannot wrap a module without trainable parameters; the one counting pass runs in a single process (under a

@@ -12,7 +12,7 @@ from tests.tiny_pairs import make_pair
 from decoding.engine import SpeculativeDecoder
 from decoding.latency import LatencyTable, profile_latency
 from decoding.policies import build_decoder, build_policy
-from predictors.base import StopPolicy
+from predictors.base import GOODPUT, SEQUENTIAL, StopPolicy
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -160,6 +160,7 @@ class CompanionAccept(StopPolicy):
     """SV-like stub: score = companion acceptance."""
 
     kind = "sv"
+    verification = GOODPUT
     required_columns = ("companion_accept",)
 
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
@@ -178,8 +179,8 @@ def test_sv_goodput_verification_is_exact(pair, companion):
 
 
 def test_sv_real_table_policy(pair, companion):
-    """The SV bin-table policy from predictors.sv_table runs in the engine, with a profiled latency table."""
-    from predictors.sv_table import SVPolicy, SVTable
+    """The SV bin-table policy from predictors.sv runs in the engine, with a profiled latency table."""
+    from predictors.sv import SVPolicy, SVTable
 
     draft, target = pair
     table = SVTable(s_bins=4, a_bins=4)
@@ -198,7 +199,7 @@ class Sequential(StopPolicy):
     """SPRINTER-like stub: not exact, verifier score = draft max probability."""
 
     kind = "sprinter"
-    exact = False
+    verification = SEQUENTIAL
     required_columns = ("draft_max_prob",)
 
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
@@ -263,7 +264,7 @@ def test_tokenizer_and_fingerprint_checks(tmp_path, tiny_pair):
 
 
 def test_sv_batch_greedy_selection(pair, companion):
-    from decoding.engine import sv_batch_lengths
+    from predictors.sv import batch_lengths as sv_batch_lengths
 
     lat = LatencyTable(draft_step_s=0.0, target_s={0: 1.0, 10: 2.0}).round_latency
     # Confident sequence 0 gets its tokens, hopeless sequence 1 none.

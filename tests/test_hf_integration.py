@@ -10,7 +10,7 @@ from torch import Tensor
 from tests.tiny_pairs import make_pair
 from decoding.hf_integration import generate_with_policy
 from decoding.policies import build_policy
-from predictors.base import StopPolicy
+from predictors.base import GOODPUT, StopPolicy
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,6 +70,7 @@ def test_refuses_policies_it_cannot_run(pair):
 
     class NeedsCompanion(StopPolicy):
         kind = "sv"
+        verification = GOODPUT
         required_columns = ("companion_accept",)
 
     with pytest.raises(ValueError, match="SpeculativeDecoder"):

@@ -8,7 +8,7 @@ import torch
 from predictors.disco import DiscoNet, DiscoPolicy
 from predictors.inputs import FeatureSpec, build_features, topk_entropy
 from predictors.sprinter import SprinterNet, SprinterPolicy
-from predictors.sv_table import SVPolicy, SVTable, binary_entropy_bits
+from predictors.sv import SVPolicy, SVTable, binary_entropy_bits
 from tests.synthetic import make_records
 
 

@@ -13,13 +13,14 @@ from evaluation.cost_model import CostModel, measure_cost_model
 from evaluation.replay import (
     OracleSchedule,
     ReplayConfig,
-    _goodput_round,
+
     prepare_replay_data,
     replay_policy,
     replay_table,
     tune_threshold,
 )
-from predictors.base import RoundFeedback, StopPolicy
+from predictors.base import GOODPUT, RoundFeedback, StopPolicy
+from predictors.sv import goodput_round
 from predictors.baselines import SVIP, HFHeuristic, MaxConfidence, Oracle, StaticLength
 
 
@@ -48,6 +49,7 @@ class SVLike(StopPolicy):
     """Acceptance estimate from the companion column (replayed with SV's goodput length)."""
 
     kind = "sv"
+    verification = GOODPUT
     required_columns = ("companion_sim", "companion_accept")
 
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
@@ -177,10 +179,10 @@ def test_missing_columns_and_unloaded_policy_rows():
 def test_sv_goodput_round_hand_computed():
     est = np.array([0.9, 0.9, 0.1, 0.9])
     # constant target cost: goodput (E+1)/(L+4) rises to L=2 then falls at L=3 -> 3 drafted; sunk cost -> verify all 3
-    assert _goodput_round(est, CONST, 1.0) == (3, 3)
+    assert goodput_round(est, CONST.target_time, 1.0) == (3, 3)
     steep = CostModel(draft_s_per_token=1.0, target_s={1: 4.0, 5: 8.0})  # T(m) = 3 + m
     # latency 2L + 4: goodput .25, .317, .339, .279 -> 3 drafted; verify L maximising (E+1)/(3 + 3 + L + 1) -> L = 2
-    assert _goodput_round(est, steep, 1.0) == (3, 2)
+    assert goodput_round(est, steep.target_time, 1.0) == (3, 2)
 
 
 def test_sv_replay_with_companion_columns():
