@@ -20,7 +20,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from data_gen.generate import GenerateConfig, ModelsConfig, _load_models, produce_chunk
+from data_gen.generate import GenerateConfig, ModelsConfig, load_models, produce_chunk
 from data_gen.prompts import PromptSourceConfig, load_prompts, render_prompt
 
 
@@ -61,7 +61,7 @@ def main() -> None:
         rollout_len=args.rollout_len, gen_batch_size=args.gen_batch_size, measure_costs=False,
     )
     t0 = time.perf_counter()
-    models, tok = _load_models(cfg)
+    models, tok = load_models(cfg)
     print(f"models loaded in {time.perf_counter() - t0:.1f}s; torch threads {torch.get_num_threads()}")
     prompts, _ = load_prompts(cfg.prompts)
     rendered = [render_prompt(p, tok, True, cfg.max_prompt_tokens)[0] for p in prompts]

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from data_gen.continuations import continue_batch, speculative_trajectory
 from data_gen.labelling import LabelModels, LabelOptions, Segment, SequenceSpec, label_sequences, shared_prefix_len
@@ -54,9 +55,12 @@ class ModelsConfig:
     """torch device for all models (under Fabric each rank uses its own device)."""
     cache_dir: str = "~/.cache/specstop"
     """Cache of the packaged models (joined GGUF converted once to safetensors)."""
+    compute: str = "auto"
+    """CPU compute path (data_gen.compute_path): auto (oneDNN-packed linears, bfloat16 weights where the CPU computes
+    bf16 natively), packed (fp32), packed-bf16, or eager (off: torch's default kernels)."""
 
     def spec(self, name: str) -> ModelSpec:
-        return ModelSpec(name, dtype=self.dtype, device=self.device, cache_dir=self.cache_dir)
+        return ModelSpec(name, dtype=self.dtype, device=self.device, cache_dir=self.cache_dir, compute=self.compute)
 
 
 @dataclass
@@ -345,7 +349,8 @@ def _origin_cost(st: ChunkStats) -> dict[str, dict[str, float]]:
     }
 
 
-def _load_models(cfg: GenerateConfig, device: str | None = None):
+def load_models(cfg: GenerateConfig, device: str | None = None) -> tuple[LabelModels, PreTrainedTokenizerBase]:
+    """Load draft, target and companion of ``cfg.models`` (on ``device`` if given) and check they share a tokenizer."""
     mc = dataclasses.replace(cfg.models, device=device or cfg.models.device)
     draft, tok = load_model(mc.spec(mc.draft))
     target, ttok = load_model(mc.spec(mc.target))
@@ -366,7 +371,7 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
     Each rank takes the chunks whose index is congruent to its rank; the budget is split evenly across ranks.
     """
     out_dir = Path(cfg.out_dir)
-    models, tok = _load_models(cfg, device)
+    models, tok = load_models(cfg, device)
     prompts, prompt_stats = load_prompts(cfg.prompts, seed=cfg.seed)
     if not prompts:
         raise ValueError(f"no usable prompts from {[p.name for p in cfg.prompts]} (stats: {prompt_stats})")
@@ -456,7 +461,7 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
 def _measure_costs(models: LabelModels, out_dir: Path) -> None:
     """Store the draft/target cost model beside the data (the replay's speedup model)."""
     try:
-        from evaluation.cost_model import measure_cost_model
+        from data_gen.timing import measure_cost_model
     except ImportError:  # evaluation not installed in this build
         return
     cm = measure_cost_model(models.draft, models.target, models.companion)
