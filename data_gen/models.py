@@ -19,11 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from data_gen.compute_path import COMPUTE_PATHS, apply_compute_path, resolve_compute_path
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +52,14 @@ class ModelSpec:
     """torch device, e.g. cpu or cuda:0."""
     cache_dir: str = "~/.cache/specstop"
     """Where packaged models are joined and converted to safetensors."""
+    compute: str = "auto"
+    """CPU compute path (data_gen.compute_path): auto, packed, packed-bf16 or eager (off)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: use float32, bfloat16 or float16")
+        if self.compute not in COMPUTE_PATHS:
+            raise ValueError(f"compute={self.compute!r}: use one of {', '.join(COMPUTE_PATHS)}")
         if not self.name:
             raise ValueError(f"empty model name; accepted forms: {accepted_forms()}")
 
@@ -127,17 +133,37 @@ def tiny_model(seed: int, hidden: int = 32, layers: int = 2, vocab_size: int = 2
 
 
 def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer, in eval mode, on ``spec.device`` with ``spec.dtype``.
+    """Load a causal LM and its tokenizer, in eval mode, on ``spec.device`` with ``spec.dtype`` and compute path.
+
+    The compute path (``spec.compute``, see ``data_gen.compute_path``) is resolved for the device and applied last:
+    on CPU by default the large linear layers run on oneDNN-prepacked weights (bfloat16 where the CPU has it).
 
     Raises:
-        ValueError: for an unknown model source (the message lists the accepted forms).
+        ValueError: for an unknown model source (the message lists the accepted forms) or a compute path the device
+            lacks (the message names ``--models.compute``).
     """
+    path = resolve_compute_path(spec.compute, spec.device)
+    if path != "eager" and spec.dtype != "float32":
+        if spec.compute != "auto":
+            raise ValueError(f"compute={spec.compute!r} keeps fp32 activations: use dtype float32 with it, or "
+                             f"compute eager for dtype {spec.dtype}")
+        path = "eager"
+    model, tok = _load_eager(replace(spec, compute="eager"))
+    stats = apply_compute_path(model, path)
+    if stats["packed_layers"]:
+        log.info("%s: %d linear layers packed (%s), weights %.2f -> %.2f GB", spec.name, stats["packed_layers"], path,
+                 stats["bytes_before"] / 1e9, stats["bytes_after"] / 1e9)
+    return model, tok
+
+
+def _load_eager(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``load_model`` without the compute path (torch's default kernels)."""
     name = spec.name
     if name.startswith("truncated:"):
         _, n, base = name.split(":", 2)
         if not n.isdigit() or int(n) < 1:
             raise ValueError(f"bad truncated model name {name!r}: use truncated:N:<model> with N >= 1 layers")
-        model, tok = load_model(ModelSpec(base, spec.dtype, spec.device, spec.cache_dir))
+        model, tok = _load_eager(replace(spec, name=base))
         layers = model.get_decoder().layers
         if int(n) >= len(layers):
             raise ValueError(f"{name!r}: {base} has only {len(layers)} layers; N must be smaller")

@@ -1,37 +1,93 @@
-"""(Re)measure the draft / target / companion cost model of a data folder's model pair on this machine.
+"""Measure the verification curve of a model pair on this machine: draft step, companion step, target forward of L = 1..16
+new tokens over a cached prefix, with the CPU model and flags, torch version, threads and compute path in the JSON.
 
-The replay's predicted speedups use ``<data_dir>/cost_model.json``; timings taken while other processes loaded the
-machine overstate the target's verification cost, so re-measure on a quiet machine before evaluating.
+The one timing model (``data_gen.timing.CostModel``) that the replay, Speculative Verification and the benchmark read.
+Timings taken while other processes load the machine overstate costs: measure on a quiet machine (the minimum over
+repeats is kept and the curve made non-decreasing in L).
 
-Usage: python -m pipelines.measure_costs --data_dir outputs/default/data [--repeats 5]
+Usage:
+    python -m pipelines.measure_costs --data_dir outputs/default/data            # that folder's pair -> its cost_model.json
+    python -m pipelines.measure_costs --models.draft packaged:qwen2.5-coder-0.5b-instruct \\
+        --models.target packaged:qwen2.5-coder-1.5b-instruct --out outputs/costs.json [--models.compute eager]
 """
 from __future__ import annotations
 
-import argparse
 import json
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_gen.generate import ModelsConfig, _load_models, GenerateConfig
-from evaluation.cost_model import measure_cost_model
+from data_gen.generate import ModelsConfig
+from data_gen.timing import CostModel, measure_cost_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MeasureCostsConfig:
+    """What ``python -m pipelines.measure_costs`` measures and where it writes it."""
+
+    data_dir: str | None = None
+    """A folder written by pipelines.generate: its models are measured (on this run's compute path, see models.compute)
+    and its cost_model.json rewritten. Without it, ``models`` names the pair."""
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    """Draft / target / companion, dtype, device and compute path (used as given when data_dir is not set)."""
+    out: str | None = None
+    """JSON file to write (default: <data_dir>/cost_model.json, else outputs/cost_model.json)."""
+    max_length: int = 16
+    """Verification lengths L = 1 .. max_length are all timed."""
+    repeats: int = 5
+    """Timing repeats per length; the minimum is kept."""
+    prompt_len: int = 128
+    """Cached prefix length (random tokens)."""
+
+    def __post_init__(self) -> None:
+        if self.max_length < 2:
+            raise ValueError(f"max_length={self.max_length}: the curve needs at least L = 1 and 2")
+        if self.repeats < 1 or self.prompt_len < 1:
+            raise ValueError(f"repeats={self.repeats} and prompt_len={self.prompt_len} must be >= 1")
+        if self.data_dir is not None and not (Path(self.data_dir) / "config.json").is_file():
+            raise ValueError(f"--data_dir {self.data_dir}: no config.json there; give a folder written by "
+                             f"pipelines.generate, or leave data_dir unset and name the pair with --models.draft/target")
+
+
+def models_of(cfg: MeasureCostsConfig) -> ModelsConfig:
+    """The models to time: the data folder's pair on this run's device and compute path, or ``cfg.models``."""
+    if cfg.data_dir is None:
+        return cfg.models
+    resolved = json.loads((Path(cfg.data_dir) / "config.json").read_text())["resolved"]["models"]
+    resolved.update(device=cfg.models.device, compute=cfg.models.compute)
+    return ModelsConfig(**{k: v for k, v in resolved.items() if k in ModelsConfig.__dataclass_fields__})
+
+
+def measure(cfg: MeasureCostsConfig) -> CostModel:
+    """Load the models and time them; returns the cost model (not yet written)."""
+    from data_gen.generate import load_models
+
+    models_cfg = models_of(cfg)
+    from data_gen.generate import GenerateConfig
+
+    models, _ = load_models(GenerateConfig(models=models_cfg))
+    lengths = tuple(range(1, cfg.max_length + 1))
+    return measure_cost_model(models.draft, models.target, models.companion, lengths=lengths,
+                              prompt_len=cfg.prompt_len, repeats=cfg.repeats)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data_dir", required=True, help="folder written by pipelines.generate (holds config.json)")
-    ap.add_argument("--repeats", type=int, default=5, help="timing repeats; the minimum is kept")
-    args = ap.parse_args(argv)
-    data_dir = Path(args.data_dir)
-    cfg_file = data_dir / "config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(f"{cfg_file} is missing: --data_dir must be a folder written by pipelines.generate")
-    models_cfg = ModelsConfig(**json.loads(cfg_file.read_text())["resolved"]["models"])
-    models, _ = _load_models(GenerateConfig(models=models_cfg))
-    cm = measure_cost_model(models.draft, models.target, models.companion, repeats=args.repeats)
-    (data_dir / "cost_model.json").write_text(cm.to_json())
-    out = json.loads(cm.to_json())
-    print(json.dumps({k: out[k] for k in ("draft_s_per_token", "target_s", "companion_s_per_token")}, indent=2))
-    return out
+    """Parse, measure, write the JSON and print the curve; returns the cost model as a dict."""
+    from pipelines.cli import parse_config, setup_logging
+
+    setup_logging()
+    cfg = parse_config(MeasureCostsConfig, argv, __doc__)
+    out = Path(cfg.out or (Path(cfg.data_dir) / "cost_model.json" if cfg.data_dir else "outputs/cost_model.json"))
+    cm = measure(cfg)
+    cm.to_json(out)
+    print(cm.curve_table())
+    print(f"written to {out}")
+    return cm.to_dict()
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])

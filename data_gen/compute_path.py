@@ -1,0 +1,232 @@
+"""The CPU compute path: every large linear layer of a loaded model runs on one oneDNN-prepacked weight.
+
+Why: on x86 CPUs fp32 ``F.linear`` goes straight to the BLAS sgemm, whose small-M path reads the weights once per few
+rows, so a target forward of 4 or 8 new tokens costs 2-3x one token and verification pays it on every round (see
+DESIGN.md, "The compute path on CPU"). oneDNN packs a weight once into its blocked layout, valid for every row count M,
+and its kernels keep a forward of up to ~8 rows close to the memory-bound cost of one row.
+
+Paths (``ModelSpec.compute`` / ``--models.compute``):
+
+- ``auto`` (default): on CPU ``packed-bf16`` when the CPU computes bfloat16 natively (AVX512-BF16 or AMX-BF16, and
+  oneDNN says so), else ``packed``; on any other device ``eager``.
+- ``packed``: fp32 weights in oneDNN's layout; same dtype as eager, results equal to eager up to summation order.
+- ``packed-bf16``: weights packed in bfloat16; activations, norms, attention and the KV cache stay fp32 (inputs are
+  rounded to bfloat16 at each linear, accumulation is fp32, outputs fp32). Half the weight bytes: about twice as fast
+  per token and the 1.5B target fits in half the memory. It changes q and p slightly, so a data folder records the path
+  it was labelled with (``compute_path`` in its config) and the decoder warns when a predictor's data used another.
+- ``eager``: the model as transformers builds it (torch's default kernels).
+
+Only ``nn.Linear`` layers with at least ``MIN_PACK_ELEMENTS`` weights are packed (tiny test models keep eager
+numerics); the original weight is freed, so ``packed`` costs no extra memory and ``packed-bf16`` halves the linears'
+(a tied LM head keeps the embedding it shares and adds its packed copy).
+
+Usage::
+
+    from data_gen.compute_path import apply_compute_path, resolve_compute_path
+    path = resolve_compute_path("auto", torch.device("cpu"))        # e.g. "packed-bf16"
+    stats = apply_compute_path(model, path)                         # {"packed_layers": 197, ...}
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "COMPUTE_PATHS",
+    "MIN_PACK_ELEMENTS",
+    "PackedLinear",
+    "apply_compute_path",
+    "compute_path_of",
+    "cpu_info",
+    "native_bf16",
+    "resolve_compute_path",
+]
+
+COMPUTE_PATHS = ("auto", "packed", "packed-bf16", "eager")
+MIN_PACK_ELEMENTS = 1 << 18
+"""Linear layers with fewer weights than this stay eager (262,144: a 512 x 512 layer)."""
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_info() -> dict[str, Any]:
+    """Model name and the SIMD flags that decide the compute path (from /proc/cpuinfo where it exists)."""
+    model, flags = "", set()
+    path = Path("/proc/cpuinfo")
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            key, _, val = line.partition(":")
+            key = key.strip()
+            if key == "model name" and not model:
+                model = val.strip()
+            elif key == "flags" and not flags:
+                flags = set(val.split())
+    simd = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
+    return {
+        "model_name": model,
+        "simd_flags": simd,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def native_bf16() -> bool:
+    """True when this CPU computes bfloat16 dot products in hardware (AVX512-BF16 or AMX-BF16) and oneDNN uses it."""
+    flags = set(cpu_info()["simd_flags"])
+    has_isa = bool(flags & {"avx512_bf16", "amx_bf16"})
+    return has_isa and torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_compute_path(path: str, device: torch.device | str) -> str:
+    """The concrete path for ``path`` on ``device``: ``auto`` picks; an explicit path is checked.
+
+    Raises:
+        ValueError: an unknown path, or a packed path asked for on a device or CPU that lacks it (the message names
+            the option ``--models.compute`` and the value that works).
+    """
+    if path not in COMPUTE_PATHS:
+        raise ValueError(f"models.compute={path!r}: use one of {', '.join(COMPUTE_PATHS)}")
+    dev = torch.device(device)
+    if path == "auto":
+        if dev.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return "eager"
+        return "packed-bf16" if native_bf16() else "packed"
+    if path == "eager":
+        return path
+    if dev.type != "cpu":
+        raise ValueError(f"models.compute={path!r} is a CPU path but models.device={dev}; use --models.compute eager "
+                         f"(or auto) on {dev.type}")
+    if not torch.backends.mkldnn.is_available():
+        raise ValueError(f"models.compute={path!r} needs oneDNN (mkldnn), which this torch build lacks; use "
+                         f"--models.compute eager")
+    if path == "packed-bf16" and not native_bf16():
+        raise ValueError(f"models.compute=packed-bf16 needs a CPU with AVX512-BF16 or AMX-BF16; this one "
+                         f"({cpu_info()['model_name'] or 'unknown'}) has none: use --models.compute packed or eager")
+    return path
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` whose weight lives once in oneDNN's blocked layout (fp32 or bfloat16), for inference.
+
+    The forward takes and returns the activations' own dtype (fp32); with a bfloat16 pack the input is rounded to
+    bfloat16 and the output, accumulated in fp32 by oneDNN, comes back as fp32. No autograd.
+    """
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.pack_dtype = dtype
+        w = linear.weight.detach().to(dtype).contiguous()
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w, None), persistent=False)
+        # the bias is added in the activations' dtype (fp32) after the GEMM, so a bf16 pack rounds only x and W
+        b = None if linear.bias is None else linear.bias.detach().clone()
+        self.register_buffer("bias", b, persistent=False)
+        self._out_dtype = linear.weight.dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A shape-only stand-in (meta tensor): callers read ``weight.shape``; the data is in ``packed_weight``."""
+        return torch.empty((self.out_features, self.in_features), dtype=self._out_dtype, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [N, in] -> oneDNN -> [N, out] -> [..., out]
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != self.pack_dtype:
+            x2 = x2.to(self.pack_dtype)
+        if self.pack_dtype == self._out_dtype:  # fp32 pack: bias fused into the GEMM
+            y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed_weight, self.bias, "none", [], "")
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed_weight, None, "none", [], "")
+            y = y.to(self._out_dtype)  # [N, out]
+            if self.bias is not None:
+                y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, pack={self.pack_dtype}"
+
+
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+
+
+def apply_compute_path(
+    model: nn.Module, path: str, bf16_head: bool = False, min_elements: int = MIN_PACK_ELEMENTS
+) -> dict[str, Any]:
+    """Swap the model's large ``nn.Linear`` layers for :class:`PackedLinear` (in place) for a resolved ``path``.
+
+    Args:
+        model: a model on the CPU, in eval mode, in float32 (the packed paths keep fp32 activations).
+        path: ``packed``, ``packed-bf16`` or ``eager`` (no change); resolve ``auto`` first.
+        bf16_head: with ``packed-bf16``, pack the LM head in bfloat16 too. Off by default: bf16 GEMM outputs are
+            rounded to bfloat16, which for logits of magnitude 16-32 is a step of 0.125 (q and p off by up to 6%,
+            argmax ties); the head stays an fp32 pack, about 14% of a target step.
+        min_elements: layers with fewer weights stay eager (tests pass 0 to pack tiny models).
+    Returns:
+        stats: packed layer count, weight bytes before and after, the path.
+    Raises:
+        ValueError: for ``auto`` / unknown paths or a model not in float32 on the CPU.
+        MemoryError: when packing runs out of memory (the message says how much was needed and how to turn it off).
+    """
+    if path == "eager":
+        return {"compute_path": "eager", "packed_layers": 0}
+    if path not in ("packed", "packed-bf16"):
+        raise ValueError(f"apply_compute_path: resolve {path!r} first (packed, packed-bf16 or eager)")
+    p = next(model.parameters())
+    if p.device.type != "cpu" or p.dtype != torch.float32:
+        raise ValueError(f"compute path {path!r} needs a float32 model on the CPU (got {p.dtype} on {p.device}); "
+                         f"load with --models.dtype float32 or use --models.compute eager")
+    dtype = torch.bfloat16 if path == "packed-bf16" else torch.float32
+    stats = {"compute_path": path, "packed_layers": 0, "bytes_before": 0, "bytes_after": 0}
+    tied = _tied_output_weight(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for parent, name, lin in _linears(model):
+        if lin.weight.numel() < min_elements:
+            continue
+        layer_dtype = torch.float32 if (lin is head and not bf16_head) else dtype
+        need = lin.weight.numel() * layer_dtype.itemsize
+        try:
+            packed = PackedLinear(lin, layer_dtype)
+        except RuntimeError as e:  # oneDNN reports allocation failures as RuntimeError
+            if "memory" not in str(e).lower() and "alloc" not in str(e).lower():
+                raise
+            raise MemoryError(
+                f"packing {type(model).__name__}.{name} ({tuple(lin.weight.shape)}) needs {need / 2**20:.0f} MiB more "
+                f"memory than is free; free memory or turn the path off with --models.compute eager"
+            ) from e
+        setattr(parent, name, packed)
+        stats["packed_layers"] += 1
+        stats["bytes_before"] += 0 if lin.weight is tied else lin.weight.numel() * lin.weight.element_size()
+        stats["bytes_after"] += need
+        del lin
+    model.specstop_compute_path = path  # read back by compute_path_of
+    return stats
+
+
+def _tied_output_weight(model: nn.Module) -> torch.Tensor | None:
+    """The LM head's weight when it is shared with the input embedding (freed only with the embedding)."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if get_in is None or get_out is None:
+        return None
+    emb, head = get_in(), get_out()
+    if isinstance(head, nn.Linear) and emb is not None and head.weight is emb.weight:
+        return head.weight
+    return None
+
+
+def compute_path_of(model: nn.Module) -> str:
+    """The compute path a model was loaded with (``eager`` when none was applied)."""
+    return str(getattr(model, "specstop_compute_path", "eager"))

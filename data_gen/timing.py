@@ -1,0 +1,346 @@
+"""Latency cost model of one speculative-decoding round, measured on this machine for one model pair.
+
+One round drafts ``n`` tokens (``n`` draft decode steps, plus ``n`` companion steps when a companion runs) and verifies them
+with one target forward over ``n + 1`` new tokens (the last emitted token, not yet in the target's cache, plus the ``n``
+drafts). Target-only decoding is the round with ``n = 0``: one target forward of one new token per output token.
+The draft's catch-up on the bonus token after a fully accepted round is ignored (one extra draft step at most).
+
+One length convention everywhere: ``target_s[L]`` is a target forward of ``L`` new tokens (L = drafts + 1). The
+generator writes this model beside its shards, ``pipelines.measure_costs`` measures it for any pair, and the replay,
+Speculative Verification's goodput rule and the benchmark read it. The file records where it was measured (CPU model
+and SIMD flags, torch version, threads, compute path); :meth:`CostModel.mismatch` names what differs from the run at
+hand.
+
+Usage::
+
+    from data_gen.models import ModelSpec, load_model
+    from data_gen.timing import measure_cost_model
+    draft, _ = load_model(ModelSpec("tiny:1")); target, _ = load_model(ModelSpec("tiny:2:48:2"))
+    cm = measure_cost_model(draft, target, lengths=(1, 2, 4), prompt_len=16, repeats=2)
+    cm.to_json("cost_model.json"); cm.round_time(5); print(cm.curve_table())
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CostModel", "measure_cost_model", "assumed_cost_model"]
+
+
+@dataclass
+class CostModel:
+    """Seconds per draft token and per target verification pass, by verification length."""
+
+    draft_s_per_token: float
+    """Seconds of one draft decode step (one new token over a KV cache)."""
+    target_s: dict[int, float]
+    """Seconds of one target forward of L new tokens over a cached prefix, by L (>= 1); interpolated between the
+    measured lengths and extrapolated linearly beyond the last two."""
+    companion_s_per_token: float = 0.0
+    """Seconds of one companion decode step (0 when no companion was measured)."""
+    device: str = "cpu"
+    """Device the timings were taken on."""
+    dtype: str = "float32"
+    """Model dtype during the timings."""
+    draft_name: str = ""
+    """Draft model name (``config.name_or_path``)."""
+    target_name: str = ""
+    """Target model name."""
+    companion_name: str = ""
+    """Companion model name ('' when none)."""
+    prompt_len: int = 0
+    """Cached prefix length the timings were taken at."""
+    compute_path: str = "eager"
+    """Compute path of the target during the timings (``data_gen.compute_path``)."""
+    machine: dict[str, Any] = field(default_factory=dict)
+    """Where it was measured: CPU model name, SIMD flags, torch version and CPU capability, threads."""
+    assumed: bool = False
+    """True when the numbers are an assumption, not a measurement (reports label the speedups accordingly)."""
+    notes: str = ""
+    """Free text: how the numbers were obtained."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Anything else worth keeping (raw repeat timings, timestamp)."""
+
+    def __post_init__(self) -> None:
+        self.target_s = {int(k): float(v) for k, v in self.target_s.items()}
+        if not self.target_s:
+            raise ValueError("CostModel.target_s is empty: measure at least one verification length")
+        if min(self.target_s) < 1:
+            raise ValueError(f"CostModel.target_s lengths must be >= 1, got {sorted(self.target_s)}")
+        if self.draft_s_per_token < 0 or self.companion_s_per_token < 0 or min(self.target_s.values()) <= 0:
+            raise ValueError("CostModel times must be positive (draft/companion >= 0, target > 0)")
+        self._ls = np.array(sorted(self.target_s), dtype=np.float64)
+        self._ts = np.array([self.target_s[int(k)] for k in self._ls], dtype=np.float64)
+        self._cache: dict[float, float] = {}
+
+    def target_time(self, length: float) -> float:
+        """Seconds of one target forward over ``length`` new tokens (interpolated / linearly extrapolated)."""
+        hit = self._cache.get(length)
+        if hit is None:
+            hit = self._cache[length] = self._target_time(length)
+        return hit
+
+    def _target_time(self, length: float) -> float:
+        ls, ts = self._ls, self._ts
+        if len(ls) == 1:
+            return float(ts[0] * max(length, 1.0) / ls[0]) if length > ls[0] else float(ts[0])
+        if length <= ls[-1]:
+            return float(np.interp(length, ls, ts))
+        slope = max((ts[-1] - ts[-2]) / (ls[-1] - ls[-2]), 0.0)
+        return float(ts[-1] + slope * (length - ls[-1]))
+
+    def round_time(self, n_draft: int, n_verify: int | None = None, companion: bool = False) -> float:
+        """Seconds of one round that drafts ``n_draft`` tokens and verifies ``n_verify`` of them (default: all).
+
+        Args:
+            n_draft: draft decode steps this round (0 = target-only step).
+            n_verify: drafted tokens sent to the target (<= n_draft; SV verifies fewer than it drafted).
+            companion: also pay one companion step per drafted token.
+        """
+        n_verify = n_draft if n_verify is None else n_verify
+        per_draft = self.draft_s_per_token + (self.companion_s_per_token if companion else 0.0)
+        return n_draft * per_draft + self.target_time(n_verify + 1)
+
+    @property
+    def target_only_s_per_token(self) -> float:
+        """Seconds per output token of target-only decoding (target_s at L = 1)."""
+        return self.target_time(1)
+
+    def curve_table(self) -> str:
+        """The verification curve as text: L, milliseconds, ratio to L = 1 (one line per measured length)."""
+        base = self.target_time(1)
+        lines = [f"{'L':>3} {'ms':>9} {'x L=1':>7}"]
+        lines += [f"{L:>3} {t * 1e3:>9.1f} {t / base:>7.2f}" for L, t in sorted(self.target_s.items())]
+        head = (f"target verification curve ({self.target_name or '?'}, {self.compute_path}, {self.dtype}, "
+                f"{self.machine.get('model_name', '?')}, {self.machine.get('threads', '?')} threads); draft "
+                f"{self.draft_s_per_token * 1e3:.1f} ms/token")
+        if self.companion_s_per_token:
+            head += f", companion {self.companion_s_per_token * 1e3:.1f} ms/token"
+        return head + "\n" + "\n".join(lines)
+
+    def mismatch(self, draft_name: str, target_name: str, compute_path: str | None = None,
+                 machine: dict[str, Any] | None = None) -> list[str]:
+        """What differs between this measurement and a run with these models, path and machine (empty: none).
+
+        Each entry names both sides, e.g. ``"target: measured packaged:a, run packaged:b"``.
+        """
+        out = []
+        for what, mine, theirs in (("draft", self.draft_name, draft_name), ("target", self.target_name, target_name),
+                                   ("compute path", self.compute_path, compute_path)):
+            if mine and theirs and mine != theirs:
+                out.append(f"{what}: measured {mine}, run {theirs}")
+        if machine and self.machine:
+            for key in ("model_name", "simd_flags"):
+                if self.machine.get(key) and machine.get(key) and self.machine[key] != machine[key]:
+                    mine, theirs = self.machine[key], machine[key]
+                    if key == "simd_flags":
+                        mine, theirs = " ".join(mine), " ".join(theirs)
+                    out.append(f"CPU {key}: measured on {mine!r}, run on {theirs!r}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["target_s"] = {str(k): v for k, v in sorted(self.target_s.items())}
+        return d
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """The cost model as a JSON string; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> CostModel:
+        """Read a cost model written by :meth:`to_json`."""
+        d = json.loads(Path(path).read_text())
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(d) - known
+        if unknown:
+            d.setdefault("extra", {}).update({k: d.pop(k) for k in unknown})
+        return cls(**d)
+
+    def describe(self) -> str:
+        """One line for reports."""
+        ts = ", ".join(f"L={k}: {v * 1e3:.2f} ms" for k, v in sorted(self.target_s.items()))
+        tag = "ASSUMED (not measured)" if self.assumed else f"measured on {self.device} ({self.dtype})"
+        comp = f", companion {self.companion_s_per_token * 1e3:.2f} ms/token" if self.companion_s_per_token else ""
+        return (
+            f"{tag}: draft {self.draft_s_per_token * 1e3:.2f} ms/token{comp}; target verification {ts}"
+            f" [{self.draft_name or '?'} -> {self.target_name or '?'}]"
+        )
+
+
+def assumed_cost_model() -> CostModel:
+    """An explicitly labelled assumption for when no measured cost model exists.
+
+    CPU fp32 figures for the Qwen2.5-Coder 0.5B / 1.5B pair from the design notes (draft about 150 ms per decoded token,
+    target about 375 ms per decoded token); the growth of verification time with length is NOT measured and assumed at
+    5% of a single-token pass per extra token.
+    """
+    base = 0.375
+    return CostModel(
+        draft_s_per_token=0.150,
+        target_s={1: base, 41: base * (1 + 0.05 * 40)},
+        assumed=True,
+        draft_name="qwen2.5-coder-0.5b (assumed)",
+        target_name="qwen2.5-coder-1.5b (assumed)",
+        notes="ASSUMPTION: 150 ms/draft token, 375 ms/target token, +5% per extra verified token; not measured.",
+    )
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _prefill(model: Any, ids: Any) -> Any:
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return cache
+
+
+def _crop(cache: Any, length: int) -> None:
+    """Cut a DynamicCache back to ``length`` tokens (a negative argument removes tokens in old and new transformers)."""
+    extra = int(cache.get_seq_length()) - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _stat(times: list[float], statistic: str) -> float:
+    return min(times) if statistic == "min" else statistics.median(times)
+
+
+def _monotone(lengths: list[int], times: list[float]) -> list[float]:
+    """Lower monotone envelope T(L) = min over L' >= L of the time at L'.
+
+    A longer verification pass cannot be cheaper than a shorter one, and load from other processes only ever adds time,
+    so a shorter length measured slower than a longer one is a load spike: it is replaced by the longer one's time.
+    """
+    order = np.argsort(lengths)
+    t = np.asarray(times, dtype=np.float64)[order]
+    env = np.minimum.accumulate(t[::-1])[::-1]
+    out = np.empty_like(env)
+    out[order] = env
+    return out.tolist()
+
+
+def _time_decode(model: Any, prompt: Any, steps: int, repeats: int, statistic: str) -> tuple[float, list[float]]:
+    """Seconds of one single-token decode step over a KV cache of the prompt (min or median over all steps)."""
+    import torch
+
+    dev = prompt.device
+    vocab = int(model.config.vocab_size)
+    times: list[float] = []
+    for _ in range(repeats):
+        cache = _prefill(model, prompt)
+        tok = torch.randint(0, vocab, (1, 1), device=dev)
+        model(input_ids=tok, past_key_values=cache, use_cache=True)  # warm-up step
+        for _ in range(steps):
+            tok = torch.randint(0, vocab, (1, 1), device=dev)
+            _sync(dev)
+            t0 = time.perf_counter()
+            out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+            out.logits[:, -1].argmax(-1)
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+    return _stat(times, statistic), times
+
+
+def measure_cost_model(
+    draft: Any,
+    target: Any,
+    companion: Any = None,
+    lengths: tuple[int, ...] = tuple(range(1, 17)) + (24, 32, 40),
+    prompt_len: int = 128,
+    repeats: int = 3,
+    decode_steps: int = 8,
+    statistic: str = "min",
+) -> CostModel:
+    """Time the draft decode step and the target verification pass on the models' own device, under ``torch.no_grad``.
+
+    Args:
+        draft, target, companion: causal LMs (transformers ``PreTrainedModel``), already on their device / dtype.
+        lengths: verification lengths L to time (one target forward of L new tokens over a cached prefix).
+        prompt_len: tokens in the cached prefix (random token ids).
+        repeats: timed repetitions per measurement.
+        decode_steps: draft / companion decode steps timed per repetition.
+        statistic: 'min' (default: the cost without interference from other processes, as ``timeit`` advises on a shared
+            machine) or 'median' of the timed repetitions. Verification times are then made non-decreasing in L
+            (lower monotone envelope, see :func:`_monotone`); the raw timings stay in ``extra``.
+    Returns:
+        the :class:`CostModel` (raw timings in ``extra``).
+    """
+    import torch
+
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"lengths must be non-empty and >= 1, got {lengths}")
+    if statistic not in ("min", "median"):
+        raise ValueError(f"statistic={statistic!r}: use 'min' or 'median'")
+    if repeats < 1 or prompt_len < 1:
+        raise ValueError(f"repeats ({repeats}) and prompt_len ({prompt_len}) must be >= 1")
+    param = next(target.parameters())
+    dev = param.device
+    g = torch.Generator().manual_seed(0)
+    vocab = min(int(draft.config.vocab_size), int(target.config.vocab_size))
+    prompt = torch.randint(0, vocab, (1, prompt_len), generator=g).to(dev)
+    extra: dict[str, Any] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    with torch.no_grad():
+        draft_s, raw = _time_decode(draft, prompt.to(next(draft.parameters()).device), decode_steps, repeats, statistic)
+        extra["draft_raw_s"] = raw
+        comp_s = 0.0
+        if companion is not None:
+            comp_s, raw = _time_decode(
+                companion, prompt.to(next(companion.parameters()).device), decode_steps, repeats, statistic
+            )
+            extra["companion_raw_s"] = raw
+        cache = _prefill(target, prompt)
+        ls = sorted(set(int(x) for x in lengths))
+        new = {L: torch.randint(0, vocab, (1, L), generator=g).to(dev) for L in ls}
+        raw_t: dict[int, list[float]] = {L: [] for L in ls}
+        for r in range(repeats + 1):  # the first sweep is a warm-up; lengths interleaved so load spikes spread out
+            for L in ls:
+                _crop(cache, prompt_len)
+                _sync(dev)
+                t0 = time.perf_counter()
+                target(input_ids=new[L], past_key_values=cache, use_cache=True)
+                _sync(dev)
+                if r:
+                    raw_t[L].append(time.perf_counter() - t0)
+        for L in ls:
+            extra[f"target_raw_s_L{L}"] = raw_t[L]
+        target_s = dict(zip(ls, _monotone(ls, [_stat(raw_t[L], statistic) for L in ls])))
+
+    def _name(m: Any) -> str:
+        return "" if m is None else str(getattr(m.config, "name_or_path", "") or type(m).__name__)
+
+    from data_gen.compute_path import compute_path_of, cpu_info
+
+    return CostModel(
+        compute_path=compute_path_of(target),
+        machine=dict(cpu_info(), threads=torch.get_num_threads()),
+        draft_s_per_token=float(draft_s),
+        target_s=target_s,
+        companion_s_per_token=float(comp_s),
+        device=str(dev),
+        dtype=str(param.dtype).removeprefix("torch."),
+        draft_name=_name(draft),
+        target_name=_name(target),
+        companion_name=_name(companion),
+        prompt_len=prompt_len,
+        notes=(f"{statistic} of {repeats} repeats ({decode_steps} decode steps each), verification times: lower "
+               f"monotone envelope in L; prefix of {prompt_len} random tokens"),
+        extra=extra,
+    )

@@ -1,0 +1,92 @@
+"""The CPU compute path: packed linears equal eager ones, packed models decode the same tokens, bad options are named."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from data_gen import compute_path as cp
+from data_gen.models import ModelSpec, load_model, model_fingerprint
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 16])
+def test_packed_linear_fp32_equals_eager(rows: int, bias: bool) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 160, bias=bias)
+    x = torch.randn(2, rows, 96)
+    ref = lin(x)
+    packed = cp.PackedLinear(lin, torch.float32)
+    out = packed(x)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert packed.weight.shape == lin.weight.shape  # shape-only stand-in for callers that read it
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN without bf16")
+def test_packed_linear_bf16_returns_fp32_close_to_eager() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 128)
+    x = torch.randn(5, 256)
+    out = cp.PackedLinear(lin, torch.bfloat16)(x)
+    ref = nn.functional.linear(x.bfloat16(), lin.weight.bfloat16()).float() + lin.bias
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    assert (out - lin(x)).abs().max() < 0.05
+
+
+def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         pad_token_id=256, eos_token_id=None)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_packed_model_decodes_the_same_tokens_as_eager() -> None:
+    eager, _ = load_model(ModelSpec("tiny:2:32:3", compute="eager"))
+    packed, _ = load_model(ModelSpec("tiny:2:32:3", compute="eager"))
+    stats = cp.apply_compute_path(packed, "packed", min_elements=0)
+    assert stats["packed_layers"] == 3 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
+    assert cp.compute_path_of(packed) == "packed" and cp.compute_path_of(eager) == "eager"
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, eager(ids).logits, rtol=1e-4, atol=1e-4)
+    assert _greedy(packed, ids, 24) == _greedy(eager, ids, 24)
+
+
+def test_load_model_keeps_tiny_models_eager_and_the_fingerprint_reads_a_packed_head() -> None:
+    model, tok = load_model(ModelSpec("tiny:1"))  # auto: resolves to a packed path on CPU, tiny layers stay eager
+    assert not any(isinstance(m, cp.PackedLinear) for m in model.modules())
+    fp = model_fingerprint(model, tok)
+    cp.apply_compute_path(model, "packed", min_elements=0)
+    assert model_fingerprint(model, tok) == fp
+
+
+def test_auto_picks_bf16_only_with_native_support(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cp, "native_bf16", lambda: False)
+    assert cp.resolve_compute_path("auto", "cpu") == "packed"
+    monkeypatch.setattr(cp, "native_bf16", lambda: True)
+    assert cp.resolve_compute_path("auto", "cpu") == "packed-bf16"
+    assert cp.resolve_compute_path("auto", "cuda:0") == "eager"
+    assert cp.resolve_compute_path("eager", "cuda:0") == "eager"
+
+
+def test_bad_compute_paths_name_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="models.compute='fast'.*auto, packed, packed-bf16, eager"):
+        cp.resolve_compute_path("fast", "cpu")
+    with pytest.raises(ValueError, match="--models.compute eager"):
+        cp.resolve_compute_path("packed", "cuda:0")
+    monkeypatch.setattr(cp, "native_bf16", lambda: False)
+    with pytest.raises(ValueError, match="AVX512-BF16 or AMX-BF16.*--models.compute packed"):
+        cp.resolve_compute_path("packed-bf16", "cpu")
+    with pytest.raises(ValueError, match="compute='turbo'"):
+        ModelSpec("tiny:1", compute="turbo")
+    with pytest.raises(ValueError, match="dtype float32"):
+        load_model(ModelSpec("tiny:1", dtype="bfloat16", compute="packed"))
+
+
+def test_cpu_info_names_the_model_and_flags() -> None:
+    info = cp.cpu_info()
+    assert set(info) >= {"model_name", "simd_flags", "torch_cpu_capability", "threads", "torch"}
+    assert info["torch"] == torch.__version__
