@@ -478,21 +478,21 @@ def _fit_sv(cfg: SVTableConfig, dm, out_dir, logger, n_batches, ckpt_dir) -> tup
     path = ckpt_dir / "sv-table.ckpt"
     trainer.save_checkpoint(str(path))
     table = module.net.cpu().eval()
-    x_val, y_val, _ = dm.tensors["val"]
-    raw = dm.raw["val"]
-    if cfg.auc_label == "greedy" and "greedy_match" in raw:
-        # greedy match judges argmax draws: with two draws per position read those rows (the table is fitted on the
-        # sampled ones, where min(1, p/q) is the acceptance), as the evaluation does
+    x_val, y_val, _ = dm.tensors["val"]  # the sampled draws: min(1, p/q) is their acceptance
+    x_auc, raw_auc = x_val, dm.raw["val"]
+    if cfg.auc_label == "greedy" and "greedy_match" in raw_auc:
+        # greedy match judges argmax draws: with two draws per position read those rows for the AUC (the table is
+        # fitted on the sampled ones), as the evaluation does; the information gain stays on the sampled rows
         greedy = make_datamodule("sv", replace(cfg, label_family="greedy"), dm.data_dir, folds=dm.folds, draw="greedy")
         greedy.setup("validate")
-        x_val, raw = greedy.tensors["val"][0], greedy.raw["val"]
+        x_auc, raw_auc = greedy.tensors["val"][0], greedy.raw["val"]
         auc_labels = greedy.tensors["val"][1].numpy()
     else:  # ratio label q/p <= lam  <=>  min(1, p/q) >= 1/lam  (lam >= 1, checked in the config)
         auc_labels = (y_val.numpy() >= 1.0 / cfg.lam - 1e-6).astype(np.float32)
     with torch.no_grad():
-        scores = table(x_val).numpy()
+        scores = table(x_auc).numpy()
     m: dict[str, Any] = binary_metrics(scores, auc_labels, cfg.threshold)
-    m.update(baseline_aucs(raw, auc_labels))
+    m.update(baseline_aucs(raw_auc, auc_labels))
     m["val_loss"] = float(val["val_loss"])
     m["val_mse"] = float(val["val_mse"])
     x_tr, y_tr, _ = dm.tensors["train"]

@@ -189,3 +189,26 @@ def test_sv_greedy_auc_reads_the_argmax_rows(tmp_path):
     y = both["greedy_match"][rows]
     assert m["val_auc"] == pytest.approx(roc_auc_score(y, policy.net(x).numpy()))
     assert m["val_auc_max_prob"] == pytest.approx(roc_auc_score(y, both["draft_max_prob"][rows]))
+
+
+def test_sv_information_gain_reads_the_sampled_draws(tmp_path):
+    """The greedy-match AUC reads the argmax rows, but the information gain pairs the sampled rows' (S, A_c) with
+    their own min(1, p/q): swapping in the argmax rows' inputs (the old bug) gives another number."""
+    import torch
+
+    from tests.synthetic import with_sample_draw
+
+    both = with_sample_draw(make_records(n_prompts=30, tokens_per_prompt=20, hidden_size=0))
+    sampled = both["draw"] == "sample"
+    rng = np.random.default_rng(3)
+    both["companion_accept"][sampled] = rng.uniform(0, 1, int(sampled.sum())).astype(np.float32)  # own A_c per draw
+    write_shards(tmp_path / "two", both)
+    policy, m = fit_predictor("sv", SVTableConfig(s_bins=5, a_bins=5), tmp_path / "two", tmp_path / "sv")
+    rows = (both["split"] == "val") & sampled
+    s, a = (torch.from_numpy(both[c][rows]) for c in ("companion_sim", "companion_accept"))
+    want = policy.net.information_gain(s, a, torch.from_numpy(both["accept_prob"][rows]))
+    assert m["val_information_gain_bits"] == pytest.approx(want["information_gain_bits"])
+    greedy_rows = (both["split"] == "val") & ~sampled
+    s_g, a_g = (torch.from_numpy(both[c][greedy_rows]) for c in ("companion_sim", "companion_accept"))
+    wrong = policy.net.information_gain(s_g, a_g, torch.from_numpy(both["accept_prob"][rows]))
+    assert wrong["information_gain_bits"] != pytest.approx(want["information_gain_bits"])
