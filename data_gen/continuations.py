@@ -23,12 +23,14 @@ class GenStats:
     tokens: int = 0
     seconds: float = 0.0
 
-    def add(self, other: "GenStats") -> None:
+    def add(self, other: GenStats) -> None:
         self.tokens += other.tokens
         self.seconds += other.seconds
 
 
-def _gen_config(max_new: int, temperature: float, top_p: float, pad: int, eos: int | list[int] | None) -> GenerationConfig:
+def _gen_config(
+    max_new: int, temperature: float, top_p: float, pad: int, eos: int | list[int] | None
+) -> GenerationConfig:
     sample = temperature > 0
     return GenerationConfig(
         max_new_tokens=max_new,

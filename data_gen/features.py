@@ -74,7 +74,8 @@ def token_features(
         top_k: number of top draft probabilities kept (sorted, descending).
         temperature, top_p: the sampling distribution the probabilities describe (see :func:`probs_from_logits`).
     Returns:
-        dict of tensors with leading shape [...]: ``draft_token, q, draft_entropy, draft_max_prob, draft_topk [..., k]``,
+        dict of tensors with leading shape [...]: ``draft_token, q, draft_entropy, draft_max_prob, draft_topk [...,
+        k]``,
         optionally ``draft_hidden [..., H]``, ``companion_*`` and ``p, accept_prob, target_argmax, greedy_match, tv``.
     """
     for name, t in (("draft", draft_logits), ("target", target_logits), ("companion", companion_logits)):

@@ -84,9 +84,11 @@ class GenerateConfig:
     sequences_per_prompt: int = 2
     """Sequences (each one origin) planned per prompt."""
     prefix_tokens: tuple[int, int] = (8, 64)
-    """Range of m, the continuation tokens before the rollout (draft, target and spec origins: generated sequentially)."""
+    """Range of m, the continuation tokens before the rollout (draft, target and spec origins: generated
+    sequentially)."""
     text_tokens: tuple[int, int] | None = None
-    """Range of m for the text origin (dataset answers cost no generation, so long spans are cheap); None: prefix_tokens."""
+    """Range of m for the text origin (dataset answers cost no generation, so long spans are cheap); None:
+    prefix_tokens."""
     rollout_len: int = 40
     """L, the draft rollout length after the prefix (SVIP's maximum draft length is 40)."""
     label_prefix: bool = True
@@ -202,7 +204,7 @@ def _batches(items: list, size: int):
         yield items[i : i + size]
 
 
-def _label_batches(seqs: list[SequenceSpec], budget_tokens: int) -> list[list[SequenceSpec]]:
+def label_batches(seqs: list[SequenceSpec], budget_tokens: int) -> list[list[SequenceSpec]]:
     """Pack sequences into labelling passes within a token budget.
 
     Sequences of one prompt go together: their common prompt is passed once and its KV cache shared
@@ -308,7 +310,7 @@ def produce_chunk(
     )
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + chunk)
     parts: list[dict[str, list]] = []
-    for batch in _label_batches(seqs, cfg.label_batch_tokens):
+    for batch in label_batches(seqs, cfg.label_batch_tokens):
         recs, ls = label_sequences(models, batch, opts, generator=gen)
         parts.append(recs)
         secs = sum(ls.seconds.values())

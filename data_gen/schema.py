@@ -13,7 +13,8 @@ DRAWS = ("greedy", "sample")
 ORIGINS = ("prompt", "draft", "target", "spec", "text")
 """Where the tokens before a labelled position come from.
 
-prompt: the prompt alone, then a draft rollout; draft / target / spec: the prompt plus a draft-generated, target-generated or
+prompt: the prompt alone, then a draft rollout; draft / target / spec: the prompt plus a draft-generated,
+target-generated or
 speculative-decoding continuation (then a draft rollout, or teacher-forced labelling along it); text: the prompt plus a
 dataset answer (ShareGPT reply, HumanEval canonical solution), teacher-forced.
 """

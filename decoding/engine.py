@@ -157,7 +157,8 @@ class _Stream:
     def forward(
         self, tokens: list[list[int]], left_pad: bool, all_logits: bool, hidden: bool = False
     ) -> tuple[Tensor, Tensor | None, list[list[int]]]:
-        """Feed each sequence its tokens (possibly none); returns (logits [B, n or 1, V], last hidden, cache indices)."""
+        """Feed each sequence its tokens (possibly none); returns (logits [B, n or 1, V], last hidden, cache
+        indices)."""
         batch = len(tokens)
         n = max(1, max(len(t) for t in tokens))
         device = self.mask.device

@@ -1,11 +1,13 @@
 """Use a stop policy inside transformers' assisted generation: ``target.generate(..., assistant_model=draft)``.
 
 :class:`PolicyCandidateGenerator` subclasses transformers' ``AssistedCandidateGenerator``: each round it sets the draft
-length cap to ``policy.draft_cap()``, and a stopping criterion on the assistant's ``generate`` computes the drafted token's
+length cap to ``policy.draft_cap()``, and a stopping criterion on the assistant's ``generate`` computes the drafted
+token's
 features with ``data_gen.features.token_features`` (the same function as data generation; the draft's last hidden state
 is captured by a hook on its output embedding when the policy needs it) plus ``position`` and stops drafting when
 ``policy.keep_drafting`` says so. After verification ``policy.update`` gets the round's outcome. transformers' own
-confidence threshold and schedules are switched off: the policy alone decides. Verification is transformers' own (exact).
+confidence threshold and schedules are switched off: the policy alone decides. Verification is transformers' own
+(exact).
 
 Works for policies that need only the draft's scores (static, heuristic, max-confidence, SVIP, AdaEDL, DISCO, exported
 baselines); policies needing a companion (SV), the target (oracle) or approximate verification (SPRINTER) are refused.

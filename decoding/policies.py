@@ -5,7 +5,7 @@ Specs (``build_policy``):
   (transformers-style online ROC re-tuning, cost fpr + 3 fnr; ``max_confidence_fixed[:T]`` keeps T fixed),
   ``svip[:H]``, ``adaedl[:LAMBDA]``, ``oracle`` (analysis only: the engine runs the target on every drafted token);
 - a dict ``{"kind": "svip", "h": 0.4}`` (constructor parameters of ``predictors.baselines``);
-- a learned predictor: an export folder or ``models:/<name>@champion`` (``predictors.export.load_predictor``), checked
+- a learned predictor: an export folder or ``models:/<name>@champion`` (``predictors.registry.load_reference``), checked
   against the draft model's fingerprint (refused for another draft model unless ``force``).
 
 Usage:
@@ -96,14 +96,14 @@ def build_policy(
     if kind in _NAMED and not spec.startswith("models:/"):
         return _named(kind, arg or None, max_draft_len)
     if spec.startswith(("models:/", "runs:/")) or Path(spec).expanduser().is_dir():
-        from predictors.export import load_predictor
+        from predictors.registry import load_reference
 
         fp = None
         if draft is not None and draft_tokenizer is not None:
             from data_gen.models import model_fingerprint
 
             fp = model_fingerprint(draft, draft_tokenizer)
-        return load_predictor(spec, draft_fingerprint=fp, force=force, tracking_uri=tracking_uri)
+        return load_reference(spec, draft_fingerprint=fp, force=force, tracking_uri=tracking_uri)
     raise ValueError(
         f"unknown policy {spec!r}: use one of {', '.join(k + '[:param]' for k in _NAMED)}, an export folder or "
         f"models:/<name>@<alias>"

@@ -1,6 +1,7 @@
 """Evaluation of stop policies on held-out labelled draft tokens.
 
-- ``evaluation.classification``: ROC / PR / F1 per label family with bootstrap CIs over prompts, per-origin and per-domain
+- ``evaluation.classification``: ROC / PR / F1 per label family with bootstrap CIs over prompts, per-origin and
+per-domain
   breakdowns, DISCO's static-length F1, SPRINTER's Theorems 1-2 against the data (``score_table``, ``sprinter_table``).
 - ``evaluation.replay``: offline replay of policies over stored sequences without models; predicted speedup under a
   ``CostModel``; latency-optimal threshold tuning (``replay_table``, ``tune_threshold``).

@@ -1,26 +1,37 @@
 """How well each policy's score separates accepted from rejected draft tokens, per label family.
 
-For every scorer (the training-free score columns below, plus any policy passed in) and every label (greedy match, q/p <= lambda,
-min(1, p/q)): ROC AUC, PR-AUC (average precision), F1 at the policy's own threshold and at its F1-optimal threshold, bootstrap
-confidence intervals over prompts (``sample_id`` groups resampled with replacement), and a per-origin / per-domain breakdown.
+For every scorer (the training-free score columns below, plus any policy passed in) and every label (greedy match, q/p
+<= lambda,
+min(1, p/q)): ROC AUC, PR-AUC (average precision), F1 at the policy's own threshold and at its F1-optimal threshold,
+bootstrap
+confidence intervals over prompts (``sample_id`` groups resampled with replacement), and a per-origin / per-domain
+breakdown.
 
-Built-in scores (all "higher = more likely accepted"): ``neg-entropy`` (-H(q), no own threshold), ``svip`` (1 - sqrt(0.15 H),
-threshold 1 - h = 0.7), ``adaedl-bound`` (1 - sqrt(0.2 H), initial lambda 0.6), ``max-prob`` (top-1 draft probability, as
+Built-in scores (all "higher = more likely accepted"): ``neg-entropy`` (-H(q), no own threshold), ``svip`` (1 -
+sqrt(0.15 H),
+threshold 1 - h = 0.7), ``adaedl-bound`` (1 - sqrt(0.2 H), initial lambda 0.6), ``max-prob`` (top-1 draft probability,
+as
 AdaEDL's Max-Confidence, threshold 0.4), ``draft-prob`` (q(x), the drafted token's probability, as transformers'
 ConfidenceCriteria; equal to ``max-prob`` on greedy draws). Learned policies are scored with ``policy.score`` on
 ``predictors.base.as_tensor_dict(columns)``; the SV table is one of them when the companion columns exist.
 
-Soft labels (min(1, p/q)): every token counts as a positive with weight a and as a negative with weight 1 - a (its Bernoulli
-expectation). ROC AUC is then the weighted probability that a positive outranks a negative, PR-AUC and F1 are computed from the
-expected confusion counts. Hard labels are the special case a in {0, 1}; the same weights carry the bootstrap multiplicities.
+Soft labels (min(1, p/q)): every token counts as a positive with weight a and as a negative with weight 1 - a (its
+Bernoulli
+expectation). ROC AUC is then the weighted probability that a positive outranks a negative, PR-AUC and F1 are computed
+from the
+expected confusion counts. Hard labels are the special case a in {0, 1}; the same weights carry the bootstrap
+multiplicities.
 
-DISCO's comparison: a static draft length k predicts "accept" for tokens whose ``position`` (tokens the draft produced before
+DISCO's comparison: a static draft length k predicts "accept" for tokens whose ``position`` (tokens the draft produced
+before
 this one in its run) is < k; the best static F1 over k = 1..40 is reported next to each policy's F1.
 
-SPRINTER (:func:`sprinter_table`): measured TPR / FPR of the policy at its threshold against q/p <= lambda, Theorem 1's TV bound
+SPRINTER (:func:`sprinter_table`): measured TPR / FPR of the policy at its threshold against q/p <= lambda, Theorem
+1's TV bound
 eta_FP * mean TV(p, q) and acceptance 1 - (1 - eta_FP) mean TV, and Theorem 2's expected tokens before a target call,
 E[N | r] = sum_{i=1..r} eta_TP^i + eta_TP^r eta_FP / (1 - eta_FP) (equal to the paper's eq. 3,
-(eta_TP - eta_TP^r) / (1 - eta_TP) + eta_TP^r / (1 - eta_FP)), with r the measured run of acceptable tokens of each round,
+(eta_TP - eta_TP^r) / (1 - eta_TP) + eta_TP^r / (1 - eta_FP)), with r the measured run of acceptable tokens of each
+round,
 against the replayed count along the draft's rollouts.
 
 Usage::
@@ -115,7 +126,7 @@ def builtin_scorers() -> dict[str, StopPolicy]:
 # ----------------------------------------------------------------------------------------- weighted metrics (fast)
 
 
-def _levels(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def score_levels(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(ascending unique score levels, level index of each row)."""
     return np.unique(scores, return_inverse=True)
 
@@ -141,14 +152,16 @@ def _ap_from_levels(P: np.ndarray, N: np.ndarray) -> float:
 def weighted_auc(inv: np.ndarray, n_levels: int, wp: np.ndarray, wn: np.ndarray) -> float:
     """ROC AUC with positive weights ``wp`` and negative weights ``wn`` per row (ties count one half).
 
-    ``inv`` is the ascending score level of each row (from ``np.unique(..., return_inverse=True)``). NaN when either class
+    ``inv`` is the ascending score level of each row (from ``np.unique(..., return_inverse=True)``). NaN when either
+    class
     has zero weight.
     """
     return _auc_from_levels(np.bincount(inv, wp, n_levels), np.bincount(inv, wn, n_levels))
 
 
 def weighted_ap(inv: np.ndarray, n_levels: int, wp: np.ndarray, wn: np.ndarray) -> float:
-    """Average precision (sum over descending thresholds of recall gain x precision), as sklearn; NaN without positives."""
+    """Average precision (sum over descending thresholds of recall gain x precision), as sklearn; NaN without
+    positives."""
     return _ap_from_levels(np.bincount(inv, wp, n_levels), np.bincount(inv, wn, n_levels))
 
 
@@ -177,7 +190,8 @@ def f1_optimal(levels: np.ndarray, inv: np.ndarray, wp: np.ndarray, wn: np.ndarr
 
 
 def _sk_metrics(scores: np.ndarray, y: np.ndarray, threshold: float) -> dict[str, float]:
-    """Point estimates with scikit-learn (soft labels: each row duplicated as positive (weight a) and negative (1 - a))."""
+    """Point estimates with scikit-learn (soft labels: each row duplicated as positive (weight a) and negative (1 -
+    a))."""
     from sklearn.metrics import average_precision_score, f1_score, precision_recall_curve, roc_auc_score
 
     s2 = np.concatenate([scores, scores])
@@ -320,7 +334,7 @@ def score_table(
                     reason = f"missing columns: {e}"
                 if scores is not None and not np.all(np.isfinite(scores)):
                     reason, scores = f"{int((~np.isfinite(scores)).sum())} non-finite scores", None
-        levels, inv = _levels(scores) if scores is not None else (None, None)
+        levels, inv = score_levels(scores) if scores is not None else (None, None)
         for spec in label_specs:
             fam, lam = spec
             lab = {"label": label_name(fam, lam), "family": fam, "lam": lam}
@@ -369,9 +383,34 @@ def score_table(
                         "reason": _class_reason(sub_y),
                     })
     df = pd.DataFrame(rows)
-    order = ["group_by", "group", "policy", "kind", "label", "family", "lam", "n", "pos_rate", "auc", "auc_lo", "auc_hi",
-             "pr_auc", "pr_auc_lo", "pr_auc_hi", "threshold", "f1_own", "f1_own_lo", "f1_own_hi", "f1_opt", "thr_f1_opt",
-             "static_best_k", "f1_static_best", "f1_gain_vs_static", "f1_own_vs_static", "reason"]
+    order = [
+        "group_by",
+        "group",
+        "policy",
+        "kind",
+        "label",
+        "family",
+        "lam",
+        "n",
+        "pos_rate",
+        "auc",
+        "auc_lo",
+        "auc_hi",
+        "pr_auc",
+        "pr_auc_lo",
+        "pr_auc_hi",
+        "threshold",
+        "f1_own",
+        "f1_own_lo",
+        "f1_own_hi",
+        "f1_opt",
+        "thr_f1_opt",
+        "static_best_k",
+        "f1_static_best",
+        "f1_gain_vs_static",
+        "f1_own_vs_static",
+        "reason",
+    ]
     for c in order:
         if c not in df.columns:
             df[c] = np.nan if c != "reason" else ""
@@ -380,7 +419,10 @@ def score_table(
 
 
 def roc_points(
-    columns: Mapping[str, np.ndarray], policies: Mapping[str, StopPolicy | None], family: str = "greedy", lam: float = 1.0,
+    columns: Mapping[str, np.ndarray],
+    policies: Mapping[str, StopPolicy | None],
+    family: str = "greedy",
+    lam: float = 1.0,
     builtins: bool = True,
 ) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
     """name -> (fpr, tpr, auc) with sklearn's roc_curve (soft labels weighted as in :func:`score_table`); scorers that
@@ -413,7 +455,8 @@ def roc_points(
 def sprinter_expected_tokens(tpr: float, fpr: float, r: int | np.ndarray) -> np.ndarray:
     """SPRINTER Theorem 2: expected tokens generated before the target is called when the first r tokens are acceptable.
 
-    E[N] = sum_{i=1..r} tpr^i + tpr^r * fpr / (1 - fpr)  ( = (tpr - tpr^r)/(1 - tpr) + tpr^r/(1 - fpr), the paper's eq. 3).
+    E[N] = sum_{i=1..r} tpr^i + tpr^r * fpr / (1 - fpr)  ( = (tpr - tpr^r)/(1 - tpr) + tpr^r/(1 - fpr), the paper's
+    eq. 3).
     """
     r = np.asarray(r, dtype=np.float64)
     if tpr >= 1.0:
@@ -438,9 +481,11 @@ def sprinter_table(
 ) -> pd.DataFrame:
     """SPRINTER's theory checked on the data, per policy (at its own threshold) and lambda.
 
-    Replayed tokens before a target call: SPRINTER-style rounds along the draft's rollouts (``rollout == True`` sequences
+    Replayed tokens before a target call: SPRINTER-style rounds along the draft's rollouts (``rollout == True``
+    sequences
     when that column exists, else all): from offset s the draft continues while the policy keeps drafting; N = leading
-    tokens the policy lets through (capped at ``max_draft_len``), r = leading acceptable tokens (q/p <= lambda); the next
+    tokens the policy lets through (capped at ``max_draft_len``), r = leading acceptable tokens (q/p <= lambda); the
+    next
     round starts at s + N + 1. Rounds where N or r run into the end of the observed sequence are censored and left out.
 
     Returns:

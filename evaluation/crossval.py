@@ -1,4 +1,5 @@
-"""Grouped k-fold cross-validation over prompts: does a learned predictor beat the training-free scores, and by how much?
+"""Grouped k-fold cross-validation over prompts: does a learned predictor beat the training-free scores, and by how
+much?
 
 One train / val / test split of a few hundred prompts leaves about a tenth of them for the test, and the comparison
 that matters (a learned predictor against the top-1 probability on the same tokens) then differs by less than its
@@ -30,7 +31,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evaluation.classification import FREE_SCORES, _levels, weighted_auc
+from evaluation.classification import FREE_SCORES, score_levels, weighted_auc
 from predictors.labels import label_name
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def _fold_ranks(frame: pd.DataFrame, names: Sequence[str]) -> FoldRanks:
         m = fold == f
         ranked = {}
         for n, s in scores.items():
-            levels, inv = _levels(s[m])
+            levels, inv = score_levels(s[m])
             ranked[n] = (len(levels), inv)
         out.append((m, ranked))
     return out

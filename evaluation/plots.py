@@ -1,4 +1,5 @@
-"""PNG plots of the evaluation report (matplotlib, Agg backend): ROC overlay, threshold vs predicted speedup, oracle draft
+"""PNG plots of the evaluation report (matplotlib, Agg backend): ROC overlay, threshold vs predicted speedup, oracle
+draft
 length histogram, acceptance against draft entropy (SVIP's Figure 2).
 
 Usage::

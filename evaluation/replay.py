@@ -2,7 +2,8 @@
 
 Records are grouped by labelled segment (``seq_id`` and the segment start ``prefix_len - offset``, see
 :func:`segment_keys`) and ordered by ``offset``. A round starts at offset ``s``: the policy drafts tokens
-``s, s+1, ...``, and after each drafted token ``keep_drafting`` says whether to draft another (the token that triggers the
+``s, s+1, ...``, and after each drafted token ``keep_drafting`` says whether to draft another (the token that triggers
+the
 stop is still drafted and verified), up to ``policy.draft_cap()`` tokens and the end of the sequence. Verification:
 
 - ``greedy``: accepted count ``a`` = leading ``greedy_match`` among the drafted tokens (first mismatch);
@@ -10,28 +11,40 @@ stop is still drafted and verified), up to ``policy.draft_cap()`` tokens and the
   sampling accepts token j with ``min(1, p/q)``), and the next round starts at ``s + round(E[a]) + 1``.
 
 The round emits ``a + 1`` tokens (the correction, or the bonus token when all were accepted) and costs
-``CostModel.round_time(n_drafted)``; ``policy.update(RoundFeedback(...))`` follows each round and ``policy.reset()`` starts
+``CostModel.round_time(n_drafted)``; ``policy.update(RoundFeedback(...))`` follows each round and ``policy.reset()``
+starts
 each sequence. Predicted speedup = (tokens / replayed seconds) * target-only seconds per token (``target_s[1]``).
 
-Why this is exact for greedy on ``origin == "target"`` teacher-forced sequences: greedy speculative decoding outputs exactly
+Why this is exact for greedy on ``origin == "target"`` teacher-forced sequences: greedy speculative decoding outputs
+exactly
 the target's greedy continuation, and along that continuation the draft's prefix at offset ``s + j`` is identical to the
-stored one while every earlier drafted token matched. So the accepted counts, the round boundaries and the emitted tokens of
-every round are those of a real run. Two caveats: (1) the draft tokens *after* the first mismatch of a round were drafted in a
-real run from the draft's own (wrong) token, while the stored features there come from the target's token, so the number of
+stored one while every earlier drafted token matched. So the accepted counts, the round boundaries and the emitted
+tokens of
+every round are those of a real run. Two caveats: (1) the draft tokens *after* the first mismatch of a round were
+drafted in a
+real run from the draft's own (wrong) token, while the stored features there come from the target's token, so the
+number of
 *wasted* drafts of a threshold policy is approximate (accepted counts are not); (2) it holds when the stored target
-continuation is the target's greedy output (temperature 0). Elsewhere (draft rollouts, dataset text, sampling) the sequence
+continuation is the target's greedy output (temperature 0). Elsewhere (draft rollouts, dataset text, sampling) the
+sequence
 after a mismatch is not what speculative decoding would have produced, and the replay is an approximation that uses the
-stored prefixes as a sample of contexts. :class:`ReplayConfig` replays the exact case by default and falls back, with a note
+stored prefixes as a sample of contexts. :class:`ReplayConfig` replays the exact case by default and falls back, with
+a note
 in ``ReplayData.note``, when the data holds no such sequences.
 
-Tokens are counted up to the end of the stored sequence (a round that would emit its bonus token past the end is clipped),
+Tokens are counted up to the end of the stored sequence (a round that would emit its bonus token past the end is
+clipped),
 so in greedy mode every policy emits the same tokens and the speedup is a pure time ratio.
 
-Special policies: the oracle (``verification == HINDSIGHT``, DISCO's definition) drafts exactly the acceptable run (greedy: leading
-matches; sampling: until the first rejection, in expectation), never the last stored token (its bonus would lie past the end);
-it is the upper bound when a verification pass costs more than a draft step and verification time is subadditive in length.
+Special policies: the oracle (``verification == HINDSIGHT``, DISCO's definition) drafts exactly the acceptable run
+(greedy: leading
+matches; sampling: until the first rejection, in expectation), never the last stored token (its bonus would lie past
+the end);
+it is the upper bound when a verification pass costs more than a draft step and verification time is subadditive in
+length.
 The schedule oracle (:class:`OracleSchedule`) is the exact bound under any non-decreasing cost
-model in greedy mode: a dynamic programme over each sequence picks, at every round start, how many of the acceptable tokens
+model in greedy mode: a dynamic programme over each sequence picks, at every round start, how many of the acceptable
+tokens
 to draft so that the total replayed time is minimal (in sampling mode it falls back to the expectation oracle). SV-like
 policies (``verification == GOODPUT``) draft while the goodput of verifying everything drafted improves, then verify
 the goodput-maximising length (``predictors.sv.goodput_round``), paying companion steps per drafted token.
@@ -91,7 +104,8 @@ class ReplayConfig:
     origins: tuple[str, ...] | None = ("target",)
     """Prefix origins whose sequences are replayed (None: all). 'target' is the exact case for greedy."""
     teacher_forced_only: bool = True
-    """Keep only sequences that are teacher-forced along the stored continuation (``rollout == False``), when that column
+    """Keep only sequences that are teacher-forced along the stored continuation (``rollout == False``), when that
+    column
     exists; a draft rollout after a target prefix is not the speculative-decoding path."""
     split: str | None = None
     """Only rows of this ``split`` (None: all rows given)."""
@@ -373,7 +387,8 @@ def _window(features: Mapping[str, Tensor], a: int, b: int) -> dict[str, Tensor]
 
 
 class OracleSchedule(StopPolicy):
-    """Cost-optimal hindsight schedule (greedy replay): the fastest way to emit each stored sequence under the cost model."""
+    """Cost-optimal hindsight schedule (greedy replay): the fastest way to emit each stored sequence under the cost
+    model."""
 
     kind = "oracle_schedule"
     required_columns = ("greedy_match",)
@@ -385,7 +400,8 @@ class OracleSchedule(StopPolicy):
 
 
 def _schedule(run: np.ndarray, a0: int, b0: int, cap: int, per_draft: float, cm: CostModel) -> dict[int, int]:
-    """round start -> tokens to draft, minimising the time to emit rows [a0, b0) (greedy; draft only acceptable tokens)."""
+    """round start -> tokens to draft, minimising the time to emit rows [a0, b0) (greedy; draft only acceptable
+    tokens)."""
     T = np.array([cm.target_time(k + 1) for k in range(cap + 1)])  # verification of k drafts + 1
     best = np.zeros(b0 - a0 + 1)
     choice = np.zeros(b0 - a0, dtype=np.int64)

@@ -46,10 +46,12 @@ INT_COLUMNS = {"n", "n_seqs", "n_rounds", "rounds", "censored_rounds", "static_b
 
 
 def markdown_table(df: pd.DataFrame | None, columns: Sequence[str] | None = None, digits: int = 3) -> str:
-    """A pipe table of ``df`` (only ``columns`` that exist); '(empty)' for no rows."""
+    """A pipe table of ``df`` (only ``columns`` that exist, plus ``ref`` after ``policy``); '(empty)' for no rows."""
     if df is None or not len(df):
         return "(empty)\n"
     cols = [c for c in (columns or df.columns) if c in df.columns]
+    if "policy" in cols and "ref" in df.columns and "ref" not in cols:  # a predictor's folder or URI beside its name
+        cols.insert(cols.index("policy") + 1, "ref")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for _, r in df[cols].iterrows():
         cells = []
@@ -190,10 +192,14 @@ def write_report(
 
     if classification is not None and len(classification):
         heads = classification[classification["group_by"] == "all"].copy()
-        md += ["## Classification (test split)", "",
-               "ROC AUC, PR-AUC (average precision) and F1 with 95% bootstrap intervals over prompts; soft labels count each "
-               "token as a positive with weight min(1,p/q) and a negative with the rest. `f1_static_best`: DISCO's best "
-               "static draft length (accept where position < k).", ""]
+        md += [
+            "## Classification (test split)",
+            "",
+            "ROC AUC, PR-AUC (average precision) and F1 with 95% bootstrap intervals over prompts; soft labels count each "
+            "token as a positive with weight min(1,p/q) and a negative with the rest. `f1_static_best`: DISCO's best "
+            "static draft length (accept where position < k).",
+            "",
+        ]
         heads["auc (CI)"] = _ci(heads, "auc")
         heads["pr_auc (CI)"] = _ci(heads, "pr_auc")
         heads["f1_own (CI)"] = _ci(heads, "f1_own")
@@ -211,19 +217,27 @@ def write_report(
         md.append("")
 
     if sprinter is not None and len(sprinter):
-        md += ["## SPRINTER theory against the data", "",
-               "TPR / FPR at each policy's own threshold against q/p <= lambda; Theorem 1: TV(p, p_SPRINTER) = FPR x mean TV; "
-               "Theorem 2: expected tokens before a target call with r = measured acceptable run per round, against the "
-               "replayed count along draft rollouts.", ""]
+        md += [
+            "## SPRINTER theory against the data",
+            "",
+            "TPR / FPR at each policy's own threshold against q/p <= lambda; Theorem 1: TV(p, p_SPRINTER) = FPR x mean TV; "
+            "Theorem 2: expected tokens before a target call with r = measured acceptable run per round, against the "
+            "replayed count along draft rollouts.",
+            "",
+        ]
         md.append(markdown_table(sprinter, ["policy", "lam", "threshold", "tpr", "fpr", "mean_tv", "tv_bound",
                                             "accept_rate_thm1", "rounds", "censored_rounds", "mean_r",
                                             "e_tokens_theorem2", "e_tokens_replayed", "reason"]))
 
     if replay is not None and len(replay):
-        md += ["## Offline replay", "",
-               "Tokens per target call = mean accepted + 1; wasted = drafted but not accepted, per round; speedup = "
-               "predicted over target-only decoding under the cost model. Greedy replays accept up to the first mismatch; "
-               "sampling replays use the expected acceptance.", ""]
+        md += [
+            "## Offline replay",
+            "",
+            "Tokens per target call = mean accepted + 1; wasted = drafted but not accepted, per round; speedup = "
+            "predicted over target-only decoding under the cost model. Greedy replays accept up to the first mismatch; "
+            "sampling replays use the expected acceptance.",
+            "",
+        ]
         cols = ["policy", "kind", "threshold", "verification", "n_rounds", "tokens_per_call", "mean_accepted",
                 "drafted_per_round", "wasted_per_round", "speedup", "reason"]
         if cost_model is None:

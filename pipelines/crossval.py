@@ -11,7 +11,8 @@ Usage:
 
 From the main job (``crossval_folds`` > 0): ``run_crossval(CrossValConfig(...))``. Writes ``crossval.md``,
 ``crossval.csv``, the out-of-fold scores (``oof.parquet``), ``crossval.png`` (the differences with their intervals)
-and, with several ``train_fractions``, ``learning_curve.png`` to ``out_dir``, and logs them to the active MLflow run (or a new ``crossval`` run with ``tracking``).
+and, with several ``train_fractions``, ``learning_curve.png`` to ``out_dir``, and logs them to the active MLflow run
+(or a new ``crossval`` run with ``tracking``).
 """
 from __future__ import annotations
 
@@ -136,7 +137,7 @@ def _log_mlflow(cfg: CrossValConfig, table: Any, files: list[Path]) -> None:
     if mlflow.active_run() is not None:
         log_all()
     elif cfg.tracking:
-        from predictors.registry import resolve_tracking_uri
+        from pipelines.cli import resolve_tracking_uri
 
         mlflow.set_tracking_uri(resolve_tracking_uri(cfg.tracking_uri))
         mlflow.set_experiment(cfg.experiment)
@@ -147,11 +148,12 @@ def _log_mlflow(cfg: CrossValConfig, table: Any, files: list[Path]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from pipelines.cli import parse_config, setup_logging
+    from pipelines.cli import parse_config, setup_logging, user_errors
 
     setup_logging()
-    cfg = parse_config(CrossValConfig, argv, __doc__)
-    result = run_crossval(cfg)
+    with user_errors("python -m pipelines.crossval"):
+        cfg = parse_config(CrossValConfig, argv, __doc__)
+        result = run_crossval(cfg)
     print(result["markdown"])
     print(f"\nfiles: {', '.join(result['files'])}")
     return result

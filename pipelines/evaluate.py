@@ -2,7 +2,8 @@
 
 Usage:
     python -m pipelines.evaluate --data_dir data/smoke --out_dir runs/eval
-    python -m pipelines.evaluate --data_dir data/default --predictors '[runs/disco/export, "models:/specstop-sv@champion"]' \\
+    python -m pipelines.evaluate --data_dir data/default --predictors '[runs/disco/export,
+    "models:/specstop-sv@champion"]' \\
         --out_dir runs/eval --tune_thresholds true
     python -m pipelines.evaluate --config configs/evaluate.yaml
 
@@ -17,9 +18,12 @@ import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 from data_gen.shards import DataPath, read_columns
 from evaluation.classification import DEFAULT_LABEL_SPECS
@@ -29,9 +33,33 @@ from predictors.labels import draw_mask, label_draw, label_name
 log = logging.getLogger(__name__)
 
 BASE_COLUMNS = (
-    "sample_id", "source", "domain", "split", "seq_id", "origin", "draw", "rollout", "prefix_len", "offset", "position", "draft_token", "q", "p",
-    "accept_prob", "target_argmax", "greedy_match", "tv", "draft_entropy", "draft_max_prob", "draft_topk",
-    "companion_prob", "companion_sim", "companion_entropy", "companion_accept", "oracle_len", "oracle_censored",
+    "sample_id",
+    "source",
+    "domain",
+    "split",
+    "seq_id",
+    "origin",
+    "draw",
+    "rollout",
+    "prefix_len",
+    "offset",
+    "position",
+    "draft_token",
+    "q",
+    "p",
+    "accept_prob",
+    "target_argmax",
+    "greedy_match",
+    "tv",
+    "draft_entropy",
+    "draft_max_prob",
+    "draft_topk",
+    "companion_prob",
+    "companion_sim",
+    "companion_entropy",
+    "companion_accept",
+    "oracle_len",
+    "oracle_censored",
 )
 """Columns always read when present (``draft_hidden`` only when a policy needs it)."""
 
@@ -56,7 +84,8 @@ class EvaluateConfig:
     """Tune each learned policy's threshold for predicted speedup on ``tune_split`` (reported, and replayed as '<name>
     (val-tuned)')."""
     store_thresholds: bool = False
-    """Write the tuned threshold into each local export folder's predictor.json (``predictors.export.update_metadata``)."""
+    """Write the tuned threshold into each local export folder's predictor.json
+    (``predictors.export.update_metadata``)."""
     label_specs: list[tuple[str, float]] = field(
         default_factory=lambda: [tuple(spec) for spec in DEFAULT_LABEL_SPECS]
     )
@@ -99,7 +128,7 @@ class EvaluateConfig:
             raise ValueError(f"--n_boot must be >= 0, got {self.n_boot}")
         if self.store_thresholds and not self.tune_thresholds:
             raise ValueError("--store_thresholds needs --tune_thresholds true")
-        self.label_specs = [(str(f), float(l)) for f, l in self.label_specs]
+        self.label_specs = [(str(f), float(lam)) for f, lam in self.label_specs]
 
 
 # -------------------------------------------------------------------------------------------------------------- data
@@ -179,32 +208,45 @@ def load_cost_model(cfg: EvaluateConfig) -> tuple[Any, str]:
     return None, f"no {path}: speedups unavailable (pass --assume_cost_model true for a labelled assumption)"
 
 
-def _ref_name(ref: str, taken: set[str]) -> str:
-    base = ref.rstrip("/").split("/")[-1] if not ref.startswith("models:/") else ref.removeprefix("models:/")
+def predictor_name(policy: StopPolicy | None, ref: str, taken: set[str]) -> str:
+    """Row name of a loaded predictor: its kind and label (``disco (greedy match)``), numbered when taken twice; the
+    reference (folder or URI) goes in the tables' ``ref`` column. A predictor that did not load: the ref's last part."""
+    if policy is not None:
+        label = (getattr(policy, "train_info", None) or {}).get("label") or {}
+        base = f"{policy.kind} ({label['name']})" if label.get("name") else policy.kind
+    else:
+        base = ref.rstrip("/").split("/")[-1] if not ref.startswith("models:/") else ref.removeprefix("models:/")
     name, i = base, 2
     while name in taken:
-        name, i = f"{base}-{i}", i + 1
+        name, i = f"{base} #{i}", i + 1
     return name
+
+
+def add_refs(df: pd.DataFrame | None, refs: dict[str, str]) -> None:
+    """Add the ``ref`` column (a loaded predictor's folder or URI; empty for the baselines) beside ``policy``."""
+    if df is not None and len(df) and "policy" in df.columns:
+        df["ref"] = [refs.get(str(n).removesuffix(" (val-tuned)"), "") for n in df["policy"]]
 
 
 def load_policies(cfg: EvaluateConfig) -> tuple[dict[str, StopPolicy | None], dict[str, str], list[str]]:
     """(name -> policy or None, name -> ref, notes): predictors loaded from refs, refused on a draft mismatch."""
-    from predictors.export import load_predictor
+    from predictors.registry import load_reference
 
     fp = draft_fingerprint(cfg.data_dir)
     pols: dict[str, StopPolicy | None] = {}
     refs: dict[str, str] = {}
     notes: list[str] = []
     for ref in cfg.predictors:
-        name = _ref_name(ref, set(pols))
         try:
-            pols[name] = load_predictor(ref, draft_fingerprint=fp, force=cfg.force)
-            refs[name] = ref
+            policy = load_reference(ref, draft_fingerprint=fp, force=cfg.force, tracking_uri=cfg.tracking_uri)
         except Exception as e:
             if not cfg.skip_refused:
                 raise
-            pols[name] = None
+            policy = None
             notes.append(f"predictor {ref} NOT evaluated: {type(e).__name__}: {e}")
+        name = predictor_name(policy, ref, set(pols))
+        pols[name] = policy
+        refs[name] = ref
     if fp is None and cfg.predictors:
         notes.append("data_dir/config.json holds no draft fingerprint: predictors were not checked against the draft model")
     return pols, refs, notes
@@ -234,11 +276,12 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
         dict with report (path), classification, sprinter, replay, sweep (DataFrames), tuned (name -> (threshold,
         val speedup)), metrics (flat dict), cost_model (or None), notes.
     """
+    import pandas as pd
+
     from evaluation.classification import score_table, sprinter_table
     from evaluation.cost_model import assumed_cost_model
-    from evaluation.replay import ReplayConfig, with_threshold, replay_table, tune_threshold
+    from evaluation.replay import ReplayConfig, replay_table, tune_threshold, with_threshold
     from evaluation.report import report_metrics, write_report
-    import pandas as pd
 
     pols: dict[str, StopPolicy | None] = dict(policies or {})
     refs: dict[str, str] = {}
@@ -267,7 +310,7 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
         cols = subset(cols, main)
         allcols = subset(allcols, draw_mask(allcols, "greedy"))
         notes.append("records of two draws per position: " + "; ".join(
-            f"{len(c['seq_id'])} {d}-draw tokens scored against {', '.join(label_name(f, l) for f, l in specs)}"
+            f"{len(c['seq_id'])} {d}-draw tokens scored against {', '.join(label_name(f, lam) for f, lam in specs)}"
             for d, (c, specs) in by_draw.items()) + "; replay on the greedy draws")
 
     cm, cm_note = load_cost_model(cfg)
@@ -324,6 +367,8 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
             sweeps.append(sw)
     replay = pd.concat(reps, ignore_index=True) if reps else None
     sweep = pd.concat(sweeps, ignore_index=True) if sweeps else None
+    for df in (cls, spr, replay, sweep):
+        add_refs(df, refs)
     if cm is None and replay is not None:
         for c in ("time_s", "speedup"):
             if c in replay:
@@ -354,24 +399,30 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
     }
 
 
+def _run_tracked(cfg: EvaluateConfig) -> dict[str, Any]:
+    """:func:`run_evaluation`, inside an MLflow run when ``cfg.tracking`` (and none is active)."""
+    if not cfg.tracking:
+        return run_evaluation(cfg)
+    import mlflow
+
+    from pipelines.cli import resolve_tracking_uri
+
+    if mlflow.active_run() is not None:
+        return run_evaluation(cfg)
+    mlflow.set_tracking_uri(resolve_tracking_uri(cfg.tracking_uri))
+    mlflow.set_experiment(cfg.experiment)
+    with mlflow.start_run(run_name="evaluate"):
+        mlflow.log_params({k: str(v)[:250] for k, v in asdict(cfg).items()})
+        return run_evaluation(cfg)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from pipelines.cli import parse_config, setup_logging
+    from pipelines.cli import parse_config, setup_logging, user_errors
 
     setup_logging()
-    cfg = parse_config(EvaluateConfig, argv, __doc__)
-    if cfg.tracking:
-        import mlflow
-
-        if mlflow.active_run() is None:
-            mlflow.set_tracking_uri(cfg.tracking_uri or "sqlite:///mlflow.db")
-            mlflow.set_experiment(cfg.experiment)
-            with mlflow.start_run(run_name="evaluate"):
-                mlflow.log_params({k: str(v)[:250] for k, v in asdict(cfg).items()})
-                result = run_evaluation(cfg)
-        else:
-            result = run_evaluation(cfg)
-    else:
-        result = run_evaluation(cfg)
+    with user_errors("python -m pipelines.evaluate"):
+        cfg = parse_config(EvaluateConfig, argv, __doc__)
+        result = _run_tracked(cfg)
     print(f"report: {result['report']}")
     return result
 

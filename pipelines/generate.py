@@ -10,7 +10,7 @@ import json
 import sys
 
 from data_gen.generate import GenerateConfig, run_generation
-from pipelines.cli import parse_config, setup_logging
+from pipelines.cli import parse_config, setup_logging, user_errors
 
 
 def _fabric_worker(fabric, cfg: GenerateConfig) -> dict:
@@ -35,8 +35,9 @@ def generate(cfg: GenerateConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     setup_logging()
-    cfg = parse_config(GenerateConfig, argv, __doc__)
-    summary = generate(cfg)
+    with user_errors("python -m pipelines.generate"):
+        cfg = parse_config(GenerateConfig, argv, __doc__)
+        summary = generate(cfg)
     print(json.dumps({k: summary[k] for k in ("overall", "by_origin") if k in summary}, indent=2))
     return summary
 

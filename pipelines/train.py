@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from data_gen.generate import GenerateConfig
-from pipelines.cli import parse_config, setup_logging
+from pipelines.cli import parse_config, resolve_tracking_uri, setup_logging, user_errors
 from predictors.training import DiscoConfig, SprinterConfig, SVTableConfig
 
 log = logging.getLogger("pipelines.train")
@@ -60,7 +60,8 @@ class TrainJobConfig:
     n_boot: int = 200
     """Bootstrap resamples over prompts for the evaluation's confidence intervals."""
     crossval_folds: int = 0
-    """> 0 (at least 3): also cross-validate DISCO and SPRINTER over that many folds of prompts (``pipelines.crossval``):
+    """> 0 (at least 3): also cross-validate DISCO and SPRINTER over that many folds of prompts
+    (``pipelines.crossval``):
     every prompt tested once, AUC against the best training-free score with a paired bootstrap interval (the table's
     cv_* columns; the report under ``<out_dir>/crossval``)."""
     register: bool = True
@@ -160,7 +161,7 @@ def train_all(cfg: TrainJobConfig) -> dict[str, Any]:
     from pytorch_lightning.loggers import MLFlowLogger
 
     from predictors.export import export_predictor, update_metadata
-    from predictors.registry import check_reachable, register_predictor, registry_name, resolve_tracking_uri
+    from predictors.registry import check_reachable, register_predictor, registry_name
     from predictors.training import fit_predictor
 
     t0 = time.perf_counter()
@@ -277,7 +278,8 @@ def _crossval(cfg: TrainJobConfig, data_dirs: list[Path], kinds: list[str], rows
 
 
 def _own_label(kcfg: Any) -> tuple[str, tuple[str, float]]:
-    """(label name, (family, lambda)) a predictor is trained for (the SV table: the label its val AUC is reported on)."""
+    """(label name, (family, lambda)) a predictor is trained for (the SV table: the label its val AUC is reported
+    on)."""
     from predictors.labels import label_name
 
     family = getattr(kcfg, "auc_label", None) or kcfg.label_family
@@ -306,8 +308,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup_logging()
-    cfg = parse_config(TrainJobConfig, argv, __doc__)
-    result = train_all(cfg)
+    with user_errors("python -m pipelines.train"):
+        cfg = parse_config(TrainJobConfig, argv, __doc__)
+        result = train_all(cfg)
     print(format_table(result["results"]))
     if result["report"]:
         print(f"\nreport: {result['report']}")

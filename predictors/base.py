@@ -17,7 +17,8 @@ from torch import Tensor
 from data_gen.features import COMPANION_COLUMNS, TARGET_COLUMNS
 
 THRESHOLD = "threshold"
-"""Verification kind: draft while ``score >= threshold``, verify every drafted token exactly (DISCO, SVIP, AdaEDL...)."""
+"""Verification kind: draft while ``score >= threshold``, verify every drafted token exactly (DISCO, SVIP,
+AdaEDL...)."""
 GOODPUT = "goodput"
 """Verification kind (Speculative Verification): draft while useful, verify the goodput-best prefix
 (``predictors.sv``)."""
@@ -82,7 +83,8 @@ class StopPolicy:
 
     @property
     def tunable(self) -> bool:
-        """A threshold a sweep can tune: thresholded, not SV's goodput rule, not re-tuned online by the policy itself."""
+        """A threshold a sweep can tune: thresholded, not SV's goodput rule, not re-tuned online by the policy
+        itself."""
         return (self.has_threshold and self.verification in (THRESHOLD, SEQUENTIAL)
                 and not getattr(self, "online_roc", False))
 

@@ -70,7 +70,8 @@ class MaxConfidence(StopPolicy):
     transformers' ``assistant_confidence_threshold``).
 
     With ``online_roc=True`` the threshold is re-tuned as transformers does
-    (``AssistedCandidateGenerator.update_candidate_strategy``): over all (drafted-token probability, accepted) pairs seen,
+    (``AssistedCandidateGenerator.update_candidate_strategy``): over all (drafted-token probability, accepted) pairs
+    seen,
     ``sklearn.metrics.roc_curve`` and the threshold minimising fpr + 3 * fnr.
     """
 

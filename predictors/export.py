@@ -10,7 +10,7 @@ Usage::
 
     folder = export_predictor(policy, "runs/disco/export", {"draft_fingerprint": fp, "data_fingerprint": "..."})
     update_metadata(folder, threshold=0.62)                       # e.g. the speedup-tuned threshold
-    policy = load_predictor(folder, draft_fingerprint=fp)         # or "models:/specstop-disco-...@champion"
+    policy = load_predictor(folder, draft_fingerprint=fp)         # models:/ refs: predictors.registry.load_reference
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-
 from predictors.base import StopPolicy
 
 log = logging.getLogger(__name__)
@@ -33,6 +32,8 @@ __all__ = ["export_predictor", "load_predictor", "update_metadata", "read_metada
 METADATA_FILE = "predictor.json"
 WEIGHTS_FILE = "weights.safetensors"
 FORMAT_VERSION = 1
+REGISTRY_PREFIXES = ("models:/", "runs:/", "mlflow-artifacts:/")
+"""References that name a model in MLflow rather than a folder."""
 FINGERPRINT_KEYS = ("name", "vocab_size", "hidden_size")
 """Fields that must agree between the exported predictor's draft model and the draft in use."""
 
@@ -183,25 +184,19 @@ def check_fingerprint(stored: Mapping | None, current: Mapping | None, force: bo
     raise FingerprintMismatch(msg + "; pass force=True to load it anyway")
 
 
-def load_predictor(
-    ref: str | Path, draft_fingerprint: dict | None = None, force: bool = False, tracking_uri: str | None = None
-) -> StopPolicy:
-    """Load a policy from an export folder or an MLflow model URI.
+def load_predictor(folder: str | Path, draft_fingerprint: dict | None = None, force: bool = False) -> StopPolicy:
+    """Load a policy from an export folder (``models:/`` references: ``predictors.registry.load_reference``).
 
     Args:
-        ref: an export folder, or ``models:/<name>@<alias>`` / ``models:/<name>/<version>`` (artifacts downloaded first).
+        folder: an export folder (``predictor.json`` + weights).
         draft_fingerprint: the draft model in use (``data_gen.models.model_fingerprint``); a predictor trained for a
             different draft (name, vocab_size or hidden_size) is refused with FingerprintMismatch unless ``force``.
         force: load despite a fingerprint mismatch (logs a warning).
-        tracking_uri: MLflow tracking / registry URI for ``models:/`` refs (default: the configured one, else
-            sqlite:///mlflow.db).
     """
-    if isinstance(ref, str) and ref.startswith(("models:/", "runs:/", "mlflow-artifacts:/")):
-        from predictors.registry import download_model
-
-        folder = download_model(ref, tracking_uri=tracking_uri)
-    else:
-        folder = Path(ref).expanduser()
+    ref = folder
+    if isinstance(folder, str) and folder.startswith(REGISTRY_PREFIXES):
+        raise ValueError(f"{folder} is a registry reference: load it with predictors.registry.load_reference")
+    folder = Path(folder).expanduser()
     meta = read_metadata(folder)
     kind = meta.get("kind")
     check_fingerprint(meta.get("draft_fingerprint"), draft_fingerprint, force, where=f"{kind} at {ref}")

@@ -34,7 +34,17 @@ from torch import Tensor, nn
 
 from predictors.base import StopPolicy
 
-__all__ = ["FeatureSpec", "build_features", "extra_column", "disco_columns", "topk_entropy", "LearnedPolicy", "FEATURE_KINDS", "PARTS", "DISCO_EXTRAS"]
+__all__ = [
+    "FeatureSpec",
+    "build_features",
+    "extra_column",
+    "disco_columns",
+    "topk_entropy",
+    "LearnedPolicy",
+    "FEATURE_KINDS",
+    "PARTS",
+    "DISCO_EXTRAS",
+]
 
 FEATURE_KINDS = ("disco", "sprinter", "sv")
 PARTS = ("disco", "hidden", "sv")
@@ -281,7 +291,8 @@ class LearnedPolicy(StopPolicy):
         self.spec = spec
         self.required_columns = spec.columns  # type: ignore[misc]  # instance-level, per spec
         self.train_info: dict[str, Any] = {}
-        """Filled by training: resolved config, label family / lambda, validation metrics (exported with the weights)."""
+        """Filled by training: resolved config, label family / lambda, validation metrics (exported with the
+        weights)."""
 
     def inputs(self, features: Mapping[str, object]) -> Tensor:
         """[N, width] inputs (checked) for the policy's module."""

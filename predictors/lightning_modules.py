@@ -23,7 +23,7 @@ from predictors.sv import SVTable
 __all__ = ["BinaryPredictorModule", "DiscoModule", "SprinterModule", "SVTableModule"]
 
 
-def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
+def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
     from sklearn.metrics import roc_auc_score
 
     if len(np.unique(labels)) < 2:
@@ -81,7 +81,7 @@ class BinaryPredictorModule(pl.LightningModule):
         self._val_labels.clear()
         if self.trainer.world_size > 1:  # DistributedSampler pads to equal sizes, so all_gather works
             scores, labels = self.all_gather(scores).flatten(), self.all_gather(labels).flatten()
-        self.log(f"{stage}_auc", _auc(scores.float().cpu().numpy(), labels.float().cpu().numpy()), rank_zero_only=True)
+        self.log(f"{stage}_auc", roc_auc(scores.float().cpu().numpy(), labels.float().cpu().numpy()), rank_zero_only=True)
 
     def on_validation_epoch_end(self) -> None:
         self._log_auc("val")
@@ -119,7 +119,12 @@ class SprinterModule(BinaryPredictorModule):
     """SPRINTER verifier training (q/p <= lambda labels)."""
 
     def __init__(
-        self, hidden_size: int, lr: float = 1e-3, weight_decay: float = 0.0, pos_weight: float = 1.0, prior_index: int = -1
+        self,
+        hidden_size: int,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        pos_weight: float = 1.0,
+        prior_index: int = -1,
     ) -> None:
         super().__init__(lr, weight_decay, pos_weight)
         self.save_hyperparameters()

@@ -14,7 +14,7 @@ Usage::
 
     name = registry_name("disco", draft_fingerprint)          # "specstop-disco-qwen2.5-coder-0.5b-instruct"
     info = register_predictor(folder, name, metrics["val_auc"], run_id=mlf_logger.run_id)
-    policy = load_predictor(f"models:/{name}@champion")       # predictors.export
+    policy = load_reference(f"models:/{name}@champion")
 """
 from __future__ import annotations
 
@@ -34,12 +34,25 @@ import numpy as np
 import pandas as pd
 
 from predictors.base import StopPolicy
+from predictors.export import REGISTRY_PREFIXES, load_predictor
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_TRACKING_URI", "CHAMPION", "registry_name", "register_predictor", "download_model",
-           "resolve_tracking_uri", "check_reachable", "TrackingUnreachable", "RegistryError", "PredictorModel",
-           "frame_to_columns", "example_frame"]
+__all__ = [
+    "DEFAULT_TRACKING_URI",
+    "CHAMPION",
+    "registry_name",
+    "register_predictor",
+    "download_model",
+    "load_reference",
+    "resolve_tracking_uri",
+    "check_reachable",
+    "TrackingUnreachable",
+    "RegistryError",
+    "PredictorModel",
+    "frame_to_columns",
+    "example_frame",
+]
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 CHAMPION = "champion"
@@ -152,15 +165,14 @@ class PredictorModel(mlflow.pyfunc.PythonModel):
     """pyfunc wrapper: loads the export folder artifact; ``predict(frame)`` returns the continue scores."""
 
     def load_context(self, context: Any) -> None:
-        from predictors.export import load_predictor
-
         self.policy = load_predictor(context.artifacts["predictor"])
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict | None = None) -> np.ndarray:
         return self.policy.score(frame_to_columns(model_input, self.policy)).numpy()
 
 
-# ---- register / download ----------------------------------------------------------------------------------------------
+# ---- register / download
+# ----------------------------------------------------------------------------------------------
 def _better(new: float, old: float | None, higher_is_better: bool) -> bool:
     if old is None or (isinstance(old, float) and math.isnan(old)):
         return True
@@ -199,7 +211,6 @@ def register_predictor(
     from mlflow.models import infer_signature
     from mlflow.tracking import MlflowClient
 
-    from predictors.export import load_predictor
 
     folder = Path(folder)
     uri = resolve_tracking_uri(tracking_uri)
@@ -281,3 +292,19 @@ def download_model(ref: str, tracking_uri: str | None = None, dst: str | Path | 
     if not found:
         raise RegistryError(f"{ref} (MLflow at {uri}) holds no predictor.json; not a specstop predictor")
     return found[0].parent
+
+
+def load_reference(
+    ref: str | Path, draft_fingerprint: dict | None = None, force: bool = False, tracking_uri: str | None = None
+) -> StopPolicy:
+    """Load a policy from an export folder or an MLflow model URI (``models:/<name>@<alias>``,
+    ``models:/<name>/<version>``; artifacts downloaded first, then ``predictors.export.load_predictor``).
+
+    Args:
+        ref: the folder or URI.
+        draft_fingerprint, force: as ``predictors.export.load_predictor``.
+        tracking_uri: MLflow tracking / registry URI for ``models:/`` refs (:func:`resolve_tracking_uri`).
+    """
+    if isinstance(ref, str) and ref.startswith(REGISTRY_PREFIXES):
+        return load_predictor(download_model(ref, tracking_uri=tracking_uri), draft_fingerprint, force)
+    return load_predictor(ref, draft_fingerprint, force)

@@ -15,9 +15,11 @@ count m (``prior_count``).
 Information gain (SV paper, Table 2), H(A) - H(A | S, A_c) in bits. The discretisation of A is explicit:
 
 - ``levels=0`` (default): A is the binary accept event of exact speculative sampling, A ~ Bernoulli(accept_prob). Then
-  H(A) = h2(E[accept_prob]) and H(A | cell) = h2(E[accept_prob | cell]) (h2 the binary entropy in bits), i.e. the expected
+  H(A) = h2(E[accept_prob]) and H(A | cell) = h2(E[accept_prob | cell]) (h2 the binary entropy in bits), i.e. the
+  expected
   binary entropy with the per-token randomness marginalised inside each cell. At most 1 bit.
-- ``levels=L > 0``: A is accept_prob itself cut into L equal-width levels on [0, 1] (plug-in entropies, up to log2 L bits;
+- ``levels=L > 0``: A is accept_prob itself cut into L equal-width levels on [0, 1] (plug-in entropies, up to log2 L
+bits;
   closer to the paper's multi-bit numbers).
 
 Conditional entropies use the empirical cell distribution of the data they are computed on (plug-in, as in the paper).

@@ -30,7 +30,17 @@ from predictors.labels import LABEL_FAMILIES, label_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainConfig", "DiscoConfig", "SprinterConfig", "SVTableConfig", "CONFIGS", "make_datamodule", "fit_predictor", "binary_metrics", "baseline_aucs"]
+__all__ = [
+    "TrainConfig",
+    "DiscoConfig",
+    "SprinterConfig",
+    "SVTableConfig",
+    "CONFIGS",
+    "make_datamodule",
+    "fit_predictor",
+    "binary_metrics",
+    "baseline_aucs",
+]
 
 PAPER_LAMBDAS = (1.0, 1.2, 1.5)
 MONITORS = {"val_loss": "min", "val_auc": "max"}
@@ -141,7 +151,8 @@ class DiscoConfig(TrainConfig):
     tv_weight: float = 0.0
     """Weight of the TV-distance regression term (0 = BCE only); adds a TV head."""
     hidden_rank: int = 0
-    """> 0: hybrid head, the draft's hidden state projected to this many values joins the inputs (needs draft_hidden)."""
+    """> 0: hybrid head, the draft's hidden state projected to this many values joins the inputs (needs
+    draft_hidden)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -457,10 +468,10 @@ def _val_logits(net: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _val_metric(logits: torch.Tensor, y: torch.Tensor, monitor: str, pos_weight: torch.Tensor) -> float:
     """A monitored metric from validation logits: val_auc, or val_loss (BCE with the training pos_weight)."""
-    from predictors.lightning_modules import _auc
+    from predictors.lightning_modules import roc_auc
 
     if monitor == "val_auc":
-        return _auc(torch.sigmoid(logits).numpy(), y.numpy())
+        return roc_auc(torch.sigmoid(logits).numpy(), y.numpy())
     return float(F.binary_cross_entropy_with_logits(logits, y, pos_weight=pos_weight))
 
 

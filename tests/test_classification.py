@@ -1,4 +1,5 @@
-"""Classification tables on synthetic columns with known answers: perfect and random scores, single-class splits, missing
+"""Classification tables on synthetic columns with known answers: perfect and random scores, single-class splits,
+missing
 columns, soft-label weighting, DISCO's static F1, SPRINTER's theorems."""
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Cross-validation over prompts (folds, out-of-fold scores, paired bootstrap) and predictors that start from a prior."""
+"""Cross-validation over prompts (folds, out-of-fold scores, paired bootstrap) and predictors that start from a
+prior."""
 from __future__ import annotations
 
 import re
@@ -110,10 +111,21 @@ def test_summarise_known_answer():
     rng = np.random.default_rng(0)
     n = 600
     y = rng.random(n) < 0.5
-    frame = pd.DataFrame({"predictor": "p", "label": "greedy match", "draw": "greedy", "fold": np.arange(n) % 3,
-                          "sample_id": [f"s{i // 10}" for i in range(n)], "domain": np.where(np.arange(n) < 300, "code", "chat"),
-                          "y": y.astype(float), "score": y + rng.normal(0, 0.01, n),
-                          "draft_max_prob": rng.random(n), "q": rng.random(n), "draft_entropy": rng.random(n)})
+    frame = pd.DataFrame(
+        {
+            "predictor": "p",
+            "label": "greedy match",
+            "draw": "greedy",
+            "fold": np.arange(n) % 3,
+            "sample_id": [f"s{i // 10}" for i in range(n)],
+            "domain": np.where(np.arange(n) < 300, "code", "chat"),
+            "y": y.astype(float),
+            "score": y + rng.normal(0, 0.01, n),
+            "draft_max_prob": rng.random(n),
+            "q": rng.random(n),
+            "draft_entropy": rng.random(n),
+        }
+    )
     table = summarise(frame, n_boot=50)
     assert list(table["group"]) == ["all", "chat", "code"]
     top = table.iloc[0]

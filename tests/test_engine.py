@@ -1,4 +1,5 @@
-"""Speculative decoding engine: greedy exactness for every exact policy, batches, features, limits, SV, SPRINTER, bad input."""
+"""Speculative decoding engine: greedy exactness for every exact policy, batches, features, limits, SV, SPRINTER, bad
+input."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -8,12 +9,11 @@ import torch
 from torch import Tensor
 
 from data_gen.features import token_features
-from tests.tiny_pairs import make_pair
 from decoding.engine import SpeculativeDecoder
 from decoding.latency import LatencyTable, profile_latency
 from decoding.policies import build_decoder, build_policy
 from predictors.base import GOODPUT, SEQUENTIAL, StopPolicy
-
+from tests.tiny_pairs import make_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,17 +1,15 @@
 """Exact speculative sampling: the engine's output distribution is the target's (chi-square on the first two tokens)."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from data_gen.features import probs_from_logits
-from tests.tiny_pairs import make_pair
 from decoding.engine import SpeculativeDecoder
 from decoding.policies import build_policy
-
+from tests.tiny_pairs import make_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from predictors.baselines import BASELINES
 from data_gen.shards import read_columns
+from predictors.baselines import BASELINES
 from predictors.export import FingerprintMismatch, export_predictor, load_predictor, read_metadata, update_metadata
+from predictors.registry import load_reference
 from predictors.training import DiscoConfig, SprinterConfig, SVTableConfig, fit_predictor
 from tests.synthetic import make_records, write_shards
 
@@ -132,14 +133,14 @@ def _round_trip(trained, uri: str) -> None:
     assert first["champion"] and first["version"] == 1
     worse = register_predictor(folders["sv"], name, 0.70, tracking_uri=uri)
     assert not worse["champion"] and worse["champion_version"] == 1 and worse["previous_champion"] == 1
-    champ = load_predictor(f"models:/{name}@champion", draft_fingerprint=FP, tracking_uri=uri)
+    champ = load_reference(f"models:/{name}@champion", draft_fingerprint=FP, tracking_uri=uri)
     assert champ.kind == "disco"
     assert torch.equal(champ.score(cols), folders["disco_policy"].score(cols))
     better = register_predictor(folders["sprinter"], name, 0.95, tracking_uri=uri)
     assert better["champion"] and better["version"] == 3
-    champ = load_predictor(f"models:/{name}@champion", tracking_uri=uri)
+    champ = load_reference(f"models:/{name}@champion", tracking_uri=uri)
     assert champ.kind == "sprinter" and torch.equal(champ.score(cols), folders["sprinter_policy"].score(cols))
-    v2 = load_predictor(f"models:/{name}/2", tracking_uri=uri)
+    v2 = load_reference(f"models:/{name}/2", tracking_uri=uri)
     assert v2.kind == "sv"
     client = MlflowClient(uri, uri)
     tags = client.get_model_version(name, "3").tags
@@ -182,7 +183,7 @@ def test_unreachable_tracking_server_keeps_export(trained, monkeypatch):
     with pytest.raises(TrackingUnreachable, match=r"http://127\.0\.0\.1:9.*unreachable"):
         register_predictor(folder, "specstop-disco-x", 0.9, tracking_uri="http://127.0.0.1:9")
     with pytest.raises(TrackingUnreachable, match=r"http://127\.0\.0\.1:9"):
-        load_predictor("models:/specstop-disco-x@champion", tracking_uri="http://127.0.0.1:9")
+        load_reference("models:/specstop-disco-x@champion", tracking_uri="http://127.0.0.1:9")
     assert (folder / "weights.safetensors").is_file() and (folder / "predictor.json").is_file()
 
 
@@ -194,7 +195,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module", autouse=True)
 def _server_process(tmp_path_factory):
-    """Start a real `mlflow server` (loopback, sqlite backend, artifacts in a temp folder) when the module starts, so its
+    """Start a real `mlflow server` (loopback, sqlite backend, artifacts in a temp folder) when the module starts, so
+    its
     slow start-up overlaps with the other tests; killed at the end of the module. None when it cannot start."""
     exe = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or shutil.which("mlflow")
     if exe is None:
@@ -202,7 +204,7 @@ def _server_process(tmp_path_factory):
         return
     root = tmp_path_factory.mktemp("mlflow-server")
     port = _free_port()
-    log = open(root / "server.log", "w")
+    log = open(root / "server.log", "w")  # noqa: SIM115 - the server writes to it until the module ends
     cmd = [exe, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
            "--backend-store-uri", f"sqlite:///{root / 'server.db'}", "--artifacts-destination", str(root / "artifacts")]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
@@ -249,7 +251,7 @@ def test_register_and_load_against_real_mlflow_server(trained, mlflow_server, tm
     uri, name = mlflow_server["uri"], "specstop-sprinter-test"
     info = register_predictor(folders["sprinter"], name, 0.9, tracking_uri=uri)
     assert info["champion"] and info["version"] == 1 and info["tracking_uri"] == uri
-    loaded = load_predictor(f"models:/{name}@champion", draft_fingerprint=FP, tracking_uri=uri)
+    loaded = load_reference(f"models:/{name}@champion", draft_fingerprint=FP, tracking_uri=uri)
     assert torch.equal(loaded.score(cols), folders["sprinter_policy"].score(cols))
     assert not register_predictor(folders["sprinter"], name, 0.85, tracking_uri=uri)["champion"]
     assert list((mlflow_server["root"] / "artifacts").rglob("predictor.json"))  # artifacts went through the server

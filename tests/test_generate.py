@@ -154,7 +154,7 @@ def test_measure_costs_rewrites_cost_model(tmp_path):
 
 def test_label_batches_group_a_prompts_sequences_within_budget():
     """Sequences of one prompt share a pass (their prompt is passed once); the padded cost stays within the budget."""
-    from data_gen.generate import _label_batches
+    from data_gen.generate import label_batches
     from data_gen.labelling import Segment, SequenceSpec, shared_prefix_len
 
     def seq(pid: str, prompt: list[int], n: int, k: int) -> SequenceSpec:
@@ -163,7 +163,7 @@ def test_label_batches_group_a_prompts_sequences_within_budget():
 
     a, b = list(range(1, 101)), list(range(201, 251))
     seqs = [seq("a", a, 20, k) for k in range(6)] + [seq("b", b, 10, k) for k in range(2)] + [seq("c", [7, 8, 9], 5, 0)]
-    batches = _label_batches(seqs, budget_tokens=200)
+    batches = label_batches(seqs, budget_tokens=200)
     assert sorted(s.seq_id for bt in batches for s in bt) == sorted(s.seq_id for s in seqs)
     for bt in batches:
         if len({s.sample_id for s in bt}) == 1 and len(bt) > 1:

@@ -7,11 +7,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.tiny_pairs import make_pair
 from decoding.hf_integration import generate_with_policy
 from decoding.policies import build_policy
 from predictors.base import GOODPUT, StopPolicy
-
+from tests.tiny_pairs import make_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,5 @@
-"""One-pass labelling: stub models with known logits, token-by-token equivalence, teacher-forced == rollout, batching."""
+"""One-pass labelling: stub models with known logits, token-by-token equivalence, teacher-forced == rollout,
+batching."""
 from __future__ import annotations
 
 from types import SimpleNamespace

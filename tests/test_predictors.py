@@ -28,8 +28,15 @@ def test_disco_features_numpy_and_decode_time_tensors_agree(rec):
     assert torch.allclose(x_np[:, 10], -(t * t.log()).sum(1), atol=1e-5)
     assert torch.allclose(x_np[:, 11], torch.as_tensor(rec["position"]).float() / 40.0)
     # one token at decode time, position as a plain int
-    one = build_features(spec, {"draft_topk": feats["draft_topk"][3], "position": 3,
-                                "draft_max_prob": feats["draft_max_prob"][3:4], "draft_entropy": feats["draft_entropy"][3:4]})
+    one = build_features(
+        spec,
+        {
+            "draft_topk": feats["draft_topk"][3],
+            "position": 3,
+            "draft_max_prob": feats["draft_max_prob"][3:4],
+            "draft_entropy": feats["draft_entropy"][3:4],
+        },
+    )
     assert torch.allclose(one[0], x_np[3])
 
 

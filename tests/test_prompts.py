@@ -1,4 +1,5 @@
-"""Prompt sources, rendering and the by-prompt split (data_gen.prompts). Run: .venv/bin/python -m pytest tests/test_prompts.py -q"""
+"""Prompt sources, rendering and the by-prompt split (data_gen.prompts). Run: .venv/bin/python -m pytest
+tests/test_prompts.py -q"""
 from __future__ import annotations
 
 import importlib.util
@@ -55,9 +56,21 @@ def test_local_jsonl_chat_lists_both_formats(tmp_path):
     f = _write_jsonl(
         tmp_path / "chat.jsonl",
         [
-            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                          {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "again"}]},
-            {"messages": [{"from": "gpt", "value": "lead-in"}, {"from": "human", "value": "Q?"}, {"from": "gpt", "value": "A."}]},
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello!"},
+                    {"role": "user", "content": "again"},
+                ]
+            },
+            {
+                "messages": [
+                    {"from": "gpt", "value": "lead-in"},
+                    {"from": "human", "value": "Q?"},
+                    {"from": "gpt", "value": "A."},
+                ]
+            },
             {"messages": [{"role": "assistant", "content": "no user turn"}]},
         ],
     )

@@ -1,4 +1,5 @@
-"""Report and ``pipelines.evaluate``: the Markdown report and PNG plots appear, the CLI (YAML config + MLflow logging) runs
+"""Report and ``pipelines.evaluate``: the Markdown report and PNG plots appear, the CLI (YAML config + MLflow logging)
+runs
 on synthetic shards, thresholds are tuned on val, and a predictor for another draft model is refused."""
 from __future__ import annotations
 
