@@ -8,7 +8,7 @@ policy is told the outcome (``policy.update``) and both KV caches (transformers 
 
 How a round runs follows what the policy declares (``predictors.base.StopPolicy``), never its kind:
 - ``verification == GOODPUT`` (SV): drafts while the predicted acceptance is useful, then verifies the goodput-best
-  prefix (the round rules of ``predictors.sv`` with the latency table of ``decoding.latency``); needs a companion.
+  prefix (the round rules of ``predictors.sv`` priced by the measured ``data_gen.timing.CostModel``); needs a companion.
 - ``verification == SEQUENTIAL`` (SPRINTER, ``policy.exact`` False): approximate sequential verification; drafted tokens
   before the last one are taken unverified, the target checks only the last token (min(1, p/q) or a resample from
   norm(max(0, p - q))).
@@ -30,6 +30,7 @@ Usage:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from data_gen.features import COMPANION_COLUMNS, probs_from_logits, token_features
+from data_gen.timing import CostModel, measure_cost_model
 from predictors import sv
 from predictors.base import GOODPUT, SEQUENTIAL, RoundFeedback, StopPolicy
 
@@ -274,7 +276,8 @@ class SpeculativeDecoder:
         top_p: nucleus mass of the sampling distributions (draft and target alike).
         max_draft_len: hard cap on draft tokens per round (on top of ``policy.draft_cap()``).
         top_k_features: top-k draft probabilities in the features (must match the predictor's training data).
-        latency: ``decoding.latency.LatencyTable`` (needed by SV; profiled on the fly when missing).
+        cost_model: the measured verification curve, ``data_gen.timing.CostModel`` (``pipelines.measure_costs``);
+            SV prices its rounds with it (measured on the fly when missing).
         sv_patience: SV stops drafting once this many drafted tokens lie beyond the goodput-best prefix (drafting
             further is unlikely to lengthen it: the expected acceptance of a longer prefix only falls).
     """
@@ -289,7 +292,7 @@ class SpeculativeDecoder:
         top_p: float = 1.0,
         max_draft_len: int = 40,
         top_k_features: int = 10,
-        latency=None,
+        cost_model: CostModel | None = None,
         sv_patience: int = 2,
     ) -> None:
         if temperature < 0:
@@ -315,7 +318,7 @@ class SpeculativeDecoder:
         self.companion = companion if reads_companion else None
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.max_draft_len, self.top_k_features = int(max_draft_len), int(top_k_features)
-        self.latency = latency
+        self.cost_model = cost_model
         self.needs_hidden = "draft_hidden" in policy.required_columns
         self.analysis = policy.needs_target
         self.sequential = policy.verification == SEQUENTIAL
@@ -338,12 +341,13 @@ class SpeculativeDecoder:
         """[V] probabilities -> one sampled token id."""
         return int(torch.multinomial(probs, 1, generator=gen))
 
-    def _sv_latency(self):
-        if self.latency is None:
-            from decoding.latency import profile_latency
-
-            self.latency, _ = profile_latency(self.draft, self.target, self.companion)
-        return self.latency.round_latency
+    def _sv_latency(self) -> Callable[[int], float]:
+        """Seconds of a round that drafts and verifies n tokens (n draft and companion steps, a target pass of n + 1)."""
+        if self.cost_model is None:
+            self.cost_model = measure_cost_model(self.draft, self.target, self.companion,
+                                                 lengths=(1, 2, 4, 8, 16, 24, 32, 41), repeats=1)
+        cm = self.cost_model
+        return lambda n: cm.round_time(n, companion=True)
 
     # ------------------------------------------------------------------ main loop
     @torch.no_grad()

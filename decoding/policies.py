@@ -135,7 +135,7 @@ def build_decoder(
     companion present when the policy needs one.
 
     Args:
-        decoder_kwargs: ``temperature``, ``top_p``, ``max_draft_len``, ``top_k_features``, ``latency``.
+        decoder_kwargs: ``temperature``, ``top_p``, ``max_draft_len``, ``top_k_features``, ``cost_model``.
     """
     from data_gen.models import check_same_tokenizer
     from decoding.engine import SpeculativeDecoder

@@ -340,7 +340,7 @@ def run_engine(spec: str, draft, target, companion, prompts, cfg, tokenizer, eos
     dec = build_decoder(
         draft, target, spec, draft_tokenizer=tokenizer, target_tokenizer=tokenizer, companion=companion,
         force=cfg.force, temperature=cfg.temperature, top_p=cfg.top_p, max_draft_len=cfg.max_draft_len,
-        top_k_features=cfg.top_k_features, latency=latency,
+        top_k_features=cfg.top_k_features, cost_model=latency,
     )
     row = Row(policy_label(spec, dec.policy), "engine", exact_by_design=dec.policy.exact)
     total = None
@@ -367,7 +367,7 @@ def run_engine(spec: str, draft, target, companion, prompts, cfg, tokenizer, eos
     if total.analysis_time > 0:  # oracle: replace the look-ahead by the profiled cost of one verification per round
         assert latency is not None
         est = total.wall_time - total.analysis_time - total.target_time
-        est += sum(latency.target_latency(k) for k in total.draft_lengths)
+        est += sum(latency.target_time(k + 1) for k in total.draft_lengths)
         row.seconds = est
         row.note = "analysis only: time estimated (look-ahead replaced by profiled verification)"
     if not dec.policy.exact:
@@ -451,13 +451,13 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
             pol = build_policy(s, draft=draft, draft_tokenizer=tok, max_draft_len=cfg.max_draft_len, force=cfg.force)
             needs_latency |= needs_companion(pol)
     if needs_latency:
-        from decoding.latency import LatencyTable, profile_latency
+        from data_gen.timing import CostModel, measure_cost_model
 
         if cfg.latency_file and Path(cfg.latency_file).is_file():
-            latency = LatencyTable.load(cfg.latency_file)
+            latency = CostModel.from_json(cfg.latency_file)
         else:
-            latency, _ = profile_latency(draft, target, companion, lengths=(0, 1, 2, 4, 8, 16, 24, cfg.max_draft_len))
-        latency.save(out_dir / "latency.json")
+            latency = measure_cost_model(draft, target, companion, lengths=(1, 2, 3, 5, 9, 17, 25, cfg.max_draft_len + 1))
+        latency.to_json(out_dir / "latency.json")
 
     if cfg.warmup:
         short = replace(cfg, max_new_tokens=4, tracking=False)

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from data_gen.features import token_features
 from decoding.engine import SpeculativeDecoder
-from decoding.latency import LatencyTable, profile_latency
+from data_gen.timing import CostModel, measure_cost_model
 from decoding.policies import build_decoder, build_policy
 from predictors.base import GOODPUT, SEQUENTIAL, StopPolicy
 from tests.tiny_pairs import make_pair
@@ -169,9 +169,9 @@ class CompanionAccept(StopPolicy):
 
 def test_sv_goodput_verification_is_exact(pair, companion):
     draft, target = pair
-    table = LatencyTable(draft_step_s=0.1, target_s={0: 0.3, 8: 0.5})
+    table = CostModel(draft_s_per_token=0.1, target_s={1: 0.3, 9: 0.5})
     pol = CompanionAccept(threshold=0.2, max_draft_len=8)
-    dec = SpeculativeDecoder(draft, target, pol, companion=companion, latency=table)
+    dec = SpeculativeDecoder(draft, target, pol, companion=companion, cost_model=table)
     out, stats = dec.generate(PROMPT, None, 25, None, 0)
     ref = target.generate(PROMPT, do_sample=False, max_new_tokens=25, pad_token_id=256)
     assert out.tolist() == ref.tolist()
@@ -179,7 +179,7 @@ def test_sv_goodput_verification_is_exact(pair, companion):
 
 
 def test_sv_real_table_policy(pair, companion):
-    """The SV bin-table policy from predictors.sv runs in the engine, with a profiled latency table."""
+    """The SV bin-table policy from predictors.sv runs in the engine, priced by a measured cost model."""
     from predictors.sv import SVPolicy, SVTable
 
     draft, target = pair
@@ -187,9 +187,9 @@ def test_sv_real_table_policy(pair, companion):
     g = torch.Generator().manual_seed(0)
     s, a = torch.rand(200, generator=g), torch.rand(200, generator=g)
     table.fit(s, a, (s + a) / 2)
-    lat, _ = profile_latency(draft, target, companion, prompt_len=8, lengths=(0, 2, 8), repeats=1)
+    lat = measure_cost_model(draft, target, companion, prompt_len=8, lengths=(1, 3, 9), repeats=1)
     dec = SpeculativeDecoder(draft, target, SVPolicy(table, threshold=0.1, max_draft_len=8), companion=companion,
-                             latency=lat)
+                             cost_model=lat)
     out, stats = dec.generate(PROMPT, None, 15, None, 0)
     ref = target.generate(PROMPT, do_sample=False, max_new_tokens=15, pad_token_id=256)
     assert out.tolist() == ref.tolist()
@@ -266,14 +266,15 @@ def test_tokenizer_and_fingerprint_checks(tmp_path, tiny_pair):
 def test_sv_batch_greedy_selection(pair, companion):
     from predictors.sv import batch_lengths as sv_batch_lengths
 
-    lat = LatencyTable(draft_step_s=0.0, target_s={0: 1.0, 10: 2.0}).round_latency
+    cm = CostModel(draft_s_per_token=0.0, target_s={1: 1.0, 11: 2.0})
+    lat = lambda n: cm.round_time(n)  # noqa: E731
     # Confident sequence 0 gets its tokens, hopeless sequence 1 none.
     assert sv_batch_lengths([[0.99, 0.99, 0.99], [0.01, 0.9]], lat) == [3, 0]
     assert sv_batch_lengths([[], []], lat) == [0, 0]
     draft, target = pair
     pol = CompanionAccept(threshold=0.2, max_draft_len=6)
     dec = SpeculativeDecoder(draft, target, pol, companion=companion,
-                             latency=LatencyTable(draft_step_s=0.01, target_s={0: 0.3, 8: 0.4}))
+                             cost_model=CostModel(draft_s_per_token=0.01, target_s={1: 0.3, 9: 0.4}))
     ids = torch.cat([PROMPT, PROMPT.flip(1)])
     out, _ = dec.generate(ids, None, 10, None, 0)
     for b in range(2):
@@ -304,9 +305,9 @@ def test_sv_stops_drafting_when_goodput_says_verify_nothing(pair, companion):
     """When verification is so dear that the goodput-best prefix stays empty, SV stops drafting after sv_patience
     tokens instead of drafting to the cap and throwing everything away; the output stays exact."""
     draft, target = pair
-    dear = LatencyTable(draft_step_s=0.1, target_s={0: 0.3, 1: 10.0, 8: 80.0})
+    dear = CostModel(draft_s_per_token=0.1, target_s={1: 0.3, 2: 10.0, 9: 80.0})
     pol = CompanionAccept(threshold=0.0, max_draft_len=8)  # the policy alone would always draft to the cap
-    dec = SpeculativeDecoder(draft, target, pol, companion=companion, latency=dear, sv_patience=2)
+    dec = SpeculativeDecoder(draft, target, pol, companion=companion, cost_model=dear, sv_patience=2)
     out, stats = dec.generate(PROMPT, None, 10, None, 0)
     ref = target.generate(PROMPT, do_sample=False, max_new_tokens=10, pad_token_id=256)
     assert out.tolist() == ref.tolist()
