@@ -212,7 +212,10 @@ def apply_compute_path(
         stats["bytes_before"] += 0 if lin.weight is tied else lin.weight.numel() * lin.weight.element_size()
         stats["bytes_after"] += need
         del lin
-    model.specstop_compute_path = path  # read back by compute_path_of
+    if stats["packed_layers"]:  # read back by compute_path_of; a model with nothing packed computes as eager
+        model.specstop_compute_path = path
+    else:
+        stats["compute_path"] = "eager"
     return stats
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from data_gen.compute_path import COMPUTE_PATHS, apply_compute_path, resolve_compute_path
+from data_gen.compute_path import COMPUTE_PATHS, apply_compute_path, compute_path_of, resolve_compute_path
 
 log = logging.getLogger(__name__)
 
@@ -257,10 +257,14 @@ def check_same_tokenizer(
 
 
 def model_fingerprint(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> dict:
-    """Identity of a draft model that predictors are bound to: name, vocabulary size, hidden size."""
+    """Identity of a model that data and predictors are bound to: name, vocabulary and hidden size, and the precision
+    it computed in (``dtype`` and ``compute_path``: a predictor is refused for another model, warned for another path).
+    """
     return {
         "name": str(getattr(model.config, "name_or_path", "") or type(model).__name__),
         "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
         "hidden_size": int(model.config.hidden_size),
         "vocab_sha": vocab_fingerprint(tok),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "compute_path": compute_path_of(model),
     }

@@ -174,6 +174,11 @@ def check_fingerprint(stored: Mapping | None, current: Mapping | None, force: bo
              if k in stored and k in current and stored.get(k) != current.get(k)]
     if stored.get("vocab_sha") and current.get("vocab_sha") and stored["vocab_sha"] != current["vocab_sha"]:
         log.warning("predictor %s: draft vocabulary hash differs (%s vs %s)", where, stored["vocab_sha"], current["vocab_sha"])
+    precision = [f"{k} {stored[k]!r} (its data) vs {current[k]!r} (in use)" for k in ("dtype", "compute_path")
+                 if stored.get(k) and current.get(k) and stored[k] != current[k]]
+    if precision:  # same model, other numerics: q and p shift slightly, the predictor still applies
+        log.warning("predictor %s was trained on data labelled with another precision: %s; its scores may be slightly "
+                    "off (re-label with --models.compute to match)", where, "; ".join(precision))
     if not diffs:
         return
     msg = (f"predictor {where} was trained for draft model {dict(stored)} but the draft in use is {dict(current)} "

@@ -59,8 +59,9 @@ def test_load_model_keeps_tiny_models_eager_and_the_fingerprint_reads_a_packed_h
     model, tok = load_model(ModelSpec("tiny:1"))  # auto: resolves to a packed path on CPU, tiny layers stay eager
     assert not any(isinstance(m, cp.PackedLinear) for m in model.modules())
     fp = model_fingerprint(model, tok)
+    assert fp["compute_path"] == "eager" and fp["dtype"] == "float32"
     cp.apply_compute_path(model, "packed", min_elements=0)
-    assert model_fingerprint(model, tok) == fp
+    assert model_fingerprint(model, tok) == {**fp, "compute_path": "packed"}
 
 
 def test_auto_picks_bf16_only_with_native_support(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,3 +91,13 @@ def test_cpu_info_names_the_model_and_flags() -> None:
     info = cp.cpu_info()
     assert set(info) >= {"model_name", "simd_flags", "torch_cpu_capability", "threads", "torch"}
     assert info["torch"] == torch.__version__
+
+
+def test_a_predictor_from_data_of_another_precision_is_warned_not_refused(caplog: pytest.LogCaptureFixture) -> None:
+    from predictors.export import check_fingerprint
+
+    stored = {"name": "d", "vocab_size": 10, "hidden_size": 4, "dtype": "float32", "compute_path": "eager"}
+    with caplog.at_level("WARNING"):
+        check_fingerprint(stored, {**stored, "compute_path": "packed-bf16"}, where="disco")
+    assert "compute_path 'eager' (its data) vs 'packed-bf16' (in use)" in caplog.text
+    assert "--models.compute" in caplog.text
