@@ -21,6 +21,7 @@ import logging
 import time
 import zlib
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -367,10 +368,13 @@ def load_models(cfg: GenerateConfig, device: str | None = None) -> tuple[LabelMo
     return LabelModels(draft, target, companion), tok
 
 
-def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, device: str | None = None) -> dict:
+def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, device: str | None = None,
+                   progress: Callable[[dict], None] | None = None) -> dict:
     """Generate (or resume) the shards of ``cfg.out_dir``; returns the summary (rank 0) or this rank's counts.
 
     Each rank takes the chunks whose index is congruent to its rank; the budget is split evenly across ranks.
+    ``progress`` (the main job's progress view) is called after each shard with {chunk, chunks, records, have, budget,
+    new_records, seconds} and replaces this function's own bar.
     """
     out_dir = Path(cfg.out_dir)
     models, tok = load_models(cfg, device)
@@ -405,7 +409,8 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
     have = sum(n for c, n in done.items() if c % world_size == rank)
     totals = ChunkStats()
     t_start = time.perf_counter()
-    bar = tqdm(total=budget, initial=min(have, budget or have), unit="tok", desc=f"labelling (rank {rank})", disable=None)
+    bar = tqdm(total=budget, initial=min(have, budget or have), unit="tok", desc=f"labelling (rank {rank})",
+               disable=True if progress else None)
     new_records = 0
     per_position = 2 if cfg.sample_draw else 1  # records of one labelled position (the budget keeps whole positions)
     for c in mine:
@@ -440,6 +445,9 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
         bar.set_postfix(tok_s=f"{rate:.1f}", chunk=f"{c + 1}/{len(chunks)}")
         eta = f", ETA {(budget - have) / rate / 60:.0f} min" if budget is not None and rate > 0 else ""
         log.info("shard %d: %d records (%d/%s labelled, %.1f tok/s%s)", c, n, have, budget or "all", rate, eta)
+        if progress:
+            progress({"chunk": c, "chunks": len(chunks), "records": n, "have": have, "budget": budget,
+                      "new_records": new_records, "seconds": elapsed})
     bar.close()
     elapsed = time.perf_counter() - t_start
     run_stats = {

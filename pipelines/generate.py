@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 
 from data_gen.generate import GenerateConfig, run_generation
 from pipelines.cli import parse_config, setup_logging, user_errors
@@ -18,11 +19,12 @@ def _fabric_worker(fabric, cfg: GenerateConfig) -> dict:
     return run_generation(cfg, rank=fabric.global_rank, world_size=fabric.world_size, device=device)
 
 
-def generate(cfg: GenerateConfig) -> dict:
+def generate(cfg: GenerateConfig, progress: Callable[[dict], None] | None = None) -> dict:
     """Run generation on one process, or on ``cfg.devices`` x ``cfg.num_nodes`` ranks with Fabric (each rank writes
-    its own shards; rank 0 summarises after all ranks finish)."""
+    its own shards; rank 0 summarises after all ranks finish). ``progress``: called after each shard on one process
+    (``data_gen.generate.run_generation``); the Fabric ranks keep their own bars."""
     if cfg.devices * cfg.num_nodes <= 1:
-        return run_generation(cfg)
+        return run_generation(cfg, progress=progress)
     from lightning_fabric import Fabric
 
     fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy="ddp_spawn")
