@@ -1,18 +1,26 @@
 """End-to-end decoding benchmark: target-only, transformers assisted generation, and the engine with every stop policy.
 
-On the same prompts (held-out HumanEval and MT-Bench by default) and in one run:
-- target-only decoding (``target.generate``): the exact reference output and the speed baseline;
-- transformers assisted generation with the same pair (``assistant_model=draft``): ``hf:static:K`` (num_assistant_tokens K,
-  constant schedule, no confidence threshold), ``hf:heuristic`` (+2 / -1 schedule from 5) and ``hf:default`` (20 tokens,
-  confidence threshold 0.4 with online ROC re-tuning: transformers' defaults);
-- ``decoding.engine.SpeculativeDecoder`` with every policy in ``policies`` and every predictor in ``predictors``
-  (export folders or ``models:/<name>@champion``); ``hfp:<policy>`` rows run a policy inside transformers' generate
-  through ``decoding.hf_integration``.
+On the same held-out prompts (HumanEval and MT-Bench test split, half each, by default) and in one run, all rows on
+the same model objects (so every row runs on the same compute path, ``--models.compute``):
+- ``target-only``: ``target.generate``, the exact reference output and the speed baseline; ``target-only (eager)`` also
+  times the target on ``reference_compute`` (default eager fp32: the speed of a plain transformers load);
+- transformers assisted generation (``assistant_model=draft``): ``hf:static:K`` (K tokens, constant schedule),
+  ``hf:heuristic`` (+2 / -1 from 5) and ``hf:default`` (20 tokens, confidence 0.4: transformers' defaults);
+- ``decoding.engine.SpeculativeDecoder`` with every policy in ``policies`` and every predictor in ``predictors`` (export
+  folders or ``models:/<name>@champion``); ``hfp:<policy>`` runs a policy inside transformers' generate. Tuned specs
+  read the validation split of ``tune_data_dir`` and replay it under this run's measured curve: ``static:best`` (the
+  static length of highest replayed speedup), ``<baseline>:tuned`` (``svip:tuned``, ``adaedl:tuned``,
+  ``max_confidence:tuned``: threshold of highest replayed speedup). Learned exports keep the threshold the main job
+  tuned on validation.
 
-Per row: tokens/s, speedup over target-only, mean accepted length, target calls per token, draft tokens wasted per
-token, stop-decision cost as a fraction of one draft forward, exactness (greedy: outputs equal to target-only's), and
-ROUGE-L against the target-only output (the quality measure of approximate policies such as SPRINTER). Writes
-``benchmark.md``, ``benchmark.json``, ``speedup.png`` and the resolved ``config.yaml`` to ``out_dir``; logs them to MLflow.
+The verification curve (``data_gen.timing.CostModel``, L = 1..16 new tokens, read from ``cost_file`` or measured at the
+start) prices SV's rounds, the oracle's estimate and the tuning, and is printed in the report.
+
+Per row: tokens/s, speedup over target-only with a paired bootstrap interval over prompts, the ratio to the best
+entropy policy (SVIP, AdaEDL) with its interval, mean accepted length, target calls per token, draft tokens wasted per
+token, stop-decision cost as a fraction of one draft forward, exactness (greedy: outputs equal to target-only's) and
+ROUGE-L against target-only's output. Writes ``benchmark.md``, ``benchmark.json``, ``speedup.png``, ``cost_model.json``
+and the resolved ``config.yaml`` to ``out_dir``; logs them to MLflow.
 
 Usage:
     python -m pipelines.benchmark --config configs/benchmark.yaml
@@ -24,19 +32,24 @@ import json
 import logging
 import re
 import time
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data_gen.generate import ModelsConfig
 from data_gen.prompts import PromptSourceConfig
+from data_gen.timing import CostModel
 
 log = logging.getLogger(__name__)
 
-HF_ROWS = ("static:K", "heuristic", "default")
+ENTROPY_KINDS = ("svip", "adaedl")
+"""Policies the learned ones must beat: the training-free entropy bounds."""
+TUNABLE_BASELINES = ("svip", "adaedl", "max_confidence")
 
 
 @dataclass
@@ -44,9 +57,9 @@ class BenchmarkConfig:
     """Everything ``python -m pipelines.benchmark`` does; configs/benchmark*.yaml mirror it."""
 
     out_dir: str = "outputs/benchmark"
-    """Folder for benchmark.md / .json, speedup.png and config.yaml (created)."""
+    """Folder for benchmark.md / .json, speedup.png, cost_model.json and config.yaml (created)."""
     models: ModelsConfig = field(default_factory=ModelsConfig)
-    """Draft / target / companion model names, dtype and device."""
+    """Draft / target / companion model names, dtype, device and compute path."""
     prompts: list[PromptSourceConfig] = field(
         default_factory=lambda: [PromptSourceConfig("humaneval"), PromptSourceConfig("mtbench")]
     )
@@ -55,34 +68,45 @@ class BenchmarkConfig:
     """Plain prompt strings used instead of ``prompts`` (no split filter)."""
     split: str | None = "test"
     """Keep only prompts of this split (train / val / test by prompt id; held-out = test); None keeps all."""
-    n_prompts: int = 6
+    n_prompts: int = 8
     """Number of prompts benchmarked."""
     use_chat_template: bool = True
     """Render prompts with the tokenizer's chat template."""
     max_prompt_tokens: int = 512
     """Prompts longer than this are left-truncated."""
-    max_new_tokens: int = 128
+    max_new_tokens: int = 96
     """New tokens per prompt."""
     temperature: float = 0.0
     """0 = greedy (exactness checked against target-only); > 0 = sampling."""
     top_p: float = 1.0
     """Nucleus mass for sampling."""
-    max_draft_len: int = 40
+    max_draft_len: int = 16
     """Hard cap on draft tokens per round for the engine."""
     top_k_features: int = 10
     """Top-k draft probabilities in the features (match the predictors' training data)."""
     policies: list[str] = field(
         default_factory=lambda: ["static:5", "heuristic", "max_confidence", "svip:0.3", "adaedl"]
     )
-    """Engine policies (decoding.policies.build_policy specs); ``hfp:<spec>`` runs the spec inside transformers' generate."""
+    """Engine policies (decoding.policies.build_policy specs, plus static:best and <baseline>:tuned, see above);
+    ``hfp:<spec>`` runs the spec inside transformers' generate."""
     predictors: list[str] = field(default_factory=list)
     """Learned predictors for the engine: export folders or models:/<name>@champion."""
     hf_rows: list[str] = field(default_factory=lambda: ["static:5", "heuristic", "default"])
     """transformers assisted-generation rows: static:K, heuristic, default."""
+    reference_compute: str | None = "eager"
+    """Also time target-only with the target loaded on this compute path (eager: fp32 as transformers loads it);
+    null skips the row. Costs one more target in memory while the row runs."""
     batch_size: int = 1
     """Engine rows decode this many prompts per batch (left padding, per-sequence draft lengths)."""
-    latency_file: str | None = None
-    """Latency table JSON for SV and the oracle estimate (decoding.latency); profiled on this machine when missing."""
+    cost_file: str | None = None
+    """Verification curve JSON (pipelines.measure_costs); measured at the start of the run when missing."""
+    tune_data_dir: str | None = None
+    """Labelled data folder whose validation split tunes static:best and <baseline>:tuned (by replay under this run's
+    curve); the main job's is outputs/default/data."""
+    max_static: int = 10
+    """static:best tries lengths 1 .. max_static."""
+    n_boot: int = 1000
+    """Bootstrap resamples of the prompts for the intervals."""
     force: bool = False
     """Load predictors trained for another draft model anyway."""
     warmup: bool = True
@@ -92,7 +116,7 @@ class BenchmarkConfig:
     tracking: bool = True
     """Log parameters, metrics and artefacts to MLflow."""
     tracking_uri: str | None = None
-    """MLflow tracking URI (default sqlite:///mlflow.db)."""
+    """MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)."""
     experiment: str = "specstop-benchmark"
     """MLflow experiment name."""
 
@@ -107,53 +131,126 @@ class BenchmarkConfig:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size}: must be >= 1")
+        if self.max_static < 1 or self.n_boot < 1:
+            raise ValueError(f"max_static={self.max_static} and n_boot={self.n_boot} must be >= 1")
         for r in self.hf_rows:
             if r not in ("heuristic", "default") and not re.fullmatch(r"static:\d+", r):
                 raise ValueError(f"hf_rows: {r!r} is not one of static:K, heuristic, default")
         if self.prompt_texts is not None and not [t for t in self.prompt_texts if t.strip()]:
             raise ValueError("prompt_texts: give at least one non-empty prompt (or null to use prompts)")
+        if self.cost_file is not None and not Path(self.cost_file).is_file():
+            raise ValueError(f"--cost_file {self.cost_file}: no such file; measure one with python -m "
+                             f"pipelines.measure_costs --out {self.cost_file}, or leave it unset to measure in the run")
+        if self.tune_data_dir is not None and not Path(self.tune_data_dir).is_dir():
+            raise ValueError(f"--tune_data_dir {self.tune_data_dir}: no such folder; give a data folder written by "
+                             f"pipelines.generate (the main job's: outputs/default/data)")
+        tuned = [s for s in self.policies if _needs_tuning(s)]
+        if tuned and self.tune_data_dir is None:
+            raise ValueError(f"policies {tuned} are tuned on validation data: set --tune_data_dir (e.g. "
+                             f"outputs/default/data) or name fixed values (static:5, svip:0.3)")
+
+
+def _needs_tuning(spec: str) -> bool:
+    return spec == "static:best" or (spec.endswith(":tuned") and spec.split(":")[0] in TUNABLE_BASELINES)
 
 
 @dataclass
 class Row:
-    """One benchmark row (aggregated over prompts)."""
+    """One benchmark row: per-prompt outputs, tokens and seconds, and the round counters."""
 
     name: str
     method: str
-    tokens: int = 0
-    seconds: float = 0.0
+    kind: str = ""
+    """Policy kind (static, svip, disco...) for engine rows; '' for the others."""
+    seconds: list[float] = field(default_factory=list)
+    """Seconds per prompt (estimated for analysis-only rows)."""
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
     rounds: int = 0
     accepted: int = 0
     target_calls: int = 0
     draft_tokens: int = 0
-    wasted: int = 0
     stop_overhead: float | None = None
     exact: bool | None = None
     exact_by_design: bool = True
     rouge_l: float | None = None
     note: str = ""
-    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        total = sum(self.seconds)
+        return self.tokens / total if total > 0 else 0.0
 
-    def metrics(self, base_tps: float) -> dict[str, Any]:
+    def metrics(self, base: Row, best_entropy: Row | None, boot: np.ndarray) -> dict[str, Any]:
+        """The row's report entry; ``boot`` [n_boot, n_prompts] resampled prompt indices for the intervals."""
+        speed = _ratio_ci(self, base, boot)
+        vs_ent = _ratio_ci(self, best_entropy, boot) if best_entropy is not None and self.kind else (None, None, None)
+        wasted = self.draft_tokens - self.accepted
         return {
-            "row": self.name,
-            "method": self.method,
+            "row": self.name, "method": self.method, "kind": self.kind,
             "tokens_per_s": round(self.tokens_per_s, 3),
-            "speedup": round(self.tokens_per_s / base_tps, 3) if base_tps > 0 else None,
+            "speedup": _round(speed[0]), "speedup_lo": _round(speed[1]), "speedup_hi": _round(speed[2]),
+            "vs_best_entropy": _round(vs_ent[0]), "vs_best_entropy_lo": _round(vs_ent[1]),
+            "vs_best_entropy_hi": _round(vs_ent[2]),
             "mean_accepted": round(self.accepted / self.rounds, 3) if self.rounds else None,
-            "target_calls_per_token": round(self.target_calls / self.tokens, 3) if self.tokens else None,
-            "wasted_per_token": round(self.wasted / self.tokens, 3) if self.tokens and self.draft_tokens else None,
+            "target_calls_per_token": round(self.target_calls / self.tokens, 3) if self.tokens and self.rounds else None,
+            "wasted_per_token": round(wasted / self.tokens, 3) if self.tokens and self.draft_tokens else None,
             "stop_overhead": None if self.stop_overhead is None else round(self.stop_overhead, 4),
-            "exact": self.exact,
-            "rouge_l": None if self.rouge_l is None else round(self.rouge_l, 4),
-            "tokens": self.tokens,
-            "seconds": round(self.seconds, 3),
-            "note": self.note,
+            "exact": self.exact, "rouge_l": None if self.rouge_l is None else round(self.rouge_l, 4),
+            "tokens": self.tokens, "seconds": round(sum(self.seconds), 3), "note": self.note,
         }
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(float(v), 3)
+
+
+def _ratio_ci(row: Row, ref: Row | None, boot: np.ndarray) -> tuple[float | None, float | None, float | None]:
+    """tokens/s of ``row`` over ``ref``'s, and its 95% paired bootstrap interval over prompts."""
+    if ref is None or not row.seconds or len(row.seconds) != len(ref.seconds) or ref.tokens_per_s <= 0:
+        return None, None, None
+    tok = np.array([len(o) for o in row.outputs], float)
+    sec = np.array(row.seconds, float)
+    rtok = np.array([len(o) for o in ref.outputs], float)
+    rsec = np.array(ref.seconds, float)
+    point = row.tokens_per_s / ref.tokens_per_s
+    ratios = (tok[boot].sum(1) / sec[boot].sum(1)) / (rtok[boot].sum(1) / rsec[boot].sum(1))
+    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    return point, float(lo), float(hi)
+
+
+@dataclass
+class Bench:
+    """What every runner shares: the models, the prompts as token ids, the stop tokens and the config."""
+
+    cfg: BenchmarkConfig
+    draft: PreTrainedModel
+    target: PreTrainedModel
+    companion: PreTrainedModel | None
+    tokenizer: PreTrainedTokenizerBase
+    prompts: list[list[int]]
+    eos: list[int]
+    cost_model: CostModel | None = None
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"max_new_tokens": self.cfg.max_new_tokens, "eos_token_id": self.eos,
+                              "pad_token_id": self.tokenizer.pad_token_id}
+        if self.cfg.temperature > 0:
+            kw.update(do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=None)
+        else:
+            kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        return kw
+
+    def new_tokens(self, seq: torch.Tensor, prompt_len: int) -> list[int]:
+        """The generated part of ``seq``, cut after the first stop token."""
+        new = seq[prompt_len:].tolist()
+        for j, t in enumerate(new):
+            if t in self.eos:
+                return new[: j + 1]
+        return new
 
 
 # ----------------------------------------------------------------------------------------------------------- prompts
@@ -191,7 +288,6 @@ def load_benchmark_prompts(cfg: BenchmarkConfig, tokenizer) -> tuple[list[list[i
     return ids, names, {"prompts": len(ids), "truncated": n_trunc, "load": stats}
 
 
-# ----------------------------------------------------------------------------------------------------------- runners
 def _eos(tokenizer, target) -> list[int]:
     eos = target.generation_config.eos_token_id
     out = set([eos] if isinstance(eos, int) else list(eos or []))
@@ -200,176 +296,158 @@ def _eos(tokenizer, target) -> list[int]:
     return sorted(out)
 
 
-def _new_tokens(seq: torch.Tensor, prompt_len: int, eos: list[int]) -> list[int]:
-    new = seq[prompt_len:].tolist()
-    for j, t in enumerate(new):
-        if t in eos:
-            return new[: j + 1]
-    return new
-
-
+# ----------------------------------------------------------------------------------------------------------- runners
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
-def _gen_kwargs(cfg: BenchmarkConfig, tokenizer, eos: list[int]) -> dict[str, Any]:
-    kw: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "eos_token_id": eos,
-                          "pad_token_id": tokenizer.pad_token_id}
-    if cfg.temperature > 0:
-        kw.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=None)
-    else:
-        kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    return kw
-
-
-def run_target_only(target, prompts, cfg, tokenizer, eos) -> Row:
-    row = Row("target-only", "target.generate", note="reference")
-    kw = _gen_kwargs(cfg, tokenizer, eos)
-    for i, ids in enumerate(prompts):
-        x = torch.tensor([ids], device=target.device)
-        torch.manual_seed(cfg.seed + i)
-        _sync(target.device)
+def timed_prompts(bench: Bench, row: Row, decode: Callable[[int, torch.Tensor], torch.Tensor]) -> Row:
+    """The one timed loop: ``decode(i, ids [1, T]) -> sequences [1, T + new]`` per prompt, seeded and timed alone."""
+    dev = bench.target.device
+    for i, ids in enumerate(bench.prompts):
+        x = torch.tensor([ids], device=dev)
+        torch.manual_seed(bench.cfg.seed + i)
+        _sync(dev)
         t0 = time.perf_counter()
-        out = target.generate(x, attention_mask=torch.ones_like(x), **kw)
-        _sync(target.device)
-        row.seconds += time.perf_counter() - t0
-        new = _new_tokens(out[0], len(ids), eos)
-        row.outputs.append(new)
-        row.tokens += len(new)
-        row.target_calls += len(new)
+        out = decode(i, x)
+        _sync(dev)
+        row.seconds.append(time.perf_counter() - t0)
+        row.outputs.append(bench.new_tokens(out[0], len(ids)))
     return row
 
 
-@contextmanager
-def _hf_round_recorder(stats: dict):
-    """Record (candidates, matches) per round of transformers' assisted generation."""
-    from transformers.generation.candidate_generator import AssistedCandidateGenerator
-
-    orig = AssistedCandidateGenerator.update_candidate_strategy
-
-    def wrapped(self, input_ids, scores, num_matches):
-        stats["rounds"] += 1
-        stats["drafted"] += int(scores.shape[1] - 1)
-        stats["accepted"] += int(num_matches)
-        return orig(self, input_ids, scores, num_matches)
-
-    AssistedCandidateGenerator.update_candidate_strategy = wrapped
-    try:
-        yield stats
-    finally:
-        AssistedCandidateGenerator.update_candidate_strategy = orig
+def run_target_only(bench: Bench, name: str = "target-only", target: PreTrainedModel | None = None) -> Row:
+    """``target.generate``: one target forward per token (``target`` defaults to the bench's)."""
+    model = target if target is not None else bench.target
+    kw = bench.generate_kwargs()
+    row = timed_prompts(bench, Row(name, "target.generate", note="reference"),
+                        lambda i, x: model.generate(x, attention_mask=torch.ones_like(x), **kw))
+    row.target_calls = row.tokens
+    return row
 
 
-def run_hf(kind: str, draft, target, prompts, cfg, tokenizer, eos) -> Row:
-    """transformers assisted generation with the draft's generation_config set for ``kind``."""
-    gc = draft.generation_config
-    saved = {k: getattr(gc, k, None) for k in ("num_assistant_tokens", "num_assistant_tokens_schedule",
-                                                 "assistant_confidence_threshold")}
+class ForwardCounter:
+    """Counts a model's forward calls through a hook on that model object only (no library class is patched)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls = 0
+        self._handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.calls += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+HF_SETTINGS: dict[str, dict[str, Any]] = {
+    "heuristic": {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic",
+                  "assistant_confidence_threshold": 0.0},
+    "default": {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
+                "assistant_confidence_threshold": 0.4},
+}
+
+
+def run_hf(bench: Bench, kind: str) -> Row:
+    """transformers assisted generation with the draft's generation_config set for ``kind`` (restored afterwards).
+
+    Rounds are the target's forward calls after the prefill (one per prompt), drafted tokens the draft's forward
+    calls (each proposes one token), accepted tokens = emitted tokens - rounds.
+    """
+    gc = bench.draft.generation_config
     if kind.startswith("static:"):
         settings = {"num_assistant_tokens": int(kind.split(":")[1]), "num_assistant_tokens_schedule": "constant",
                     "assistant_confidence_threshold": 0.0}
-    elif kind == "heuristic":
-        settings = {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic",
-                    "assistant_confidence_threshold": 0.0}
-    else:  # transformers' defaults
-        settings = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
-                    "assistant_confidence_threshold": 0.4}
-    row = Row(f"hf:{kind}", "transformers assisted")
-    kw = _gen_kwargs(cfg, tokenizer, eos)
-    stats = {"rounds": 0, "drafted": 0, "accepted": 0}
+    else:
+        settings = HF_SETTINGS[kind]
+    saved = {k: getattr(gc, k, None) for k in settings}
+    kw = bench.generate_kwargs()
+    t_calls, d_calls = ForwardCounter(bench.target), ForwardCounter(bench.draft)
+
+    def decode(i: int, x: torch.Tensor) -> torch.Tensor:
+        for k, v in settings.items():  # the heuristic schedule adapts num_assistant_tokens: reset per prompt
+            setattr(gc, k, v)
+        return bench.target.generate(x, attention_mask=torch.ones_like(x), assistant_model=bench.draft, **kw)
+
     try:
-        with _hf_round_recorder(stats):
-            for i, ids in enumerate(prompts):
-                for k, v in settings.items():
-                    setattr(gc, k, v)
-                x = torch.tensor([ids], device=target.device)
-                torch.manual_seed(cfg.seed + i)
-                _sync(target.device)
-                t0 = time.perf_counter()
-                out = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=draft, **kw)
-                _sync(target.device)
-                row.seconds += time.perf_counter() - t0
-                new = _new_tokens(out[0], len(ids), eos)
-                row.outputs.append(new)
-                row.tokens += len(new)
+        row = timed_prompts(bench, Row(f"hf:{kind}", "transformers assisted"), decode)
     finally:
+        t_calls.close()
+        d_calls.close()
         for k, v in saved.items():
             setattr(gc, k, v)
-    row.rounds = row.target_calls = stats["rounds"]
-    row.accepted, row.draft_tokens = stats["accepted"], stats["drafted"]
-    row.wasted = stats["drafted"] - stats["accepted"]
+    row.rounds = row.target_calls = t_calls.calls - len(bench.prompts)
+    row.draft_tokens = d_calls.calls
+    row.accepted = row.tokens - row.rounds
     return row
 
 
-def run_hf_policy(spec: str, draft, target, prompts, cfg, tokenizer, eos) -> Row:
+def run_hf_policy(bench: Bench, spec: str) -> Row:
     """A stop policy inside transformers' generate (decoding.hf_integration)."""
     from decoding.hf_integration import generate_with_policy
     from decoding.policies import build_policy
 
-    policy = build_policy(spec, draft=draft, draft_tokenizer=tokenizer, max_draft_len=cfg.max_draft_len, force=cfg.force)
-    row = Row(f"hfp:{spec}", "transformers + policy")
-    kw = _gen_kwargs(cfg, tokenizer, eos)
-    stop_time = 0.0
-    for i, ids in enumerate(prompts):
-        x = torch.tensor([ids], device=target.device)
-        torch.manual_seed(cfg.seed + i)
-        _sync(target.device)
-        t0 = time.perf_counter()
-        out, st = generate_with_policy(target, draft, x, policy, cfg.top_k_features,
+    policy = build_policy(spec, draft=bench.draft, draft_tokenizer=bench.tokenizer,
+                          max_draft_len=bench.cfg.max_draft_len, force=bench.cfg.force)
+    kw = bench.generate_kwargs()
+    per_prompt: list[dict] = []
+
+    def decode(i: int, x: torch.Tensor) -> torch.Tensor:
+        out, st = generate_with_policy(bench.target, bench.draft, x, policy, bench.cfg.top_k_features,
                                        attention_mask=torch.ones_like(x), **kw)
-        _sync(target.device)
-        row.seconds += time.perf_counter() - t0
-        new = _new_tokens(out[0], len(ids), eos)
-        row.outputs.append(new)
-        row.tokens += len(new)
+        per_prompt.append(st)
+        return out
+
+    row = timed_prompts(bench, Row(f"hfp:{spec}", "transformers + policy", kind=policy.kind), decode)
+    for st in per_prompt:
         rounds = [(d, a) for d, a in zip(st["draft_lengths"], st["accepted_lengths"]) if d > 0]
         row.rounds += len(rounds)
         row.target_calls += len(st["accepted_lengths"])
         row.draft_tokens += sum(d for d, _ in rounds)
         row.accepted += sum(a for _, a in rounds)
-        stop_time += st["stop_time"]
-    row.wasted = row.draft_tokens - row.accepted
-    row.note = f"stop time {stop_time:.3f}s"
+    row.note = f"stop time {sum(st['stop_time'] for st in per_prompt):.3f}s"
     return row
 
 
-def run_engine(spec: str, draft, target, companion, prompts, cfg, tokenizer, eos, latency) -> Row:
+def run_engine(bench: Bench, spec: str | Any, label: str | None = None) -> Row:
+    """The engine with one policy (a spec or a ready policy), prompts in batches of ``cfg.batch_size``."""
     from decoding.policies import build_decoder, policy_label
 
+    cfg = bench.cfg
     dec = build_decoder(
-        draft, target, spec, draft_tokenizer=tokenizer, target_tokenizer=tokenizer, companion=companion,
-        force=cfg.force, temperature=cfg.temperature, top_p=cfg.top_p, max_draft_len=cfg.max_draft_len,
-        top_k_features=cfg.top_k_features, cost_model=latency,
+        bench.draft, bench.target, spec, draft_tokenizer=bench.tokenizer, target_tokenizer=bench.tokenizer,
+        companion=bench.companion, force=cfg.force, temperature=cfg.temperature, top_p=cfg.top_p,
+        max_draft_len=cfg.max_draft_len, top_k_features=cfg.top_k_features, cost_model=bench.cost_model,
     )
-    row = Row(policy_label(spec, dec.policy), "engine", exact_by_design=dec.policy.exact)
+    row = Row(label or policy_label(spec, dec.policy), "engine", kind=dec.policy.kind,
+              exact_by_design=dec.policy.exact)
     total = None
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    for start in range(0, len(prompts), cfg.batch_size):
-        chunk = prompts[start : start + cfg.batch_size]
+    pad = bench.tokenizer.pad_token_id if bench.tokenizer.pad_token_id is not None else bench.eos[0]
+    for start in range(0, len(bench.prompts), cfg.batch_size):
+        chunk = bench.prompts[start : start + cfg.batch_size]
         width = max(len(p) for p in chunk)
-        x = torch.full((len(chunk), width), pad, dtype=torch.long)
+        x = torch.full((len(chunk), width), pad, dtype=torch.long)  # [B, T] left-padded
         m = torch.zeros_like(x)
         for b, p in enumerate(chunk):
             x[b, width - len(p) :] = torch.tensor(p)
             m[b, width - len(p) :] = 1
-        _sync(target.device)
-        out, st = dec.generate(x, m, cfg.max_new_tokens, eos, cfg.seed + start)
-        _sync(target.device)
+        out, st = dec.generate(x, m, cfg.max_new_tokens, bench.eos, cfg.seed + start)
         total = st if total is None else total + st
-        for b in range(len(chunk)):
-            row.outputs.append(_new_tokens(out[b], width, eos))
+        seconds = st.wall_time
+        if st.analysis_time > 0:  # oracle: the look-ahead replaced by one priced verification per round
+            assert bench.cost_model is not None
+            seconds = st.wall_time - st.analysis_time - st.target_time
+            seconds += sum(bench.cost_model.target_time(k + 1) for k in st.draft_lengths)
+        for b in range(len(chunk)):  # a batch's time is shared by its prompts in proportion to their tokens
+            row.outputs.append(bench.new_tokens(out[b], width))
+        n_new = [len(o) for o in row.outputs[-len(chunk):]]
+        row.seconds += [seconds * n / max(sum(n_new), 1) for n in n_new]
     assert total is not None
-    row.tokens = sum(len(o) for o in row.outputs)
-    row.seconds = total.wall_time
     row.rounds, row.accepted, row.target_calls = total.rounds, total.accepted, total.target_calls
-    row.draft_tokens, row.wasted, row.stop_overhead = total.draft_tokens, total.wasted, total.stop_overhead
-    if total.analysis_time > 0:  # oracle: replace the look-ahead by the profiled cost of one verification per round
-        assert latency is not None
-        est = total.wall_time - total.analysis_time - total.target_time
-        est += sum(latency.target_time(k + 1) for k in total.draft_lengths)
-        row.seconds = est
-        row.note = "analysis only: time estimated (look-ahead replaced by profiled verification)"
+    row.draft_tokens, row.stop_overhead = total.draft_tokens, total.stop_overhead
+    if total.analysis_time > 0:
+        row.note = "analysis only: time estimated (look-ahead replaced by the measured verification curve)"
     if not dec.policy.exact:
         row.note = "approximate (sequential verification)"
     return row
@@ -390,13 +468,55 @@ def rouge_l(outputs: list[list[int]], refs: list[list[int]], tokenizer) -> float
     return sum(vals) / len(vals) if vals else 0.0
 
 
+# ----------------------------------------------------------------------------------------------------------- tuning
+def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[Any, str]]:
+    """``static:best`` and ``<baseline>:tuned`` specs -> (policy, label) chosen by replay of the validation split
+    of ``cfg.tune_data_dir`` under the bench's cost model (greedy: argmax draws; sampling: sampled draws)."""
+    from decoding.policies import build_policy
+    from evaluation.replay import ReplayConfig, prepare_replay_data, replay_policy, tune_threshold, with_threshold
+    from pipelines.evaluate import load_columns
+
+    wanted = [s for s in specs if _needs_tuning(s)]
+    if not wanted:
+        return {}
+    cfg, cm = bench.cfg, bench.cost_model
+    assert cm is not None and cfg.tune_data_dir is not None
+    mode = "sampling" if cfg.temperature > 0 else "greedy"
+    cols = load_columns(cfg.tune_data_dir, splits=["val"])
+    out: dict[str, tuple[Any, str]] = {}
+    for spec in wanted:
+        if spec == "static:best":
+            data = prepare_replay_data(cols, ReplayConfig(mode=mode, origins=("target",)))
+            speed = {k: replay_policy(build_policy(f"static:{k}"), data, cm, mode).speedup
+                     for k in range(1, cfg.max_static + 1)}
+            k = max(speed, key=speed.get)
+            log.info("static:best = static:%d (replayed speedups on val: %s)", k,
+                     ", ".join(f"{j}: {v:.2f}" for j, v in speed.items()))
+            out[spec] = (build_policy(f"static:{k}"), f"static:{k} (val-best)")
+            continue
+        kind = spec.split(":")[0]
+        pol = build_policy(kind, max_draft_len=cfg.max_draft_len)
+        thr, sp = tune_threshold(pol, cols, cm, split=None, mode=mode)
+        log.info("%s tuned on val: threshold %.4g (replayed speedup %.2f)", kind, thr, sp)
+        out[spec] = (with_threshold(pol, thr), f"{kind}:{thr:.3g} (val-tuned)")
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------- report
+COLUMNS = ("row", "tokens_per_s", "speedup", "vs_best_entropy", "mean_accepted", "target_calls_per_token",
+           "wasted_per_token", "stop_overhead", "exact", "rouge_l", "note")
+
+
+def _cell(r: dict[str, Any], c: str) -> str:
+    v = r.get(c)
+    if c in ("speedup", "vs_best_entropy") and v is not None and r.get(f"{c}_lo") is not None:
+        return f"{v:.3f} [{r[f'{c}_lo']:.2f}, {r[f'{c}_hi']:.2f}]"
+    return "" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    cols = ["row", "method", "tokens_per_s", "speedup", "mean_accepted", "target_calls_per_token", "wasted_per_token",
-            "stop_overhead", "exact", "rouge_l", "note"]
-    fmt = lambda v: "" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cell(r, c) for c in COLUMNS) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -406,114 +526,165 @@ def plot_speedups(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["row"] for r in rows]
-    vals = [r["speedup"] or 0.0 for r in rows]
+    vals = np.array([r["speedup"] or 0.0 for r in rows])
+    lo = np.array([r["speedup_lo"] if r["speedup_lo"] is not None else v for r, v in zip(rows, vals)])
+    hi = np.array([r["speedup_hi"] if r["speedup_hi"] is not None else v for r, v in zip(rows, vals)])
     colors = ["grey" if r["method"] == "target.generate" else "tab:orange" if r["method"].startswith("transformers")
-              else "tab:blue" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4))
-    ax.bar(range(len(rows)), vals, color=colors)
+              else "tab:green" if r["kind"] in ENTROPY_KINDS else "tab:blue" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4.5))
+    ax.bar(range(len(rows)), vals, color=colors, yerr=[vals - lo, hi - vals], capsize=3)
     ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks(range(len(rows)), names, rotation=45, ha="right")
-    ax.set_ylabel("speedup over target-only")
-    ax.set_title("tokens/s relative to target-only (orange: transformers, blue: engine)")
+    ax.set_xticks(range(len(rows)), [r["row"] for r in rows], rotation=45, ha="right")
+    ax.set_ylabel("speedup over target-only (95% CI over prompts)")
+    ax.set_title("tokens/s relative to target-only (orange: transformers, green: entropy bounds, blue: engine)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------------------------------------- main
-def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Load models and prompts, run every row, write the report; returns (rows, stats)."""
-    from data_gen.models import check_same_tokenizer, load_model
-    from decoding.policies import build_policy, needs_companion
-
-    t_start = time.perf_counter()
-    out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    draft, tok = load_model(cfg.models.spec(cfg.models.draft))
-    target, t_tok = load_model(cfg.models.spec(cfg.models.target))
-    companion = None
-    toks, models = {"draft": tok, "target": t_tok}, {"draft": draft, "target": target}
-    if cfg.models.companion:
-        companion, c_tok = load_model(cfg.models.spec(cfg.models.companion))
-        toks["companion"], models["companion"] = c_tok, companion
-    check_same_tokenizer(toks, models)
-    prompts, names, p_stats = load_benchmark_prompts(cfg, tok)
-    eos = _eos(tok, target)
-    log.info("benchmark: %d prompts, %d new tokens, device %s, dtype %s", len(prompts), cfg.max_new_tokens,
-             cfg.models.device, cfg.models.dtype)
-
-    specs = list(cfg.policies) + list(cfg.predictors)
-    latency = None
-    needs_latency = any(s == "oracle" for s in specs)
-    for s in specs:
-        if not s.startswith("hfp:") and s != "oracle":
-            pol = build_policy(s, draft=draft, draft_tokenizer=tok, max_draft_len=cfg.max_draft_len, force=cfg.force)
-            needs_latency |= needs_companion(pol)
-    if needs_latency:
-        from data_gen.timing import CostModel, measure_cost_model
-
-        if cfg.latency_file and Path(cfg.latency_file).is_file():
-            latency = CostModel.from_json(cfg.latency_file)
-        else:
-            latency = measure_cost_model(draft, target, companion, lengths=(1, 2, 3, 5, 9, 17, 25, cfg.max_draft_len + 1))
-        latency.to_json(out_dir / "latency.json")
-
-    if cfg.warmup:
-        short = replace(cfg, max_new_tokens=4, tracking=False)
-        run_target_only(target, prompts[:1], short, tok, eos)
-        run_hf("static:3", draft, target, prompts[:1], short, tok, eos)
-        run_engine("static:3", draft, target, None, prompts[:1], short, tok, eos, None)
-
-    rows: list[Row] = []
-
-    def done(row: Row) -> None:
-        rows.append(row)
-        base = rows[0].tokens_per_s
-        log.info("row %s: %.3f tokens/s (x%.3f), %d tokens in %.1fs, mean accepted %.2f", row.name, row.tokens_per_s,
-                 row.tokens_per_s / base if base else 0.0, row.tokens, row.seconds,
-                 row.accepted / row.rounds if row.rounds else 0.0)
-        partial = [r.metrics(base) for r in rows]
-        (out_dir / "benchmark.partial.json").write_text(json.dumps(partial, indent=2))
-
-    done(run_target_only(target, prompts, cfg, tok, eos))
-    for kind in cfg.hf_rows:
-        done(run_hf(kind, draft, target, prompts, cfg, tok, eos))
-    for spec in specs:
-        if spec.startswith("hfp:"):
-            done(run_hf_policy(spec[4:], draft, target, prompts, cfg, tok, eos))
-            continue
-        try:
-            done(run_engine(spec, draft, target, companion, prompts, cfg, tok, eos, latency))
-        except ValueError as e:
-            if "companion" in str(e) and companion is None:
-                log.warning("skipping %s: %s", spec, e)
-                done(Row(spec, "engine", note=f"skipped: {e}"))
-                continue
-            raise
+def finish_rows(rows: list[Row], bench: Bench) -> list[dict[str, Any]]:
+    """Exactness and ROUGE-L against target-only, the bootstrap intervals, the best entropy row: the report rows."""
     ref = rows[0].outputs
     for r in rows[1:]:
         if not r.outputs:
             continue
-        if cfg.temperature == 0:
+        if bench.cfg.temperature == 0:
             r.exact = r.outputs == ref
-        r.rouge_l = rouge_l(r.outputs, ref, tok)
-    base = rows[0].tokens_per_s
-    table = [r.metrics(base) for r in rows]
+        r.rouge_l = rouge_l(r.outputs, ref, bench.tokenizer)
+    entropy = [r for r in rows if r.kind in ENTROPY_KINDS and r.method == "engine" and r.outputs]
+    best_entropy = max(entropy, key=lambda r: r.tokens_per_s) if entropy else None
+    boot = np.random.default_rng(bench.cfg.seed).integers(0, len(bench.prompts), (bench.cfg.n_boot, len(bench.prompts)))
+    return [r.metrics(rows[0], best_entropy, boot) for r in rows]
+
+
+def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], out_dir: Path) -> None:
+    cfg, cm = bench.cfg, bench.cost_model
+    from data_gen.compute_path import compute_path_of, cpu_info
+
+    info = cpu_info()
+    entropy = [r for r in table if r["kind"] in ENTROPY_KINDS and r["method"] == "engine"]
+    best_e = max(entropy, key=lambda r: r["tokens_per_s"])["row"] if entropy else "none"
     md = [
         "# Decoding benchmark\n",
         f"draft `{cfg.models.draft}`, target `{cfg.models.target}`, companion `{cfg.models.companion}`; "
-        f"{len(prompts)} prompts ({', '.join(names)}), {cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, "
-        f"device {cfg.models.device}, dtype {cfg.models.dtype}, batch size {cfg.batch_size}.\n",
-        "speedup = tokens/s over target-only; stop_overhead = one stop decision / one draft forward; exact = outputs "
-        "equal target-only's (greedy); rouge_l against target-only's output.\n",
+        f"{len(names)} prompts ({', '.join(names)}), {cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, "
+        f"device {cfg.models.device}, compute path {compute_path_of(bench.target)} (fp32 activations), batch size "
+        f"{cfg.batch_size}; CPU {info['model_name']} ({info['torch_cpu_capability']}, {torch.get_num_threads()} "
+        f"threads), torch {info['torch']}.\n",
+        "speedup = tokens/s over target-only on the same path; vs_best_entropy = tokens/s over the best entropy "
+        f"policy ({best_e}); [95% paired bootstrap interval over prompts]; stop_overhead = one stop decision / one draft "
+        "forward; exact = outputs equal target-only's (greedy); rouge_l against target-only's output.\n",
         markdown_table(table),
     ]
+    if cm is not None:
+        md += ["\n```", cm.curve_table(), "```"]
     (out_dir / "benchmark.md").write_text("\n".join(md) + "\n")
-    (out_dir / "benchmark.json").write_text(json.dumps({"rows": table, "prompts": names}, indent=2))
+    (out_dir / "benchmark.json").write_text(json.dumps({"rows": table, "prompts": names, "cpu": info}, indent=2))
     plot_speedups(table, out_dir / "speedup.png")
-    stats = {"prompts": p_stats, "seconds": time.perf_counter() - t_start}
-    return table, stats
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+def load_bench(cfg: BenchmarkConfig) -> tuple[Bench, list[str], dict]:
+    """Load the models (one compute path for all rows), the prompts and the verification curve."""
+    from data_gen.generate import GenerateConfig, load_models
+
+    models, tok = load_models(GenerateConfig(models=cfg.models))
+    prompts, names, p_stats = load_benchmark_prompts(cfg, tok)
+    bench = Bench(cfg, models.draft, models.target, models.companion, tok, prompts, _eos(tok, models.target))
+    bench.cost_model = load_cost_model(cfg, bench)
+    return bench, names, p_stats
+
+
+def load_cost_model(cfg: BenchmarkConfig, bench: Bench) -> CostModel:
+    """``cost_file`` (warned when measured for another pair, path or CPU) or a measurement of L = 1..16 now."""
+    from data_gen.compute_path import compute_path_of, cpu_info
+    from data_gen.timing import measure_cost_model
+
+    if cfg.cost_file:
+        cm = CostModel.from_json(cfg.cost_file)
+        for diff in cm.mismatch(str(bench.draft.config.name_or_path), str(bench.target.config.name_or_path),
+                                compute_path_of(bench.target), cpu_info()):
+            log.warning("cost file %s does not match this run: %s", cfg.cost_file, diff)
+        return cm
+    t0 = time.perf_counter()
+    cm = measure_cost_model(bench.draft, bench.target, bench.companion,
+                            lengths=(*range(1, 17), 24, cfg.max_draft_len + 1), repeats=3)
+    log.info("verification curve measured in %.0fs:\n%s", time.perf_counter() - t0, cm.curve_table())
+    return cm
+
+
+def row_plan(cfg: BenchmarkConfig, bench: Bench) -> list[tuple[str, Callable[[], Row | None]]]:
+    """(name, runner) for every row, in order; target-only first."""
+    tuned = tune_on_validation(cfg.policies, bench)
+    plan: list[tuple[str, Callable[[], Row | None]]] = [("target-only", lambda: run_target_only(bench))]
+    for kind in cfg.hf_rows:
+        plan.append((f"hf:{kind}", lambda k=kind: run_hf(bench, k)))
+    for spec in [*cfg.policies, *cfg.predictors]:
+        if spec.startswith("hfp:"):
+            plan.append((spec, lambda s=spec[4:]: run_hf_policy(bench, s)))
+        elif spec in tuned:
+            pol, label = tuned[spec]
+            plan.append((label, lambda p=pol, lb=label: run_engine(bench, p, lb)))
+        else:
+            plan.append((spec, lambda s=spec: run_engine(bench, s)))
+    if cfg.reference_compute and cfg.reference_compute != cfg.models.compute:
+        plan.append((f"target-only ({cfg.reference_compute})", lambda: run_reference(bench)))
+    return plan
+
+
+def run_reference(bench: Bench) -> Row:
+    """Target-only with the target loaded again on ``cfg.reference_compute`` (freed after the row)."""
+    from data_gen.models import load_model
+
+    mc = replace(bench.cfg.models, compute=bench.cfg.reference_compute)
+    target, _ = load_model(mc.spec(mc.target))
+    try:
+        if bench.cfg.warmup:
+            kw = {**bench.generate_kwargs(), "max_new_tokens": 4}
+            x = torch.tensor([bench.prompts[0]], device=target.device)
+            target.generate(x, attention_mask=torch.ones_like(x), **kw)
+        row = run_target_only(bench, f"target-only ({bench.cfg.reference_compute})", target)
+    finally:
+        del target
+    row.note = f"reference: target loaded with --models.compute {bench.cfg.reference_compute}"
+    return row
+
+
+def warm_up(bench: Bench) -> None:
+    """Each path once on a 4-token generation of the first prompt (kernels, caches, oneDNN primitives)."""
+    short = replace(bench, cfg=replace(bench.cfg, max_new_tokens=4), prompts=bench.prompts[:1])
+    run_target_only(short)
+    run_hf(short, "static:3")
+    run_engine(short, "static:3")
+
+
+def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Load models and prompts, run every row (progress and ETA per row), write the report; returns (rows, stats)."""
+    t_start = time.perf_counter()
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bench, names, p_stats = load_bench(cfg)
+    assert bench.cost_model is not None
+    bench.cost_model.to_json(out_dir / "cost_model.json")
+    log.info("benchmark: %d prompts x %d new tokens, device %s, compute path %s", len(bench.prompts),
+             cfg.max_new_tokens, cfg.models.device, cfg.models.compute)
+    if cfg.warmup:
+        warm_up(bench)
+    plan = row_plan(cfg, bench)
+    rows: list[Row] = []
+    t_rows = time.perf_counter()
+    for i, (name, runner) in enumerate(plan):
+        t0 = time.perf_counter()
+        row = runner()
+        rows.append(row)
+        done = time.perf_counter() - t_rows
+        eta = done / (i + 1) * (len(plan) - i - 1)
+        base = rows[0].tokens_per_s
+        log.info("row %d/%d %s: %.3f tokens/s (x%.3f), %d tokens in %.0fs; ETA %.0fs", i + 1, len(plan), name,
+                 row.tokens_per_s, row.tokens_per_s / base if base else 0.0, row.tokens, time.perf_counter() - t0, eta)
+    table = finish_rows(rows, bench)
+    write_report(table, bench, names, out_dir)
+    return table, {"prompts": p_stats, "seconds": time.perf_counter() - t_start}
 
 
 def _write_config(cfg: BenchmarkConfig, path: Path) -> None:
@@ -522,33 +693,39 @@ def _write_config(cfg: BenchmarkConfig, path: Path) -> None:
     path.write_text("# python -m pipelines.benchmark --config " + str(path) + "\n" + yaml.safe_dump(asdict(cfg)))
 
 
+def log_to_mlflow(cfg: BenchmarkConfig, rows: list[dict[str, Any]], out_dir: Path) -> None:
+    """Parameters, per-row metrics and the artefacts of a finished benchmark in one MLflow run."""
+    import mlflow
+
+    from pipelines.cli import resolve_tracking_uri
+
+    mlflow.set_tracking_uri(resolve_tracking_uri(cfg.tracking_uri))
+    mlflow.set_experiment(cfg.experiment)
+    with mlflow.start_run(run_name="benchmark"):
+        mlflow.log_params({k: str(v)[:250] for k, v in asdict(cfg).items()})
+        for r in rows:
+            key = re.sub(r"[^A-Za-z0-9_.\-/ ]", "_", r["row"])
+            for m in ("tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "vs_best_entropy", "mean_accepted",
+                      "target_calls_per_token", "wasted_per_token", "stop_overhead", "rouge_l"):
+                if isinstance(r.get(m), (int, float)):
+                    mlflow.log_metric(f"{key}/{m}", float(r[m]))
+        mlflow.log_artifacts(str(out_dir))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse the config, run the benchmark, log to MLflow; returns {"rows", "stats", "out_dir"}."""
-    from pipelines.cli import parse_config, setup_logging
+    from pipelines.cli import parse_config, setup_logging, user_errors
 
     setup_logging()
     logging.getLogger("absl").setLevel(logging.WARNING)  # rouge-score logs once per scorer
-    cfg = parse_config(BenchmarkConfig, argv, __doc__)
-    out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _write_config(cfg, out_dir / "config.yaml")
-    if not cfg.tracking:
+    with user_errors("python -m pipelines.benchmark"):
+        cfg = parse_config(BenchmarkConfig, argv, __doc__)
+        out_dir = Path(cfg.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _write_config(cfg, out_dir / "config.yaml")
         rows, stats = run_benchmark(cfg)
-    else:
-        import mlflow
-
-        mlflow.set_tracking_uri(cfg.tracking_uri or "sqlite:///mlflow.db")
-        mlflow.set_experiment(cfg.experiment)
-        with mlflow.start_run(run_name="benchmark"):
-            mlflow.log_params({k: str(v)[:250] for k, v in asdict(cfg).items()})
-            rows, stats = run_benchmark(cfg)
-            for r in rows:
-                key = re.sub(r"[^A-Za-z0-9_.\-/ ]", "_", r["row"])
-                for m in ("tokens_per_s", "speedup", "mean_accepted", "target_calls_per_token", "wasted_per_token",
-                          "stop_overhead", "rouge_l"):
-                    if isinstance(r.get(m), (int, float)):
-                        mlflow.log_metric(f"{key}/{m}", float(r[m]))
-            mlflow.log_artifacts(str(out_dir))
+    if cfg.tracking:
+        log_to_mlflow(cfg, rows, out_dir)
     print((out_dir / "benchmark.md").read_text())
     return {"rows": rows, "stats": stats, "out_dir": str(out_dir)}
 

@@ -62,12 +62,9 @@ def models_of(cfg: MeasureCostsConfig) -> ModelsConfig:
 
 def measure(cfg: MeasureCostsConfig) -> CostModel:
     """Load the models and time them; returns the cost model (not yet written)."""
-    from data_gen.generate import load_models
+    from data_gen.generate import GenerateConfig, load_models
 
-    models_cfg = models_of(cfg)
-    from data_gen.generate import GenerateConfig
-
-    models, _ = load_models(GenerateConfig(models=models_cfg))
+    models, _ = load_models(GenerateConfig(models=models_of(cfg)))
     lengths = tuple(range(1, cfg.max_length + 1))
     return measure_cost_model(models.draft, models.target, models.companion, lengths=lengths,
                               prompt_len=cfg.prompt_len, repeats=cfg.repeats)
@@ -75,12 +72,13 @@ def measure(cfg: MeasureCostsConfig) -> CostModel:
 
 def main(argv: list[str] | None = None) -> dict:
     """Parse, measure, write the JSON and print the curve; returns the cost model as a dict."""
-    from pipelines.cli import parse_config, setup_logging
+    from pipelines.cli import parse_config, setup_logging, user_errors
 
     setup_logging()
-    cfg = parse_config(MeasureCostsConfig, argv, __doc__)
-    out = Path(cfg.out or (Path(cfg.data_dir) / "cost_model.json" if cfg.data_dir else "outputs/cost_model.json"))
-    cm = measure(cfg)
+    with user_errors("python -m pipelines.measure_costs"):
+        cfg = parse_config(MeasureCostsConfig, argv, __doc__)
+        out = Path(cfg.out or (Path(cfg.data_dir) / "cost_model.json" if cfg.data_dir else "outputs/cost_model.json"))
+        cm = measure(cfg)
     cm.to_json(out)
     print(cm.curve_table())
     print(f"written to {out}")

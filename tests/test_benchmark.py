@@ -9,7 +9,6 @@ import yaml
 
 from pipelines.benchmark import BenchmarkConfig, main
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -24,11 +23,42 @@ def test_configs_parse():
         assert cfg.max_new_tokens > 0
 
 
-def test_bad_config():
+def test_bad_config(tmp_path):
     with pytest.raises(ValueError, match="hf_rows"):
         BenchmarkConfig(hf_rows=["fancy"])
     with pytest.raises(ValueError, match="n_prompts"):
         BenchmarkConfig(n_prompts=0)
+    with pytest.raises(ValueError, match="--tune_data_dir"):
+        BenchmarkConfig(policies=["svip:tuned"])
+    with pytest.raises(ValueError, match="pipelines.measure_costs --out"):
+        BenchmarkConfig(cost_file=str(tmp_path / "nope.json"))
+
+
+def test_bad_options_through_the_command_line(capsys, tmp_path):
+    """What a user types: one line naming the option and the fix, exit code 2, no traceback."""
+    for argv, words in (
+        (["--n_prompts", "0"], "n_prompts=0"),
+        (["--policies", '["static:best"]'], "--tune_data_dir"),
+        (["--cost_file", str(tmp_path / "x.json")], "pipelines.measure_costs"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["--config", str(ROOT / "configs" / "benchmark-smoke.yaml"), *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and words in err and "Traceback" not in err, err
+
+
+def test_paired_bootstrap_interval_brackets_the_ratio():
+    import numpy as np
+
+    from pipelines.benchmark import Row, _ratio_ci
+
+    base = Row("t", "m", seconds=[1.0, 2.0, 1.0, 3.0], outputs=[[0] * 10, [0] * 20, [0] * 10, [0] * 30])
+    fast = Row("f", "m", seconds=[0.5, 1.0, 0.6, 1.4], outputs=base.outputs)
+    boot = np.random.default_rng(0).integers(0, 4, (500, 4))
+    point, lo, hi = _ratio_ci(fast, base, boot)
+    assert point == pytest.approx(7.0 / 3.5) and lo <= point <= hi and lo > 1.5
+    same, lo, hi = _ratio_ci(base, base, boot)
+    assert same == lo == hi == pytest.approx(1.0)
 
 
 def test_smoke_run(tmp_path, tiny_pair):
@@ -36,8 +66,10 @@ def test_smoke_run(tmp_path, tiny_pair):
     from predictors.export import export_predictor
     from predictors.inputs import FeatureSpec
     from predictors.sprinter import SprinterNet, SprinterPolicy
+    from tests.synthetic import make_records, write_shards
 
     draft, _, tok = tiny_pair
+    write_shards(tmp_path / "data", make_records(n_prompts=20, tokens_per_prompt=20, hidden_size=0, companion=False))
     sprinter = SprinterPolicy(SprinterNet(draft.config.hidden_size), FeatureSpec.for_sprinter(draft.config.hidden_size),
                               threshold=0.5, max_draft_len=6)
     export_predictor(sprinter, tmp_path / "sprinter", {"draft_fingerprint": model_fingerprint(draft, tok)})
@@ -48,20 +80,27 @@ def test_smoke_run(tmp_path, tiny_pair):
         "--tracking_uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
         "--n_prompts", "1",
         "--max_new_tokens", "6",
-        "--policies", '["static:3", "svip:0.3", "oracle", "hfp:svip:0.3"]',
+        "--policies", '["static:3", "svip:0.3", "oracle", "hfp:svip:0.3", "static:best", "adaedl:tuned"]',
+        "--tune_data_dir", str(tmp_path / "data"), "--max_static", "4",
         "--predictors", json.dumps([str(tmp_path / "sprinter")]),
         "--hf_rows", '["static:3"]',
     ]
     result = main(argv)
     names = [r["row"] for r in result["rows"]]
-    assert names[:2] == ["target-only", "hf:static:3"]
+    assert names[:2] == ["target-only", "hf:static:3"] and names[-1] == "target-only (eager)"
     assert {"static:3", "svip:0.3", "oracle", "hfp:svip:0.3"} <= set(names)
+    tuned = [n for n in names if n.endswith(("(val-best)", "(val-tuned)"))]
+    assert len(tuned) == 2 and tuned[0].startswith("static:") and tuned[1].startswith("adaedl:"), names
     rows = {r["row"]: r for r in result["rows"]}
-    for name in ("hf:static:3", "static:3", "svip:0.3", "oracle", "hfp:svip:0.3"):
-        assert rows[name]["exact"] is True and rows[name]["tokens_per_s"] > 0
+    for name in ("hf:static:3", "static:3", "svip:0.3", "oracle", "hfp:svip:0.3", "target-only (eager)", *tuned):
+        assert rows[name]["exact"] is True and rows[name]["tokens_per_s"] > 0, name
+        assert rows[name]["speedup_lo"] <= rows[name]["speedup"] <= rows[name]["speedup_hi"]
+    assert rows["hf:static:3"]["mean_accepted"] is not None and rows["hf:static:3"]["wasted_per_token"] >= 0
+    assert rows["static:3"]["vs_best_entropy"] is not None and rows["target-only"]["vs_best_entropy"] is None
     spr = [r for r in result["rows"] if r["row"].startswith("sprinter")][0]
     assert spr["rouge_l"] is not None and "approximate" in spr["note"]
-    for f in ("benchmark.md", "benchmark.json", "speedup.png", "config.yaml", "latency.json"):
+    assert "target verification curve" in (out / "benchmark.md").read_text()
+    for f in ("benchmark.md", "benchmark.json", "speedup.png", "config.yaml", "cost_model.json"):
         assert (out / f).is_file(), f
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert resolved["max_new_tokens"] == 6
