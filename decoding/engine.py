@@ -7,8 +7,9 @@ forward pass (exact: greedy match or min(1, p/q) with a correction from norm(max
 policy is told the outcome (``policy.update``) and both KV caches (transformers ``DynamicCache``) are cropped.
 
 How a round runs follows what the policy declares (``predictors.base.StopPolicy``), never its kind:
-- ``verification == GOODPUT`` (SV): drafts while the predicted acceptance is useful, then verifies the goodput-best
-  prefix (the round rules of ``predictors.sv`` priced by the measured ``data_gen.timing.CostModel``); needs a companion.
+- ``verification == GOODPUT`` (SV, any ``goodput:`` policy): the score is a calibrated acceptance; the round drafts
+  while the expected tokens/s of the lengths still reachable improves and verifies the best prefix (the one rule of
+  ``predictors.goodput``, priced by the measured ``data_gen.timing.CostModel``, the same call as the offline replay).
 - ``verification == SEQUENTIAL`` (SPRINTER, ``policy.exact`` False): approximate sequential verification; drafted tokens
   before the last one are taken unverified, the target checks only the last token (min(1, p/q) or a resample from
   norm(max(0, p - q))).
@@ -30,7 +31,6 @@ Usage:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -40,8 +40,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from data_gen.features import COMPANION_COLUMNS, probs_from_logits, token_features
 from data_gen.timing import CostModel, measure_cost_model
-from predictors import sv
+from predictors import goodput
 from predictors.base import GOODPUT, SEQUENTIAL, RoundFeedback, StopPolicy
+from predictors.calibration import mode_of
 
 __all__ = ["DecodeStats", "SpeculativeDecoder"]
 
@@ -66,6 +67,10 @@ class DecodeStats:
     """Accepted draft tokens per sequence-round."""
     draft_lengths: list[int] = field(default_factory=list)
     """Drafted tokens per sequence-round."""
+    verified_lengths: list[int] = field(default_factory=list)
+    """Drafted tokens sent to the target per sequence-round (fewer than drafted under the goodput rule)."""
+    expected_tokens: list[float] = field(default_factory=list)
+    """Goodput policies: tokens each sequence-round was expected to emit (1 + E[accepted] of the verified prefix)."""
     draft_forwards: int = 0
     """Draft forward passes (batched steps)."""
     draft_time: float = 0.0
@@ -119,6 +124,11 @@ class DecodeStats:
             "wall_time": self.wall_time,
             "analysis_time": self.analysis_time,
         }
+
+
+def _name(model: PreTrainedModel) -> str:
+    """A model's name as the cost model records it (``config.name_or_path``)."""
+    return str(getattr(model.config, "name_or_path", "") or type(model).__name__)
 
 
 def _clock(device: torch.device) -> float:
@@ -244,7 +254,7 @@ class _Round:
     q_x: list[list[float]]
     """[B][n_b] q(x) of each drafted token (policy feedback)."""
     scores: list[list[float]]
-    """[B][n_b] SV: estimated acceptance of each drafted token."""
+    """[B][n_b] goodput policies: calibrated acceptance of each drafted token."""
     peek_logits: list[list[Tensor]]
     """[B][n_b] of [V]: analysis only, the target's logits at each drafted token."""
     t_idx: list[list[int]]
@@ -277,9 +287,9 @@ class SpeculativeDecoder:
         max_draft_len: hard cap on draft tokens per round (on top of ``policy.draft_cap()``).
         top_k_features: top-k draft probabilities in the features (must match the predictor's training data).
         cost_model: the measured verification curve, ``data_gen.timing.CostModel`` (``pipelines.measure_costs``);
-            SV prices its rounds with it (measured on the fly when missing).
-        sv_patience: SV stops drafting once this many drafted tokens lie beyond the goodput-best prefix (drafting
-            further is unlikely to lengthen it: the expected acceptance of a longer prefix only falls).
+            goodput policies (SV, ``goodput:``) price their rounds with it (measured on the fly when missing; a curve
+            measured for other models or another CPU is used with a warning naming both, one with fewer than two
+            lengths is refused).
     """
 
     def __init__(
@@ -293,7 +303,6 @@ class SpeculativeDecoder:
         max_draft_len: int = 40,
         top_k_features: int = 10,
         cost_model: CostModel | None = None,
-        sv_patience: int = 2,
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
@@ -322,10 +331,11 @@ class SpeculativeDecoder:
         self.needs_hidden = "draft_hidden" in policy.required_columns
         self.analysis = policy.needs_target
         self.sequential = policy.verification == SEQUENTIAL
-        self.is_sv = policy.verification == GOODPUT
-        if sv_patience < 1:
-            raise ValueError(f"sv_patience={sv_patience}: must be >= 1")
-        self.sv_patience = int(sv_patience)
+        self.goodput = policy.verification == GOODPUT
+        policy.use_mode(mode_of(self.temperature))  # a goodput policy picks its calibration map (or names the fix)
+        self._cost: goodput.RoundCost | None = None
+        if self.goodput and cost_model is not None:
+            self._cost = self._round_cost()
 
     # ------------------------------------------------------------------ helpers
     def _probs(self, logits: Tensor) -> Tensor:
@@ -341,13 +351,19 @@ class SpeculativeDecoder:
         """[V] probabilities -> one sampled token id."""
         return int(torch.multinomial(probs, 1, generator=gen))
 
-    def _sv_latency(self) -> Callable[[int], float]:
-        """Seconds of a round that drafts and verifies n tokens (n draft and companion steps, a target pass of n + 1)."""
+    def _round_cost(self) -> goodput.RoundCost:
+        """The goodput rule's round cost (draft and companion steps, the target curve), checked against this run."""
+        if self._cost is not None:
+            return self._cost
         if self.cost_model is None:
             self.cost_model = measure_cost_model(self.draft, self.target, self.companion,
                                                  lengths=(1, 2, 4, 8, 16, 24, 32, 41), repeats=1)
-        cm = self.cost_model
-        return lambda n: cm.round_time(n, companion=True)
+        from data_gen.compute_path import compute_path_of, cpu_info
+
+        goodput.check_cost_model(self.cost_model, _name(self.draft), _name(self.target), compute_path_of(self.target),
+                                 dict(cpu_info()))
+        self._cost = goodput.RoundCost.from_cost_model(self.cost_model, companion=self.companion is not None)
+        return self._cost
 
     # ------------------------------------------------------------------ main loop
     @torch.no_grad()
@@ -497,26 +513,33 @@ class SpeculativeDecoder:
         return tl[:, -1]
 
     def _decide(self, feats: dict[str, Tensor], rnd: _Round) -> tuple[list[bool], list[float] | None]:
-        """[B] draft another token after this one; SV also returns its [B] acceptance estimates."""
-        keep = self.policy.keep_drafting(feats).tolist()
-        if not self.is_sv:
-            return keep, None
+        """[B] draft another token after this one; goodput policies also return their [B] calibrated acceptances and
+        decide by the goodput rule alone (``predictors.goodput.keep_drafting``, as the replay does)."""
+        if not self.goodput:
+            return self.policy.keep_drafting(feats).tolist(), None
         sc = self.policy.score(feats).tolist()
-        lat = self._sv_latency()
-        for b in range(len(keep)):  # SV: stop once the goodput-best prefix has not grown for sv_patience tokens
-            if rnd.active[b]:
-                keep[b] = keep[b] and sv.keep_drafting([*rnd.scores[b], float(sc[b])], lat, self.sv_patience)
+        cost = self._round_cost()
+        keep = [bool(rnd.active[b]) and goodput.keep_drafting([*rnd.scores[b], float(sc[b])], cost, rnd.caps[b])
+                for b in range(len(sc))]
         return keep, sc
 
     # ------------------------------------------------------------------ verification
     def _verification_lengths(self, st: _Decoding, rnd: _Round) -> list[int]:
-        """[B] drafted tokens sent to the target: all of them, or SV's goodput-best prefix."""
-        if not self.is_sv:
+        """[B] drafted tokens sent to the target: all of them, or the goodput rule's best prefix (across a batch
+        sharing one target pass, ``predictors.goodput.batch_lengths``)."""
+        if not self.goodput:
             return [len(d) for d in rnd.drafted]
-        lat = self._sv_latency()
+        cost = self._round_cost()
         if st.batch == 1:
-            return [sv.goodput_prefix(rnd.scores[0], lat)]
-        return sv.batch_lengths([rnd.scores[b] if not st.done[b] else [] for b in range(st.batch)], lat)
+            n = [goodput.best_prefix(rnd.scores[0], cost)[0]]
+        else:
+            per = cost.per_draft
+            n = goodput.batch_lengths([rnd.scores[b] if not st.done[b] else [] for b in range(st.batch)],
+                                      lambda m: m * per + cost.target_time(m + 1))
+        for b in range(st.batch):
+            if not st.done[b]:
+                st.stats.expected_tokens.append(float(goodput.expected_tokens(rnd.scores[b][: n[b]])[-1]))
+        return n
 
     def _verify_round(self, st: _Decoding, rnd: _Round, n_sent: list[int]) -> None:
         """One target forward pass over every live sequence's window, then per-sequence verification and bookkeeping."""
@@ -538,6 +561,7 @@ class SpeculativeDecoder:
             else:
                 logit_rows = [tl[b, j] for j in range(k + 1)]
             emitted, n_acc, flags = self._verify(rnd.drafted[b][:k], rnd.q_rows[b][:k], logit_rows, st.gen)
+            st.stats.verified_lengths.append(k)
             self.policy.update(RoundFeedback(n_drafted=k, n_accepted=n_acc, draft_probs=rnd.q_x[b][:k], accepted=flags))
             self._settle(st, rnd, b, emitted, n_acc)
 

@@ -10,7 +10,10 @@ confidence threshold and schedules are switched off: the policy alone decides. V
 (exact).
 
 Works for policies that need only the draft's scores (static, heuristic, max-confidence, SVIP, AdaEDL, DISCO, exported
-baselines); policies needing a companion (SV), the target (oracle) or approximate verification (SPRINTER) are refused.
+baselines, and any of them under ``goodput:``); policies needing a companion (SV), the target (oracle) or approximate
+verification (SPRINTER) are refused. A cost-aware policy (``verification == GOODPUT``) needs the measured
+``cost_model``: the stopping criterion asks the goodput rule (``predictors.goodput.keep_drafting``, as the engine and the
+replay do) and the candidates are cut to the rule's best prefix before transformers verifies them.
 transformers' assisted generation supports batch size 1 only.
 
 Usage:
@@ -30,19 +33,25 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from data_gen.features import COMPANION_COLUMNS, TARGET_COLUMNS, token_features
+from predictors import goodput
 from predictors.base import GOODPUT, RoundFeedback, StopPolicy
+from predictors.calibration import mode_of
 
 __all__ = ["PolicyCandidateGenerator", "generate_with_policy", "check_hf_policy"]
 
 
-def check_hf_policy(policy: StopPolicy) -> None:
-    """Refuse policies that cannot run inside transformers' assisted generation."""
+def check_hf_policy(policy: StopPolicy, cost_model: Any = None) -> None:
+    """Refuse policies that cannot run inside transformers' assisted generation (a goodput policy without a cost
+    model included)."""
     bad = [c for c in policy.required_columns if c in COMPANION_COLUMNS or c in TARGET_COLUMNS]
-    if bad or policy.verification == GOODPUT:
+    if bad:
         raise ValueError(
-            f"policy {policy.kind!r} needs columns {bad or ['companion']} that transformers' assisted generation does "
-            f"not compute; use decoding.engine.SpeculativeDecoder"
+            f"policy {policy.kind!r} needs columns {bad} that transformers' assisted generation does not compute; use "
+            f"decoding.engine.SpeculativeDecoder"
         )
+    if policy.verification == GOODPUT and cost_model is None:
+        raise ValueError(f"policy {policy.kind!r} is cost-aware: pass cost_model= (a data_gen.timing.CostModel, "
+                         f"python -m pipelines.measure_costs)")
     if not policy.exact:
         raise ValueError(
             f"policy {policy.kind!r} is approximate (sequential verification); transformers verifies exactly, use "
@@ -66,16 +75,20 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
     Args:
         policy: the stop policy (draft-only features).
         top_k_features: top-k draft probabilities in the features (as in the predictor's training data).
+        cost_model: the measured verification curve (cost-aware policies only).
         other arguments: those of ``AssistedCandidateGenerator``.
     Attributes:
         draft_lengths / accepted_lengths: per round, tokens drafted / accepted (for analysis).
         stop_time: seconds spent in feature computation and policy decisions.
     """
 
-    def __init__(self, *args: Any, policy: StopPolicy, top_k_features: int = 10, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, policy: StopPolicy, top_k_features: int = 10, cost_model: Any = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        check_hf_policy(policy)
+        check_hf_policy(policy, cost_model)
         self.policy = policy
+        self.cost = goodput.RoundCost.from_cost_model(cost_model) if policy.verification == GOODPUT else None
+        self._acc: list[float] = []
         self.top_k_features = top_k_features
         # The policy alone decides: no transformers confidence criterion (0 disables it; None would be replaced by the
         # global default 0.4), no schedule.
@@ -104,9 +117,13 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs: Any) -> tuple[torch.LongTensor, Tensor | None]:
         self.num_assistant_tokens = max(1, min(self.policy.draft_cap(), self.policy.max_draft_len))
         self._start = input_ids.shape[-1]
-        self._q = []
+        self._q, self._acc = [], []
         ids, logits = super().get_candidates(input_ids, **kwargs)
         self.draft_lengths.append(ids.shape[-1] - self._start)
+        if self.cost is not None and ids.shape[-1] > self._start:  # verify the goodput rule's best prefix only
+            n = goodput.best_prefix(self._acc[: ids.shape[-1] - self._start], self.cost)[0]
+            ids = ids[:, : self._start + n]
+            logits = logits[:, :n] if logits is not None else None
         return ids, logits
 
     def _generate_candidates(self, generation_args: dict) -> tuple[torch.LongTensor, Tensor | None]:
@@ -124,7 +141,13 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         feats = token_features(logits, tok, draft_hidden=hidden, top_k=self.top_k_features, temperature=1.0)
         feats["position"] = torch.full_like(tok, len(scores) - 1)
         self._q.extend(feats["q"].tolist())
-        stop = ~self.policy.keep_drafting(feats).to(input_ids.device)
+        if self.cost is not None:
+            self._acc.extend(self.policy.score(feats).tolist())
+            cap = max(1, min(self.policy.draft_cap(), self.policy.max_draft_len))
+            keep = goodput.keep_drafting(self._acc, self.cost, cap)
+            stop = torch.full_like(tok, not keep, dtype=torch.bool)
+        else:
+            stop = ~self.policy.keep_drafting(feats).to(input_ids.device)
         self.stop_time += time.perf_counter() - t0
         return stop
 
@@ -145,6 +168,7 @@ def generate_with_policy(
     input_ids: Tensor,
     policy: StopPolicy,
     top_k_features: int = 10,
+    cost_model: Any = None,
     **generate_kwargs: Any,
 ) -> tuple[Tensor, dict[str, Any]]:
     """``target.generate(input_ids, assistant_model=draft, **generate_kwargs)`` with drafting stopped by ``policy``.
@@ -157,13 +181,15 @@ def generate_with_policy(
         input_ids: [1, T] prompt (transformers' assisted generation runs batch size 1).
         policy: a stop policy needing only draft features; ``reset()`` is called first.
         top_k_features: top-k draft probabilities in the features.
+        cost_model: the measured verification curve (``data_gen.timing.CostModel``), needed by cost-aware policies.
         generate_kwargs: passed to ``generate`` (``max_new_tokens``, ``do_sample``, ``attention_mask``...).
     Returns:
         (generate's output, stats) with stats = {"draft_lengths", "accepted_lengths", "stop_time"}.
     """
-    check_hf_policy(policy)
+    check_hf_policy(policy, cost_model)
     if input_ids.shape[0] != 1:
         raise ValueError("transformers' assisted generation supports batch size 1 only; use SpeculativeDecoder for B > 1")
+    policy.use_mode(mode_of(1.0 if generate_kwargs.get("do_sample") else 0.0))
     policy.reset()
     made: list[PolicyCandidateGenerator] = []
 
@@ -178,6 +204,7 @@ def generate_with_policy(
             logits_processor=logits_processor,
             policy=policy,
             top_k_features=top_k_features,
+            cost_model=cost_model,
         )
         made.append(gen)
         return gen

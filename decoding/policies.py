@@ -3,13 +3,22 @@
 Specs (``build_policy``):
 - ``static:K`` (default 5), ``heuristic[:INITIAL]`` (transformers' +2 / -1 schedule), ``max_confidence[:THRESHOLD]``
   (transformers-style online ROC re-tuning, cost fpr + 3 fnr; ``max_confidence_fixed[:T]`` keeps T fixed),
+  ``draft_prob[:T]`` (q(x), the drafted token's probability),
   ``svip[:H]``, ``adaedl[:LAMBDA]``, ``oracle`` (analysis only: the engine runs the target on every drafted token);
 - a dict ``{"kind": "svip", "h": 0.4}`` (constructor parameters of ``predictors.baselines``);
 - a learned predictor: an export folder or ``models:/<name>@champion`` (``predictors.registry.load_reference``), checked
-  against the draft model's fingerprint (refused for another draft model unless ``force``).
+  against the draft model's fingerprint (refused for another draft model unless ``force``);
+- ``goodput:<spec>``: any of the above made cost-aware (``predictors.goodput.GoodputPolicy``): its calibrated acceptance
+  and the measured verification curve (the decoder's ``cost_model``) choose the draft length. ``<spec>`` is an export
+  folder or ``models:/`` URI whose ``predictor.json`` holds calibration maps (the main job writes them; for another
+  export: ``python -m pipelines.calibrate``), or a training-free score name (``max_confidence``, ``draft_prob``,
+  ``svip``, ``adaedl``) whose calibrated export is looked up as ``<calibration_dir>/<name>`` (the main job writes
+  ``<out_dir>/calibrated/<name>``). Without a map: ``predictors.goodput.MissingCalibration`` naming the fix.
 
 Usage:
     policy = build_policy("svip:0.3")
+    policy = build_policy("goodput:outputs/default/train/disco/export")      # cost-aware DISCO
+    policy = build_policy("goodput:svip", calibration_dir="outputs/default/train/calibrated")
     decoder = build_decoder(draft, target, "models:/disco@champion", draft_tokenizer=tok, target_tokenizer=tok)
 """
 from __future__ import annotations
@@ -20,16 +29,18 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from predictors.base import StopPolicy
-from predictors.baselines import SVIP, AdaEDL, HFHeuristic, MaxConfidence, Oracle, StaticLength
+from predictors.baselines import SVIP, AdaEDL, DraftProb, HFHeuristic, MaxConfidence, Oracle, StaticLength
 
-__all__ = ["build_policy", "build_decoder", "policy_label", "needs_companion"]
+__all__ = ["build_policy", "build_decoder", "policy_label", "needs_companion", "GOODPUT_PREFIX"]
+
+GOODPUT_PREFIX = "goodput:"
 
 def needs_companion(policy: StopPolicy) -> bool:
     """``policy.needs_companion`` (what the policy declares); a function for callers that map over policies."""
     return policy.needs_companion
 
 
-_NAMED = ("static", "heuristic", "max_confidence", "max_confidence_fixed", "svip", "adaedl", "oracle")
+_NAMED = ("static", "heuristic", "max_confidence", "max_confidence_fixed", "draft_prob", "svip", "adaedl", "oracle")
 
 
 def _named(kind: str, arg: str | None, max_draft_len: int) -> StopPolicy:
@@ -52,6 +63,8 @@ def _named(kind: str, arg: str | None, max_draft_len: int) -> StopPolicy:
         return MaxConfidence(num(0.4), max_draft_len=max_draft_len, online_roc=True)
     if kind == "max_confidence_fixed":
         return MaxConfidence(num(0.4), max_draft_len=max_draft_len, online_roc=False)
+    if kind == "draft_prob":
+        return DraftProb(num(0.4), max_draft_len=max_draft_len)
     if kind == "svip":
         return SVIP(num(0.3), max_draft_len=max_draft_len)
     if kind == "adaedl":
@@ -69,6 +82,7 @@ def build_policy(
     max_draft_len: int = 40,
     force: bool = False,
     tracking_uri: str | None = None,
+    calibration_dir: str | Path | None = None,
 ) -> StopPolicy:
     """A stop policy from a spec (see the module docstring).
 
@@ -79,9 +93,12 @@ def build_policy(
         max_draft_len: cap for the named baselines.
         force: load a learned predictor despite a draft-fingerprint mismatch.
         tracking_uri: MLflow URI for ``models:/`` refs.
+        calibration_dir: folder of calibrated training-free exports for ``goodput:<score name>``.
     """
     if isinstance(spec, StopPolicy):
         return spec
+    if isinstance(spec, str) and spec.startswith(GOODPUT_PREFIX):
+        return _goodput(spec.removeprefix(GOODPUT_PREFIX), draft, draft_tokenizer, force, tracking_uri, calibration_dir)
     if isinstance(spec, dict):
         params = dict(spec)
         kind = params.pop("kind", None)
@@ -110,10 +127,33 @@ def build_policy(
     )
 
 
+def _goodput(inner: str, draft: PreTrainedModel | None, draft_tokenizer: PreTrainedTokenizerBase | None, force: bool,
+             tracking_uri: str | None, calibration_dir: str | Path | None) -> StopPolicy:
+    """``goodput:<inner>``: the inner policy with the calibration maps of its export."""
+    from predictors.goodput import MissingCalibration, goodput_policy
+
+    if not inner:
+        raise ValueError("policy goodput: needs a predictor or score after the colon, e.g. goodput:models:/name@champion")
+    kind = inner.partition(":")[0]
+    if kind in _NAMED and not inner.startswith("models:/"):
+        if calibration_dir is None or not (Path(calibration_dir) / kind).is_dir():
+            where = f"{calibration_dir}/{kind}" if calibration_dir is not None else "calibration_dir (not given)"
+            raise MissingCalibration(
+                f"goodput:{inner}: no calibrated export of the training-free score {kind!r} in {where}; the main job "
+                f"writes them to <out_dir>/calibrated/<name> (pass calibration_dir or use goodput:<that folder>), or fit "
+                f"one: python -m pipelines.calibrate --data_dir DATA_DIR --predictor {kind} --out_dir DIR")
+        inner = str(Path(calibration_dir) / kind)
+    pol = build_policy(inner, draft=draft, draft_tokenizer=draft_tokenizer, force=force, tracking_uri=tracking_uri)
+    return goodput_policy(pol, inner)
+
+
 def policy_label(spec: str | dict | StopPolicy, policy: StopPolicy) -> str:
     """A short row label: the spec string for named policies, else the policy kind (+ the ref's last part)."""
     if isinstance(spec, str) and spec.partition(":")[0] in _NAMED:
         return spec
+    if isinstance(spec, str) and spec.startswith(GOODPUT_PREFIX):
+        inner = spec.removeprefix(GOODPUT_PREFIX)
+        return spec if inner in _NAMED else f"{policy.kind} ({inner.rstrip('/').split('/')[-1]})"
     if isinstance(spec, str):
         return f"{policy.kind} ({spec.rstrip('/').split('/')[-1]})"
     return policy.kind

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from predictors.base import StopPolicy, as_tensor_dict
+from predictors.baselines import DraftProb
 from predictors.labels import derive_label, label_name
 
 __all__ = [
@@ -94,20 +95,6 @@ class NegEntropy(StopPolicy):
 
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
         return -features["draft_entropy"].float()
-
-
-class DraftProb(StopPolicy):
-    """Score q(x), the drafted token's own probability: what transformers' ``assistant_confidence_threshold`` compares
-    (the top-1 probability on greedy draws; on sampled draws it tells a likely token from an unlikely one)."""
-
-    kind = "draft_prob"
-    required_columns = ("q",)
-
-    def __init__(self, threshold: float = 0.4, max_draft_len: int = 40) -> None:
-        super().__init__(threshold, max_draft_len)
-
-    def score(self, features: Mapping[str, Tensor]) -> Tensor:
-        return features["q"].float()
 
 
 def builtin_scorers() -> dict[str, StopPolicy]:

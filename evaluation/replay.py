@@ -45,9 +45,11 @@ length.
 The schedule oracle (:class:`OracleSchedule`) is the exact bound under any non-decreasing cost
 model in greedy mode: a dynamic programme over each sequence picks, at every round start, how many of the acceptable
 tokens
-to draft so that the total replayed time is minimal (in sampling mode it falls back to the expectation oracle). SV-like
-policies (``verification == GOODPUT``) draft while the goodput of verifying everything drafted improves, then verify
-the goodput-maximising length (``predictors.sv.goodput_round``), paying companion steps per drafted token.
+to draft so that the total replayed time is minimal (in sampling mode it falls back to the expectation oracle).
+Cost-aware policies (``verification == GOODPUT``: SV, ``goodput:`` wrappers) follow the one goodput rule of
+``predictors.goodput`` (the engine calls the same functions): draft while the expected tokens/s of the lengths still
+reachable improves, verify the best prefix, paying companion steps per drafted token when the policy reads them. Each
+of their rounds also records the tokens it expected to emit beside the ones it did (``ReplayResult.round_tokens``).
 
 Phases: :func:`replay_policy` runs :func:`_replay_sequence` per stored sequence, which runs rounds
 (:func:`_replay_round`: :func:`_draft_round` decides drafted and verified counts, then acceptance and cost are counted).
@@ -70,7 +72,7 @@ import torch
 from torch import Tensor
 
 from evaluation.cost_model import CostModel
-from predictors import sv
+from predictors import goodput
 from predictors.base import GOODPUT, HINDSIGHT, THRESHOLD, RoundFeedback, StopPolicy, as_tensor_dict, drafted_length
 
 __all__ = [
@@ -175,6 +177,12 @@ class ReplayResult:
     """Seconds target-only decoding would take for the same tokens."""
     draft_len_hist: dict[int, int] = field(default_factory=dict)
     """Rounds by number of drafted tokens."""
+    round_tokens: list[tuple[float, float]] = field(default_factory=list)
+    """Goodput policies: (expected, replayed) tokens of every round."""
+    round_lengths: list[tuple[int, int]] = field(default_factory=list)
+    """Goodput policies: (drafted, verified) tokens of every round (to compare with the engine's)."""
+    expected_tokens: float = 0.0
+    """Goodput policies: tokens the rounds expected to emit (calibrated acceptance of the verified prefixes)."""
 
     def add_round(self, emitted: float, accepted: float, drafted: float, verified: float, seconds: float,
                   target_s_per_token: float, hist_key: int) -> None:
@@ -207,6 +215,11 @@ class ReplayResult:
         return (self.drafted - self.accepted) / self.n_rounds if self.n_rounds else float("nan")
 
     @property
+    def expected_per_round(self) -> float:
+        """Goodput policies: expected tokens per round (NaN for the others)."""
+        return self.expected_tokens / self.n_rounds if self.round_tokens else float("nan")
+
+    @property
     def speedup(self) -> float:
         """Predicted speedup over target-only decoding."""
         return self.target_only_s / self.time_s if self.time_s > 0 else float("nan")
@@ -222,6 +235,7 @@ class ReplayResult:
             "wasted_per_round": self.wasted_per_round,
             "time_s": self.time_s,
             "speedup": self.speedup,
+            "expected_per_round": self.expected_per_round,
         }
 
 
@@ -453,7 +467,8 @@ class _Replay:
     data: ReplayData
     cm: CostModel
     mode: str
-    goodput: bool
+    goodput: goodput.RoundCost | None
+    """The goodput rule's round cost (cost-aware policies), else None."""
     max_draft_len: int | None
     scores: np.ndarray | None
     """[N] per-token scores, [N, width] per in-round position, or None (ask the policy on each round's window)."""
@@ -470,7 +485,7 @@ def replay_policy(
     cost_model: CostModel,
     mode: str = "greedy",
     *,
-    goodput: bool = False,
+    goodput: bool | None = None,
     max_draft_len: int | None = None,
     scores: np.ndarray | None = None,
 ) -> ReplayResult:
@@ -481,7 +496,8 @@ def replay_policy(
         data: from :func:`prepare_replay_data`.
         cost_model: round latency model.
         mode: 'greedy' or 'sampling' verification.
-        goodput: SV mode: draft while goodput improves, verify the goodput-maximising length of ``policy.score``.
+        goodput: follow the goodput rule (``predictors.goodput``) with ``policy.score`` as calibrated acceptance
+            (default: when ``policy.verification == GOODPUT``); the policy is set to ``mode`` (``use_mode``).
         max_draft_len: extra cap on drafted tokens per round.
         scores: precomputed ``policy.score`` over ``data`` rows (skips recomputing across a threshold sweep).
     """
@@ -492,8 +508,12 @@ def replay_policy(
         raise KeyError(f"{getattr(policy, 'kind', type(policy).__name__)} needs the columns {miss}; missing from the data")
     companion = policy.needs_companion
     cm = cost_model
+    policy.use_mode(mode)
+    if goodput is None:
+        goodput = policy.verification == GOODPUT
+    cost = _goodput_cost(cm, companion) if goodput else None
     rp = _Replay(
-        policy=policy, data=data, cm=cm, mode=mode, goodput=goodput, max_draft_len=max_draft_len,
+        policy=policy, data=data, cm=cm, mode=mode, goodput=cost, max_draft_len=max_draft_len,
         scores=scores if scores is not None else _scores_for(policy, data, max_draft_len),
         per_draft=cm.draft_s_per_token + (cm.companion_s_per_token if companion else 0.0),
         companion=companion, online=_overrides(policy, "update"), res=ReplayResult(n_seqs=data.n_seqs),
@@ -543,6 +563,9 @@ def _replay_round(rp: _Replay, s: int, b0: int, plan: dict[int, int] | None) -> 
     t = n * rp.per_draft + rp.cm.target_time(nv + 1)
     # tokens past the stored end are not counted
     rp.res.add_round(min(acc + 1, rem), acc, n, nv, t, rp.cm.target_only_s_per_token, n)
+    if rp.goodput is not None:
+        _count_expected(rp, s, nv, min(acc + 1, rem))
+        rp.res.round_lengths.append((n, nv))
     if rp.online:
         q = rp.data.q[s : s + nv].tolist()
         rp.policy.update(RoundFeedback.leading(n_drafted=nv, n_accepted=a_int, draft_probs=q))
@@ -560,15 +583,33 @@ def _draft_round(rp: _Replay, s: int, cap: int, rem: int, plan: dict[int, int] |
     if cap == 0:
         return 0, 0
     w = _window_scores(rp, s, cap)  # [cap] or None
-    if rp.goodput:
-        est = w if w is not None else rp.policy.score(_window(rp.data.features, s, s + cap)).numpy()
-        return sv.goodput_round(np.clip(np.asarray(est, dtype=np.float64), 0.0, 1.0), rp.cm.target_time, rp.per_draft)
+    if rp.goodput is not None:
+        return goodput.draft_round(_round_acceptance(rp, s, cap, w), rp.goodput, cap)
     if w is None:
         keep = rp.policy.keep_drafting(_window(rp.data.features, s, s + cap)).cpu().numpy().astype(bool)
     else:
         keep = w >= rp.policy.threshold
     n = drafted_length(keep)
     return n, n
+
+
+def _goodput_cost(cm: CostModel, companion: bool) -> goodput.RoundCost:
+    return goodput.RoundCost.from_cost_model(cm, companion=companion)
+
+
+def _round_acceptance(rp: _Replay, s: int, cap: int, w: np.ndarray | None) -> np.ndarray:
+    """[cap] calibrated acceptance of rows s..s+cap-1 at in-round positions 0..cap-1 (a goodput policy's scores)."""
+    est = w if w is not None else rp.policy.score(_window(rp.data.features, s, s + cap)).numpy()
+    return np.clip(np.asarray(est, dtype=np.float64), 0.0, 1.0)
+
+
+def _count_expected(rp: _Replay, s: int, nv: int, replayed: float) -> None:
+    """Record the tokens a goodput round expected (from its calibrated acceptances) beside the replayed ones."""
+    w = _window_scores(rp, s, nv) if nv else None
+    est = _round_acceptance(rp, s, nv, w) if nv else np.zeros(0)
+    expected = float(goodput.expected_tokens(est)[-1])
+    rp.res.expected_tokens += expected
+    rp.res.round_tokens.append((expected, float(replayed)))
 
 
 def _window_scores(rp: _Replay, s: int, cap: int) -> np.ndarray | None:
@@ -695,7 +736,8 @@ def replay_table(
         sweep: also replay each thresholded policy over a grid (the second frame).
     Returns:
         (table, sweep): one row per policy (policy, kind, threshold, ..., speedup, reason), and one row per
-        (policy, threshold) of the sweep.
+        (policy, threshold) of the sweep; ``table.attrs["round_tokens"]``: per goodput policy, the (expected, replayed)
+        tokens of each round.
     """
     cfg = cfg or ReplayConfig()
     data = prepare_replay_data(columns, cfg)
@@ -710,6 +752,7 @@ def replay_table(
         "cost_model": "assumed" if cost_model.assumed else "measured",
     }
     rows, sweeps = [], []
+    results: dict[str, ReplayResult] = {}
     for name, pol in all_pols.items():
         base = {"policy": name, "kind": getattr(pol, "kind", ""), "threshold": getattr(pol, "threshold", float("nan"))}
         if pol is None:
@@ -719,9 +762,13 @@ def replay_table(
         if miss:
             rows.append({**base, **common, "reason": f"missing columns {miss}"})
             continue
-        gp = pol.verification == GOODPUT
         p = copy.deepcopy(pol)
-        r = replay_policy(p, data, cost_model, cfg.mode, goodput=gp, max_draft_len=cfg.max_draft_len)
+        try:
+            r = replay_policy(p, data, cost_model, cfg.mode, max_draft_len=cfg.max_draft_len)
+        except ValueError as e:  # a goodput policy without a map for this mode, a curve of one length
+            rows.append({**base, **common, "reason": str(e)})
+            continue
+        results[name] = r
         # replay models SPRINTER's rounds with exact verification (threshold), SV's with its goodput rule
         how = pol.verification if pol.verification in (GOODPUT, HINDSIGHT) else THRESHOLD
         rows.append({**base, **common, **r.as_row(), "verification": how, "reason": ""})
@@ -736,4 +783,5 @@ def replay_table(
         best["policy"] = f"static-best (k={best['policy'].removeprefix('static-')})"
         table = pd.concat([table, pd.DataFrame([best])], ignore_index=True)
     sweep_df = pd.concat(sweeps, ignore_index=True) if sweeps else pd.DataFrame(columns=["policy", "threshold", "speedup"])
+    table.attrs["round_tokens"] = {name: r.round_tokens for name, r in results.items() if r.round_tokens}
     return table, sweep_df

@@ -20,8 +20,8 @@ THRESHOLD = "threshold"
 """Verification kind: draft while ``score >= threshold``, verify every drafted token exactly (DISCO, SVIP,
 AdaEDL...)."""
 GOODPUT = "goodput"
-"""Verification kind (Speculative Verification): draft while useful, verify the goodput-best prefix
-(``predictors.sv``)."""
+"""Verification kind (cost-aware: SV, ``goodput:`` policies): the score is a calibrated acceptance; draft while the
+expected tokens/s improves, verify the goodput-best prefix (``predictors.goodput``)."""
 HINDSIGHT = "hindsight"
 """Verification kind (oracles): the draft length is read from the target's answer; analysis only."""
 SEQUENTIAL = "sequential"
@@ -108,6 +108,10 @@ class StopPolicy:
         """Most tokens the next round may draft: ``draft_cap()`` under the given limits (None: no limit), >= 0.
         The engine and the replay both cap their rounds with it."""
         return max(0, min([int(self.draft_cap()), *(int(x) for x in limits if x is not None)]))
+
+    def use_mode(self, mode: str) -> None:
+        """Decoding mode of the coming rounds, ``greedy`` or ``sampling`` (the engine, the replay and transformers'
+        integration call it); cost-aware policies pick their calibration map, the others ignore it."""
 
     def update(self, feedback: RoundFeedback) -> None:
         """Online adaptation after a verification round; training-free and stateless policies ignore it."""

@@ -1,4 +1,4 @@
-"""Training-free stop policies: static length, HF heuristic, max-confidence, SVIP, AdaEDL, and the oracle.
+"""Training-free stop policies: static length, HF heuristic, max-confidence, q(x), SVIP, AdaEDL, and the oracle.
 
 Formulas: ../shared/PAPERS.md. Each is a :class:`predictors.base.StopPolicy`; the online ones adapt in :meth:`update`.
 """
@@ -107,6 +107,20 @@ class MaxConfidence(StopPolicy):
         self._matches.clear()
 
 
+class DraftProb(StopPolicy):
+    """Score q(x), the drafted token's own probability: what transformers' ``assistant_confidence_threshold`` compares
+    (the top-1 probability on greedy draws; on sampled draws it tells a likely token from an unlikely one)."""
+
+    kind = "draft_prob"
+    required_columns = ("q",)
+
+    def __init__(self, threshold: float = 0.4, max_draft_len: int = 40) -> None:
+        super().__init__(threshold, max_draft_len)
+
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        return features["q"].float()
+
+
 class SVIP(StopPolicy):
     """SVIP: stop once sqrt(gamma * H(q)) > h. Score 1 - sqrt(gamma H), threshold 1 - h (same decision).
 
@@ -187,5 +201,5 @@ class Oracle(StopPolicy):
 
 
 BASELINES: dict[str, type[StopPolicy]] = {
-    c.kind: c for c in (StaticLength, HFHeuristic, MaxConfidence, SVIP, AdaEDL, Oracle)
+    c.kind: c for c in (StaticLength, HFHeuristic, MaxConfidence, DraftProb, SVIP, AdaEDL, Oracle)
 }

@@ -1,7 +1,7 @@
-"""Speculative Verification (SV), all of it: the bin-table scorer, the policy and the round rules (goodput length).
+"""Speculative Verification (SV): the bin-table scorer and the policy (its round rule is ``predictors.goodput``).
 
-Where else SV lives: its Lightning module (``predictors.lightning_modules.SVTableModule``, one counting pass) and its
-training branch (``predictors.training``); the engine and the replay call the round rules below.
+Where else SV lives: its Lightning module (``predictors.lightning_modules.SVTableModule``, one counting pass), its
+training branch (``predictors.training``) and its round rule, the goodput rule of ``predictors.goodput``.
 
 **Scorer.** Mean target acceptance per (S, A_c) cell.
 
@@ -24,12 +24,9 @@ bits;
 
 Conditional entropies use the empirical cell distribution of the data they are computed on (plug-in, as in the paper).
 
-**Round rule (goodput).** P(N >= n) = prod_{j <= n} a_j; E[accepted | L] = sum_{n <= L} P(N >= n); each round also
-emits one target token (the correction or the bonus), so tokens per round = E[accepted | L] + 1 and
-goodput(L) = tokens / latency(L). The decoder drafts until the goodput-best prefix has not grown for ``patience``
-tokens (:func:`keep_drafting`), then verifies that prefix (:func:`goodput_prefix`; across a batch
-:func:`batch_lengths`). The offline replay drafts while verifying everything drafted improves goodput, then verifies the
-goodput-best prefix with the drafting time sunk (:func:`goodput_round`).
+**Round rule (goodput).** SV is the cost-aware rule of ``predictors.goodput`` (one module for the engine, the replay and
+every ``goodput:`` policy) with the table's cell value as the calibrated acceptance: P(N >= n) = prod_{j <= n} a_j,
+expected tokens of a round = E[accepted | n] + 1, priced by the measured verification curve.
 
 Usage::
 
@@ -37,11 +34,10 @@ Usage::
     table.fit(s, a_c, accept_prob)
     policy = SVPolicy(table)                  # score = cell value
     table.information_gain(s, a_c, accept_prob)
-    goodput_length([0.9, 0.8, 0.3], latency)  # (best verification length, its goodput)
+    predictors.goodput.best_prefix([0.9, 0.8, 0.3], cost)  # (best verification length, its goodput)
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,11 +47,7 @@ from torch import Tensor, nn
 from predictors.base import GOODPUT
 from predictors.inputs import FeatureSpec, LearnedPolicy
 
-__all__ = ["SVTable", "SVPolicy", "quantile_edges", "binary_entropy_bits", "expected_accepted", "goodput_length",
-           "goodput_prefix", "keep_drafting", "batch_lengths", "goodput_round"]
-
-Latency = Callable[[int], float]
-"""Seconds of one round that drafts and verifies L tokens (draft steps + one target pass)."""
+__all__ = ["SVTable", "SVPolicy", "quantile_edges", "binary_entropy_bits"]
 
 
 def quantile_edges(x: np.ndarray, n_bins: int) -> np.ndarray:
@@ -182,7 +174,7 @@ class SVTable(nn.Module):
 
 
 class SVPolicy(LearnedPolicy):
-    """SV stop policy: score = the table's cell value (estimated acceptance); used by ``predictors.goodput``."""
+    """SV stop policy: score = the table's cell value (estimated acceptance), priced by ``predictors.goodput``."""
 
     kind = "sv"
     output = "prob"
@@ -193,96 +185,3 @@ class SVPolicy(LearnedPolicy):
         if spec.kind != "sv":
             raise ValueError(f"SVPolicy needs an sv FeatureSpec, got {spec.kind}")
         super().__init__(table, spec, threshold, max_draft_len)
-
-
-# ------------------------------------------------------------------------------------------------------ round rules
-
-
-def expected_accepted(accept_probs: Sequence[float]) -> np.ndarray:
-    """[L+1] E[accepted | L] for L = 0..len(accept_probs) under independent per-token acceptance."""
-    surv = np.cumprod(np.asarray(accept_probs, dtype=np.float64))
-    return np.concatenate([[0.0], np.cumsum(surv)])
-
-
-def goodput_length(accept_probs: Sequence[float], latency: Latency) -> tuple[int, float]:
-    """Verification length L in 0..len(accept_probs) maximising (E[accepted | L] + 1) / latency(L).
-
-    Args:
-        accept_probs: estimated acceptance of each drafted token, in draft order.
-        latency: seconds of one round that drafts and verifies L tokens (draft steps + one target pass).
-    Returns:
-        (best L, its goodput in tokens per second).
-    """
-    exp_acc = expected_accepted(accept_probs)
-    goodput = [(exp_acc[n] + 1.0) / max(latency(n), 1e-12) for n in range(len(exp_acc))]
-    best = int(np.argmax(goodput))
-    return best, float(goodput[best])
-
-
-def goodput_prefix(accept_probs: Sequence[float], latency: Latency) -> int:
-    """The verification length maximising goodput (:func:`goodput_length`); 0 when nothing was drafted."""
-    return goodput_length(accept_probs, latency)[0] if len(accept_probs) else 0
-
-
-def keep_drafting(accept_probs: Sequence[float], latency: Latency, patience: int) -> bool:
-    """Decoder's drafting rule: go on while fewer than ``patience`` drafted tokens lie beyond the goodput-best prefix
-    (drafting further is unlikely to lengthen it: the expected acceptance of a longer prefix only falls)."""
-    return len(accept_probs) - goodput_prefix(accept_probs, latency) < patience
-
-
-def batch_lengths(accept_probs: list[list[float]], latency: Latency) -> list[int]:
-    """SV across a batch: greedily add the draft token with the largest gain in expected accepted length while the
-    batch goodput (sum of expected tokens) / latency(total verified tokens) improves.
-
-    Args:
-        accept_probs: per sequence, the estimated acceptance of each drafted token, in order.
-        latency: seconds of a round verifying n tokens in all (``LatencyTable.round_latency``).
-    Returns:
-        per sequence, how many of its drafted tokens to verify.
-    """
-    n_seq = len(accept_probs)
-    lengths = [0] * n_seq
-    surv = [1.0] * n_seq  # P(all verified tokens so far accepted), per sequence
-    expected = float(sum(1 for a in accept_probs if a is not None))  # each sequence emits one target token
-    best = expected / max(latency(0), 1e-12)
-    while True:
-        gains = [
-            (surv[b] * accept_probs[b][lengths[b]], b) for b in range(n_seq) if lengths[b] < len(accept_probs[b])
-        ]
-        if not gains:
-            return lengths
-        gain, b = max(gains)
-        goodput = (expected + gain) / max(latency(sum(lengths) + 1), 1e-12)
-        if goodput <= best:
-            return lengths
-        best, expected = goodput, expected + gain
-        surv[b] *= accept_probs[b][lengths[b]]
-        lengths[b] += 1
-
-
-def goodput_round(est: np.ndarray, target_time: Latency, per_draft: float) -> tuple[int, int]:
-    """Replay's SV round: draft while verifying everything drafted improves goodput; verify the goodput-best length.
-
-    Args:
-        est: [cap] estimated acceptance of the tokens the round may draft, clipped to [0, 1].
-        target_time: seconds of one target pass over n tokens (the verified drafts + 1).
-        per_draft: seconds of one draft step (plus the companion's).
-    Returns:
-        (drafted, verified).
-    """
-
-    def latency(n: int) -> float:
-        return n * per_draft + target_time(n + 1)
-
-    surv = np.cumprod(est)
-    best_g = 1.0 / latency(0)
-    n = len(est)
-    for j in range(1, len(est) + 1):
-        g = (surv[:j].sum() + 1.0) / latency(j)
-        if g < best_g:
-            n = j  # the j-th token was drafted, then found not worth verifying
-            break
-        best_g = g
-    sunk = n * per_draft
-    verified, _ = goodput_length(est[:n], lambda n_verify: sunk + target_time(n_verify + 1))
-    return n, int(verified)

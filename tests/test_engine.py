@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from data_gen.features import token_features
-from decoding.engine import SpeculativeDecoder
 from data_gen.timing import CostModel, measure_cost_model
+from decoding.engine import SpeculativeDecoder
 from decoding.policies import build_decoder, build_policy
 from predictors.base import GOODPUT, SEQUENTIAL, StopPolicy
 from tests.tiny_pairs import make_pair
@@ -264,7 +264,7 @@ def test_tokenizer_and_fingerprint_checks(tmp_path, tiny_pair):
 
 
 def test_sv_batch_greedy_selection(pair, companion):
-    from predictors.sv import batch_lengths as sv_batch_lengths
+    from predictors.goodput import batch_lengths as sv_batch_lengths
 
     cm = CostModel(draft_s_per_token=0.0, target_s={1: 1.0, 11: 2.0})
     lat = lambda n: cm.round_time(n)  # noqa: E731
@@ -302,16 +302,17 @@ def test_real_pair_greedy_exact():
 
 
 def test_sv_stops_drafting_when_goodput_says_verify_nothing(pair, companion):
-    """When verification is so dear that the goodput-best prefix stays empty, SV stops drafting after sv_patience
-    tokens instead of drafting to the cap and throwing everything away; the output stays exact."""
+    """When verification is so dear that the goodput-best prefix stays empty, SV stops drafting after one token (no
+    reachable length promises more tokens/s than verifying nothing) instead of drafting to the cap and throwing
+    everything away; the output stays exact."""
     draft, target = pair
     dear = CostModel(draft_s_per_token=0.1, target_s={1: 0.3, 2: 10.0, 9: 80.0})
     pol = CompanionAccept(threshold=0.0, max_draft_len=8)  # the policy alone would always draft to the cap
-    dec = SpeculativeDecoder(draft, target, pol, companion=companion, cost_model=dear, sv_patience=2)
+    dec = SpeculativeDecoder(draft, target, pol, companion=companion, cost_model=dear)
     out, stats = dec.generate(PROMPT, None, 10, None, 0)
     ref = target.generate(PROMPT, do_sample=False, max_new_tokens=10, pad_token_id=256)
     assert out.tolist() == ref.tolist()
-    assert stats.accepted == 0 and stats.draft_tokens <= 2 * stats.rounds  # at most two drafted per round, none sent
+    assert stats.accepted == 0 and stats.draft_tokens <= stats.rounds  # at most one drafted per round, none sent
 
 
 def test_companion_runs_only_for_policies_that_read_it(pair, companion):

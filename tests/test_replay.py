@@ -18,9 +18,9 @@ from evaluation.replay import (
     replay_table,
     tune_threshold,
 )
+from predictors import goodput
 from predictors.base import GOODPUT, RoundFeedback, StopPolicy
 from predictors.baselines import SVIP, HFHeuristic, MaxConfidence, Oracle, StaticLength
-from predictors.sv import goodput_round
 
 
 class ColumnScore(StopPolicy):
@@ -176,12 +176,13 @@ def test_missing_columns_and_unloaded_policy_rows():
 
 
 def test_sv_goodput_round_hand_computed():
-    est = np.array([0.9, 0.9, 0.1, 0.9])
-    # constant target cost: goodput (E+1)/(L+4) rises to L=2 then falls at L=3 -> 3 drafted; sunk cost -> verify all 3
-    assert goodput_round(est, CONST.target_time, 1.0) == (3, 3)
-    steep = CostModel(draft_s_per_token=1.0, target_s={1: 4.0, 5: 8.0})  # T(m) = 3 + m
-    # latency 2L + 4: goodput .25, .317, .339, .279 -> 3 drafted; verify L maximising (E+1)/(3 + 3 + L + 1) -> L = 2
-    assert goodput_round(est, steep.target_time, 1.0) == (3, 2)
+    est = [0.9, 0.9, 0.1, 0.9]
+    # constant target cost 4, draft 1: stopping now vs the best reachable length (forecast: the last acceptance)
+    # k=1: .38 < 2.71/6; k=2: .452 < 3.439/7; k=3 (a=.1): 2.791/7 = .399 > 2.799/8 -> 3 drafted, all 3 verified
+    assert goodput.draft_round(est, goodput.RoundCost(1.0, CONST.target_time), 4) == (3, 3)
+    steep = CostModel(draft_s_per_token=1.0, target_s={1: 4.0, 5: 8.0})  # T(L) = 3 + L
+    # k=3: E / (3 + T(m + 1)) = .143, .238, .301, .279 -> verify 2; drafting a 4th promises 2.799 / 12 = .233
+    assert goodput.draft_round(est, goodput.RoundCost(1.0, steep.target_time), 4) == (3, 2)
 
 
 def test_sv_replay_with_companion_columns():

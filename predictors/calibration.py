@@ -1,0 +1,181 @@
+"""Calibrated acceptance: a monotone map from a policy's score to the probability that the drafted token is accepted.
+
+The label a map calibrates is the acceptance the decoding mode uses (:data:`MODES`):
+
+- ``greedy``: greedy match (draft token == target argmax) on the argmax draws (``draw == "greedy"``);
+- ``sampling``: min(1, p/q), the acceptance probability of exact speculative sampling, on the sampled draws.
+
+Maps are fitted on the validation split with scikit-learn (isotonic regression by default, or Platt scaling) and
+stored as plain JSON (breakpoints, or the two sigmoid coefficients), so an export loads them with numpy alone:
+``predictor.json`` holds ``{"calibration": {"greedy": {...}, "sampling": {...}}}``. The cost-aware rule
+(``predictors.goodput``) reads the calibrated acceptance; the evaluation reports each map's expected calibration error
+and reliability diagram.
+
+Usage::
+
+    cal = fit_calibrator(val_scores, val_labels, method="isotonic")
+    probs = cal(test_scores)
+    expected_calibration_error(probs, test_labels)            # 0.012
+    Calibrator.from_dict(cal.to_dict())                        # round trip through JSON
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["MODES", "METHODS", "Calibrator", "fit_calibrator", "expected_calibration_error", "reliability_bins",
+           "calibration_rows", "calibration_label", "mode_of", "FIT_COMMAND"]
+
+MODES = ("greedy", "sampling")
+"""Decoding modes: greedy decoding (temperature 0) and exact speculative sampling."""
+METHODS = ("isotonic", "platt")
+FIT_COMMAND = "python -m pipelines.calibrate --data_dir DATA_DIR --predictor {ref}"
+"""The command that fits the maps of an existing export (or a named training-free score) and stores them."""
+
+
+def mode_of(temperature: float) -> str:
+    """The decoding mode of a sampling temperature (0: greedy)."""
+    return "greedy" if temperature == 0 else "sampling"
+
+
+@dataclass
+class Calibrator:
+    """A monotone map score -> acceptance probability, in [0, 1].
+
+    ``isotonic``: piecewise linear through the breakpoints (x ascending, y non-decreasing), clipped outside them;
+    ``platt``: sigmoid(a * score + b).
+    """
+
+    method: str
+    x: list[float] = field(default_factory=list)
+    y: list[float] = field(default_factory=list)
+    a: float = 1.0
+    b: float = 0.0
+    n_fit: int = 0
+    """Tokens the map was fitted on."""
+    label: str = ""
+    """What it calibrates (greedy match, min(1,p/q))."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"calibration method {self.method!r}: use one of {METHODS}")
+        if self.method == "isotonic" and (len(self.x) < 1 or len(self.x) != len(self.y)):
+            raise ValueError("an isotonic calibration needs matching, non-empty breakpoints x and y")
+        self._x = np.asarray(self.x, dtype=np.float64)
+        self._y = np.asarray(self.y, dtype=np.float64)
+
+    def apply(self, scores: np.ndarray) -> np.ndarray:
+        """[N] calibrated acceptance of [N] raw scores (float64)."""
+        s = np.asarray(scores, dtype=np.float64)
+        if self.method == "platt":
+            return 1.0 / (1.0 + np.exp(-(self.a * s + self.b)))
+        return np.clip(np.interp(s, self._x, self._y), 0.0, 1.0)
+
+    def __call__(self, scores: Tensor | np.ndarray) -> Tensor | np.ndarray:
+        if isinstance(scores, Tensor):
+            out = self.apply(scores.detach().double().cpu().numpy())
+            return torch.from_numpy(out).to(device=scores.device, dtype=torch.float32)
+        return self.apply(scores)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"method": self.method, "n_fit": int(self.n_fit), "label": self.label}
+        if self.method == "platt":
+            d.update(a=float(self.a), b=float(self.b))
+        else:
+            d.update(x=[float(v) for v in self.x], y=[float(v) for v in self.y])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Calibrator:
+        return cls(**{k: d[k] for k in ("method", "x", "y", "a", "b", "n_fit", "label") if k in d})
+
+
+def fit_calibrator(scores: np.ndarray, labels: np.ndarray, method: str = "isotonic", label: str = "") -> Calibrator:
+    """Fit a map from raw scores to acceptance (labels 0/1 or soft in [0, 1]) with scikit-learn.
+
+    Args:
+        scores: [N] raw policy scores (non-finite rows are dropped).
+        labels: [N] acceptance: greedy match (0/1) or min(1, p/q) (soft).
+        method: 'isotonic' (monotone, non-parametric) or 'platt' (logistic on the score; soft labels enter as a
+            weighted positive and negative copy of each token).
+    """
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    y = np.asarray(labels, dtype=np.float64).reshape(-1)
+    if s.shape != y.shape:
+        raise ValueError(f"fit_calibrator: {s.size} scores but {y.size} labels")
+    ok = np.isfinite(s) & np.isfinite(y)
+    s, y = s[ok], np.clip(y[ok], 0.0, 1.0)
+    if s.size < 2:
+        raise ValueError(f"fit_calibrator needs at least 2 scored tokens, got {s.size}")
+    if method == "isotonic":
+        from sklearn.isotonic import IsotonicRegression
+
+        iso = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip").fit(s, y)
+        xs, ys = np.asarray(iso.X_thresholds_, dtype=np.float64), np.asarray(iso.y_thresholds_, dtype=np.float64)
+        return Calibrator("isotonic", xs.tolist(), ys.tolist(), n_fit=int(s.size), label=label)
+    if method == "platt":
+        from sklearn.linear_model import LogisticRegression
+
+        x2 = np.concatenate([s, s])[:, None]
+        y2 = np.concatenate([np.ones_like(y), np.zeros_like(y)])
+        w2 = np.concatenate([y, 1.0 - y])
+        if w2[y2 == 1].sum() <= 0 or w2[y2 == 0].sum() <= 0:
+            raise ValueError("fit_calibrator (platt): the labels hold one class only")
+        lr = LogisticRegression(C=1e6, max_iter=1000).fit(x2, y2, sample_weight=w2)
+        return Calibrator("platt", a=float(lr.coef_[0, 0]), b=float(lr.intercept_[0]), n_fit=int(s.size), label=label)
+    raise ValueError(f"calibration method {method!r}: use one of {METHODS}")
+
+
+def reliability_bins(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15) -> dict[str, np.ndarray]:
+    """Equal-width bins of predicted acceptance: per bin the token count, mean prediction and mean label."""
+    p = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), 0.0, 1.0)
+    y = np.asarray(labels, dtype=np.float64).reshape(-1)
+    idx = np.minimum((p * n_bins).astype(np.int64), n_bins - 1)
+    count = np.bincount(idx, minlength=n_bins).astype(np.float64)
+    sp = np.bincount(idx, weights=p, minlength=n_bins)
+    sy = np.bincount(idx, weights=y, minlength=n_bins)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return {"count": count, "mean_pred": sp / count, "mean_label": sy / count,
+                "edges": np.linspace(0.0, 1.0, n_bins + 1)}
+
+
+def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15) -> float:
+    """ECE: sum over equal-width bins of (tokens in bin / N) * |mean prediction - mean label| (soft labels allowed)."""
+    b = reliability_bins(probs, labels, n_bins)
+    n = b["count"].sum()
+    if n <= 0:
+        return float("nan")
+    ok = b["count"] > 0
+    return float((b["count"][ok] / n * np.abs(b["mean_pred"][ok] - b["mean_label"][ok])).sum())
+
+
+def calibration_label(columns: Mapping[str, object], mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """(row mask, acceptance label) a ``mode`` map is fitted / scored on: greedy match on the argmax draws, or
+    min(1, p/q) on the sampled draws (every row when the data has one draw per position)."""
+    if mode not in MODES:
+        raise ValueError(f"decoding mode {mode!r}: use one of {MODES}")
+    n = len(np.asarray(columns["q"]))
+    mask = np.ones(n, dtype=bool)
+    if "draw" in columns:
+        d = np.asarray(columns["draw"]).astype(str)
+        want = d == ("greedy" if mode == "greedy" else "sample")
+        if want.any():
+            mask = want
+    col = "greedy_match" if mode == "greedy" else "accept_prob"
+    return mask, np.asarray(columns[col], dtype=np.float64)[mask]
+
+
+def calibration_rows(name: str, cal: Calibrator, scores: np.ndarray, labels: np.ndarray, mode: str,
+                     n_bins: int = 15) -> dict[str, Any]:
+    """One row of the calibration table: ECE of the raw score (when it is a probability) and of the map."""
+    raw = np.asarray(scores, dtype=np.float64)
+    raw_is_prob = bool(raw.size and np.nanmin(raw) >= 0 and np.nanmax(raw) <= 1)
+    return {"policy": name, "mode": mode, "label": cal.label, "method": cal.method, "n": int(raw.size),
+            "n_fit": cal.n_fit, "mean_label": float(np.mean(labels)) if raw.size else float("nan"),
+            "ece_raw": expected_calibration_error(raw, labels, n_bins) if raw_is_prob else float("nan"),
+            "ece": expected_calibration_error(cal.apply(raw), labels, n_bins)}

@@ -1,0 +1,227 @@
+"""The cost-aware stopping rule, in one place: calibrated acceptance + the measured verification curve choose the draft
+length. The engine (``decoding.engine``), the offline replay (``evaluation.replay``) and transformers' assisted
+generation (``decoding.hf_integration``) all call it; Speculative Verification is this rule with its bin table as the
+calibrated predictor.
+
+**Rule.** A round has drafted k tokens whose calibrated acceptances are a_1..a_k. P(first n all accepted) =
+P_n = a_1 ... a_n; verifying n of them emits E_n = 1 + P_1 + ... + P_n tokens in expectation (the accepted ones plus
+the correction or bonus token). A round that drafts k and verifies n <= k takes k * d + t(n + 1) seconds (d: one draft
+step, plus the companion's when the predictor reads it; t(L): one target pass over L new tokens,
+``data_gen.timing.CostModel.target_time``).
+
+- Verify the best prefix: n* = argmax_{n <= k} E_n / (k d + t(n + 1)) (the drafting already done is sunk).
+- Keep drafting while the best expected tokens/s over the lengths still reachable, n = k+1 .. cap, beats that of
+  stopping now: max_n E^_n / (n d + t(n + 1)) > E_{n*} / (k d + t(n* + 1)), where the acceptances of the tokens not yet
+  drafted are forecast by the last one's (a_j = a_k for j > k). A confident draft thus runs to the end of a flat step
+  of the curve, an unconfident one stops before a jump.
+
+:func:`keep_drafting` and :func:`best_prefix` are the two decisions; :func:`draft_round` runs them over a window of
+known acceptances (the replay); :func:`batch_lengths` prices a batch's verification pass (engine, B > 1).
+
+**Policy.** :class:`GoodputPolicy` wraps any stop policy (learned or training-free) and its calibration maps, one per
+decoding mode (``predictors.calibration``); its score is the calibrated acceptance for the mode set by
+:meth:`GoodputPolicy.use_mode`. :func:`goodput_policy` builds it from an exported predictor and refuses one without a map,
+naming the command that fits one.
+
+Usage::
+
+    cost = RoundCost.from_cost_model(cm, companion=False)
+    keep_drafting([0.9, 0.8], cost, cap=8)        # draft another?
+    best_prefix([0.9, 0.8, 0.2], cost)            # (tokens to verify, expected tokens/s)
+    policy = goodput_policy(load_predictor("runs/disco/export"), "runs/disco/export")
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+from predictors.base import GOODPUT, StopPolicy
+from predictors.calibration import FIT_COMMAND, MODES, Calibrator
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RoundCost", "expected_tokens", "best_prefix", "keep_drafting", "draft_round", "batch_lengths",
+           "GoodputPolicy", "goodput_policy", "calibrations_of", "MissingCalibration", "check_cost_model"]
+
+
+class MissingCalibration(ValueError):
+    """A policy under ``goodput:`` has no calibration map for the decoding mode in use."""
+
+
+@dataclass
+class RoundCost:
+    """Seconds of one round: ``per_draft`` per drafted token plus one target pass over the verified tokens + 1."""
+
+    per_draft: float
+    """Seconds of one draft step (plus one companion step when the policy reads the companion)."""
+    target_time: Callable[[float], float]
+    """Seconds of one target forward over L new tokens (L = verified drafts + 1)."""
+    _verify: list[float] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def from_cost_model(cls, cm: Any, companion: bool = False) -> RoundCost:
+        """From a ``data_gen.timing.CostModel`` (:func:`check_cost_model` first: at least two measured lengths)."""
+        check_cost_model(cm)
+        return cls(cm.draft_s_per_token + (cm.companion_s_per_token if companion else 0.0), cm.target_time)
+
+    def verify_times(self, cap: int) -> np.ndarray:
+        """[cap + 1] t(n + 1) for n = 0..cap verified drafts."""
+        while len(self._verify) <= cap:
+            self._verify.append(float(self.target_time(len(self._verify) + 1)))
+        return np.asarray(self._verify[: cap + 1])
+
+
+def check_cost_model(cm: Any, draft_name: str = "", target_name: str = "", compute_path: str | None = None,
+                     machine: dict | None = None) -> list[str]:
+    """Refuse a curve with fewer than two lengths (ValueError); warn (and return) what differs from the run at hand."""
+    if len(cm.target_s) < 2:
+        raise ValueError(f"the cost model measures the verification curve at L = {sorted(cm.target_s)} only: the goodput "
+                         f"rule needs at least two lengths (measure it with python -m pipelines.measure_costs)")
+    diffs = cm.mismatch(draft_name, target_name, compute_path, machine) if (draft_name or target_name or machine) else []
+    for d in diffs:
+        log.warning("cost model measured for another run (%s): the goodput rule prices rounds with a foreign curve", d)
+    return diffs
+
+
+def expected_tokens(acc: Sequence[float]) -> np.ndarray:
+    """[k + 1] E_n = 1 + sum_{i <= n} prod_{j <= i} a_j for n = 0..k: expected tokens of a round verifying n."""
+    surv = np.cumprod(np.clip(np.asarray(acc, dtype=np.float64), 0.0, 1.0))
+    return 1.0 + np.concatenate([[0.0], np.cumsum(surv)])
+
+
+def best_prefix(acc: Sequence[float], cost: RoundCost, drafted: int | None = None) -> tuple[int, float]:
+    """(n*, its expected tokens/s): the verification length n <= k maximising E_n / (drafted * d + t(n + 1)).
+
+    Args:
+        acc: calibrated acceptance of each drafted token, in draft order (k = len(acc)).
+        cost: the round's cost.
+        drafted: drafting steps paid this round (default k).
+    """
+    k = len(acc)
+    drafted = k if drafted is None else drafted
+    rate = expected_tokens(acc) / (drafted * cost.per_draft + cost.verify_times(k))
+    n = int(np.argmax(rate))
+    return n, float(rate[n])
+
+
+def keep_drafting(acc: Sequence[float], cost: RoundCost, cap: int) -> bool:
+    """Draft another token after these k (see the module docstring): a reachable length n in k+1..cap, with the
+    not-yet-drafted acceptances forecast by the last one, promises more expected tokens/s than stopping now."""
+    k = len(acc)
+    if k >= cap:
+        return False
+    if k == 0:
+        return True
+    _, now = best_prefix(acc, cost)
+    a = np.clip(np.asarray(acc, dtype=np.float64), 0.0, 1.0)
+    p_k, r = float(np.prod(a)), float(a[-1])
+    ns = np.arange(k + 1, cap + 1)
+    tokens = expected_tokens(acc)[-1] + p_k * np.cumsum(r ** (ns - k))
+    rate = tokens / (ns * cost.per_draft + cost.verify_times(cap)[k + 1:])
+    return bool(rate.max() > now)
+
+
+def draft_round(acc: Sequence[float], cost: RoundCost, cap: int) -> tuple[int, int]:
+    """(drafted, verified) of a round whose tokens' acceptances are known in advance (the replay): draft token by token
+    while :func:`keep_drafting`, then verify :func:`best_prefix`. ``acc`` holds at least ``cap`` values (or all left)."""
+    cap = min(cap, len(acc))
+    n = 0
+    while n < cap:
+        n += 1
+        if not keep_drafting(acc[:n], cost, cap):
+            break
+    return n, best_prefix(acc[:n], cost)[0] if n else 0
+
+
+def batch_lengths(acc: list[list[float]], latency: Callable[[int], float]) -> list[int]:
+    """Verification lengths across a batch sharing one target pass: greedily add the drafted token with the largest
+    gain in expected accepted length while the batch's expected tokens / latency(total verified) improves.
+
+    Args:
+        acc: per sequence, the calibrated acceptance of each drafted token, in order.
+        latency: seconds of the round verifying n tokens in all (drafting included).
+    Returns:
+        per sequence, how many of its drafted tokens to verify.
+    """
+    n_seq = len(acc)
+    lengths = [0] * n_seq
+    surv = [1.0] * n_seq  # P(all verified tokens so far accepted), per sequence
+    expected = float(n_seq)  # each sequence emits one target token
+    best = expected / max(latency(0), 1e-12)
+    while True:
+        gains = [(surv[b] * acc[b][lengths[b]], b) for b in range(n_seq) if lengths[b] < len(acc[b])]
+        if not gains:
+            return lengths
+        gain, b = max(gains)
+        rate = (expected + gain) / max(latency(sum(lengths) + 1), 1e-12)
+        if rate <= best:
+            return lengths
+        best, expected = rate, expected + gain
+        surv[b] *= acc[b][lengths[b]]
+        lengths[b] += 1
+
+
+class GoodputPolicy(StopPolicy):
+    """Any stop policy made cost-aware: its score through the calibration map of the decoding mode is the acceptance
+    the goodput rule prices (``verification == GOODPUT``).
+
+    Args:
+        inner: the wrapped policy (learned or training-free); its ``score`` is the raw score.
+        calibrations: decoding mode -> map (at least one of ``predictors.calibration.MODES``).
+        source: where it came from (export folder, registry URI or score name), for messages and labels.
+    """
+
+    kind = "goodput"
+    verification = GOODPUT
+    has_threshold = False
+
+    def __init__(self, inner: StopPolicy, calibrations: Mapping[str, Calibrator], source: str = "") -> None:
+        super().__init__(threshold=0.0, max_draft_len=inner.max_draft_len)
+        if not calibrations:
+            raise MissingCalibration(_missing_message(source or inner.kind, "any mode"))
+        bad = [m for m in calibrations if m not in MODES]
+        if bad:
+            raise ValueError(f"calibration modes {bad}: use {MODES}")
+        self.inner, self.calibrations, self.source = inner, dict(calibrations), source or inner.kind
+        self.kind = f"goodput-{inner.kind}"  # type: ignore[misc]  # instance-level, per wrapped policy
+        self.required_columns = tuple(inner.required_columns)  # type: ignore[misc]
+        self.mode = "greedy" if "greedy" in self.calibrations else next(iter(self.calibrations))
+
+    @property
+    def calibrator(self) -> Calibrator:
+        return self.calibrations[self.mode]
+
+    def use_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"decoding mode {mode!r}: use one of {MODES}")
+        if mode not in self.calibrations:
+            raise MissingCalibration(_missing_message(self.source, mode))
+        self.mode = mode
+
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        return self.calibrator(self.inner.score(features))
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+def _missing_message(source: str, mode: str) -> str:
+    return (f"goodput:{source} has no calibration map for {mode} decoding (the cost-aware rule needs calibrated "
+            f"acceptance); fit one on the validation split with: {FIT_COMMAND.format(ref=source)}")
+
+
+def calibrations_of(meta: Mapping[str, Any] | None) -> dict[str, Calibrator]:
+    """The maps stored in an export's ``predictor.json`` (``calibration``: mode -> map)."""
+    stored = (meta or {}).get("calibration") or {}
+    return {mode: Calibrator.from_dict(d) for mode, d in stored.items() if d}
+
+
+def goodput_policy(policy: StopPolicy, source: str) -> GoodputPolicy:
+    """``policy`` (loaded from an export: its ``metadata`` holds the maps) under the goodput rule; MissingCalibration
+    naming ``source`` and the fitting command when the export has no map."""
+    return GoodputPolicy(policy, calibrations_of(getattr(policy, "metadata", None)), source)

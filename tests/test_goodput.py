@@ -1,0 +1,227 @@
+"""The cost-aware rule (predictors.goodput) on hand-computed cases, calibration maps and their error, goodput:
+policies in the engine (exact in greedy mode), replay / engine agreement, and the errors users meet."""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+from data_gen.timing import CostModel
+from decoding.engine import SpeculativeDecoder
+from decoding.policies import build_policy
+from evaluation.replay import ReplayConfig, prepare_replay_data, replay_policy
+from predictors import goodput
+from predictors.baselines import MaxConfidence
+from predictors.calibration import Calibrator, expected_calibration_error, fit_calibrator, reliability_bins
+from predictors.export import export_predictor, load_predictor, update_metadata
+from predictors.goodput import GoodputPolicy, MissingCalibration, RoundCost
+from tests.tiny_pairs import make_pair
+
+PROMPT = torch.tensor([[5, 17, 42, 99, 3, 250, 61, 7]])
+
+
+def cost(target_s: dict[int, float], draft: float = 0.01) -> RoundCost:
+    return RoundCost.from_cost_model(CostModel(draft_s_per_token=draft, target_s=target_s))
+
+
+STEP4 = {1: 1.0, 4: 1.0, 5: 2.0, 8: 2.0, 9: 4.0, 12: 4.0}
+"""t(1..4) = 1, t(5..8) = 2, t(9..12) = 4: a step every four new tokens."""
+
+
+# ------------------------------------------------------------------------------------------------------- the rule
+
+
+def test_expected_tokens_and_best_prefix_hand_computed():
+    assert np.allclose(goodput.expected_tokens([0.5, 0.5]), [1.0, 1.5, 1.75])
+    c = cost({1: 1.0, 2: 2.0}, draft=0.0)  # t(L) = L
+    # E = 1, 1.9, 2.71 over t(n + 1) = 1, 2, 3 -> 1, 0.95, 0.903: verify nothing
+    assert goodput.best_prefix([0.9, 0.9], c)[0] == 0
+    flat = cost({1: 1.0, 2: 1.0}, draft=0.0)
+    n, rate = goodput.best_prefix([0.9, 0.9, 0.1], flat)
+    assert n == 3 and rate == pytest.approx(1 + 0.9 + 0.81 + 0.081)
+
+
+def test_confident_drafts_to_the_end_of_a_step_and_stops_before_the_jump():
+    c = cost(STEP4)
+    # 3 drafts + 1 fill the first step: E_3 / (0.03 + 1) = 3.83 beats every length past the jump (4.90 / 2.04, ...,
+    # 7.73 / 2.07 at the end of the second step)
+    assert goodput.draft_round([0.99] * 12, c, 12) == (3, 3)
+    # a cheaper second step (t = 1.5): confident tokens cross it to its end, unconfident ones stop before the jump
+    c2 = cost({1: 1.0, 4: 1.0, 5: 1.5, 8: 1.5, 9: 4.0, 12: 4.0})
+    assert goodput.draft_round([0.99] * 12, c2, 12) == (7, 7)
+    assert goodput.draft_round([0.5] * 12, c2, 12) == (3, 3)
+    # an unconfident token right before a jump (t(1) = 1, t(2) = 2): drafted, found not worth verifying
+    assert goodput.draft_round([0.3] * 6, cost({1: 1.0, 2: 2.0, 3: 2.0}), 6) == (1, 0)
+
+
+def test_keep_drafting_respects_the_cap_and_a_dropping_acceptance():
+    c = cost(STEP4)
+    assert goodput.keep_drafting([], c, 4) and not goodput.keep_drafting([0.99] * 4, c, 4)
+    # a confident start, then a token unlikely to be accepted: its forecast kills every longer length
+    assert goodput.draft_round([0.99, 0.99, 0.99, 0.01, 0.99, 0.99, 0.99, 0.99], cost({1: 1.0, 8: 1.0, 9: 2.0}), 8) \
+        == (4, 4)
+    assert goodput.draft_round([0.99, 0.99, 0.99, 0.01] + [0.99] * 4, cost({1: 1.0, 4: 1.0, 5: 2.0, 9: 2.1}), 8) == (4, 3)
+
+
+def test_batch_lengths_pick_the_confident_sequence():
+    cm = CostModel(draft_s_per_token=0.0, target_s={1: 1.0, 11: 2.0})
+    lat = lambda n: cm.round_time(n)  # noqa: E731
+    assert goodput.batch_lengths([[0.99, 0.99, 0.99], [0.01, 0.9]], lat) == [3, 0]
+    assert goodput.batch_lengths([[], []], lat) == [0, 0]
+
+
+def test_curve_of_one_length_is_refused_and_a_foreign_curve_warned(caplog):
+    with pytest.raises(ValueError, match="at least two lengths"):
+        RoundCost.from_cost_model(CostModel(draft_s_per_token=0.01, target_s={1: 1.0}))
+    cm = CostModel(draft_s_per_token=0.01, target_s={1: 1.0, 2: 1.1}, draft_name="a", target_name="b")
+    with caplog.at_level(logging.WARNING):
+        diffs = goodput.check_cost_model(cm, "a", "other-target")
+    assert diffs == ["target: measured b, run other-target"] and "other-target" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------- calibration
+
+
+def test_calibration_ece_on_synthetic_data():
+    rng = np.random.default_rng(0)
+    s = rng.normal(size=40_000)
+    p_true = 1 / (1 + np.exp(-(2.0 * s - 0.5)))
+    y = (rng.random(s.size) < p_true).astype(float)
+    raw = 1 / (1 + np.exp(-s))  # a probability, but miscalibrated
+    assert expected_calibration_error(raw[20_000:], y[20_000:]) > 0.05
+    for method in ("isotonic", "platt"):
+        cal = fit_calibrator(raw[:20_000], y[:20_000], method)
+        assert expected_calibration_error(cal(raw[20_000:]), y[20_000:]) < 0.02
+        back = Calibrator.from_dict(json.loads(json.dumps(cal.to_dict())))
+        assert np.allclose(back(raw[:100]), cal(raw[:100]))
+    # soft labels (min(1, p/q)): a map fitted on them predicts their mean
+    soft = np.clip(p_true + 0.1 * rng.normal(size=s.size), 0, 1)
+    cal = fit_calibrator(raw[:20_000], soft[:20_000], "platt")
+    assert expected_calibration_error(cal(raw[20_000:]), soft[20_000:]) < 0.03
+    b = reliability_bins(cal(raw), soft, 10)
+    assert b["count"].sum() == s.size
+    t = cal(torch.tensor([0.1, 0.9]))
+    assert isinstance(t, Tensor) and t[0] < t[1]
+
+
+# ------------------------------------------------------------------------------------------------ policies
+
+
+def calibrated_max_confidence(tmp_path, modes=("greedy", "sampling")) -> str:
+    """An exported max-confidence score with identity-like maps (acceptance = top-1 probability)."""
+    folder = export_predictor(MaxConfidence(0.4), tmp_path / "maxconf", {})
+    ident = Calibrator("isotonic", [0.0, 1.0], [0.0, 1.0], label="greedy match").to_dict()
+    update_metadata(folder, calibration={m: ident for m in modes})
+    return str(folder)
+
+
+def test_goodput_spec_without_a_map_names_the_export_and_the_command(tmp_path):
+    folder = export_predictor(MaxConfidence(0.4), tmp_path / "plain", {})
+    with pytest.raises(MissingCalibration, match=r"(?s)plain.*python -m pipelines.calibrate"):
+        build_policy(f"goodput:{folder}")
+    with pytest.raises(MissingCalibration, match="pipelines.calibrate"):
+        build_policy("goodput:svip")
+    only_sampling = calibrated_max_confidence(tmp_path / "s", modes=("sampling",))
+    pol = build_policy(f"goodput:{only_sampling}")
+    with pytest.raises(MissingCalibration, match="greedy decoding"):
+        pol.use_mode("greedy")
+    pol = build_policy(f"goodput:{calibrated_max_confidence(tmp_path)}")
+    assert isinstance(pol, GoodputPolicy) and pol.kind == "goodput-max_confidence"
+
+
+def test_named_score_under_goodput_reads_the_calibration_dir(tmp_path):
+    calibrated_max_confidence(tmp_path)
+    (tmp_path / "maxconf").rename(tmp_path / "max_confidence")
+    pol = build_policy("goodput:max_confidence", calibration_dir=tmp_path)
+    feats = {"draft_max_prob": torch.tensor([0.2, 0.8])}
+    assert torch.allclose(pol.score(feats), feats["draft_max_prob"])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_pair(noise=0.5, seed=0)
+
+
+class Recorder(GoodputPolicy):
+    """A goodput policy that records, per round, the raw scores the engine computed and how many it verified."""
+
+    def __init__(self, inner, calibrations) -> None:
+        super().__init__(inner, calibrations, "recorder")
+        self.rounds: list[list[float]] = [[]]
+        self.verified: list[int] = []
+
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        self.rounds[-1].extend(self.inner.score(features).tolist())
+        return super().score(features)
+
+    def update(self, feedback) -> None:
+        self.verified.append(feedback.n_drafted)
+        self.rounds.append([])
+
+
+def test_goodput_policy_is_exact_in_greedy_mode_and_replay_agrees_with_the_engine(pair):
+    draft, target = pair
+    cm = CostModel(draft_s_per_token=0.05, target_s={1: 1.0, 3: 1.0, 4: 1.6, 6: 1.6, 7: 3.0})
+    # the tiny draft's top-1 probabilities lie around 0.02-0.1: a map spreading them over [0.1, 0.97]
+    cal = {"greedy": Calibrator("isotonic", [0.02, 0.04, 0.06, 0.1], [0.1, 0.6, 0.9, 0.97])}
+    pol = Recorder(MaxConfidence(0.4, max_draft_len=8), cal)
+    dec = SpeculativeDecoder(draft, target, pol, cost_model=cm, max_draft_len=8)
+    out, stats = dec.generate(PROMPT, None, 30, None, 0)
+    ref = target.generate(PROMPT, do_sample=False, max_new_tokens=30, pad_token_id=256)
+    assert out.tolist() == ref.tolist()
+    assert len(set(stats.draft_lengths)) > 1 and len(stats.expected_tokens) == stats.rounds
+    assert stats.verified_lengths == pol.verified
+    # the offline replay of each engine round (its raw scores stored as draft_max_prob, every token a match, the
+    # sequence long enough for the engine's cap) drafts and verifies what the engine did
+    produced, compared = 0, 0
+    for i, (raw, drafted, verified) in enumerate(zip(pol.rounds, stats.draft_lengths, pol.verified)):
+        acc = stats.accepted_lengths[i]
+        cap = min(8, 30 - produced - 1)
+        produced += acc + 1
+        if cap < 8:
+            continue
+        cols = _round_as_sequence(raw + [raw[-1]] * (9 - len(raw)))
+        data = prepare_replay_data(cols, ReplayConfig(origins=None))
+        res = replay_policy(GoodputPolicy(MaxConfidence(0.4, max_draft_len=8), cal, "replayed"), data, cm, "greedy",
+                            max_draft_len=8)
+        assert res.round_lengths[0] == (drafted, verified)
+        assert res.round_tokens[0][0] == pytest.approx(stats.expected_tokens[i], rel=1e-6)
+        compared += 1
+    assert compared >= 3
+
+
+def _round_as_sequence(raw: list[float]) -> dict[str, np.ndarray]:
+    """One stored sequence whose tokens all match, with the given raw top-1 probabilities."""
+    n = len(raw)
+    return {"seq_id": np.array(["r"] * n), "offset": np.arange(n), "greedy_match": np.ones(n, dtype=bool),
+            "accept_prob": np.ones(n), "q": np.full(n, 0.5), "draft_max_prob": np.asarray(raw)}
+
+
+def test_goodput_sampling_mode_runs_and_keeps_the_length(pair, tmp_path):
+    draft, target = pair
+    pol = build_policy(f"goodput:{calibrated_max_confidence(tmp_path)}")
+    cm = CostModel(draft_s_per_token=0.05, target_s={1: 1.0, 4: 1.0, 5: 2.0})
+    out, stats = SpeculativeDecoder(draft, target, pol, cost_model=cm, temperature=1.0,
+                                    max_draft_len=6).generate(PROMPT, None, 12, None, 3)
+    assert out.shape[1] == PROMPT.shape[1] + 12 and pol.mode == "sampling" and stats.rounds > 0
+
+
+def test_sv_export_loads_as_goodput_with_its_maps(tmp_path):
+    from predictors.sv import SVPolicy, SVTable
+
+    table = SVTable(s_bins=3, a_bins=3)
+    g = torch.Generator().manual_seed(0)
+    s, a = torch.rand(100, generator=g), torch.rand(100, generator=g)
+    table.fit(s, a, (s + a) / 2)
+    folder = export_predictor(SVPolicy(table), tmp_path / "sv", {})
+    with pytest.raises(MissingCalibration):
+        build_policy(f"goodput:{folder}")
+    update_metadata(folder, calibration={"sampling": fit_calibrator(np.linspace(0, 1, 20), np.linspace(0, 1, 20)).to_dict()})
+    pol = build_policy(f"goodput:{folder}")
+    pol.use_mode("sampling")
+    assert pol.needs_companion and load_predictor(folder).verification == pol.verification
