@@ -214,9 +214,26 @@ def apply_compute_path(
         del lin
     if stats["packed_layers"]:  # read back by compute_path_of; a model with nothing packed computes as eager
         model.specstop_compute_path = path
+        _detach_from_file(model)
     else:
         stats["compute_path"] = "eager"
     return stats
+
+
+def _detach_from_file(model: nn.Module) -> None:
+    """Copy the remaining weights (embeddings, norms, small layers) into the process's own memory.
+
+    transformers maps a safetensors file and its tensors are views into that mapping: while any of them lives, the
+    whole file stays mapped and the pages the packing read stay resident (counted in the RSS though reclaimable). Once
+    nothing points into the file, the mapping goes with it.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, PackedLinear):  # its buffers are copies already
+                continue
+            for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                if t.device.type == "cpu":
+                    t.data = t.data.clone()
 
 
 def _tied_output_weight(model: nn.Module) -> torch.Tensor | None:
