@@ -9,7 +9,7 @@ Usage::
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 __all__ = ["plot_roc", "plot_threshold_speedup", "plot_oracle_hist", "plot_accept_vs_entropy", "plot_crossval",
-           "plot_learning_curve"]
+           "plot_learning_curve", "plot_reliability", "plot_expected_vs_measured"]
 
 
 def _save(fig: Any, path: str | Path) -> Path:
@@ -157,4 +157,49 @@ def plot_learning_curve(table: pd.DataFrame, path: str | Path) -> Path:
         ax.legend(fontsize=7)
     else:
         ax.text(0.5, 0.5, "no comparison could be made", ha="center", transform=ax.transAxes)
+    return _save(fig, path)
+
+
+def plot_reliability(curves: Mapping[tuple[str, str], Mapping[str, np.ndarray]], path: str | Path,
+                     ece: Mapping[tuple[str, str], float] | None = None) -> Path:
+    """Reliability diagrams, one panel per decoding mode: mean acceptance against mean calibrated prediction per bin
+    (``predictors.calibration.reliability_bins``), one line per policy; the diagonal is perfect calibration."""
+    modes = sorted({m for _, m in curves}) or ["greedy"]
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.2 * len(modes), 4.8), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        for (name, m), b in sorted(curves.items()):
+            if m != mode:
+                continue
+            ok = b["count"] > 0
+            err = (ece or {}).get((name, m))
+            ax.plot(b["mean_pred"][ok], b["mean_label"][ok], "o-", ms=3,
+                    label=name if err is None else f"{name} (ECE {err:.3f})")
+        ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+        label = "greedy match" if mode == "greedy" else "min(1, p/q)"
+        ax.set(xlabel="calibrated acceptance (bin mean)", ylabel=f"observed {label}", xlim=(0, 1), ylim=(0, 1),
+               title=f"reliability, {mode} decoding (test split)")
+        ax.legend(fontsize=7, loc="upper left")
+    return _save(fig, path)
+
+
+def plot_expected_vs_measured(round_tokens: Mapping[str, Sequence[tuple[float, float]]], path: str | Path,
+                              n_bins: int = 8) -> Path:
+    """Per cost-aware policy: the tokens its rounds expected (calibrated acceptance of the verified prefix + 1)
+    against the tokens the replay measured, binned by expectation (mean of each bin); the diagonal is agreement."""
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    top = 1.0
+    for name, pairs in sorted(round_tokens.items()):
+        if not len(pairs):
+            continue
+        e, m = np.asarray(pairs, dtype=np.float64).T
+        edges = np.unique(np.quantile(e, np.linspace(0, 1, n_bins + 1)))
+        idx = np.clip(np.searchsorted(edges, e, side="right") - 1, 0, max(len(edges) - 2, 0))
+        xs = [e[idx == i].mean() for i in np.unique(idx)]
+        ys = [m[idx == i].mean() for i in np.unique(idx)]
+        ax.plot(xs, ys, "o-", ms=3, label=f"{name}: {m.mean():.2f} measured vs {e.mean():.2f} expected")
+        top = max(top, max(xs), max(ys))
+    ax.plot([1, top], [1, top], "k--", lw=0.8)
+    ax.set(xlabel="expected tokens per round", ylabel="measured tokens per round (replay)",
+           title="cost-aware policies: expected vs measured tokens per round")
+    ax.legend(fontsize=7, loc="upper left")
     return _save(fig, path)

@@ -77,10 +77,15 @@ def _metric_key(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_\-. /]", "_", s)
 
 
-def report_metrics(classification: pd.DataFrame | None, replay: pd.DataFrame | None) -> dict[str, float]:
+def report_metrics(classification: pd.DataFrame | None, replay: pd.DataFrame | None,
+                   calibration: pd.DataFrame | None = None) -> dict[str, float]:
     """Flat metrics for MLflow: ``auc/<label>/<policy>``, ``pr_auc/...``, ``f1_opt/...``, ``speedup/<policy>``,
-    ``tokens_per_call/<policy>``."""
+    ``tokens_per_call/<policy>``, ``ece/<mode>/<policy>``."""
     out: dict[str, float] = {}
+    if calibration is not None and len(calibration):
+        for _, r in calibration.iterrows():
+            if np.isfinite(r["ece"]):
+                out[_metric_key(f"ece/{r['mode']}/{r['policy']}")] = float(r["ece"])
     if classification is not None and len(classification):
         heads = classification[classification["group_by"] == "all"]
         for _, r in heads.iterrows():
@@ -110,6 +115,38 @@ def _log_mlflow(out_dir: Path, metrics: Mapping[str, float]) -> bool:
     return True
 
 
+def _calibration_plots(plots: Path, calibration: pd.DataFrame | None,
+                       reliability: Mapping[tuple[str, str], Mapping[str, np.ndarray]] | None,
+                       round_tokens: Mapping[str, Sequence[tuple[float, float]]] | None) -> dict[str, Path]:
+    from evaluation.plots import plot_expected_vs_measured, plot_reliability
+
+    out: dict[str, Path] = {}
+    if reliability:
+        ece = {}
+        if calibration is not None and len(calibration):
+            ece = {(r["policy"], r["mode"]): float(r["ece"]) for _, r in calibration.iterrows()}
+        out["reliability"] = plot_reliability(reliability, plots / "reliability.png", ece)
+    if round_tokens:
+        out["expected"] = plot_expected_vs_measured(round_tokens, plots / "expected_vs_measured.png")
+    return out
+
+
+def _calibration_section(calibration: pd.DataFrame | None) -> list[str]:
+    if calibration is None or not len(calibration):
+        return []
+    return [
+        "## Calibrated acceptance",
+        "",
+        "Each score mapped to the acceptance of a decoding mode (greedy match on the argmax draws; min(1, p/q) on the "
+        "sampled draws), the map fitted on the validation split and scored here on the test split: expected "
+        "calibration error (15 equal-width bins) of the raw score (when it is a probability) and of the calibrated "
+        "acceptance. The cost-aware rows of the replay (`(goodput)`) price these acceptances with the cost model.",
+        "",
+        markdown_table(calibration, ["policy", "mode", "label", "method", "n", "n_fit", "mean_label", "ece_raw", "ece"],
+                       digits=4),
+    ]
+
+
 def write_report(
     out_dir: str | Path,
     *,
@@ -125,6 +162,9 @@ def write_report(
     notes: Sequence[str] = (),
     tuned: Mapping[str, tuple[float, float]] | None = None,
     roc_label: tuple[str, float] = ("greedy", 1.0),
+    calibration: pd.DataFrame | None = None,
+    reliability: Mapping[tuple[str, str], Mapping[str, np.ndarray]] | None = None,
+    round_tokens: Mapping[str, Sequence[tuple[float, float]]] | None = None,
 ) -> Path:
     """Write report.md, plots/*.png and the tables as CSV into ``out_dir``; log them to the active MLflow run.
 
@@ -141,6 +181,9 @@ def write_report(
         notes: extra lines for the report header (data selection, fallbacks).
         tuned: policy name -> (threshold, val speedup) from ``tune_threshold``.
         roc_label: (family, lambda) of the ROC overlay.
+        calibration: ``evaluation.calibration.CalibrationResult.table`` (ECE per policy and decoding mode).
+        reliability: (policy, mode) -> reliability bins, for the reliability diagram.
+        round_tokens: cost-aware policy -> (expected, replayed) tokens per round, for the expected-vs-measured plot.
     Returns:
         path of report.md.
     """
@@ -151,7 +194,8 @@ def write_report(
     out = Path(out_dir)
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
-    for name, df in (("classification", classification), ("replay", replay), ("sweep", sweep), ("sprinter", sprinter)):
+    for name, df in (("classification", classification), ("replay", replay), ("sweep", sweep), ("sprinter", sprinter),
+                     ("calibration", calibration)):
         if df is not None:
             df.to_csv(out / f"{name}.csv", index=False)
     if cost_model is not None:
@@ -173,6 +217,7 @@ def write_report(
     sweep_title = f"threshold vs predicted speedup ({sweep['mode'].iloc[0]} replay)" if (
         sweep is not None and len(sweep) and "mode" in sweep) else ""
     pngs["sweep"] = plot_threshold_speedup(sweep, ref_rows, plots / "threshold_speedup.png", sweep_title)
+    pngs.update(_calibration_plots(plots, calibration, reliability, round_tokens))
 
     md: list[str] = ["# specstop evaluation report", ""]
     if command:
@@ -239,7 +284,7 @@ def write_report(
             "",
         ]
         cols = ["policy", "kind", "threshold", "verification", "n_rounds", "tokens_per_call", "mean_accepted",
-                "drafted_per_round", "wasted_per_round", "speedup", "reason"]
+                "drafted_per_round", "wasted_per_round", "expected_per_round", "speedup", "reason"]
         if cost_model is None:
             cols.remove("speedup")
         groups = replay.groupby("mode", sort=False) if "mode" in replay else [("", replay)]
@@ -249,20 +294,23 @@ def write_report(
                 if col in g and g[col].notna().any():
                     md.append(f"- {col}: {g[col].dropna().iloc[0]}")
             md += ["", markdown_table(g, cols)]
+    md += _calibration_section(calibration)
     if tuned:
         md += ["### Thresholds tuned for latency on the validation split", ""]
         md.append(markdown_table(pd.DataFrame([{"policy": k, "threshold": v[0], "val_speedup": v[1]}
                                                for k, v in tuned.items()])))
     md += ["## Plots", ""]
     titles = {"roc": "ROC overlay", "sweep": "threshold vs predicted speedup", "oracle": "oracle draft length",
-              "entropy": "acceptance against draft entropy (SVIP Figure 2)"}
+              "entropy": "acceptance against draft entropy (SVIP Figure 2)",
+              "reliability": "reliability diagram of the calibrated acceptance (test split)",
+              "expected": "cost-aware policies: expected against measured tokens per round"}
     for k, p in pngs.items():
         md += [f"### {titles[k]}", "", f"![{titles[k]}](plots/{p.name})", ""]
     path = out / "report.md"
     path.write_text("\n".join(md))
     if tracking:
         try:
-            _log_mlflow(out, report_metrics(classification, replay))
+            _log_mlflow(out, report_metrics(classification, replay, calibration))
         except Exception as e:  # tracking must not lose the report already written
             log.warning("could not log the report to MLflow: %s", e)
     return path

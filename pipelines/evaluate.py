@@ -15,7 +15,7 @@ import json
 import logging
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -80,6 +80,12 @@ class EvaluateConfig:
     """Split evaluated (the ``split`` column; by prompt)."""
     tune_split: str = "val"
     """Split the latency-optimal thresholds are tuned on."""
+    calibrate: bool = True
+    """Fit a calibration map per policy and training-free score on ``tune_split`` (isotonic by default), report its
+    expected calibration error on ``split`` and replay each calibrated policy under the cost-aware rule
+    ('<name> (goodput)')."""
+    calibration_method: str = "isotonic"
+    """isotonic or platt."""
     tune_thresholds: bool = False
     """Tune each learned policy's threshold for predicted speedup on ``tune_split`` (reported, and replayed as '<name>
     (val-tuned)')."""
@@ -124,6 +130,8 @@ class EvaluateConfig:
         fams = [f for f, _ in self.label_specs if f not in ("greedy", "ratio", "soft")]
         if fams:
             raise ValueError(f"--label_specs has unknown families {fams}; use greedy, ratio, soft")
+        if self.calibration_method not in ("isotonic", "platt"):
+            raise ValueError(f"--calibration_method {self.calibration_method!r}: use isotonic or platt")
         if self.n_boot < 0:
             raise ValueError(f"--n_boot must be >= 0, got {self.n_boot}")
         if self.store_thresholds and not self.tune_thresholds:
@@ -291,7 +299,8 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
         pols.update(loaded)
         notes += load_notes
     extra = tuple(sorted({c for p in pols.values() if p is not None for c in p.required_columns} - set(BASE_COLUMNS)))
-    splits = [cfg.split] + ([cfg.tune_split] if cfg.tune_thresholds and cfg.tune_split != cfg.split else [])
+    fit_split = (cfg.tune_thresholds or cfg.calibrate) and cfg.tune_split != cfg.split
+    splits = [cfg.split] + ([cfg.tune_split] if fit_split else [])
     allcols = load_columns([cfg.data_dir, *cfg.extra_data_dirs], splits, extra)
     if "split" in allcols:
         cols = subset(allcols, allcols["split"].astype(str) == cfg.split)
@@ -305,6 +314,7 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
     notes.insert(0, f"data: {', '.join([cfg.data_dir, *cfg.extra_data_dirs])}, split {cfg.split!r}: {len(cols['seq_id'])} tokens, {n_prompts} prompts")
 
     by_draw = label_specs_by_draw(cols, cfg.label_specs)
+    calib = _calibrate(cfg, pols, allcols, cols, notes) if cfg.calibrate else None
     main = draw_mask(cols, "greedy")  # replay, tuning and the SPRINTER checks follow the draft's own (greedy) rollouts
     if main is not None:
         cols = subset(cols, main)
@@ -328,6 +338,10 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
 
     tuned: dict[str, tuple[float, float]] = {}
     replay_pols: dict[str, StopPolicy | None] = dict(pols)
+    if calib is not None:
+        from evaluation.calibration import goodput_policies
+
+        replay_pols.update(goodput_policies({**pols, **_free_scores()}, calib.maps))
     replay_cm = cm if cm is not None else assumed_cost_model()
     if cfg.tune_thresholds:
         tune_cols = subset(allcols, allcols["split"].astype(str) == cfg.tune_split) if "split" in allcols else None
@@ -354,6 +368,7 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
                                     tuning={"split": cfg.tune_split, "speedup": sp, "mode": cfg.replay_modes[0],
                                             "cost_model_assumed": replay_cm.assumed})
     reps, sweeps = [], []
+    round_tokens: dict[str, Any] = {}
     for i, mode in enumerate(cfg.replay_modes):
         rcfg = ReplayConfig(mode=mode, origins=tuple(cfg.replay_origins) if cfg.replay_origins else None)
         try:
@@ -362,6 +377,7 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
             notes.append(f"replay ({mode}) not possible: {e}")
             continue
         reps.append(rep)
+        round_tokens.update({f"{name} [{mode}]": v for name, v in rep.attrs.get("round_tokens", {}).items()})
         if len(sw):
             sw.insert(1, "mode", mode)
             sweeps.append(sw)
@@ -384,6 +400,8 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
     report = write_report(
         cfg.out_dir, classification=cls, replay=replay, sweep=sweep, sprinter=spr, cost_model=cm, columns=cols,
         policies=pols, tracking=cfg.tracking, command=command, notes=notes, tuned=tuned,
+        calibration=calib.table if calib is not None else None, reliability=calib.curves if calib is not None else None,
+        round_tokens=round_tokens,
     )
     (Path(cfg.out_dir) / "evaluate_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     return {
@@ -393,10 +411,88 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
         "replay": replay,
         "sweep": sweep,
         "tuned": tuned,
-        "metrics": report_metrics(cls, replay),
+        "metrics": report_metrics(cls, replay, calib.table if calib is not None else None),
+        "calibration": calib,
         "cost_model": cm,
         "notes": notes,
     }
+
+
+def _free_scores() -> dict[str, StopPolicy]:
+    from evaluation.calibration import calibrated_scores
+
+    return calibrated_scores()
+
+
+def _calibrate(cfg: EvaluateConfig, pols: Mapping[str, StopPolicy | None], allcols: dict[str, np.ndarray],
+               cols: dict[str, np.ndarray], notes: list[str]) -> Any:
+    """Maps of every policy and calibrated training-free score, fitted on ``tune_split``, scored on ``split``."""
+    from evaluation.calibration import calibrate_policies
+
+    fit = subset(allcols, allcols["split"].astype(str) == cfg.tune_split) if "split" in allcols else None
+    if fit is None or not len(fit["seq_id"]):
+        notes.append(f"calibration skipped: no rows in split {cfg.tune_split!r}")
+        return None
+    res = calibrate_policies({**pols, **_free_scores()}, fit, cols, cfg.calibration_method)
+    notes += res.notes
+    return res
+
+
+def store_calibrations(result: Mapping[str, Any], exports: Mapping[str, str | Path], free_dir: str | Path | None
+                       ) -> dict[str, Path]:
+    """Write the fitted maps into the export folders (``predictor.json`` ``calibration``; the registry then holds them)
+    and export each calibrated training-free score to ``<free_dir>/<kind>`` (``goodput:<that folder>``, or
+    ``build_policy("goodput:<kind>", calibration_dir=free_dir)``). Returns name -> folder written."""
+    from predictors.export import export_predictor, update_metadata
+
+    calib = result.get("calibration")
+    if calib is None:
+        return {}
+    written: dict[str, Path] = {}
+    for name, maps in calib.maps.items():
+        stored = {m: c.to_dict() for m, c in maps.items()}
+        if name in exports:
+            update_metadata(exports[name], calibration=stored)
+            written[name] = Path(exports[name])
+    if free_dir is not None:
+        for name, pol in _free_scores().items():
+            if name in calib.maps:
+                folder = export_predictor(pol, Path(free_dir) / pol.kind, {"calibration": {
+                    m: c.to_dict() for m, c in calib.maps[name].items()}})
+                written[name] = folder
+    return written
+
+
+def cost_aware_rows(result: Mapping[str, Any], names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Rows for the main job's table, keyed by row name: each policy's ECE per decoding mode (``ece_greedy``,
+    ``ece_sampling``), ``<name> (goodput)`` with the replayed speedup of the cost-aware rule on the test split
+    (``test_speedup``, first replay mode), and the best training-free score thresholded and cost-aware."""
+    replay, calib = result.get("replay"), result.get("calibration")
+    ece: dict[str, dict[str, float]] = {}
+    if calib is not None and len(calib.table):
+        for _, r in calib.table.iterrows():
+            ece.setdefault(r["policy"], {})[f"ece_{r['mode']}"] = float(r["ece"])
+    rows: dict[str, dict[str, Any]] = {name: dict(ece.get(name, {})) for name in names}
+    if replay is None or not len(replay) or "speedup" not in replay:
+        return rows
+    rep = replay[replay["mode"] == replay["mode"].iloc[0]] if "mode" in replay else replay
+    speed = {str(p): float(v) for p, v in zip(rep["policy"], rep["speedup"]) if np.isfinite(v)}
+
+    def row(name: str, label: str) -> dict[str, Any]:
+        return {"predictor": name, "label": label, "test_speedup": speed[name], **ece.get(name.split(" (")[0], {})}
+
+    for name in names:
+        if f"{name} (goodput)" in speed:
+            rows[f"{name} (goodput)"] = row(f"{name} (goodput)", "cost-aware")
+    free = [n for n in _free_scores() if f"{n} (goodput)" in speed]
+    if free:
+        best = max(free, key=lambda n: speed[f"{n} (goodput)"])
+        rows[f"{best} (goodput)"] = row(f"{best} (goodput)", "cost-aware, best training-free")
+    fixed = {k: v for k, v in speed.items() if k in ("svip", "adaedl", "max-confidence") or k.startswith("static-best")}
+    if fixed:
+        best = max(fixed, key=fixed.__getitem__)
+        rows[best] = row(best, "thresholded, best training-free")
+    return rows
 
 
 def _run_tracked(cfg: EvaluateConfig) -> dict[str, Any]:
