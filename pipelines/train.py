@@ -261,6 +261,11 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, export
             policies[kind].threshold = float(thr)
             rows[kind].update(threshold=float(thr), val_speedup=float(speed))
             update_metadata(exports[kind], threshold=float(thr), tuned_val_speedup=float(speed))
+    from pipelines.evaluate import cost_aware_rows, store_calibrations  # calibration maps, cost-aware (goodput) rows
+
+    store_calibrations(res, {k: exports[k] for k in policies if k in exports}, Path(cfg.out_dir) / "calibrated")
+    for name, row in cost_aware_rows(res, list(policies)).items():
+        rows.setdefault(name, {"predictor": name}).update(row)
     return Path(res["report"])
 
 
@@ -298,7 +303,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of the results."""
     cols = ["predictor", "status", "label", "val_auc", "val_auc_best_free", "test_auc", "best_free", "test_auc_best_free",
             "cv_auc", "cv_best_free", "cv_auc_best_free", "cv_diff", "cv_diff_lo", "cv_diff_hi", "threshold",
-            "val_speedup", "info_gain_bits", "info_gain_frac", "registered", "champion"]
+            "val_speedup", "test_speedup", "ece_greedy", "ece_sampling", "info_gain_bits", "info_gain_frac", "registered",
+            "champion"]
     cols = [c for c in cols if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
