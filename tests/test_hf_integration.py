@@ -78,3 +78,25 @@ def test_refuses_policies_it_cannot_run(pair):
         generate_with_policy(target, draft, PROMPT, build_policy("oracle"), max_new_tokens=4)
     with pytest.raises(ValueError, match="batch size 1"):
         generate_with_policy(target, draft, PROMPT.repeat(2, 1), build_policy("static:2"), max_new_tokens=4)
+
+
+def test_goodput_policy_in_assisted_generation(pair):
+    """A cost-aware policy drives transformers' drafting through the goodput rule and verifies its best prefix only;
+    the output stays the target's greedy one; without a cost model it is refused."""
+    from data_gen.timing import CostModel
+    from predictors.baselines import MaxConfidence
+    from predictors.calibration import Calibrator
+    from predictors.goodput import GoodputPolicy
+
+    draft, target = pair
+    cal = {"greedy": Calibrator("isotonic", [0.0, 0.05, 0.2, 1.0], [0.05, 0.5, 0.9, 0.99])}
+    policy = GoodputPolicy(MaxConfidence(0.4, max_draft_len=8), cal, "test")
+    with pytest.raises(ValueError, match="cost_model"):
+        generate_with_policy(target, draft, PROMPT, policy, max_new_tokens=4)
+    ref = target.generate(PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=256)
+    for curve in ({1: 1.0, 4: 1.0, 5: 2.0, 9: 4.0}, {1: 1.0, 2: 5.0, 3: 9.0}):  # the second: verify nothing
+        cm = CostModel(draft_s_per_token=0.05, target_s=curve)
+        out, stats = generate_with_policy(target, draft, PROMPT, policy, cost_model=cm, do_sample=False,
+                                          max_new_tokens=24, pad_token_id=256)
+        assert out.tolist() == ref.tolist()
+        assert max(stats["draft_lengths"]) <= 8
