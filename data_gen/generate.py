@@ -180,6 +180,10 @@ class ChunkStats:
     label_seconds_by_origin: defaultdict = field(default_factory=lambda: defaultdict(float))
     label_seconds: dict = field(default_factory=lambda: defaultdict(float))
     text_fallbacks: int = 0
+    tokens_passed: int = 0
+    """Tokens the labelling passes sent through each model (a shared prompt once)."""
+    positions: int = 0
+    """Labelled positions (each model's LM head ran on these; two records each with sample_draw)."""
 
 
 def _rng_for(seed: int, key: str) -> np.random.Generator:
@@ -314,6 +318,8 @@ def produce_chunk(
     for batch in label_batches(seqs, cfg.label_batch_tokens):
         recs, ls = label_sequences(models, batch, opts, generator=gen)
         parts.append(recs)
+        st.tokens_passed += ls.tokens_passed
+        st.positions += ls.records // (2 if opts.sample_draw else 1)
         secs = sum(ls.seconds.values())
         for role, s in ls.seconds.items():
             st.label_seconds[role] += s
