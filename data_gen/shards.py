@@ -2,7 +2,9 @@
 
 A shard holds the records of one chunk of prompts and is named by the chunk index (``shard-00042.parquet``), so any
 number of ranks can write into one folder and a restarted run skips every chunk whose shard exists. A shard is written
-to a temporary name and renamed when complete: a leftover temporary file is a partial shard, deleted and redone.
+to a temporary name and renamed when complete: a leftover temporary file is a partial shard, deleted and redone; a
+shard that no longer reads is moved aside (``*.corrupt``) and redone. ``complete.json`` records that a generation run
+finished a folder (its budget or its prompts), so that the main job skips it without loading any model.
 
 Usage: ``writer = ShardWriter(out_dir, features); writer.write(chunk_index, records)``
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 log = logging.getLogger(__name__)
@@ -79,14 +82,38 @@ def prepare_out_dir(out_dir: Path, data_config: dict, resolved: dict, overwrite:
 
 
 def finished_chunks(out_dir: Path) -> dict[int, int]:
-    """Chunk index -> row count of every complete shard; partial (temporary) shards are deleted."""
+    """Chunk index -> row count of every complete shard; partial (temporary) shards are deleted, and a shard that no
+    longer reads (cut short, overwritten) is named in the log and moved aside (:func:`set_aside`), so that its chunk
+    is generated again."""
     for partial in out_dir.glob("*.parquet.tmp"):
         log.warning("removing partial shard %s (a run was interrupted while writing it)", partial.name)
-        partial.unlink()
+        partial.unlink(missing_ok=True)  # another rank may have removed it first
     done = {}
     for p in sorted(out_dir.glob(SHARD_GLOB)):
-        done[int(p.stem.split("-")[1])] = pq.ParquetFile(p).metadata.num_rows
+        try:
+            done[int(p.stem.split("-")[1])] = pq.ParquetFile(p).metadata.num_rows
+        except (pa.ArrowException, OSError) as e:  # ArrowInvalid: no footer; OSError: unreadable
+            set_aside(p, e)
     return done
+
+
+CORRUPT_SUFFIX = ".corrupt"
+
+
+def set_aside(shard: Path, error: BaseException | str) -> Path | None:
+    """Rename a shard that does not read to ``<name>.corrupt`` (with its cost accounting), logging which and why;
+    returns the new path (None when another process moved it first)."""
+    bad = shard.with_name(shard.name + CORRUPT_SUFFIX)
+    try:
+        os.replace(shard, bad)
+    except FileNotFoundError:
+        return None
+    cost = cost_path(shard)
+    if cost.exists():
+        os.replace(cost, cost.with_name(cost.name + CORRUPT_SUFFIX))
+    reason = " ".join(str(error).split())[:200]
+    log.warning("shard %s does not read (%s): moved aside to %s; its chunk is generated again", shard, reason, bad.name)
+    return bad
 
 
 class ShardWriter:
@@ -110,6 +137,36 @@ class ShardWriter:
         ds.to_parquet(str(tmp))
         os.replace(tmp, final)
         return len(ds)
+
+
+COMPLETE_FILE = "complete.json"
+
+
+def _shard_sizes(out_dir: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(out_dir.glob(SHARD_GLOB))}
+
+
+def mark_complete(out_dir: Path, fingerprint: str, max_records: int | None) -> None:
+    """Record that a generation run of the data config ``fingerprint`` with budget ``max_records`` finished
+    ``out_dir`` (every chunk done or the budget reached), with the name and size of every shard."""
+    tmp = out_dir / (COMPLETE_FILE + ".tmp")
+    tmp.write_text(json.dumps({"fingerprint": fingerprint, "max_records": max_records,
+                               "shards": _shard_sizes(out_dir)}, indent=1))
+    os.replace(tmp, out_dir / COMPLETE_FILE)
+
+
+def is_complete(out_dir: Path, fingerprint: str, max_records: int | None) -> bool:
+    """True when :func:`mark_complete` recorded this config and budget for ``out_dir`` and its shards are the same
+    files (names and sizes) as then: a shard removed, added or cut since means the folder must be generated again."""
+    f = out_dir / COMPLETE_FILE
+    if not f.is_file():
+        return False
+    try:
+        mark = json.loads(f.read_text())
+    except ValueError:
+        return False
+    return (mark.get("fingerprint") == fingerprint and mark.get("max_records") == max_records
+            and mark.get("shards") == _shard_sizes(out_dir))
 
 
 DataPath = str | Path | Sequence[str | Path]
@@ -161,7 +218,6 @@ def read_columns(
     Raises:
         FileNotFoundError: no shards.  KeyError: a required column is missing.  ValueError: the shards hold no rows.
     """
-    import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.dataset as pads
 

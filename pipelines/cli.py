@@ -4,6 +4,8 @@ Every entry point reads its config with :func:`parse_config` and runs under :fun
 wrong (an unknown option, a wrong type, a value out of range, a missing file, an unknown model source) ends in one line
 ``<prog>: error: <message>`` and exit code 2, like jsonargparse's own errors, not in a traceback
 (``SPECSTOP_TRACEBACK=1`` shows the traceback). MLflow URIs of every entry point: :func:`resolve_tracking_uri`.
+Every entry point's ``main`` calls :func:`setup_logging` first, which also filters, once, the library warnings and log
+lines a user cannot act on (:func:`quiet_libraries`; ``SPECSTOP_ALL_WARNINGS=1`` shows them all).
 
 Usage::
 
@@ -17,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TypeVar
@@ -26,8 +30,9 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 T = TypeVar("T")
 
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError)
-"""Exceptions that carry a message for the user (config checks, unknown model sources, missing files or columns)."""
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, FileExistsError)
+"""Exceptions that carry a message for the user (config checks, unknown model sources, missing files or columns, a
+data folder made by another config)."""
 
 
 def parse_config(cls: type[T], argv: list[str] | None, description: str) -> T:
@@ -82,4 +87,88 @@ def resolve_tracking_uri(value: str | None = None) -> str:
 
 
 def setup_logging() -> None:
+    """Log INFO to stderr with a time stamp, and filter the library chatter (:func:`quiet_libraries`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_libraries()
+
+
+NOISE_WARNINGS = (
+    r"The '\w+' does not have many workers",  # Lightning: the DataModule serves in-memory tensors; workers only add start-up
+    r"You defined a `validation_step` but have no `val_dataloader`",  # the SV table fits without a val loop
+    r"`LightningModule.configure_optimizers` returned `None`",  # the SV table is counted, not optimised
+    r"The number of training batches \(\d+\) is smaller than the logging interval",
+    r"Checkpoint directory .* exists and is not empty",  # the main job owns its checkpoint folders
+    r"An input example was not provided when logging the model",  # MLflow: the registry infers the signature itself
+)
+"""Messages (regular expressions, searched) of warnings dropped at the entry point: each is about how specstop calls a
+library, not about anything the user passed. Deprecation and future warnings raised inside installed libraries are
+dropped too."""
+
+NOISE_LOGS = {
+    "transformers.generation.utils": r"Passing `generation_config` together with generation-related arguments",
+    "mlflow.pyfunc": r"Passing a Python object as `python_model`",
+    "pytorch_lightning.loggers.mlflow": r"Experiment with name .* not found\. Creating it",
+    "lightning.pytorch.loggers.mlflow": r"Experiment with name .* not found\. Creating it",
+}
+"""Logger -> message (regular expression) of log records dropped at the entry point."""
+
+QUIET_LOGGERS = (
+    "pytorch_lightning.utilities.rank_zero",  # GPU / TPU available, tips, `Trainer.fit` stopped (once per fit)
+    "lightning.pytorch.utilities.rank_zero",
+    "pytorch_lightning.trainer.connectors.checkpoint_connector",  # `weights_only` was not set
+    "lightning.pytorch.trainer.connectors.checkpoint_connector",
+    "pytorch_lightning.accelerators.cuda",
+    "lightning.pytorch.accelerators.cuda",
+    "mlflow.store.db.utils",  # creating / updating the SQLite tables
+    "alembic",
+)
+"""Loggers whose INFO lines are dropped (their warnings and errors stay)."""
+
+_LIBRARY_DIRS = ("site-packages", "dist-packages")
+_quieted = False
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(str(record.msg))
+
+
+def is_noise_warning(message: str, category: type[Warning], filename: str = "") -> bool:
+    """True for a warning :func:`quiet_libraries` drops: a known library message, or a deprecation / future warning
+    raised inside an installed library."""
+    if issubclass(category, (DeprecationWarning, FutureWarning)) and any(d in filename for d in _LIBRARY_DIRS):
+        return True
+    return any(re.search(p, message) for p in NOISE_WARNINGS)
+
+
+def quiet_libraries() -> None:
+    """Drop, once per process, the library warnings and log lines a user cannot act on (:data:`NOISE_WARNINGS`,
+    :data:`NOISE_LOGS`, :data:`QUIET_LOGGERS`, the progress bars of ``datasets`` and of MLflow's artifact downloads);
+    every other warning (a truncated prompt, a skipped predictor, a precision mismatch) stays.
+
+    Works through ``warnings.showwarning`` rather than the filter list, so that a library that installs its own filters
+    when it is imported later (Lightning does) cannot bring the noise back. ``SPECSTOP_ALL_WARNINGS=1`` turns it off.
+    """
+    global _quieted
+    if _quieted or os.environ.get("SPECSTOP_ALL_WARNINGS"):
+        return
+    _quieted = True
+    shown = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
+        if not is_noise_warning(str(message), category, str(filename)):
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+    for name, pattern in NOISE_LOGS.items():
+        logging.getLogger(name).addFilter(_DropMessages(pattern))
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if "datasets" in sys.modules:  # read from the environment at import: switch it off in the imported module too
+        sys.modules["datasets"].disable_progress_bars()

@@ -7,7 +7,14 @@
    threshold for predicted speedup on the validation split (``pipelines.evaluate``); the report is logged to MLflow.
    With ``crossval_folds`` > 0, also cross-validate DISCO and SPRINTER over folds of prompts (``pipelines.crossval``).
 4. Export each predictor (safetensors + JSON) with its tuned threshold, register it in the MLflow registry, move the
-   ``champion`` alias when it beats the current champion on validation AUC, and print the table.
+   ``champion`` alias when it beats the current champion on validation AUC, and print the table: a summary that fits
+   100 columns on the console, every column in ``<out_dir>/results.md`` (and ``results.json``).
+
+One progress view (``pipelines.progress``): a bar over the stages, records/s and an ETA while generating, one line per
+stage with its time and a total. A stopped job resumes: finished shards are kept (``data_gen.shards``; a shard that no
+longer reads is moved aside and generated again), a data folder that a generation run completed is not reopened, and a
+predictor whose export matches its config and the data (``<out_dir>/<kind>/train_state.json``) is not trained or
+registered again (``--retrain true`` trains every predictor anew).
 
 Usage:
     python -m pipelines.train                                 # default config: the real Qwen2.5-Coder pair
@@ -16,16 +23,18 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from data_gen.generate import GenerateConfig
 from pipelines.cli import parse_config, resolve_tracking_uri, setup_logging, user_errors
+from pipelines.progress import ChainProgress, Stage
 from predictors.training import DiscoConfig, SprinterConfig, SVTableConfig
 
 log = logging.getLogger("pipelines.train")
@@ -66,6 +75,9 @@ class TrainJobConfig:
     cv_* columns; the report under ``<out_dir>/crossval``)."""
     register: bool = True
     """Register every trained predictor in the MLflow model registry (champion alias on improvement)."""
+    retrain: bool = False
+    """Train (and register) every predictor anew, even one whose export in out_dir was made from the same config and
+    data (by default such an export is reused, so a stopped job resumes where it stopped)."""
     tracking_uri: str | None = None
     """MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db); a remote server works too."""
     experiment: str = "specstop"
@@ -79,25 +91,71 @@ class TrainJobConfig:
             raise ValueError(f"crossval_folds={self.crossval_folds}: use 0 (off) or at least 3")
 
 
-def _ensure_data(cfg: TrainJobConfig) -> list[Path]:
-    """The data folders (``data`` first, then ``extra_data``), each generated or resumed when short."""
-    from data_gen.shards import SHARD_GLOB, finished_chunks
+def _ensure_data(cfg: TrainJobConfig, chain: ChainProgress, st: Stage) -> list[Path]:
+    """The data folders (``data`` first, then ``extra_data``), each generated or resumed when short.
+
+    A folder is left alone, without loading any model, when a generation run of the same config and budget completed
+    it (``data_gen.shards.is_complete``) or when it holds the budget already. Unreadable shards are moved aside
+    (``finished_chunks``), which makes the folder short again. A folder made by another data config is refused."""
+    from data_gen.shards import SHARD_GLOB, config_fingerprint, finished_chunks, is_complete, mark_complete
     from pipelines.generate import generate
 
-    dirs = []
+    dirs, todo, have_by_dir = [], [], {}
     for gen in [cfg.data, *map(_generate_config, cfg.extra_data)]:
         data_dir = Path(gen.out_dir)
         have = sum(finished_chunks(data_dir).values()) if data_dir.exists() else 0
-        short = have == 0 or (gen.max_records is not None and have < gen.max_records)
-        if short and cfg.generate_if_missing:
-            log.info("data folder %s has %d records: generating (resumes finished shards)", data_dir, have)
-            generate(gen)
+        fp = config_fingerprint(gen.data_config())
+        if cfg.generate_if_missing:
+            _check_same_config(data_dir, gen, fp)
+        done = (have and is_complete(data_dir, fp, gen.max_records)) or (
+            gen.max_records is not None and have >= gen.max_records)
+        if not done and cfg.generate_if_missing:
+            todo.append((gen, fp))
         elif have == 0:
             raise FileNotFoundError(
                 f"no shards ({SHARD_GLOB}) in {data_dir}; run python -m pipelines.generate or pass --generate_if_missing true"
             )
         dirs.append(data_dir)
+        have_by_dir[data_dir] = have
+    before = sum(have_by_dir.values())
+    if not todo:
+        st.reused = True
+        st.summary = f"{before:,} records in {_plural(len(dirs), 'folder')} reused, nothing to generate"
+        return dirs
+    budgets = [gen.max_records for gen, _ in todo]
+    remaining = None if None in budgets else sum(max(0, b - have_by_dir[Path(g.out_dir)]) for (g, _), b in zip(todo, budgets))
+    meter = chain.generation(remaining)
+    for gen, fp in todo:
+        data_dir = Path(gen.out_dir)
+        log.info("data folder %s has %d records (budget %s): generating (resumes finished shards)", data_dir,
+                 have_by_dir[data_dir], "all prompts" if gen.max_records is None else f"{gen.max_records:,}")
+        generate(gen, progress=meter.folder())
+        mark_complete(data_dir, fp, gen.max_records)
+    after = sum(sum(finished_chunks(d).values()) for d in dirs)
+    st.records = after - before
+    st.summary = f"{after - before:,} records" + (f" ({after:,} in {_plural(len(dirs), 'folder')})" if before else "")
     return dirs
+
+
+def _check_same_config(data_dir: Path, gen: GenerateConfig, fp: str) -> None:
+    """Refuse a data folder whose shards another data config made (unless ``--data.overwrite true``), before any
+    model loads."""
+    from data_gen.shards import CONFIG_FILE, SHARD_GLOB
+
+    f = data_dir / CONFIG_FILE
+    if gen.overwrite or not f.is_file() or not any(data_dir.glob(SHARD_GLOB)):
+        return
+    old = json.loads(f.read_text())
+    if old.get("fingerprint") == fp:
+        return
+    new = json.loads(json.dumps(gen.data_config(), default=str))
+    changed = sorted(k for k in set(old.get("data", {})) | set(new) if old.get("data", {}).get(k) != new.get(k))
+    raise FileExistsError(f"{data_dir} holds shards of a different data config (changed: {changed}). Use another "
+                          f"out_dir for that data, or pass --data.overwrite true to delete them.")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _generate_config(path: str) -> GenerateConfig:
@@ -156,70 +214,187 @@ def _flat_params(prefix: str, obj: Any) -> dict[str, Any]:
     return out
 
 
-def train_all(cfg: TrainJobConfig) -> dict[str, Any]:
-    """Run the whole chain; returns {"results": rows of the table, "report": path, "data": identity}."""
-    from pytorch_lightning.loggers import MLFlowLogger
+TRAIN_STATE = "train_state.json"
+"""Beside each predictor's export (``<out_dir>/<kind>/``): what it was trained from (config and data), its table row,
+its MLflow run and its registered version; written once the export is complete, so a stopped job reuses it."""
 
-    from predictors.export import export_predictor, update_metadata
-    from predictors.registry import check_reachable, register_predictor, registry_name
-    from predictors.training import fit_predictor
 
-    t0 = time.perf_counter()
+def _planned_stages(cfg: TrainJobConfig) -> list[str]:
+    stages = ["generate", *(f"train {k}" for k in cfg.predictors)]
+    if cfg.evaluate:
+        stages.append("evaluate")
+    if cfg.crossval_folds and {"disco", "sprinter"} & set(cfg.predictors):
+        stages.append("crossval")
+    if cfg.register:
+        stages.append("register")
+    return stages
+
+
+def train_all(cfg: TrainJobConfig, progress: bool | None = None) -> dict[str, Any]:
+    """Run the whole chain; returns {"results": rows of the table, "report": path, "data": identity, "seconds",
+    "stage_seconds"}.
+
+    Args:
+        progress: show the bar (None: when stderr is a terminal); the per-stage lines are logged either way.
+    """
+    from predictors.registry import check_reachable
+
     uri = resolve_tracking_uri(cfg.tracking_uri)
     check_reachable(uri)  # fail before any work when the tracking server is down
-    data_dirs = _ensure_data(cfg)
-    ident = _data_identity(data_dirs)
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "resolved_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
-    kinds_cfg = {"disco": cfg.disco, "sprinter": cfg.sprinter, "sv": cfg.sv}
+    with ChainProgress(_planned_stages(cfg), log, disable=None if progress is None else not progress) as chain:
+        with chain.stage("generate") as st:
+            data_dirs = _ensure_data(cfg, chain, st)
+        ident = _data_identity(data_dirs)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "resolved_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
+        kinds_cfg = {"disco": cfg.disco, "sprinter": cfg.sprinter, "sv": cfg.sv}
+        policies: dict[str, Any] = {}
+        rows: dict[str, dict[str, Any]] = {}
+        exports: dict[str, Path] = {}
+        states: dict[str, dict[str, Any]] = {}
+        for kind in cfg.predictors:
+            with chain.stage(f"train {kind}") as st:
+                got = _train_one(cfg, kind, kinds_cfg[kind], data_dirs, ident, uri, st)
+            if got is None:
+                rows[kind] = {"predictor": kind, "status": st.info["status"]}
+                continue
+            policies[kind], exports[kind], states[kind] = got
+            rows[kind] = dict(states[kind]["row"])
+        report = None
+        if cfg.evaluate and policies:
+            with chain.stage("evaluate") as st:
+                report = _evaluate(cfg, data_dirs, policies, exports, rows, uri)
+                st.summary = f"{_plural(len(policies), 'predictor')} on the test split"
+        cv_kinds = [k for k in ("disco", "sprinter") if k in policies]
+        if cfg.crossval_folds and cv_kinds:
+            with chain.stage("crossval") as st:
+                _crossval(cfg, data_dirs, cv_kinds, rows, uri)
+                st.summary = f"{cfg.crossval_folds} folds x {', '.join(cv_kinds)}"
+        if cfg.register and exports:
+            with chain.stage("register") as st:
+                st.summary = _register(exports, states, rows, ident, uri)
+        for kind, folder in exports.items():
+            _update_metadata_if_changed(folder, registry=rows[kind].get("registered"))
+        times = chain.times()
+        result = {"results": list(rows.values()), "report": str(report) if report else None, "data": ident,
+                  "seconds": times["total"], "stage_seconds": times, "total_line": chain.total_line()}
+    (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / RESULTS_MD).write_text(_results_markdown(cfg, result))
+    return result
+
+
+def _train_one(cfg: TrainJobConfig, kind: str, kcfg: Any, data_dirs: list[Path], ident: dict, uri: str,
+               st: Stage) -> tuple[Any, Path, dict[str, Any]] | None:
+    """Train and export one predictor, or reuse its export when ``train_state.json`` says it was made from the same
+    config and data; returns (policy, export folder, state), or None when the data lacks its columns."""
+    from pytorch_lightning.loggers import MLFlowLogger
+
+    from predictors.export import export_predictor, load_predictor
+    from predictors.training import fit_predictor
+
     needs = {"sprinter": ("draft_hidden",), "sv": ("companion_sim", "companion_accept")}
-    policies: dict[str, Any] = {}
-    rows: dict[str, dict[str, Any]] = {}
-    exports: dict[str, Path] = {}
-    loggers: dict[str, MLFlowLogger] = {}
-    for kind in cfg.predictors:
-        if not _has_columns(data_dirs, needs.get(kind, ())):
-            why = f"data has no {needs[kind]} columns (" + (
-                "configure data.models.companion" if kind == "sv" else "set data.store_hidden true") + ")"
-            log.warning("skipping %s: %s", kind, why)
-            rows[kind] = {"predictor": kind, "status": f"skipped: {why}"}
-            continue
-        logger = MLFlowLogger(experiment_name=cfg.experiment, tracking_uri=uri, run_name=f"train-{kind}")
-        logger.log_hyperparams({**_flat_params(kind, kinds_cfg[kind]), **_flat_params("data", ident),
-                                "data.generate": json.dumps(dataclasses.asdict(cfg.data), default=str)[:6000]})
-        log.info("training %s", kind)
-        policy, metrics = fit_predictor(kind, kinds_cfg[kind], data_dirs, out / kind, logger=logger)
-        folder = export_predictor(policy, out / kind / "export", {
-            "draft_fingerprint": ident["draft"], "target": ident["target"], "companion": ident["companion"],
-            "data_fingerprint": ident["data_fingerprint"], "data_dir": ", ".join(map(str, data_dirs)),
-        })
-        policies[kind], exports[kind], loggers[kind] = policy, folder, logger
-        free = [metrics[k] for k in ("val_auc_max_prob", "val_auc_draft_prob", "val_auc_neg_entropy") if k in metrics]
-        rows[kind] = {"predictor": kind, "status": "trained", "label": _own_label(kinds_cfg[kind])[0],
-                      "val_auc": metrics.get("val_auc"), "val_auc_best_free": max(free) if free else None,
-                      "epochs": metrics.get("epochs_run"), "n_train": metrics.get("n_train")}
-        if kind == "sv":
-            rows[kind]["info_gain_bits"] = metrics.get("val_information_gain_bits")
-            rows[kind]["info_gain_frac"] = metrics.get("val_information_gain_frac")
-    report = None
-    if cfg.evaluate and policies:
-        report = _evaluate(cfg, data_dirs, policies, exports, rows, uri)
-    if cfg.crossval_folds and any(k in policies for k in ("disco", "sprinter")):
-        _crossval(cfg, data_dirs, [k for k in ("disco", "sprinter") if k in policies], rows, uri)
+    if not _has_columns(data_dirs, needs.get(kind, ())):
+        why = f"data has no {needs[kind]} columns (" + (
+            "configure data.models.companion" if kind == "sv" else "set data.store_hidden true") + ")"
+        log.warning("skipping %s: %s", kind, why)
+        st.summary, st.info["status"] = f"skipped: {why}", f"skipped: {why}"
+        return None
+    kdir = Path(cfg.out_dir) / kind
+    folder, state_file = kdir / "export", kdir / TRAIN_STATE
+    key = _train_key(kind, kcfg, data_dirs, ident)
+    state = _read_json(state_file)
+    if not cfg.retrain and state.get("key") == key:
+        try:
+            policy = load_predictor(folder)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            log.warning("export %s does not load (%s): training %s again", folder, e, kind)
+        else:
+            st.reused = True
+            st.summary = f"reused export {folder} (same config and data; --retrain true trains it again)"
+            return policy, folder, state
+    state_file.unlink(missing_ok=True)  # from here until the new state is written, the export is not finished
+    logger = MLFlowLogger(experiment_name=cfg.experiment, tracking_uri=uri, run_name=f"train-{kind}")
+    logger.log_hyperparams({**_flat_params(kind, kcfg), **_flat_params("data", ident),
+                            "data.generate": json.dumps(dataclasses.asdict(cfg.data), default=str)[:6000]})
+    policy, metrics = fit_predictor(kind, kcfg, data_dirs, kdir, logger=logger)
+    export_predictor(policy, folder, {
+        "draft_fingerprint": ident["draft"], "target": ident["target"], "companion": ident["companion"],
+        "data_fingerprint": ident["data_fingerprint"], "data_dir": ", ".join(map(str, data_dirs)),
+    })
+    free = [metrics[k] for k in ("val_auc_max_prob", "val_auc_draft_prob", "val_auc_neg_entropy") if k in metrics]
+    row = {"predictor": kind, "status": "trained", "label": _own_label(kcfg)[0],
+           "val_auc": metrics.get("val_auc"), "val_auc_best_free": max(free) if free else None,
+           "epochs": metrics.get("epochs_run"), "n_train": metrics.get("n_train")}
+    if kind == "sv":
+        row["info_gain_bits"] = metrics.get("val_information_gain_bits")
+        row["info_gain_frac"] = metrics.get("val_information_gain_frac")
+    state = {"key": key, "row": row, "run_id": logger.run_id}
+    _write_json(state_file, state)
+    epochs = f"{_plural(int(row['epochs']), 'epoch')}, " if row.get("epochs") else ""
+    st.summary = f"{epochs}{row['n_train'] or 0:,.0f} training records, val AUC {_fmt(row['val_auc'])}"
+    return policy, folder, state
+
+
+def _register(exports: dict[str, Path], states: dict[str, dict], rows: dict, ident: dict, uri: str) -> str:
+    """Register each export (not again when its state holds a version registered at ``uri``); the stage's summary."""
+    import contextlib
+    import io
+
+    from predictors.registry import register_predictor, registry_name
+
+    done = []
     for kind, folder in exports.items():
-        if cfg.register:
+        reg = states[kind].get("registered")
+        if reg and reg.get("uri") == uri:
+            done.append(f"{kind} v{reg['version']} (kept)")
+        else:
+            chatter = io.StringIO()  # MLflow prints "Successfully registered model ..." to stderr; the log says it
             try:
-                reg = register_predictor(folder, registry_name(kind, ident["draft"]), float(rows[kind]["val_auc"] or 0.0),
-                                         run_id=loggers[kind].run_id, tracking_uri=uri)
+                with contextlib.redirect_stderr(chatter):
+                    reg = register_predictor(folder, registry_name(kind, ident["draft"]),
+                                             float(rows[kind]["val_auc"] or 0.0), run_id=states[kind].get("run_id"),
+                                             tracking_uri=uri)
             except ConnectionError as e:
                 raise ConnectionError(f"{e}. The trained predictor is kept on disk at {folder}") from e
-            rows[kind].update(registered=f"{reg['name']} v{reg['version']}", champion=reg["champion"])
-        update_metadata(folder, registry=rows[kind].get("registered"))
-    result = {"results": list(rows.values()), "report": str(report) if report else None, "data": ident,
-              "seconds": time.perf_counter() - t0}
-    (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
-    return result
+            reg = {"uri": uri, "name": reg["name"], "version": reg["version"], "champion": bool(reg["champion"])}
+            states[kind]["registered"] = reg
+            _write_json(folder.parent / TRAIN_STATE, states[kind])
+            done.append(f"{kind} v{reg['version']}")
+        rows[kind].update(registered=f"{reg['name']} v{reg['version']}", champion=reg["champion"])
+    return ", ".join(done)
+
+
+def _train_key(kind: str, kcfg: Any, data_dirs: list[Path], ident: dict) -> str:
+    """Hash of what a predictor is trained from: its config, the data config and every shard (name, rows, size)."""
+    from data_gen.shards import finished_chunks, shard_path
+
+    shards = [[str(d), c, n, shard_path(d, c).stat().st_size] for d in data_dirs for c, n in sorted(finished_chunks(d).items())]
+    blob = json.dumps({"kind": kind, "config": dataclasses.asdict(kcfg), "data": ident["data_fingerprint"],
+                       "shards": shards}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _update_metadata_if_changed(folder: Path, **fields: Any) -> None:
+    """``predictors.export.update_metadata`` only when a field changes (a reused export's files stay untouched)."""
+    from predictors.export import read_metadata, update_metadata
+
+    meta = read_metadata(folder)
+    if any(meta.get(k) != v for k, v in fields.items()):
+        update_metadata(folder, **fields)
 
 
 def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, exports: dict, rows: dict, uri: str) -> Path:
@@ -228,7 +403,6 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, export
 
     from evaluation.classification import DEFAULT_LABEL_SPECS, FREE_SCORES
     from pipelines.evaluate import EvaluateConfig, run_evaluation
-    from predictors.export import update_metadata
 
     own = {kind: _own_label(c) for kind, c in (("disco", cfg.disco), ("sprinter", cfg.sprinter), ("sv", cfg.sv))}
     specs = [tuple(spec) for spec in DEFAULT_LABEL_SPECS]
@@ -260,7 +434,10 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, export
             thr, speed = tuned
             policies[kind].threshold = float(thr)
             rows[kind].update(threshold=float(thr), val_speedup=float(speed))
-            update_metadata(exports[kind], threshold=float(thr), tuned_val_speedup=float(speed))
+            _update_metadata_if_changed(exports[kind], threshold=float(thr), tuned_val_speedup=float(speed))
+        speed = _replayed_speedup(res.get("replay"), kind)
+        if speed is not None:
+            rows[kind]["test_speedup"] = speed
     from pipelines.evaluate import cost_aware_rows, store_calibrations  # calibration maps, cost-aware (goodput) rows
 
     store_calibrations(res, {k: exports[k] for k in policies if k in exports}, Path(cfg.out_dir) / "calibrated")
@@ -299,17 +476,92 @@ def _headline_auc(table: Any, policy: str, label: str = "greedy match") -> float
     return float(sel["auc"].iloc[0]) if len(sel) else None
 
 
+RESULTS_MD = "results.md"
+"""The full table (every column) and the stage times, beside ``results.json`` in ``out_dir``."""
+
+FULL_COLUMNS = ["predictor", "status", "label", "val_auc", "val_auc_best_free", "test_auc", "best_free",
+                "test_auc_best_free", "cv_auc", "cv_best_free", "cv_auc_best_free", "cv_diff", "cv_diff_lo", "cv_diff_hi",
+                "threshold", "val_speedup", "test_speedup", "ece_greedy", "ece_sampling", "info_gain_bits", "info_gain_frac",
+                "registered", "champion"]
+"""Columns of the full table (``results.md``), in order; a column no row has is left out."""
+
+
+def _fmt(v: Any, spec: str = ".4f") -> str:
+    return format(v, spec) if isinstance(v, float) else ("" if v is None else str(v))
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of the results."""
-    cols = ["predictor", "status", "label", "val_auc", "val_auc_best_free", "test_auc", "best_free", "test_auc_best_free",
-            "cv_auc", "cv_best_free", "cv_auc_best_free", "cv_diff", "cv_diff_lo", "cv_diff_hi", "threshold",
-            "val_speedup", "test_speedup", "ece_greedy", "ece_sampling", "info_gain_bits", "info_gain_frac", "registered",
-            "champion"]
-    cols = [c for c in cols if any(c in r for r in rows)]
-    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
+    """Markdown table of the results, every column (:data:`FULL_COLUMNS`)."""
+    cols = [c for c in FULL_COLUMNS if any(c in r for r in rows)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
+
+
+SUMMARY_NOTE = (
+    "test AUC: on the predictor's own label and draw, test split; best free: the best training-free score (top-1,\n"
+    "q(x), -entropy) on the same tokens; cv diff: cross-validated AUC difference to it, 95% paired bootstrap interval;\n"
+    "speedup: replayed on the test split at the threshold tuned on validation; version: MLflow registry (* champion)."
+)
+
+
+def summary_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """The console table's cells: one list per result row (header first). A row that was not trained shows its status
+    in place of the numbers. Add a row kind here and it shows on the console; every field also goes to
+    :func:`format_table`."""
+    out = [["predictor", "label", "test AUC", "best free", "cv diff [95% CI]", "speedup", "version"]]
+    for r in rows:
+        if r.get("status") not in (None, "trained"):
+            out.append([str(r.get("predictor")), str(r["status"])])
+            continue
+        best = f"{_fmt(r.get('test_auc_best_free'))} {r.get('best_free') or ''}".strip()
+        cv = ""
+        if r.get("cv_diff") is not None:
+            cv = f"{r['cv_diff']:+.4f} [{r['cv_diff_lo']:+.4f}, {r['cv_diff_hi']:+.4f}]"
+        speed = f"{r['test_speedup']:.2f}x" if isinstance(r.get("test_speedup"), float) else ""
+        version = str(r.get("registered") or "").rsplit(" ", 1)[-1] + ("*" if r.get("champion") else "")
+        out.append([str(r.get("predictor")), str(r.get("label") or ""), _fmt(r.get("test_auc")), best, cv, speed, version])
+    return out
+
+
+def format_summary(rows: list[dict[str, Any]], width: int = 100) -> str:
+    """The console table: predictor, label, test AUC, best training-free score, cross-validated difference with its
+    interval, replayed speedup, registered version; aligned in columns, at most ``width`` characters a line (a long
+    status is cut)."""
+    cells = summary_rows(rows)
+    n = len(cells[0])
+    widths = [max(len(c[i]) for c in cells if i < len(c) and len(c) == n) for i in range(n)]
+    right = {2, 5}  # numbers
+    lines = []
+    for c in cells:
+        if len(c) < n:  # predictor + status across the row
+            line = c[0].ljust(widths[0]) + "  " + " ".join(c[1:])
+        else:
+            line = "  ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(c, widths)))
+        lines.append(line.rstrip()[:width])
+    lines.insert(1, "-" * min(width, max(len(x) for x in lines)))
+    return "\n".join(lines)
+
+
+def _replayed_speedup(replay: Any, kind: str) -> float | None:
+    """Speedup of the val-tuned policy (else the policy as trained) in the first replay mode on the test split."""
+    if replay is None or not len(replay) or "speedup" not in replay:
+        return None
+    first = replay[replay["mode"] == replay["mode"].iloc[0]] if "mode" in replay else replay
+    for name in (f"{kind} (val-tuned)", kind):
+        sel = first[first["policy"] == name]
+        if len(sel) and sel["speedup"].notna().iloc[0]:
+            return float(sel["speedup"].iloc[0])
+    return None
+
+
+def _results_markdown(cfg: TrainJobConfig, result: dict[str, Any]) -> str:
+    times = result["stage_seconds"]
+    lines = [f"# Main job results ({cfg.out_dir})", "", format_table(result["results"]), "", SUMMARY_NOTE.replace("\n", " "),
+             "", f"Report: {result['report']}" if result["report"] else "No evaluation report (--evaluate false).", "",
+             "## Time by stage", "", "| stage | seconds |", "|---|---|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in times.items()]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -317,10 +569,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with user_errors("python -m pipelines.train"):
         cfg = parse_config(TrainJobConfig, argv, __doc__)
         result = train_all(cfg)
-    print(format_table(result["results"]))
+    out = Path(cfg.out_dir)
+    print(format_summary(result["results"]))
+    print(SUMMARY_NOTE)
+    print(f"full table: {out / RESULTS_MD}")
     if result["report"]:
-        print(f"\nreport: {result['report']}")
-    print(f"done in {result['seconds']:.0f}s")
+        print(f"report: {result['report']}")
+    print(result["total_line"])
     return result
 
 

@@ -1,0 +1,173 @@
+"""One progress view for the main job: a bar over the whole chain of stages and a one-line summary per stage.
+
+The bar (tqdm, on a terminal only) names the running stage (generate, train disco / sprinter / sv, evaluate,
+crossval, register); during generation it shows the records labelled, records/s and an ETA. Each stage logs one line
+when it ends (``stage generate: 12,000 records in 612 s (19.6 records/s)``), a stage that is cut logs how long it ran,
+and :meth:`ChainProgress.total_line` gives the total with each stage's time, so the user sees where the time goes.
+The log lines go through ``logging`` (above the bar on a terminal), so a log file holds the same summary.
+
+Usage::
+
+    with ChainProgress(["generate", "train disco", "evaluate"], log) as chain:
+        with chain.stage("generate") as st:
+            generate(cfg, progress=chain.generation(remaining=12_000).folder())
+            st.summary = "12,000 records"
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+
+def fmt_duration(seconds: float) -> str:
+    """``4.2 s``, ``42 s``, ``12 min``, ``2 h 05 min``."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    minutes = seconds / 60
+    if minutes < 90:
+        return f"{minutes:.0f} min"
+    return f"{int(minutes // 60)} h {int(minutes % 60):02d} min"
+
+
+@dataclass
+class Stage:
+    """A running stage: the caller sets ``summary`` (what it did, e.g. ``"8 epochs, val AUC 0.66"``) and may set
+    ``records`` (records handled, for a records/s figure) or ``reused`` (its output was found on disk)."""
+
+    name: str
+    summary: str = ""
+    records: int | None = None
+    reused: bool = False
+    seconds: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        what = f"{self.summary} " if self.summary else ""
+        rate = f" ({self.records / self.seconds:,.1f} records/s)" if self.records and self.seconds > 0 else ""
+        return f"stage {self.name}: {what}in {fmt_duration(self.seconds)}{rate}"
+
+
+class ChainProgress:
+    """The bar over the planned stages and the per-stage summaries (see the module docstring).
+
+    Args:
+        stages: the planned stages in order (the bar's length; a stage not in the list still runs and is reported).
+        log: where the summary lines go.
+        disable: no bar (None: a bar only when stderr is a terminal).
+    """
+
+    def __init__(self, stages: list[str], log: logging.Logger, disable: bool | None = None) -> None:
+        self.planned = list(stages)
+        self.log = log
+        self.done: list[Stage] = []
+        self.t0 = time.perf_counter()
+        self._stack = ExitStack()
+        self.bar = tqdm(total=max(1, len(self.planned)), desc="specstop", disable=disable, leave=False,
+                        bar_format="{desc} {percentage:3.0f}%|{bar:24}| {elapsed}{postfix}")
+        if not self.bar.disable:
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._stack.enter_context(logging_redirect_tqdm())  # log lines print above the bar
+
+    def __enter__(self) -> ChainProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[Stage]:
+        """Run one stage: the bar shows it while it runs; its summary line is logged when it ends. A stage cut by an
+        exception (Ctrl-C included) logs how long it ran and that the same command resumes, then re-raises."""
+        st = Stage(name)
+        self.bar.set_description(f"stage {name}")
+        self.bar.set_postfix_str("")
+        t = time.perf_counter()
+        try:
+            yield st
+        except BaseException:
+            st.seconds = time.perf_counter() - t
+            self.log.warning("stage %s cut after %s: finished shards and exports are kept; the same command resumes",
+                             name, fmt_duration(st.seconds))
+            raise
+        st.seconds = time.perf_counter() - t
+        self.done.append(st)
+        self.log.info(st.line())
+        self._advance(0.0)
+
+    def _advance(self, fraction_of_current: float) -> None:
+        self.bar.n = min(self.bar.total, len(self.done) + fraction_of_current)
+        self.bar.refresh()
+
+    def generation(self, remaining: int | None) -> GenerationMeter:
+        """The meter of the generate stage over all its data folders (``meter.folder()`` gives each folder's callback
+        for ``pipelines.generate.generate(progress=...)``).
+
+        Args:
+            remaining: records still to generate over all folders (None: no budget, no ETA). At the first shard the
+                log says the rate and the ETA of the whole budget, so a budget that cannot finish in the time the user
+                has shows at once.
+        """
+        return GenerationMeter(self, remaining)
+
+    def times(self) -> dict[str, float]:
+        """Seconds per finished stage, in order, and the total."""
+        return {**{s.name: round(s.seconds, 3) for s in self.done}, "total": round(time.perf_counter() - self.t0, 3)}
+
+    def total_line(self) -> str:
+        total = time.perf_counter() - self.t0
+        parts = ", ".join(f"{s.name} {fmt_duration(s.seconds)}" + (" (reused)" if s.reused else "") for s in self.done)
+        return f"total {fmt_duration(total)}: {parts}"
+
+    def close(self) -> None:
+        """Close the bar (the caller prints :meth:`total_line` under its results)."""
+        self.bar.close()
+        self._stack.close()
+
+
+class GenerationMeter:
+    """Records, records/s and ETA of the generate stage, summed over its data folders (see
+    :meth:`ChainProgress.generation`)."""
+
+    def __init__(self, chain: ChainProgress, remaining: int | None) -> None:
+        self.chain, self.remaining = chain, remaining
+        self.banked_records, self.banked_seconds = 0, 0.0  # finished folders
+        self.records, self.seconds = 0, 0.0  # the current folder (its generator's counts)
+        self.shards = 0
+
+    def folder(self) -> Callable[[dict], None]:
+        """The callback for the next data folder (banks the counts of the previous one)."""
+        self.banked_records += self.records
+        self.banked_seconds += self.seconds
+        self.records, self.seconds = 0, 0.0
+        return self.on_shard
+
+    def on_shard(self, event: dict) -> None:
+        """Called by the generator after each shard: {new_records, seconds, ...} counted from its start."""
+        self.records, self.seconds = int(event["new_records"]), float(event["seconds"])
+        self.shards += 1
+        new, secs = self.banked_records + self.records, self.banked_seconds + self.seconds
+        rate = new / secs if secs > 0 else 0.0
+        left = max(0, self.remaining - new) if self.remaining else None
+        eta = fmt_duration(left / rate) if left is not None and rate > 0 else "?"
+        budget = f"/{self.remaining:,}" if self.remaining else ""
+        self.chain.bar.set_postfix_str(f"{new:,}{budget} records, {rate:,.1f} records/s, ETA {eta}")
+        if self.remaining:
+            self.chain._advance(min(1.0, new / self.remaining))
+        if self.shards > 1:
+            return
+        if left is None:
+            self.chain.log.info("generate: first shard: %s records in %s (%.1f records/s); no budget (max_records "
+                                "null): every prompt is labelled", f"{new:,}", fmt_duration(secs), rate)
+        else:
+            self.chain.log.info("generate: first shard: %s records in %s (%.1f records/s); %s records to go, ETA %s. "
+                                "Too long? Stop it (Ctrl-C) and pass a smaller --data.max_records: finished shards "
+                                "are kept", f"{new:,}", fmt_duration(secs), rate, f"{left:,}", eta)

@@ -1,0 +1,40 @@
+"""Shard bookkeeping without models: an unreadable shard is moved aside, a completed folder is recognised."""
+from __future__ import annotations
+
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data_gen.shards import cost_path, finished_chunks, is_complete, mark_complete, shard_path
+
+
+def _shard(folder, chunk: int, n: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"x": list(range(n))}), shard_path(folder, chunk))
+    cost_path(shard_path(folder, chunk)).write_text("{}")
+
+
+def test_unreadable_shard_is_named_and_moved_aside(tmp_path, caplog):
+    _shard(tmp_path, 0, 100)
+    _shard(tmp_path, 1, 50)
+    bad = shard_path(tmp_path, 0)
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    (tmp_path / "shard-00002.parquet.tmp").write_bytes(b"partial")
+    with caplog.at_level(logging.WARNING):
+        assert finished_chunks(tmp_path) == {1: 50}
+    assert "shard-00000.parquet does not read" in caplog.text and "moved aside" in caplog.text
+    assert (tmp_path / "shard-00000.parquet.corrupt").exists() and (tmp_path / "shard-00000.cost.json.corrupt").exists()
+    assert not bad.exists() and not list(tmp_path.glob("*.tmp"))
+    assert finished_chunks(tmp_path) == {1: 50}  # once moved, nothing more to say
+
+
+def test_complete_marker_follows_the_shards(tmp_path):
+    _shard(tmp_path, 0, 10)
+    _shard(tmp_path, 1, 10)
+    assert not is_complete(tmp_path, "fp", 100)
+    mark_complete(tmp_path, "fp", 100)
+    assert is_complete(tmp_path, "fp", 100)
+    assert not is_complete(tmp_path, "other", 100) and not is_complete(tmp_path, "fp", 200)
+    _shard(tmp_path, 1, 5)  # a shard replaced since: generate again
+    assert not is_complete(tmp_path, "fp", 100)
