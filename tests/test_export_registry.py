@@ -107,7 +107,7 @@ def test_baselines_export_and_load(kind, tmp_path):
     assert loaded.draft_cap() == policy.draft_cap()
     assert read_metadata(folder)["weights"] is None
     feats = {"draft_entropy": torch.tensor([0.1, 2.0]), "draft_max_prob": torch.tensor([0.9, 0.2]),
-             "greedy_match": torch.tensor([True, False])}
+             "greedy_match": torch.tensor([True, False]), "q": torch.tensor([0.9, 0.1])}
     assert torch.equal(policy.score(feats), loaded.score(feats))
 
 
