@@ -71,7 +71,7 @@ class ChainProgress:
         self.t0 = time.perf_counter()
         self._stack = ExitStack()
         self.bar = tqdm(total=max(1, len(self.planned)), desc="specstop", disable=disable, leave=False,
-                        bar_format="{desc} {percentage:3.0f}%|{bar:24}| {elapsed}{postfix}")
+                        bar_format="{desc} |{bar:16}| {elapsed}{postfix}")
         if not self.bar.disable:
             from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -88,7 +88,8 @@ class ChainProgress:
         """Run one stage: the bar shows it while it runs; its summary line is logged when it ends. A stage cut by an
         exception (Ctrl-C included) logs how long it ran and that the same command resumes, then re-raises."""
         st = Stage(name)
-        self.bar.set_description(f"stage {name}")
+        step = f"{self.planned.index(name) + 1}/{len(self.planned)} " if name in self.planned else ""
+        self.bar.set_description(f"stage {step}{name}", refresh=False)
         self.bar.set_postfix_str("")
         t = time.perf_counter()
         try:
@@ -159,7 +160,7 @@ class GenerationMeter:
         left = max(0, self.remaining - new) if self.remaining else None
         eta = fmt_duration(left / rate) if left is not None and rate > 0 else "?"
         budget = f"/{self.remaining:,}" if self.remaining else ""
-        self.chain.bar.set_postfix_str(f"{new:,}{budget} records, {rate:,.1f} records/s, ETA {eta}")
+        self.chain.bar.set_postfix_str(f"{new:,}{budget}, {rate:,.1f} records/s, ETA {eta}")
         if self.remaining:
             self.chain._advance(min(1.0, new / self.remaining))
         if self.shards > 1:

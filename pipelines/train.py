@@ -310,6 +310,8 @@ def _train_one(cfg: TrainJobConfig, kind: str, kcfg: Any, data_dirs: list[Path],
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             log.warning("export %s does not load (%s): training %s again", folder, e, kind)
         else:
+            if hasattr(kcfg, "threshold"):  # as trained; the evaluation tunes it again, as on the first run
+                policy.threshold = float(kcfg.threshold)
             st.reused = True
             st.summary = f"reused export {folder} (same config and data; --retrain true trains it again)"
             return policy, folder, state
@@ -501,43 +503,61 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 SUMMARY_NOTE = (
     "test AUC: on the predictor's own label and draw, test split; best free: the best training-free score (top-1,\n"
     "q(x), -entropy) on the same tokens; cv diff: cross-validated AUC difference to it, 95% paired bootstrap interval;\n"
-    "speedup: replayed on the test split at the threshold tuned on validation; version: MLflow registry (* champion)."
+    "speedup: replayed on the test split (thresholds tuned on validation); reg.: MLflow registry version (* champion)."
 )
+
+FREE_SHORT = {"max-prob": "top-1", "draft-prob": "q(x)", "neg-entropy": "-entropy"}
+"""The training-free scores as the console table names them (the README's names)."""
 
 
 def summary_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     """The console table's cells: one list per result row (header first). A row that was not trained shows its status
-    in place of the numbers. Add a row kind here and it shows on the console; every field also goes to
-    :func:`format_table`."""
-    out = [["predictor", "label", "test AUC", "best free", "cv diff [95% CI]", "speedup", "version"]]
+    in place of the numbers; a label is cut at its first comma. Add a row and it shows on the console; every field
+    also goes to :func:`format_table`."""
+    out = [["predictor", "label", "test AUC", "best free", "cv diff [95% CI]", "speedup", "reg."]]
     for r in rows:
         if r.get("status") not in (None, "trained"):
             out.append([str(r.get("predictor")), str(r["status"])])
             continue
-        best = f"{_fmt(r.get('test_auc_best_free'))} {r.get('best_free') or ''}".strip()
+        free = r.get("best_free")
+        best = f"{_fmt(r.get('test_auc_best_free'))} {FREE_SHORT.get(free, free or '')}".strip()
         cv = ""
         if r.get("cv_diff") is not None:
-            cv = f"{r['cv_diff']:+.4f} [{r['cv_diff_lo']:+.4f}, {r['cv_diff_hi']:+.4f}]"
+            cv = f"{r['cv_diff']:+.4f} [{r['cv_diff_lo']:+.4f},{r['cv_diff_hi']:+.4f}]"
         speed = f"{r['test_speedup']:.2f}x" if isinstance(r.get("test_speedup"), float) else ""
         version = str(r.get("registered") or "").rsplit(" ", 1)[-1] + ("*" if r.get("champion") else "")
-        out.append([str(r.get("predictor")), str(r.get("label") or ""), _fmt(r.get("test_auc")), best, cv, speed, version])
+        label = str(r.get("label") or "").split(",")[0]
+        out.append([str(r.get("predictor")), label, _fmt(r.get("test_auc")), best, cv, speed, version])
     return out
 
 
 def format_summary(rows: list[dict[str, Any]], width: int = 100) -> str:
     """The console table: predictor, label, test AUC, best training-free score, cross-validated difference with its
-    interval, replayed speedup, registered version; aligned in columns, at most ``width`` characters a line (a long
-    status is cut)."""
+    interval, replayed speedup, registered version; aligned in columns, at most ``width`` characters a line (when the
+    cells are wider, the label and then the predictor column are cut, marked with ``~``)."""
     cells = summary_rows(rows)
     n = len(cells[0])
-    widths = [max(len(c[i]) for c in cells if i < len(c) and len(c) == n) for i in range(n)]
-    right = {2, 5}  # numbers
+    full = [c for c in cells if len(c) == n]
+    widths = [max(len(c[i]) for c in full) for i in range(n)]
+    used = [i for i in range(n) if any(c[i] for c in full[1:])] or list(range(n))  # drop columns no row fills
+    right = {2, 5}  # numbers, right-aligned after one space
+
+    def total() -> int:
+        return sum(widths[i] for i in used) + sum(1 if i in right else 2 for i in used[1:])
+
+    for i, floor in ((1, 10), (0, 12)):
+        widths[i] -= max(0, min(total() - width, widths[i] - floor))
+
+    def cell(v: str, i: int) -> str:
+        v = v if len(v) <= widths[i] else v[: widths[i] - 1] + "~"
+        return v.rjust(widths[i]) if i in right else v.ljust(widths[i])
+
     lines = []
     for c in cells:
         if len(c) < n:  # predictor + status across the row
-            line = c[0].ljust(widths[0]) + "  " + " ".join(c[1:])
+            line = cell(c[0], 0) + "  " + " ".join(c[1:])
         else:
-            line = "  ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(c, widths)))
+            line = cell(c[used[0]], used[0]) + "".join((" " if i in right else "  ") + cell(c[i], i) for i in used[1:])
         lines.append(line.rstrip()[:width])
     lines.insert(1, "-" * min(width, max(len(x) for x in lines)))
     return "\n".join(lines)

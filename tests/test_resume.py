@@ -173,7 +173,7 @@ def test_console_table_fits_100_columns():
                "(configure data.models.companion) and a long tail " * 2}
     text = train.format_summary([long, skipped])
     assert max(map(len, text.splitlines())) <= 100
-    assert "v12*" in text and "-0.0123 [-0.0346, +0.0123]" in text and "1.23x" in text and "skipped: data" in text
+    assert "v12*" in text and "-0.0123 [-0.0346,+0.0123]" in text and "1.23x" in text and "skipped: data" in text
     assert len(train.format_table([long]).splitlines()[0].split("|")) > 12  # the full table keeps every column
 
 
