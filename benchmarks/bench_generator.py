@@ -14,8 +14,8 @@ the floor is an upper bound on how well the generator uses the machine. Prints r
 stage (continuations per origin, rollouts, labelling per model, writing) and peak memory.
 
 Usage:
-    python benchmarks/bench_generator.py                                      # configs/generate-default.yaml, 16 prompts
-    python benchmarks/bench_generator.py --compute eager --n_prompts 8        # the same on torch's default kernels
+    python benchmarks/bench_generator.py                                # configs/generate-default.yaml, 16 prompts
+    python benchmarks/bench_generator.py --compute eager --n_prompts 8  # the same on torch's default kernels
     python benchmarks/bench_generator.py --config configs/generate-smoke.yaml --n_prompts 4
 """
 from __future__ import annotations

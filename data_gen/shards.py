@@ -75,7 +75,9 @@ def prepare_out_dir(out_dir: Path, data_config: dict, resolved: dict, overwrite:
                 cost_path(p).unlink(missing_ok=True)
             (out_dir / SUMMARY_FILE).unlink(missing_ok=True)
     elif shards and not overwrite:
-        raise FileExistsError(f"{out_dir} holds shards but no {CONFIG_FILE}; pass --overwrite true or use another out_dir")
+        raise FileExistsError(
+            f"{out_dir} holds shards but no {CONFIG_FILE}; pass --overwrite true or use another out_dir"
+        )
     tmp = cfg_file.with_suffix(".tmp")
     tmp.write_text(json.dumps({"fingerprint": fp, "data": data_config, "resolved": resolved}, indent=2, default=str))
     os.replace(tmp, cfg_file)
@@ -189,12 +191,16 @@ def shard_files(data_dir: DataPath) -> list[Path]:
         return [f for d in data_paths(data_dir) for f in shard_files(d)]
     root = Path(data_dir).expanduser()
     if not root.exists():
-        raise FileNotFoundError(f"data folder {root} does not exist; generate data first (python -m pipelines.generate)")
+        raise FileNotFoundError(
+            f"data folder {root} does not exist; generate data first (python -m pipelines.generate)"
+        )
     if root.is_file():
         return [root]
     files = sorted(root.glob(SHARD_GLOB)) or sorted(root.rglob("*.parquet"))
     if not files:
-        raise FileNotFoundError(f"no Parquet shards ({SHARD_GLOB}) in {root}; generate data first (python -m pipelines.generate)")
+        raise FileNotFoundError(
+            f"no Parquet shards ({SHARD_GLOB}) in {root}; generate data first (python -m pipelines.generate)"
+        )
     return files
 
 
@@ -249,8 +255,8 @@ def folder_cost(data_dir: Path) -> dict:
     """The cost accounting of every complete shard of a folder, added up: records kept and seconds spent per origin,
     labelling seconds per model, records labelled but cut by the budget, wall seconds and records per second; shards
     written without accounting are counted apart."""
-    total: dict = {"shards": 0, "shards_without_cost": 0, "records": 0, "dropped_by_budget": 0, "wall_s": 0.0, "origin": {},
-                   "label_s_by_model": {}}
+    total: dict = {"shards": 0, "shards_without_cost": 0, "records": 0, "dropped_by_budget": 0, "wall_s": 0.0,
+                   "origin": {}, "label_s_by_model": {}}
     for shard in sorted(Path(data_dir).glob(SHARD_GLOB)):
         f = cost_path(shard)
         if not f.is_file():
@@ -278,7 +284,9 @@ def load_records(data_dir: DataPath, columns: list[str] | None = None) -> datase
 
 def summarize(data_dir: Path, extra: dict | None = None) -> dict:
     """Acceptance rate, greedy-match rate and oracle draft-length histogram, overall and per origin / domain / split."""
-    cols = ["origin", "domain", "split", "draw", "greedy_match", "accept_prob", "oracle_len", "oracle_censored", "rollout"]
+    cols = [
+        "origin", "domain", "split", "draw", "greedy_match", "accept_prob", "oracle_len", "oracle_censored", "rollout"
+    ]
     present = set.union(*folder_columns(data_dir).values())
     df = load_records(data_dir, [c for c in cols if c in present]).to_pandas()
 

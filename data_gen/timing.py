@@ -1,8 +1,8 @@
 """Latency cost model of one speculative-decoding round, measured on this machine for one model pair.
 
-One round drafts ``n`` tokens (``n`` draft decode steps, plus ``n`` companion steps when a companion runs) and verifies them
-with one target forward over ``n + 1`` new tokens (the last emitted token, not yet in the target's cache, plus the ``n``
-drafts). Target-only decoding is the round with ``n = 0``: one target forward of one new token per output token.
+One round drafts ``n`` tokens (``n`` draft decode steps, plus ``n`` companion steps when a companion runs) and verifies
+them with one target forward over ``n + 1`` new tokens (the last emitted token, not yet in the target's cache, plus the
+``n`` drafts). Target-only decoding is the round with ``n = 0``: one target forward of one new token per output token.
 The draft's catch-up on the bonus token after a fully accepted round is ignored (one extra draft step at most).
 
 One length convention everywhere: ``target_s[L]`` is a target forward of ``L`` new tokens (L = drafts + 1). The

@@ -418,7 +418,10 @@ class SpeculativeDecoder:
                  seed: int | None) -> _Decoding:
         """Fresh caches holding every prompt token but the last (each model's first pending input)."""
         device = self.target.device
-        eos = set() if eos_token_id is None else ({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
+        if eos_token_id is None:
+            eos = set()
+        else:
+            eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
         gen = None
         if self.temperature > 0:
             gen = torch.Generator(device=device)

@@ -12,8 +12,8 @@ confidence threshold and schedules are switched off: the policy alone decides. V
 Works for policies that need only the draft's scores (static, heuristic, max-confidence, SVIP, AdaEDL, DISCO, exported
 baselines, and any of them under ``goodput:``); policies needing a companion (SV), the target (oracle) or approximate
 verification (SPRINTER) are refused. A cost-aware policy (``verification == GOODPUT``) needs the measured
-``cost_model``: the stopping criterion asks the goodput rule (``predictors.goodput.keep_drafting``, as the engine and the
-replay do) and the candidates are cut to the rule's best prefix before transformers verifies them.
+``cost_model``: the stopping criterion asks the goodput rule (``predictors.goodput.keep_drafting``, as the engine and
+the replay do) and the candidates are cut to the rule's best prefix before transformers verifies them.
 transformers' assisted generation supports batch size 1 only.
 
 Usage:
@@ -188,7 +188,9 @@ def generate_with_policy(
     """
     check_hf_policy(policy, cost_model)
     if input_ids.shape[0] != 1:
-        raise ValueError("transformers' assisted generation supports batch size 1 only; use SpeculativeDecoder for B > 1")
+        raise ValueError(
+            "transformers' assisted generation supports batch size 1 only; use SpeculativeDecoder for B > 1"
+        )
     policy.use_mode(mode_of(1.0 if generate_kwargs.get("do_sample") else 0.0))
     policy.reset()
     made: list[PolicyCandidateGenerator] = []

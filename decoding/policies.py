@@ -108,7 +108,9 @@ def build_policy(
             raise ValueError(f"policy dict {spec}: 'kind' must be one of {sorted(BASELINES)}")
         return BASELINES[kind](**params)
     if not isinstance(spec, str) or not spec:
-        raise ValueError(f"policy spec {spec!r}: give a name like static:5, a dict, an export folder or models:/name@alias")
+        raise ValueError(
+            f"policy spec {spec!r}: give a name like static:5, a dict, an export folder or models:/name@alias"
+        )
     kind, _, arg = spec.partition(":")
     if kind in _NAMED and not spec.startswith("models:/"):
         return _named(kind, arg or None, max_draft_len)
@@ -133,15 +135,17 @@ def _goodput(inner: str, draft: PreTrainedModel | None, draft_tokenizer: PreTrai
     from predictors.goodput import MissingCalibration, goodput_policy
 
     if not inner:
-        raise ValueError("policy goodput: needs a predictor or score after the colon, e.g. goodput:models:/name@champion")
+        raise ValueError(
+            "policy goodput: needs a predictor or score after the colon, e.g. goodput:models:/name@champion"
+        )
     kind = inner.partition(":")[0]
     if kind in _NAMED and not inner.startswith("models:/"):
         if calibration_dir is None or not (Path(calibration_dir) / kind).is_dir():
             where = f"{calibration_dir}/{kind}" if calibration_dir is not None else "calibration_dir (not given)"
             raise MissingCalibration(
                 f"goodput:{inner}: no calibrated export of the training-free score {kind!r} in {where}; the main job "
-                f"writes them to <out_dir>/calibrated/<name> (pass calibration_dir or use goodput:<that folder>), or fit "
-                f"one: python -m pipelines.calibrate --data_dir DATA_DIR --predictor {kind} --out_dir DIR")
+                f"writes them to <out_dir>/calibrated/<name> (pass calibration_dir or use goodput:<that folder>), "
+                f"or fit one: python -m pipelines.calibrate --data_dir DATA_DIR --predictor {kind} --out_dir DIR")
         inner = str(Path(calibration_dir) / kind)
     pol = build_policy(inner, draft=draft, draft_tokenizer=draft_tokenizer, force=force, tracking_uri=tracking_uri)
     return goodput_policy(pol, inner)

@@ -186,7 +186,7 @@ def _sk_metrics(scores: np.ndarray, y: np.ndarray, threshold: float) -> dict[str
     w2 = np.concatenate([y, 1.0 - y])
     keep = w2 > 0
     s2, y2, w2 = s2[keep], y2[keep], w2[keep]
-    out = {"auc": float("nan"), "pr_auc": float("nan"), "f1_own": float("nan"), "f1_opt": float("nan"), "thr_f1_opt": float("nan")}
+    out = {k: float("nan") for k in ("auc", "pr_auc", "f1_own", "f1_opt", "thr_f1_opt")}
     has_pos, has_neg = (y2 == 1).any(), (y2 == 0).any()
     if has_pos and has_neg:
         out["auc"] = float(roc_auc_score(y2, s2, sample_weight=w2))
@@ -221,7 +221,8 @@ def _policy_scores(policy: StopPolicy, feats: Mapping[str, Tensor], chunk: int =
     parts = []
     with torch.no_grad():
         for a in range(0, n, chunk):
-            parts.append(policy.score({k: v[a : a + chunk] for k, v in feats.items()}).detach().float().reshape(-1).numpy())
+            scores = policy.score({k: v[a : a + chunk] for k, v in feats.items()})
+            parts.append(scores.detach().float().reshape(-1).numpy())
     return np.concatenate(parts).astype(np.float64) if parts else np.zeros(0)
 
 
@@ -429,7 +430,9 @@ def roc_points(
         s = _policy_scores(pol, feats)
         if not np.all(np.isfinite(s)):
             continue
-        s2, y2, w2 = np.concatenate([s, s]), np.concatenate([np.ones_like(y), np.zeros_like(y)]), np.concatenate([y, 1 - y])
+        s2 = np.concatenate([s, s])
+        y2 = np.concatenate([np.ones_like(y), np.zeros_like(y)])
+        w2 = np.concatenate([y, 1 - y])
         keep = w2 > 0
         fpr, tpr, _ = roc_curve(y2[keep], s2[keep], sample_weight=w2[keep])
         out[name] = (fpr, tpr, float(sk_auc(fpr, tpr)))
@@ -513,7 +516,9 @@ def sprinter_table(
             tpr = float(keep[y].mean()) if n_pos else float("nan")
             fpr = float(keep[~y].mean()) if n_neg else float("nan")
             mean_tv = float(np.mean(sorted_cols["tv"])) if "tv" in sorted_cols else float("nan")
-            row.update(tpr=tpr, fpr=fpr, mean_tv=mean_tv, tv_bound=fpr * mean_tv, accept_rate_thm1=1 - (1 - fpr) * mean_tv)
+            row.update(
+                tpr=tpr, fpr=fpr, mean_tv=mean_tv, tv_bound=fpr * mean_tv, accept_rate_thm1=1 - (1 - fpr) * mean_tv
+            )
             ns, rs, cens, n_rounds = [], [], 0, 0
             for a, b in zip(data.starts.tolist(), data.ends.tolist()):
                 s = a

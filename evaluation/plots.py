@@ -76,7 +76,9 @@ def plot_oracle_hist(columns: Mapping[str, Any], path: str | Path, max_len: int 
         L = np.minimum(np.asarray(columns["oracle_len"], dtype=np.int64), max_len)
         cens = np.asarray(columns.get("oracle_censored", np.zeros(len(L), bool)), dtype=bool)
         bins = np.arange(0, max_len + 2) - 0.5
-        ax.hist([L[~cens], L[cens]], bins=bins, stacked=True, label=["ended by a mismatch", "censored (end of rollout)"])
+        ax.hist(
+            [L[~cens], L[cens]], bins=bins, stacked=True, label=["ended by a mismatch", "censored (end of rollout)"]
+        )
         ax.set_yscale("log")
         ax.set_xlim(-0.5, min(max_len, int(L.max()) + 1) + 0.5)
         ax.legend(fontsize=8)
@@ -99,7 +101,8 @@ def plot_accept_vs_entropy(columns: Mapping[str, Any], path: str | Path, bins: i
         for col, label in (("accept_prob", "mean min(1, p/q)"), ("greedy_match", "greedy-match rate")):
             if col in columns:
                 v = np.asarray(columns[col], dtype=np.float64)
-                ax.plot(centers, [v[idx == b].mean() for b in range(len(edges) - 1) if (idx == b).any()], "o-", label=label)
+                means = [v[idx == b].mean() for b in range(len(edges) - 1) if (idx == b).any()]
+                ax.plot(centers, means, "o-", label=label)
         hh = np.linspace(0, max(H.max(), 1e-3), 100)
         ax.plot(hh, 1 - np.sqrt(0.15 * hh), "k--", lw=0.8, label="SVIP 1 - sqrt(0.15 H)")
         ax.plot(hh, 1 - np.sqrt(0.2 * hh), "k:", lw=0.8, label="AdaEDL 1 - sqrt(0.2 H)")

@@ -505,7 +505,9 @@ def replay_policy(
         raise ValueError(f"mode={mode!r}: use one of {REPLAY_MODES}")
     miss = missing_columns(policy, data.features)
     if miss:
-        raise KeyError(f"{getattr(policy, 'kind', type(policy).__name__)} needs the columns {miss}; missing from the data")
+        raise KeyError(
+            f"{getattr(policy, 'kind', type(policy).__name__)} needs the columns {miss}; missing from the data"
+        )
     companion = policy.needs_companion
     cm = cost_model
     policy.use_mode(mode)
@@ -631,7 +633,9 @@ def default_replay_policies(
     """The training-free baselines replayed next to the learned policies."""
     from predictors.baselines import SVIP, AdaEDL, HFHeuristic, MaxConfidence, Oracle, StaticLength
 
-    pols: dict[str, StopPolicy] = {f"static-{k}": StaticLength(k, max_draft_len=max(max_draft_len, k)) for k in static_lengths}
+    pols: dict[str, StopPolicy] = {
+        f"static-{k}": StaticLength(k, max_draft_len=max(max_draft_len, k)) for k in static_lengths
+    }
     pols["hf-heuristic"] = HFHeuristic(initial=5, max_draft_len=max_draft_len)
     pols["svip"] = SVIP(h=0.3, gamma=0.15, max_draft_len=max_draft_len)
     pols["adaedl"] = AdaEDL(lam=0.6, gamma=0.2, max_draft_len=max_draft_len, online=True)
@@ -782,6 +786,9 @@ def replay_table(
         best = static.loc[static["speedup"].idxmax()].to_dict()
         best["policy"] = f"static-best (k={best['policy'].removeprefix('static-')})"
         table = pd.concat([table, pd.DataFrame([best])], ignore_index=True)
-    sweep_df = pd.concat(sweeps, ignore_index=True) if sweeps else pd.DataFrame(columns=["policy", "threshold", "speedup"])
+    if sweeps:
+        sweep_df = pd.concat(sweeps, ignore_index=True)
+    else:
+        sweep_df = pd.DataFrame(columns=["policy", "threshold", "speedup"])
     table.attrs["round_tokens"] = {name: r.round_tokens for name, r in results.items() if r.round_tokens}
     return table, sweep_df

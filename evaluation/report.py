@@ -228,7 +228,8 @@ def write_report(
         n = len(np.asarray(next(iter(columns.values()))))
         md.append(f"- tokens evaluated: {n}")
     if cost_model is None:
-        md.append("- **speedups unavailable**: no cost model (cost_model.json) was given; replay reports tokens per call only.")
+        md.append("- **speedups unavailable**: no cost model (cost_model.json) was given; "
+                  "replay reports tokens per call only.")
     else:
         md.append(f"- cost model: {cost_model.describe()}")
         if cost_model.assumed:
@@ -240,9 +241,9 @@ def write_report(
         md += [
             "## Classification (test split)",
             "",
-            "ROC AUC, PR-AUC (average precision) and F1 with 95% bootstrap intervals over prompts; soft labels count each "
-            "token as a positive with weight min(1,p/q) and a negative with the rest. `f1_static_best`: DISCO's best "
-            "static draft length (accept where position < k).",
+            "ROC AUC, PR-AUC (average precision) and F1 with 95% bootstrap intervals over prompts; soft labels count "
+            "each token as a positive with weight min(1,p/q) and a negative with the rest. "
+            "`f1_static_best`: DISCO's best static draft length (accept where position < k).",
             "",
         ]
         heads["auc (CI)"] = _ci(heads, "auc")
@@ -250,22 +251,24 @@ def write_report(
         heads["f1_own (CI)"] = _ci(heads, "f1_own")
         for label, g in heads.groupby("label", sort=False):
             md += [f"### label: {label}", ""]
-            md.append(markdown_table(g, ["policy", "n", "pos_rate", "auc (CI)", "pr_auc (CI)", "threshold", "f1_own (CI)",
-                                         "f1_opt", "thr_f1_opt", "static_best_k", "f1_static_best", "f1_gain_vs_static",
-                                         "f1_own_vs_static",
-                                         "reason"]))
+            md.append(markdown_table(g, ["policy", "n", "pos_rate", "auc (CI)", "pr_auc (CI)", "threshold",
+                                         "f1_own (CI)", "f1_opt", "thr_f1_opt", "static_best_k", "f1_static_best",
+                                         "f1_gain_vs_static", "f1_own_vs_static", "reason"]))
         br = classification[classification["group_by"] != "all"]
         if len(br):
             md += ["### Breakdown by origin and domain (greedy-match label)", ""]
             g = br[br["family"] == "greedy"] if (br["family"] == "greedy").any() else br
-            md.append(markdown_table(g, ["group_by", "group", "policy", "n", "pos_rate", "auc", "pr_auc", "f1_own", "reason"]))
+            md.append(markdown_table(
+                g, ["group_by", "group", "policy", "n", "pos_rate", "auc", "pr_auc", "f1_own", "reason"]
+            ))
         md.append("")
 
     if sprinter is not None and len(sprinter):
         md += [
             "## SPRINTER theory against the data",
             "",
-            "TPR / FPR at each policy's own threshold against q/p <= lambda; Theorem 1: TV(p, p_SPRINTER) = FPR x mean TV; "
+            "TPR / FPR at each policy's own threshold against q/p <= lambda; "
+            "Theorem 1: TV(p, p_SPRINTER) = FPR x mean TV; "
             "Theorem 2: expected tokens before a target call with r = measured acceptable run per round, against the "
             "replayed count along draft rollouts.",
             "",

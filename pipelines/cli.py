@@ -93,7 +93,8 @@ def setup_logging() -> None:
 
 
 NOISE_WARNINGS = (
-    r"The '\w+' does not have many workers",  # Lightning: the DataModule serves in-memory tensors; workers only add start-up
+    # Lightning: the DataModule serves in-memory tensors; workers only add start-up
+    r"The '\w+' does not have many workers",
     r"You defined a `validation_step` but have no `val_dataloader`",  # the SV table fits without a val loop
     r"`LightningModule.configure_optimizers` returned `None`",  # the SV table is counted, not optimised
     r"The number of training batches \(\d+\) is smaller than the logging interval",

@@ -256,7 +256,9 @@ def load_policies(cfg: EvaluateConfig) -> tuple[dict[str, StopPolicy | None], di
         pols[name] = policy
         refs[name] = ref
     if fp is None and cfg.predictors:
-        notes.append("data_dir/config.json holds no draft fingerprint: predictors were not checked against the draft model")
+        notes.append(
+            "data_dir/config.json holds no draft fingerprint: predictors were not checked against the draft model"
+        )
     return pols, refs, notes
 
 
@@ -311,7 +313,8 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
         raise ValueError(f"no rows in split {cfg.split!r} of {cfg.data_dir}")
     cols = _sample_prompts(cols, cfg.max_prompts, cfg.seed)
     n_prompts = len(np.unique(cols["sample_id"].astype(str))) if "sample_id" in cols else -1
-    notes.insert(0, f"data: {', '.join([cfg.data_dir, *cfg.extra_data_dirs])}, split {cfg.split!r}: {len(cols['seq_id'])} tokens, {n_prompts} prompts")
+    notes.insert(0, f"data: {', '.join([cfg.data_dir, *cfg.extra_data_dirs])}, split {cfg.split!r}: "
+                    f"{len(cols['seq_id'])} tokens, {n_prompts} prompts")
 
     by_draw = label_specs_by_draw(cols, cfg.label_specs)
     calib = _calibrate(cfg, pols, allcols, cols, notes) if cfg.calibrate else None
@@ -327,8 +330,8 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
     notes.append(cm_note)
     temp = data_temperature(cfg.data_dir)
     if temp is not None and temp > 0 and "greedy" in cfg.replay_modes:
-        notes.append(f"data generated at temperature {temp:g}: the stored target continuations are sampled, so the greedy "
-                     "replay is an approximation even on target sequences")
+        notes.append(f"data generated at temperature {temp:g}: the stored target continuations are sampled, so the "
+                     "greedy replay is an approximation even on target sequences")
     live = {k: v for k, v in pols.items() if v is not None}
 
     log.info("classification tables on %d tokens", len(cols["seq_id"]))
@@ -372,7 +375,9 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
     for i, mode in enumerate(cfg.replay_modes):
         rcfg = ReplayConfig(mode=mode, origins=tuple(cfg.replay_origins) if cfg.replay_origins else None)
         try:
-            rep, sw = replay_table(cols, replay_pols, replay_cm, rcfg, static_lengths=cfg.static_lengths, sweep=(i == 0))
+            rep, sw = replay_table(
+                cols, replay_pols, replay_cm, rcfg, static_lengths=cfg.static_lengths, sweep=(i == 0)
+            )
         except (KeyError, ValueError) as e:
             notes.append(f"replay ({mode}) not possible: {e}")
             continue

@@ -1,12 +1,13 @@
-"""Measure the verification curve of a model pair on this machine: draft step, companion step, target forward of L = 1..16
-new tokens over a cached prefix, with the CPU model and flags, torch version, threads and compute path in the JSON.
+"""Measure the verification curve of a model pair on this machine: draft step, companion step, target forward of
+L = 1..16 new tokens over a cached prefix, with the CPU model and flags, torch version, threads and compute path in the
+JSON.
 
 The one timing model (``data_gen.timing.CostModel``) that the replay, Speculative Verification and the benchmark read.
 Timings taken while other processes load the machine overstate costs: measure on a quiet machine (the minimum over
 repeats is kept and the curve made non-decreasing in L).
 
 Usage:
-    python -m pipelines.measure_costs --data_dir outputs/default/data            # that folder's pair -> its cost_model.json
+    python -m pipelines.measure_costs --data_dir outputs/default/data  # that folder's pair -> its cost_model.json
     python -m pipelines.measure_costs --models.draft packaged:qwen2.5-coder-0.5b-instruct \\
         --models.target packaged:qwen2.5-coder-1.5b-instruct --out outputs/costs.json [--models.compute eager]
 """
@@ -48,7 +49,8 @@ class MeasureCostsConfig:
             raise ValueError(f"repeats={self.repeats} and prompt_len={self.prompt_len} must be >= 1")
         if self.data_dir is not None and not (Path(self.data_dir) / "config.json").is_file():
             raise ValueError(f"--data_dir {self.data_dir}: no config.json there; give a folder written by "
-                             f"pipelines.generate, or leave data_dir unset and name the pair with --models.draft/target")
+                             "pipelines.generate, or leave data_dir unset and name the pair with "
+                             "--models.draft/target")
 
 
 def models_of(cfg: MeasureCostsConfig) -> ModelsConfig:

@@ -113,7 +113,8 @@ def _ensure_data(cfg: TrainJobConfig, chain: ChainProgress, st: Stage) -> list[P
             todo.append((gen, fp))
         elif have == 0:
             raise FileNotFoundError(
-                f"no shards ({SHARD_GLOB}) in {data_dir}; run python -m pipelines.generate or pass --generate_if_missing true"
+                f"no shards ({SHARD_GLOB}) in {data_dir}; run python -m pipelines.generate "
+                "or pass --generate_if_missing true"
             )
         dirs.append(data_dir)
         have_by_dir[data_dir] = have
@@ -123,7 +124,10 @@ def _ensure_data(cfg: TrainJobConfig, chain: ChainProgress, st: Stage) -> list[P
         st.summary = f"{before:,} records in {_plural(len(dirs), 'folder')} reused, nothing to generate"
         return dirs
     budgets = [gen.max_records for gen, _ in todo]
-    remaining = None if None in budgets else sum(max(0, b - have_by_dir[Path(g.out_dir)]) for (g, _), b in zip(todo, budgets))
+    if None in budgets:
+        remaining = None
+    else:
+        remaining = sum(max(0, b - have_by_dir[Path(g.out_dir)]) for (g, _), b in zip(todo, budgets))
     meter = chain.generation(remaining)
     for gen, fp in todo:
         data_dir = Path(gen.out_dir)
@@ -163,7 +167,9 @@ def _generate_config(path: str) -> GenerateConfig:
     from pipelines.cli import parse_config
 
     if not Path(path).is_file():
-        raise FileNotFoundError(f"extra_data entry {path!r} is not a file (give generate-config YAML paths from {Path.cwd()})")
+        raise FileNotFoundError(
+            f"extra_data entry {path!r} is not a file (give generate-config YAML paths from {Path.cwd()})"
+        )
     return parse_config(GenerateConfig, ["--config", path], "generate config")
 
 
@@ -371,7 +377,11 @@ def _train_key(kind: str, kcfg: Any, data_dirs: list[Path], ident: dict) -> str:
     """Hash of what a predictor is trained from: its config, the data config and every shard (name, rows, size)."""
     from data_gen.shards import finished_chunks, shard_path
 
-    shards = [[str(d), c, n, shard_path(d, c).stat().st_size] for d in data_dirs for c, n in sorted(finished_chunks(d).items())]
+    shards = [
+        [str(d), c, n, shard_path(d, c).stat().st_size]
+        for d in data_dirs
+        for c, n in sorted(finished_chunks(d).items())
+    ]
     blob = json.dumps({"kind": kind, "config": dataclasses.asdict(kcfg), "data": ident["data_fingerprint"],
                        "shards": shards}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -458,7 +468,8 @@ def _crossval(cfg: TrainJobConfig, data_dirs: list[Path], kinds: list[str], rows
                           n_boot=cfg.n_boot, tracking=True, tracking_uri=uri, experiment=cfg.experiment)
     table = run_crossval(ccfg)["table"]
     for r in table[table["group"] == "all"].to_dict("records"):
-        rows[r["predictor"]].update({f"cv_{k}": r.get(k) for k in ("auc", "best_free", "auc_best_free", "diff", "diff_lo", "diff_hi")})
+        keys = ("auc", "best_free", "auc_best_free", "diff", "diff_lo", "diff_hi")
+        rows[r["predictor"]].update({f"cv_{k}": r.get(k) for k in keys})
 
 
 def _own_label(kcfg: Any) -> tuple[str, tuple[str, float]]:
@@ -482,9 +493,9 @@ RESULTS_MD = "results.md"
 """The full table (every column) and the stage times, beside ``results.json`` in ``out_dir``."""
 
 FULL_COLUMNS = ["predictor", "status", "label", "val_auc", "val_auc_best_free", "test_auc", "best_free",
-                "test_auc_best_free", "cv_auc", "cv_best_free", "cv_auc_best_free", "cv_diff", "cv_diff_lo", "cv_diff_hi",
-                "threshold", "val_speedup", "test_speedup", "ece_greedy", "ece_sampling", "info_gain_bits", "info_gain_frac",
-                "registered", "champion"]
+                "test_auc_best_free", "cv_auc", "cv_best_free", "cv_auc_best_free", "cv_diff", "cv_diff_lo",
+                "cv_diff_hi", "threshold", "val_speedup", "test_speedup", "ece_greedy", "ece_sampling",
+                "info_gain_bits", "info_gain_frac", "registered", "champion"]
 """Columns of the full table (``results.md``), in order; a column no row has is left out."""
 
 
@@ -502,7 +513,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 SUMMARY_NOTE = (
     "test AUC: on the predictor's own label and draw, test split; best free: the best training-free score (top-1,\n"
-    "q(x), -entropy) on the same tokens; cv diff: cross-validated AUC difference to it, 95% paired bootstrap interval;\n"
+    "q(x), -entropy) on the same tokens; cv diff: cross-validated AUC difference to it, "
+    "95% paired bootstrap interval;\n"
     "speedup: replayed on the test split (thresholds tuned on validation); reg.: MLflow registry version (* champion)."
 )
 
@@ -577,8 +589,9 @@ def _replayed_speedup(replay: Any, kind: str) -> float | None:
 
 def _results_markdown(cfg: TrainJobConfig, result: dict[str, Any]) -> str:
     times = result["stage_seconds"]
-    lines = [f"# Main job results ({cfg.out_dir})", "", format_table(result["results"]), "", SUMMARY_NOTE.replace("\n", " "),
-             "", f"Report: {result['report']}" if result["report"] else "No evaluation report (--evaluate false).", "",
+    lines = [f"# Main job results ({cfg.out_dir})", "", format_table(result["results"]), "",
+             SUMMARY_NOTE.replace("\n", " "), "",
+             f"Report: {result['report']}" if result["report"] else "No evaluation report (--evaluate false).", "",
              "## Time by stage", "", "| stage | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in times.items()]
     return "\n".join(lines) + "\n"

@@ -42,7 +42,9 @@ def label_columns(family: str) -> tuple[str, ...]:
 def _checked_width(columns: dict[str, np.ndarray], column: str, option: str, wanted: int | None) -> int:
     width = int(columns[column].shape[1])
     if wanted and wanted != width:
-        raise ValueError(f"feature width mismatch: {option}={wanted} in the config but the data's {column} has width {width}")
+        raise ValueError(
+            f"feature width mismatch: {option}={wanted} in the config but the data's {column} has width {width}"
+        )
     return width
 
 
@@ -130,14 +132,17 @@ class ShardDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if not self.tensors:
             self._load()
-        needed = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), None: ("train", "val")}.get(stage, ())
+        splits = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), None: ("train", "val")}
+        needed = splits.get(stage, ())
         for split in needed:
             self._require(split)
 
     def _load(self) -> None:
         from data_gen.shards import read_columns
 
-        wanted = ["split", "sample_id", *_spec_columns(self.kind, self.feature_options), *label_columns(self.label_family)]
+        wanted = [
+            "split", "sample_id", *_spec_columns(self.kind, self.feature_options), *label_columns(self.label_family)
+        ]
         if self.tv_target:
             wanted.append("tv")
         cols = read_columns(self.data_dir, wanted, optional=(*self.extra_columns, "draw", "domain"))

@@ -111,8 +111,9 @@ class DiscoNet(nn.Module):
                     self.skip.weight.zero_()
 
     def config(self) -> dict[str, Any]:
-        return {"in_dim": self.in_dim, "hidden_size": self.hidden_size, "dropout": self.dropout, "tv_head": self.tv_head,
-                "hidden_dim": self.hidden_dim, "hidden_rank": self.hidden_rank, "prior_index": self.prior_index}
+        return {"in_dim": self.in_dim, "hidden_size": self.hidden_size, "dropout": self.dropout,
+                "tv_head": self.tv_head, "hidden_dim": self.hidden_dim, "hidden_rank": self.hidden_rank,
+                "prior_index": self.prior_index}
 
     def forward_all(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """[N, in_dim] -> ([N] acceptance logits, [N] predicted TV distance in [0, 1] or None)."""
@@ -140,5 +141,7 @@ class DiscoPolicy(LearnedPolicy):
 
     def __init__(self, net: DiscoNet, spec: FeatureSpec, threshold: float = 0.5, max_draft_len: int = 40) -> None:
         if spec.kind != "disco" or spec.width != net.in_dim:
-            raise ValueError(f"DiscoPolicy needs a disco FeatureSpec of width {net.in_dim}, got {spec.kind} width {spec.width}")
+            raise ValueError(
+                f"DiscoPolicy needs a disco FeatureSpec of width {net.in_dim}, got {spec.kind} width {spec.width}"
+            )
         super().__init__(net, spec, threshold, max_draft_len)

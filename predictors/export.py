@@ -125,7 +125,9 @@ def export_predictor(policy: StopPolicy, folder: str | Path, metadata: dict) -> 
             "checkpoint": info.get("checkpoint"),
         })
         state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
-        save_file(state, str(folder / WEIGHTS_FILE), metadata={"kind": policy.kind, "format_version": str(FORMAT_VERSION)})
+        save_file(
+            state, str(folder / WEIGHTS_FILE), metadata={"kind": policy.kind, "format_version": str(FORMAT_VERSION)}
+        )
     elif policy.kind in baselines:
         meta.update({
             "learned": False,
@@ -173,7 +175,8 @@ def check_fingerprint(stored: Mapping | None, current: Mapping | None, force: bo
     diffs = [f"{k}: {stored.get(k)!r} vs {current.get(k)!r}" for k in FINGERPRINT_KEYS
              if k in stored and k in current and stored.get(k) != current.get(k)]
     if stored.get("vocab_sha") and current.get("vocab_sha") and stored["vocab_sha"] != current["vocab_sha"]:
-        log.warning("predictor %s: draft vocabulary hash differs (%s vs %s)", where, stored["vocab_sha"], current["vocab_sha"])
+        log.warning("predictor %s: draft vocabulary hash differs (%s vs %s)",
+                    where, stored["vocab_sha"], current["vocab_sha"])
     precision = [f"{k} {stored[k]!r} (its data) vs {current[k]!r} (in use)" for k in ("dtype", "compute_path")
                  if stored.get(k) and current.get(k) and stored[k] != current[k]]
     if precision:  # same model, other numerics: q and p shift slightly, the predictor still applies

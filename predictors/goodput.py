@@ -20,8 +20,8 @@ known acceptances (the replay); :func:`batch_lengths` prices a batch's verificat
 
 **Policy.** :class:`GoodputPolicy` wraps any stop policy (learned or training-free) and its calibration maps, one per
 decoding mode (``predictors.calibration``); its score is the calibrated acceptance for the mode set by
-:meth:`GoodputPolicy.use_mode`. :func:`goodput_policy` builds it from an exported predictor and refuses one without a map,
-naming the command that fits one.
+:meth:`GoodputPolicy.use_mode`. :func:`goodput_policy` builds it from an exported predictor and refuses one without a
+map, naming the command that fits one.
 
 Usage::
 
@@ -80,9 +80,11 @@ def check_cost_model(cm: Any, draft_name: str = "", target_name: str = "", compu
                      machine: dict | None = None) -> list[str]:
     """Refuse a curve with fewer than two lengths (ValueError); warn (and return) what differs from the run at hand."""
     if len(cm.target_s) < 2:
-        raise ValueError(f"the cost model measures the verification curve at L = {sorted(cm.target_s)} only: the goodput "
-                         f"rule needs at least two lengths (measure it with python -m pipelines.measure_costs)")
-    diffs = cm.mismatch(draft_name, target_name, compute_path, machine) if (draft_name or target_name or machine) else []
+        raise ValueError(f"the cost model measures the verification curve at L = {sorted(cm.target_s)} only: the "
+                         "goodput rule needs at least two lengths (measure it with python -m pipelines.measure_costs)")
+    diffs = []
+    if draft_name or target_name or machine:
+        diffs = cm.mismatch(draft_name, target_name, compute_path, machine)
     for d in diffs:
         log.warning("cost model measured for another run (%s): the goodput rule prices rounds with a foreign curve", d)
     return diffs
@@ -128,7 +130,8 @@ def keep_drafting(acc: Sequence[float], cost: RoundCost, cap: int) -> bool:
 
 def draft_round(acc: Sequence[float], cost: RoundCost, cap: int) -> tuple[int, int]:
     """(drafted, verified) of a round whose tokens' acceptances are known in advance (the replay): draft token by token
-    while :func:`keep_drafting`, then verify :func:`best_prefix`. ``acc`` holds at least ``cap`` values (or all left)."""
+    while :func:`keep_drafting`, then verify :func:`best_prefix`. ``acc`` holds at least ``cap`` values (or all
+    left)."""
     cap = min(cap, len(acc))
     n = 0
     while n < cap:

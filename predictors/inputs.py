@@ -107,7 +107,9 @@ class FeatureSpec:
         if bad or len(set(self.parts)) != len(self.parts):
             raise ValueError(f"FeatureSpec.parts={self.parts}: use distinct parts from {PARTS}")
         if "hidden" in self.parts and self.hidden_size <= 0:
-            raise ValueError("FeatureSpec with a hidden part needs hidden_size > 0 (the data has no draft_hidden column?)")
+            raise ValueError(
+                "FeatureSpec with a hidden part needs hidden_size > 0 (the data has no draft_hidden column?)"
+            )
 
     # ---- constructors -------------------------------------------------------------------------------------------
     @staticmethod
@@ -239,7 +241,8 @@ def _part(spec: FeatureSpec, part: str, columns: Mapping[str, object]) -> Tensor
     if part == "disco":
         topk = _vector(columns, spec, "draft_topk", spec.top_k)
         n = topk.shape[0]
-        parts = [topk, topk_entropy(topk)[:, None], (_scalar(columns, spec, "position", n) / spec.position_scale)[:, None]]
+        position = _scalar(columns, spec, "position", n) / spec.position_scale
+        parts = [topk, topk_entropy(topk)[:, None], position[:, None]]
         for e in spec.extra:
             v = _scalar(columns, spec, extra_column(e), n)
             parts.append((torch.log(v.clamp_min(1e-9)) if e.startswith(LOG_PREFIX) else v)[:, None])
@@ -261,15 +264,21 @@ def build_features(spec: FeatureSpec, columns: Mapping[str, object]) -> Tensor:
     blocks = [_part(spec, p, columns) for p in spec.parts]
     n = blocks[0].shape[0]
     if any(b.shape[0] != n for b in blocks):
-        raise ValueError(f"{spec.kind} input parts {spec.parts} have different row counts {[b.shape[0] for b in blocks]}")
+        raise ValueError(
+            f"{spec.kind} input parts {spec.parts} have different row counts {[b.shape[0] for b in blocks]}"
+        )
     x = torch.cat([b.to(blocks[0].device) for b in blocks], dim=1)
     if x.shape[1] != spec.width:
-        raise ValueError(f"feature width mismatch: built {x.shape[1]} {spec.kind} features, the predictor expects {spec.width}")
+        raise ValueError(
+            f"feature width mismatch: built {x.shape[1]} {spec.kind} features, the predictor expects {spec.width}"
+        )
     if not torch.isfinite(x).all():
         bad = (~torch.isfinite(x)).any(0).nonzero().flatten().tolist()
         names = [spec.names[i] if i < len(spec.names) else str(i) for i in bad[:10]]
         n_rows = int((~torch.isfinite(x)).any(1).sum())
-        raise ValueError(f"NaN or inf in {spec.kind} features {names} ({n_rows} of {x.shape[0]} tokens); refusing to score")
+        raise ValueError(
+            f"NaN or inf in {spec.kind} features {names} ({n_rows} of {x.shape[0]} tokens); refusing to score"
+        )
     return x
 
 

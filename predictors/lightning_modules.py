@@ -81,7 +81,8 @@ class BinaryPredictorModule(pl.LightningModule):
         self._val_labels.clear()
         if self.trainer.world_size > 1:  # DistributedSampler pads to equal sizes, so all_gather works
             scores, labels = self.all_gather(scores).flatten(), self.all_gather(labels).flatten()
-        self.log(f"{stage}_auc", roc_auc(scores.float().cpu().numpy(), labels.float().cpu().numpy()), rank_zero_only=True)
+        auc = roc_auc(scores.float().cpu().numpy(), labels.float().cpu().numpy())
+        self.log(f"{stage}_auc", auc, rank_zero_only=True)
 
     def on_validation_epoch_end(self) -> None:
         self._log_auc("val")
@@ -111,8 +112,8 @@ class DiscoModule(BinaryPredictorModule):
     ) -> None:
         super().__init__(lr, weight_decay, pos_weight, tv_weight)
         self.save_hyperparameters()
-        self.net = DiscoNet(in_dim, hidden_size, dropout, tv_head=tv_weight > 0, hidden_dim=hidden_dim, hidden_rank=hidden_rank,
-                            prior_index=prior_index)
+        self.net = DiscoNet(in_dim, hidden_size, dropout, tv_head=tv_weight > 0, hidden_dim=hidden_dim,
+                            hidden_rank=hidden_rank, prior_index=prior_index)
 
 
 class SprinterModule(BinaryPredictorModule):

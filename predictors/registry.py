@@ -133,7 +133,10 @@ def frame_to_columns(frame: pd.DataFrame, policy: StopPolicy) -> dict[str, Any]:
     for c in policy.required_columns:
         if c in frame.columns:
             v = frame[c].to_numpy()
-            cols[c] = np.stack([np.asarray(x, dtype=np.float32) for x in v]) if v.dtype == object else v.astype(np.float32)
+            if v.dtype == object:
+                cols[c] = np.stack([np.asarray(x, dtype=np.float32) for x in v])
+            else:
+                cols[c] = v.astype(np.float32)
         elif c in vectors:
             names = [f"{c}_{i}" for i in range(vectors[c])]
             missing = [n for n in names if n not in frame.columns]
@@ -260,10 +263,13 @@ def register_predictor(
         if promoted:
             client.set_registered_model_alias(name, CHAMPION, version)
     except MlflowException as e:
-        raise RegistryError(f"MLflow at {uri} failed to register {name!r} from {folder}: {e}; the export stays at {folder}") from e
+        raise RegistryError(
+            f"MLflow at {uri} failed to register {name!r} from {folder}: {e}; the export stays at {folder}"
+        ) from e
     except OSError as e:  # connection errors surfacing from requests / sqlite
         raise TrackingUnreachable(f"MLflow tracking at {uri} failed ({e}); the export stays at {folder}") from e
-    log.info("registered %s version %s (%s=%s)%s", name, version, metric_name, val_metric, " as champion" if promoted else "")
+    log.info("registered %s version %s (%s=%s)%s",
+             name, version, metric_name, val_metric, " as champion" if promoted else "")
     return {
         "name": name,
         "version": int(version),
@@ -285,7 +291,9 @@ def download_model(ref: str, tracking_uri: str | None = None, dst: str | Path | 
     check_reachable(uri)
     dst = Path(dst) if dst else Path(tempfile.mkdtemp(prefix="specstop-model-"))
     try:
-        path = mlflow.artifacts.download_artifacts(artifact_uri=ref, dst_path=str(dst), tracking_uri=uri, registry_uri=uri)
+        path = mlflow.artifacts.download_artifacts(
+            artifact_uri=ref, dst_path=str(dst), tracking_uri=uri, registry_uri=uri
+        )
     except MlflowException as e:
         raise RegistryError(f"cannot download {ref} from MLflow at {uri}: {e}") from e
     found = sorted(Path(path).rglob("predictor.json"))

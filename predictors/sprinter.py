@@ -60,6 +60,7 @@ class SprinterPolicy(LearnedPolicy):
     def __init__(self, net: SprinterNet, spec: FeatureSpec, threshold: float = 0.5, max_draft_len: int = 40) -> None:
         if spec.kind != "sprinter" or spec.width != net.hidden_size:
             raise ValueError(
-                f"SprinterPolicy needs a sprinter FeatureSpec of width {net.hidden_size}, got {spec.kind} width {spec.width}"
+                f"SprinterPolicy needs a sprinter FeatureSpec of width {net.hidden_size}, "
+                f"got {spec.kind} width {spec.width}"
             )
         super().__init__(net, spec, threshold, max_draft_len)

@@ -163,7 +163,9 @@ class SVTable(nn.Module):
             lv = np.clip((y * levels).astype(np.int64), 0, levels - 1)
             h_a = _entropy_bits(np.bincount(lv, minlength=levels).astype(np.float64))
             joint = np.bincount(flat * levels + lv, minlength=n_cells * levels).reshape(n_cells, levels)
-            h_cond = float(sum(w[c] * _entropy_bits(joint[c].astype(np.float64)) for c in range(n_cells) if counts[c] > 0))
+            h_cond = float(
+                sum(w[c] * _entropy_bits(joint[c].astype(np.float64)) for c in range(n_cells) if counts[c] > 0)
+            )
         gain = h_a - h_cond
         return {
             "h_a_bits": h_a,
@@ -180,7 +182,9 @@ class SVPolicy(LearnedPolicy):
     output = "prob"
     verification = GOODPUT
 
-    def __init__(self, table: SVTable, spec: FeatureSpec | None = None, threshold: float = 0.5, max_draft_len: int = 40) -> None:
+    def __init__(
+        self, table: SVTable, spec: FeatureSpec | None = None, threshold: float = 0.5, max_draft_len: int = 40
+    ) -> None:
         spec = spec or FeatureSpec.for_sv()
         if spec.kind != "sv":
             raise ValueError(f"SVPolicy needs an sv FeatureSpec, got {spec.kind}")

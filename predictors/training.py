@@ -125,7 +125,9 @@ class TrainConfig:
 
     def _check_prior(self, extra: tuple[str, ...], field: str) -> None:
         if self.prior is not None and self.prior not in extra:
-            raise ValueError(f"prior={self.prior!r} must also be an explicit input: add it to {field} (now {list(extra)})")
+            raise ValueError(
+                f"prior={self.prior!r} must also be an explicit input: add it to {field} (now {list(extra)})"
+            )
 
     def trainer_kwargs(self) -> dict[str, Any]:
         """Trainer arguments of the distributed setup."""
@@ -204,7 +206,9 @@ class SprinterConfig(TrainConfig):
             raise ValueError(f"hidden_size={self.hidden_size} must be > 0 (or None to read it from the data)")
         self.extra_features = tuple(self.extra_features)
         if self.prior is not None and not self.disco_features:
-            raise ValueError(f"prior={self.prior!r} needs disco_features: true (the prior is read from the explicit inputs)")
+            raise ValueError(
+                f"prior={self.prior!r} needs disco_features: true (the prior is read from the explicit inputs)"
+            )
         self._check_prior(self.extra_features, "extra_features")
 
 
@@ -246,7 +250,9 @@ class SVTableConfig(TrainConfig):
         if self.prior is not None:
             raise ValueError(f"prior={self.prior!r}: the SV table has no prior (set it on disco or sprinter)")
         if self.auc_label == "ratio" and self.lam < 1:
-            raise ValueError(f"lam={self.lam}: auc_label='ratio' derives q/p <= lam from min(1, p/q), which needs lam >= 1")
+            raise ValueError(
+                f"lam={self.lam}: auc_label='ratio' derives q/p <= lam from min(1, p/q), which needs lam >= 1"
+            )
 
 
 CONFIGS: dict[str, type[TrainConfig]] = {"disco": DiscoConfig, "sprinter": SprinterConfig, "sv": SVTableConfig}
@@ -414,8 +420,9 @@ def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[St
     pos_weight = cfg.pos_weight if cfg.pos_weight is not None else (y_tr.numel() - n_pos) / n_pos
     prior_index = dm.spec.names.index(cfg.prior) if cfg.prior is not None else -1
     if kind == "disco":
-        module = DiscoModule(dm.spec.width, cfg.hidden_size, cfg.dropout, cfg.tv_weight, cfg.lr, cfg.weight_decay, pos_weight,
-                             hidden_dim=dm.spec.hidden_width, hidden_rank=cfg.hidden_rank, prior_index=prior_index)
+        module = DiscoModule(dm.spec.width, cfg.hidden_size, cfg.dropout, cfg.tv_weight, cfg.lr, cfg.weight_decay,
+                             pos_weight, hidden_dim=dm.spec.hidden_width, hidden_rank=cfg.hidden_rank,
+                             prior_index=prior_index)
     else:
         module = SprinterModule(dm.spec.width, cfg.lr, cfg.weight_decay, pos_weight, prior_index=prior_index)
     module.net.norm.fit(x_tr)
@@ -442,15 +449,16 @@ def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[St
     if kept_prior:  # no epoch beat the training-free score the predictor started from: keep its ranking
         module.load_state_dict(initial[1])
         best_epoch, best_score = -1, initial[0]
-        log.info("%s: no epoch beat the prior %s on %s (%.4f); keeping the initial weights", kind, cfg.prior, cfg.monitor, initial[0])
+        log.info("%s: no epoch beat the prior %s on %s (%.4f); keeping the initial weights",
+                 kind, cfg.prior, cfg.monitor, initial[0])
     module.cpu()
     net = module.net.eval()
     logits = _val_logits(net, x_val)
     m: dict[str, Any] = binary_metrics(torch.sigmoid(logits).numpy(), y_val.numpy(), cfg.threshold)
     m.update(baseline_aucs(dm.raw["val"], y_val.numpy()))
     m["val_loss"] = _val_metric(logits, y_val, "val_loss", module.pos_weight)  # the kept weights' weighted BCE
-    m.update({"pos_weight": float(pos_weight), "epochs_run": float(trainer.current_epoch), "best_epoch": float(max(best_epoch, 0)),
-              "_checkpoint": "" if kept_prior else best})
+    m.update({"pos_weight": float(pos_weight), "epochs_run": float(trainer.current_epoch),
+              "best_epoch": float(max(best_epoch, 0)), "_checkpoint": "" if kept_prior else best})
     if prior_index >= 0:
         m["kept_prior"] = float(kept_prior)
     policy_cls = DiscoPolicy if kind == "disco" else SprinterPolicy

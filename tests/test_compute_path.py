@@ -1,4 +1,5 @@
-"""The CPU compute path: packed linears equal eager ones, packed models decode the same tokens, bad options are named."""
+"""The CPU compute path: packed linears equal eager ones, packed models decode the same tokens, bad options are
+named."""
 from __future__ import annotations
 
 import pytest

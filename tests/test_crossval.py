@@ -144,7 +144,8 @@ def test_crossval_end_to_end_finds_the_planted_hidden_signal(tmp_path):
 
     shards = tmp_path / "greedy-only"  # the planted log(p/q) is on these rows (with_sample_draw's are random)
     write_shards(shards, make_records(n_prompts=40, tokens_per_prompt=25, hidden_size=16, noise=1.0))  # q sees z only
-    cfg = CrossValConfig(data_dir=str(shards), out_dir=str(tmp_path / "cv"), folds=4, n_boot=50, train_fractions=[0.5, 1.0], runs=[
+    cfg = CrossValConfig(data_dir=str(shards), out_dir=str(tmp_path / "cv"), folds=4, n_boot=50,
+                         train_fractions=[0.5, 1.0], runs=[
         CrossValRun("disco", "disco", disco=DiscoConfig(hidden_size=8, extra_features=("q",), prior="q", **FAST)),
         CrossValRun("sprinter", "sprinter", sprinter=SprinterConfig(lam=1.2, **FAST)),
     ])

@@ -87,7 +87,8 @@ def test_export_loads_with_torch_and_safetensors_alone(trained):
     folder = trained[1]["disco"]
     code = (
         "import sys\n"
-        "for m in ('mlflow', 'pytorch_lightning', 'lightning', 'sklearn', 'datasets', 'transformers'): sys.modules[m] = None\n"
+        "for m in ('mlflow', 'pytorch_lightning', 'lightning', 'sklearn', 'datasets', 'transformers'):\n"
+        "    sys.modules[m] = None\n"
         "import torch\n"
         "from predictors.export import load_predictor\n"
         f"p = load_predictor({str(folder)!r})\n"

@@ -159,7 +159,8 @@ def test_label_batches_group_a_prompts_sequences_within_budget():
 
     def seq(pid: str, prompt: list[int], n: int, k: int) -> SequenceSpec:
         toks = prompt + list(range(1000 + k, 1000 + k + n))
-        return SequenceSpec(pid, "t", "code", "train", f"{pid}#{k}", toks, [Segment(len(prompt), len(toks), "text", False)])
+        segments = [Segment(len(prompt), len(toks), "text", False)]
+        return SequenceSpec(pid, "t", "code", "train", f"{pid}#{k}", toks, segments)
 
     a, b = list(range(1, 101)), list(range(201, 251))
     seqs = [seq("a", a, 20, k) for k in range(6)] + [seq("b", b, 10, k) for k in range(2)] + [seq("c", [7, 8, 9], 5, 0)]

@@ -65,7 +65,8 @@ def test_keep_drafting_respects_the_cap_and_a_dropping_acceptance():
     # a confident start, then a token unlikely to be accepted: its forecast kills every longer length
     assert goodput.draft_round([0.99, 0.99, 0.99, 0.01, 0.99, 0.99, 0.99, 0.99], cost({1: 1.0, 8: 1.0, 9: 2.0}), 8) \
         == (4, 4)
-    assert goodput.draft_round([0.99, 0.99, 0.99, 0.01] + [0.99] * 4, cost({1: 1.0, 4: 1.0, 5: 2.0, 9: 2.1}), 8) == (4, 3)
+    assert goodput.draft_round([0.99, 0.99, 0.99, 0.01] + [0.99] * 4, cost({1: 1.0, 4: 1.0, 5: 2.0, 9: 2.1}), 8) \
+        == (4, 3)
 
 
 def test_batch_lengths_pick_the_confident_sequence():
@@ -221,7 +222,8 @@ def test_sv_export_loads_as_goodput_with_its_maps(tmp_path):
     folder = export_predictor(SVPolicy(table), tmp_path / "sv", {})
     with pytest.raises(MissingCalibration):
         build_policy(f"goodput:{folder}")
-    update_metadata(folder, calibration={"sampling": fit_calibrator(np.linspace(0, 1, 20), np.linspace(0, 1, 20)).to_dict()})
+    calibrator = fit_calibrator(np.linspace(0, 1, 20), np.linspace(0, 1, 20))
+    update_metadata(folder, calibration={"sampling": calibrator.to_dict()})
     pol = build_policy(f"goodput:{folder}")
     pol.use_mode("sampling")
     assert pol.needs_companion and load_predictor(folder).verification == pol.verification

@@ -35,7 +35,8 @@ def test_tokenizer_mismatch_names_both_models_and_first_token():
     b = byte_tokenizer()
     b.add_tokens(["<extra>"])
     a.add_tokens(["<other>"])
-    with pytest.raises(ValueError, match=r"draft \(x\) and target \(y\) disagree at token id 259 \('<other>' vs '<extra>'"):
+    with pytest.raises(ValueError,
+                       match=r"draft \(x\) and target \(y\) disagree at token id 259 \('<other>' vs '<extra>'"):
         check_same_tokenizer({"draft (x)": a, "target (y)": b})
 
 

