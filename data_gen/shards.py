@@ -47,6 +47,12 @@ def config_fingerprint(data_config: dict) -> str:
     return hashlib.sha256(json.dumps(data_config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def read_data_config(data_dir: str | Path) -> dict | None:
+    """The ``config.json`` a generator wrote into ``data_dir`` (None when there is none)."""
+    path = Path(data_dir) / CONFIG_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def prepare_out_dir(out_dir: Path, data_config: dict, resolved: dict, overwrite: bool) -> None:
     """Create ``out_dir`` or check that its shards were made by the same data config.
 

@@ -25,7 +25,7 @@ import numpy as np
 if TYPE_CHECKING:
     import pandas as pd
 
-from data_gen.shards import DataPath, read_columns
+from data_gen.shards import DataPath, read_columns, read_data_config
 from evaluation.classification import DEFAULT_LABEL_SPECS
 from predictors.base import StopPolicy
 from predictors.labels import draw_mask, label_draw, label_name
@@ -172,10 +172,9 @@ def label_specs_by_draw(
 
 def draft_fingerprint(data_dir: str | Path) -> dict | None:
     """The draft model fingerprint stored in ``data_dir/config.json`` (None when absent)."""
-    path = Path(data_dir) / "config.json"
-    if not path.is_file():
+    cfg = read_data_config(data_dir)
+    if cfg is None:
         return None
-    cfg = json.loads(path.read_text())
     for getter in (
         lambda c: c["resolved"]["fingerprints"]["draft"],
         lambda c: c["fingerprints"]["draft"],
@@ -192,10 +191,9 @@ def draft_fingerprint(data_dir: str | Path) -> dict | None:
 
 def data_temperature(data_dir: str | Path) -> float | None:
     """Sampling temperature the data was generated at (``config.json``; None when unknown)."""
-    path = Path(data_dir) / "config.json"
-    if not path.is_file():
+    cfg = read_data_config(data_dir)
+    if cfg is None:
         return None
-    cfg = json.loads(path.read_text())
     for sect in (cfg.get("data"), cfg.get("resolved"), cfg):
         if isinstance(sect, dict) and isinstance(sect.get("temperature"), (int, float)):
             return float(sect["temperature"])
