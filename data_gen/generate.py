@@ -382,6 +382,22 @@ def load_models(cfg: GenerateConfig, device: str | None = None) -> tuple[LabelMo
     return LabelModels(draft, target, companion), tok
 
 
+def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
+    """Refuse to add shards labelled on another compute path than the folder's (``compute: auto`` resolves per CPU:
+    bf16 weights on an AVX512-BF16 host, fp32 on an AVX2 one), so that no folder mixes two precisions."""
+    cfg_file = out_dir / "config.json"
+    if not cfg_file.is_file() or not any(out_dir.glob("shard-*.parquet")):
+        return
+    old = json.loads(cfg_file.read_text()).get("resolved", {}).get("fingerprints", {})
+    for role, fp in fingerprints.items():
+        was = old.get(role, {}).get("compute_path")
+        if was and was != fp.get("compute_path"):
+            raise FileExistsError(
+                f"{out_dir} was labelled with the {role} on compute path {was!r}, this run loads it on "
+                f"{fp.get('compute_path')!r}: pass --models.compute {was} to resume it, or use another out_dir"
+            )
+
+
 def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, device: str | None = None,
                    progress: Callable[[dict], None] | None = None) -> dict:
     """Generate (or resume) the shards of ``cfg.out_dir``; returns the summary (rank 0) or this rank's counts.
@@ -408,6 +424,7 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
     fingerprints = {"draft": model_fingerprint(models.draft, tok), "target": model_fingerprint(models.target, tok)}
     if models.companion is not None:
         fingerprints["companion"] = model_fingerprint(models.companion, tok)
+    check_same_precision(out_dir, fingerprints)
     if rank == 0:
         prepare_out_dir(out_dir, cfg.data_config(), {**resolved, "fingerprints": fingerprints}, cfg.overwrite)
     features = features_schema(

@@ -102,3 +102,16 @@ def test_a_predictor_from_data_of_another_precision_is_warned_not_refused(caplog
         check_fingerprint(stored, {**stored, "compute_path": "packed-bf16"}, where="disco")
     assert "compute_path 'eager' (its data) vs 'packed-bf16' (in use)" in caplog.text
     assert "--models.compute" in caplog.text
+
+
+def test_a_data_folder_is_not_resumed_on_another_compute_path(tmp_path) -> None:
+    import json
+
+    from data_gen.generate import check_same_precision
+
+    (tmp_path / "shard-00000.parquet").write_bytes(b"")
+    fp = {"draft": {"compute_path": "packed-bf16"}, "target": {"compute_path": "packed-bf16"}}
+    (tmp_path / "config.json").write_text(json.dumps({"resolved": {"fingerprints": fp}}))
+    check_same_precision(tmp_path, fp)  # same path: fine
+    with pytest.raises(FileExistsError, match="--models.compute packed-bf16"):
+        check_same_precision(tmp_path, {**fp, "target": {"compute_path": "packed"}})
