@@ -71,7 +71,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from evaluation.cost_model import CostModel
+from data_gen.timing import CostModel
 from predictors import goodput
 from predictors.base import GOODPUT, HINDSIGHT, THRESHOLD, RoundFeedback, StopPolicy, as_tensor_dict, drafted_length
 

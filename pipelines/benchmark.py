@@ -173,6 +173,8 @@ class Row:
     exact: bool | None = None
     exact_by_design: bool = True
     rouge_l: float | None = None
+    identical_prompts: int | None = None
+    """Prompts whose output equals target-only's (greedy)."""
     note: str = ""
 
     @property
@@ -196,11 +198,14 @@ class Row:
             "vs_best_entropy": _round(vs_ent[0]), "vs_best_entropy_lo": _round(vs_ent[1]),
             "vs_best_entropy_hi": _round(vs_ent[2]),
             "mean_accepted": round(self.accepted / self.rounds, 3) if self.rounds else None,
-            "target_calls_per_token": round(self.target_calls / self.tokens, 3) if self.tokens and self.rounds else None,
+            "target_calls_per_token": (round(self.target_calls / self.tokens, 3)
+                                       if self.tokens and self.rounds else None),
             "wasted_per_token": round(wasted / self.tokens, 3) if self.tokens and self.draft_tokens else None,
             "stop_overhead": None if self.stop_overhead is None else round(self.stop_overhead, 4),
             "exact": self.exact, "rouge_l": None if self.rouge_l is None else round(self.rouge_l, 4),
             "tokens": self.tokens, "seconds": round(sum(self.seconds), 3), "note": self.note,
+            "identical_prompts": self.identical_prompts,
+            "prompt_tokens": [len(o) for o in self.outputs], "prompt_seconds": [round(x, 4) for x in self.seconds],
         }
 
 
@@ -504,7 +509,7 @@ def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[An
 
 # ----------------------------------------------------------------------------------------------------------- report
 COLUMNS = ("row", "tokens_per_s", "speedup", "vs_best_entropy", "mean_accepted", "target_calls_per_token",
-           "wasted_per_token", "stop_overhead", "exact", "rouge_l", "note")
+           "wasted_per_token", "stop_overhead", "identical_prompts", "rouge_l", "note")
 
 
 def _cell(r: dict[str, Any], c: str) -> str:
@@ -550,6 +555,7 @@ def finish_rows(rows: list[Row], bench: Bench) -> list[dict[str, Any]]:
             continue
         if bench.cfg.temperature == 0:
             r.exact = r.outputs == ref
+            r.identical_prompts = sum(a == b for a, b in zip(r.outputs, ref))
         r.rouge_l = rouge_l(r.outputs, ref, bench.tokenizer)
     entropy = [r for r in rows if r.kind in ENTROPY_KINDS and r.method == "engine" and r.outputs]
     best_entropy = max(entropy, key=lambda r: r.tokens_per_s) if entropy else None
@@ -572,8 +578,9 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
         f"{cfg.batch_size}; CPU {info['model_name']} ({info['torch_cpu_capability']}, {torch.get_num_threads()} "
         f"threads), torch {info['torch']}.\n",
         "speedup = tokens/s over target-only on the same path; vs_best_entropy = tokens/s over the best entropy "
-        f"policy ({best_e}); [95% paired bootstrap interval over prompts]; stop_overhead = one stop decision / one draft "
-        "forward; exact = outputs equal target-only's (greedy); rouge_l against target-only's output.\n",
+        f"policy ({best_e}); [95% paired bootstrap interval over prompts]; stop_overhead = one stop decision / one "
+        "draft forward; identical_prompts = prompts whose output equals target-only's (greedy); rouge_l against "
+        "target-only's output.\n",
         markdown_table(table),
     ]
     if cm is not None:

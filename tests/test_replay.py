@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from evaluation.cost_model import CostModel, measure_cost_model
+from data_gen.timing import CostModel, measure_cost_model
 from evaluation.replay import (
     OracleSchedule,
     ReplayConfig,

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from torch import Tensor
 
+from data_gen.timing import CostModel
 from evaluation.classification import score_table, sprinter_table
-from evaluation.cost_model import CostModel
 from evaluation.replay import ReplayConfig, replay_table
 from evaluation.report import write_report
 from pipelines.evaluate import EvaluateConfig, draft_fingerprint, load_columns, main, run_evaluation
