@@ -95,7 +95,7 @@ def main() -> None:
 
     parser = ArgumentParser()
     parser.add_class_arguments(GenerateConfig, as_group=False)
-    cfg = GenerateConfig(**vars(parser.instantiate_classes(parser.parse_object(raw))))
+    cfg = GenerateConfig(**vars(parser.instantiate(parser.parse_object(raw))))
     if args.compute:
         cfg = dataclasses.replace(cfg, models=dataclasses.replace(cfg.models, compute=args.compute))
     t0 = time.perf_counter()
