@@ -141,9 +141,6 @@ class BenchmarkConfig:
         if self.cost_file is not None and not Path(self.cost_file).is_file():
             raise ValueError(f"--cost_file {self.cost_file}: no such file; measure one with python -m "
                              f"pipelines.measure_costs --out {self.cost_file}, or leave it unset to measure in the run")
-        if self.tune_data_dir is not None and not Path(self.tune_data_dir).is_dir():
-            raise ValueError(f"--tune_data_dir {self.tune_data_dir}: no such folder; give a data folder written by "
-                             f"pipelines.generate (the main job's: outputs/default/data)")
         tuned = [s for s in self.policies if _needs_tuning(s)]
         if tuned and self.tune_data_dir is None:
             raise ValueError(f"policies {tuned} are tuned on validation data: set --tune_data_dir (e.g. "
@@ -486,6 +483,10 @@ def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[An
         return {}
     cfg, cm = bench.cfg, bench.cost_model
     assert cm is not None and cfg.tune_data_dir is not None
+    if not Path(cfg.tune_data_dir).is_dir():  # checked here, not in the config: the main job may write it later
+        raise ValueError(f"--tune_data_dir {cfg.tune_data_dir}: no such folder; run the main job first (python -m "
+                         f"pipelines.train --config configs/default.yaml writes outputs/default/data) or give a data "
+                         f"folder written by pipelines.generate")
     mode = "sampling" if cfg.temperature > 0 else "greedy"
     cols = load_columns(cfg.tune_data_dir, splits=["val"])
     out: dict[str, tuple[Any, str]] = {}

@@ -34,6 +34,15 @@ def test_bad_config(tmp_path):
         BenchmarkConfig(cost_file=str(tmp_path / "nope.json"))
 
 
+def test_a_missing_tuning_folder_is_named_when_the_run_needs_it(tmp_path):
+    from pipelines.benchmark import Bench, tune_on_validation
+
+    cfg = BenchmarkConfig(policies=["static:best"], tune_data_dir=str(tmp_path / "none"))  # parses: may come later
+    bench = Bench(cfg, None, None, None, None, [], [], cost_model=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="run the main job first"):
+        tune_on_validation(cfg.policies, bench)
+
+
 def test_bad_options_through_the_command_line(capsys, tmp_path):
     """What a user types: one line naming the option and the fix, exit code 2, no traceback."""
     for argv, words in (
