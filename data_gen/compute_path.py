@@ -45,6 +45,7 @@ __all__ = [
     "apply_compute_path",
     "compute_path_of",
     "cpu_info",
+    "cpu_model",
     "native_bf16",
     "resolve_compute_path",
 ]
@@ -54,8 +55,13 @@ MIN_PACK_ELEMENTS = 1 << 18
 """Linear layers with fewer weights than this stay eager (262,144: a 512 x 512 layer)."""
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_info() -> dict[str, Any]:
+    """:func:`cpu_model` and the torch threads in use now (a thread count set later is not missed)."""
+    return {**cpu_model(), "threads": torch.get_num_threads()}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> dict[str, Any]:
     """Model name and the SIMD flags that decide the compute path (from /proc/cpuinfo where it exists)."""
     model, flags = "", set()
     path = Path("/proc/cpuinfo")
@@ -72,14 +78,13 @@ def cpu_info() -> dict[str, Any]:
         "model_name": model,
         "simd_flags": simd,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
 
 
 def native_bf16() -> bool:
     """True when this CPU computes bfloat16 dot products in hardware (AVX512-BF16 or AMX-BF16) and oneDNN uses it."""
-    flags = set(cpu_info()["simd_flags"])
+    flags = set(cpu_model()["simd_flags"])
     has_isa = bool(flags & {"avx512_bf16", "amx_bf16"})
     return has_isa and torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
@@ -108,7 +113,7 @@ def resolve_compute_path(path: str, device: torch.device | str) -> str:
                          f"--models.compute eager")
     if path == "packed-bf16" and not native_bf16():
         raise ValueError(f"models.compute=packed-bf16 needs a CPU with AVX512-BF16 or AMX-BF16; this one "
-                         f"({cpu_info()['model_name'] or 'unknown'}) has none: use --models.compute packed or eager")
+                         f"({cpu_model()['model_name'] or 'unknown'}) has none: use --models.compute packed or eager")
     return path
 
 
@@ -211,7 +216,6 @@ def apply_compute_path(
         stats["packed_layers"] += 1
         stats["bytes_before"] += 0 if lin.weight is tied else lin.weight.numel() * lin.weight.element_size()
         stats["bytes_after"] += need
-        del lin
     if stats["packed_layers"]:  # read back by compute_path_of; a model with nothing packed computes as eager
         model.specstop_compute_path = path
         _detach_from_file(model)

@@ -16,7 +16,6 @@ Usage: python -m pipelines.generate --config configs/smoke.yaml
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 import zlib
@@ -35,7 +34,7 @@ from data_gen.labelling import LabelModels, LabelOptions, Segment, SequenceSpec,
 from data_gen.models import ModelSpec, check_same_tokenizer, load_model, model_fingerprint
 from data_gen.prompts import PromptSourceConfig, load_prompts, render_prompt, split_of
 from data_gen.schema import ORIGINS, features_schema
-from data_gen.shards import ShardWriter, finished_chunks, prepare_out_dir, summarize
+from data_gen.shards import ShardWriter, finished_chunks, prepare_out_dir, read_data_config, summarize
 
 log = logging.getLogger(__name__)
 
@@ -385,10 +384,10 @@ def load_models(cfg: GenerateConfig, device: str | None = None) -> tuple[LabelMo
 def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
     """Refuse to add shards labelled on another compute path than the folder's (``compute: auto`` resolves per CPU:
     bf16 weights on an AVX512-BF16 host, fp32 on an AVX2 one), so that no folder mixes two precisions."""
-    cfg_file = out_dir / "config.json"
-    if not cfg_file.is_file() or not any(out_dir.glob("shard-*.parquet")):
+    stored = read_data_config(out_dir)
+    if stored is None or not any(out_dir.glob("shard-*.parquet")):
         return
-    old = json.loads(cfg_file.read_text()).get("resolved", {}).get("fingerprints", {})
+    old = stored.get("resolved", {}).get("fingerprints", {})
     for role, fp in fingerprints.items():
         was = old.get(role, {}).get("compute_path")
         if was and was != fp.get("compute_path"):
@@ -502,11 +501,6 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
 
 def _measure_costs(models: LabelModels, out_dir: Path) -> None:
     """Store the draft/target cost model beside the data (the replay's speedup model)."""
-    try:
-        from data_gen.timing import measure_cost_model
-    except ImportError:  # evaluation not installed in this build
-        return
-    cm = measure_cost_model(models.draft, models.target, models.companion)
-    (out_dir / "cost_model.json").write_text(
-        cm.to_json() if hasattr(cm, "to_json") else json.dumps(dataclasses.asdict(cm))
-    )
+    from data_gen.timing import measure_cost_model
+
+    measure_cost_model(models.draft, models.target, models.companion).to_json(out_dir / "cost_model.json")

@@ -330,7 +330,7 @@ def measure_cost_model(
 
     return CostModel(
         compute_path=compute_path_of(target),
-        machine=dict(cpu_info(), threads=torch.get_num_threads()),
+        machine=cpu_info(),
         draft_s_per_token=float(draft_s),
         target_s=target_s,
         companion_s_per_token=float(comp_s),
