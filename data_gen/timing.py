@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CostModel", "measure_cost_model", "assumed_cost_model"]
+__all__ = ["CostModel", "measure_cost_model", "assumed_cost_model", "clock"]
 
 
 @dataclass
@@ -197,11 +197,14 @@ def assumed_cost_model() -> CostModel:
     )
 
 
-def _sync(device: Any) -> None:
+def clock(device: Any) -> float:
+    """perf_counter after the device finished its queued work (CUDA kernels are asynchronous): the one timer of the
+    cost model, the engine and the benchmark."""
     import torch
 
     if getattr(device, "type", str(device)).startswith("cuda"):
         torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _prefill(model: Any, ids: Any) -> Any:
@@ -250,12 +253,10 @@ def _time_decode(model: Any, prompt: Any, steps: int, repeats: int, statistic: s
         model(input_ids=tok, past_key_values=cache, use_cache=True)  # warm-up step
         for _ in range(steps):
             tok = torch.randint(0, vocab, (1, 1), device=dev)
-            _sync(dev)
-            t0 = time.perf_counter()
+            t0 = clock(dev)
             out = model(input_ids=tok, past_key_values=cache, use_cache=True)
             out.logits[:, -1].argmax(-1)
-            _sync(dev)
-            times.append(time.perf_counter() - t0)
+            times.append(clock(dev) - t0)
     return _stat(times, statistic), times
 
 
@@ -313,12 +314,11 @@ def measure_cost_model(
         for r in range(repeats + 1):  # the first sweep is a warm-up; lengths interleaved so load spikes spread out
             for L in ls:
                 _crop(cache, prompt_len)
-                _sync(dev)
-                t0 = time.perf_counter()
+                t0 = clock(dev)
                 target(input_ids=new[L], past_key_values=cache, use_cache=True)
-                _sync(dev)
+                t1 = clock(dev)
                 if r:
-                    raw_t[L].append(time.perf_counter() - t0)
+                    raw_t[L].append(t1 - t0)
         for L in ls:
             extra[f"target_raw_s_L{L}"] = raw_t[L]
         target_s = dict(zip(ls, _monotone(ls, [_stat(raw_t[L], statistic) for L in ls])))

@@ -39,7 +39,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from data_gen.features import COMPANION_COLUMNS, probs_from_logits, token_features
-from data_gen.timing import CostModel, measure_cost_model
+from data_gen.timing import CostModel, clock, measure_cost_model
 from predictors import goodput
 from predictors.base import GOODPUT, SEQUENTIAL, RoundFeedback, StopPolicy
 from predictors.calibration import mode_of
@@ -129,13 +129,6 @@ class DecodeStats:
 def _name(model: PreTrainedModel) -> str:
     """A model's name as the cost model records it (``config.name_or_path``)."""
     return str(getattr(model.config, "name_or_path", "") or type(model).__name__)
-
-
-def _clock(device: torch.device) -> float:
-    """perf_counter after the device finished its queued work (CUDA kernels are asynchronous)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 @contextmanager
@@ -395,7 +388,7 @@ class SpeculativeDecoder:
             self._verify_round(st, rnd, n_sent)
             for s in st.streams():
                 s.crop()
-        st.stats.wall_time = _clock(st.device) - t_start
+        st.stats.wall_time = clock(st.device) - t_start
         return torch.cat([input_ids, self._padded_outputs(st)], dim=1), st.stats
 
     def _check_prompt(self, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int
@@ -471,24 +464,24 @@ class SpeculativeDecoder:
 
     def _draft_step(self, st: _Decoding, rnd: _Round, step: int) -> None:
         """One batched draft forward pass (B sequences), the stop decision, and the drafted tokens appended."""
-        t0 = _clock(st.device)
+        t0 = clock(st.device)
         feed = rnd.feed(st.d_pending, step)
         logits, hid, idx = st.drf.forward(feed, left_pad=True, all_logits=False, hidden=self.needs_hidden)
         c_logits = st.cmp.forward(feed, left_pad=True, all_logits=False)[0][:, -1] if st.cmp is not None else None
-        st.stats.draft_time += _clock(st.device) - t0
+        st.stats.draft_time += clock(st.device) - t0
         st.stats.draft_forwards += 1
         logits = logits[:, -1]  # [B, V]
         for b in range(st.batch):
             rnd.d_idx[b] += idx[b]
         tok = self._pick(logits, st.gen)  # [B]
         t_logits = self._peek_target(st, rnd, step) if self.analysis else None  # [B, V]
-        t0 = _clock(st.device)
+        t0 = clock(st.device)
         with _one_thread(st.device):
             feats = token_features(logits, tok, target_logits=t_logits, companion_logits=c_logits, draft_hidden=hid,
                                    top_k=self.top_k_features, temperature=self.temperature, top_p=self.top_p)
             feats["position"] = torch.full((st.batch,), step, dtype=torch.long, device=st.device)
             keep, sc = self._decide(feats, rnd)
-        st.stats.stop_time += _clock(st.device) - t0
+        st.stats.stop_time += clock(st.device) - t0
         st.stats.stop_decisions += 1
         q_all = self._probs(logits) if self.temperature > 0 else None  # [B, V]
         toks, qs = tok.tolist(), feats["q"].tolist()
@@ -508,11 +501,11 @@ class SpeculativeDecoder:
 
     def _peek_target(self, st: _Decoding, rnd: _Round, step: int) -> Tensor:
         """Analysis only: the target's [B, V] logits at the token each active sequence feeds (one step)."""
-        t0 = _clock(st.device)
+        t0 = clock(st.device)
         tl, _, tidx = st.tgt.forward(rnd.feed(st.t_pending, step), left_pad=True, all_logits=False)
         for b in range(st.batch):
             rnd.t_idx[b] += tidx[b]
-        st.stats.analysis_time += _clock(st.device) - t0
+        st.stats.analysis_time += clock(st.device) - t0
         return tl[:, -1]
 
     def _decide(self, feats: dict[str, Tensor], rnd: _Round) -> tuple[list[bool], list[float] | None]:
@@ -552,9 +545,9 @@ class SpeculativeDecoder:
         else:
             t_feed = [st.t_pending[b] + rnd.drafted[b][: n_sent[b]] for b in range(st.batch)]
         t_feed = [t_feed[b] if not st.done[b] else [] for b in range(st.batch)]
-        t0 = _clock(st.device)
+        t0 = clock(st.device)
         tl, _, tidx = st.tgt.forward(t_feed, left_pad=False, all_logits=True)  # [B, n, V]
-        st.stats.target_time += _clock(st.device) - t0
+        st.stats.target_time += clock(st.device) - t0
         for b in range(st.batch):
             rnd.t_idx[b] += tidx[b]
         for b in live:

@@ -43,7 +43,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data_gen.generate import ModelsConfig
 from data_gen.prompts import PromptSourceConfig
-from data_gen.timing import CostModel
+from data_gen.timing import CostModel, clock
 
 log = logging.getLogger(__name__)
 
@@ -299,22 +299,15 @@ def _eos(tokenizer, target) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------------------- runners
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_prompts(bench: Bench, row: Row, decode: Callable[[int, torch.Tensor], torch.Tensor]) -> Row:
     """The one timed loop: ``decode(i, ids [1, T]) -> sequences [1, T + new]`` per prompt, seeded and timed alone."""
     dev = bench.target.device
     for i, ids in enumerate(bench.prompts):
         x = torch.tensor([ids], device=dev)
         torch.manual_seed(bench.cfg.seed + i)
-        _sync(dev)
-        t0 = time.perf_counter()
+        t0 = clock(dev)
         out = decode(i, x)
-        _sync(dev)
-        row.seconds.append(time.perf_counter() - t0)
+        row.seconds.append(clock(dev) - t0)
         row.outputs.append(bench.new_tokens(out[0], len(ids)))
     return row
 
