@@ -13,12 +13,12 @@ Usage:
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_gen.generate import ModelsConfig
+from data_gen.shards import read_data_config
 from data_gen.timing import CostModel, measure_cost_model
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class MeasureCostsConfig:
             raise ValueError(f"max_length={self.max_length}: the curve needs at least L = 1 and 2")
         if self.repeats < 1 or self.prompt_len < 1:
             raise ValueError(f"repeats={self.repeats} and prompt_len={self.prompt_len} must be >= 1")
-        if self.data_dir is not None and not (Path(self.data_dir) / "config.json").is_file():
+        if self.data_dir is not None and read_data_config(self.data_dir) is None:
             raise ValueError(f"--data_dir {self.data_dir}: no config.json there; give a folder written by "
                              "pipelines.generate, or leave data_dir unset and name the pair with "
                              "--models.draft/target")
@@ -57,7 +57,7 @@ def models_of(cfg: MeasureCostsConfig) -> ModelsConfig:
     """The models to time: the data folder's pair on this run's device and compute path, or ``cfg.models``."""
     if cfg.data_dir is None:
         return cfg.models
-    resolved = json.loads((Path(cfg.data_dir) / "config.json").read_text())["resolved"]["models"]
+    resolved = read_data_config(cfg.data_dir)["resolved"]["models"]
     resolved.update(device=cfg.models.device, compute=cfg.models.compute)
     return ModelsConfig(**{k: v for k, v in resolved.items() if k in ModelsConfig.__dataclass_fields__})
 
