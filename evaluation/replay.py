@@ -32,6 +32,13 @@ stored prefixes as a sample of contexts. :class:`ReplayConfig` replays the exact
 a note
 in ``ReplayData.note``, when the data holds no such sequences.
 
+Caveat (1) goes with ``ReplayConfig.branch_rollouts`` on data that holds the draft's own rollout from every prefix
+where a drafted token fails greedy match, and from the end of the sequence (``data_gen.generate.label_continuation``):
+past a round's first mismatch the round reads that rollout's rows, as the engine's draft does, so the drafted lengths
+(and the goodput rule's verified lengths) are those of a real run too. ``ReplayConfig.max_new_tokens`` caps each round
+as the engine caps it (``max_new_tokens - emitted - 1``) and lets a round draft past the stored end (an end of
+sequence) into the rollout from there. ``pipelines.replay_check`` replays the benchmark's prompts this way.
+
 Tokens are counted up to the end of the stored sequence (a round that would emit its bonus token past the end is
 clipped),
 so in greedy mode every policy emits the same tokens and the speedup is a pure time ratio.
@@ -52,7 +59,8 @@ reachable improves, verify the best prefix, paying companion steps per drafted t
 of their rounds also records the tokens it expected to emit beside the ones it did (``ReplayResult.round_tokens``).
 
 Phases: :func:`replay_policy` runs :func:`_replay_sequence` per stored sequence, which runs rounds
-(:func:`_replay_round`: :func:`_draft_round` decides drafted and verified counts, then acceptance and cost are counted).
+(:func:`_replay_round`: :func:`_round_rows` gives the rows the round drafts from, :func:`_draft_round` decides drafted
+and verified counts, then acceptance and cost are counted).
 
 Usage::
 
@@ -117,12 +125,23 @@ class ReplayConfig:
     """Extra cap on draft tokens per round for every policy (None: each policy's own ``draft_cap()``)."""
     online_roc_baseline: bool = False
     """Also replay transformers' max-confidence with online ROC re-tuning (one sklearn call per round: slow)."""
+    branch_rollouts: bool = False
+    """Greedy mode: past a round's first mismatch, and past the stored end, follow the draft's own rollout from that
+    prefix when the data holds one (a rollout segment of the same ``seq_id`` starting at a stored position of the
+    sequence or at its end, as ``data_gen.generate.label_continuation`` writes them), so that the drafted lengths, not
+    only the accepted counts, are those of a real run. Where the data holds no such rollout the round goes on along
+    the stored rows, as without this option."""
+    max_new_tokens: int | None = None
+    """The decoder's limit of new tokens per sequence: a round drafts at most ``max_new_tokens - emitted - 1`` tokens,
+    as the engine caps it (None: up to the stored end)."""
 
     def __post_init__(self) -> None:
         if self.mode not in REPLAY_MODES:
             raise ValueError(f"ReplayConfig.mode={self.mode!r}: use one of {REPLAY_MODES}")
         if self.max_draft_len is not None and self.max_draft_len < 1:
             raise ValueError(f"ReplayConfig.max_draft_len must be >= 1 or None, got {self.max_draft_len}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"ReplayConfig.max_new_tokens must be >= 1 or None, got {self.max_new_tokens}")
 
 
 @dataclass
@@ -147,10 +166,17 @@ class ReplayData:
     """True when greedy replay on these sequences reproduces real accepted counts (teacher-forced target sequences)."""
     note: str
     """Which sequences were selected and why."""
+    branches: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    """(first row of a sequence, offset in it) -> rows [a, b) of the draft's own rollout from that prefix
+    (``ReplayConfig.branch_rollouts``; offset = the sequence's length for the rollout past its end). These rows follow
+    every sequence's rows in the arrays above."""
+    max_new_tokens: int | None = None
+    """The decoder's new-token limit (``ReplayConfig.max_new_tokens``)."""
 
     @property
     def n_rows(self) -> int:
-        return int(self.greedy.shape[0])
+        """Rows of the replayed sequences (branch rollouts not counted)."""
+        return int(self.ends[-1]) if len(self.ends) else 0
 
     @property
     def n_seqs(self) -> int:
@@ -313,15 +339,14 @@ def prepare_replay_data(columns: Mapping[str, object], cfg: ReplayConfig | None 
     if need:
         raise KeyError(f"replay needs the columns {need}; they are missing from the data")
     mask, exact, note = _select(columns, cfg)
-    idx = np.flatnonzero(mask)
-    sub = {k: np.asarray(v)[idx] for k, v in columns.items()}
-    keys = segment_keys(sub)
-    order = _sort_order(sub, keys)
-    sub = {k: v[order] for k, v in sub.items()}
-    seq = keys[order]
-    change = np.flatnonzero(seq[1:] != seq[:-1]) + 1
-    starts = np.concatenate([[0], change]).astype(np.int64)
-    ends = np.concatenate([change, [len(seq)]]).astype(np.int64)
+    sub, starts, ends = _sorted_segments(columns, mask)
+    note = f"{note}; {len(starts)} sequences, {len(sub['offset'])} tokens"
+    branches: dict[tuple[int, int], tuple[int, int]] = {}
+    if cfg.branch_rollouts and cfg.mode == "greedy":
+        extra, branches = _branch_rollouts(columns, _branch_candidates(columns, mask, cfg), sub, starts, ends)
+        if branches:
+            sub = {k: np.concatenate([v, extra[k]]) for k, v in sub.items()}
+        note += f"; {len(branches)} draft rollouts followed past a mismatch or the end"
     greedy = sub["greedy_match"].astype(bool)
     exact = exact and cfg.mode == "greedy"
     return ReplayData(
@@ -333,8 +358,66 @@ def prepare_replay_data(columns: Mapping[str, object], cfg: ReplayConfig | None 
         q=sub["q"].astype(np.float64),
         match_run=_match_run(greedy, starts, ends),
         exact=exact,
-        note=f"{note}; {len(starts)} sequences, {len(seq)} tokens",
+        note=note,
+        branches=branches,
+        max_new_tokens=cfg.max_new_tokens,
     )
+
+
+def _sorted_segments(columns: Mapping[str, object], mask: np.ndarray
+                     ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """The rows of ``mask`` sorted by segment then offset, and each segment's [start, end) rows."""
+    idx = np.flatnonzero(mask)
+    sub = {k: np.asarray(v)[idx] for k, v in columns.items()}
+    keys = segment_keys(sub)
+    order = _sort_order(sub, keys)
+    sub = {k: v[order] for k, v in sub.items()}
+    seq = keys[order]
+    change = np.flatnonzero(seq[1:] != seq[:-1]) + 1
+    starts = np.concatenate([[0], change]).astype(np.int64)
+    ends = np.concatenate([change, [len(seq)]]).astype(np.int64)
+    return sub, starts, ends
+
+
+def _branch_candidates(columns: Mapping[str, object], mask: np.ndarray, cfg: ReplayConfig) -> np.ndarray:
+    """[N] rollout rows outside the replayed sequences, of the same origins and split (``branch_rollouts``)."""
+    if "rollout" not in columns or "prefix_len" not in columns:
+        return np.zeros_like(mask)
+    cand = np.asarray(columns["rollout"], dtype=bool) & ~mask
+    if cfg.origins is not None and "origin" in columns:
+        cand &= np.isin(np.asarray(columns["origin"]).astype(str), list(cfg.origins))
+    if cfg.split is not None and "split" in columns:
+        cand &= np.asarray(columns["split"]).astype(str) == cfg.split
+    return cand
+
+
+def _branch_rollouts(columns: Mapping[str, object], cand: np.ndarray, sub: dict[str, np.ndarray], starts: np.ndarray,
+                     ends: np.ndarray) -> tuple[dict[str, np.ndarray], dict[tuple[int, int], tuple[int, int]]]:
+    """The rollout segments among ``cand`` that start at a stored position of a replayed sequence (same ``seq_id``,
+    same ``prefix_len``) or just past its end: their rows (to follow the sequences' rows) and ``ReplayData.branches``.
+    """
+    if not cand.any():
+        return {}, {}
+    at: dict[tuple[str, int], tuple[int, int]] = {}  # (seq_id, prefix_len) -> (sequence start row, offset)
+    seq_ids, prefix = sub["seq_id"].astype(str), sub["prefix_len"].astype(np.int64)
+    for a0, b0 in zip(starts.tolist(), ends.tolist()):
+        for r in range(a0, b0):
+            at[(seq_ids[r], int(prefix[r]))] = (a0, r - a0)
+        at[(seq_ids[b0 - 1], int(prefix[b0 - 1]) + 1)] = (a0, b0 - a0)
+    rows, r_starts, r_ends = _sorted_segments(columns, cand)
+    first = rows["prefix_len"].astype(np.int64)[r_starts]
+    keep: list[np.ndarray] = []
+    branches: dict[tuple[int, int], tuple[int, int]] = {}
+    n = int(ends[-1])
+    for a, b, p in zip(r_starts.tolist(), r_ends.tolist(), first.tolist()):
+        where = at.get((str(rows["seq_id"][a]), int(p)))
+        if where is None or where in branches:
+            continue
+        branches[where] = (n, n + b - a)
+        keep.append(np.arange(a, b))
+        n += b - a
+    idx = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
+    return {k: v[idx] for k, v in rows.items()}, branches
 
 
 # ------------------------------------------------------------------------------------------------------ policies
@@ -394,9 +477,15 @@ def policy_scores(policy: StopPolicy, features: Mapping[str, Tensor], chunk: int
     return np.concatenate(out).astype(np.float64) if out else np.zeros(0)
 
 
-def _window(features: Mapping[str, Tensor], a: int, b: int) -> dict[str, Tensor]:
-    w = {k: v[a:b] for k, v in features.items()}
-    w["position"] = torch.arange(b - a)  # the in-round draft position, as the decoder sees it
+def _window(features: Mapping[str, Tensor], rows: np.ndarray) -> dict[str, Tensor]:
+    """The features of a round's rows (increasing), with ``position`` the in-round draft position."""
+    if len(rows) and int(rows[-1]) - int(rows[0]) + 1 == len(rows):  # contiguous: views
+        a, b = int(rows[0]), int(rows[-1]) + 1
+        w = {k: v[a:b] for k, v in features.items()}
+    else:
+        idx = torch.as_tensor(np.asarray(rows, dtype=np.int64))
+        w = {k: v[idx] for k, v in features.items()}
+    w["position"] = torch.arange(len(rows))  # the in-round draft position, as the decoder sees it
     return w
 
 
@@ -537,7 +626,7 @@ def _replay_sequence(rp: _Replay, a0: int, b0: int) -> None:
         if rp.policy.verification == HINDSIGHT and rp.mode == "sampling":
             s = _sampling_oracle_round(rp, s, b0)
         else:
-            s = _replay_round(rp, s, b0, plan)
+            s = _replay_round(rp, a0, s, b0, plan)
 
 
 def _sampling_oracle_round(rp: _Replay, s: int, b0: int) -> int:
@@ -551,44 +640,77 @@ def _sampling_oracle_round(rp: _Replay, s: int, b0: int) -> int:
     return s + a_int + 1
 
 
-def _replay_round(rp: _Replay, s: int, b0: int, plan: dict[int, int] | None) -> int:
-    """One round from row s: draft, verify (greedy match or expected acceptance), count; returns the next start."""
+def _replay_round(rp: _Replay, a0: int, s: int, b0: int, plan: dict[int, int] | None) -> int:
+    """One round from row s of the sequence starting at row a0: draft, verify (greedy match or expected acceptance),
+    count; returns the next start."""
     rem = b0 - s
-    cap = rp.policy.round_cap(rem, rp.max_draft_len)
-    n, nv = _draft_round(rp, s, cap, rem, plan)  # drafted, verified
+    cap = rp.policy.round_cap(_room(rp, a0, s, b0), rp.max_draft_len)
+    rows = _round_rows(rp, a0, s, b0, cap)  # the rows the round drafts from, in draft order
+    n, nv = _draft_round(rp, s, rows, rem, plan)  # drafted, verified
+    v = rows[:nv]
     if rp.mode == "greedy":
-        acc = float(min(nv, int(rp.data.match_run[s])))
+        g = rp.data.greedy[v]
+        acc = float(len(g) if g.all() else int(np.argmin(g)))  # leading greedy matches
         a_int = int(acc)
     else:
-        acc = float(np.cumprod(rp.data.accept[s : s + nv]).sum()) if nv else 0.0
+        acc = float(np.cumprod(rp.data.accept[v]).sum()) if nv else 0.0
         a_int = int(round(acc))
     t = n * rp.per_draft + rp.cm.target_time(nv + 1)
     # tokens past the stored end are not counted
     rp.res.add_round(min(acc + 1, rem), acc, n, nv, t, rp.cm.target_only_s_per_token, n)
     if rp.goodput is not None:
-        _count_expected(rp, s, nv, min(acc + 1, rem))
+        _count_expected(rp, v, min(acc + 1, rem))
         rp.res.round_lengths.append((n, nv))
     if rp.online:
-        q = rp.data.q[s : s + nv].tolist()
+        q = rp.data.q[v].tolist()
         rp.policy.update(RoundFeedback.leading(n_drafted=nv, n_accepted=a_int, draft_probs=q))
     return s + a_int + 1
 
 
-def _draft_round(rp: _Replay, s: int, cap: int, rem: int, plan: dict[int, int] | None) -> tuple[int, int]:
-    """(drafted, verified) tokens of the round starting at row s: the schedule's, the oracle's, SV's goodput rule, or
-    the policy's stop decisions over the round's window (the token that triggers the stop is drafted and verified)."""
+def _room(rp: _Replay, a0: int, s: int, b0: int) -> int:
+    """Most tokens a round from row s may draft: to the stored end, or, under the decoder's new-token limit, as many
+    as the engine allows (``max_new_tokens - emitted - 1``; the draft's rollout past the end may supply them)."""
+    if rp.data.max_new_tokens is None:
+        return b0 - s
+    return max(rp.data.max_new_tokens - (s - a0) - 1, 0)
+
+
+def _round_rows(rp: _Replay, a0: int, s: int, b0: int, cap: int) -> np.ndarray:
+    """[<= cap] rows a round from row s drafts from: the stored rows, and past the first mismatch (or past the stored
+    end) the draft's own rollout from there when the data holds one (``ReplayData.branches``)."""
+    if not rp.data.branches:
+        return np.arange(s, min(s + cap, b0))
+    stop = s + int(rp.data.match_run[s])  # first mismatching row, or b0
+    if stop >= s + cap:
+        return np.arange(s, s + cap)
+    if stop < b0:  # the round drafts the mismatching token, then the draft's rollout from its prefix goes on
+        head, branch, skip = np.arange(s, stop + 1), rp.data.branches.get((a0, stop - a0)), 1
+    else:  # every stored row matched: the draft goes on past the stored end
+        head, branch, skip = np.arange(s, b0), rp.data.branches.get((a0, b0 - a0)), 0
+    if branch is None:
+        return np.arange(s, min(s + cap, b0))
+    first = branch[0] + skip
+    tail = np.arange(first, min(branch[1], first + cap - len(head)))
+    return np.concatenate([head, tail])[:cap]
+
+
+def _draft_round(rp: _Replay, s: int, rows: np.ndarray, rem: int, plan: dict[int, int] | None) -> tuple[int, int]:
+    """(drafted, verified) tokens of the round starting at row s whose candidate rows are ``rows``: the schedule's,
+    the oracle's, SV's goodput rule, or the policy's stop decisions over those rows (the token that triggers the stop
+    is drafted and verified)."""
     if plan is not None:
         return plan[s], plan[s]
+    cap = len(rows)
     if rp.policy.verification == HINDSIGHT:
         n = min(int(rp.data.match_run[s]), cap, rem - 1)
         return n, n
     if cap == 0:
         return 0, 0
-    w = _window_scores(rp, s, cap)  # [cap] or None
+    w = _window_scores(rp, rows)  # [cap] or None
     if rp.goodput is not None:
-        return goodput.draft_round(_round_acceptance(rp, s, cap, w), rp.goodput, cap)
+        return goodput.draft_round(_round_acceptance(rp, rows, w), rp.goodput, cap)
     if w is None:
-        keep = rp.policy.keep_drafting(_window(rp.data.features, s, s + cap)).cpu().numpy().astype(bool)
+        keep = rp.policy.keep_drafting(_window(rp.data.features, rows)).cpu().numpy().astype(bool)
     else:
         keep = w >= rp.policy.threshold
     n = drafted_length(keep)
@@ -599,29 +721,33 @@ def _goodput_cost(cm: CostModel, companion: bool) -> goodput.RoundCost:
     return goodput.RoundCost.from_cost_model(cm, companion=companion)
 
 
-def _round_acceptance(rp: _Replay, s: int, cap: int, w: np.ndarray | None) -> np.ndarray:
-    """[cap] calibrated acceptance of rows s..s+cap-1 at in-round positions 0..cap-1 (a goodput policy's scores)."""
-    est = w if w is not None else rp.policy.score(_window(rp.data.features, s, s + cap)).numpy()
+def _round_acceptance(rp: _Replay, rows: np.ndarray, w: np.ndarray | None) -> np.ndarray:
+    """[len(rows)] calibrated acceptance of a round's rows at in-round positions 0, 1, ... (a goodput policy's
+    scores)."""
+    est = w if w is not None else rp.policy.score(_window(rp.data.features, rows)).numpy()
     return np.clip(np.asarray(est, dtype=np.float64), 0.0, 1.0)
 
 
-def _count_expected(rp: _Replay, s: int, nv: int, replayed: float) -> None:
-    """Record the tokens a goodput round expected (from its calibrated acceptances) beside the replayed ones."""
-    w = _window_scores(rp, s, nv) if nv else None
-    est = _round_acceptance(rp, s, nv, w) if nv else np.zeros(0)
+def _count_expected(rp: _Replay, verified: np.ndarray, replayed: float) -> None:
+    """Record the tokens a goodput round expected (from the calibrated acceptances of its ``verified`` rows) beside
+    the replayed ones."""
+    if len(verified):
+        est = _round_acceptance(rp, verified, _window_scores(rp, verified))
+    else:
+        est = np.zeros(0)
     expected = float(goodput.expected_tokens(est)[-1])
     rp.res.expected_tokens += expected
     rp.res.round_tokens.append((expected, float(replayed)))
 
 
-def _window_scores(rp: _Replay, s: int, cap: int) -> np.ndarray | None:
-    """[cap] precomputed scores of rows s..s+cap-1 at in-round positions 0..cap-1; None: ask the policy."""
+def _window_scores(rp: _Replay, rows: np.ndarray) -> np.ndarray | None:
+    """[len(rows)] precomputed scores of a round's rows at in-round positions 0, 1, ...; None: ask the policy."""
     sc = rp.scores
-    if sc is None or (sc.ndim == 2 and cap > sc.shape[1]):
+    if sc is None or (sc.ndim == 2 and len(rows) > sc.shape[1]):
         return None  # keep_drafting overridden (or positions beyond the matrix): ask the policy on this window
     if sc.ndim == 2:
-        return sc[np.arange(s, s + cap), np.arange(cap)]
-    return sc[s : s + cap]
+        return sc[rows, np.arange(len(rows))]
+    return sc[rows]
 
 
 # ---------------------------------------------------------------------------------------------------------- tables

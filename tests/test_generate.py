@@ -173,3 +173,57 @@ def test_label_batches_group_a_prompts_sequences_within_budget():
         else:
             assert len(bt) * max(len(s.tokens) for s in bt) <= 200 or len(bt) == 1
     assert any(len(bt) == 5 and {s.sample_id for s in bt} == {"a"} for bt in batches)  # 100 + 5 x 20 <= 200
+
+
+# ------------------------------------------------------------------------------------------- a given continuation
+EOS_PROMPT = [197, 215, 20, 132, 248, 207, 155, 244]
+"""tiny:1's greedy continuation of these tokens emits its end of sequence (257) as the 38th token."""
+
+
+def test_draft_rollouts_draft_on_past_an_end_of_sequence(tiny_pair):
+    from data_gen.continuations import continue_batch
+    from data_gen.generate import draft_rollouts
+
+    draft, _, _ = tiny_pair
+    stopped, _ = continue_batch(draft, [EOS_PROMPT], [45], pad_token_id=256, eos_token_id=257)
+    assert len(stopped[0]) == 38 and stopped[0][-1] == 257
+    (rollout,) = draft_rollouts(draft, [EOS_PROMPT], 45, pad_token_id=256)
+    assert len(rollout) == 45 and rollout[:38] == stopped[0]
+
+
+def test_label_continuation_labels_the_given_tokens_and_the_drafts_rollouts(tiny_pair):
+    """The teacher-forced rows are the generator's own (label_sequences on a target-origin segment); a rollout starts
+    at every offset where greedy match fails and at the end, with the draft's own token there."""
+    import numpy as np
+    import torch
+
+    from data_gen.generate import branch_offsets, draft_rollouts, label_continuation
+    from data_gen.labelling import LabelModels, LabelOptions, Segment, SequenceSpec, label_sequences
+
+    draft, target, _ = tiny_pair
+    prompt = [60, 61, 62, 10, 70, 71, 72]
+    cont = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, pad_token_id=256,
+                           eos_token_id=257)[0, len(prompt):].tolist()
+    models, opts = LabelModels(draft, target), LabelOptions(store_hidden=False, pad_token_id=256)
+    recs, st = label_continuation(models, prompt, cont, opts, sample_id="p", rollout_len=5, gen_batch_size=3)
+    cols = {k: np.asarray(v) for k, v in recs.items()}
+    main = ~cols["rollout"]
+    ref, _ = label_sequences(models, [SequenceSpec("p", "given", "chat", "test", "p#0", prompt + cont,
+                                                   [Segment(len(prompt), len(prompt) + len(cont), "target", False)])],
+                             opts)
+    assert cols["offset"][main].tolist() == list(range(len(cont))) and set(cols["origin"]) == {"target"}
+    assert np.allclose(cols["q"][main], ref["q"]) and cols["greedy_match"][main].tolist() == ref["greedy_match"]
+    offsets = branch_offsets(recs)
+    mismatches = [j for j, m in enumerate(ref["greedy_match"]) if not m]
+    assert offsets == [*mismatches, len(cont)] and 0 < len(mismatches) < len(cont)
+    assert st.rollouts == len(offsets) and st.records == len(cont) + 5 * len(offsets)
+    starts = cols["prefix_len"][cols["rollout"] & (cols["offset"] == 0)] - len(prompt)
+    assert sorted(starts.tolist()) == offsets and set(cols["seq_id"]) == {"p#0"}
+    first = dict(zip(starts.tolist(), cols["draft_token"][cols["rollout"] & (cols["offset"] == 0)].tolist()))
+    for j in mismatches:  # the rollout's first token is the draft's token that failed there
+        assert first[j] == cols["draft_token"][main][j]
+    expect = draft_rollouts(draft, [prompt + cont], 5, pad_token_id=256)[0]
+    end = cols["rollout"] & (cols["prefix_len"] - cols["offset"] == len(prompt) + len(cont))
+    assert cols["draft_token"][end].tolist() == expect
+    with pytest.raises(ValueError, match="greedy"):
+        label_continuation(models, prompt, cont, LabelOptions(temperature=1.0), sample_id="p", rollout_len=5)

@@ -329,3 +329,50 @@ def test_schedule_oracle_never_loses_even_under_a_lopsided_cost_model():
         sched = table.loc[table["policy"] == "oracle-schedule", "speedup"].item()
         assert sched >= table["speedup"].max() - 1e-12 and sched >= sweep["speedup"].max()
         assert sched >= 1.0 - 1e-12  # never slower than target-only decoding (drafting nothing is a schedule)
+
+
+def branched_sequence() -> dict[str, np.ndarray]:
+    """A teacher-forced sequence of 5 tokens (prefix_len 10..14, greedy [1,0,1,1,1], x all .9), the draft's rollout from
+    its mismatch at offset 1 (greedy [0,1,1,0], x [.9,.9,.2,.9]) and from its end (greedy [1,1,0], x .9)."""
+    parts = [  # (start prefix_len, rollout, greedy, x)
+        (10, False, [1, 0, 1, 1, 1], [0.9] * 5),
+        (11, True, [0, 1, 1, 0], [0.9, 0.9, 0.2, 0.9]),
+        (15, True, [1, 1, 0], [0.9] * 3),
+    ]
+    cols: dict[str, list] = {k: [] for k in ("seq_id", "origin", "rollout", "offset", "prefix_len", "greedy_match",
+                                             "accept_prob", "q", "x")}
+    for start, rollout, greedy, x in reversed(parts):  # stored out of order: the replay sorts
+        n = len(greedy)
+        cols["seq_id"] += ["a"] * n
+        cols["origin"] += ["target"] * n
+        cols["rollout"] += [rollout] * n
+        cols["offset"] += list(range(n))
+        cols["prefix_len"] += list(range(start, start + n))
+        cols["greedy_match"] += [bool(g) for g in greedy]
+        cols["accept_prob"] += [1.0] * n
+        cols["q"] += [0.5] * n
+        cols["x"] += x
+    return {k: np.asarray(v) for k, v in cols.items()}
+
+
+def test_branch_rollouts_give_the_drafts_own_rows_past_a_mismatch_and_the_end():
+    cols = branched_sequence()
+    data = prepare_replay_data(cols, ReplayConfig(branch_rollouts=True, max_new_tokens=8))
+    assert data.n_seqs == 1 and data.n_rows == 5 and sorted(data.branches) == [(0, 1), (0, 5)]
+    r = replay_policy(ColumnScore(0.5), data, CONST)
+    # s=0 (cap 8-0-1 = 7): rows 0, 1 (mismatch), then the rollout from offset 1: x [.9,.9,.9,.2] -> drafts 4, a = 1;
+    # s=2 (cap 5): rows 2..4 match, then the rollout past the end: x all .9 -> drafts 5 (cap), a = 3 + 2 = 5,
+    # emits the 3 stored tokens left
+    assert (r.n_rounds, r.drafted, r.accepted, r.tokens) == (2, 9, 6, 5)
+    assert r.time_s == pytest.approx(9 * 1.0 + 2 * 4.0)
+    # cut by the limit (5 new tokens: the stored length): s=0 cap 4 -> drafts 4, a = 1; s=2 cap 2 -> drafts 2, a = 2
+    capped = replay_policy(ColumnScore(0.5), prepare_replay_data(cols, ReplayConfig(branch_rollouts=True,
+                                                                                    max_new_tokens=5)), CONST)
+    assert (capped.n_rounds, capped.drafted, capped.accepted, capped.tokens) == (2, 6, 3, 5)
+    # without the rollouts the rounds read the stored rows (x .9 throughout) and stop at the stored end
+    plain = replay_policy(ColumnScore(0.5), prepare_replay_data(cols), CONST)
+    assert (plain.n_rounds, plain.drafted, plain.accepted, plain.tokens) == (2, 8, 4, 5)
+    sampled = prepare_replay_data(cols, ReplayConfig(branch_rollouts=True, mode="sampling"))
+    assert sampled.branches == {}  # greedy mode only: a sampled round has no first mismatch to branch at
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        ReplayConfig(max_new_tokens=0)
