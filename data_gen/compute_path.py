@@ -11,7 +11,8 @@ Paths (``ModelSpec.compute`` / ``--models.compute``):
   oneDNN says so), else ``packed``; on any other device ``eager``.
 - ``packed``: fp32 weights in oneDNN's layout; same dtype as eager, results equal to eager up to summation order.
 - ``packed-bf16``: weights packed in bfloat16; activations, norms, attention and the KV cache stay fp32 (inputs are
-  rounded to bfloat16 at each linear, accumulation is fp32, outputs fp32). Half the weight bytes: about twice as fast
+  rounded to bfloat16 at each linear, oneDNN accumulates in fp32 and rounds its output to bfloat16, which comes back
+  as fp32). Half the weight bytes: about twice as fast
   per token and the 1.5B target fits in half the memory. It changes q and p slightly, so a data folder records the path
   it was labelled with (``compute_path`` in its config) and the decoder warns when a predictor's data used another.
 - ``eager``: the model as transformers builds it (torch's default kernels).
@@ -19,6 +20,11 @@ Paths (``ModelSpec.compute`` / ``--models.compute``):
 Only ``nn.Linear`` layers with at least ``MIN_PACK_ELEMENTS`` weights are packed (tiny test models keep eager
 numerics); the original weight is freed, so ``packed`` costs no extra memory and ``packed-bf16`` halves the linears'
 (a tied LM head keeps the embedding it shares and adds its packed copy).
+
+Exactness: on both packed paths a forward is batch-invariant, i.e. a position's logits have the same bits whether it
+is computed in a one-token step, in a verification forward of L tokens or in the prompt. PackedLinear keeps every row
+count on one oneDNN kernel, and the model's attention is switched to :func:`row_invariant_attention`. So greedy
+speculative decoding reproduces the path's own one-token decoding token for token, in bfloat16 too.
 
 Usage::
 
@@ -41,6 +47,8 @@ log = logging.getLogger(__name__)
 __all__ = [
     "COMPUTE_PATHS",
     "MIN_PACK_ELEMENTS",
+    "MIN_ROWS",
+    "ROW_INVARIANT_ATTENTION",
     "PackedLinear",
     "apply_compute_path",
     "compute_path_of",
@@ -48,11 +56,17 @@ __all__ = [
     "cpu_model",
     "native_bf16",
     "resolve_compute_path",
+    "row_invariant_attention",
 ]
 
 COMPUTE_PATHS = ("auto", "packed", "packed-bf16", "eager")
 MIN_PACK_ELEMENTS = 1 << 18
 """Linear layers with fewer weights than this stay eager (262,144: a 512 x 512 layer)."""
+MIN_ROWS = 4
+"""PackedLinear pads a call of fewer rows to this many. Any value >= 2 makes a forward batch-invariant (oneDNN's
+one-row GEMV sums in another order); 4 because on AMD EPYC Zen 4 (avx512_bf16, 2 threads) the whole 1.5B target's
+one-token step took 150 ms padded to 4 rows, 199 ms padded to 2 and 174 ms unpadded (bf16; fp32 196 / 304 / 238 ms),
+oneDNN's kernels for 1-3 rows being slower than for 4 there; on the Intel host of issue 12 1-4 rows cost the same."""
 
 
 def cpu_info() -> dict[str, Any]:
@@ -121,7 +135,9 @@ class PackedLinear(nn.Module):
     """``nn.Linear`` whose weight lives once in oneDNN's blocked layout (fp32 or bfloat16), for inference.
 
     The forward takes and returns the activations' own dtype (fp32); with a bfloat16 pack the input is rounded to
-    bfloat16 and the output, accumulated in fp32 by oneDNN, comes back as fp32. No autograd.
+    bfloat16 and the output, accumulated in fp32 and rounded to bfloat16 by oneDNN, comes back as fp32. Each row's
+    result has the same bits whatever the number of rows in the call (fewer than ``MIN_ROWS`` are zero-padded).
+    No autograd.
     """
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
@@ -146,6 +162,17 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != self.pack_dtype:
             x2 = x2.to(self.pack_dtype)
+        n = x2.shape[0]
+        if n < MIN_ROWS:
+            # oneDNN runs one row on a GEMV kernel whose summation order differs from its kernel for 2+ rows (which
+            # gives every row the same bits whatever M is); zero rows keep one-token steps on that kernel, so a
+            # verification forward of L tokens reproduces L one-token steps bit for bit. Padding to 4 rather than 2:
+            # measured faster (see MIN_ROWS)
+            x2 = torch.cat([x2, x2.new_zeros(MIN_ROWS - n, self.in_features)])
+        return self._gemm(x2)[:n].reshape(*lead, self.out_features)
+
+    def _gemm(self, x2: torch.Tensor) -> torch.Tensor:
+        """[N, in] (pack dtype) -> [N, out] (activations' dtype), bias added."""
         if self.pack_dtype == self._out_dtype:  # fp32 pack: bias fused into the GEMM
             y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed_weight, self.bias, "none", [], "")
         else:
@@ -153,10 +180,77 @@ class PackedLinear(nn.Module):
             y = y.to(self._out_dtype)  # [N, out]
             if self.bias is not None:
                 y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, pack={self.pack_dtype}"
+
+
+ROW_INVARIANT_ATTENTION = "specstop_row_invariant"
+"""The attention implementation packed models run with (registered with transformers' ``AttentionInterface``)."""
+
+
+def row_invariant_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention whose output for a query row depends only on that row and the keys it sees.
+
+    transformers' SDPA path computes a forward of q new tokens with kernels and reduction lengths chosen by q (a GEMV
+    and grouped heads for q = 1, masked blocks of the whole key length for q > 1), so the same position gets other
+    bits in a verification forward of L tokens than in a one-token step: logits differ by ~3e-5 in fp32 and ~0.1
+    with bfloat16 GEMM outputs, enough to flip near-tie argmaxes. Here each row attends with its own call over exactly
+    the keys before it (length ``T - q + i + 1``), grouped query heads as rows, so rows computed alone, in a chunk or
+    in the prompt get the same bits: with :class:`PackedLinear` a whole forward is batch-invariant and speculative
+    decoding reproduces one-token decoding exactly. Costs one small SDPA call per row and layer (~1% of a step).
+
+    Shapes: query [B, H, q, d]; key, value [B, Hkv, T, d] (the last q keys are the queries' own); attention_mask None
+    or [B|1, 1, q, T] (bool, True = attend, or additive float). Returns ([B, q, H, d], None) as transformers expects.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, h, q, d = query.shape
+    hkv, t_all = key.shape[1], key.shape[2]
+    if module.training or dropout > 0 or h % hkv or (attention_mask is not None and attention_mask.shape[-1] != t_all):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if attention_mask is None:  # one mask kind for every forward: a bool mask is always passed
+        attention_mask = torch.ones(1, 1, q, t_all, dtype=torch.bool, device=query.device)
+    out = query.new_empty(b, q, h, d)
+    for i in range(q):
+        t = t_all - q + i + 1
+        qi = query[:, :, i].reshape(b, hkv, h // hkv, d)  # query head j reads key head j // (h / hkv)
+        mi = attention_mask[:, :, i : i + 1, :t]  # [B|1, 1, 1, t]
+        oi = torch.nn.functional.scaled_dot_product_attention(qi, key[:, :, :t], value[:, :, :t], attn_mask=mi,
+                                                              scale=scaling)
+        out[:, i] = oi.reshape(b, h, d)
+    return out, None
+
+
+@functools.lru_cache(maxsize=1)
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ROW_INVARIANT_ATTENTION, row_invariant_attention)
+    AttentionMaskInterface.register(ROW_INVARIANT_ATTENTION, sdpa_mask)  # SDPA's bool masks (None: causal, no padding)
+
+
+def _use_row_invariant_attention(model: nn.Module) -> bool:
+    """Switch a transformers model to :func:`row_invariant_attention` (models whose attention is SDPA or eager)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "set_attn_implementation"):
+        return False
+    if getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager", ROW_INVARIANT_ATTENTION):
+        return False
+    _register_attention()
+    model.set_attn_implementation(ROW_INVARIANT_ATTENTION)
+    return True
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -218,6 +312,7 @@ def apply_compute_path(
         stats["bytes_after"] += need
     if stats["packed_layers"]:  # read back by compute_path_of; a model with nothing packed computes as eager
         model.specstop_compute_path = path
+        stats["row_invariant_attention"] = _use_row_invariant_attention(model)
         _detach_from_file(model)
     else:
         stats["compute_path"] = "eager"

@@ -115,3 +115,69 @@ def test_a_data_folder_is_not_resumed_on_another_compute_path(tmp_path) -> None:
     check_same_precision(tmp_path, fp)  # same path: fine
     with pytest.raises(FileExistsError, match="--models.compute packed-bf16"):
         check_same_precision(tmp_path, {**fp, "target": {"compute_path": "packed"}})
+
+
+BF16 = pytest.param("packed-bf16", marks=pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                                             reason="oneDNN without bf16"))
+
+
+def _packed_tiny(path: str, spec: str = "tiny:2:32:3"):
+    model, _ = load_model(ModelSpec(spec, compute="eager"))
+    stats = cp.apply_compute_path(model, path, min_elements=0)
+    assert stats["row_invariant_attention"] and model.config._attn_implementation == cp.ROW_INVARIANT_ATTENTION
+    return model
+
+
+@pytest.mark.parametrize("path", ["packed", BF16])
+def test_a_packed_forward_is_batch_invariant(path: str) -> None:
+    """A position's logits have the same bits in a one-token step, a chunk of L tokens and the prompt."""
+    from transformers import DynamicCache
+
+    model = _packed_tiny(path)
+    prompt = torch.tensor([[1, 5, 9, 33, 70, 2, 44, 18]])
+    tail = torch.tensor([[7, 99, 3, 250, 12, 61, 8]])
+    with torch.no_grad():
+        whole = model(torch.cat([prompt, tail], 1)).logits[0, prompt.shape[1]:]  # every token in one forward
+        cache = DynamicCache()
+        model(prompt, past_key_values=cache)
+        steps = torch.cat([model(tail[:, i : i + 1], past_key_values=cache).logits[0] for i in range(tail.shape[1])])
+        for chunk in (2, 3, 7):
+            cache = DynamicCache()
+            model(prompt, past_key_values=cache)
+            chunks = torch.cat([model(tail[:, i : i + chunk], past_key_values=cache).logits[0]
+                                for i in range(0, tail.shape[1], chunk)])
+            assert torch.equal(chunks, steps), chunk
+    assert torch.equal(whole, steps)
+
+
+def test_row_invariant_attention_equals_sdpa_with_left_padding_and_grouped_heads() -> None:
+    """Same values as transformers' SDPA (to rounding) on a left-padded batch with 4 query heads over 2 key heads."""
+    model = _packed_tiny("packed")
+    reference = _packed_tiny("packed")
+    reference.set_attn_implementation("sdpa")
+    ids = torch.tensor([[256, 256, 1, 5, 9, 33], [4, 8, 15, 16, 23, 42]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        out, ref = model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits
+    torch.testing.assert_close(out[0, 2:], ref[0, 2:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[1], ref[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["packed", BF16])
+def test_speculative_decoding_on_a_packed_pair_reproduces_target_only_token_for_token(path: str) -> None:
+    from decoding.engine import SpeculativeDecoder
+    from decoding.policies import build_policy
+
+    draft, target = _packed_tiny(path, "tiny:1"), _packed_tiny(path)
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2]])
+    ref = _greedy(target, ids, 40)
+    for spec in ("static:3", "static:7", "max_confidence:0.5"):
+        out, _ = SpeculativeDecoder(draft, target, build_policy(spec)).generate(ids, None, 40, None, 0)
+        assert out[0, ids.shape[1]:].tolist() == ref, spec
+
+
+def test_the_eager_path_keeps_the_models_attention() -> None:
+    model, _ = load_model(ModelSpec("tiny:1", compute="eager"))
+    before = model.config._attn_implementation
+    assert cp.apply_compute_path(model, "eager") == {"compute_path": "eager", "packed_layers": 0}
+    assert model.config._attn_implementation == before != cp.ROW_INVARIANT_ATTENTION
