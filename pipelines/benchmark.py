@@ -17,10 +17,17 @@ The verification curve (``data_gen.timing.CostModel``, L = 1..16 new tokens, rea
 start) prices SV's rounds, the oracle's estimate and the tuning, and is printed in the report.
 
 Per row: tokens/s, speedup over target-only with a paired bootstrap interval over prompts, the ratio to the best
-entropy policy (SVIP, AdaEDL) with its interval, mean accepted length, target calls per token, draft tokens wasted per
-token, stop-decision cost as a fraction of one draft forward, exactness (greedy: outputs equal to target-only's) and
-ROUGE-L against target-only's output. Writes ``benchmark.md``, ``benchmark.json``, ``speedup.png``, ``cost_model.json``
-and the resolved ``config.yaml`` to ``out_dir``; logs them to MLflow.
+entropy policy (SVIP, AdaEDL) with its interval, for cost-aware rows (``verification == goodput``) the ratio to the best
+thresholded engine policy (learned or training-free, ``verification == threshold`` with a threshold: not static, not
+the oracle) with its interval, mean accepted length, target calls per token, draft tokens wasted per token,
+stop-decision cost as a fraction of one draft forward, exactness (greedy: outputs equal to target-only's) and ROUGE-L
+against target-only's output. Writes ``benchmark.md``, ``benchmark.json`` (with each engine row's policy spec, the
+prompts' token ids and target-only's output ids), ``speedup.png``, ``cost_model.json`` and the resolved ``config.yaml``
+to ``out_dir``; logs them to MLflow. The console shows a table within 100 columns; the full one is in ``benchmark.md``.
+
+With ``replay_check`` the run ends with ``pipelines.replay_check``: the benchmark's prompts labelled along target-only's
+output, every engine row's policy replayed offline under this run's curve, predicted against measured tokens/s
+(``replay_check`` in benchmark.json and benchmark.md, ``replay_check.png``).
 
 Usage:
     python -m pipelines.benchmark --config configs/benchmark.yaml
@@ -31,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -44,6 +52,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from data_gen.generate import ModelsConfig
 from data_gen.prompts import PromptSourceConfig
 from data_gen.timing import CostModel, clock
+from predictors.base import GOODPUT, THRESHOLD
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +116,9 @@ class BenchmarkConfig:
     """static:best tries lengths 1 .. max_static."""
     n_boot: int = 1000
     """Bootstrap resamples of the prompts for the intervals."""
+    replay_check: bool = False
+    """At the end, label the prompts along target-only's output and replay every engine row's policy offline under this
+    run's curve: predicted against measured tokens/s (pipelines.replay_check)."""
     force: bool = False
     """Load predictors trained for another draft model anyway."""
     warmup: bool = True
@@ -173,6 +185,14 @@ class Row:
     identical_prompts: int | None = None
     """Prompts whose output equals target-only's (greedy)."""
     note: str = ""
+    spec: str = ""
+    """Engine rows: the policy spec that rebuilds the row's policy (``decoding.policies.build_policy``)."""
+    threshold: float | None = None
+    """Engine rows tuned here: the threshold set on the spec's policy (``evaluation.replay.with_threshold``)."""
+    verification: str = ""
+    """Engine rows: the policy's verification kind (``predictors.base``)."""
+    thresholded: bool = False
+    """Engine rows: a thresholded policy (``verification == threshold`` with a threshold: learned or entropy)."""
 
     @property
     def tokens(self) -> int:
@@ -183,18 +203,27 @@ class Row:
         total = sum(self.seconds)
         return self.tokens / total if total > 0 else 0.0
 
-    def metrics(self, base: Row, best_entropy: Row | None, boot: np.ndarray) -> dict[str, Any]:
+    def metrics(self, base: Row, best_entropy: Row | None, boot: np.ndarray,
+                best_thresholded: Row | None = None) -> dict[str, Any]:
         """The row's report entry; ``boot`` [n_boot, n_prompts] resampled prompt indices for the intervals."""
         speed = _ratio_ci(self, base, boot)
         vs_ent = _ratio_ci(self, best_entropy, boot) if best_entropy is not None and self.kind else (None, None, None)
+        cost_aware = self.method == "engine" and self.verification == GOODPUT
+        vs_thr = _ratio_ci(self, best_thresholded, boot) if cost_aware else (None, None, None)
         wasted = self.draft_tokens - self.accepted
         return {
             "row": self.name, "method": self.method, "kind": self.kind,
+            "spec": self.spec or None, "threshold": self.threshold, "verification": self.verification or None,
+            "thresholded": self.thresholded,
             "tokens_per_s": round(self.tokens_per_s, 3),
             "speedup": _round(speed[0]), "speedup_lo": _round(speed[1]), "speedup_hi": _round(speed[2]),
             "vs_best_entropy": _round(vs_ent[0]), "vs_best_entropy_lo": _round(vs_ent[1]),
             "vs_best_entropy_hi": _round(vs_ent[2]),
+            "vs_best_thresholded": _round(vs_thr[0]), "vs_best_thresholded_lo": _round(vs_thr[1]),
+            "vs_best_thresholded_hi": _round(vs_thr[2]),
+            "rounds": self.rounds, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
             "mean_accepted": round(self.accepted / self.rounds, 3) if self.rounds else None,
+            "mean_drafted": round(self.draft_tokens / self.rounds, 3) if self.rounds else None,
             "target_calls_per_token": (round(self.target_calls / self.tokens, 3)
                                        if self.tokens and self.rounds else None),
             "wasted_per_token": round(wasted / self.tokens, 3) if self.tokens and self.draft_tokens else None,
@@ -405,8 +434,9 @@ def run_hf_policy(bench: Bench, spec: str) -> Row:
     return row
 
 
-def run_engine(bench: Bench, spec: str | Any, label: str | None = None) -> Row:
-    """The engine with one policy (a spec or a ready policy), prompts in batches of ``cfg.batch_size``."""
+def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild: dict[str, Any] | None = None) -> Row:
+    """The engine with one policy (a spec or a ready policy), prompts in batches of ``cfg.batch_size``; ``rebuild``
+    ({"spec", "threshold"}) records how a ready policy is built again (default: the spec itself)."""
     from decoding.policies import build_decoder, policy_label
 
     cfg = bench.cfg
@@ -415,8 +445,11 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None) -> Row:
         companion=bench.companion, force=cfg.force, temperature=cfg.temperature, top_p=cfg.top_p,
         max_draft_len=cfg.max_draft_len, top_k_features=cfg.top_k_features, cost_model=bench.cost_model,
     )
-    row = Row(label or policy_label(spec, dec.policy), "engine", kind=dec.policy.kind,
-              exact_by_design=dec.policy.exact)
+    pol = dec.policy
+    row = Row(label or policy_label(spec, pol), "engine", kind=pol.kind, exact_by_design=pol.exact,
+              verification=pol.verification, thresholded=pol.verification == THRESHOLD and pol.has_threshold)
+    info = rebuild or {"spec": spec if isinstance(spec, str) else ""}
+    row.spec, row.threshold = info.get("spec", ""), info.get("threshold")
     total = None
     pad = bench.tokenizer.pad_token_id if bench.tokenizer.pad_token_id is not None else bench.eos[0]
     for start in range(0, len(bench.prompts), cfg.batch_size):
@@ -464,9 +497,10 @@ def rouge_l(outputs: list[list[int]], refs: list[list[int]], tokenizer) -> float
 
 
 # ----------------------------------------------------------------------------------------------------------- tuning
-def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[Any, str]]:
-    """``static:best`` and ``<baseline>:tuned`` specs -> (policy, label) chosen by replay of the validation split
-    of ``cfg.tune_data_dir`` under the bench's cost model (greedy: argmax draws; sampling: sampled draws)."""
+def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[Any, str, dict[str, Any]]]:
+    """``static:best`` and ``<baseline>:tuned`` specs -> (policy, label, how to rebuild it: {"spec", "threshold"})
+    chosen by replay of the validation split of ``cfg.tune_data_dir`` under the bench's cost model (greedy: argmax
+    draws; sampling: sampled draws)."""
     from decoding.policies import build_policy
     from evaluation.replay import ReplayConfig, prepare_replay_data, replay_policy, tune_threshold, with_threshold
     from pipelines.evaluate import load_columns
@@ -482,7 +516,7 @@ def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[An
                          f"folder written by pipelines.generate")
     mode = "sampling" if cfg.temperature > 0 else "greedy"
     cols = load_columns(cfg.tune_data_dir, splits=["val"])
-    out: dict[str, tuple[Any, str]] = {}
+    out: dict[str, tuple[Any, str, dict[str, Any]]] = {}
     for spec in wanted:
         if spec == "static:best":
             data = prepare_replay_data(cols, ReplayConfig(mode=mode, origins=("target",)))
@@ -491,26 +525,63 @@ def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[An
             k = max(speed, key=speed.get)
             log.info("static:best = static:%d (replayed speedups on val: %s)", k,
                      ", ".join(f"{j}: {v:.2f}" for j, v in speed.items()))
-            out[spec] = (build_policy(f"static:{k}"), f"static:{k} (val-best)")
+            out[spec] = (build_policy(f"static:{k}"), f"static:{k} (val-best)", {"spec": f"static:{k}"})
             continue
         kind = spec.split(":")[0]
         pol = build_policy(kind, max_draft_len=cfg.max_draft_len)
         thr, sp = tune_threshold(pol, cols, cm, split=None, mode=mode)
         log.info("%s tuned on val: threshold %.4g (replayed speedup %.2f)", kind, thr, sp)
-        out[spec] = (with_threshold(pol, thr), f"{kind}:{thr:.3g} (val-tuned)")
+        out[spec] = (with_threshold(pol, thr), f"{kind}:{thr:.3g} (val-tuned)", {"spec": kind, "threshold": thr})
     return out
 
 
 # ----------------------------------------------------------------------------------------------------------- report
-COLUMNS = ("row", "tokens_per_s", "speedup", "vs_best_entropy", "mean_accepted", "target_calls_per_token",
-           "wasted_per_token", "stop_overhead", "identical_prompts", "rouge_l", "note")
+COLUMNS = ("row", "tokens_per_s", "speedup", "vs_best_entropy", "vs_best_thresholded", "mean_accepted",
+           "mean_drafted", "target_calls_per_token", "wasted_per_token", "stop_overhead", "identical_prompts",
+           "rouge_l", "note")
+RATIO_COLUMNS = ("speedup", "vs_best_entropy", "vs_best_thresholded")
+"""Columns holding a ratio with its interval (``<c>_lo``, ``<c>_hi``)."""
 
 
 def _cell(r: dict[str, Any], c: str) -> str:
     v = r.get(c)
-    if c in ("speedup", "vs_best_entropy") and v is not None and r.get(f"{c}_lo") is not None:
+    if c in RATIO_COLUMNS and v is not None and r.get(f"{c}_lo") is not None:
         return f"{v:.3f} [{r[f'{c}_lo']:.2f}, {r[f'{c}_hi']:.2f}]"
     return "" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
+
+CONSOLE = (("row", "row"), ("tok/s", "tokens_per_s"), ("vs target-only", "speedup"), ("vs entropy", "vs_best_entropy"),
+           ("vs thresholded", "vs_best_thresholded"), ("accepted", "mean_accepted"), ("same", "identical_prompts"))
+"""The console table's (header, column): the rest is in benchmark.md."""
+
+
+def _short(r: dict[str, Any], c: str, n_prompts: int) -> str:
+    v = r.get(c)
+    if v is None:
+        return ""
+    if c in RATIO_COLUMNS:
+        lo, hi = r.get(f"{c}_lo"), r.get(f"{c}_hi")
+        return f"{v:.2f}" if lo is None else f"{v:.2f} [{lo:.2f},{hi:.2f}]"
+    if c == "identical_prompts":
+        return f"{v}/{n_prompts}"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def console_table(rows: list[dict[str, Any]], n_prompts: int, width: int = 100) -> str:
+    """The rows in aligned columns within ``width`` characters (row names cut with ``~`` when needed; columns no row
+    fills dropped); every column is in benchmark.md."""
+    cells = [[h for h, _ in CONSOLE]] + [[_short(r, c, n_prompts) for _, c in CONSOLE] for r in rows]
+    used = [i for i in range(len(CONSOLE)) if i == 0 or any(c[i] for c in cells[1:])]
+    widths = {i: max(len(c[i]) for c in cells) for i in used}
+    widths[0] = max(12, min(widths[0], width - sum(widths[i] + 2 for i in used[1:])))
+
+    def cell(v: str, i: int) -> str:
+        v = v if len(v) <= widths[i] else v[: widths[i] - 1] + "~"
+        return v.ljust(widths[i]) if i == 0 else v.rjust(widths[i])
+
+    lines = ["  ".join(cell(c[i], i) for i in used).rstrip()[:width] for c in cells]
+    lines.insert(1, "-" * max(len(x) for x in lines))
+    return "\n".join(lines)
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
@@ -553,8 +624,35 @@ def finish_rows(rows: list[Row], bench: Bench) -> list[dict[str, Any]]:
         r.rouge_l = rouge_l(r.outputs, ref, bench.tokenizer)
     entropy = [r for r in rows if r.kind in ENTROPY_KINDS and r.method == "engine" and r.outputs]
     best_entropy = max(entropy, key=lambda r: r.tokens_per_s) if entropy else None
+    thresholded = [r for r in rows if r.thresholded and r.method == "engine" and r.outputs]
+    best_thr = max(thresholded, key=lambda r: r.tokens_per_s) if thresholded else None
     boot = np.random.default_rng(bench.cfg.seed).integers(0, len(bench.prompts), (bench.cfg.n_boot, len(bench.prompts)))
-    return [r.metrics(rows[0], best_entropy, boot) for r in rows]
+    table = [r.metrics(rows[0], best_entropy, boot, best_thr) for r in rows]
+    table[0]["output_ids"] = rows[0].outputs  # target-only's tokens: what pipelines.replay_check labels
+    line = cost_aware_line(table, best_thr.name if best_thr else None)
+    if line:
+        log.info(line)
+    return table
+
+
+def best_thresholded(table: list[dict[str, Any]]) -> str | None:
+    """The fastest thresholded engine row of a report (learned or training-free; not static, the oracle, goodput)."""
+    rows = [r for r in table if r.get("thresholded")]
+    return max(rows, key=lambda r: r["tokens_per_s"])["row"] if rows else None
+
+
+def cost_aware_line(table: list[dict[str, Any]], best_thresholded: str | None) -> str:
+    """One line: the best cost-aware row against the best thresholded one, the ratio and its interval ('' when either
+    is missing)."""
+    cost_aware = [r for r in table if r.get("vs_best_thresholded") is not None]
+    if not cost_aware or best_thresholded is None:
+        return ""
+    best = max(cost_aware, key=lambda r: r["tokens_per_s"])
+    thr = next(r for r in table if r["row"] == best_thresholded)
+    return (f"cost-aware against thresholded: best cost-aware {best['row']} {best['tokens_per_s']:.3f} tokens/s, "
+            f"best thresholded {thr['row']} {thr['tokens_per_s']:.3f} tokens/s: {best['vs_best_thresholded']:.3f}x "
+            f"[{best['vs_best_thresholded_lo']:.3f}, {best['vs_best_thresholded_hi']:.3f}] (95% paired bootstrap "
+            f"over prompts)")
 
 
 def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], out_dir: Path) -> None:
@@ -564,6 +662,7 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
     info = cpu_info()
     entropy = [r for r in table if r["kind"] in ENTROPY_KINDS and r["method"] == "engine"]
     best_e = max(entropy, key=lambda r: r["tokens_per_s"])["row"] if entropy else "none"
+    best_t = best_thresholded(table)
     md = [
         "# Decoding benchmark\n",
         f"draft `{cfg.models.draft}`, target `{cfg.models.target}`, companion `{cfg.models.companion}`; "
@@ -572,15 +671,21 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
         f"{cfg.batch_size}; CPU {info['model_name']} ({info['torch_cpu_capability']}, {torch.get_num_threads()} "
         f"threads), torch {info['torch']}.\n",
         "speedup = tokens/s over target-only on the same path; vs_best_entropy = tokens/s over the best entropy "
-        f"policy ({best_e}); [95% paired bootstrap interval over prompts]; stop_overhead = one stop decision / one "
-        "draft forward; identical_prompts = prompts whose output equals target-only's (greedy); rouge_l against "
+        f"policy ({best_e}); vs_best_thresholded (cost-aware rows) = tokens/s over the best thresholded engine policy, "
+        f"learned or training-free ({best_t or 'none'}); [95% paired bootstrap interval over prompts]; mean_accepted / "
+        "mean_drafted = draft tokens accepted / drafted per round; stop_overhead = one stop decision / one draft "
+        "forward; identical_prompts = prompts whose output equals target-only's (greedy); rouge_l against "
         "target-only's output.\n",
         markdown_table(table),
     ]
+    line = cost_aware_line(table, best_t)
+    if line:
+        md += ["", line[0].upper() + line[1:] + "."]
     if cm is not None:
         md += ["\n```", cm.curve_table(), "```"]
     (out_dir / "benchmark.md").write_text("\n".join(md) + "\n")
-    (out_dir / "benchmark.json").write_text(json.dumps({"rows": table, "prompts": names, "cpu": info}, indent=2))
+    report = {"rows": table, "prompts": names, "prompt_ids": bench.prompts, "cpu": info}
+    (out_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
     plot_speedups(table, out_dir / "speedup.png")
 
 
@@ -624,8 +729,8 @@ def row_plan(cfg: BenchmarkConfig, bench: Bench) -> list[tuple[str, Callable[[],
         if spec.startswith("hfp:"):
             plan.append((spec, lambda s=spec[4:]: run_hf_policy(bench, s)))
         elif spec in tuned:
-            pol, label = tuned[spec]
-            plan.append((label, lambda p=pol, lb=label: run_engine(bench, p, lb)))
+            pol, label, rebuild = tuned[spec]
+            plan.append((label, lambda p=pol, lb=label, rb=rebuild: run_engine(bench, p, lb, rb)))
         else:
             plan.append((spec, lambda s=spec: run_engine(bench, s)))
     if cfg.reference_compute and cfg.reference_compute != cfg.models.compute:
@@ -685,7 +790,19 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
                  row.tokens_per_s, row.tokens_per_s / base if base else 0.0, row.tokens, time.perf_counter() - t0, eta)
     table = finish_rows(rows, bench)
     write_report(table, bench, names, out_dir)
-    return table, {"prompts": p_stats, "seconds": time.perf_counter() - t_start}
+    check = run_replay_check(bench, out_dir) if cfg.replay_check else None
+    return table, {"prompts": p_stats, "seconds": time.perf_counter() - t_start, "replay_check": check}
+
+
+def run_replay_check(bench: Bench, out_dir: Path) -> dict[str, Any]:
+    """``pipelines.replay_check`` on the report just written, with the bench's models (nothing loads again)."""
+    from pipelines.replay_check import read_bench_folder, run_check, write_check
+
+    log.info("replay check: labelling the %d prompts along target-only's output", len(bench.prompts))
+    check = run_check(read_bench_folder(out_dir, bench.cfg), bench.draft, bench.target, bench.tokenizer,
+                      bench.companion)
+    write_check(check, out_dir)
+    return check
 
 
 def _write_config(cfg: BenchmarkConfig, path: Path) -> None:
@@ -694,8 +811,20 @@ def _write_config(cfg: BenchmarkConfig, path: Path) -> None:
     path.write_text("# python -m pipelines.benchmark --config " + str(path) + "\n" + yaml.safe_dump(asdict(cfg)))
 
 
-def log_to_mlflow(cfg: BenchmarkConfig, rows: list[dict[str, Any]], out_dir: Path) -> None:
-    """Parameters, per-row metrics and the artefacts of a finished benchmark in one MLflow run."""
+def metric_key(row: str) -> str:
+    """A row name as an MLflow metric prefix."""
+    return re.sub(r"[^A-Za-z0-9_.\-/ ]", "_", row)
+
+
+ROW_METRICS = ("tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "vs_best_entropy", "vs_best_thresholded",
+               "vs_best_thresholded_lo", "vs_best_thresholded_hi", "mean_accepted", "mean_drafted",
+               "target_calls_per_token", "wasted_per_token", "stop_overhead", "rouge_l")
+
+
+def log_to_mlflow(cfg: BenchmarkConfig, rows: list[dict[str, Any]], out_dir: Path,
+                  check: dict[str, Any] | None = None) -> None:
+    """Parameters, per-row metrics (and the replay check's) and the artefacts of a finished benchmark in one MLflow
+    run."""
     import mlflow
 
     from pipelines.cli import resolve_tracking_uri
@@ -705,11 +834,13 @@ def log_to_mlflow(cfg: BenchmarkConfig, rows: list[dict[str, Any]], out_dir: Pat
     with mlflow.start_run(run_name="benchmark"):
         mlflow.log_params({k: str(v)[:250] for k, v in asdict(cfg).items()})
         for r in rows:
-            key = re.sub(r"[^A-Za-z0-9_.\-/ ]", "_", r["row"])
-            for m in ("tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "vs_best_entropy", "mean_accepted",
-                      "target_calls_per_token", "wasted_per_token", "stop_overhead", "rouge_l"):
-                if isinstance(r.get(m), (int, float)):
-                    mlflow.log_metric(f"{key}/{m}", float(r[m]))
+            for m in ROW_METRICS:
+                if isinstance(r.get(m), (int, float)) and not isinstance(r.get(m), bool):
+                    mlflow.log_metric(f"{metric_key(r['row'])}/{m}", float(r[m]))
+        if check is not None:
+            from pipelines.replay_check import check_metrics
+
+            mlflow.log_metrics(check_metrics(check))
         mlflow.log_artifacts(str(out_dir))
 
 
@@ -726,8 +857,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _write_config(cfg, out_dir / "config.yaml")
         rows, stats = run_benchmark(cfg)
     if cfg.tracking:
-        log_to_mlflow(cfg, rows, out_dir)
-    print((out_dir / "benchmark.md").read_text())
+        log_to_mlflow(cfg, rows, out_dir, stats["replay_check"])
+    print(console_table(rows, len(rows[0]["prompt_tokens"])))
+    lines = [cost_aware_line(rows, best_thresholded(rows))]
+    if stats["replay_check"] is not None:
+        from pipelines.replay_check import summary_line
+
+        lines.append(summary_line(stats["replay_check"]["summary"]))
+    for x in [x for x in lines if x] + [f"full table: {out_dir / 'benchmark.md'}"]:
+        print(textwrap.fill(x, 100, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False))
     return {"rows": rows, "stats": stats, "out_dir": str(out_dir)}
 
 

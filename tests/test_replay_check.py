@@ -1,0 +1,140 @@
+"""The benchmark's replay check on tiny models: in greedy mode on an exact path the replay follows the engine's own
+trajectory (same rounds, drafted and accepted tokens) for static, thresholded, online and cost-aware policies; the
+cost-aware row's interval against the best thresholded one; the standalone entry point and its bad input."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelines.benchmark import main as benchmark_main
+from pipelines.benchmark import metric_key
+from pipelines.replay_check import main as check_main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+SAME = ("mean_accepted", "mean_drafted", "rounds")
+
+
+def calibrated_max_confidence(folder: Path) -> str:
+    """An exported max-confidence score with identity maps (acceptance = top-1 probability), for goodput:."""
+    from predictors.baselines import MaxConfidence
+    from predictors.calibration import Calibrator
+    from predictors.export import export_predictor, update_metadata
+
+    out = export_predictor(MaxConfidence(0.4), folder, {})
+    ident = Calibrator("isotonic", [0.0, 1.0], [0.0, 1.0], label="greedy match").to_dict()
+    update_metadata(out, calibration={"greedy": ident})
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One benchmark of the tiny pair that agrees on about 70% of tokens, on the exact eager path, with the check."""
+    from tests.synthetic import make_records, write_shards
+
+    tmp = tmp_path_factory.mktemp("replay_check")
+    write_shards(tmp / "data", make_records(n_prompts=20, tokens_per_prompt=20, hidden_size=0, companion=False))
+    policies = ["static:3", "svip:0.6", "max_confidence_fixed:0.1", "heuristic", "adaedl:tuned", "oracle",
+                f"goodput:{calibrated_max_confidence(tmp / 'maxconf')}"]
+    argv = [
+        "--config", str(ROOT / "configs" / "benchmark-smoke.yaml"), "--out_dir", str(tmp / "bench"),
+        "--models.target", "tiny:2:32:3", "--models.compute", "eager", "--reference_compute", "null",
+        "--prompt_texts", json.dumps(["def add(a, b):", "Write a haiku about the sea.", "hello world"]),
+        "--n_prompts", "3", "--max_new_tokens", "24", "--max_draft_len", "8", "--hf_rows", '["static:3"]',
+        "--policies", json.dumps(policies), "--tune_data_dir", str(tmp / "data"),
+        "--tracking_uri", f"sqlite:///{tmp / 'mlflow.db'}", "--replay_check", "true",
+    ]
+    return tmp, benchmark_main(argv)
+
+
+def test_replay_follows_the_engine_for_static_thresholded_and_cost_aware_policies(bench_run):
+    tmp, result = bench_run
+    out = tmp / "bench"
+    report = json.loads((out / "benchmark.json").read_text())
+    check = report["replay_check"]
+    rows = {r["row"]: r for r in check["rows"]}
+    engine = [r["row"] for r in report["rows"] if r["method"] == "engine"]
+    assert sorted(rows) == sorted(engine) and "hf:static:3" not in rows and "target-only" not in rows
+    assert check["mode"] == "greedy" and check["rollouts"] > 0 and check["rollout_len"] == 8
+    followed = [name for name, r in rows.items() if not r["note"]]
+    assert len(followed) == 6 and any(n.endswith("(val-tuned)") for n in followed)
+    assert any(n.startswith("goodput") for n in followed)
+    for name in followed:  # the same trajectory: same rounds, drafted and accepted tokens
+        r = rows[name]
+        for k in SAME:
+            assert r[f"predicted_{k}"] == pytest.approx(r[f"measured_{k}"], abs=1e-3), (name, k)
+        assert r["ratio"] == pytest.approx(r["predicted_tokens_per_s"] / r["measured_tokens_per_s"], rel=1e-2)
+        assert r["predicted_tokens_per_s"] > 0 and r["curve_tokens_per_s"] > 0
+    assert len({rows[n]["measured_mean_drafted"] for n in followed}) > 2  # policies that draft differently
+    oracle = rows["oracle"]
+    assert "oracle" in oracle["note"] and oracle["predicted_mean_accepted"] == pytest.approx(
+        oracle["measured_mean_accepted"], abs=1e-3)
+    s = check["summary"]
+    assert s["rows_scored"] == len(rows) and s["worst_row"] in rows and 0 <= s["within_band"] <= len(rows)
+    md = (out / "benchmark.md").read_text()
+    assert md.count("## Replay check") == 1 and "replay check: worst |predicted/measured - 1|" in md
+    assert (out / "replay_check.png").is_file() and result["stats"]["replay_check"]["summary"] == s
+
+
+def test_cost_aware_rows_get_the_interval_against_the_best_thresholded_row(bench_run, capsys):
+    tmp, result = bench_run
+    rows = {r["row"]: r for r in result["rows"]}
+    thresholded = [n for n, r in rows.items() if r["thresholded"]]
+    assert thresholded and not any(rows[n]["kind"] in ("static", "heuristic", "oracle") for n in thresholded)
+    best = max(thresholded, key=lambda n: rows[n]["tokens_per_s"])
+    (goodput,) = [r for r in result["rows"] if r["verification"] == "goodput"]
+    assert goodput["vs_best_thresholded_lo"] <= goodput["vs_best_thresholded"] <= goodput["vs_best_thresholded_hi"]
+    assert goodput["vs_best_thresholded"] == pytest.approx(goodput["tokens_per_s"] / rows[best]["tokens_per_s"],
+                                                           rel=1e-2)
+    assert all(r["vs_best_thresholded"] is None for r in result["rows"] if r["verification"] != "goodput")
+    md = (tmp / "bench" / "benchmark.md").read_text()
+    assert "vs_best_thresholded" in md and f"best thresholded {best}" in md
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["specstop-benchmark"])
+    assert "metrics.static_3/replay_ratio" in runs.columns
+    assert f"metrics.{metric_key(goodput['row'])}/vs_best_thresholded" in runs.columns
+    art = mlflow.artifacts.list_artifacts(run_id=runs["run_id"].iloc[0])
+    assert "replay_check.png" in {Path(a.path).name for a in art}
+
+
+def test_console_table_fits_100_columns():
+    from pipelines.benchmark import console_table
+
+    row = {"row": "goodput-disco (a very long export folder name, calibrated)", "tokens_per_s": 8.317,
+           "identical_prompts": 8}
+    for c in ("speedup", "vs_best_entropy", "vs_best_thresholded"):
+        row.update({c: 1.791, f"{c}_lo": 1.531, f"{c}_hi": 2.114})
+    text = console_table([row, {**row, "row": "target-only"}], 8)
+    assert max(len(x) for x in text.splitlines()) <= 100 and "~" in text and "8/8" in text
+
+
+def test_standalone_check_on_a_finished_benchmark(bench_run, capsys):
+    tmp, _ = bench_run
+    before = json.loads((tmp / "bench" / "benchmark.json").read_text())["replay_check"]
+    again = check_main(["--bench_dir", str(tmp / "bench"), "--tracking", "false"])
+    assert [r["row"] for r in again["rows"]] == [r["row"] for r in before["rows"]]
+    for a, b in zip(again["rows"], before["rows"]):  # the same records and replay: the same predictions
+        assert (a["predicted_tokens_per_s"], a["predicted_mean_drafted"]) == (
+            b["predicted_tokens_per_s"], b["predicted_mean_drafted"])
+    out = capsys.readouterr().out
+    assert "replay check: worst" in out and max(len(x) for x in out.splitlines()) <= 100
+    assert (tmp / "bench" / "benchmark.md").read_text().count("## Replay check") == 1
+
+
+def test_bad_bench_dir_is_named(tmp_path, capsys):
+    """A folder without benchmark.json, or whose benchmark.json has no target-only row: one line naming it."""
+    (tmp_path / "empty").mkdir()
+    no_base = tmp_path / "no_base"
+    no_base.mkdir()
+    (no_base / "benchmark.json").write_text(json.dumps({"rows": [{"row": "static:3", "method": "engine"}]}))
+    for folder, words in ((tmp_path / "empty", "benchmark.json: no such file"), (no_base, "no 'target-only' row"),
+                          (tmp_path / "nowhere", "no such folder")):
+        with pytest.raises(SystemExit) as e:
+            check_main(["--bench_dir", str(folder), "--tracking", "false"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and words in err and str(folder) in err and "Traceback" not in err, err
