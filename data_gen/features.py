@@ -79,18 +79,20 @@ def token_features(
         optionally ``draft_hidden [..., H]``, ``companion_*`` and ``p, accept_prob, target_argmax, greedy_match, tv``.
     """
     for name, t in (("draft", draft_logits), ("target", target_logits), ("companion", companion_logits)):
-        if t is not None and not torch.isfinite(t).all():
+        # a NaN or inf anywhere makes its row's sum non-finite: one reduction instead of a [..., V] bool mask (0.3 ms
+        # of a ~1 ms stop decision over 152k logits; finite logits of LM magnitudes cannot overflow the sum)
+        if t is not None and not torch.isfinite(t.sum(-1)).all():
             raise FloatingPointError(f"{name} logits contain NaN or inf")
     q_all = probs_from_logits(draft_logits, temperature, top_p)
     tok = draft_tokens.long().unsqueeze(-1)
     q = q_all.gather(-1, tok).squeeze(-1)
-    k = min(top_k, q_all.shape[-1])
+    topk = q_all.topk(max(1, min(top_k, q_all.shape[-1])), dim=-1).values  # sorted: [..., 0] is the max
     out: dict[str, Tensor] = {
         "draft_token": draft_tokens.long(),
         "q": q,
         "draft_entropy": entropy(q_all),
-        "draft_max_prob": q_all.max(-1).values,
-        "draft_topk": q_all.topk(k, dim=-1).values,
+        "draft_max_prob": topk[..., 0],
+        "draft_topk": topk[..., :top_k],
     }
     if draft_hidden is not None:
         out["draft_hidden"] = draft_hidden.to(torch.float16)
