@@ -35,7 +35,7 @@ import textwrap
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ from data_gen.labelling import LabelModels, LabelOptions
 from data_gen.timing import CostModel
 from pipelines.benchmark import BenchmarkConfig, metric_key
 from predictors.base import HINDSIGHT, StopPolicy
+
+if TYPE_CHECKING:
+    from evaluation.replay import ReplayResult
 
 log = logging.getLogger(__name__)
 
@@ -250,8 +253,8 @@ def replay_rows(folder: BenchFolder, policies: list[tuple[dict[str, Any], StopPo
     return out, data.note
 
 
-def compare_row(row: dict[str, Any], res: Any, base: dict[str, Any], note: str) -> dict[str, Any]:
-    """One row of the check: the engine's measured figures beside the replay's (``res``: a ReplayResult or None)."""
+def compare_row(row: dict[str, Any], res: ReplayResult | None, base: dict[str, Any], note: str) -> dict[str, Any]:
+    """One row of the check: the engine's measured figures beside the replay's (``res`` None: not replayed)."""
     rounds = row.get("rounds") or 0
     out: dict[str, Any] = dict.fromkeys(ROW_KEYS)
     out.update(row=row["row"], spec=row.get("spec"), measured_tokens_per_s=row.get("tokens_per_s"),

@@ -138,3 +138,12 @@ def test_bad_bench_dir_is_named(tmp_path, capsys):
             check_main(["--bench_dir", str(folder), "--tracking", "false"])
         err = capsys.readouterr().err
         assert e.value.code == 2 and words in err and str(folder) in err and "Traceback" not in err, err
+
+
+def test_a_failing_check_keeps_the_benchmarks_results(tmp_path, caplog):
+    """Inside the benchmark the check is a last, optional phase: a failure is logged with the command that reruns it."""
+    from pipelines.benchmark import Bench, BenchmarkConfig, run_replay_check
+
+    bench = Bench(BenchmarkConfig(), None, None, None, None, [[1, 2]], [0])  # type: ignore[arg-type]
+    assert run_replay_check(bench, tmp_path) is None
+    assert f"python -m pipelines.replay_check --bench_dir {tmp_path}" in caplog.text
