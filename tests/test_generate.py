@@ -58,6 +58,35 @@ def test_generate_writes_shards_and_summary(tmp_path):
     assert "by_origin" in summary and "origin_cost" in summary["last_run"]
 
 
+def test_greedy_spec_prefixes_are_the_target_continuation_made_in_batches(tmp_path, monkeypatch):
+    """Exact speculative decoding emits the target's greedy tokens, so greedy spec prefixes come from the batched target
+    continuation (no assisted generation call) and equal what assisted generation gives."""
+    import torch
+
+    from data_gen import generate as gen
+    from data_gen.compute_path import apply_compute_path
+    from data_gen.continuations import continue_batch, speculative_trajectory
+    from data_gen.models import ModelSpec, load_model
+
+    draft, tok = load_model(ModelSpec("tiny:1", compute="eager"))
+    target, _ = load_model(ModelSpec("tiny:2:32:3", compute="eager"))
+    for m in (draft, target):
+        apply_compute_path(m, "packed", min_elements=0)
+    kw = dict(pad_token_id=tok.pad_token_id, eos_token_id=None)
+    prompts = [[1, 5, 9, 33, 70, 2], [7, 8, 9]]
+    with torch.no_grad():
+        batched, _ = continue_batch(target, prompts, [12, 12], **kw)
+        assert [speculative_trajectory(target, draft, p, 12, **kw)[0] for p in prompts] == batched
+
+    def no_assisted_generation(*a, **k):
+        raise AssertionError("greedy spec prefixes must not run assisted generation")
+
+    monkeypatch.setattr(gen, "speculative_trajectory", no_assisted_generation)
+    generate(tiny_cfg(tmp_path / "s", origins={"spec": 1.0}))
+    df = frame(tmp_path / "s")
+    assert len(df) and set(df["origin"]) == {"spec"}
+
+
 def test_budget_stops_at_exact_count_and_resume_reaches_it(tmp_path):
     out = tmp_path / "b"
     prompts = [PromptSourceConfig("humaneval", limit=16)]
