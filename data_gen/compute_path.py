@@ -57,6 +57,7 @@ __all__ = [
     "native_bf16",
     "resolve_compute_path",
     "row_invariant_attention",
+    "use_row_invariant_attention",
 ]
 
 COMPUTE_PATHS = ("auto", "packed", "packed-bf16", "eager")
@@ -251,6 +252,20 @@ def _use_row_invariant_attention(model: nn.Module) -> bool:
     _register_attention()
     model.set_attn_implementation(ROW_INVARIANT_ATTENTION)
     return True
+
+
+def use_row_invariant_attention(model: nn.Module, on: bool) -> None:
+    """Switch a packed model's attention between :func:`row_invariant_attention` (``on``, as loaded) and SDPA.
+
+    Work that needs no batch invariance may turn it off: one SDPA call per row costs ~15% of a long teacher-forced
+    pass (target, 4 x 320 tokens: 16.8 s against 14.5 s with SDPA, AMD EPYC Zen 4), against ~1% of a decoding step.
+    """
+    if compute_path_of(model) == "eager" or not hasattr(model, "set_attn_implementation"):
+        return
+    if on:
+        _use_row_invariant_attention(model)
+    elif model.config._attn_implementation == ROW_INVARIANT_ATTENTION:
+        model.set_attn_implementation("sdpa")
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:

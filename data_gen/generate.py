@@ -31,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from data_gen.compute_path import use_row_invariant_attention
 from data_gen.continuations import continue_batch, speculative_trajectory
 from data_gen.labelling import LabelModels, LabelOptions, Segment, SequenceSpec, label_sequences, shared_prefix_len
 from data_gen.models import ModelSpec, check_same_tokenizer, load_model, model_fingerprint
@@ -484,6 +485,9 @@ def load_models(cfg: GenerateConfig, device: str | None = None) -> tuple[LabelMo
         toks[f"companion ({mc.companion})"] = ctok
         mods[f"companion ({mc.companion})"] = companion
     check_same_tokenizer(toks, mods)
+    for model in mods.values():
+        # labels need no batch invariance (that is for decoding): long teacher-forced passes run on SDPA, ~15% faster
+        use_row_invariant_attention(model, False)
     return LabelModels(draft, target, companion), tok
 
 

@@ -181,3 +181,14 @@ def test_the_eager_path_keeps_the_models_attention() -> None:
     before = model.config._attn_implementation
     assert cp.apply_compute_path(model, "eager") == {"compute_path": "eager", "packed_layers": 0}
     assert model.config._attn_implementation == before != cp.ROW_INVARIANT_ATTENTION
+
+
+def test_row_invariant_attention_can_be_turned_off_and_on_for_work_that_needs_no_invariance() -> None:
+    model = _packed_tiny("packed")
+    cp.use_row_invariant_attention(model, False)
+    assert model.config._attn_implementation == "sdpa"
+    cp.use_row_invariant_attention(model, True)
+    assert model.config._attn_implementation == cp.ROW_INVARIANT_ATTENTION
+    eager, _ = load_model(ModelSpec("tiny:1", compute="eager"))
+    cp.use_row_invariant_attention(eager, True)  # an eager model keeps its attention
+    assert eager.config._attn_implementation != cp.ROW_INVARIANT_ATTENTION
