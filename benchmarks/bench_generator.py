@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from data_gen.compute_path import PackedLinear, compute_path_of, cpu_info
-from data_gen.generate import ChunkStats, GenerateConfig, load_models, produce_chunk
+from data_gen.generate import ChunkStats, GenerateConfig, attention_for_labelling, load_models, produce_chunk
 from data_gen.prompts import load_prompts, render_prompt
 from data_gen.schema import features_schema
 from data_gen.shards import ShardWriter
@@ -100,6 +100,7 @@ def main() -> None:
         cfg = dataclasses.replace(cfg, models=dataclasses.replace(cfg.models, compute=args.compute))
     t0 = time.perf_counter()
     models, tok = load_models(cfg)
+    attention_for_labelling(models)  # as run_generation runs them
     load_s = time.perf_counter() - t0
     prompts, _ = load_prompts(cfg.prompts, seed=cfg.seed)
     prompts = prompts[: args.n_prompts]

@@ -256,3 +256,20 @@ def test_label_continuation_labels_the_given_tokens_and_the_drafts_rollouts(tiny
     assert cols["draft_token"][end].tolist() == expect
     with pytest.raises(ValueError, match="greedy"):
         label_continuation(models, prompt, cont, LabelOptions(temperature=1.0), sample_id="p", rollout_len=5)
+
+
+def test_loaded_models_keep_row_invariant_attention_and_only_labelling_turns_it_off(monkeypatch):
+    """load_models serves the benchmark, measure_costs and the replay check too: they must decode exactly, so only
+    the generator (after measuring its cost model) switches its models to SDPA."""
+    from data_gen import compute_path as cp
+    from data_gen import models as model_sources
+    from data_gen.generate import attention_for_labelling, load_models
+
+    monkeypatch.setattr(model_sources, "apply_compute_path",
+                        lambda m, path: cp.apply_compute_path(m, path, min_elements=0))  # pack the tiny layers too
+    models, _ = load_models(GenerateConfig(models=ModelsConfig(draft="tiny:1", target="tiny:2:32:3",
+                                                               compute="packed")))
+    loaded = [models.draft, models.target]
+    assert all(m.config._attn_implementation == cp.ROW_INVARIANT_ATTENTION for m in loaded)
+    attention_for_labelling(models)
+    assert all(m.config._attn_implementation == "sdpa" for m in loaded)
