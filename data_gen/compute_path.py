@@ -51,6 +51,7 @@ __all__ = [
     "ROW_INVARIANT_ATTENTION",
     "PackedLinear",
     "apply_compute_path",
+    "head_dtype_of",
     "compute_path_of",
     "cpu_info",
     "cpu_model",
@@ -284,9 +285,12 @@ def apply_compute_path(
     Args:
         model: a model on the CPU, in eval mode, in float32 (the packed paths keep fp32 activations).
         path: ``packed``, ``packed-bf16`` or ``eager`` (no change); resolve ``auto`` first.
-        bf16_head: with ``packed-bf16``, pack the LM head in bfloat16 too. Off by default: bf16 GEMM outputs are
-            rounded to bfloat16, which for logits of magnitude 16-32 is a step of 0.125 (q and p off by up to 6%,
-            argmax ties); the head stays an fp32 pack, about 14% of a target step.
+        bf16_head: with ``packed-bf16``, pack the LM head in bfloat16 too. bf16 GEMM outputs are rounded to bfloat16,
+            which for logits of magnitude 16-32 is a step of 0.125 (probabilities off by up to a few %, more argmax
+            ties), so it is off by default and ``load_model`` turns it on for draft-side models only
+            (``ModelSpec.bf16_head``): a draft's proposals do not change what exact decoding emits, and its head is
+            43% of the bytes a 0.5B draft step reads (measured: draft step 81.1 -> 67.3 ms; the target's 181.5 ->
+            167.8 ms, not taken: its logits are the output).
         min_elements: layers with fewer weights stay eager (tests pass 0 to pack tiny models).
     Returns:
         stats: packed layer count, weight bytes before and after, the path.
@@ -326,6 +330,7 @@ def apply_compute_path(
         stats["bytes_after"] += need
     if stats["packed_layers"]:  # read back by compute_path_of; a model with nothing packed computes as eager
         model.specstop_compute_path = path
+        model.specstop_head_dtype = "bfloat16" if (bf16_head and path == "packed-bf16") else "float32"
         stats["row_invariant_attention"] = use_row_invariant_attention(model)
         _detach_from_file(model)
     else:
@@ -363,3 +368,9 @@ def _tied_output_weight(model: nn.Module) -> torch.Tensor | None:
 def compute_path_of(model: nn.Module) -> str:
     """The compute path a model was loaded with (``eager`` when none was applied)."""
     return str(getattr(model, "specstop_compute_path", "eager"))
+
+
+def head_dtype_of(model: nn.Module) -> str:
+    """The dtype its LM head computes in: ``bfloat16`` for a draft-side packed-bf16 model, else the model's own."""
+    own = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return str(getattr(model, "specstop_head_dtype", own))

@@ -26,7 +26,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from data_gen.compute_path import COMPUTE_PATHS, apply_compute_path, compute_path_of, resolve_compute_path
+from data_gen.compute_path import (
+    COMPUTE_PATHS,
+    apply_compute_path,
+    compute_path_of,
+    head_dtype_of,
+    resolve_compute_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,8 @@ class ModelSpec:
     """Where packaged models are joined and converted to safetensors."""
     compute: str = "auto"
     """CPU compute path (data_gen.compute_path): auto, packed, packed-bf16 or eager (off)."""
+    bf16_head: bool = False
+    """On packed-bf16, pack the LM head in bfloat16 too (draft-side models: ``ModelsConfig.spec`` sets it)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -151,7 +159,7 @@ def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
                              f"compute eager for dtype {spec.dtype}")
         path = "eager"
     model, tok = _load_eager(replace(spec, compute="eager"))
-    stats = apply_compute_path(model, path)
+    stats = apply_compute_path(model, path, bf16_head=spec.bf16_head)
     if stats["packed_layers"]:
         log.info("%s: %d linear layers packed (%s), weights %.2f -> %.2f GB", spec.name, stats["packed_layers"], path,
                  stats["bytes_before"] / 1e9, stats["bytes_after"] / 1e9)
@@ -260,7 +268,8 @@ def check_same_tokenizer(
 
 def model_fingerprint(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> dict:
     """Identity of a model that data and predictors are bound to: name, vocabulary and hidden size, and the precision
-    it computed in (``dtype`` and ``compute_path``: a predictor is refused for another model, warned for another path).
+    it computed in (``dtype``, ``compute_path`` and ``head_dtype``: a predictor is refused for another model, warned
+    for another precision).
     """
     return {
         "name": str(getattr(model.config, "name_or_path", "") or type(model).__name__),
@@ -269,4 +278,5 @@ def model_fingerprint(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> d
         "vocab_sha": vocab_fingerprint(tok),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "compute_path": compute_path_of(model),
+        "head_dtype": head_dtype_of(model),
     }

@@ -55,7 +55,7 @@ def _rows(columns: Mapping[str, Any], mask: np.ndarray) -> dict[str, Any]:
 
 
 def fit_maps(policy: StopPolicy, columns: Mapping[str, Any], modes: Sequence[str] = MODES,
-             method: str = "isotonic") -> dict[str, Calibrator]:
+             method: str = "auto") -> dict[str, Calibrator]:
     """Mode -> map of ``policy``'s raw score to that mode's acceptance, fitted on ``columns`` (the validation split).
 
     A mode whose rows are missing or hold too few tokens gets no map."""
@@ -76,14 +76,15 @@ class CalibrationResult:
     maps: dict[str, dict[str, Calibrator]] = field(default_factory=dict)
     """policy name -> mode -> map (fitted on the validation split)."""
     table: pd.DataFrame = field(default_factory=pd.DataFrame)
-    """policy, mode, label, method, n, n_fit, mean_label, ece_raw (raw score, when a probability), ece."""
+    """policy, mode, label, method, n, n_fit, mean_label, ece_raw (raw score, when a probability), ece, ece_floor
+    (the ECE of perfect calibration by chance on these tokens)."""
     curves: dict[tuple[str, str], dict[str, np.ndarray]] = field(default_factory=dict)
     """(policy, mode) -> reliability bins of the calibrated acceptance on the test split."""
     notes: list[str] = field(default_factory=list)
 
 
 def calibrate_policies(policies: Mapping[str, StopPolicy | None], fit_columns: Mapping[str, Any],
-                       test_columns: Mapping[str, Any], method: str = "isotonic", n_bins: int = 15
+                       test_columns: Mapping[str, Any], method: str = "auto", n_bins: int = 15
                        ) -> CalibrationResult:
     """Fit each policy's maps on ``fit_columns`` (validation) and score them on ``test_columns``.
 

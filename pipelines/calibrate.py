@@ -35,8 +35,8 @@ class CalibrateConfig:
     """More shard folders read with data_dir as one data set."""
     out_dir: str | None = None
     """Where to write the calibrated export (default: the export folder itself; required for names and models:/)."""
-    method: str = "isotonic"
-    """isotonic or platt."""
+    method: str = "auto"
+    """auto (isotonic or Platt by cross-validated Brier score), isotonic or platt."""
     fit_split: str = "val"
     """Split the maps are fitted on."""
     test_split: str = "test"
@@ -47,8 +47,8 @@ class CalibrateConfig:
     """MLflow URI for models:/ references."""
 
     def __post_init__(self) -> None:
-        if self.method not in ("isotonic", "platt"):
-            raise ValueError(f"--method {self.method!r}: use isotonic or platt")
+        if self.method not in ("isotonic", "platt", "auto"):
+            raise ValueError(f"--method {self.method!r}: use auto, isotonic or platt")
 
 
 def calibrate_export(cfg: CalibrateConfig) -> dict[str, Any]:
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with user_errors("python -m pipelines.calibrate"):
         cfg = parse_config(CalibrateConfig, argv, __doc__)
         out = calibrate_export(cfg)
-    print(markdown_table(out["table"], ["policy", "mode", "label", "method", "n", "n_fit", "ece_raw", "ece"], digits=4))
+    cols = ["policy", "mode", "label", "method", "n", "n_fit", "ece_raw", "ece", "ece_floor"]
+    print(markdown_table(out["table"], cols, digits=4))
     print(f"calibrated export: {out['folder']} (use it as goodput:{out['folder']})")
     return out
 

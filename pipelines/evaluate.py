@@ -81,11 +81,12 @@ class EvaluateConfig:
     tune_split: str = "val"
     """Split the latency-optimal thresholds are tuned on."""
     calibrate: bool = True
-    """Fit a calibration map per policy and training-free score on ``tune_split`` (isotonic by default), report its
+    """Fit a calibration map per policy and training-free score on ``tune_split`` (auto: isotonic or Platt), report its
     expected calibration error on ``split`` and replay each calibrated policy under the cost-aware rule
     ('<name> (goodput)')."""
-    calibration_method: str = "isotonic"
-    """isotonic or platt."""
+    calibration_method: str = "auto"
+    """auto (isotonic or Platt, whichever has the lower cross-validated Brier score on ``tune_split``), isotonic or
+    platt."""
     tune_thresholds: bool = False
     """Tune each learned policy's threshold for predicted speedup on ``tune_split`` (reported, and replayed as '<name>
     (val-tuned)')."""
@@ -130,8 +131,8 @@ class EvaluateConfig:
         fams = [f for f, _ in self.label_specs if f not in ("greedy", "ratio", "soft")]
         if fams:
             raise ValueError(f"--label_specs has unknown families {fams}; use greedy, ratio, soft")
-        if self.calibration_method not in ("isotonic", "platt"):
-            raise ValueError(f"--calibration_method {self.calibration_method!r}: use isotonic or platt")
+        if self.calibration_method not in ("isotonic", "platt", "auto"):
+            raise ValueError(f"--calibration_method {self.calibration_method!r}: use auto, isotonic or platt")
         if self.n_boot < 0:
             raise ValueError(f"--n_boot must be >= 0, got {self.n_boot}")
         if self.store_thresholds and not self.tune_thresholds:

@@ -337,7 +337,7 @@ def _load_companion(cfg: BenchmarkConfig) -> PreTrainedModel | None:
 
     if not cfg.models.companion:
         return None  # the engine refused such rows too: they are reported as not replayed
-    return load_model(cfg.models.spec(cfg.models.companion))[0]
+    return load_model(cfg.models.spec(cfg.models.companion, "companion"))[0]
 
 
 # ----------------------------------------------------------------------------------------------------------- report

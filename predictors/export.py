@@ -179,6 +179,10 @@ def check_fingerprint(stored: Mapping | None, current: Mapping | None, force: bo
                     where, stored["vocab_sha"], current["vocab_sha"])
     precision = [f"{k} {stored[k]!r} (its data) vs {current[k]!r} (in use)" for k in ("dtype", "compute_path")
                  if stored.get(k) and current.get(k) and stored[k] != current[k]]
+    if stored.get("compute_path") and current.get("head_dtype"):  # data from before head_dtype had fp32 heads
+        head = stored.get("head_dtype", "float32")
+        if head != current["head_dtype"]:
+            precision.append(f"head_dtype {head!r} (its data) vs {current['head_dtype']!r} (in use)")
     if precision:  # same model, other numerics: q and p shift slightly, the predictor still applies
         log.warning("predictor %s was trained on data labelled with another precision: %s; its scores may be slightly "
                     "off (re-label with --models.compute to match)", where, "; ".join(precision))

@@ -117,6 +117,44 @@ def test_a_data_folder_is_not_resumed_on_another_compute_path(tmp_path) -> None:
         check_same_precision(tmp_path, {**fp, "target": {"compute_path": "packed"}})
 
 
+def test_a_data_folder_is_not_resumed_with_another_head_dtype(tmp_path) -> None:
+    """Folders written before head_dtype was recorded had fp32 heads: a bf16-head draft may not add to them."""
+    import json
+
+    from data_gen.generate import check_same_precision
+
+    (tmp_path / "shard-00000.parquet").write_bytes(b"")
+    old = {"draft": {"compute_path": "packed-bf16"}, "target": {"compute_path": "packed-bf16"}}
+    (tmp_path / "config.json").write_text(json.dumps({"resolved": {"fingerprints": old}}))
+    now = {"draft": {"compute_path": "packed-bf16", "head_dtype": "bfloat16"},
+           "target": {"compute_path": "packed-bf16", "head_dtype": "float32"}}
+    with pytest.raises(FileExistsError, match="--models.bf16_draft_head false"):
+        check_same_precision(tmp_path, now)
+    check_same_precision(tmp_path, {**now, "draft": {**now["draft"], "head_dtype": "float32"}})
+
+
+def test_models_config_packs_draft_side_heads_in_bf16_only() -> None:
+    from data_gen.generate import ModelsConfig
+
+    mc = ModelsConfig(compute="packed-bf16")
+    assert mc.spec("d", "draft").bf16_head and mc.spec("c", "companion").bf16_head
+    assert not mc.spec("t").bf16_head and not mc.spec("t", "target").bf16_head
+    assert not ModelsConfig(bf16_draft_head=False).spec("d", "draft").bf16_head
+    with pytest.raises(ValueError, match="role='verifier'"):
+        mc.spec("x", "verifier")
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN without bf16")
+def test_bf16_head_is_recorded_in_the_fingerprint() -> None:
+    from data_gen.models import model_fingerprint
+
+    model, tok = load_model(ModelSpec("tiny:1", compute="eager"))
+    assert model_fingerprint(model, tok)["head_dtype"] == "float32"
+    cp.apply_compute_path(model, "packed-bf16", bf16_head=True, min_elements=0)
+    assert model_fingerprint(model, tok)["head_dtype"] == "bfloat16"
+    assert model.get_output_embeddings().pack_dtype == torch.bfloat16
+
+
 BF16 = pytest.param("packed-bf16", marks=pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                                                              reason="oneDNN without bf16"))
 

@@ -266,7 +266,7 @@ def test_loaded_models_keep_row_invariant_attention_and_only_labelling_turns_it_
     from data_gen.generate import attention_for_labelling, load_models
 
     monkeypatch.setattr(model_sources, "apply_compute_path",
-                        lambda m, path: cp.apply_compute_path(m, path, min_elements=0))  # pack the tiny layers too
+                        lambda m, path, **kw: cp.apply_compute_path(m, path, min_elements=0, **kw))  # tiny layers too
     models, _ = load_models(GenerateConfig(models=ModelsConfig(draft="tiny:1", target="tiny:2:32:3",
                                                                compute="packed")))
     loaded = [models.draft, models.target]

@@ -17,7 +17,13 @@ from decoding.policies import build_policy
 from evaluation.replay import ReplayConfig, prepare_replay_data, replay_policy
 from predictors import goodput
 from predictors.baselines import MaxConfidence
-from predictors.calibration import Calibrator, expected_calibration_error, fit_calibrator, reliability_bins
+from predictors.calibration import (
+    Calibrator,
+    ece_noise_floor,
+    expected_calibration_error,
+    fit_calibrator,
+    reliability_bins,
+)
 from predictors.export import export_predictor, load_predictor, update_metadata
 from predictors.goodput import GoodputPolicy, MissingCalibration, RoundCost
 from tests.tiny_pairs import make_pair
@@ -108,6 +114,23 @@ def test_calibration_ece_on_synthetic_data():
     assert b["count"].sum() == s.size
     t = cal(torch.tensor([0.1, 0.9]))
     assert isinstance(t, Tensor) and t[0] < t[1]
+
+
+def test_auto_calibration_picks_by_cross_validation_and_the_noise_floor_is_reported():
+    rng = np.random.default_rng(1)
+    s = rng.normal(size=600)
+    y = (rng.random(s.size) < 1 / (1 + np.exp(-(2.0 * s - 0.5)))).astype(float)
+    # a logistic truth and few tokens: Platt's two parameters beat isotonic's steps held out
+    assert fit_calibrator(s, y, "auto").method == "platt"
+    # a step truth with plenty of tokens: isotonic follows it, a sigmoid cannot
+    s2 = rng.uniform(size=20_000)
+    y2 = (rng.random(s2.size) < np.where(s2 < 0.5, 0.1, 0.9)).astype(float)
+    assert fit_calibrator(s2, y2, "auto").method == "isotonic"
+    # a perfectly calibrated predictor scores about the floor by chance; the floor shrinks with more tokens
+    p = rng.uniform(size=684)
+    floor = ece_noise_floor(p)
+    assert 0.01 < floor < 0.06
+    assert ece_noise_floor(rng.uniform(size=20_000)) < floor / 3
 
 
 # ------------------------------------------------------------------------------------------------ policies
