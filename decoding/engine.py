@@ -14,7 +14,9 @@ How a round runs follows what the policy declares (``predictors.base.StopPolicy`
   before the last one are taken unverified, the target checks only the last token (min(1, p/q) or a resample from
   norm(max(0, p - q))).
 - ``policy.needs_target`` (the oracle): analysis only; the target runs one step per drafted token to give
-  ``greedy_match``; that time is reported apart (``DecodeStats.analysis_time``).
+  ``greedy_match``; that time is reported apart (``DecodeStats.analysis_time``). In greedy decoding, given each
+  sequence's target-only output (``generate(..., reference=...)``), ``greedy_match`` is read from it instead (exact
+  greedy decoding emits that output token for token) and the oracle's rounds verify like any other's: measured time.
 
 Phases of ``SpeculativeDecoder.generate`` (in the manner of gpt-fast's generate.py): prefill; then per round
 ``_draft_round`` (draft steps, each ``_draft_step`` with the stop decision ``_decide``), ``_verify_round`` (one target
@@ -83,6 +85,8 @@ class DecodeStats:
     """Seconds computing features and policy decisions."""
     analysis_time: float = 0.0
     """Seconds in analysis-only target look-ahead (oracle); included in wall_time."""
+    prefill_time: float = 0.0
+    """Seconds prefilling the prompts into every model's cache; included in wall_time."""
     wall_time: float = 0.0
     """Seconds of the whole call(s)."""
 
@@ -123,6 +127,7 @@ class DecodeStats:
             "stop_overhead": self.stop_overhead,
             "wall_time": self.wall_time,
             "analysis_time": self.analysis_time,
+            "prefill_time": self.prefill_time,
         }
 
 
@@ -223,6 +228,10 @@ class _Decoding:
     gen: torch.Generator | None
     stats: DecodeStats
     device: torch.device
+    reference: list[list[int]] | None = None
+    """[B][N] target-only greedy output (the oracle's look-ahead without target steps), or None."""
+    peek: bool = False
+    """The oracle runs the target one step per drafted token (no reference given)."""
 
     @property
     def batch(self) -> int:
@@ -367,6 +376,7 @@ class SpeculativeDecoder:
         max_new_tokens: int = 64,
         eos_token_id: int | list[int] | None = None,
         seed: int | None = None,
+        reference: list[list[int]] | None = None,
     ) -> tuple[Tensor, DecodeStats]:
         """Decode up to ``max_new_tokens`` per sequence.
 
@@ -376,12 +386,16 @@ class SpeculativeDecoder:
             max_new_tokens: most new tokens per sequence (> 0).
             eos_token_id: token id(s) ending a sequence (kept in the output).
             seed: seed of the sampling generator (sampling only).
+            reference: greedy only, for a policy that needs the target (the oracle): each sequence's target-only output
+                on this path, read for ``greedy_match`` instead of a target step per drafted token.
         Returns:
             ([B, T + N] prompt + new tokens, right-padded with the pad / eos id), stats.
         """
         t_start = time.perf_counter()
         input_ids, mask = self._check_prompt(input_ids, attention_mask, max_new_tokens)
         st = self._prefill(input_ids, mask, max_new_tokens, eos_token_id, seed)
+        st.stats.prefill_time = clock(st.device) - t_start
+        self._use_reference(st, reference)
         while not all(st.done):
             rnd = self._draft_round(st)
             n_sent = self._verification_lengths(st, rnd)
@@ -390,6 +404,17 @@ class SpeculativeDecoder:
                 s.crop()
         st.stats.wall_time = clock(st.device) - t_start
         return torch.cat([input_ids, self._padded_outputs(st)], dim=1), st.stats
+
+    def _use_reference(self, st: _Decoding, reference: list[list[int]] | None) -> None:
+        """Set how the oracle learns ``greedy_match``: from ``reference`` (greedy) or one target step per draft."""
+        if reference is not None:
+            if self.temperature > 0:
+                raise ValueError("reference outputs stand for the target's look-ahead in greedy decoding only "
+                                 "(temperature 0); drop reference= for sampling")
+            if len(reference) != st.batch:
+                raise ValueError(f"reference: {len(reference)} outputs for a batch of {st.batch}")
+            st.reference = [list(r) for r in reference]
+        st.peek = self.analysis and st.reference is None
 
     def _check_prompt(self, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int
                       ) -> tuple[Tensor, Tensor]:
@@ -474,12 +499,14 @@ class SpeculativeDecoder:
         for b in range(st.batch):
             rnd.d_idx[b] += idx[b]
         tok = self._pick(logits, st.gen)  # [B]
-        t_logits = self._peek_target(st, rnd, step) if self.analysis else None  # [B, V]
+        t_logits = self._peek_target(st, rnd, step) if st.peek else None  # [B, V]
         t0 = clock(st.device)
         with _one_thread(st.device):
             feats = token_features(logits, tok, target_logits=t_logits, companion_logits=c_logits, draft_hidden=hid,
                                    top_k=self.top_k_features, temperature=self.temperature, top_p=self.top_p)
             feats["position"] = torch.full((st.batch,), step, dtype=torch.long, device=st.device)
+            if self.analysis and not st.peek:
+                feats["greedy_match"] = self._reference_match(st, rnd, tok)
             keep, sc = self._decide(feats, rnd)
         st.stats.stop_time += clock(st.device) - t0
         st.stats.stop_decisions += 1
@@ -498,6 +525,16 @@ class SpeculativeDecoder:
                 rnd.scores[b].append(float(sc[b]))
             if len(rnd.drafted[b]) >= rnd.caps[b] or not keep[b]:
                 rnd.active[b] = False
+
+    @staticmethod
+    def _reference_match(st: _Decoding, rnd: _Round, tok: Tensor) -> Tensor:
+        """[B] the drafted token equals the target-only output at its position (False past its end)."""
+        assert st.reference is not None
+        match = []
+        for b, t in enumerate(tok.tolist()):
+            pos = len(st.outputs[b]) + len(rnd.drafted[b])
+            match.append(pos < len(st.reference[b]) and st.reference[b][pos] == t)
+        return torch.tensor(match, device=tok.device)
 
     def _peek_target(self, st: _Decoding, rnd: _Round, step: int) -> Tensor:
         """Analysis only: the target's [B, V] logits at the token each active sequence feeds (one step)."""
@@ -540,7 +577,7 @@ class SpeculativeDecoder:
     def _verify_round(self, st: _Decoding, rnd: _Round, n_sent: list[int]) -> None:
         """One target forward pass over every live sequence's window, then per-sequence verification and bookkeeping."""
         live = [b for b in range(st.batch) if not st.done[b]]
-        if self.analysis:  # the target has seen every drafted token but the last
+        if st.peek:  # the target has seen every drafted token but the last
             t_feed = [[d[-1]] if d else list(p) for d, p in zip(rnd.drafted, st.t_pending)]
         else:
             t_feed = [st.t_pending[b] + rnd.drafted[b][: n_sent[b]] for b in range(st.batch)]
@@ -552,7 +589,7 @@ class SpeculativeDecoder:
             rnd.t_idx[b] += tidx[b]
         for b in live:
             k = n_sent[b]
-            if self.analysis:
+            if st.peek:
                 logit_rows = rnd.peek_logits[b][:k] + [tl[b, 0]]
             else:
                 logit_rows = [tl[b, j] for j in range(k + 1)]

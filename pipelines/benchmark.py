@@ -13,8 +13,16 @@ the same model objects (so every row runs on the same compute path, ``--models.c
   ``max_confidence:tuned``: threshold of highest replayed speedup). Learned exports keep the threshold the main job
   tuned on validation.
 
+Rows run side by side (``order: prompt``, the default): every row decodes prompt 1, then every row prompt 2, and so on,
+so a machine that slows down or speeds up during the run (a shared VM does, by 10-30%) moves every row alike and the
+paired ratios stay fair; ``order: row`` runs each row over all prompts in turn. The reference row
+(``reference_compute``) decodes ``reference_max_new_tokens`` per prompt (its tokens/s is what it is compared on).
+In greedy decoding the oracle reads target-only's output as its look-ahead (exact decoding emits it token for token),
+so its rounds verify like any policy's and its time is measured; in sampling it runs the target one step per drafted
+token and its time is estimated from the curve.
+
 The verification curve (``data_gen.timing.CostModel``, L = 1..16 new tokens, read from ``cost_file`` or measured at the
-start) prices SV's rounds, the oracle's estimate and the tuning, and is printed in the report.
+start) prices SV's rounds, the sampling oracle's estimate and the tuning, and is printed in the report.
 
 Per row: tokens/s, speedup over target-only with a paired bootstrap interval over prompts, the ratio to the best
 entropy policy (SVIP, AdaEDL) with its interval, for cost-aware rows (``verification == goodput``) the ratio to the best
@@ -104,7 +112,11 @@ class BenchmarkConfig:
     """transformers assisted-generation rows: static:K, heuristic, default."""
     reference_compute: str | None = "eager"
     """Also time target-only with the target loaded on this compute path (eager: fp32 as transformers loads it);
-    null skips the row. Costs one more target in memory while the row runs."""
+    null skips the row. Costs one more target in memory while the benchmark runs."""
+    reference_max_new_tokens: int | None = None
+    """New tokens per prompt of the reference row (None: max_new_tokens); fewer keep a slow reference short."""
+    order: str = "prompt"
+    """prompt: every row on one prompt before the next (drift hits all rows alike); row: one row over all prompts."""
     batch_size: int = 1
     """Engine rows decode this many prompts per batch (left padding, per-sequence draft lengths)."""
     cost_file: str | None = None
@@ -143,6 +155,12 @@ class BenchmarkConfig:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size}: must be >= 1")
+        if self.order not in ("prompt", "row"):
+            raise ValueError(f"order={self.order!r}: use prompt (rows side by side per prompt) or row")
+        if self.order == "prompt" and self.batch_size > 1:
+            raise ValueError("order=prompt decodes one prompt at a time: use batch_size 1, or order row for batches")
+        if self.reference_max_new_tokens is not None and self.reference_max_new_tokens < 1:
+            raise ValueError(f"reference_max_new_tokens={self.reference_max_new_tokens}: must be >= 1 (or null)")
         if self.max_static < 1 or self.n_boot < 1:
             raise ValueError(f"max_static={self.max_static} and n_boot={self.n_boot} must be >= 1")
         for r in self.hf_rows:
@@ -193,6 +211,22 @@ class Row:
     """Engine rows: the policy's verification kind (``predictors.base``)."""
     thresholded: bool = False
     """Engine rows: a thresholded policy (``verification == threshold`` with a threshold: learned or entropy)."""
+    reference: bool = False
+    """The reference row (another compute path, maybe fewer tokens): no exactness check."""
+    prefill_seconds: list[float] = field(default_factory=list)
+    """Engine rows: seconds per prompt spent prefilling the prompt (inside ``seconds``)."""
+
+    def extend(self, other: Row) -> None:
+        """Append ``other``'s prompts (the same row run on further prompts) and add its counters."""
+        self.seconds += other.seconds
+        self.outputs += other.outputs
+        self.prefill_seconds += other.prefill_seconds
+        for k in ("rounds", "accepted", "target_calls", "draft_tokens"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        if other.stop_overhead is not None:  # mean over prompts
+            n = len(self.seconds) - len(other.seconds)
+            prev = self.stop_overhead if self.stop_overhead is not None else other.stop_overhead
+            self.stop_overhead = (prev * n + other.stop_overhead * len(other.seconds)) / len(self.seconds)
 
     @property
     def tokens(self) -> int:
@@ -232,6 +266,7 @@ class Row:
             "tokens": self.tokens, "seconds": round(sum(self.seconds), 3), "note": self.note,
             "identical_prompts": self.identical_prompts,
             "prompt_tokens": [len(o) for o in self.outputs], "prompt_seconds": [round(x, 4) for x in self.seconds],
+            "prefill_seconds": [round(x, 4) for x in self.prefill_seconds] or None,
         }
 
 
@@ -265,6 +300,12 @@ class Bench:
     prompts: list[list[int]]
     eos: list[int]
     cost_model: CostModel | None = None
+    offset: int = 0
+    """Index of ``prompts[0]`` in the run (seeds are ``cfg.seed + offset + i``)."""
+    reference: list[list[int]] | None = None
+    """Target-only's outputs of ``prompts`` once its row ran (the greedy oracle's look-ahead)."""
+    shared: dict[str, Any] = field(default_factory=dict)
+    """State every per-prompt view of the bench shares (the reference target, loaded once)."""
 
     def generate_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"max_new_tokens": self.cfg.max_new_tokens, "eos_token_id": self.eos,
@@ -333,7 +374,7 @@ def timed_prompts(bench: Bench, row: Row, decode: Callable[[int, torch.Tensor], 
     dev = bench.target.device
     for i, ids in enumerate(bench.prompts):
         x = torch.tensor([ids], device=dev)
-        torch.manual_seed(bench.cfg.seed + i)
+        torch.manual_seed(bench.cfg.seed + bench.offset + i)
         t0 = clock(dev)
         out = decode(i, x)
         row.seconds.append(clock(dev) - t0)
@@ -348,7 +389,22 @@ def run_target_only(bench: Bench, name: str = "target-only", target: PreTrainedM
     row = timed_prompts(bench, Row(name, "target.generate", note="reference"),
                         lambda i, x: model.generate(x, attention_mask=torch.ones_like(x), **kw))
     row.target_calls = row.tokens
+    if target is None:
+        bench.reference = row.outputs
+        row.prefill_seconds = [prefill_seconds(model, ids) for ids in bench.prompts]
     return row
+
+
+@torch.no_grad()
+def prefill_seconds(model: PreTrainedModel, ids: list[int]) -> float:
+    """Seconds of one forward of a prompt into a fresh cache (target-only's prefill, timed after its row: the replay
+    check adds each row's prefill to the curve's decoding time)."""
+    from transformers import DynamicCache
+
+    x = torch.tensor([ids], device=model.device)
+    t0 = clock(model.device)
+    model(input_ids=x, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+    return clock(model.device) - t0
 
 
 class ForwardCounter:
@@ -460,10 +516,15 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
         for b, p in enumerate(chunk):
             x[b, width - len(p) :] = torch.tensor(p)
             m[b, width - len(p) :] = 1
-        out, st = dec.generate(x, m, cfg.max_new_tokens, bench.eos, cfg.seed + start)
+        look_ahead = None
+        if pol.needs_target and cfg.temperature == 0 and bench.reference is not None:
+            look_ahead = bench.reference[start : start + len(chunk)]  # the greedy oracle: no target steps
+        out, st = dec.generate(x, m, cfg.max_new_tokens, bench.eos, cfg.seed + bench.offset + start,
+                               reference=look_ahead)
         total = st if total is None else total + st
         seconds = st.wall_time
-        if st.analysis_time > 0:  # oracle: the look-ahead replaced by one priced verification per round
+        row.prefill_seconds += [st.prefill_time / len(chunk)] * len(chunk)
+        if st.analysis_time > 0:  # sampling oracle: the look-ahead replaced by one priced verification per round
             assert bench.cost_model is not None
             seconds = st.wall_time - st.analysis_time - st.target_time
             seconds += sum(bench.cost_model.target_time(k + 1) for k in st.draft_lengths)
@@ -476,6 +537,8 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
     row.draft_tokens, row.stop_overhead = total.draft_tokens, total.stop_overhead
     if total.analysis_time > 0:
         row.note = "analysis only: time estimated (look-ahead replaced by the measured verification curve)"
+    elif pol.needs_target:
+        row.note = "look-ahead read from target-only's output (greedy); time measured"
     if not dec.policy.exact:
         row.note = "approximate (sequential verification)"
     return row
@@ -616,7 +679,7 @@ def finish_rows(rows: list[Row], bench: Bench) -> list[dict[str, Any]]:
     """Exactness and ROUGE-L against target-only, the bootstrap intervals, the best entropy row: the report rows."""
     ref = rows[0].outputs
     for r in rows[1:]:
-        if not r.outputs:
+        if not r.outputs or r.reference:
             continue
         if bench.cfg.temperature == 0:
             r.exact = r.outputs == ref
@@ -719,41 +782,91 @@ def load_cost_model(cfg: BenchmarkConfig, bench: Bench) -> CostModel:
     return cm
 
 
-def row_plan(cfg: BenchmarkConfig, bench: Bench) -> list[tuple[str, Callable[[], Row | None]]]:
+Runner = Callable[[Bench], Row]
+"""Runs one row on the prompts of the bench it is given (all of them, or one in ``order: prompt``)."""
+
+
+def row_plan(cfg: BenchmarkConfig, bench: Bench) -> list[tuple[str, Runner]]:
     """(name, runner) for every row, in order; target-only first."""
     tuned = tune_on_validation(cfg.policies, bench)
-    plan: list[tuple[str, Callable[[], Row | None]]] = [("target-only", lambda: run_target_only(bench))]
+    plan: list[tuple[str, Runner]] = [("target-only", lambda b: run_target_only(b))]
     for kind in cfg.hf_rows:
-        plan.append((f"hf:{kind}", lambda k=kind: run_hf(bench, k)))
+        plan.append((f"hf:{kind}", lambda b, k=kind: run_hf(b, k)))
     for spec in [*cfg.policies, *cfg.predictors]:
         if spec.startswith("hfp:"):
-            plan.append((spec, lambda s=spec[4:]: run_hf_policy(bench, s)))
+            plan.append((spec, lambda b, s=spec[4:]: run_hf_policy(b, s)))
         elif spec in tuned:
             pol, label, rebuild = tuned[spec]
-            plan.append((label, lambda p=pol, lb=label, rb=rebuild: run_engine(bench, p, lb, rb)))
+            plan.append((label, lambda b, p=pol, lb=label, rb=rebuild: run_engine(b, p, lb, rb)))
         else:
-            plan.append((spec, lambda s=spec: run_engine(bench, s)))
+            plan.append((spec, lambda b, s=spec: run_engine(b, s)))
     if cfg.reference_compute and cfg.reference_compute != cfg.models.compute:
-        plan.append((f"target-only ({cfg.reference_compute})", lambda: run_reference(bench)))
+        plan.append((f"target-only ({cfg.reference_compute})", run_reference))
     return plan
 
 
 def run_reference(bench: Bench) -> Row:
-    """Target-only with the target loaded again on ``cfg.reference_compute`` (freed after the row)."""
-    from data_gen.models import load_model
+    """Target-only on the target loaded again on ``cfg.reference_compute`` (loaded once per run, ``release_reference``
+    frees it), ``reference_max_new_tokens`` per prompt."""
+    cfg = bench.cfg
+    target = bench.shared.get("reference_target")
+    if target is None:
+        from data_gen.models import load_model
 
-    mc = replace(bench.cfg.models, compute=bench.cfg.reference_compute)
-    target, _ = load_model(mc.spec(mc.target))
-    try:
-        if bench.cfg.warmup:
+        mc = replace(cfg.models, compute=cfg.reference_compute)
+        target, _ = load_model(mc.spec(mc.target))
+        bench.shared["reference_target"] = target
+        if cfg.warmup:
             kw = {**bench.generate_kwargs(), "max_new_tokens": 4}
             x = torch.tensor([bench.prompts[0]], device=target.device)
             target.generate(x, attention_mask=torch.ones_like(x), **kw)
-        row = run_target_only(bench, f"target-only ({bench.cfg.reference_compute})", target)
-    finally:
-        del target
-    row.note = f"reference: target loaded with --models.compute {bench.cfg.reference_compute}"
+    n_new = cfg.reference_max_new_tokens or cfg.max_new_tokens
+    short = replace(bench, cfg=replace(cfg, max_new_tokens=n_new))
+    row = run_target_only(short, f"target-only ({cfg.reference_compute})", target)
+    row.reference = True
+    row.note = f"reference: target loaded with --models.compute {cfg.reference_compute}, {n_new} new tokens a prompt"
     return row
+
+
+def release_reference(bench: Bench) -> None:
+    """Free the reference target (if one was loaded)."""
+    bench.shared.pop("reference_target", None)
+
+
+def run_rows(plan: list[tuple[str, Runner]], bench: Bench) -> list[Row]:
+    """Every row on every prompt, in ``cfg.order``, with progress and an ETA; returns the rows in plan order."""
+    t0 = time.perf_counter()
+    if bench.cfg.order == "row":
+        rows: list[Row] = []
+        for i, (name, runner) in enumerate(plan):
+            t_row = time.perf_counter()
+            rows.append(runner(bench))
+            _log_row(i, len(plan), name, rows, time.perf_counter() - t_row, t0)
+        return rows
+    merged: dict[str, Row] = {}
+    n = len(bench.prompts)
+    for j, prompt in enumerate(bench.prompts):
+        view = replace(bench, prompts=[prompt], offset=j, reference=None)
+        for name, runner in plan:  # target-only first: its output is the greedy oracle's look-ahead
+            row = runner(view)
+            if name in merged:
+                merged[name].extend(row)
+            else:
+                merged[name] = row
+        done = time.perf_counter() - t0
+        base = merged[plan[0][0]]
+        line = ", ".join(f"{name} x{r.tokens_per_s / base.tokens_per_s:.2f}" for name, r in list(merged.items())[1:6]
+                         if base.tokens_per_s)
+        log.info("prompt %d/%d done (%.0fs, ETA %.0fs): target-only %.3f tokens/s; so far %s ...", j + 1, n, done,
+                 done / (j + 1) * (n - j - 1), base.tokens_per_s, line)
+    return [merged[name] for name, _ in plan]
+
+
+def _log_row(i: int, n: int, name: str, rows: list[Row], seconds: float, t0: float) -> None:
+    done = time.perf_counter() - t0
+    base, row = rows[0].tokens_per_s, rows[-1]
+    log.info("row %d/%d %s: %.3f tokens/s (x%.3f), %d tokens in %.0fs; ETA %.0fs", i + 1, n, name, row.tokens_per_s,
+             row.tokens_per_s / base if base else 0.0, row.tokens, seconds, done / (i + 1) * (n - i - 1))
 
 
 def warm_up(bench: Bench) -> None:
@@ -777,17 +890,10 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
     if cfg.warmup:
         warm_up(bench)
     plan = row_plan(cfg, bench)
-    rows: list[Row] = []
-    t_rows = time.perf_counter()
-    for i, (name, runner) in enumerate(plan):
-        t0 = time.perf_counter()
-        row = runner()
-        rows.append(row)
-        done = time.perf_counter() - t_rows
-        eta = done / (i + 1) * (len(plan) - i - 1)
-        base = rows[0].tokens_per_s
-        log.info("row %d/%d %s: %.3f tokens/s (x%.3f), %d tokens in %.0fs; ETA %.0fs", i + 1, len(plan), name,
-                 row.tokens_per_s, row.tokens_per_s / base if base else 0.0, row.tokens, time.perf_counter() - t0, eta)
+    try:
+        rows = run_rows(plan, bench)
+    finally:
+        release_reference(bench)
     table = finish_rows(rows, bench)
     write_report(table, bench, names, out_dir)
     check = run_replay_check(bench, out_dir) if cfg.replay_check else None

@@ -12,14 +12,16 @@ recorded, is replayed on those records under the benchmark's ``cost_model.json``
 ``max_draft_len`` and ``max_new_tokens`` (``ReplayConfig.branch_rollouts``: past a round's first mismatch the round
 reads the draft's rollout, as the engine's draft does). In greedy mode on an exact compute path the replay follows the
 engine's own trajectory (same rounds, drafted and accepted tokens), so what remains between predicted and measured
-tokens/s is the cost curve and what it leaves out (prefill, stop decisions, the decoder's own overhead).
+tokens/s is the cost curve and what it leaves out (stop decisions, the decoder's own overhead).
 
-Per engine row: predicted tokens/s = the replayed speedup x the measured target-only tokens/s; measured tokens/s;
-predicted / measured; predicted and measured mean accepted and mean drafted tokens per round and rounds (a miss in
-acceptance or in drafting is the trajectory's, the rest is the curve's); ``curve_tokens_per_s``, the replay's own
-tokens/s under the curve. Written to ``benchmark.json`` (``replay_check``), a section of ``benchmark.md`` and
-``replay_check.png`` (predicted against measured, identity line and +-10% band); logged to MLflow. The labelling logs
-one line per prompt with an ETA, the check one summary line (worst |predicted / measured - 1| and its row).
+Per engine row: predicted tokens/s = the row's tokens over (target-only's measured decoding time / the replayed speedup
++ the row's measured prefill; older reports without prefill times: the replayed speedup x target-only's tokens/s);
+measured tokens/s; predicted / measured; predicted and measured mean accepted and mean drafted tokens per round and
+rounds (a miss in acceptance or in drafting is the trajectory's, the rest is the curve's); ``curve_tokens_per_s``, the
+replay's own tokens/s under the curve. Written to ``benchmark.json`` (``replay_check``), a section of
+``benchmark.md`` and ``replay_check.png`` (predicted against measured, identity line and +-10% band); logged to
+MLflow. The labelling logs one line per prompt with an ETA, the check one summary line (worst |predicted / measured -
+1| and its row).
 
 Usage:
     python -m pipelines.replay_check --bench_dir outputs/benchmark     # on a finished benchmark's folder
@@ -263,7 +265,7 @@ def compare_row(row: dict[str, Any], res: ReplayResult | None, base: dict[str, A
                measured_mean_drafted=round(row["draft_tokens"] / rounds, 3) if rounds else None)
     if res is None or not res.time_s > 0:
         return out
-    predicted = res.speedup * base["tokens_per_s"]
+    predicted = predicted_tokens_per_s(row, base, res.speedup)
     measured = row.get("tokens_per_s") or 0.0
     out.update(predicted_tokens_per_s=round(predicted, 3), predicted_speedup=round(res.speedup, 4),
                ratio=round(predicted / measured, 4) if measured > 0 else None,
@@ -271,6 +273,18 @@ def compare_row(row: dict[str, Any], res: ReplayResult | None, base: dict[str, A
                predicted_mean_accepted=round(res.mean_accepted, 3),
                predicted_mean_drafted=round(res.drafted_per_round, 3))
     return out
+
+
+def predicted_tokens_per_s(row: dict[str, Any], base: dict[str, Any], speedup: float) -> float:
+    """The engine row's tokens/s as the replay predicts it: target-only's measured decoding time (its seconds minus its
+    prefill) divided by the replayed speedup, plus the row's own measured prefill (draft and target caches filled
+    with the prompt: the same for every policy, not in the curve). Reports without prefill times: target-only's
+    tokens/s times the speedup."""
+    pre_row, pre_base = row.get("prefill_seconds"), base.get("prefill_seconds")
+    if not pre_row or not pre_base or not row.get("tokens"):
+        return speedup * base["tokens_per_s"]
+    decode = max(float(base["seconds"]) - sum(pre_base), 1e-9)
+    return float(row["tokens"]) / (decode / speedup + sum(pre_row))
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -353,7 +367,8 @@ def markdown_section(result: dict[str, Any]) -> str:
         f"Every engine row's policy replayed offline ({result['mode']}) on the benchmark's prompts, labelled along "
         f"target-only's output with the draft's rollouts ({result['rollouts']} rollouts of {result['rollout_len']} "
         f"tokens, {result['records']} records; {result['data']}), under this run's curve ({result['cost_model']}). "
-        "predicted tokens/s = replayed speedup x measured target-only tokens/s; accepted / drafted = draft tokens "
+        "predicted tokens/s = tokens / (target-only's measured decoding time / replayed speedup + the row's measured "
+        "prefill); accepted / drafted = draft tokens "
         "per round, measured / predicted; curve tok/s = the replay's own tokens/s under the curve (no prefill or "
         f"overhead). Goal: predicted / measured within 1 +- {s['band']:.2f}.", "",
         "| row | measured tok/s | predicted tok/s | predicted / measured | accepted | drafted | rounds | "

@@ -24,6 +24,7 @@ module and turns the output into a continue score.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -309,7 +310,7 @@ class LearnedPolicy(StopPolicy):
 
     def device(self) -> torch.device:
         """Device of the module's parameters / buffers."""
-        t = next(iter(self.net.state_dict().values()), None)
+        t = next(itertools.chain(self.net.parameters(), self.net.buffers()), None)  # not state_dict: it copies a dict
         return t.device if t is not None else torch.device("cpu")
 
     def to(self, device: str | torch.device) -> LearnedPolicy:

@@ -87,8 +87,9 @@ def test_smoke_run(tmp_path, tiny_pair):
         "--config", str(ROOT / "configs" / "benchmark-smoke.yaml"),
         "--out_dir", str(out),
         "--tracking_uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-        "--n_prompts", "1",
+        "--n_prompts", "2",
         "--max_new_tokens", "6",
+        "--reference_max_new_tokens", "3",
         "--policies", '["static:3", "svip:0.3", "oracle", "hfp:svip:0.3", "static:best", "adaedl:tuned"]',
         "--tune_data_dir", str(tmp_path / "data"), "--max_static", "4",
         "--predictors", json.dumps([str(tmp_path / "sprinter")]),
@@ -101,9 +102,14 @@ def test_smoke_run(tmp_path, tiny_pair):
     tuned = [n for n in names if n.endswith(("(val-best)", "(val-tuned)"))]
     assert len(tuned) == 2 and tuned[0].startswith("static:") and tuned[1].startswith("adaedl:"), names
     rows = {r["row"]: r for r in result["rows"]}
-    for name in ("hf:static:3", "static:3", "svip:0.3", "oracle", "hfp:svip:0.3", "target-only (eager)", *tuned):
+    for name in ("hf:static:3", "static:3", "svip:0.3", "oracle", "hfp:svip:0.3", *tuned):
         assert rows[name]["exact"] is True and rows[name]["tokens_per_s"] > 0, name
         assert rows[name]["speedup_lo"] <= rows[name]["speedup"] <= rows[name]["speedup_hi"]
+        assert len(rows[name]["prompt_seconds"]) == 2  # rows side by side, one prompt at a time, merged
+    ref = rows["target-only (eager)"]
+    assert ref["exact"] is None and ref["prompt_tokens"] == [3, 3] and "3 new tokens" in ref["note"]
+    assert "look-ahead read from target-only's output" in rows["oracle"]["note"]  # greedy oracle: measured time
+    assert len(rows["static:3"]["prefill_seconds"]) == 2
     assert rows["hf:static:3"]["mean_accepted"] is not None and rows["hf:static:3"]["wasted_per_token"] >= 0
     assert rows["static:3"]["vs_best_entropy"] is not None and rows["target-only"]["vs_best_entropy"] is None
     spr = [r for r in result["rows"] if r["row"].startswith("sprinter")][0]

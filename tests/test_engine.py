@@ -74,6 +74,23 @@ def test_greedy_equals_target_only(pair, spec):
     assert len(stats.accepted_lengths) == stats.rounds == stats.target_calls
 
 
+def test_oracle_reads_the_reference_output_instead_of_target_steps(pair):
+    """Given target-only's output, the oracle drafts exactly the same rounds as when it peeks at the target, without a
+    target step per drafted token (no analysis time), and its output is still target-only's."""
+    draft, target = pair
+    ref = greedy_loop(target, PROMPT, 24)
+    dec = SpeculativeDecoder(draft, target, build_policy("oracle"))
+    out_peek, peek = dec.generate(PROMPT, None, 24, None, 0)
+    out_ref, read = dec.generate(PROMPT, None, 24, None, 0, reference=[ref])
+    assert out_ref.tolist() == out_peek.tolist() and out_ref[0, PROMPT.shape[1]:].tolist() == ref
+    assert read.draft_lengths == peek.draft_lengths and read.accepted_lengths == peek.accepted_lengths
+    assert peek.analysis_time > 0 and read.analysis_time == 0 and read.prefill_time > 0
+    assert all(a == d or a == d - 1 for a, d in zip(read.accepted_lengths, read.draft_lengths))
+    with pytest.raises(ValueError, match="greedy decoding only"):
+        SpeculativeDecoder(draft, target, build_policy("oracle"), temperature=1.0).generate(
+            PROMPT, None, 4, None, 0, reference=[ref])
+
+
 def test_mixed_acceptance_and_draft_cap(pair):
     """The pair really rejects sometimes, and static k never drafts more than k."""
     draft, target = pair

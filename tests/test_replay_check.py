@@ -102,6 +102,16 @@ def test_cost_aware_rows_get_the_interval_against_the_best_thresholded_row(bench
     assert "replay_check.png" in {Path(a.path).name for a in art}
 
 
+def test_prediction_adds_each_rows_prefill_to_the_decoding_time():
+    from pipelines.replay_check import predicted_tokens_per_s
+
+    base = {"tokens_per_s": 10.0, "seconds": 12.0, "prefill_seconds": [1.0, 1.0], "tokens": 100}
+    row = {"tokens": 100, "prefill_seconds": [1.5, 1.5]}
+    # decoding 10 s at speedup 2 -> 5 s, plus the row's 3 s of prefill
+    assert predicted_tokens_per_s(row, base, 2.0) == pytest.approx(100 / 8.0)
+    assert predicted_tokens_per_s({"tokens": 100}, base, 2.0) == pytest.approx(20.0)  # older report: no prefill
+
+
 def test_console_table_fits_100_columns():
     from pipelines.benchmark import console_table
 
