@@ -604,9 +604,9 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
         elapsed = time.perf_counter() - t_start
         rate = new_records / elapsed
         bar.update(n)
-        bar.set_postfix(tok_s=f"{rate:.1f}", chunk=f"{c + 1}/{len(chunks)}")
+        bar.set_postfix(rec_s=f"{rate:.1f}", chunk=f"{c + 1}/{len(chunks)}")
         eta = f", ETA {(budget - have) / rate / 60:.0f} min" if budget is not None and rate > 0 else ""
-        log.info("shard %d: %d records (%d/%s labelled, %.1f tok/s%s)", c, n, have, budget or "all", rate, eta)
+        log.info("shard %d: %d records (%d/%s labelled, %.1f records/s%s)", c, n, have, budget or "all", rate, eta)
         if progress:
             progress({"chunk": c, "chunks": len(chunks), "records": n, "have": have, "budget": budget,
                       "new_records": new_records, "seconds": elapsed})
@@ -625,7 +625,7 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
     if rank != 0:
         return run_stats
     summary = summarize(out_dir, {"last_run": run_stats, "fingerprints": fingerprints})
-    log.info("labelled %d new tokens in %.0fs (%.1f tok/s); total %d", new_records, elapsed,
+    log.info("labelled %d new records in %.0fs (%.1f records/s); total %d", new_records, elapsed,
              run_stats["labelled_tokens_per_s"], summary["overall"]["records"])
     return summary
 

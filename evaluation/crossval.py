@@ -36,9 +36,9 @@ from predictors.labels import label_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["crossvalidate", "summarise", "to_markdown"]
+__all__ = ["crossvalidate", "summarise", "to_markdown", "calibration_summary", "calibration_markdown"]
 
-_KEEP = ("sample_id", "domain", "draw", *FREE_SCORES.values())
+_KEEP = ("sample_id", "domain", "draw", "greedy_match", "accept_prob", *FREE_SCORES.values())
 
 
 def _free_score(name: str, values: np.ndarray) -> np.ndarray:
@@ -79,12 +79,15 @@ def crossvalidate(
         x, y, _ = dm.tensors["test"]
         with torch.no_grad():
             score = policy.net.eval()(x).double().numpy()  # the logit: ranks as the policy's score
+            val_score = policy.net(dm.tensors["val"][0]).double().numpy()
         raw = dm.raw["test"]
+        calibrated = _calibrated_out_of_fold(val_score, dm.raw["val"], score, raw)
         part = pd.DataFrame({
             "predictor": name, "label": label_name(cfg.label_family, cfg.lam), "draw": "all",
             "train_fraction": train_fraction, "n_train": int(metrics["n_train"]), "fold": i,
             "y": y.numpy().astype(np.float64), "score": score,
             **{c: raw[c] for c in _KEEP if c in raw},  # draw: the rows' own (one-draw data: all)
+            **calibrated,
         })
         if "domain" not in part:
             part["domain"] = "all"
@@ -94,6 +97,65 @@ def crossvalidate(
                  "ETA %.0fs", name, train_fraction, i + 1, folds, len(part), metrics.get("val_auc", float("nan")),
                  elapsed, elapsed / (n_done + 1) * (len(runs) - n_done - 1))
     return pd.concat(parts, ignore_index=True)
+
+
+def _calibrated_out_of_fold(val_score: np.ndarray, val_raw: Mapping[str, np.ndarray], test_score: np.ndarray,
+                            test_raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``cal_<mode>[_<free score>]`` columns: the fold's learned score and each training-free score mapped to a decoding
+    mode's acceptance by a map fitted on the fold's validation prompts (``predictors.calibration``, method auto),
+    applied to its test prompts (NaN on rows of another draw, and for a mode whose draw the fold's rows lack)."""
+    from predictors.calibration import MODES, calibration_label, fit_calibrator
+
+    out: dict[str, np.ndarray] = {}
+    scorers = {"": (val_score, test_score)}
+    scorers.update({f"_{f}": (_free_score(f, val_raw[c]), _free_score(f, test_raw[c]))
+                    for f, c in FREE_SCORES.items() if c in val_raw and c in test_raw})
+    for mode in MODES:
+        want = "greedy" if mode == "greedy" else "sample"
+        if any("draw" in r and not (np.asarray(r["draw"]).astype(str) == want).any() for r in (val_raw, test_raw)):
+            continue  # this fold's rows hold the other draw only: its acceptance is not this mode's
+        if any(("greedy_match" if mode == "greedy" else "accept_prob") not in r for r in (val_raw, test_raw)):
+            continue
+        v_mask, v_y = calibration_label({**val_raw, "q": val_score}, mode)
+        t_mask, _ = calibration_label({**test_raw, "q": test_score}, mode)
+        for suffix, (vs, ts) in scorers.items():
+            col = np.full(len(test_score), np.nan)
+            try:
+                col[t_mask] = fit_calibrator(vs[v_mask], v_y).apply(ts[t_mask])
+            except ValueError:  # too few validation rows or one class
+                continue
+            out[f"cal_{mode}{suffix}"] = col
+    return out
+
+
+def calibration_summary(oof: pd.DataFrame, n_bins: int = 15) -> pd.DataFrame:
+    """Expected calibration error of the out-of-fold calibrated acceptances (every prompt tested once), per predictor
+    and training-free score and decoding mode: one row each with n, mean label, ECE and its noise floor (the ECE
+    of perfect calibration by chance on as many tokens)."""
+    from predictors.calibration import ece_noise_floor, expected_calibration_error
+
+    rows = []
+    for name, frame in oof.groupby("predictor", sort=False):
+        for col in [c for c in frame.columns if c.startswith("cal_")]:
+            mode, _, free = col[len("cal_"):].partition("_")
+            label = "greedy_match" if mode == "greedy" else "accept_prob"
+            ok = frame[col].notna().to_numpy()
+            if not ok.any() or label not in frame:
+                continue
+            p, y = frame[col].to_numpy()[ok], frame[label].to_numpy(dtype=np.float64)[ok]
+            rows.append({"score": free or name, "via": name, "mode": mode, "n": int(ok.sum()),
+                         "prompts": int(frame.loc[ok, "sample_id"].nunique()), "mean_label": float(y.mean()),
+                         "ece": expected_calibration_error(p, y, n_bins), "ece_floor": ece_noise_floor(p, n_bins)})
+    return pd.DataFrame(rows)
+
+
+def calibration_markdown(table: pd.DataFrame) -> str:
+    """The out-of-fold calibration table as Markdown."""
+    lines = ["| score | folds of | mode | n | prompts | mean label | ECE | ECE floor |", "|" + "---|" * 8]
+    for r in table.to_dict("records"):
+        lines.append(f"| {r['score']} | {r['via']} | {r['mode']} | {r['n']} | {r['prompts']} | {r['mean_label']:.4f} "
+                     f"| {r['ece']:.4f} | {r['ece_floor']:.4f} |")
+    return "\n".join(lines)
 
 
 FoldRanks = list[tuple[np.ndarray, dict[str, tuple[int, np.ndarray]]]]

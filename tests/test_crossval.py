@@ -160,8 +160,15 @@ def test_crossval_end_to_end_finds_the_planted_hidden_signal(tmp_path):
     assert sp["label"] == "q/p<=1.2" and sp["draw"] == "greedy"  # one-draw data: every family reads its rows
     assert sp["diff"] > 0.1 and sp["diff_lo"] > 0 and sp["folds_won"] == 4
     assert set(table["group"]) == {"all", "code", "chat"}
-    for f in ("crossval.md", "crossval.csv", "crossval.png", "learning_curve.png", "crossval_config.json"):
+    for f in ("crossval.md", "crossval.csv", "crossval.png", "learning_curve.png", "crossval_config.json",
+              "calibration.csv"):
         assert (tmp_path / "cv" / f).is_file()
+    # calibrated out of fold: maps fitted on each fold's validation prompts, ECE over every prompt once
+    cal = pd.read_csv(tmp_path / "cv" / "calibration.csv")
+    assert {"disco", "sprinter", "max-prob", "draft-prob", "neg-entropy"} <= set(cal["score"])
+    assert set(cal["mode"]) == {"greedy"} and (cal["n"] == 40 * 25).all() and (cal["prompts"] == 40).all()
+    assert cal["ece"].between(0, 0.2).all() and (cal["ece_floor"] > 0).all()
+    assert "Calibrated acceptance, out of fold" in (tmp_path / "cv" / "crossval.md").read_text()
     assert re.search(r"\| sprinter \| q/p<=1.2 \(greedy\) \| \d+ \| all \|", result["markdown"])
     with pytest.raises(ValueError, match="distinct names"):
         CrossValConfig(runs=[CrossValRun("a"), CrossValRun("a")])
