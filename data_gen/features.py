@@ -7,6 +7,8 @@ on each freshly drafted token. A test asserts both paths give equal features for
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import Tensor
 
@@ -59,6 +61,7 @@ def token_features(
     top_k: int = 10,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    columns: Collection[str] | None = None,
 ) -> dict[str, Tensor]:
     """Per-draft-token features and raw label quantities.
 
@@ -73,6 +76,9 @@ def token_features(
         draft_hidden: [..., H] draft last hidden state at the position that produced the logits; stored as float16.
         top_k: number of top draft probabilities kept (sorted, descending).
         temperature, top_p: the sampling distribution the probabilities describe (see :func:`probs_from_logits`).
+        columns: the draft columns wanted (a decoder passes its policy's ``required_columns``): ``draft_entropy`` and
+            the top-k ones (``draft_max_prob``, ``draft_topk``) are skipped when not named (``draft_token`` and ``q``
+            always come, and every target / companion column of the logits given); None computes all.
     Returns:
         dict of tensors with leading shape [...]: ``draft_token, q, draft_entropy, draft_max_prob, draft_topk [...,
         k]``,
@@ -86,14 +92,13 @@ def token_features(
     q_all = probs_from_logits(draft_logits, temperature, top_p)
     tok = draft_tokens.long().unsqueeze(-1)
     q = q_all.gather(-1, tok).squeeze(-1)
-    topk = q_all.topk(max(1, min(top_k, q_all.shape[-1])), dim=-1).values  # sorted: [..., 0] is the max
-    out: dict[str, Tensor] = {
-        "draft_token": draft_tokens.long(),
-        "q": q,
-        "draft_entropy": entropy(q_all),
-        "draft_max_prob": topk[..., 0],
-        "draft_topk": topk[..., :top_k],
-    }
+    out: dict[str, Tensor] = {"draft_token": draft_tokens.long(), "q": q}
+    if columns is None or "draft_entropy" in columns:
+        out["draft_entropy"] = entropy(q_all)
+    if columns is None or "draft_max_prob" in columns or "draft_topk" in columns:
+        topk = q_all.topk(max(1, min(top_k, q_all.shape[-1])), dim=-1).values  # sorted: [..., 0] is the max
+        out["draft_max_prob"] = topk[..., 0]
+        out["draft_topk"] = topk[..., :top_k]
     if draft_hidden is not None:
         out["draft_hidden"] = draft_hidden.to(torch.float16)
     if companion_logits is not None:

@@ -503,7 +503,8 @@ class SpeculativeDecoder:
         t0 = clock(st.device)
         with _one_thread(st.device):
             feats = token_features(logits, tok, target_logits=t_logits, companion_logits=c_logits, draft_hidden=hid,
-                                   top_k=self.top_k_features, temperature=self.temperature, top_p=self.top_p)
+                                   top_k=self.top_k_features, temperature=self.temperature, top_p=self.top_p,
+                                   columns=self.policy.required_columns)
             feats["position"] = torch.full((st.batch,), step, dtype=torch.long, device=st.device)
             if self.analysis and not st.peek:
                 feats["greedy_match"] = self._reference_match(st, rnd, tok)

@@ -49,7 +49,7 @@ class Recorder(StopPolicy):
     """Continue while the draft's max probability is high; records every features dict it sees."""
 
     kind = "recorder"
-    required_columns = ("draft_max_prob",)
+    required_columns = ("draft_max_prob", "draft_entropy")  # the engine computes only what a policy asks for
 
     def __init__(self, threshold: float = 0.3, max_draft_len: int = 8) -> None:
         super().__init__(threshold, max_draft_len)
@@ -122,7 +122,7 @@ def test_hidden_state_feature(pair):
     draft, target = pair
 
     class NeedsHidden(Recorder):
-        required_columns = ("draft_hidden",)
+        required_columns = ("draft_hidden", "draft_max_prob")
 
     pol = NeedsHidden()
     SpeculativeDecoder(draft, target, pol).generate(PROMPT, None, 6, None, 0)

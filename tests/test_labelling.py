@@ -141,6 +141,22 @@ def test_batched_equals_unbatched(tiny_pair, tiny_companion):
     assert together["greedy_match"] == sum((r["greedy_match"] for r in alone), [])
 
 
+def test_feature_columns_subset_equals_the_full_computation():
+    """A decoder asks only for its policy's columns: those it gets equal the full computation's, bit for bit."""
+    from data_gen.features import token_features
+
+    logits = torch.randn(3, 300) * 4
+    tok = logits.argmax(-1)
+    full = token_features(logits, tok, top_k=5, temperature=0.0)
+    for cols in [(), ("draft_entropy",), ("draft_max_prob",), ("draft_topk", "position"), ("q",)]:
+        part = token_features(logits, tok, top_k=5, temperature=0.0, columns=cols)
+        assert {"draft_token", "q"} <= set(part)
+        assert ("draft_entropy" in part) == ("draft_entropy" in cols)
+        assert ("draft_topk" in part) == bool({"draft_topk", "draft_max_prob"} & set(cols))
+        for k, v in part.items():
+            assert torch.equal(v, full[k]), k
+
+
 def test_nan_logits_raise(tiny_pair):
     v = 4
     bad = torch.zeros(v, v)
