@@ -215,13 +215,20 @@ class Row:
     """The reference row (another compute path, maybe fewer tokens): no exactness check."""
     prefill_seconds: list[float] = field(default_factory=list)
     """Engine rows: seconds per prompt spent prefilling the prompt (inside ``seconds``)."""
+    draft_forwards: int = 0
+    draft_seconds: float = 0.0
+    """Engine rows: draft (and companion) forward passes and their seconds: the realised cost of a draft step."""
+    verify_passes: int = 0
+    verify_seconds: float = 0.0
+    """Engine rows: target verification passes and their seconds (B = 1: one per round)."""
 
     def extend(self, other: Row) -> None:
         """Append ``other``'s prompts (the same row run on further prompts) and add its counters."""
         self.seconds += other.seconds
         self.outputs += other.outputs
         self.prefill_seconds += other.prefill_seconds
-        for k in ("rounds", "accepted", "target_calls", "draft_tokens"):
+        for k in ("rounds", "accepted", "target_calls", "draft_tokens", "draft_forwards", "draft_seconds",
+                  "verify_passes", "verify_seconds"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         if other.stop_overhead is not None:  # mean over prompts
             n = len(self.seconds) - len(other.seconds)
@@ -267,6 +274,12 @@ class Row:
             "identical_prompts": self.identical_prompts,
             "prompt_tokens": [len(o) for o in self.outputs], "prompt_seconds": [round(x, 4) for x in self.seconds],
             "prefill_seconds": [round(x, 4) for x in self.prefill_seconds] or None,
+            "draft_ms_per_step": round(1000 * self.draft_seconds / self.draft_forwards, 2) if self.draft_forwards
+            else None,
+            "verify_ms_per_pass": round(1000 * self.verify_seconds / self.verify_passes, 2) if self.verify_passes
+            else None,
+            "verify_mean_tokens": round((self.draft_tokens + self.rounds) / self.verify_passes, 2)
+            if self.verify_passes else None,
         }
 
 
@@ -535,6 +548,8 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
     assert total is not None
     row.rounds, row.accepted, row.target_calls = total.rounds, total.accepted, total.target_calls
     row.draft_tokens, row.stop_overhead = total.draft_tokens, total.stop_overhead
+    row.draft_forwards, row.draft_seconds = total.draft_forwards, total.draft_time
+    row.verify_passes, row.verify_seconds = total.target_calls if total.analysis_time == 0 else 0, total.target_time
     if total.analysis_time > 0:
         row.note = "analysis only: time estimated (look-ahead replaced by the measured verification curve)"
     elif pol.needs_target:

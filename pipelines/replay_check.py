@@ -60,6 +60,7 @@ SECTION = "## Replay check"
 PLOT = "replay_check.png"
 ROW_KEYS = ("row", "spec", "measured_tokens_per_s", "predicted_tokens_per_s", "ratio", "measured_speedup",
             "predicted_speedup", "curve_tokens_per_s", "measured_mean_accepted", "predicted_mean_accepted",
+            "measured_draft_ms", "curve_draft_ms", "measured_verify_ms", "curve_verify_ms",
             "measured_mean_drafted", "predicted_mean_drafted", "measured_rounds", "predicted_rounds", "note")
 """The fields of one row of the check (None where not measured or not replayed)."""
 
@@ -251,18 +252,26 @@ def replay_rows(folder: BenchFolder, policies: list[tuple[dict[str, Any], StopPo
                                     max_draft_len=cfg.max_draft_len)
             except (ValueError, KeyError) as e:  # a goodput policy without a map for the mode, missing columns
                 note = f"not replayed: {e}"
-        out.append(compare_row(row, res, base, note))
+        out.append(compare_row(row, res, base, note, folder.cost_model))
     return out, data.note
 
 
-def compare_row(row: dict[str, Any], res: ReplayResult | None, base: dict[str, Any], note: str) -> dict[str, Any]:
-    """One row of the check: the engine's measured figures beside the replay's (``res`` None: not replayed)."""
+def compare_row(row: dict[str, Any], res: ReplayResult | None, base: dict[str, Any], note: str,
+                cost_model: CostModel | None = None) -> dict[str, Any]:
+    """One row of the check: the engine's measured figures beside the replay's (``res`` None: not replayed), and the
+    step costs the engine realised beside the curve's (draft step; verification pass at the row's mean length)."""
     rounds = row.get("rounds") or 0
     out: dict[str, Any] = dict.fromkeys(ROW_KEYS)
     out.update(row=row["row"], spec=row.get("spec"), measured_tokens_per_s=row.get("tokens_per_s"),
                measured_speedup=row.get("speedup"), measured_rounds=rounds or None, note=note,
                measured_mean_accepted=round(row["accepted"] / rounds, 3) if rounds else None,
                measured_mean_drafted=round(row["draft_tokens"] / rounds, 3) if rounds else None)
+    if cost_model is not None and row.get("draft_ms_per_step"):
+        out.update(measured_draft_ms=row["draft_ms_per_step"],
+                   curve_draft_ms=round(1000 * cost_model.draft_s_per_token, 2))
+    if cost_model is not None and row.get("verify_ms_per_pass") and row.get("verify_mean_tokens"):
+        out.update(measured_verify_ms=row["verify_ms_per_pass"],
+                   curve_verify_ms=round(1000 * cost_model.target_time(row["verify_mean_tokens"]), 2))
     if res is None or not res.time_s > 0:
         return out
     predicted = predicted_tokens_per_s(row, base, res.speedup)
@@ -372,14 +381,17 @@ def markdown_section(result: dict[str, Any]) -> str:
         "per round, measured / predicted; curve tok/s = the replay's own tokens/s under the curve (no prefill or "
         f"overhead). Goal: predicted / measured within 1 +- {s['band']:.2f}.", "",
         "| row | measured tok/s | predicted tok/s | predicted / measured | accepted | drafted | rounds | "
-        "curve tok/s | note |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "curve tok/s | draft step ms, engine / curve | verification ms, engine / curve | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         pair = [f"{_fmt(r[f'measured_{k}'])} / {_fmt(r[f'predicted_{k}'])}"
                 for k in ("mean_accepted", "mean_drafted", "rounds")]
+        steps = [f"{_fmt(r.get(f'measured_{k}_ms'), 1)} / {_fmt(r.get(f'curve_{k}_ms'), 1)}"
+                 if r.get(f"measured_{k}_ms") else "" for k in ("draft", "verify")]
         lines.append(f"| {r['row']} | {_fmt(r['measured_tokens_per_s'])} | {_fmt(r['predicted_tokens_per_s'])} | "
-                     f"{_fmt(r['ratio'])} | {' | '.join(pair)} | {_fmt(r['curve_tokens_per_s'])} | {r['note']} |")
+                     f"{_fmt(r['ratio'])} | {' | '.join(pair)} | {_fmt(r['curve_tokens_per_s'])} | "
+                     f"{' | '.join(steps)} | {r['note']} |")
     return "\n".join([*lines, "", summary_line(s) + ".", "", f"![predicted against measured]({PLOT})", ""])
 
 

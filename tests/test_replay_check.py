@@ -112,6 +112,18 @@ def test_prediction_adds_each_rows_prefill_to_the_decoding_time():
     assert predicted_tokens_per_s({"tokens": 100}, base, 2.0) == pytest.approx(20.0)  # older report: no prefill
 
 
+def test_the_check_sets_realised_step_costs_beside_the_curve():
+    from data_gen.timing import CostModel
+    from pipelines.replay_check import compare_row
+
+    cm = CostModel(draft_s_per_token=0.05, target_s={1: 0.1, 8: 0.2})
+    row = {"row": "static:5", "rounds": 10, "accepted": 30, "draft_tokens": 50, "tokens_per_s": 5.0,
+           "draft_ms_per_step": 60.0, "verify_ms_per_pass": 180.0, "verify_mean_tokens": 6.0}
+    out = compare_row(row, None, {"tokens_per_s": 4.0}, "", cm)
+    assert out["measured_draft_ms"] == 60.0 and out["curve_draft_ms"] == 50.0
+    assert out["measured_verify_ms"] == 180.0 and out["curve_verify_ms"] == pytest.approx(1000 * cm.target_time(6.0), abs=0.01)
+
+
 def test_console_table_fits_100_columns():
     from pipelines.benchmark import console_table
 
