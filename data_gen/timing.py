@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +168,24 @@ class CostModel:
             d.setdefault("extra", {}).update({k: d.pop(k) for k in unknown})
         return cls(**d)
 
+    def with_statistic(self, statistic: str) -> CostModel:
+        """The same measurement summarised by another statistic (``min`` or ``median`` of its raw timings, kept in
+        ``extra``; verification times made non-decreasing in L again). ValueError when the raw timings are missing."""
+        if statistic not in ("min", "median"):
+            raise ValueError(f"statistic={statistic!r}: use 'min' or 'median'")
+        raw_t = {int(k.removeprefix("target_raw_s_L")): v for k, v in self.extra.items()
+                 if k.startswith("target_raw_s_L") and v}
+        if not self.extra.get("draft_raw_s") or len(raw_t) < len(self.target_s):
+            raise ValueError("this cost model keeps no raw timings (measure it again with pipelines.measure_costs)")
+        ls = sorted(raw_t)
+        comp = self.extra.get("companion_raw_s")
+        return replace(
+            self, draft_s_per_token=_stat(self.extra["draft_raw_s"], statistic),
+            companion_s_per_token=_stat(comp, statistic) if comp else self.companion_s_per_token,
+            target_s=dict(zip(ls, _monotone(ls, [_stat(raw_t[L], statistic) for L in ls]))),
+            extra={**self.extra, "statistic": statistic},
+        )
+
     def describe(self) -> str:
         """One line for reports."""
         ts = ", ".join(f"L={k}: {v * 1e3:.2f} ms" for k, v in sorted(self.target_s.items()))
@@ -297,7 +315,7 @@ def measure_cost_model(
     g = torch.Generator().manual_seed(0)
     vocab = min(int(draft.config.vocab_size), int(target.config.vocab_size))
     prompt = torch.randint(0, vocab, (1, prompt_len), generator=g).to(dev)
-    extra: dict[str, Any] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    extra: dict[str, Any] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "statistic": statistic}
     with torch.no_grad():
         draft_s, raw = _time_decode(draft, prompt.to(next(draft.parameters()).device), decode_steps, repeats, statistic)
         extra["draft_raw_s"] = raw

@@ -30,6 +30,7 @@ Usage:
 from __future__ import annotations
 
 import copy
+import hashlib
 import itertools
 import json
 import logging
@@ -75,12 +76,17 @@ class ReplayCheckConfig:
     """Draft rollouts generated per batch."""
     label_batch_tokens: int = 4096
     """Memory budget of one labelling pass: padded tokens (batch x longest) per forward."""
+    statistic: str | None = None
+    """min or median: summarise the benchmark's curve from its raw timings by this statistic (None: as measured; min
+    is the uncontended cost, median what a step typically costs on a shared machine)."""
     tracking: bool = True
     """Log the check to MLflow (one run in the benchmark's experiment)."""
     tracking_uri: str | None = None
     """MLflow tracking URI (default: the benchmark's, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)."""
 
     def __post_init__(self) -> None:
+        if self.statistic not in (None, "min", "median"):
+            raise ValueError(f"--statistic {self.statistic!r}: use min or median (or leave it unset)")
         if self.gen_batch_size < 1 or self.label_batch_tokens < 1:
             raise ValueError(f"gen_batch_size={self.gen_batch_size} and label_batch_tokens={self.label_batch_tokens} "
                              "must be >= 1")
@@ -346,13 +352,51 @@ def run_check(folder: BenchFolder, draft: PreTrainedModel, target: PreTrainedMod
                         temperature=cfg.temperature, top_p=cfg.top_p, pad_token_id=int(pad or 0))
     rollout_len = rollout_length(ready, cfg.max_draft_len)
     models = LabelModels(draft, target, companion if needs_companion else None)
-    columns, rollouts = label_prompts(folder, models, opts, rollout_len, gen_batch_size, label_batch_tokens)
+    cached = _cached_records(folder, opts, rollout_len, models)
+    if cached is None:
+        columns, rollouts = label_prompts(folder, models, opts, rollout_len, gen_batch_size, label_batch_tokens)
+        _store_records(folder, opts, rollout_len, models, columns, rollouts)
+    else:
+        columns, rollouts = cached
     rows, note = replay_rows(folder, policies, columns)
     summary = summarize(rows)
     log.info(summary_line(summary))
     return {"mode": folder.mode, "rows": rows, "summary": summary, "data": note, "records": len(columns["offset"]),
             "rollouts": rollouts, "rollout_len": rollout_len, "cost_model": str(folder.path / "cost_model.json"),
+            "statistic": folder.cost_model.extra.get("statistic", "min"),
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+RECORDS = "replay_check_records.npz"
+"""The labelled records of a check, kept in the benchmark's folder: a second check (another statistic) reuses them."""
+
+
+def _records_key(folder: BenchFolder, opts: LabelOptions, rollout_len: int, models: LabelModels) -> str:
+    """What the labelled records depend on: the prompts, target-only's outputs, the options and the models."""
+    names = [str(getattr(m.config, "name_or_path", "")) for m in (models.draft, models.target, models.companion)
+             if m is not None]
+    blob = json.dumps([folder.prompts, folder.continuations, rollout_len, repr(opts), names], default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _cached_records(folder: BenchFolder, opts: LabelOptions, rollout_len: int, models: LabelModels
+                    ) -> tuple[dict[str, np.ndarray], int] | None:
+    path = folder.path / RECORDS
+    if not path.is_file():
+        return None
+    with np.load(path, allow_pickle=False) as z:
+        if str(z["_key"]) != _records_key(folder, opts, rollout_len, models):
+            return None
+        log.info("replay check: reusing the labelled records in %s", path)
+        return {k: z[k] for k in z.files if not k.startswith("_")}, int(z["_rollouts"])
+
+
+def _store_records(folder: BenchFolder, opts: LabelOptions, rollout_len: int, models: LabelModels,
+                   columns: dict[str, np.ndarray], rollouts: int) -> None:
+    arrays = {k: (v.astype(str) if v.dtype == object else v) for k, v in columns.items()}  # strings without pickle
+    tmp = folder.path / (RECORDS + ".tmp.npz")
+    np.savez(tmp, _key=_records_key(folder, opts, rollout_len, models), _rollouts=rollouts, **arrays)
+    tmp.replace(folder.path / RECORDS)  # nothing half-written
 
 
 def _load_companion(cfg: BenchmarkConfig) -> PreTrainedModel | None:
@@ -505,6 +549,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with user_errors("python -m pipelines.replay_check"):
         cc = parse_config(ReplayCheckConfig, argv, __doc__)
         folder = read_bench_folder(cc.bench_dir)
+        if cc.statistic:
+            folder.cost_model = folder.cost_model.with_statistic(cc.statistic)
         torch.manual_seed(folder.cfg.seed)
         draft, target, tok = load_pair(folder.cfg)
         result = run_check(folder, draft, target, tok, gen_batch_size=cc.gen_batch_size,

@@ -121,7 +121,8 @@ def test_the_check_sets_realised_step_costs_beside_the_curve():
            "draft_ms_per_step": 60.0, "verify_ms_per_pass": 180.0, "verify_mean_tokens": 6.0}
     out = compare_row(row, None, {"tokens_per_s": 4.0}, "", cm)
     assert out["measured_draft_ms"] == 60.0 and out["curve_draft_ms"] == 50.0
-    assert out["measured_verify_ms"] == 180.0 and out["curve_verify_ms"] == pytest.approx(1000 * cm.target_time(6.0), abs=0.01)
+    assert out["measured_verify_ms"] == 180.0
+    assert out["curve_verify_ms"] == pytest.approx(1000 * cm.target_time(6.0), abs=0.01)
 
 
 def test_console_table_fits_100_columns():
@@ -146,6 +147,22 @@ def test_standalone_check_on_a_finished_benchmark(bench_run, capsys):
     out = capsys.readouterr().out
     assert "replay check: worst" in out and max(len(x) for x in out.splitlines()) <= 100
     assert (tmp / "bench" / "benchmark.md").read_text().count("## Replay check") == 1
+    assert (tmp / "bench" / "replay_check_records.npz").is_file()  # the second check reused the first's records
+    median = check_main(["--bench_dir", str(tmp / "bench"), "--tracking", "false", "--statistic", "median"])
+    assert median["statistic"] == "median" and again["statistic"] == "min"
+    assert [r["measured_tokens_per_s"] for r in median["rows"]] == [r["measured_tokens_per_s"] for r in again["rows"]]
+
+
+def test_cost_model_summarised_by_another_statistic():
+    from data_gen.timing import CostModel
+
+    raw = {"draft_raw_s": [0.05, 0.07, 0.06], "target_raw_s_L1": [0.1, 0.3, 0.2], "target_raw_s_L2": [0.1, 0.12, 0.14]}
+    cm = CostModel(draft_s_per_token=0.05, target_s={1: 0.1, 2: 0.1}, extra=raw)
+    med = cm.with_statistic("median")
+    assert med.draft_s_per_token == pytest.approx(0.06) and med.extra["statistic"] == "median"
+    assert med.target_s == {1: pytest.approx(0.12), 2: pytest.approx(0.12)}  # made non-decreasing in L again
+    with pytest.raises(ValueError, match="no raw timings"):
+        CostModel(draft_s_per_token=0.05, target_s={1: 0.1, 2: 0.1}).with_statistic("median")
 
 
 def test_bad_bench_dir_is_named(tmp_path, capsys):
