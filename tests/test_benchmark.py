@@ -110,6 +110,7 @@ def test_smoke_run(tmp_path, tiny_pair):
     assert ref["exact"] is None and ref["prompt_tokens"] == [3, 3] and "3 new tokens" in ref["note"]
     assert "look-ahead read from target-only's output" in rows["oracle"]["note"]  # greedy oracle: measured time
     assert len(rows["static:3"]["prefill_seconds"]) == 2
+    assert "faster of two runs" in rows["target-only"]["note"]  # bracketed: before and after the other rows
     assert rows["hf:static:3"]["mean_accepted"] is not None and rows["hf:static:3"]["wasted_per_token"] >= 0
     assert rows["static:3"]["vs_best_entropy"] is not None and rows["target-only"]["vs_best_entropy"] is None
     spr = [r for r in result["rows"] if r["row"].startswith("sprinter")][0]
