@@ -12,7 +12,8 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-__all__ = ["probs_from_logits", "entropy", "token_features", "FEATURE_COLUMNS", "TARGET_COLUMNS", "COMPANION_COLUMNS"]
+__all__ = ["probs_from_logits", "probs_and_entropy", "entropy", "token_features", "FEATURE_COLUMNS", "TARGET_COLUMNS",
+           "COMPANION_COLUMNS"]
 
 # Columns computed from the draft alone (available at decode time).
 FEATURE_COLUMNS = ("draft_token", "q", "draft_entropy", "draft_max_prob", "draft_topk")
@@ -44,6 +45,23 @@ def probs_from_logits(logits: Tensor, temperature: float = 1.0, top_p: float = 1
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def probs_and_entropy(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0) -> tuple[Tensor, Tensor]:
+    """([..., V] probabilities, exactly :func:`probs_from_logits`'s, [...] their entropy).
+
+    Without a nucleus cut the entropy is -sum p log_softmax(z): the logarithm comes from the logits in one vectorised
+    pass (``entr`` over 152k float32 probabilities evaluates a scalar log per token: 0.52 ms against 0.21 ms for both
+    outputs here, one Zen 4 core), and is as close to a float64 reference. With ``top_p`` < 1 it is the entropy of the
+    renormalised nucleus (:func:`entropy`).
+    """
+    probs = probs_from_logits(logits, temperature, top_p)
+    if top_p < 1.0:
+        return probs, entropy(probs)
+    z = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        z = z / temperature
+    return probs, -(probs * torch.log_softmax(z, dim=-1)).sum(dim=-1)
 
 
 def entropy(probs: Tensor) -> Tensor:
@@ -89,12 +107,16 @@ def token_features(
         # of a ~1 ms stop decision over 152k logits; finite logits of LM magnitudes cannot overflow the sum)
         if t is not None and not torch.isfinite(t.sum(-1)).all():
             raise FloatingPointError(f"{name} logits contain NaN or inf")
-    q_all = probs_from_logits(draft_logits, temperature, top_p)
+    want_entropy = columns is None or "draft_entropy" in columns
+    if want_entropy:
+        q_all, q_entropy = probs_and_entropy(draft_logits, temperature, top_p)
+    else:
+        q_all = probs_from_logits(draft_logits, temperature, top_p)
     tok = draft_tokens.long().unsqueeze(-1)
     q = q_all.gather(-1, tok).squeeze(-1)
     out: dict[str, Tensor] = {"draft_token": draft_tokens.long(), "q": q}
-    if columns is None or "draft_entropy" in columns:
-        out["draft_entropy"] = entropy(q_all)
+    if want_entropy:
+        out["draft_entropy"] = q_entropy
     if columns is None or "draft_max_prob" in columns or "draft_topk" in columns:
         topk = q_all.topk(max(1, min(top_k, q_all.shape[-1])), dim=-1).values  # sorted: [..., 0] is the max
         out["draft_max_prob"] = topk[..., 0]
@@ -102,11 +124,11 @@ def token_features(
     if draft_hidden is not None:
         out["draft_hidden"] = draft_hidden.to(torch.float16)
     if companion_logits is not None:
-        c_all = probs_from_logits(companion_logits, temperature, top_p)
+        c_all, c_entropy = probs_and_entropy(companion_logits, temperature, top_p)
         c = c_all.gather(-1, tok).squeeze(-1)
         out["companion_prob"] = c
         out["companion_sim"] = torch.minimum(q_all, c_all).sum(-1)
-        out["companion_entropy"] = entropy(c_all)
+        out["companion_entropy"] = c_entropy
         out["companion_accept"] = (c / q.clamp_min(1e-30)).clamp(max=1.0)
     if target_logits is not None:
         p_all = probs_from_logits(target_logits, temperature, top_p)

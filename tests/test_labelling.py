@@ -157,6 +157,24 @@ def test_feature_columns_subset_equals_the_full_computation():
             assert torch.equal(v, full[k]), k
 
 
+def test_entropy_from_logits_matches_float64():
+    """probs_and_entropy: probs_from_logits's probabilities bit for bit and their entropy from log_softmax, flat or
+    peaked, equal a float64 reference."""
+    from data_gen.features import probs_and_entropy, probs_from_logits
+
+    torch.manual_seed(0)
+    for scale, peak in ((2.5, 0.0), (2.5, 25.0), (5.0, 40.0)):
+        logits = torch.randn(3, 5000) * scale
+        logits[:, 7] += peak
+        probs, ent = probs_and_entropy(logits)
+        assert torch.equal(probs, probs_from_logits(logits))
+        ref = torch.softmax(logits.double(), -1)
+        torch.testing.assert_close(probs.double(), ref, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(ent.double(), torch.special.entr(ref).sum(-1), rtol=1e-5, atol=1e-6)
+    p, h = probs_and_entropy(logits, top_p=0.5)  # nucleus: the renormalised cut's entropy
+    assert (p > 0).sum(-1).max() < 5000 and torch.all(h >= 0)
+
+
 def test_nan_logits_raise(tiny_pair):
     v = 4
     bad = torch.zeros(v, v)
