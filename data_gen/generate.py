@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data_gen.compute_path import use_row_invariant_attention
-from data_gen.continuations import continue_batch, speculative_trajectory
+from data_gen.continuations import GenStats, continue_batch, speculative_trajectory
 from data_gen.labelling import LabelModels, LabelOptions, Segment, SequenceSpec, label_sequences, shared_prefix_len
 from data_gen.models import ModelSpec, check_same_tokenizer, load_model, model_fingerprint
 from data_gen.prompts import PromptSourceConfig, load_prompts, render_prompt, split_of
@@ -251,6 +251,14 @@ def label_batches(seqs: list[SequenceSpec], budget_tokens: int) -> list[list[Seq
     return batches
 
 
+def _charge_by_origin(st: ChunkStats, group: list[Planned], conts: list[list[int]], gs: GenStats) -> None:
+    """Split one batched generation's seconds over its sequences' origins in proportion to the tokens each got."""
+    tot = sum(len(c) for c in conts) or 1
+    for p, c in zip(group, conts):
+        st.gen_seconds_by_origin[p.origin] += gs.seconds * len(c) / tot
+        st.gen_tokens_by_origin[p.origin] += len(c)
+
+
 def produce_chunk(
     cfg: GenerateConfig,
     models: LabelModels,
@@ -300,11 +308,9 @@ def produce_chunk(
         conts, gs = continue_batch(
             models.target, [rendered[p.prompt_index] for p in group], [p.m for p in group], **gen_kw
         )
-        tot = sum(len(c) for c in conts) or 1
         for p, c in zip(group, conts):
             p.cont = c
-            st.gen_seconds_by_origin[p.origin] += gs.seconds * len(c) / tot
-            st.gen_tokens_by_origin[p.origin] += len(c)
+        _charge_by_origin(st, group, conts, gs)
     for p in (p for p in plans if p.origin == "spec" and not greedy_spec):
         p.cont, gs = speculative_trajectory(models.target, models.draft, rendered[p.prompt_index], p.m, **gen_kw)
         st.gen_seconds_by_origin["spec"] += gs.seconds
@@ -315,11 +321,9 @@ def produce_chunk(
         conts, gs = continue_batch(
             models.draft, [rendered[p.prompt_index] + p.cont for p in group], [L] * len(group), **gen_kw
         )
-        tot = sum(len(c) for c in conts) or 1
         for p, c in zip(group, conts):
             p.rollout = c
-            st.gen_seconds_by_origin[p.origin] += gs.seconds * len(c) / tot
-            st.gen_tokens_by_origin[p.origin] += len(c)
+        _charge_by_origin(st, group, conts, gs)
 
     seqs: list[SequenceSpec] = []
     for p in plans:

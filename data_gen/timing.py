@@ -177,12 +177,11 @@ class CostModel:
                  if k.startswith("target_raw_s_L") and v}
         if not self.extra.get("draft_raw_s") or len(raw_t) < len(self.target_s):
             raise ValueError("this cost model keeps no raw timings (measure it again with pipelines.measure_costs)")
-        ls = sorted(raw_t)
         comp = self.extra.get("companion_raw_s")
         return replace(
             self, draft_s_per_token=_stat(self.extra["draft_raw_s"], statistic),
             companion_s_per_token=_stat(comp, statistic) if comp else self.companion_s_per_token,
-            target_s=dict(zip(ls, _monotone(ls, [_stat(raw_t[L], statistic) for L in ls]))),
+            target_s=_curve(raw_t, statistic),
             extra={**self.extra, "statistic": statistic},
         )
 
@@ -256,6 +255,12 @@ def _monotone(lengths: list[int], times: list[float]) -> list[float]:
     out = np.empty_like(env)
     out[order] = env
     return out.tolist()
+
+
+def _curve(raw: dict[int, list[float]], statistic: str) -> dict[int, float]:
+    """Verification seconds by L from the raw timings of each length: the statistic, then the monotone envelope."""
+    ls = sorted(raw)
+    return dict(zip(ls, _monotone(ls, [_stat(raw[L], statistic) for L in ls])))
 
 
 def _time_decode(model: Any, prompt: Any, steps: int, repeats: int, statistic: str) -> tuple[float, list[float]]:
@@ -339,7 +344,7 @@ def measure_cost_model(
                     raw_t[L].append(t1 - t0)
         for L in ls:
             extra[f"target_raw_s_L{L}"] = raw_t[L]
-        target_s = dict(zip(ls, _monotone(ls, [_stat(raw_t[L], statistic) for L in ls])))
+        target_s = _curve(raw_t, statistic)
 
     def _name(m: Any) -> str:
         return "" if m is None else str(getattr(m.config, "name_or_path", "") or type(m).__name__)

@@ -116,8 +116,8 @@ def _calibrated_out_of_fold(val_score: np.ndarray, val_raw: Mapping[str, np.ndar
             continue  # this fold's rows hold the other draw only: its acceptance is not this mode's
         if any(("greedy_match" if mode == "greedy" else "accept_prob") not in r for r in (val_raw, test_raw)):
             continue
-        v_mask, v_y = calibration_label({**val_raw, "q": val_score}, mode)
-        t_mask, _ = calibration_label({**test_raw, "q": test_score}, mode)
+        v_mask, v_y = calibration_label(val_raw, mode)  # the raw columns hold q (a training-free score)
+        t_mask, _ = calibration_label(test_raw, mode)
         for suffix, (vs, ts) in scorers.items():
             col = np.full(len(test_score), np.nan)
             try:

@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -61,6 +61,9 @@ from data_gen.generate import ModelsConfig
 from data_gen.prompts import PromptSourceConfig
 from data_gen.timing import CostModel, clock
 from predictors.base import GOODPUT, THRESHOLD
+
+if TYPE_CHECKING:
+    from decoding.engine import DecodeStats
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +201,6 @@ class Row:
     accepted: int = 0
     target_calls: int = 0
     draft_tokens: int = 0
-    stop_overhead: float | None = None
     exact: bool | None = None
     exact_by_design: bool = True
     rouge_l: float | None = None
@@ -217,25 +219,35 @@ class Row:
     """The reference row (another compute path, maybe fewer tokens): no exactness check."""
     prefill_seconds: list[float] = field(default_factory=list)
     """Engine rows: seconds per prompt spent prefilling the prompt (inside ``seconds``)."""
-    draft_forwards: int = 0
-    draft_seconds: float = 0.0
-    """Engine rows: draft (and companion) forward passes and their seconds: the realised cost of a draft step."""
-    verify_passes: int = 0
-    verify_seconds: float = 0.0
-    """Engine rows: target verification passes and their seconds (B = 1: one per round)."""
+    decode: DecodeStats | None = field(default=None, repr=False)
+    """Engine rows: the engine's counters and timings over the row's prompts (stop decisions, draft steps,
+    verification passes: the costs the engine realised)."""
 
     def extend(self, other: Row) -> None:
         """Append ``other``'s prompts (the same row run on further prompts) and add its counters."""
         self.seconds += other.seconds
         self.outputs += other.outputs
         self.prefill_seconds += other.prefill_seconds
-        for k in ("rounds", "accepted", "target_calls", "draft_tokens", "draft_forwards", "draft_seconds",
-                  "verify_passes", "verify_seconds"):
+        for k in ("rounds", "accepted", "target_calls", "draft_tokens"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
-        if other.stop_overhead is not None:  # mean over prompts
-            n = len(self.seconds) - len(other.seconds)
-            prev = self.stop_overhead if self.stop_overhead is not None else other.stop_overhead
-            self.stop_overhead = (prev * n + other.stop_overhead * len(other.seconds)) / len(self.seconds)
+        if other.decode is not None:
+            self.decode = other.decode if self.decode is None else self.decode + other.decode
+
+    @property
+    def stop_overhead(self) -> float | None:
+        """Engine rows: one stop decision as a fraction of one draft forward (``DecodeStats.stop_overhead``)."""
+        return None if self.decode is None else self.decode.stop_overhead
+
+    def step_costs(self) -> dict[str, float | None]:
+        """Engine rows: the draft step and the verification pass the engine realised, in ms, and the pass's mean new
+        tokens (drafted + 1; analysis-only rows have no verification pass of their own)."""
+        d = self.decode
+        passes = d.target_calls if d is not None and d.analysis_time == 0 else 0
+        return {
+            "draft_ms_per_step": round(1000 * d.draft_time / d.draft_forwards, 2) if d and d.draft_forwards else None,
+            "verify_ms_per_pass": round(1000 * d.target_time / passes, 2) if passes else None,
+            "verify_mean_tokens": round((self.draft_tokens + self.rounds) / passes, 2) if passes else None,
+        }
 
     @property
     def tokens(self) -> int:
@@ -276,12 +288,7 @@ class Row:
             "identical_prompts": self.identical_prompts,
             "prompt_tokens": [len(o) for o in self.outputs], "prompt_seconds": [round(x, 4) for x in self.seconds],
             "prefill_seconds": [round(x, 4) for x in self.prefill_seconds] or None,
-            "draft_ms_per_step": round(1000 * self.draft_seconds / self.draft_forwards, 2) if self.draft_forwards
-            else None,
-            "verify_ms_per_pass": round(1000 * self.verify_seconds / self.verify_passes, 2) if self.verify_passes
-            else None,
-            "verify_mean_tokens": round((self.draft_tokens + self.rounds) / self.verify_passes, 2)
-            if self.verify_passes else None,
+            **self.step_costs(),
         }
 
 
@@ -549,9 +556,7 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
         row.seconds += [seconds * n / max(sum(n_new), 1) for n in n_new]
     assert total is not None
     row.rounds, row.accepted, row.target_calls = total.rounds, total.accepted, total.target_calls
-    row.draft_tokens, row.stop_overhead = total.draft_tokens, total.stop_overhead
-    row.draft_forwards, row.draft_seconds = total.draft_forwards, total.draft_time
-    row.verify_passes, row.verify_seconds = total.target_calls if total.analysis_time == 0 else 0, total.target_time
+    row.draft_tokens, row.decode = total.draft_tokens, total
     if total.analysis_time > 0:
         row.note = "analysis only: time estimated (look-ahead replaced by the measured verification curve)"
     elif pol.needs_target:
