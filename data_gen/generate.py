@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data_gen.compute_path import use_row_invariant_attention
+from data_gen.compute_path import precision_diffs, use_row_invariant_attention
 from data_gen.continuations import GenStats, continue_batch, speculative_trajectory
 from data_gen.labelling import LabelModels, LabelOptions, Segment, SequenceSpec, label_sequences, shared_prefix_len
 from data_gen.models import ModelSpec, check_same_tokenizer, load_model, model_fingerprint
@@ -64,13 +64,16 @@ class ModelsConfig:
     bf16_draft_head: bool = True
     """On packed-bf16, the draft's and companion's LM heads compute in bfloat16 too (a draft step -17% on Zen 4; its
     logits rounded to bfloat16); the target's head stays fp32. Data and predictors record it (``head_dtype``)."""
+    fuse_linears: bool = True
+    """On a packed path, q/k/v and gate/up run as one GEMM each (same bits as separate packs; the draft's small k/v,
+    eager fp32 when packed one by one, compute in the pack's dtype). Recorded as ``pack_layout``."""
 
     def spec(self, name: str, role: str = "target") -> ModelSpec:
         """The ModelSpec of ``name`` loaded as ``role`` (draft, target or companion)."""
         if role not in ("draft", "target", "companion"):
             raise ValueError(f"role={role!r}: use draft, target or companion")
         return ModelSpec(name, dtype=self.dtype, device=self.device, cache_dir=self.cache_dir, compute=self.compute,
-                         bf16_head=self.bf16_draft_head and role != "target")
+                         bf16_head=self.bf16_draft_head and role != "target", fuse_linears=self.fuse_linears)
 
 
 @dataclass
@@ -512,27 +515,26 @@ def attention_for_labelling(models: LabelModels) -> None:
 
 
 def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
-    """Refuse to add shards labelled on another compute path or LM-head dtype than the folder's (``compute: auto``
-    resolves per CPU: bf16 weights on an AVX512-BF16 host, fp32 on an AVX2 one), so that no folder mixes two
-    precisions (folders written before ``head_dtype`` was recorded had fp32 heads)."""
+    """Refuse to add shards labelled on another compute path, LM-head dtype or pack layout than the folder's
+    (``compute: auto`` resolves per CPU: bf16 weights on an AVX512-BF16 host, fp32 on an AVX2 one), so that no
+    folder mixes two precisions (``data_gen.compute_path.precision_diffs``: older folders had fp32 heads and
+    per-layer packs)."""
     stored = read_data_config(out_dir)
     if stored is None or not any(out_dir.glob("shard-*.parquet")):
         return
     old = stored.get("resolved", {}).get("fingerprints", {})
+    hints = {"compute_path": lambda was: f"--models.compute {was}",
+             "head_dtype": lambda was: f"--models.bf16_draft_head {str(was == 'bfloat16').lower()}",
+             "pack_layout": lambda was: f"--models.fuse_linears {str(was == 'fused').lower()}"}
     for role, fp in fingerprints.items():
-        was = old.get(role, {}).get("compute_path")
-        if was and was != fp.get("compute_path"):
-            raise FileExistsError(
-                f"{out_dir} was labelled with the {role} on compute path {was!r}, this run loads it on "
-                f"{fp.get('compute_path')!r}: pass --models.compute {was} to resume it, or use another out_dir"
-            )
-        head = old.get(role, {}).get("head_dtype", "float32") if was else None
-        if head and fp.get("head_dtype") and head != fp["head_dtype"]:
-            raise FileExistsError(
-                f"{out_dir} was labelled with the {role}'s LM head in {head}, this run computes it in "
-                f"{fp['head_dtype']}: pass --models.bf16_draft_head {str(head == 'bfloat16').lower()} to resume it, "
-                f"or use another out_dir"
-            )
+        diffs = precision_diffs(old.get(role, {}), fp)
+        for key in ("compute_path", "head_dtype", "pack_layout"):  # dtype has its own config check
+            if key in diffs:
+                was, now = diffs[key]
+                raise FileExistsError(
+                    f"{out_dir} was labelled with the {role} at {key} {was!r}, this run computes it at {now!r}: pass "
+                    f"{hints[key](was)} to resume it, or use another out_dir"
+                )
 
 
 def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, device: str | None = None,

@@ -31,6 +31,7 @@ from data_gen.compute_path import (
     apply_compute_path,
     compute_path_of,
     head_dtype_of,
+    pack_layout_of,
     resolve_compute_path,
 )
 
@@ -64,6 +65,8 @@ class ModelSpec:
     """CPU compute path (data_gen.compute_path): auto, packed, packed-bf16 or eager (off)."""
     bf16_head: bool = False
     """On packed-bf16, pack the LM head in bfloat16 too (draft-side models: ``ModelsConfig.spec`` sets it)."""
+    fuse_linears: bool = True
+    """On a packed path, pack q/k/v and gate/up as one GEMM each (``data_gen.compute_path.FUSED_GROUPS``)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -159,10 +162,11 @@ def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
                              f"compute eager for dtype {spec.dtype}")
         path = "eager"
     model, tok = _load_eager(replace(spec, compute="eager"))
-    stats = apply_compute_path(model, path, bf16_head=spec.bf16_head)
+    stats = apply_compute_path(model, path, bf16_head=spec.bf16_head, fuse=spec.fuse_linears)
     if stats["packed_layers"]:
-        log.info("%s: %d linear layers packed (%s), weights %.2f -> %.2f GB", spec.name, stats["packed_layers"], path,
-                 stats["bytes_before"] / 1e9, stats["bytes_after"] / 1e9)
+        log.info("%s: %d linear layers packed (%s, %d fused groups), weights %.2f -> %.2f GB", spec.name,
+                 stats["packed_layers"], path, stats.get("fused_groups", 0), stats["bytes_before"] / 1e9,
+                 stats["bytes_after"] / 1e9)
     return model, tok
 
 
@@ -268,8 +272,8 @@ def check_same_tokenizer(
 
 def model_fingerprint(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> dict:
     """Identity of a model that data and predictors are bound to: name, vocabulary and hidden size, and the precision
-    it computed in (``dtype``, ``compute_path`` and ``head_dtype``: a predictor is refused for another model, warned
-    for another precision).
+    it computed in (``dtype``, ``compute_path``, ``head_dtype`` and ``pack_layout``: a predictor is refused for another
+    model, warned for another precision).
     """
     return {
         "name": str(getattr(model.config, "name_or_path", "") or type(model).__name__),
@@ -279,4 +283,5 @@ def model_fingerprint(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> d
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "compute_path": compute_path_of(model),
         "head_dtype": head_dtype_of(model),
+        "pack_layout": pack_layout_of(model),
     }

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from data_gen.compute_path import precision_diffs
 from predictors.base import StopPolicy
 
 log = logging.getLogger(__name__)
@@ -177,12 +178,8 @@ def check_fingerprint(stored: Mapping | None, current: Mapping | None, force: bo
     if stored.get("vocab_sha") and current.get("vocab_sha") and stored["vocab_sha"] != current["vocab_sha"]:
         log.warning("predictor %s: draft vocabulary hash differs (%s vs %s)",
                     where, stored["vocab_sha"], current["vocab_sha"])
-    precision = [f"{k} {stored[k]!r} (its data) vs {current[k]!r} (in use)" for k in ("dtype", "compute_path")
-                 if stored.get(k) and current.get(k) and stored[k] != current[k]]
-    if stored.get("compute_path") and current.get("head_dtype"):  # data from before head_dtype had fp32 heads
-        head = stored.get("head_dtype", "float32")
-        if head != current["head_dtype"]:
-            precision.append(f"head_dtype {head!r} (its data) vs {current['head_dtype']!r} (in use)")
+    precision = [f"{k} {was!r} (its data) vs {now!r} (in use)"
+                 for k, (was, now) in precision_diffs(dict(stored), dict(current)).items()]
     if precision:  # same model, other numerics: q and p shift slightly, the predictor still applies
         log.warning("predictor %s was trained on data labelled with another precision: %s; its scores may be slightly "
                     "off (re-label with --models.compute to match)", where, "; ".join(precision))

@@ -38,6 +38,10 @@ def test_packed_linear_bf16_returns_fp32_close_to_eager() -> None:
     assert (out - lin(x)).abs().max() < 0.05
 
 
+BF16 = pytest.param("packed-bf16", marks=pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                                             reason="oneDNN without bf16"))
+
+
 def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                          pad_token_id=256, eos_token_id=None)
@@ -62,7 +66,8 @@ def test_load_model_keeps_tiny_models_eager_and_the_fingerprint_reads_a_packed_h
     fp = model_fingerprint(model, tok)
     assert fp["compute_path"] == "eager" and fp["dtype"] == "float32"
     cp.apply_compute_path(model, "packed", min_elements=0)
-    assert model_fingerprint(model, tok) == {**fp, "compute_path": "packed"}
+    assert fp["pack_layout"] == "eager"
+    assert model_fingerprint(model, tok) == {**fp, "compute_path": "packed", "pack_layout": "fused"}
 
 
 def test_auto_picks_bf16_only_with_native_support(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,6 +138,67 @@ def test_a_data_folder_is_not_resumed_with_another_head_dtype(tmp_path) -> None:
     check_same_precision(tmp_path, {**now, "draft": {**now["draft"], "head_dtype": "float32"}})
 
 
+def test_a_data_folder_is_not_resumed_with_another_pack_layout(tmp_path) -> None:
+    """Folders written before fusion packed every linear on its own ("per-layer"): fused models may not add to them."""
+    import json
+
+    from data_gen.generate import check_same_precision
+
+    (tmp_path / "shard-00000.parquet").write_bytes(b"")
+    old = {"draft": {"compute_path": "packed-bf16"}}
+    (tmp_path / "config.json").write_text(json.dumps({"resolved": {"fingerprints": old}}))
+    with pytest.raises(FileExistsError, match="--models.fuse_linears false"):
+        check_same_precision(tmp_path, {"draft": {"compute_path": "packed-bf16", "pack_layout": "fused"}})
+    check_same_precision(tmp_path, {"draft": {"compute_path": "packed-bf16", "pack_layout": "per-layer"}})
+
+
+@pytest.mark.parametrize("path", ["packed", BF16])
+def test_fused_siblings_compute_the_bits_of_separate_packs(path: str) -> None:
+    """q/k/v and gate/up as one GEMM each: same logits, bit for bit, as every linear packed on its own, in a prompt
+    forward and in one-token steps over a cache."""
+    from transformers import DynamicCache
+
+    fused, _ = load_model(ModelSpec("tiny:2:32:3", compute="eager"))
+    separate, _ = load_model(ModelSpec("tiny:2:32:3", compute="eager"))
+    stats = cp.apply_compute_path(fused, path, min_elements=0)
+    cp.apply_compute_path(separate, path, min_elements=0, fuse=False)
+    assert stats["fused_groups"] == 3 * 2 and stats["packed_layers"] == 3 * 7 + 1
+    assert cp.pack_layout_of(fused) == "fused" and cp.pack_layout_of(separate) == "per-layer"
+    attn = fused.model.layers[0].self_attn
+    assert isinstance(attn.k_proj, cp.PackedSlice) and attn.k_proj.weight.shape == (attn.k_proj.out_features, 32)
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2, 44, 18]])
+    with torch.inference_mode():
+        assert torch.equal(fused(ids).logits, separate(ids).logits)
+    with torch.no_grad():
+        assert torch.equal(fused(ids).logits, separate(ids).logits)
+        caches = DynamicCache(), DynamicCache()
+        fused(ids, past_key_values=caches[0])
+        separate(ids, past_key_values=caches[1])
+        for tok in (7, 99, 3):
+            step = torch.tensor([[tok]])
+            assert torch.equal(fused(step, past_key_values=caches[0]).logits,
+                               separate(step, past_key_values=caches[1]).logits)
+
+
+def test_a_fused_slice_called_alone_or_out_of_order_still_gives_its_own_columns() -> None:
+    torch.manual_seed(0)
+    lins = [nn.Linear(16, n) for n in (8, 4, 4)]
+    group = cp.FusedLinears(lins, torch.float32)
+    slices = [cp.PackedSlice(group, i, 16, lin.out_features, torch.float32) for i, lin in enumerate(lins)]
+    x, y = torch.randn(3, 16), torch.randn(3, 16)
+    with torch.no_grad():
+        for s, lin, inp in ((slices[1], lins[1], x), (slices[1], lins[1], y), (slices[0], lins[0], x),
+                            (slices[2], lins[2], y)):
+            torch.testing.assert_close(s(inp), lin(inp), rtol=1e-5, atol=1e-5)
+        x2 = x.clone()
+        slices[0](x2)
+        x2.mul_(2)  # changed in place: the kept output is stale
+        torch.testing.assert_close(slices[1](x2), lins[1](x2), rtol=1e-5, atol=1e-5)
+        for s in slices:  # every part read: the input is let go
+            s(x)
+    assert group._out is None and group._key is None
+
+
 def test_models_config_packs_draft_side_heads_in_bf16_only() -> None:
     from data_gen.generate import ModelsConfig
 
@@ -155,8 +221,6 @@ def test_bf16_head_is_recorded_in_the_fingerprint() -> None:
     assert model.get_output_embeddings().pack_dtype == torch.bfloat16
 
 
-BF16 = pytest.param("packed-bf16", marks=pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                                                             reason="oneDNN without bf16"))
 
 
 def _packed_tiny(path: str, spec: str = "tiny:2:32:3"):
