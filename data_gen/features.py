@@ -12,8 +12,8 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-__all__ = ["probs_from_logits", "probs_and_entropy", "entropy", "token_features", "FEATURE_COLUMNS", "TARGET_COLUMNS",
-           "COMPANION_COLUMNS"]
+__all__ = ["probs_from_logits", "probs_and_entropy", "entropy", "topk_values", "token_features", "FEATURE_COLUMNS",
+           "TARGET_COLUMNS", "COMPANION_COLUMNS"]
 
 # Columns computed from the draft alone (available at decode time).
 FEATURE_COLUMNS = ("draft_token", "q", "draft_entropy", "draft_max_prob", "draft_topk")
@@ -50,9 +50,10 @@ def probs_from_logits(logits: Tensor, temperature: float = 1.0, top_p: float = 1
 def probs_and_entropy(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0) -> tuple[Tensor, Tensor]:
     """([..., V] probabilities, exactly :func:`probs_from_logits`'s, [...] their entropy).
 
-    Without a nucleus cut the entropy is -sum p log_softmax(z): the logarithm comes from the logits in one vectorised
-    pass (``entr`` over 152k float32 probabilities evaluates a scalar log per token: 0.52 ms against 0.21 ms for both
-    outputs here, one Zen 4 core), and is as close to a float64 reference. With ``top_p`` < 1 it is the entropy of the
+    Without a nucleus cut the entropy comes from the probabilities and the logits with no second exponential:
+    p = exp(z - m) / s with m = max z, so -sum p log p = log s - sum p (z - m), and log s = -log max p. This is as
+    close to a float64 reference as -sum p log_softmax(z), and skips log_softmax's pass over the vocabulary (a stop
+    decision over 152k logits spent about a third of its time there). With ``top_p`` < 1 it is the entropy of the
     renormalised nucleus (:func:`entropy`).
     """
     probs = probs_from_logits(logits, temperature, top_p)
@@ -61,7 +62,30 @@ def probs_and_entropy(logits: Tensor, temperature: float = 1.0, top_p: float = 1
     z = logits.float()
     if temperature > 0 and temperature != 1.0:
         z = z / temperature
-    return probs, -(probs * torch.log_softmax(z, dim=-1)).sum(dim=-1)
+    terms = (z - z.amax(dim=-1, keepdim=True)).mul_(probs)  # [..., V] p (z - m), one temporary
+    return probs, -torch.log(probs.amax(dim=-1)) - terms.sum(dim=-1)
+
+
+def topk_values(x: Tensor, k: int, block: int = 128) -> Tensor:
+    """[..., V] -> [..., k]: the k largest values of the last dimension, sorted descending (``torch.topk``'s values).
+
+    ``topk`` over a vocabulary walks every element with its index (0.28 ms for 152k float32 on one core); the k
+    largest values always lie in the k blocks of ``block`` elements with the largest maxima (if one of them lay in
+    another block, those k blocks would hold k larger values), and block maxima are one vectorised ``amax``. So the
+    answer is the top-k of those k blocks: the same values, about 8x faster at this size. Inputs must be NaN-free
+    (``token_features`` checks finiteness first); small inputs and large k go to ``torch.topk`` directly.
+    """
+    v = x.shape[-1]
+    k = min(int(k), v)
+    if v < 16 * block or k > 64:
+        return x.topk(k, dim=-1).values
+    nb = -(-v // block)
+    if nb * block != v:
+        x = torch.nn.functional.pad(x, (0, nb * block - v), value=float("-inf"))
+    blocks = x.reshape(*x.shape[:-1], nb, block)  # [..., nb, block]
+    best = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [..., k] blocks with the k largest maxima
+    cand = blocks.gather(-2, best.unsqueeze(-1).expand(*best.shape, block))  # [..., k, block]
+    return cand.flatten(-2).topk(k, dim=-1).values
 
 
 def entropy(probs: Tensor) -> Tensor:
@@ -118,7 +142,7 @@ def token_features(
     if want_entropy:
         out["draft_entropy"] = q_entropy
     if columns is None or "draft_max_prob" in columns or "draft_topk" in columns:
-        topk = q_all.topk(max(1, min(top_k, q_all.shape[-1])), dim=-1).values  # sorted: [..., 0] is the max
+        topk = topk_values(q_all, max(1, top_k))  # sorted: [..., 0] is the max
         out["draft_max_prob"] = topk[..., 0]
         out["draft_topk"] = topk[..., :top_k]
     if draft_hidden is not None:

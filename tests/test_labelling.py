@@ -158,8 +158,8 @@ def test_feature_columns_subset_equals_the_full_computation():
 
 
 def test_entropy_from_logits_matches_float64():
-    """probs_and_entropy: probs_from_logits's probabilities bit for bit and their entropy from log_softmax, flat or
-    peaked, equal a float64 reference."""
+    """probs_and_entropy: probs_from_logits's probabilities bit for bit and their entropy (log max p - sum p (z - m)),
+    flat or peaked, equal a float64 reference."""
     from data_gen.features import probs_and_entropy, probs_from_logits
 
     torch.manual_seed(0)
@@ -173,6 +173,24 @@ def test_entropy_from_logits_matches_float64():
         torch.testing.assert_close(ent.double(), torch.special.entr(ref).sum(-1), rtol=1e-5, atol=1e-6)
     p, h = probs_and_entropy(logits, top_p=0.5)  # nucleus: the renormalised cut's entropy
     assert (p > 0).sum(-1).max() < 5000 and torch.all(h >= 0)
+
+
+@pytest.mark.parametrize("shape", [(1, 151936), (3, 5000), (2, 6161), (2, 3, 4096)])
+def test_topk_values_equal_torch_topk(shape):
+    """topk_values (block maxima, then the top-k of the k best blocks) gives torch.topk's values: random, tied,
+    padded (V not a multiple of the block), batched and non-contiguous inputs."""
+    from data_gen.features import topk_values
+
+    torch.manual_seed(0)
+    for scale in (0.5, 3.0, 30.0):
+        x = torch.randn(*shape) * scale
+        x[..., 100:110] = x.amax()  # ties at the top, all in one block
+        for k in (1, 5, 10, 20):
+            assert torch.equal(topk_values(x, k), x.topk(k, dim=-1).values), (shape, scale, k)
+    rounded = torch.randn(*shape).round()  # many ties across blocks
+    assert torch.equal(topk_values(rounded, 10), rounded.topk(10, dim=-1).values)
+    strided = rounded.unsqueeze(-2).expand(*shape[:-1], 2, shape[-1])[..., -1, :]
+    assert torch.equal(topk_values(strided, 10), strided.topk(10, dim=-1).values)
 
 
 def test_nan_logits_raise(tiny_pair):
