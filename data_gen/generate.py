@@ -33,7 +33,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data_gen.compute_path import precision_diffs, use_row_invariant_attention
 from data_gen.continuations import GenStats, continue_batch, speculative_trajectory
-from data_gen.labelling import LabelModels, LabelOptions, Segment, SequenceSpec, label_sequences, shared_prefix_len
+from data_gen.labelling import (
+    LabelModels,
+    LabelOptions,
+    Segment,
+    SequenceSpec,
+    draft_pass,
+    label_sequences,
+    shared_prefix_len,
+)
 from data_gen.models import ModelSpec, check_same_tokenizer, load_model, model_fingerprint
 from data_gen.prompts import PromptSourceConfig, load_prompts, render_prompt, split_of
 from data_gen.schema import ORIGINS, features_schema
@@ -289,15 +297,6 @@ def produce_chunk(
                 st.text_fallbacks += 1
             else:
                 pl.cont = tok(ref, add_special_tokens=False)["input_ids"][: pl.m]
-    # Draft origin: the draft's own continuation of m + L tokens (prefix and rollout in one generate call).
-    for group in _batches([p for p in plans if p.origin == "draft"], cfg.gen_batch_size):
-        conts, gs = continue_batch(
-            models.draft, [rendered[p.prompt_index] for p in group], [p.m + L for p in group], **gen_kw
-        )
-        for p, c in zip(group, conts):
-            p.cont, p.rollout = c[: p.m], c[p.m:]
-        st.gen_seconds_by_origin["draft"] += gs.seconds
-        st.gen_tokens_by_origin["draft"] += gs.tokens
     # Target origin, and in greedy decoding the spec origin too: exact speculative decoding emits the target's greedy
     # continuation token for token (bit for bit on the packed paths, data_gen.compute_path), so its trajectory is
     # that continuation, made here in batches instead of one assisted generation per prompt (which took ~40% of a
@@ -318,18 +317,33 @@ def produce_chunk(
         p.cont, gs = speculative_trajectory(models.target, models.draft, rendered[p.prompt_index], p.m, **gen_kw)
         st.gen_seconds_by_origin["spec"] += gs.seconds
         st.gen_tokens_by_origin["spec"] += gs.tokens
-    # Rollouts from every non-draft prefix, batched across origins.
-    need = [p for p in plans if p.origin != "draft" and not (p.cont and p.cont[-1] == eos)]
-    for group in _batches(need, cfg.gen_batch_size):
-        conts, gs = continue_batch(
-            models.draft, [rendered[p.prompt_index] + p.cont for p in group], [L] * len(group), **gen_kw
-        )
-        for p, c in zip(group, conts):
-            p.rollout = c
-        _charge_by_origin(st, group, conts, gs)
+    # The draft's side, in one pass a sequence (data_gen.labelling.draft_pass): its hidden states over the prefix
+    # (the prompt, plus the continuation of the target / spec / text origins), then its own tokens decoded from that
+    # pass's cache: m + L for the draft origin (its continuation and rollout), L for the others. The labelling pass
+    # below reuses these states, so no prefix is passed through the draft twice.
+    hidden: dict[int, torch.Tensor] = {}
+    rng = torch.Generator().manual_seed(cfg.seed * 104_729 + chunk)
+    todo = sorted(range(len(plans)), key=lambda i: len(rendered[plans[i].prompt_index]) + len(plans[i].cont))
+    for group in _batches(todo, cfg.gen_batch_size):
+        members = [plans[i] for i in group]
+        n_new = [p.m + L if p.origin == "draft" else 0 if (p.cont and p.cont[-1] == eos) else L for p in members]
+        new, hid, ds = draft_pass(models.draft, [rendered[p.prompt_index] + p.cont for p in members], n_new,
+                                  pad_token_id=pad, eos_token_id=eos, temperature=cfg.temperature, top_p=cfg.top_p,
+                                  generator=rng)
+        for i, p, c, h in zip(group, members, new, hid):
+            if p.origin == "draft":
+                p.cont, p.rollout = c[: p.m], c[p.m:]
+            else:
+                p.rollout = c
+            hidden[i] = h
+        _charge_by_origin(st, members, new, GenStats(seconds=ds.step_seconds))
+        st.label_seconds["draft"] += ds.prefix_seconds
+        width = sum(len(rendered[p.prompt_index]) for p in members) or 1
+        for p in members:  # the prefix pass is labelling work: charged by prefix length
+            st.label_seconds_by_origin[p.origin] += ds.prefix_seconds * len(rendered[p.prompt_index]) / width
 
     seqs: list[SequenceSpec] = []
-    for p in plans:
+    for i, p in enumerate(plans):
         prompt = prompts[p.prompt_index]
         ids = rendered[p.prompt_index]
         P, m = len(ids), len(p.cont)
@@ -341,7 +355,8 @@ def produce_chunk(
         if segs:
             split = split_of(prompt.id, cfg.split_fractions, cfg.seed)
             seqs.append(
-                SequenceSpec(prompt.id, prompt.source, prompt.domain, split, p.seq_id, ids + p.cont + p.rollout, segs)
+                SequenceSpec(prompt.id, prompt.source, prompt.domain, split, p.seq_id, ids + p.cont + p.rollout, segs,
+                             draft_hidden=hidden[i])
             )
     opts = LabelOptions(
         top_k=cfg.top_k, store_hidden=cfg.store_hidden, temperature=cfg.temperature, top_p=cfg.top_p, pad_token_id=pad,

@@ -53,6 +53,9 @@ class SequenceSpec:
     seq_id: str
     tokens: list[int]
     segments: list[Segment]
+    draft_hidden: Tensor | None = None
+    """[len(tokens) - 1, H] the draft's final-norm hidden state at every position but the last, when the draft already
+    ran over the sequence while writing its rollout (:func:`draft_pass`); the draft's labelling pass is then skipped."""
 
 
 @dataclass
@@ -180,6 +183,10 @@ def label_sequences(
         roles.append(("companion", models.companion))
     for role, model in roles:
         t0 = time.perf_counter()
+        if role == "draft" and all(s.draft_hidden is not None for s in seqs):  # from draft_pass: no second pass
+            hidden[role] = torch.cat([s.draft_hidden[seg.start - 1 : seg.end - 1] for s in seqs  # type: ignore[index]
+                                      for seg in s.segments]).to(device)
+            continue
         h = _body_hidden(model, ids, mask, shared)
         hidden[role] = h[bi, ji - 1]  # [N, H] state that predicts token j
         del h
@@ -229,6 +236,93 @@ def label_sequences(
     records = {k: [x for part in parts for x in part[k]] for k in parts[0]}
     stats.records = len(rows_b) * len(draws)
     return records, stats
+
+
+@dataclass
+class DraftPassStats:
+    """Seconds of :func:`draft_pass`: the prefix pass (labelling work) and the decoding steps (sequential)."""
+
+    prefix_seconds: float = 0.0
+    step_seconds: float = 0.0
+    steps: int = 0
+
+
+@torch.no_grad()
+def draft_pass(
+    draft: PreTrainedModel,
+    prefixes: list[list[int]],
+    n_new: list[int],
+    *,
+    pad_token_id: int,
+    eos_token_id: int | list[int] | None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[list[int]], list[Tensor], DraftPassStats]:
+    """The draft's whole share of labelling in one pass: its hidden states over each prefix, then ``n_new`` tokens of
+    its own continuation decoded from that pass's KV cache, so no sequence goes through the draft twice.
+
+    Separately, a rollout re-reads its prefix (prompt and continuation) in a prefill and the labelling pass reads it
+    again; here the labelling pass is the prefill. The prefixes run right-padded in one batch; each decoding step feeds
+    every row its own position (``position_ids``) and masks the padding left between its prefix and its new tokens.
+
+    Args:
+        draft: the draft LM.
+        prefixes: token ids of each sequence before its draft tokens (at least one token each).
+        n_new: draft tokens to append to each (0 allowed); a row stops early at an end-of-sequence token (kept).
+        pad_token_id, eos_token_id: padding and end of sequence.
+        temperature, top_p: greedy (0) or sampled draft tokens, as the data's sampling distribution.
+        generator: RNG of sampled tokens.
+    Returns:
+        (new tokens per sequence, per sequence its [len(prefix) + len(new) - 1, H] hidden states, stats).
+    """
+    if any(len(p) == 0 for p in prefixes):
+        raise ValueError("draft_pass needs a non-empty prefix for every sequence")
+    stats = DraftPassStats()
+    if not prefixes:
+        return [], [], stats
+    device = next(draft.parameters()).device
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    decoder, head = draft.get_decoder(), draft.get_output_embeddings()
+    lens = [len(p) for p in prefixes]
+    b, width = len(prefixes), max(lens)
+    ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((b, width), dtype=torch.long)
+    for r, p in enumerate(prefixes):
+        ids[r, : lens[r]] = torch.tensor(p)
+        mask[r, : lens[r]] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    t0 = time.perf_counter()
+    out = decoder(input_ids=ids, attention_mask=mask, use_cache=True)
+    cache, h = out.past_key_values, out.last_hidden_state  # [B, W, H]
+    hidden = [[h[r, : lens[r]]] for r in range(b)]
+    last = h[torch.arange(b, device=device), torch.tensor(lens, device=device) - 1]  # [B, H] scores the next token
+    stats.prefix_seconds = time.perf_counter() - t0
+    new: list[list[int]] = [[] for _ in range(b)]
+    active = [n > 0 for n in n_new]
+    t0 = time.perf_counter()
+    step = 0
+    while any(active):
+        logits = head(last).float()  # [B, V]
+        tok = draw_draft_tokens(logits, temperature, top_p, generator)
+        for r, t in enumerate(tok.tolist()):
+            if active[r]:
+                new[r].append(t)
+                active[r] = len(new[r]) < n_new[r] and t not in eos
+        if not any(active):
+            break
+        fed = [r for r in range(b) if active[r]]  # rows whose next token is still to come
+        mask = torch.cat([mask, torch.tensor([[int(a)] for a in active], device=device)], dim=1)
+        pos = torch.tensor([[lens[r] + step] for r in range(b)], device=device)
+        out = decoder(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                      use_cache=True)
+        last = out.last_hidden_state[:, -1]
+        for r in fed:
+            hidden[r].append(last[r : r + 1])
+        step += 1
+        stats.steps += 1
+    stats.step_seconds = time.perf_counter() - t0
+    return new, [torch.cat(parts)[: lens[r] + len(new[r]) - 1] for r, parts in enumerate(hidden)], stats
 
 
 def _non_finite_error(models: LabelModels, seqs, rows_b, lo, *logits: Tensor | None) -> FloatingPointError:

@@ -15,6 +15,7 @@ from data_gen.labelling import (
     LabelOptions,
     Segment,
     SequenceSpec,
+    draft_pass,
     label_sequences,
     oracle_lengths,
     run_positions,
@@ -210,6 +211,53 @@ def test_batched_rollouts_equal_unbatched(tiny_pair):
     alone = [continue_batch(draft, [p], [n], **kw)[0][0] for p, n in zip(prompts, [8, 5, 8])]
     assert together == alone
     assert [len(c) for c in together] == [8, 5, 8]
+
+
+def test_draft_pass_decodes_as_generate_and_its_states_equal_a_full_pass(tiny_pair):
+    """draft_pass: right-padded prefixes of different lengths, then decoding from that pass's cache, gives each row the
+    tokens transformers' generate gives it alone, and hidden states equal to one pass over prefix + new tokens; a row
+    stops at an end-of-sequence token (kept) and n_new = 0 only passes the prefix."""
+    from data_gen.labelling import _body_hidden
+
+    draft, _, tok = tiny_pair
+    prefixes = [tok(t)["input_ids"] for t in ("def f(x):", "import numpy as np\nx = np.zeros(3)", "print(1)", "a")]
+    n_new = [8, 0, 5, 12]
+    pad = tok.pad_token_id
+    new, hidden, stats = draft_pass(draft, prefixes, n_new, pad_token_id=pad, eos_token_id=None)
+    alone = [continue_batch(draft, [p], [n], pad_token_id=pad, eos_token_id=None)[0][0]
+             for p, n in zip(prefixes, n_new)]
+    assert new == alone and [len(c) for c in new] == n_new
+    assert stats.steps == max(n_new) - 1
+    for p, c, h in zip(prefixes, new, hidden):
+        ids = torch.tensor([p + c])
+        full = _body_hidden(draft, ids, torch.ones_like(ids))[0, :-1]
+        assert h.shape == full.shape
+        torch.testing.assert_close(h, full, rtol=1e-3, atol=1e-3)
+    stop = new[0][2]  # end of sequence at row 0's third token: it stops there, the others go on
+    cut, _, _ = draft_pass(draft, prefixes, n_new, pad_token_id=pad, eos_token_id=stop)
+    assert cut[0] == new[0][: new[0].index(stop) + 1]
+    with pytest.raises(ValueError, match="non-empty prefix"):
+        draft_pass(draft, [[]], [3], pad_token_id=pad, eos_token_id=None)
+
+
+def test_labels_from_draft_pass_states_equal_the_labelling_pass(tiny_pair):
+    """Sequences that carry draft_pass's states skip the draft's labelling pass and get the same records."""
+    draft, target, tok = tiny_pair
+    prefixes = [tok(t)["input_ids"] for t in ("def f(x):", "import numpy as np\nx = np.zeros(3)")]
+    new, hidden, _ = draft_pass(draft, prefixes, [6, 6], pad_token_id=tok.pad_token_id, eos_token_id=None)
+
+    def seqs(with_states: bool):
+        return [SequenceSpec("p", "t", "code", "train", f"s{i}", p + c, [Segment(len(p) - 1, len(p) + len(c), "draft",
+                             True)], draft_hidden=h if with_states else None)
+                for i, (p, c, h) in enumerate(zip(prefixes, new, hidden))]
+
+    opts = LabelOptions(pad_token_id=tok.pad_token_id, sample_draw=True)
+    models = LabelModels(draft, target)
+    fused, _ = label_sequences(models, seqs(True), opts, generator=torch.Generator().manual_seed(0))
+    plain, _ = label_sequences(models, seqs(False), opts, generator=torch.Generator().manual_seed(0))
+    assert fused["draft_token"] == plain["draft_token"] and fused["greedy_match"] == plain["greedy_match"]
+    np.testing.assert_allclose(fused["q"], plain["q"], rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(np.array(fused["draft_topk"]), np.array(plain["draft_topk"]), rtol=1e-3, atol=1e-4)
 
 
 def test_shared_prompt_pass_equals_separate_passes(tiny_pair, tiny_companion):
