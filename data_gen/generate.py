@@ -34,6 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from data_gen.compute_path import precision_diffs, use_row_invariant_attention
 from data_gen.continuations import GenStats, continue_batch, speculative_trajectory
 from data_gen.labelling import (
+    CachedPass,
     LabelModels,
     LabelOptions,
     Segment,
@@ -304,15 +305,18 @@ def produce_chunk(
     greedy_spec = cfg.temperature == 0
     on_target = ("target", "spec") if greedy_spec else ("target",)
     # one batch for both origins (a batch step of up to ~6 rows costs what one row costs on the packed paths), longest
-    # continuations together so that short ones do not wait for them
+    # continuations together so that short ones do not wait for them. The target's pass over the prompt is also its
+    # labelling pass (data_gen.labelling.CachedPass): the continuation's states are labelling states, and the draft's
+    # rollout is fed to the same cache below, so these sequences never go through the target twice.
+    target_runs: list[tuple[CachedPass, list[Planned]]] = []
     todo = sorted((p for p in plans if p.origin in on_target), key=lambda p: p.m)
     for group in _batches(todo, cfg.gen_batch_size):
-        conts, gs = continue_batch(
-            models.target, [rendered[p.prompt_index] for p in group], [p.m for p in group], **gen_kw
-        )
+        run = CachedPass(models.target, [rendered[p.prompt_index] for p in group], pad_token_id=pad)
+        conts = run.decode([p.m for p in group], eos_token_id=eos, temperature=cfg.temperature, top_p=cfg.top_p)
         for p, c in zip(group, conts):
             p.cont = c
-        _charge_by_origin(st, group, conts, gs)
+        _charge_by_origin(st, group, conts, GenStats(seconds=run.stats.step_seconds))
+        target_runs.append((run, group))
     for p in (p for p in plans if p.origin == "spec" and not greedy_spec):
         p.cont, gs = speculative_trajectory(models.target, models.draft, rendered[p.prompt_index], p.m, **gen_kw)
         st.gen_seconds_by_origin["spec"] += gs.seconds
@@ -337,10 +341,21 @@ def produce_chunk(
                 p.rollout = c
             hidden[i] = h
         _charge_by_origin(st, members, new, GenStats(seconds=ds.step_seconds))
-        st.label_seconds["draft"] += ds.prefix_seconds
+        st.label_seconds["draft"] += ds.pass_seconds
         width = sum(len(rendered[p.prompt_index]) for p in members) or 1
         for p in members:  # the prefix pass is labelling work: charged by prefix length
-            st.label_seconds_by_origin[p.origin] += ds.prefix_seconds * len(rendered[p.prompt_index]) / width
+            st.label_seconds_by_origin[p.origin] += ds.pass_seconds * len(rendered[p.prompt_index]) / width
+
+    target_states: dict[int, torch.Tensor] = {}
+    for run, group in target_runs:  # the rollouts through the target's continuation cache
+        run.feed([p.rollout for p in group])
+        for r, p in enumerate(group):
+            target_states[id(p)] = run.states(r)
+        st.label_seconds["target"] += run.stats.pass_seconds
+        width = sum(len(rendered[p.prompt_index]) for p in group) or 1
+        for p in group:
+            st.label_seconds_by_origin[p.origin] += run.stats.pass_seconds * len(rendered[p.prompt_index]) / width
+    del target_runs
 
     seqs: list[SequenceSpec] = []
     for i, p in enumerate(plans):
@@ -356,7 +371,8 @@ def produce_chunk(
             split = split_of(prompt.id, cfg.split_fractions, cfg.seed)
             seqs.append(
                 SequenceSpec(prompt.id, prompt.source, prompt.domain, split, p.seq_id, ids + p.cont + p.rollout, segs,
-                             draft_hidden=hidden[i])
+                             states={"draft": hidden[i], **({"target": target_states[id(p)]} if id(p) in target_states
+                                                             else {})})
             )
     opts = LabelOptions(
         top_k=cfg.top_k, store_hidden=cfg.store_hidden, temperature=cfg.temperature, top_p=cfg.top_p, pad_token_id=pad,

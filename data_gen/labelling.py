@@ -53,9 +53,10 @@ class SequenceSpec:
     seq_id: str
     tokens: list[int]
     segments: list[Segment]
-    draft_hidden: Tensor | None = None
-    """[len(tokens) - 1, H] the draft's final-norm hidden state at every position but the last, when the draft already
-    ran over the sequence while writing its rollout (:func:`draft_pass`); the draft's labelling pass is then skipped."""
+    states: dict[str, Tensor] = field(default_factory=dict)
+    """Role (draft, target, companion) -> [len(tokens) - 1, H] that model's final-norm hidden state at every position
+    but the last, when the model already ran over the sequence while writing a continuation of it (:class:`CachedPass`);
+    its labelling pass then skips the sequence."""
 
 
 @dataclass
@@ -97,6 +98,9 @@ class LabelStats:
 
     sequences: int = 0
     tokens_passed: int = 0
+    """Tokens of the batch (a shared prompt once): what each model passes, in this call or earlier (CachedPass)."""
+    tokens_by_role: dict[str, int] = field(default_factory=dict)
+    """Tokens each model passed in this call (sequences with that model's states given are skipped)."""
     records: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "target": 0.0, "companion": 0.0})
 
@@ -159,6 +163,10 @@ def label_sequences(
     for b, s in enumerate(seqs):
         ids[b, : lens[b]] = torch.tensor(s.tokens)
         mask[b, : lens[b]] = 1
+        for role, st in s.states.items():
+            if st.shape[0] < lens[b] - 1:
+                raise ValueError(f"sequence {s.seq_id}: {role} states cover {st.shape[0]} positions, its tokens need "
+                                 f"{lens[b] - 1}")
         for seg in s.segments:
             if not 1 <= seg.start <= seg.end <= lens[b]:
                 raise ValueError(f"segment [{seg.start}, {seg.end}) out of range for sequence {s.seq_id} of {lens[b]}")
@@ -174,6 +182,7 @@ def label_sequences(
         for seg in s.segments:
             rows_b.extend([b] * (seg.end - seg.start))
             rows_j.extend(range(seg.start, seg.end))
+    spans = [(b, seg.start, seg.end) for b, s in enumerate(seqs) for seg in s.segments]
     bi = torch.tensor(rows_b, device=device)
     ji = torch.tensor(rows_j, device=device)
 
@@ -183,13 +192,18 @@ def label_sequences(
         roles.append(("companion", models.companion))
     for role, model in roles:
         t0 = time.perf_counter()
-        if role == "draft" and all(s.draft_hidden is not None for s in seqs):  # from draft_pass: no second pass
-            hidden[role] = torch.cat([s.draft_hidden[seg.start - 1 : seg.end - 1] for s in seqs  # type: ignore[index]
-                                      for seg in s.segments]).to(device)
-            continue
-        h = _body_hidden(model, ids, mask, shared)
-        hidden[role] = h[bi, ji - 1]  # [N, H] state that predicts token j
-        del h
+        need = [b for b, s in enumerate(seqs) if role not in s.states]  # sequences this model has not run over yet
+        per_seq: dict[int, Tensor] = {b: s.states[role] for b, s in enumerate(seqs) if role in s.states}
+        if need:
+            sub_ids, sub_mask = (ids, mask) if len(need) == len(seqs) else (ids[need], mask[need])
+            sub_shared = shared if len(need) == len(seqs) else 0
+            h = _body_hidden(model, sub_ids, sub_mask, sub_shared)
+            for k, b in enumerate(need):
+                per_seq[b] = h[k, : lens[b] - 1]
+            stats.tokens_by_role[role] = int(sub_mask.sum()) - sub_shared * (len(need) - 1)
+            del h
+        # [N, H] the state that predicts token j, in row order
+        hidden[role] = torch.cat([per_seq[b][j0 - 1 : j1 - 1] for b, j0, j1 in spans]).to(device)
         stats.seconds[role] += time.perf_counter() - t0
 
     main_draw = "greedy" if opts.temperature <= 0 else "sample"
@@ -239,15 +253,127 @@ def label_sequences(
 
 
 @dataclass
-class DraftPassStats:
-    """Seconds of :func:`draft_pass`: the prefix pass (labelling work) and the decoding steps (sequential)."""
+class PassStats:
+    """Seconds of a :class:`CachedPass`: its prefix pass and extensions (labelling work) and its decoding steps."""
 
-    prefix_seconds: float = 0.0
+    pass_seconds: float = 0.0
     step_seconds: float = 0.0
     steps: int = 0
 
 
-@torch.no_grad()
+class CachedPass:
+    """A batch of sequences through one model, once: a pass over their prefixes, then tokens decoded or fed per row
+    from the same KV cache, with every hidden state kept for labelling.
+
+    A continuation or a rollout made by ``generate`` re-reads its prefix in a prefill, and the labelling pass reads it
+    again; here the labelling pass is the prefill, and the states of the decoded tokens are labelling states too, so no
+    token goes through the model twice. The prefixes run right-padded in one batch; each later forward gives every row
+    its own positions (``position_ids``) and masks the padding left between its tokens.
+
+    Usage::
+
+        run = CachedPass(draft, prefixes, pad_token_id=pad)        # the prefix pass
+        new = run.decode([16, 16], eos_token_id=eos)                # each row's own next tokens
+        run.feed([[7, 8], [9]])                                     # the sequences go on with these (another model's)
+        states = run.states(0)                                      # [tokens of row 0 in the cache, H]
+    """
+
+    @torch.no_grad()
+    def __init__(self, model: PreTrainedModel, prefixes: list[list[int]], *, pad_token_id: int) -> None:
+        if not prefixes or any(len(p) == 0 for p in prefixes):
+            raise ValueError("CachedPass needs at least one sequence and a non-empty prefix for each")
+        self.model, self.pad = model, pad_token_id
+        self.device = next(model.parameters()).device
+        self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
+        self.stats = PassStats()
+        self.lengths = [len(p) for p in prefixes]  # tokens of each row in the cache (padding excluded)
+        b, width = len(prefixes), max(self.lengths)
+        ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+        self.mask = torch.zeros((b, width), dtype=torch.long)
+        for r, p in enumerate(prefixes):
+            ids[r, : len(p)] = torch.tensor(p)
+            self.mask[r, : len(p)] = 1
+        self.mask = self.mask.to(self.device)
+        t0 = time.perf_counter()
+        out = self.decoder(input_ids=ids.to(self.device), attention_mask=self.mask, use_cache=True)
+        self.cache, h = out.past_key_values, out.last_hidden_state  # [B, W, H]
+        self._states: list[list[Tensor]] = [[h[r, : n]] for r, n in enumerate(self.lengths)]
+        self.stats.pass_seconds += time.perf_counter() - t0
+        self.pending: list[int | None] = [None] * b
+        """Per row, its last decoded token, not yet in the cache (fed before anything else)."""
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @torch.no_grad()
+    def _forward(self, tokens: list[list[int]]) -> Tensor:
+        """Feed each row its tokens (rows may get none) after its own; returns [B, T, H] states."""
+        width = max(1, max(len(t) for t in tokens))
+        ids = torch.full((self.batch, width), self.pad, dtype=torch.long)
+        new_mask = torch.zeros((self.batch, width), dtype=torch.long)
+        pos = torch.zeros((self.batch, width), dtype=torch.long)
+        for r, t in enumerate(tokens):
+            ids[r, : len(t)] = torch.tensor(t, dtype=torch.long)
+            new_mask[r, : len(t)] = 1
+            pos[r] = self.lengths[r] + torch.arange(width)
+        self.mask = torch.cat([self.mask, new_mask.to(self.device)], dim=1)
+        out = self.decoder(input_ids=ids.to(self.device), attention_mask=self.mask, position_ids=pos.to(self.device),
+                           past_key_values=self.cache, use_cache=True)
+        h = out.last_hidden_state
+        for r, t in enumerate(tokens):
+            if t:
+                self._states[r].append(h[r, : len(t)])
+                self.lengths[r] += len(t)
+        return h
+
+    @torch.no_grad()
+    def decode(self, n_new: list[int], *, eos_token_id: int | list[int] | None, temperature: float = 0.0,
+               top_p: float = 1.0, generator: torch.Generator | None = None) -> list[list[int]]:
+        """Decode up to ``n_new[r]`` tokens of row r's own continuation (greedy, or sampled at ``temperature`` /
+        ``top_p``); a row stops at an end-of-sequence token (kept). Call once, right after the prefix pass."""
+        if len(n_new) != self.batch or any(p is not None for p in self.pending) or len(self._states[0]) > 1:
+            raise ValueError("CachedPass.decode runs once, right after the prefix pass, with one count per row")
+        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        last = torch.stack([s[0][-1] for s in self._states])  # [B, H] scores each row's next token
+        new: list[list[int]] = [[] for _ in range(self.batch)]
+        active = [n > 0 for n in n_new]
+        t0 = time.perf_counter()
+        while True:
+            tok = draw_draft_tokens(self.head(last).float(), temperature, top_p, generator).tolist()
+            for r, t in enumerate(tok):
+                if active[r]:
+                    new[r].append(t)
+                    active[r] = len(new[r]) < n_new[r] and t not in eos
+            if not any(active):
+                break
+            h = self._forward([[tok[r]] if active[r] else [] for r in range(self.batch)])
+            last = h[:, 0]
+            self.stats.steps += 1
+        self.stats.step_seconds += time.perf_counter() - t0
+        self.pending = [c[-1] if c else None for c in new]
+        return new
+
+    @torch.no_grad()
+    def feed(self, tails: list[list[int]]) -> None:
+        """Each row's sequence goes on with ``tails[r]`` (e.g. another model's rollout): pass what the labels need, in
+        one forward: the pending decoded token and the tail but its last token (a state there would score nothing);
+        a row with no tail passes nothing."""
+        if len(tails) != self.batch:
+            raise ValueError(f"CachedPass.feed needs one token list per row ({self.batch}), got {len(tails)}")
+        todo = [([p] if p is not None else []) + list(t[:-1]) if t else [] for p, t in zip(self.pending, tails)]
+        self.pending = [p if not t else None for p, t in zip(self.pending, tails)]
+        if any(todo):
+            t0 = time.perf_counter()
+            self._forward(todo)
+            self.stats.pass_seconds += time.perf_counter() - t0
+
+    def states(self, r: int) -> Tensor:
+        """[tokens of row r in the cache, H]: the state at every position passed, each scoring the token after it (the
+        row's sequence ends one token past them: a pending decoded token or a tail's last token)."""
+        return torch.cat(self._states[r])
+
+
 def draft_pass(
     draft: PreTrainedModel,
     prefixes: list[list[int]],
@@ -258,71 +384,12 @@ def draft_pass(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
-) -> tuple[list[list[int]], list[Tensor], DraftPassStats]:
-    """The draft's whole share of labelling in one pass: its hidden states over each prefix, then ``n_new`` tokens of
-    its own continuation decoded from that pass's KV cache, so no sequence goes through the draft twice.
-
-    Separately, a rollout re-reads its prefix (prompt and continuation) in a prefill and the labelling pass reads it
-    again; here the labelling pass is the prefill. The prefixes run right-padded in one batch; each decoding step feeds
-    every row its own position (``position_ids``) and masks the padding left between its prefix and its new tokens.
-
-    Args:
-        draft: the draft LM.
-        prefixes: token ids of each sequence before its draft tokens (at least one token each).
-        n_new: draft tokens to append to each (0 allowed); a row stops early at an end-of-sequence token (kept).
-        pad_token_id, eos_token_id: padding and end of sequence.
-        temperature, top_p: greedy (0) or sampled draft tokens, as the data's sampling distribution.
-        generator: RNG of sampled tokens.
-    Returns:
-        (new tokens per sequence, per sequence its [len(prefix) + len(new) - 1, H] hidden states, stats).
-    """
-    if any(len(p) == 0 for p in prefixes):
-        raise ValueError("draft_pass needs a non-empty prefix for every sequence")
-    stats = DraftPassStats()
-    if not prefixes:
-        return [], [], stats
-    device = next(draft.parameters()).device
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    decoder, head = draft.get_decoder(), draft.get_output_embeddings()
-    lens = [len(p) for p in prefixes]
-    b, width = len(prefixes), max(lens)
-    ids = torch.full((b, width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((b, width), dtype=torch.long)
-    for r, p in enumerate(prefixes):
-        ids[r, : lens[r]] = torch.tensor(p)
-        mask[r, : lens[r]] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    t0 = time.perf_counter()
-    out = decoder(input_ids=ids, attention_mask=mask, use_cache=True)
-    cache, h = out.past_key_values, out.last_hidden_state  # [B, W, H]
-    hidden = [[h[r, : lens[r]]] for r in range(b)]
-    last = h[torch.arange(b, device=device), torch.tensor(lens, device=device) - 1]  # [B, H] scores the next token
-    stats.prefix_seconds = time.perf_counter() - t0
-    new: list[list[int]] = [[] for _ in range(b)]
-    active = [n > 0 for n in n_new]
-    t0 = time.perf_counter()
-    step = 0
-    while any(active):
-        logits = head(last).float()  # [B, V]
-        tok = draw_draft_tokens(logits, temperature, top_p, generator)
-        for r, t in enumerate(tok.tolist()):
-            if active[r]:
-                new[r].append(t)
-                active[r] = len(new[r]) < n_new[r] and t not in eos
-        if not any(active):
-            break
-        fed = [r for r in range(b) if active[r]]  # rows whose next token is still to come
-        mask = torch.cat([mask, torch.tensor([[int(a)] for a in active], device=device)], dim=1)
-        pos = torch.tensor([[lens[r] + step] for r in range(b)], device=device)
-        out = decoder(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
-                      use_cache=True)
-        last = out.last_hidden_state[:, -1]
-        for r in fed:
-            hidden[r].append(last[r : r + 1])
-        step += 1
-        stats.steps += 1
-    stats.step_seconds = time.perf_counter() - t0
-    return new, [torch.cat(parts)[: lens[r] + len(new[r]) - 1] for r, parts in enumerate(hidden)], stats
+) -> tuple[list[list[int]], list[Tensor], PassStats]:
+    """A :class:`CachedPass` that decodes ``n_new`` tokens a row: (new tokens, per row its [len(prefix) +
+    len(new) - 1, H] states, stats)."""
+    run = CachedPass(draft, prefixes, pad_token_id=pad_token_id)
+    new = run.decode(n_new, eos_token_id=eos_token_id, temperature=temperature, top_p=top_p, generator=generator)
+    return new, [run.states(r)[: len(p) + len(c) - 1] for r, (p, c) in enumerate(zip(prefixes, new))], run.stats
 
 
 def _non_finite_error(models: LabelModels, seqs, rows_b, lo, *logits: Tensor | None) -> FloatingPointError:

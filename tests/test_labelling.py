@@ -240,6 +240,30 @@ def test_draft_pass_decodes_as_generate_and_its_states_equal_a_full_pass(tiny_pa
         draft_pass(draft, [[]], [3], pad_token_id=pad, eos_token_id=None)
 
 
+def test_cached_pass_continuation_then_fed_tokens_equal_a_full_pass(tiny_pair):
+    """CachedPass: the target's continuation (decode) and then other tokens fed to the same cache (the draft's
+    rollout) give the tokens generate gives and the states of one pass over the whole sequence."""
+    from data_gen.labelling import CachedPass, _body_hidden
+
+    _, target, tok = tiny_pair
+    pad = tok.pad_token_id
+    prefixes = [tok(t)["input_ids"] for t in ("def f(x):", "import numpy as np", "a")]
+    run = CachedPass(target, prefixes, pad_token_id=pad)
+    conts = run.decode([5, 8, 3], eos_token_id=None)
+    alone = [continue_batch(target, [p], [n], pad_token_id=pad, eos_token_id=None)[0][0]
+             for p, n in zip(prefixes, [5, 8, 3])]
+    assert conts == alone
+    tails = [[65, 66, 67, 68], [], [70]]
+    run.feed(tails)  # the last token of a sequence is never passed: no state scores past it
+    for r, (p, c, t) in enumerate(zip(prefixes, conts, tails)):
+        ids = torch.tensor([p + c + t])
+        full = _body_hidden(target, ids, torch.ones_like(ids))[0, :-1]
+        assert run.states(r).shape == full.shape
+        torch.testing.assert_close(run.states(r), full, rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="runs once"):
+        run.decode([1, 1, 1], eos_token_id=None)
+
+
 def test_labels_from_draft_pass_states_equal_the_labelling_pass(tiny_pair):
     """Sequences that carry draft_pass's states skip the draft's labelling pass and get the same records."""
     draft, target, tok = tiny_pair
@@ -248,7 +272,7 @@ def test_labels_from_draft_pass_states_equal_the_labelling_pass(tiny_pair):
 
     def seqs(with_states: bool):
         return [SequenceSpec("p", "t", "code", "train", f"s{i}", p + c, [Segment(len(p) - 1, len(p) + len(c), "draft",
-                             True)], draft_hidden=h if with_states else None)
+                             True)], states={"draft": h} if with_states else {})
                 for i, (p, c, h) in enumerate(zip(prefixes, new, hidden))]
 
     opts = LabelOptions(pad_token_id=tok.pad_token_id, sample_draw=True)
