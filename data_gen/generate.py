@@ -10,8 +10,10 @@ For each prompt, ``sequences_per_prompt`` sequences are planned, each with an or
 - ``text``: the prompt plus m tokens of the dataset's reference answer, then a draft rollout.
 
 The rollout is labelled (the drafted token is the rollout's token); with ``label_prefix`` the m-token continuation is
-labelled too, teacher-forced (the drafted token is drawn from q at each position). Draft, target and companion then run
-once each over every sequence (``data_gen.labelling``). Shards are written per chunk of prompts, resumably.
+labelled too, teacher-forced (the drafted token is drawn from q at each position). Draft, target and companion run once
+each over every sequence (``data_gen.labelling``): the draft's pass over a prefix is its rollout's prefill and the
+target's pass over a prompt its continuation's (``CachedPass``), so writing a sequence costs no second pass. Shards are
+written per chunk of prompts, resumably.
 
 Usage: python -m pipelines.generate --config configs/smoke.yaml
 """
@@ -191,6 +193,8 @@ class Planned:
     seq_id: str
     cont: list[int] = field(default_factory=list)
     rollout: list[int] = field(default_factory=list)
+    states: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Role -> the states a model computed while writing part of the sequence (``SequenceSpec.states``)."""
 
 
 @dataclass
@@ -271,6 +275,16 @@ def _charge_by_origin(st: ChunkStats, group: list[Planned], conts: list[list[int
         st.gen_tokens_by_origin[p.origin] += len(c)
 
 
+def _charge_labelling(st: ChunkStats, group: list[Planned], rendered: list[list[int]], role: str,
+                      seconds: float) -> None:
+    """Count a CachedPass's prefix pass and fed tokens as ``role``'s labelling time, split over origins by prompt
+    length."""
+    st.label_seconds[role] += seconds
+    width = sum(len(rendered[p.prompt_index]) for p in group) or 1
+    for p in group:
+        st.label_seconds_by_origin[p.origin] += seconds * len(rendered[p.prompt_index]) / width
+
+
 def produce_chunk(
     cfg: GenerateConfig,
     models: LabelModels,
@@ -325,40 +339,30 @@ def produce_chunk(
     # (the prompt, plus the continuation of the target / spec / text origins), then its own tokens decoded from that
     # pass's cache: m + L for the draft origin (its continuation and rollout), L for the others. The labelling pass
     # below reuses these states, so no prefix is passed through the draft twice.
-    hidden: dict[int, torch.Tensor] = {}
     rng = torch.Generator().manual_seed(cfg.seed * 104_729 + chunk)
-    todo = sorted(range(len(plans)), key=lambda i: len(rendered[plans[i].prompt_index]) + len(plans[i].cont))
+    todo = sorted(plans, key=lambda p: len(rendered[p.prompt_index]) + len(p.cont))
     for group in _batches(todo, cfg.gen_batch_size):
-        members = [plans[i] for i in group]
-        n_new = [p.m + L if p.origin == "draft" else 0 if (p.cont and p.cont[-1] == eos) else L for p in members]
-        new, hid, ds = draft_pass(models.draft, [rendered[p.prompt_index] + p.cont for p in members], n_new,
+        n_new = [p.m + L if p.origin == "draft" else 0 if (p.cont and p.cont[-1] == eos) else L for p in group]
+        new, hid, ds = draft_pass(models.draft, [rendered[p.prompt_index] + p.cont for p in group], n_new,
                                   pad_token_id=pad, eos_token_id=eos, temperature=cfg.temperature, top_p=cfg.top_p,
                                   generator=rng)
-        for i, p, c, h in zip(group, members, new, hid):
+        for p, c, h in zip(group, new, hid):
             if p.origin == "draft":
                 p.cont, p.rollout = c[: p.m], c[p.m:]
             else:
                 p.rollout = c
-            hidden[i] = h
-        _charge_by_origin(st, members, new, GenStats(seconds=ds.step_seconds))
-        st.label_seconds["draft"] += ds.pass_seconds
-        width = sum(len(rendered[p.prompt_index]) for p in members) or 1
-        for p in members:  # the prefix pass is labelling work: charged by prefix length
-            st.label_seconds_by_origin[p.origin] += ds.pass_seconds * len(rendered[p.prompt_index]) / width
-
-    target_states: dict[int, torch.Tensor] = {}
+            p.states["draft"] = h
+        _charge_by_origin(st, group, new, GenStats(seconds=ds.step_seconds))
+        _charge_labelling(st, group, rendered, "draft", ds.pass_seconds)
     for run, group in target_runs:  # the rollouts through the target's continuation cache
         run.feed([p.rollout for p in group])
         for r, p in enumerate(group):
-            target_states[id(p)] = run.states(r)
-        st.label_seconds["target"] += run.stats.pass_seconds
-        width = sum(len(rendered[p.prompt_index]) for p in group) or 1
-        for p in group:
-            st.label_seconds_by_origin[p.origin] += run.stats.pass_seconds * len(rendered[p.prompt_index]) / width
+            p.states["target"] = run.states(r)
+        _charge_labelling(st, group, rendered, "target", run.stats.pass_seconds)
     del target_runs
 
     seqs: list[SequenceSpec] = []
-    for i, p in enumerate(plans):
+    for p in plans:
         prompt = prompts[p.prompt_index]
         ids = rendered[p.prompt_index]
         P, m = len(ids), len(p.cont)
@@ -371,8 +375,7 @@ def produce_chunk(
             split = split_of(prompt.id, cfg.split_fractions, cfg.seed)
             seqs.append(
                 SequenceSpec(prompt.id, prompt.source, prompt.domain, split, p.seq_id, ids + p.cont + p.rollout, segs,
-                             states={"draft": hidden[i], **({"target": target_states[id(p)]} if id(p) in target_states
-                                                             else {})})
+                             states=p.states)
             )
     opts = LabelOptions(
         top_k=cfg.top_k, store_hidden=cfg.store_hidden, temperature=cfg.temperature, top_p=cfg.top_p, pad_token_id=pad,

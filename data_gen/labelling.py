@@ -54,9 +54,9 @@ class SequenceSpec:
     tokens: list[int]
     segments: list[Segment]
     states: dict[str, Tensor] = field(default_factory=dict)
-    """Role (draft, target, companion) -> [len(tokens) - 1, H] that model's final-norm hidden state at every position
-    but the last, when the model already ran over the sequence while writing a continuation of it (:class:`CachedPass`);
-    its labelling pass then skips the sequence."""
+    """Role (draft, target, companion) -> that model's final-norm hidden states at the sequence's positions (at least
+    the first len(tokens) - 1), when the model already ran over the sequence while writing part of it
+    (:class:`CachedPass`); its labelling pass then skips the sequence."""
 
 
 @dataclass
@@ -98,9 +98,8 @@ class LabelStats:
 
     sequences: int = 0
     tokens_passed: int = 0
-    """Tokens of the batch (a shared prompt once): what each model passes, in this call or earlier (CachedPass)."""
-    tokens_by_role: dict[str, int] = field(default_factory=dict)
-    """Tokens each model passed in this call (sequences with that model's states given are skipped)."""
+    """Tokens of the batch (a shared prompt once): what each model passes once, in this call or, for sequences that
+    carry its states, earlier (CachedPass)."""
     records: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "target": 0.0, "companion": 0.0})
 
@@ -200,7 +199,6 @@ def label_sequences(
             h = _body_hidden(model, sub_ids, sub_mask, sub_shared)
             for k, b in enumerate(need):
                 per_seq[b] = h[k, : lens[b] - 1]
-            stats.tokens_by_role[role] = int(sub_mask.sum()) - sub_shared * (len(need) - 1)
             del h
         # [N, H] the state that predicts token j, in row order
         hidden[role] = torch.cat([per_seq[b][j0 - 1 : j1 - 1] for b, j0, j1 in spans]).to(device)
@@ -282,7 +280,7 @@ class CachedPass:
     def __init__(self, model: PreTrainedModel, prefixes: list[list[int]], *, pad_token_id: int) -> None:
         if not prefixes or any(len(p) == 0 for p in prefixes):
             raise ValueError("CachedPass needs at least one sequence and a non-empty prefix for each")
-        self.model, self.pad = model, pad_token_id
+        self.pad = pad_token_id
         self.device = next(model.parameters()).device
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
         self.stats = PassStats()
