@@ -194,7 +194,8 @@ def label_sequences(
         need = [b for b, s in enumerate(seqs) if role not in s.states]  # sequences this model has not run over yet
         per_seq: dict[int, Tensor] = {b: s.states[role] for b, s in enumerate(seqs) if role in s.states}
         if need:
-            sub_ids, sub_mask = (ids, mask) if len(need) == len(seqs) else (ids[need], mask[need])
+            w = max(lens[b] for b in need)  # the sequences left may be shorter than the batch: no padding past them
+            sub_ids, sub_mask = (ids, mask) if len(need) == len(seqs) else (ids[need, :w], mask[need, :w])
             sub_shared = shared if len(need) == len(seqs) else 0
             h = _body_hidden(model, sub_ids, sub_mask, sub_shared)
             for k, b in enumerate(need):
