@@ -123,6 +123,18 @@ def _body_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tens
     return torch.cat([pre.last_hidden_state.expand(b, -1, -1), rest.last_hidden_state], dim=1)
 
 
+def right_padded(tokens: list[list[int]], pad_token_id: int, width: int | None = None) -> tuple[Tensor, Tensor]:
+    """([B, W] ids, [B, W] mask) of token lists right-padded to ``width`` (default: the longest, at least 1); rows may
+    be empty."""
+    width = width or max(1, max(len(t) for t in tokens))
+    ids = torch.full((len(tokens), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(tokens), width), dtype=torch.long)
+    for r, t in enumerate(tokens):
+        ids[r, : len(t)] = torch.tensor(t, dtype=torch.long)
+        mask[r, : len(t)] = 1
+    return ids, mask
+
+
 def shared_prefix_len(seqs: list[list[int]]) -> int:
     """Length of the longest common prefix of the token lists, kept at least one token short of the shortest list."""
     if not seqs:
@@ -156,12 +168,8 @@ def label_sequences(
         return {}, stats
     device = next(models.draft.parameters()).device
     lens = [len(s.tokens) for s in seqs]
-    width = max(lens)
-    ids = torch.full((len(seqs), width), opts.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    ids, mask = right_padded([s.tokens for s in seqs], opts.pad_token_id)
     for b, s in enumerate(seqs):
-        ids[b, : lens[b]] = torch.tensor(s.tokens)
-        mask[b, : lens[b]] = 1
         for role, st in s.states.items():
             if st.shape[0] < lens[b] - 1:
                 raise ValueError(f"sequence {s.seq_id}: {role} states cover {st.shape[0]} positions, its tokens need "
@@ -175,13 +183,9 @@ def label_sequences(
     stats.tokens_passed = int(mask.sum()) - shared * (len(seqs) - 1)
 
     # Rows (b, j) to label: logits at j-1 score token j.
-    rows_b: list[int] = []
-    rows_j: list[int] = []
-    for b, s in enumerate(seqs):
-        for seg in s.segments:
-            rows_b.extend([b] * (seg.end - seg.start))
-            rows_j.extend(range(seg.start, seg.end))
     spans = [(b, seg.start, seg.end) for b, s in enumerate(seqs) for seg in s.segments]
+    rows_b = [b for b, j0, j1 in spans for _ in range(j0, j1)]
+    rows_j = [j for _, j0, j1 in spans for j in range(j0, j1)]
     bi = torch.tensor(rows_b, device=device)
     ji = torch.tensor(rows_j, device=device)
 
@@ -286,19 +290,14 @@ class CachedPass:
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
         self.stats = PassStats()
         self.lengths = [len(p) for p in prefixes]  # tokens of each row in the cache (padding excluded)
-        b, width = len(prefixes), max(self.lengths)
-        ids = torch.full((b, width), pad_token_id, dtype=torch.long)
-        self.mask = torch.zeros((b, width), dtype=torch.long)
-        for r, p in enumerate(prefixes):
-            ids[r, : len(p)] = torch.tensor(p)
-            self.mask[r, : len(p)] = 1
-        self.mask = self.mask.to(self.device)
+        ids, mask = right_padded(prefixes, pad_token_id)
+        self.mask = mask.to(self.device)
         t0 = time.perf_counter()
         out = self.decoder(input_ids=ids.to(self.device), attention_mask=self.mask, use_cache=True)
         self.cache, h = out.past_key_values, out.last_hidden_state  # [B, W, H]
         self._states: list[list[Tensor]] = [[h[r, : n]] for r, n in enumerate(self.lengths)]
         self.stats.pass_seconds += time.perf_counter() - t0
-        self.pending: list[int | None] = [None] * b
+        self.pending: list[int | None] = [None] * len(prefixes)
         """Per row, its last decoded token, not yet in the cache (fed before anything else)."""
 
     @property
@@ -308,14 +307,8 @@ class CachedPass:
     @torch.no_grad()
     def _forward(self, tokens: list[list[int]]) -> Tensor:
         """Feed each row its tokens (rows may get none) after its own; returns [B, T, H] states."""
-        width = max(1, max(len(t) for t in tokens))
-        ids = torch.full((self.batch, width), self.pad, dtype=torch.long)
-        new_mask = torch.zeros((self.batch, width), dtype=torch.long)
-        pos = torch.zeros((self.batch, width), dtype=torch.long)
-        for r, t in enumerate(tokens):
-            ids[r, : len(t)] = torch.tensor(t, dtype=torch.long)
-            new_mask[r, : len(t)] = 1
-            pos[r] = self.lengths[r] + torch.arange(width)
+        ids, new_mask = right_padded(tokens, self.pad)
+        pos = torch.tensor(self.lengths)[:, None] + torch.arange(ids.shape[1])  # [B, T] each row's own positions
         self.mask = torch.cat([self.mask, new_mask.to(self.device)], dim=1)
         out = self.decoder(input_ids=ids.to(self.device), attention_mask=self.mask, position_ids=pos.to(self.device),
                            past_key_values=self.cache, use_cache=True)
