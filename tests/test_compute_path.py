@@ -166,6 +166,8 @@ def test_fused_siblings_compute_the_bits_of_separate_packs(path: str) -> None:
     assert cp.pack_layout_of(fused) == "fused" and cp.pack_layout_of(separate) == "per-layer"
     attn = fused.model.layers[0].self_attn
     assert isinstance(attn.k_proj, cp.PackedSlice) and attn.k_proj.weight.shape == (attn.k_proj.out_features, 32)
+    assert isinstance(fused.model.layers[0].mlp, cp.GatedMLP) and not isinstance(separate.model.layers[0].mlp,
+                                                                                   cp.GatedMLP)
     ids = torch.tensor([[1, 5, 9, 33, 70, 2, 44, 18]])
     with torch.inference_mode():
         assert torch.equal(fused(ids).logits, separate(ids).logits)
@@ -178,6 +180,32 @@ def test_fused_siblings_compute_the_bits_of_separate_packs(path: str) -> None:
             step = torch.tensor([[tok]])
             assert torch.equal(fused(step, past_key_values=caches[0]).logits,
                                separate(step, past_key_values=caches[1]).logits)
+
+
+@pytest.mark.parametrize("path", ["packed", BF16])
+def test_the_gated_mlp_in_row_chunks_computes_the_bits_of_the_models_own_mlp(path: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """silu(gate) * up worked in chunks of a few rows, from the GEMM's own dtype: the same logits, bit for bit, as
+    transformers' MLP on the same fused packs, for a prompt that spans several chunks and for one-token steps."""
+    from transformers import DynamicCache
+
+    gated, _ = load_model(ModelSpec("tiny:2:32:3", compute="eager"))
+    own, _ = load_model(ModelSpec("tiny:2:32:3", compute="eager"))
+    cp.apply_compute_path(gated, path, min_elements=0)
+    with monkeypatch.context() as m:
+        m.setattr(cp, "_gated_mlps", lambda model: [])  # the model's own MLP class over the same fused packs
+        cp.apply_compute_path(own, path, min_elements=0)
+    mlp = gated.model.layers[1].mlp
+    assert isinstance(mlp, cp.GatedMLP) and isinstance(own.model.layers[1].mlp.gate_proj, cp.PackedSlice)
+    monkeypatch.setattr(cp.GatedMLP, "CHUNK_ELEMENTS", 3 * mlp.intermediate)  # chunks of 3 rows
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2, 44, 18, 3, 3, 90, 41, 7, 8, 11, 64]])
+    with torch.no_grad():
+        caches = DynamicCache(), DynamicCache()
+        assert torch.equal(gated(ids, past_key_values=caches[0]).logits, own(ids, past_key_values=caches[1]).logits)
+        for tok in (7, 99, 3):
+            step = torch.tensor([[tok]])
+            assert torch.equal(gated(step, past_key_values=caches[0]).logits,
+                               own(step, past_key_values=caches[1]).logits)
 
 
 def test_a_fused_slice_called_alone_or_out_of_order_still_gives_its_own_columns() -> None:
