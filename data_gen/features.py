@@ -7,6 +7,7 @@ on each freshly drafted token. A test asserts both paths give equal features for
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 
 import torch
@@ -127,9 +128,9 @@ def token_features(
         optionally ``draft_hidden [..., H]``, ``companion_*`` and ``p, accept_prob, target_argmax, greedy_match, tv``.
     """
     for name, t in (("draft", draft_logits), ("target", target_logits), ("companion", companion_logits)):
-        # a NaN or inf anywhere makes its row's sum non-finite: one reduction instead of a [..., V] bool mask (0.3 ms
-        # of a ~1 ms stop decision over 152k logits; finite logits of LM magnitudes cannot overflow the sum)
-        if t is not None and not torch.isfinite(t.sum(-1)).all():
+        # a NaN or inf anywhere makes the sum non-finite: one reduction and one read instead of a [..., V] bool mask
+        # (0.3 ms of a ~1 ms stop decision over 152k logits; finite logits of LM magnitudes cannot overflow an fp32 sum)
+        if t is not None and not math.isfinite(t.sum(dtype=torch.float32)):
             raise FloatingPointError(f"{name} logits contain NaN or inf")
     want_entropy = columns is None or "draft_entropy" in columns
     if want_entropy:

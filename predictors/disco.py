@@ -125,7 +125,8 @@ class DiscoNet(nn.Module):
         else:
             out = self.head(self.body(z))  # [N, 1 or 2]
         if self.prior_index >= 0:
-            out = out + torch.nn.functional.pad(self.prior(x)[:, None], (0, out.shape[1] - 1))
+            prior = self.prior(x)[:, None]
+            out = out + (prior if out.shape[1] == 1 else torch.nn.functional.pad(prior, (0, out.shape[1] - 1)))
         tv = torch.sigmoid(out[:, 1]) if self.tv_head else None
         return out[:, 0], tv
 

@@ -231,23 +231,24 @@ def _scalar(columns: Mapping[str, object], spec: FeatureSpec, name: str, n: int)
 
 
 def topk_entropy(topk: Tensor) -> Tensor:
-    """[N, k] top-k probabilities -> [N] natural-log entropy of the renormalised top-k."""
-    t = topk.clamp_min(0.0)
-    t = t / t.sum(-1, keepdim=True).clamp_min(1e-12)
-    return -(t * torch.log(t.clamp_min(1e-30))).sum(-1)
+    """[N, k] top-k probabilities (>= 0) -> [N] natural-log entropy of the renormalised top-k (``entr``: -t log t,
+    0 at t = 0)."""
+    return torch.special.entr(topk / topk.sum(-1, keepdim=True).clamp_min(1e-12)).sum(-1)
 
 
 def _part(spec: FeatureSpec, part: str, columns: Mapping[str, object]) -> Tensor:
     """[N, width of the part] for one input part."""
     if part == "disco":
+        # few torch ops: in decoding this runs once per drafted token, right after a draft forward, where each small
+        # op costs several times its cost in a warm loop (the stop decision's budget is 2% of a draft step)
         topk = _vector(columns, spec, "draft_topk", spec.top_k)
         n = topk.shape[0]
-        position = _scalar(columns, spec, "position", n) / spec.position_scale
-        parts = [topk, topk_entropy(topk)[:, None], position[:, None]]
+        scalars = [_scalar(columns, spec, "position", n) / spec.position_scale]
         for e in spec.extra:
             v = _scalar(columns, spec, extra_column(e), n)
-            parts.append((torch.log(v.clamp_min(1e-9)) if e.startswith(LOG_PREFIX) else v)[:, None])
-        return torch.cat([t.to(topk.device) for t in parts], dim=1)
+            scalars.append(torch.log(v.clamp_min(1e-9)) if e.startswith(LOG_PREFIX) else v)
+        ent = topk_entropy(topk)
+        return torch.cat([topk, torch.stack([ent, *(t.to(topk.device) for t in scalars)], dim=1)], dim=1)
     if part == "hidden":
         return _vector(columns, spec, "draft_hidden", spec.hidden_size)
     s = _get(columns, spec, "companion_sim").float().reshape(-1)
@@ -268,7 +269,7 @@ def build_features(spec: FeatureSpec, columns: Mapping[str, object]) -> Tensor:
         raise ValueError(
             f"{spec.kind} input parts {spec.parts} have different row counts {[b.shape[0] for b in blocks]}"
         )
-    x = torch.cat([b.to(blocks[0].device) for b in blocks], dim=1)
+    x = blocks[0] if len(blocks) == 1 else torch.cat([b.to(blocks[0].device) for b in blocks], dim=1)
     if x.shape[1] != spec.width:
         raise ValueError(
             f"feature width mismatch: built {x.shape[1]} {spec.kind} features, the predictor expects {spec.width}"
