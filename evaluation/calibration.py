@@ -1,5 +1,7 @@
-"""Calibration of every predictor and training-free score: maps fitted on the validation split, their expected
-calibration error and reliability curves on the test split, and the cost-aware (``goodput``) policies they make.
+"""Calibration of every predictor and training-free score: maps fitted outside the test split (on the validation
+split, or on the training and validation prompts with a learned predictor's scores there out of fold:
+:func:`cross_fitted_scores`), their expected calibration error and reliability curves on the test split, and the
+cost-aware (``goodput``) policies they make.
 
 Each map calibrates the acceptance a decoding mode uses (``predictors.calibration``): greedy match on the argmax draws
 for greedy decoding, min(1, p/q) on the sampled draws for speculative sampling.
@@ -13,8 +15,11 @@ Usage::
 """
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,7 +37,10 @@ from predictors.calibration import (
 from predictors.goodput import GoodputPolicy
 from predictors.labels import label_name
 
-__all__ = ["CalibrationResult", "calibrated_scores", "fit_maps", "calibrate_policies", "goodput_policies"]
+log = logging.getLogger(__name__)
+
+__all__ = ["CalibrationResult", "calibrated_scores", "fit_maps", "cross_fitted_scores", "calibrate_policies",
+           "goodput_policies"]
 
 
 def calibrated_scores() -> dict[str, StopPolicy]:
@@ -55,18 +63,75 @@ def _rows(columns: Mapping[str, Any], mask: np.ndarray) -> dict[str, Any]:
 
 
 def fit_maps(policy: StopPolicy, columns: Mapping[str, Any], modes: Sequence[str] = MODES,
-             method: str = "auto") -> dict[str, Calibrator]:
-    """Mode -> map of ``policy``'s raw score to that mode's acceptance, fitted on ``columns`` (the validation split).
+             method: str = "auto", scores: np.ndarray | None = None) -> dict[str, Calibrator]:
+    """Mode -> map of ``policy``'s raw score to that mode's acceptance, fitted on ``columns``.
 
-    A mode whose rows are missing or hold too few tokens gets no map."""
+    ``scores``: [rows of columns] the scores to fit on instead of the policy's own (a learned predictor's out-of-fold
+    scores, :func:`cross_fitted_scores`). A mode whose rows are missing or hold too few tokens gets no map."""
     maps: dict[str, Calibrator] = {}
     for mode in modes:
         mask, y = calibration_label(columns, mode)
         if mask.sum() < 2:
             continue
         label = label_name("greedy" if mode == "greedy" else "soft")
-        maps[mode] = fit_calibrator(_scores(policy, _rows(columns, mask)), y, method, label=label)
+        s = _scores(policy, _rows(columns, mask)) if scores is None else np.asarray(scores, dtype=np.float64)[mask]
+        maps[mode] = fit_calibrator(s, y, method, label=label)
     return maps
+
+
+def cross_fitted_scores(kind: str, cfg: Any, data_dir: Any, out_dir: str | Path, columns: Mapping[str, Any],
+                        folds: int = 5, within: Sequence[str] = ("train", "val")) -> np.ndarray:
+    """[rows of ``columns``] each row's score by a copy of the predictor that never saw its prompt.
+
+    The prompts of the stored ``within`` splits are dealt to ``folds`` grouped folds (``data_gen.prompts.fold_splits``,
+    stratified by domain); for fold i a predictor of ``kind`` trains with ``cfg`` on the other folds (early-stopping on
+    fold i + 1) and scores fold i's rows of ``columns``. A calibration map fitted on these scores sees as many tokens
+    as the training prompts hold, in the way the final predictor scores prompts it has not seen (scikit-learn's
+    ``CalibratedClassifierCV(ensemble=False)``); the test split stays out of every fit. Rows of prompts outside the
+    folds score NaN. The scores are kept in ``<out_dir>/<kind>/out-of-fold.npz`` under a digest of the kind, the
+    config, the folds and every column given, so a second run on the same data trains nothing.
+    """
+    from predictors.training import fit_predictor, make_datamodule
+
+    ids = np.asarray(columns["sample_id"]).astype(str)
+    cache = Path(out_dir) / kind / "out-of-fold.npz"
+    key = _digest(kind, cfg, folds, within, columns)
+    if cache.is_file():
+        with np.load(cache) as z:
+            if str(z["key"]) == key and len(z["scores"]) == len(ids):
+                return z["scores"]
+    out = np.full(len(ids), np.nan)
+    t0 = time.perf_counter()
+    for i in range(folds):
+        dm = make_datamodule(kind, cfg, data_dir, folds=(folds, i), fold_within=tuple(within),
+                             extra_columns=("sample_id",))
+        policy, _ = fit_predictor(kind, cfg, data_dir, Path(out_dir) / kind / f"fold-{i}", datamodule=dm)
+        dm.setup("test")
+        rows = np.isin(ids, np.unique(dm.raw["test"]["sample_id"].astype(str)))
+        if rows.any():
+            out[rows] = _scores(policy, _rows(columns, rows))
+        log.info("cross-fitted calibration of %s: fold %d/%d, %d rows, %.0fs", kind, i + 1, folds, int(rows.sum()),
+                 time.perf_counter() - t0)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(cache.with_suffix(".tmp.npz"), key=key, scores=out)
+    cache.with_suffix(".tmp.npz").replace(cache)
+    return out
+
+
+def _digest(kind: str, cfg: Any, folds: int, within: Sequence[str], columns: Mapping[str, Any]) -> str:
+    """sha256 of what out-of-fold scores depend on: the predictor kind and config, the folds and the rows' columns."""
+    import dataclasses
+    import hashlib
+    import json
+
+    h = hashlib.sha256(json.dumps([kind, dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg),
+                                   folds, list(within)], sort_keys=True, default=str).encode())
+    for name in sorted(columns):
+        v = np.asarray(columns[name])
+        h.update(name.encode())
+        h.update(v.astype(str).tobytes() if v.dtype == object or v.dtype.kind in "US" else
+                 np.ascontiguousarray(v).tobytes())
+    return h.hexdigest()
 
 
 @dataclass
@@ -74,7 +139,7 @@ class CalibrationResult:
     """Maps per policy, their error table on the test split, and reliability curves for the plots."""
 
     maps: dict[str, dict[str, Calibrator]] = field(default_factory=dict)
-    """policy name -> mode -> map (fitted on the validation split)."""
+    """policy name -> mode -> map (fitted outside the test split)."""
     table: pd.DataFrame = field(default_factory=pd.DataFrame)
     """policy, mode, label, method, n, n_fit, mean_label, ece_raw (raw score, when a probability), ece, ece_floor
     (the ECE of perfect calibration by chance on these tokens)."""
@@ -84,11 +149,13 @@ class CalibrationResult:
 
 
 def calibrate_policies(policies: Mapping[str, StopPolicy | None], fit_columns: Mapping[str, Any],
-                       test_columns: Mapping[str, Any], method: str = "auto", n_bins: int = 15
-                       ) -> CalibrationResult:
-    """Fit each policy's maps on ``fit_columns`` (validation) and score them on ``test_columns``.
+                       test_columns: Mapping[str, Any], method: str = "auto", n_bins: int = 15,
+                       fit_scores: Mapping[str, np.ndarray] | None = None) -> CalibrationResult:
+    """Fit each policy's maps on ``fit_columns`` and score them on ``test_columns``.
 
-    Policies that miss columns or do not score (oracles, static lengths) are skipped with a note."""
+    ``fit_scores``: policy name -> [rows of fit_columns] scores to fit that policy's maps on instead of its own
+    (:func:`cross_fitted_scores`: a learned predictor scores its own training rows too well); rows scoring NaN are
+    left out. Policies that miss columns or do not score (oracles, static lengths) are skipped with a note."""
     from evaluation.replay import missing_columns
 
     res = CalibrationResult()
@@ -100,7 +167,7 @@ def calibrate_policies(policies: Mapping[str, StopPolicy | None], fit_columns: M
         if miss:
             res.notes.append(f"calibration of {name} skipped: missing columns {miss}")
             continue
-        maps = fit_maps(pol, fit_columns, MODES, method)
+        maps = fit_maps(pol, fit_columns, MODES, method, scores=(fit_scores or {}).get(name))
         if not maps:
             res.notes.append(f"calibration of {name} skipped: no validation rows")
             continue

@@ -138,12 +138,13 @@ def _calibration_section(calibration: pd.DataFrame | None) -> list[str]:
         "## Calibrated acceptance",
         "",
         "Each score mapped to the acceptance of a decoding mode (greedy match on the argmax draws; min(1, p/q) on the "
-        "sampled draws), the map fitted on the validation split and scored here on the test split: expected "
-        "calibration error (15 equal-width bins) of the raw score (when it is a probability) and of the calibrated "
-        "acceptance; `ece_floor` is what a perfectly calibrated map scores on these tokens by chance (labels drawn "
-        "from its own predictions), so an `ece` near it is as good as this test split can show; `method` is the map "
-        "cross-validation chose on the validation split. The cost-aware rows of the replay (`(goodput)`) price these "
-        "acceptances with the cost model.",
+        "sampled draws), the map fitted on `n_fit` tokens outside the test split (the notes above say which: the "
+        "training and validation prompts, a learned predictor's scores there out of fold) and scored here on the test "
+        "split: expected calibration error (15 equal-width bins) of the raw score (when it is a probability) and of "
+        "the calibrated acceptance; `ece_floor` is what a perfectly calibrated map scores on these tokens by chance "
+        "(labels drawn from its own predictions), so an `ece` near it is as good as this test split can show; "
+        "`method` is the map cross-validation chose on the fit tokens. The cost-aware rows of the replay "
+        "(`(goodput)`) price these acceptances with the cost model.",
         "",
         markdown_table(calibration, ["policy", "mode", "label", "method", "n", "n_fit", "mean_label", "ece_raw", "ece",
                                      "ece_floor"], digits=4),

@@ -81,11 +81,16 @@ class EvaluateConfig:
     tune_split: str = "val"
     """Split the latency-optimal thresholds are tuned on."""
     calibrate: bool = True
-    """Fit a calibration map per policy and training-free score on ``tune_split`` (auto: isotonic or Platt), report its
-    expected calibration error on ``split`` and replay each calibrated policy under the cost-aware rule
-    ('<name> (goodput)')."""
+    """Fit a calibration map per policy and training-free score (auto: isotonic or Platt), report its expected
+    calibration error on ``split`` and replay each calibrated policy under the cost-aware rule ('<name> (goodput)')."""
+    calibration_fit: str = "train+val"
+    """Rows the maps are fitted on. ``train+val``: the training-free scores on every train and ``tune_split`` row; a
+    learned predictor on its out-of-fold scores over the same prompts when the caller gives its training config (the
+    main job; ``evaluation.calibration.cross_fitted_scores``), else on ``tune_split`` (noted in the report). ``val``:
+    every map on ``tune_split`` (a validation split of 10 prompts gave maps whose ECE on the test split was 0.06 for
+    the top-1 probability, against 0.016 fitted on the training prompts)."""
     calibration_method: str = "auto"
-    """auto (isotonic or Platt, whichever has the lower cross-validated Brier score on ``tune_split``), isotonic or
+    """auto (isotonic or Platt, whichever has the lower cross-validated Brier score on the fit rows), isotonic or
     platt."""
     tune_thresholds: bool = False
     """Tune each learned policy's threshold for predicted speedup on ``tune_split`` (reported, and replayed as '<name>
@@ -131,6 +136,8 @@ class EvaluateConfig:
         fams = [f for f, _ in self.label_specs if f not in ("greedy", "ratio", "soft")]
         if fams:
             raise ValueError(f"--label_specs has unknown families {fams}; use greedy, ratio, soft")
+        if self.calibration_fit not in ("train+val", "val"):
+            raise ValueError(f"--calibration_fit {self.calibration_fit!r}: use train+val or val")
         if self.calibration_method not in ("isotonic", "platt", "auto"):
             raise ValueError(f"--calibration_method {self.calibration_method!r}: use auto, isotonic or platt")
         if self.n_boot < 0:
@@ -274,13 +281,17 @@ def _sample_prompts(columns: dict[str, np.ndarray], k: int | None, seed: int) ->
     return subset(columns, np.isin(columns["sample_id"].astype(str), keep))
 
 
-def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None] | None = None) -> dict[str, Any]:
+def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None] | None = None,
+                   cross_fit: Mapping[str, tuple[str, Any]] | None = None, cross_fit_folds: int = 5) -> dict[str, Any]:
     """Classification tables, SPRINTER checks, offline replay (and threshold tuning) and the report.
 
     Args:
         cfg: the configuration.
         policies: name -> policy to evaluate directly (the main job passes its trained policies); ``cfg.predictors``
             refs are loaded and added.
+        cross_fit: name -> (kind, training config) of learned policies whose calibration maps are fitted on
+            out-of-fold scores over the train and ``tune_split`` prompts (``cfg.calibration_fit`` train+val), in
+            ``cross_fit_folds`` folds; checkpoints under ``<out_dir>/cross-fit``.
     Returns:
         dict with report (path), classification, sprinter, replay, sweep (DataFrames), tuned (name -> (threshold,
         val speedup)), metrics (flat dict), cost_model (or None), notes.
@@ -302,6 +313,8 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
     extra = tuple(sorted({c for p in pols.values() if p is not None for c in p.required_columns} - set(BASE_COLUMNS)))
     fit_split = (cfg.tune_thresholds or cfg.calibrate) and cfg.tune_split != cfg.split
     splits = [cfg.split] + ([cfg.tune_split] if fit_split else [])
+    if cfg.calibrate and cfg.calibration_fit == "train+val" and "train" not in splits:
+        splits.append("train")
     allcols = load_columns([cfg.data_dir, *cfg.extra_data_dirs], splits, extra)
     if "split" in allcols:
         cols = subset(allcols, allcols["split"].astype(str) == cfg.split)
@@ -316,7 +329,7 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
                     f"{len(cols['seq_id'])} tokens, {n_prompts} prompts")
 
     by_draw = label_specs_by_draw(cols, cfg.label_specs)
-    calib = _calibrate(cfg, pols, allcols, cols, notes) if cfg.calibrate else None
+    calib = _calibrate(cfg, pols, allcols, cols, notes, cross_fit or {}, cross_fit_folds) if cfg.calibrate else None
     main = draw_mask(cols, "greedy")  # replay, tuning and the SPRINTER checks follow the draft's own (greedy) rollouts
     if main is not None:
         cols = subset(cols, main)
@@ -429,15 +442,51 @@ def _free_scores() -> dict[str, StopPolicy]:
 
 
 def _calibrate(cfg: EvaluateConfig, pols: Mapping[str, StopPolicy | None], allcols: dict[str, np.ndarray],
-               cols: dict[str, np.ndarray], notes: list[str]) -> Any:
-    """Maps of every policy and calibrated training-free score, fitted on ``tune_split``, scored on ``split``."""
-    from evaluation.calibration import calibrate_policies
+               cols: dict[str, np.ndarray], notes: list[str], cross_fit: Mapping[str, tuple[str, Any]],
+               folds: int) -> Any:
+    """Maps of every policy and calibrated training-free score, fitted as ``cfg.calibration_fit`` says, scored on
+    ``split``."""
+    import pandas as pd
 
-    fit = subset(allcols, allcols["split"].astype(str) == cfg.tune_split) if "split" in allcols else None
-    if fit is None or not len(fit["seq_id"]):
+    from evaluation.calibration import calibrate_policies, cross_fitted_scores
+
+    if "split" not in allcols:
+        notes.append("calibration skipped: the data has no split column")
+        return None
+    split = allcols["split"].astype(str)
+    val = subset(allcols, split == cfg.tune_split)
+    if not len(val["seq_id"]):
         notes.append(f"calibration skipped: no rows in split {cfg.tune_split!r}")
         return None
-    res = calibrate_policies({**pols, **_free_scores()}, fit, cols, cfg.calibration_method)
+    free = _free_scores()
+    if cfg.calibration_fit == "val":
+        res = calibrate_policies({**pols, **free}, val, cols, cfg.calibration_method)
+        notes.append(f"calibration maps fitted on the {cfg.tune_split} split")
+        notes += res.notes
+        return res
+    both = subset(allcols, np.isin(split, ["train", cfg.tune_split]))
+    scores, why = {}, {}
+    for name in [k for k, p in pols.items() if p is not None and k in cross_fit]:
+        kind, tcfg = cross_fit[name]
+        try:
+            scores[name] = cross_fitted_scores(kind, tcfg, [cfg.data_dir, *cfg.extra_data_dirs], Path(cfg.out_dir) /
+                                               "cross-fit", both, folds=folds, within=("train", cfg.tune_split))
+        except ValueError as e:  # too few prompts for the folds, a fold with one class...
+            why[name] = f"cross-fitting failed ({e})"
+    learned = {k: pols[k] for k in scores}
+    others = {k: p for k, p in pols.items() if k not in learned}
+    res = calibrate_policies({**learned, **free}, both, cols, cfg.calibration_method, fit_scores=scores)
+    if others:  # learned predictors loaded from exports (no training config to refit them by fold), or refused
+        rest = calibrate_policies(others, val, cols, cfg.calibration_method)
+        res.maps.update(rest.maps)
+        res.curves.update(rest.curves)
+        res.table = pd.concat([res.table, rest.table], ignore_index=True)
+        res.notes += rest.notes + [f"calibration of {name} fitted on the {cfg.tune_split} split: "
+                                   f"{why.get(name, 'no training config to cross-fit it')}"
+                                   for name in sorted(others) if others[name] is not None]
+    notes.append(f"calibration maps fitted on the train and {cfg.tune_split} splits: the training-free scores' own "
+                 f"scores, {sorted(learned) or 'no learned predictor'} out of fold ({folds} folds of those prompts, "
+                 "each scored by a copy trained without it)")
     notes += res.notes
     return res
 

@@ -429,7 +429,8 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, export
     mlflow.set_tracking_uri(uri)
     try:
         with mlflow.start_run(run_name="evaluate", experiment_id=exp_id):
-            res = run_evaluation(ecfg, policies)
+            res = run_evaluation(ecfg, policies, cross_fit={k: (k, getattr(cfg, k)) for k in policies},
+                                 cross_fit_folds=max(3, cfg.crossval_folds or 5))
     finally:
         mlflow.set_tracking_uri(previous_uri)
     table = res.get("classification")

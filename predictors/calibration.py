@@ -5,10 +5,10 @@ The label a map calibrates is the acceptance the decoding mode uses (:data:`MODE
 - ``greedy``: greedy match (draft token == target argmax) on the argmax draws (``draw == "greedy"``);
 - ``sampling``: min(1, p/q), the acceptance probability of exact speculative sampling, on the sampled draws.
 
-Maps are fitted on the validation split with scikit-learn (isotonic regression or Platt scaling; by default ``auto``
-picks the one with the lower 5-fold cross-validated Brier score on the fit rows: isotonic overfits a few hundred
-tokens, Platt underfits a curved score) and
-stored as plain JSON (breakpoints, or the two sigmoid coefficients), so an export loads them with numpy alone:
+Maps are fitted outside the test split (``pipelines.evaluate --calibration_fit``) with scikit-learn (isotonic
+regression or Platt scaling; by default ``auto`` picks the one with the lower 5-fold cross-validated Brier score on the
+fit rows: isotonic overfits a few hundred tokens, Platt underfits a curved score) and stored as plain JSON
+(breakpoints, or the two sigmoid coefficients), so an export loads them with numpy alone:
 ``predictor.json`` holds ``{"calibration": {"greedy": {...}, "sampling": {...}}}``. The cost-aware rule
 (``predictors.goodput``) reads the calibrated acceptance; the evaluation reports each map's expected calibration error
 and reliability diagram.

@@ -95,6 +95,7 @@ class ShardDataModule(pl.LightningDataModule):
         extra_columns: Sequence[str] = ("greedy_match", "accept_prob", "draft_max_prob", "draft_entropy", "q"),
         draw: str | None = None,
         folds: tuple[int, int] | tuple[int, int, float] | None = None,
+        fold_within: Sequence[str] | None = None,
     ) -> None:
         """
         Args:
@@ -110,6 +111,8 @@ class ShardDataModule(pl.LightningDataModule):
             folds: ``(k, i)``: ignore the stored ``split`` column and split by grouped k-fold cross-validation over
                 prompts, stratified by ``domain`` (``data_gen.prompts.fold_splits``): fold i is test, fold i+1 val;
                 ``(k, i, f)`` trains on the share f of the training prompts (a learning curve).
+            fold_within: with ``folds``, deal only the prompts of these stored splits to the folds and leave the others
+                out (``unused``): ``("train", "val")`` cross-fits within the training prompts, the test split untouched.
         """
         super().__init__()
         if kind not in FEATURE_KINDS:
@@ -124,6 +127,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.extra_columns = tuple(extra_columns)
         self.draw = draw or label_draw(label_family)
         self.folds = folds
+        self.fold_within = tuple(fold_within) if fold_within else None
         self.spec: FeatureSpec | None = None
         self.tensors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.raw: dict[str, dict[str, np.ndarray]] = {}
@@ -155,8 +159,11 @@ class ShardDataModule(pl.LightningDataModule):
             from data_gen.prompts import fold_splits
 
             k, i, *fraction = self.folds
-            split = fold_splits(cols["sample_id"], cols.get("domain"), k, i, seed=self.seed,
-                                train_fraction=fraction[0] if fraction else 1.0)
+            within = np.isin(split, self.fold_within) if self.fold_within else np.ones(len(split), dtype=bool)
+            domain = cols.get("domain")
+            split = np.full(len(split), "unused", dtype="<U6")
+            split[within] = fold_splits(cols["sample_id"][within], domain[within] if domain is not None else None, k,
+                                        i, seed=self.seed, train_fraction=fraction[0] if fraction else 1.0)
         self._check_disjoint(cols["sample_id"].astype(str), split)
         x_all = build_features(self.spec, cols)
         y_all = torch.from_numpy(derive_label(cols, self.label_family, self.lam))

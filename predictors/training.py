@@ -502,7 +502,8 @@ def _fit_sv(cfg: SVTableConfig, dm, out_dir, logger, n_batches, ckpt_dir) -> tup
     if cfg.auc_label == "greedy" and "greedy_match" in raw_auc:
         # greedy match judges argmax draws: with two draws per position read those rows for the AUC (the table is
         # fitted on the sampled ones), as the evaluation does; the information gain stays on the sampled rows
-        greedy = make_datamodule("sv", replace(cfg, label_family="greedy"), dm.data_dir, folds=dm.folds, draw="greedy")
+        greedy = make_datamodule("sv", replace(cfg, label_family="greedy"), dm.data_dir, folds=dm.folds,
+                                 fold_within=dm.fold_within, draw="greedy")
         greedy.setup("validate")
         x_auc, raw_auc = greedy.tensors["val"][0], greedy.raw["val"]
         auc_labels = greedy.tensors["val"][1].numpy()
