@@ -63,8 +63,10 @@ def probs_and_entropy(logits: Tensor, temperature: float = 1.0, top_p: float = 1
     z = logits.float()
     if temperature > 0 and temperature != 1.0:
         z = z / temperature
-    terms = (z - z.amax(dim=-1, keepdim=True)).mul_(probs)  # [..., V] p (z - m), one temporary
-    return probs, -torch.log(probs.amax(dim=-1)) - terms.sum(dim=-1)
+    m, at = z.max(dim=-1, keepdim=True)
+    terms = (z - m).mul_(probs)  # [..., V] p (z - m), one temporary
+    # max p is p at the argmax of z (softmax is monotone; the same value as probs.amax, one pass over V fewer)
+    return probs, -torch.log(probs.gather(-1, at).squeeze(-1)) - terms.sum(dim=-1)
 
 
 def topk_values(x: Tensor, k: int, block: int = 128) -> Tensor:
@@ -127,14 +129,20 @@ def token_features(
         k]``,
         optionally ``draft_hidden [..., H]``, ``companion_*`` and ``p, accept_prob, target_argmax, greedy_match, tv``.
     """
+    want_entropy = columns is None or "draft_entropy" in columns
+    # the entropy without a nucleus cut is NaN for NaN, +inf or -inf logits (p (z - m) = 0 x -inf), so then it is the
+    # draft's check, with no pass of its own
+    checked_by_entropy = want_entropy and top_p >= 1.0
     for name, t in (("draft", draft_logits), ("target", target_logits), ("companion", companion_logits)):
         # a NaN or inf anywhere makes the sum non-finite: one reduction and one read instead of a [..., V] bool mask
         # (0.3 ms of a ~1 ms stop decision over 152k logits; finite logits of LM magnitudes cannot overflow an fp32 sum)
-        if t is not None and not math.isfinite(t.sum(dtype=torch.float32)):
+        if t is not None and not (name == "draft" and checked_by_entropy) and not math.isfinite(
+                t.sum(dtype=torch.float32)):
             raise FloatingPointError(f"{name} logits contain NaN or inf")
-    want_entropy = columns is None or "draft_entropy" in columns
     if want_entropy:
         q_all, q_entropy = probs_and_entropy(draft_logits, temperature, top_p)
+        if checked_by_entropy and not math.isfinite(q_entropy.sum()):
+            raise FloatingPointError("draft logits contain NaN or inf")
     else:
         q_all = probs_from_logits(draft_logits, temperature, top_p)
     tok = draft_tokens.long().unsqueeze(-1)

@@ -122,8 +122,10 @@ class DiscoNet(nn.Module):
             zd, zh = z[:, : -self.hidden_dim], z[:, -self.hidden_dim :]
             out = self.head(self.body(torch.cat([zd, self.proj(zh)], dim=1)))
             out = out + torch.nn.functional.pad(self.skip(zd), (0, out.shape[1] - 1))  # skip feeds the logit only
-        else:
+        elif self.training:
             out = self.head(self.body(z))  # [N, 1 or 2]
+        else:  # eval: the body without its dropout (a no-op then, but a module call and an op per decision)
+            out = self.head(self.body[1](self.body[0](z)))
         if self.prior_index >= 0:
             prior = self.prior(x)[:, None]
             out = out + (prior if out.shape[1] == 1 else torch.nn.functional.pad(prior, (0, out.shape[1] - 1)))

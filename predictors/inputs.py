@@ -207,8 +207,13 @@ def _get(columns: Mapping[str, object], spec: FeatureSpec, name: str) -> Tensor:
     return _to_tensor(name, columns[name])
 
 
+def _float(t: Tensor) -> Tensor:
+    """``t.float()`` without a dispatch when it is float32 already (per-token decisions count their ops)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def _vector(columns: Mapping[str, object], spec: FeatureSpec, name: str, width: int) -> Tensor:
-    t = _get(columns, spec, name).float()
+    t = _float(_get(columns, spec, name))
     if t.dim() == 1:  # a single token
         t = t.unsqueeze(0)
     if t.dim() != 2:
@@ -222,7 +227,8 @@ def _vector(columns: Mapping[str, object], spec: FeatureSpec, name: str, width: 
 
 
 def _scalar(columns: Mapping[str, object], spec: FeatureSpec, name: str, n: int) -> Tensor:
-    t = _get(columns, spec, name).float().reshape(-1)
+    t = _float(_get(columns, spec, name))
+    t = t if t.dim() == 1 else t.reshape(-1)
     if t.numel() == 1 and n != 1:
         t = t.expand(n)
     if t.numel() != n:
@@ -322,9 +328,10 @@ class LearnedPolicy(StopPolicy):
     @torch.no_grad()
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
         x = self.inputs(features)
-        out = self.net(x.to(self.device()))
+        dev = self.device()
+        out = self.net(x if x.device == dev else x.to(dev))
         out = torch.sigmoid(out) if self.output == "logit" else out
-        return out.to(x.device)
+        return out if out.device == x.device else out.to(x.device)
 
     def net_config(self) -> dict[str, Any]:
         """Constructor keyword arguments of the module (exported to rebuild it)."""

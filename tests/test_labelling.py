@@ -169,11 +169,28 @@ def test_entropy_from_logits_matches_float64():
         logits[:, 7] += peak
         probs, ent = probs_and_entropy(logits)
         assert torch.equal(probs, probs_from_logits(logits))
+        # max p read at the argmax of the logits is the max over p, bit for bit
+        assert torch.equal(probs.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1), probs.amax(-1))
         ref = torch.softmax(logits.double(), -1)
         torch.testing.assert_close(probs.double(), ref, rtol=1e-5, atol=1e-9)
         torch.testing.assert_close(ent.double(), torch.special.entr(ref).sum(-1), rtol=1e-5, atol=1e-6)
     p, h = probs_and_entropy(logits, top_p=0.5)  # nucleus: the renormalised cut's entropy
     assert (p > 0).sum(-1).max() < 5000 and torch.all(h >= 0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("columns", [None, ("draft_max_prob", "draft_topk")])
+def test_token_features_refuse_non_finite_draft_logits_with_or_without_the_entropy(bad, columns):
+    """The draft's finiteness check rides on the entropy when it is computed (NaN for NaN, +inf and -inf logits) and
+    has its own reduction when it is not: either way a NaN or inf logit raises."""
+    from data_gen.features import token_features
+
+    logits = torch.randn(2, 3000)
+    logits[1, 17] = bad
+    with pytest.raises(FloatingPointError, match="draft logits contain NaN or inf"):
+        token_features(logits, torch.tensor([3, 4]), columns=columns)
+    feats = token_features(logits[:1], torch.tensor([3]), columns=columns)  # the finite row alone passes
+    assert torch.isfinite(feats["q"]).all()
 
 
 @pytest.mark.parametrize("shape", [(1, 151936), (3, 5000), (2, 6161), (2, 3, 4096)])
