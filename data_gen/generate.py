@@ -234,6 +234,18 @@ def _batches(items: list, size: int):
         yield items[i : i + size]
 
 
+def _batches_from_longest(items: list, size: int):
+    """Batches of at most ``size`` of ``items`` (sorted by length, ascending) cut from the longest down, so that the
+    one short batch holds the shortest: a decoding batch runs as many steps as its longest member, and this makes
+    ceil(n / size) batches with the fewest steps (20 target continuations of 25-96 tokens: 229 -> 198 steps)."""
+    if not items:
+        return
+    first = len(items) % size or size
+    yield items[:first]
+    for i in range(first, len(items), size):
+        yield items[i : i + size]
+
+
 def label_batches(seqs: list[SequenceSpec], budget_tokens: int) -> list[list[SequenceSpec]]:
     """Pack sequences into labelling passes within a token budget.
 
@@ -324,7 +336,7 @@ def produce_chunk(
     # rollout is fed to the same cache below, so these sequences never go through the target twice.
     target_runs: list[tuple[CachedPass, list[Planned]]] = []
     todo = sorted((p for p in plans if p.origin in on_target), key=lambda p: p.m)
-    for group in _batches(todo, cfg.gen_batch_size):
+    for group in _batches_from_longest(todo, cfg.gen_batch_size):
         run = CachedPass(models.target, [rendered[p.prompt_index] for p in group], pad_token_id=pad)
         conts = run.decode([p.m for p in group], eos_token_id=eos, temperature=cfg.temperature, top_p=cfg.top_p)
         for p, c in zip(group, conts):

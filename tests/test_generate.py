@@ -273,3 +273,13 @@ def test_loaded_models_keep_row_invariant_attention_and_only_labelling_turns_it_
     assert all(m.config._attn_implementation == cp.ROW_INVARIANT_ATTENTION for m in loaded)
     attention_for_labelling(models)
     assert all(m.config._attn_implementation == "sdpa" for m in loaded)
+
+
+def test_continuation_batches_are_cut_from_the_longest_so_the_short_batch_holds_the_shortest():
+    from data_gen.generate import _batches_from_longest
+
+    m = [25, 31, 31, 32, 34, 36, 44, 48, 52, 53, 53, 70, 72, 75, 76, 85, 90, 92, 94, 96]
+    batches = list(_batches_from_longest(m, 8))
+    assert [len(b) for b in batches] == [4, 8, 8] and sum(batches, []) == m
+    assert sum(max(b) for b in batches) == 198  # 229 when cut from the shortest
+    assert list(_batches_from_longest([], 8)) == [] and list(_batches_from_longest([1, 2], 8)) == [[1, 2]]
