@@ -133,11 +133,11 @@ def token_features(
     # the entropy without a nucleus cut is NaN for NaN, +inf or -inf logits (p (z - m) = 0 x -inf), so then it is the
     # draft's check, with no pass of its own
     checked_by_entropy = want_entropy and top_p >= 1.0
-    for name, t in (("draft", draft_logits), ("target", target_logits), ("companion", companion_logits)):
+    summed = (("target", target_logits), ("companion", companion_logits))
+    for name, t in summed if checked_by_entropy else (("draft", draft_logits), *summed):
         # a NaN or inf anywhere makes the sum non-finite: one reduction and one read instead of a [..., V] bool mask
         # (0.3 ms of a ~1 ms stop decision over 152k logits; finite logits of LM magnitudes cannot overflow an fp32 sum)
-        if t is not None and not (name == "draft" and checked_by_entropy) and not math.isfinite(
-                t.sum(dtype=torch.float32)):
+        if t is not None and not math.isfinite(t.sum(dtype=torch.float32)):
             raise FloatingPointError(f"{name} logits contain NaN or inf")
     if want_entropy:
         q_all, q_entropy = probs_and_entropy(draft_logits, temperature, top_p)

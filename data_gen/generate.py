@@ -238,12 +238,10 @@ def _batches_from_longest(items: list, size: int):
     """Batches of at most ``size`` of ``items`` (sorted by length, ascending) cut from the longest down, so that the
     one short batch holds the shortest: a decoding batch runs as many steps as its longest member, and this makes
     ceil(n / size) batches with the fewest steps (20 target continuations of 25-96 tokens: 229 -> 198 steps)."""
-    if not items:
-        return
-    first = len(items) % size or size
-    yield items[:first]
-    for i in range(first, len(items), size):
-        yield items[i : i + size]
+    if items:
+        first = len(items) % size or size
+        yield items[:first]
+        yield from _batches(items[first:], size)
 
 
 def label_batches(seqs: list[SequenceSpec], budget_tokens: int) -> list[list[SequenceSpec]]:

@@ -120,17 +120,23 @@ class DiscoNet(nn.Module):
         z = self.norm(x)
         if self.hidden_dim:
             zd, zh = z[:, : -self.hidden_dim], z[:, -self.hidden_dim :]
-            out = self.head(self.body(torch.cat([zd, self.proj(zh)], dim=1)))
+            out = self.head(self._body(torch.cat([zd, self.proj(zh)], dim=1)))
             out = out + torch.nn.functional.pad(self.skip(zd), (0, out.shape[1] - 1))  # skip feeds the logit only
-        elif self.training:
-            out = self.head(self.body(z))  # [N, 1 or 2]
-        else:  # eval: the body without its dropout (a no-op then, but a module call and an op per decision)
-            out = self.head(self.body[1](self.body[0](z)))
+        else:
+            out = self.head(self._body(z))  # [N, 1 or 2]
         if self.prior_index >= 0:
             prior = self.prior(x)[:, None]
             out = out + (prior if out.shape[1] == 1 else torch.nn.functional.pad(prior, (0, out.shape[1] - 1)))
         tv = torch.sigmoid(out[:, 1]) if self.tv_head else None
         return out[:, 0], tv
+
+    def _body(self, h: Tensor) -> Tensor:
+        """The body's layers, its dropout only in training (at eval a no-op that still costs a module call and an op
+        in every stop decision)."""
+        for layer in self.body:
+            if self.training or not isinstance(layer, nn.Dropout):
+                h = layer(h)
+        return h
 
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_all(x)[0]
