@@ -13,6 +13,8 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
+from data_gen.draft_stats import draft_stats
+
 __all__ = ["probs_from_logits", "probs_and_entropy", "entropy", "topk_values", "token_features", "FEATURE_COLUMNS",
            "TARGET_COLUMNS", "COMPANION_COLUMNS"]
 
@@ -130,32 +132,24 @@ def token_features(
         optionally ``draft_hidden [..., H]``, ``companion_*`` and ``p, accept_prob, target_argmax, greedy_match, tv``.
     """
     want_entropy = columns is None or "draft_entropy" in columns
-    # the entropy without a nucleus cut is NaN for NaN, +inf or -inf logits (p (z - m) = 0 x -inf), so then it is the
-    # draft's check, with no pass of its own
-    checked_by_entropy = want_entropy and top_p >= 1.0
-    summed = (("target", target_logits), ("companion", companion_logits))
-    for name, t in summed if checked_by_entropy else (("draft", draft_logits), *summed):
+    want_topk = columns is None or "draft_max_prob" in columns or "draft_topk" in columns
+    need_probs = target_logits is not None or companion_logits is not None  # TV and the companion's overlap
+    for name, t in (("target", target_logits), ("companion", companion_logits)):
         # a NaN or inf anywhere makes the sum non-finite: one reduction and one read instead of a [..., V] bool mask
         # (0.3 ms of a ~1 ms stop decision over 152k logits; finite logits of LM magnitudes cannot overflow an fp32 sum)
         if t is not None and not math.isfinite(t.sum(dtype=torch.float32)):
             raise FloatingPointError(f"{name} logits contain NaN or inf")
-    if want_entropy:
-        q_all, q_entropy = probs_and_entropy(draft_logits, temperature, top_p)
-        if checked_by_entropy and not math.isfinite(q_entropy.sum()):
-            raise FloatingPointError("draft logits contain NaN or inf")
-    else:
-        q_all = probs_from_logits(draft_logits, temperature, top_p)
-    tok = draft_tokens.long().unsqueeze(-1)
-    q = q_all.gather(-1, tok).squeeze(-1)
+    q, q_entropy, topk, q_all = _draft_columns(draft_logits, draft_tokens, max(1, top_k), temperature, top_p,
+                                               want_entropy, want_topk, need_probs)
     out: dict[str, Tensor] = {"draft_token": draft_tokens.long(), "q": q}
     if want_entropy:
         out["draft_entropy"] = q_entropy
-    if columns is None or "draft_max_prob" in columns or "draft_topk" in columns:
-        topk = topk_values(q_all, max(1, top_k))  # sorted: [..., 0] is the max
-        out["draft_max_prob"] = topk[..., 0]
+    if want_topk:
+        out["draft_max_prob"] = topk[..., 0]  # sorted: [..., 0] is the max
         out["draft_topk"] = topk[..., :top_k]
     if draft_hidden is not None:
         out["draft_hidden"] = draft_hidden.to(torch.float16)
+    tok = draft_tokens.long().unsqueeze(-1)
     if companion_logits is not None:
         c_all, c_entropy = probs_and_entropy(companion_logits, temperature, top_p)
         c = c_all.gather(-1, tok).squeeze(-1)
@@ -174,3 +168,34 @@ def token_features(
         out["greedy_match"] = target_argmax == draft_tokens.long()
         out["tv"] = 0.5 * (p_all - q_all).abs().sum(-1)
     return out
+
+
+def _draft_columns(
+    logits: Tensor, tokens: Tensor, k: int, temperature: float, top_p: float, want_entropy: bool, want_topk: bool,
+    need_probs: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """(q(token), entropy, top-k probabilities, all probabilities) of the draft; the last three None when not asked.
+
+    Without a nucleus cut on a CPU they come from one native call (``data_gen.draft_stats``: two passes over the
+    vocabulary, no [..., V] temporaries, the sums in double across blocks); otherwise, or when the native code is not
+    built, from torch ops over the probabilities. Both raise FloatingPointError for NaN or inf logits.
+    """
+    stats = draft_stats(logits, tokens, k, temperature) if top_p >= 1.0 else None
+    if stats is not None:
+        if not math.isfinite(stats[..., 0].sum()):  # the native call puts NaN in rows with NaN or inf logits
+            raise FloatingPointError("draft logits contain NaN or inf")
+        q_all = probs_from_logits(logits, temperature, top_p) if need_probs else None
+        topk = stats[..., 2: 2 + min(k, logits.shape[-1])] if want_topk else None
+        return stats[..., 1], stats[..., 0] if want_entropy else None, topk, q_all
+    if want_entropy:
+        q_all, entropy_ = probs_and_entropy(logits, temperature, top_p)
+        # without a nucleus cut the entropy is NaN for NaN, +inf or -inf logits (p (z - m) = 0 x -inf): the check
+        if not math.isfinite(entropy_.sum() if top_p >= 1.0 else logits.sum(dtype=torch.float32)):
+            raise FloatingPointError("draft logits contain NaN or inf")
+    else:
+        if not math.isfinite(logits.sum(dtype=torch.float32)):
+            raise FloatingPointError("draft logits contain NaN or inf")
+        q_all, entropy_ = probs_from_logits(logits, temperature, top_p), None
+    q = q_all.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    topk = topk_values(q_all, k) if want_topk else None
+    return q, entropy_, topk, q_all

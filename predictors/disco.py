@@ -64,8 +64,7 @@ class PriorLogit(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """[N, D] raw (unstandardised) inputs -> [N] logits."""
-        p = x[:, self.index].clamp(1e-6, 1 - 1e-6)
-        return self.scale * torch.logit(p) + self.bias
+        return torch.addcmul(self.bias, self.scale, torch.logit(x[:, self.index], eps=1e-6))  # logit clamps to eps
 
 
 class DiscoNet(nn.Module):

@@ -25,6 +25,7 @@ module and turns the output into a continue score.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -254,7 +255,7 @@ def _part(spec: FeatureSpec, part: str, columns: Mapping[str, object]) -> Tensor
             v = _scalar(columns, spec, extra_column(e), n)
             scalars.append(torch.log(v.clamp_min(1e-9)) if e.startswith(LOG_PREFIX) else v)
         ent = topk_entropy(topk)
-        return torch.cat([topk, torch.stack([ent, *(t.to(topk.device) for t in scalars)], dim=1)], dim=1)
+        return torch.cat([topk, torch.stack([ent, *scalars], dim=1)], dim=1)  # one device: stack says if not
     if part == "hidden":
         return _vector(columns, spec, "draft_hidden", spec.hidden_size)
     s = _get(columns, spec, "companion_sim").float().reshape(-1)
@@ -280,7 +281,7 @@ def build_features(spec: FeatureSpec, columns: Mapping[str, object]) -> Tensor:
         raise ValueError(
             f"feature width mismatch: built {x.shape[1]} {spec.kind} features, the predictor expects {spec.width}"
         )
-    if not torch.isfinite(x).all():
+    if not math.isfinite(x.sum(dtype=torch.float64)):  # one reduction; the mask only to name the bad columns
         bad = (~torch.isfinite(x)).any(0).nonzero().flatten().tolist()
         names = [spec.names[i] if i < len(spec.names) else str(i) for i in bad[:10]]
         n_rows = int((~torch.isfinite(x)).any(1).sum())

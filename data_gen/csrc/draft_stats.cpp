@@ -1,0 +1,157 @@
+// One pass-pair over a draft's logits for the stop decision: entropy, q(token) and the top-k probabilities of
+// softmax(z / T), per row, without materialising the probabilities. Built on first use by data_gen/draft_stats.py
+// (torch.utils.cpp_extension.load); the Python fallback computes the same quantities with torch ops.
+//
+// Per row: pass 1 takes the maxima of 128-element blocks (and a finiteness probe); the k largest values lie in the k
+// blocks with the largest maxima, so a partial sort of those gives the top-k logits. Pass 2 sums e = exp(z - m) and
+// e * (z - m) per block in float (SIMD lanes) and across blocks in double. Then with S = sum e and T = sum e (z - m):
+// entropy = log S - T / S (both terms >= 0, no cancellation), p_i = exp(z_i - m) / S, max p = 1 / S.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 128;
+
+// exp(x) for x <= 0 (Cephes expf: Cody-Waite range reduction, degree-5 polynomial; ~1 ulp), written branch-free so
+// that the compiler vectorises the loops calling it (rounding by the 1.5 * 2^23 trick, the power of two from its bits).
+// exp(0) is exactly 1; below -87 it returns 0; NaN stays NaN.
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
+  const float xc = x < -87.0f ? -87.0f : x;
+  const float zr = xc * 1.44269504088896341f + 12582912.0f;  // round(x / ln 2) in the low mantissa bits
+  const float n = zr - 12582912.0f;
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = (__builtin_bit_cast(int32_t, zr) - 0x4B400000 + 127) << 23;
+  const float v = e * __builtin_bit_cast(float, bits);
+  return x < -87.0f ? 0.0f : v;
+}
+
+// One binary for AVX2-only and AVX-512 hosts: the dynamic loader picks the clone this CPU runs.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SPECSTOP_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SPECSTOP_CLONES
+#endif
+
+// z / T, the scaling a separate instantiation so that no loop branches on it.
+template <bool kScale>
+inline float load(const float* x, int64_t i, float temp) {
+  if constexpr (kScale) {
+    return x[i] / temp;
+  } else {
+    return x[i];
+  }
+}
+
+template <bool kScale>
+__attribute__((always_inline)) inline void row_stats(const float* x, int64_t V, float temp, int64_t tok, int64_t k, float* out,
+               std::vector<float>& bmax, std::vector<int64_t>& order, std::vector<float>& cand) {
+  const int64_t nb = (V + kBlock - 1) / kBlock;
+  float probe = 0.0f;  // NaN when any logit is NaN or +-inf (x * 0)
+  for (int64_t j = 0; j < nb; ++j) {
+    const int64_t lo = j * kBlock, hi = std::min(V, lo + kBlock);
+    float mx = -std::numeric_limits<float>::infinity();
+    float pr = 0.0f;
+#pragma omp simd reduction(max : mx) reduction(+ : pr)
+    for (int64_t i = lo; i < hi; ++i) {
+      const float z = load<kScale>(x, i, temp);
+      mx = z > mx ? z : mx;  // (std::max does not vectorise here; NaN is the probe's)
+      pr += z * 0.0f;
+    }
+    bmax[j] = mx;
+    probe += pr;
+  }
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  if (!std::isfinite(probe)) {
+    for (int64_t j = 0; j < 2 + k; ++j) out[j] = nan;
+    return;
+  }
+  const int64_t kb = std::min(k, nb);
+  order.resize(nb);
+  for (int64_t j = 0; j < nb; ++j) order[j] = j;
+  std::partial_sort(order.begin(), order.begin() + kb, order.end(),
+                    [&](int64_t a, int64_t b) { return bmax[a] > bmax[b] || (bmax[a] == bmax[b] && a < b); });
+  cand.clear();
+  for (int64_t j = 0; j < kb; ++j) {
+    const int64_t lo = order[j] * kBlock, hi = std::min(V, lo + kBlock);
+    for (int64_t i = lo; i < hi; ++i) cand.push_back(load<kScale>(x, i, temp));
+  }
+  const int64_t kk = std::min<int64_t>(k, static_cast<int64_t>(cand.size()));
+  std::partial_sort(cand.begin(), cand.begin() + kk, cand.end(), std::greater<float>());
+  const float m = cand[0];
+  double S = 0.0, T = 0.0;
+  for (int64_t j = 0; j < nb; ++j) {
+    const int64_t lo = j * kBlock, hi = std::min(V, lo + kBlock);
+    float s = 0.0f, t = 0.0f;
+#pragma omp simd reduction(+ : s, t)
+    for (int64_t i = lo; i < hi; ++i) {
+      const float d = (load<kScale>(x, i, temp)) - m;
+      const float e = exp_nonpositive(d);
+      s += e;
+      t += e * d;
+    }
+    S += s;
+    T += t;
+  }
+  const float sf = static_cast<float>(S);
+  out[0] = static_cast<float>(std::log(S) - T / S);
+  const float zt = load<kScale>(x, tok, temp);
+  out[1] = exp_nonpositive(zt - m) / sf;
+  for (int64_t j = 0; j < k; ++j) out[2 + j] = j < kk ? exp_nonpositive(cand[j] - m) / sf : 0.0f;
+}
+
+SPECSTOP_CLONES
+void row_stats_any(const float* x, int64_t V, float temp, bool scale, int64_t tok, int64_t k, float* out,
+                   std::vector<float>& bmax, std::vector<int64_t>& order, std::vector<float>& cand) {
+  if (scale) {
+    row_stats<true>(x, V, temp, tok, k, out, bmax, order, cand);
+  } else {
+    row_stats<false>(x, V, temp, tok, k, out, bmax, order, cand);
+  }
+}
+
+}  // namespace
+
+// logits [N, V] float32 contiguous, tokens [N] int64, k >= 1, temperature (0 or 1: none) -> [N, 2 + k] float32:
+// entropy, q(token), top-k probabilities (descending; zeros past V).
+torch::Tensor draft_stats(torch::Tensor logits, torch::Tensor tokens, int64_t k, double temperature) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous() &&
+                  logits.device().is_cpu(),
+              "draft_stats: logits must be a contiguous float32 CPU tensor [N, V]");
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == logits.size(0) && tokens.scalar_type() == torch::kLong,
+              "draft_stats: tokens must be int64 [N]");
+  TORCH_CHECK(k >= 1, "draft_stats: k must be >= 1");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  auto out = torch::empty({N, 2 + k}, logits.options());
+  auto tok = tokens.contiguous();
+  const float* xp = logits.data_ptr<float>();
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const bool scale = temperature > 0.0 && temperature != 1.0;
+  const float temp = scale ? static_cast<float>(temperature) : 1.0f;
+  for (int64_t r = 0; r < N; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "draft_stats: token id out of range");
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> bmax((V + kBlock - 1) / kBlock), cand;
+    std::vector<int64_t> order;
+    for (int64_t r = begin; r < end; ++r)
+      row_stats_any(xp + r * V, V, temp, scale, tp[r], k, op + r * (2 + k), bmax, order, cand);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("draft_stats", &draft_stats, "draft stop-decision statistics"); }

@@ -1,0 +1,75 @@
+"""The draft statistics of a stop decision in one native call: entropy, q(token) and the top-k probabilities of
+softmax(z / T) for each row of logits, without materialising the probabilities (``csrc/draft_stats.cpp``).
+
+After a draft forward that streamed its weights through the caches, every small torch op of the stop decision costs
+several times its warm cost (code and dispatcher state come back from memory); the torch version of these statistics
+is about a dozen kernels and passes over the vocabulary, the native one is one call with two passes. It is built on
+first use with ``torch.utils.cpp_extension.load`` (g++ and ninja; a few seconds, cached under
+``~/.cache/torch_extensions``) as one binary with AVX-512, AVX2 and baseline clones picked at load time.
+:func:`draft_stats` returns None where it does not apply (not a CPU tensor, no compiler, ``SPECSTOP_NATIVE=0``) and
+callers compute the same quantities with torch ops (``data_gen.features``).
+
+Usage::
+
+    stats = draft_stats(logits, tokens, k=10, temperature=0.0)   # [N, 2 + k] or None
+    entropy, q, topk = stats[:, 0], stats[:, 1], stats[:, 2:]
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["draft_stats", "native_available"]
+
+_SOURCE = Path(__file__).with_name("csrc") / "draft_stats.cpp"
+_CFLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-std=c++17"]
+_module: Any = None
+_failed: str | None = None
+
+
+def _load() -> Any:
+    """The built extension, or None (the reason is logged once)."""
+    global _module, _failed
+    if _module is not None or _failed is not None:
+        return _module
+    if os.environ.get("SPECSTOP_NATIVE", "1") == "0":
+        _failed = "SPECSTOP_NATIVE=0"
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        _module = load(name="specstop_draft_stats", sources=[str(_SOURCE)], extra_cflags=_CFLAGS, verbose=False)
+    except Exception as e:  # no compiler, no ninja, no headers: the torch ops give the same statistics
+        _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        log.warning("native draft statistics unavailable (%s); the stop decision uses torch ops (slower per token)",
+                    _failed)
+    return _module
+
+
+def native_available() -> bool:
+    """The native statistics are built and loaded (builds them on the first call)."""
+    return _load() is not None
+
+
+def draft_stats(logits: Tensor, tokens: Tensor, k: int, temperature: float = 0.0) -> Tensor | None:
+    """[..., V] logits, [...] tokens -> [..., 2 + k] float32 (entropy, q(token), top-k probabilities descending, zeros
+    past V) of softmax(logits / temperature) (temperature 0 or 1: softmax(logits)); NaN in a row whose logits hold NaN
+    or inf. None when the native path does not apply (then use torch ops)."""
+    if logits.device.type != "cpu" or k < 1:
+        return None
+    mod = _load()
+    if mod is None:
+        return None
+    lead = logits.shape[:-1]
+    z = logits.reshape(-1, logits.shape[-1])
+    z = z if z.dtype == torch.float32 else z.float()
+    out = mod.draft_stats(z if z.is_contiguous() else z.contiguous(), tokens.reshape(-1).long(), int(k),
+                          float(temperature))
+    return out.reshape(*lead, 2 + k)
