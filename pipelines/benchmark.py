@@ -588,7 +588,8 @@ def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[An
     draws; sampling: sampled draws)."""
     from decoding.policies import build_policy
     from evaluation.replay import ReplayConfig, prepare_replay_data, replay_policy, tune_threshold, with_threshold
-    from pipelines.evaluate import load_columns
+    from pipelines.evaluate import load_columns, subset
+    from predictors.labels import draw_mask
 
     wanted = [s for s in specs if _needs_tuning(s)]
     if not wanted:
@@ -601,6 +602,9 @@ def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[An
                          f"folder written by pipelines.generate")
     mode = "sampling" if cfg.temperature > 0 else "greedy"
     cols = load_columns(cfg.tune_data_dir, splits=["val"])
+    mask = draw_mask(cols, "greedy" if mode == "greedy" else "sample")  # one draw per position, as the replay reads
+    if mask is not None:
+        cols = subset(cols, mask)
     out: dict[str, tuple[Any, str, dict[str, Any]]] = {}
     for spec in wanted:
         if spec == "static:best":

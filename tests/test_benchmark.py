@@ -43,6 +43,27 @@ def test_a_missing_tuning_folder_is_named_when_the_run_needs_it(tmp_path):
         tune_on_validation(cfg.policies, bench)
 
 
+@pytest.mark.parametrize("temperature, draw", [(0.0, "greedy"), (0.8, "sample")])
+def test_thresholds_are_tuned_on_one_draw_per_position(tmp_path, monkeypatch, temperature, draw):
+    """Validation data holding a greedy and a sampled record per position: the benchmark tunes on the draw its
+    decoding mode makes (both draws replayed as one sequence would read two tokens per position)."""
+    import numpy as np
+
+    import evaluation.replay as replay
+    import pipelines.evaluate as evaluate
+    from pipelines.benchmark import Bench, tune_on_validation
+
+    (tmp_path / "data").mkdir()
+    cols = {"draw": np.array(["greedy", "sample"] * 3), "seq_id": np.zeros(6, dtype=np.int64)}
+    seen = []
+    monkeypatch.setattr(evaluate, "load_columns", lambda *a, **k: cols)
+    monkeypatch.setattr(replay, "tune_threshold", lambda pol, c, *a, **k: (seen.append(c) or (0.5, 1.0)))
+    cfg = BenchmarkConfig(policies=["svip:tuned"], tune_data_dir=str(tmp_path / "data"), temperature=temperature)
+    bench = Bench(cfg, None, None, None, None, [], [], cost_model=object())  # type: ignore[arg-type]
+    tune_on_validation(cfg.policies, bench)
+    assert len(seen) == 1 and list(seen[0]["draw"]) == [draw] * 3
+
+
 def test_bad_options_through_the_command_line(capsys, tmp_path):
     """What a user types: one line naming the option and the fix, exit code 2, no traceback."""
     for argv, words in (

@@ -1,0 +1,86 @@
+"""The native draft statistics (``data_gen.draft_stats``): entropy, q(token) and top-k probabilities against a float64
+reference, rows with NaN or inf, and token_features with and without the native call."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import data_gen.draft_stats as ds
+from data_gen.features import token_features
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler: the torch fallback is what runs (tested elsewhere)")
+
+
+def _reference(logits: torch.Tensor, tokens: torch.Tensor, k: int, temperature: float):
+    z = logits.double() / (temperature if temperature > 0 else 1.0)
+    p = torch.softmax(z, -1)
+    k = min(k, logits.shape[-1])
+    return torch.special.entr(p).sum(-1), p.gather(-1, tokens[..., None])[..., 0], p.topk(k, -1).values
+
+
+def test_native_statistics_are_built():
+    assert ds.native_available(), ds._failed
+
+
+@pytest.mark.parametrize("shape", [(1, 151936), (3, 5000), (2, 37), (2, 3, 4096)])
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
+def test_native_statistics_equal_a_float64_reference(shape, temperature):
+    """Peaked and flat rows, a vocabulary smaller than k (zeros past V), leading batch dimensions."""
+    torch.manual_seed(0)
+    logits = torch.randn(*shape) * 3
+    logits[..., 7] += 25.0 * (torch.arange(shape[-2]) % 2).view(*([1] * (len(shape) - 2)), -1)  # every other row
+    tokens = torch.randint(0, shape[-1], shape[:-1])
+    k = 10
+    out = ds.draft_stats(logits, tokens, k, temperature)
+    ent, q, topk = _reference(logits, tokens, k, temperature)
+    assert out.shape == (*shape[:-1], 2 + k)
+    torch.testing.assert_close(out[..., 0].double(), ent, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[..., 1].double(), q, rtol=1e-5, atol=1e-12)
+    kk = topk.shape[-1]
+    torch.testing.assert_close(out[..., 2: 2 + kk].double(), topk, rtol=1e-5, atol=1e-12)
+    assert torch.all(out[..., 2 + kk:] == 0)
+
+
+def test_native_statistics_take_bf16_and_strided_logits():
+    torch.manual_seed(1)
+    base = torch.randn(4, 3000) * 2
+    strided = base[:, ::2]  # non-contiguous
+    tokens = torch.tensor([0, 5, 9, 11])
+    torch.testing.assert_close(ds.draft_stats(strided, tokens, 5), ds.draft_stats(strided.contiguous(), tokens, 5))
+    bf = base.bfloat16()
+    torch.testing.assert_close(ds.draft_stats(bf, tokens, 5), ds.draft_stats(bf.float(), tokens, 5))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_native_statistics_mark_rows_with_non_finite_logits(bad):
+    logits = torch.randn(3, 2000)
+    logits[1, 17] = bad
+    out = ds.draft_stats(logits, torch.tensor([0, 1, 2]), 4)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+
+
+def test_token_features_native_and_torch_paths_agree(monkeypatch):
+    """The native statistics and the torch ops give the same features (to float32 rounding of the torch softmax's
+    sum); the nucleus path always takes the torch ops."""
+    torch.manual_seed(2)
+    logits = torch.randn(4, 6000) * 3
+    logits[0, 5] += 20
+    target, companion = torch.randn(4, 6000) * 3, torch.randn(4, 6000)
+    tokens = torch.tensor([5, 1, 2, 3])
+    for temperature in (0.0, 0.8):
+        native = token_features(logits, tokens, target_logits=target, companion_logits=companion,
+                                temperature=temperature)
+        with monkeypatch.context() as m:
+            m.setattr(ds, "draft_stats", lambda *a, **k: None)
+            m.setattr("data_gen.features.draft_stats", lambda *a, **k: None)
+            torch_ops = token_features(logits, tokens, target_logits=target, companion_logits=companion,
+                                       temperature=temperature)
+        assert native.keys() == torch_ops.keys()
+        for name, v in native.items():
+            if v.is_floating_point():
+                torch.testing.assert_close(v, torch_ops[name], rtol=2e-5, atol=2e-6, msg=name)
+            else:
+                assert torch.equal(v, torch_ops[name]), name
