@@ -81,9 +81,9 @@ class Calibrator:
         return np.clip(np.interp(s, self._x, self._y), 0.0, 1.0)
 
     def __call__(self, scores: Tensor | np.ndarray) -> Tensor | np.ndarray:
-        if isinstance(scores, Tensor):
-            out = self.apply(scores.detach().double().cpu().numpy())
-            return torch.from_numpy(out).to(device=scores.device, dtype=torch.float32)
+        if isinstance(scores, Tensor):  # numpy does the conversions: no torch op per stop decision on the CPU
+            out = torch.from_numpy(self.apply(scores.detach().cpu().numpy()).astype(np.float32))
+            return out if scores.device.type == "cpu" else out.to(scores.device)
         return self.apply(scores)
 
     def to_dict(self) -> dict[str, Any]:

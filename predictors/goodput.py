@@ -71,9 +71,13 @@ class RoundCost:
 
     def verify_times(self, cap: int) -> np.ndarray:
         """[cap + 1] t(n + 1) for n = 0..cap verified drafts."""
+        return np.asarray(self._verify_list(cap)[: cap + 1])
+
+    def _verify_list(self, cap: int) -> list[float]:
+        """The cached t(n + 1) list, at least cap + 1 long (the rule's loops read it without an array)."""
         while len(self._verify) <= cap:
             self._verify.append(float(self.target_time(len(self._verify) + 1)))
-        return np.asarray(self._verify[: cap + 1])
+        return self._verify
 
 
 def check_cost_model(cm: Any, draft_name: str = "", target_name: str = "", compute_path: str | None = None,
@@ -97,18 +101,31 @@ def expected_tokens(acc: Sequence[float]) -> np.ndarray:
 
 
 def best_prefix(acc: Sequence[float], cost: RoundCost, drafted: int | None = None) -> tuple[int, float]:
-    """(n*, its expected tokens/s): the verification length n <= k maximising E_n / (drafted * d + t(n + 1)).
+    """(n*, its expected tokens/s): the verification length n <= k maximising E_n / (drafted * d + t(n + 1)) (the
+    first of equal rates).
 
     Args:
         acc: calibrated acceptance of each drafted token, in draft order (k = len(acc)).
         cost: the round's cost.
         drafted: drafting steps paid this round (default k).
+
+    A loop over Python floats, not arrays: the engine calls the rule once per drafted token right after a draft
+    forward, where each numpy call costs tens of microseconds; the values are those of :func:`expected_tokens`
+    (the same sequential products and sums).
     """
     k = len(acc)
     drafted = k if drafted is None else drafted
-    rate = expected_tokens(acc) / (drafted * cost.per_draft + cost.verify_times(k))
-    n = int(np.argmax(rate))
-    return n, float(rate[n])
+    verify, paid = cost._verify_list(k), drafted * cost.per_draft
+    surv = cum = 0.0
+    best_n, best = 0, 1.0 / (paid + verify[0])
+    for n in range(1, k + 1):
+        a = min(max(float(acc[n - 1]), 0.0), 1.0)
+        surv = a if n == 1 else surv * a
+        cum += surv
+        rate = (1.0 + cum) / (paid + verify[n])
+        if rate > best:
+            best_n, best = n, rate
+    return best_n, best
 
 
 def keep_drafting(acc: Sequence[float], cost: RoundCost, cap: int) -> bool:
@@ -120,12 +137,19 @@ def keep_drafting(acc: Sequence[float], cost: RoundCost, cap: int) -> bool:
     if k == 0:
         return True
     _, now = best_prefix(acc, cost)
-    a = np.clip(np.asarray(acc, dtype=np.float64), 0.0, 1.0)
-    p_k, r = float(np.prod(a)), float(a[-1])
-    ns = np.arange(k + 1, cap + 1)
-    tokens = expected_tokens(acc)[-1] + p_k * np.cumsum(r ** (ns - k))
-    rate = tokens / (ns * cost.per_draft + cost.verify_times(cap)[k + 1:])
-    return bool(rate.max() > now)
+    surv = cum = 0.0
+    for i, x in enumerate(acc):  # E_k and P_k = a_1 ... a_k, as expected_tokens forms them
+        a = min(max(float(x), 0.0), 1.0)
+        surv = a if i == 0 else surv * a
+        cum += surv
+    tokens_k, p_k, r = 1.0 + cum, surv, a
+    verify, d = cost._verify_list(cap), cost.per_draft
+    ahead = 0.0
+    for n in range(k + 1, cap + 1):
+        ahead += r ** (n - k)
+        if (tokens_k + p_k * ahead) / (n * d + verify[n]) > now:
+            return True
+    return False
 
 
 def draft_round(acc: Sequence[float], cost: RoundCost, cap: int) -> tuple[int, int]:

@@ -93,6 +93,28 @@ def test_standardise_buffers(rec):
     assert set(net.state_dict()) >= {"norm.mean", "norm.std"}
 
 
+@pytest.mark.parametrize("prior_index", [-1, 3])
+def test_disco_eval_forward_folds_the_standardisation_and_follows_updates(prior_index):
+    """At eval the plain DISCO head folds its standardisation into the first layer: the same logits as forward_all
+    (float32 rounding), and the fold follows fitted, reloaded and trained weights."""
+    torch.manual_seed(0)
+    net = DiscoNet(15, 16, prior_index=prior_index)
+    net.norm.fit(torch.randn(200, 15) * 3 + 1)
+    x = torch.rand(40, 15)
+    net.eval()
+    torch.testing.assert_close(net(x), net.forward_all(x)[0])
+    with torch.no_grad():
+        net.norm.mean.add_(0.5)
+        net.body[0].weight.mul_(1.5)
+    torch.testing.assert_close(net(x), net.forward_all(x)[0])
+    other = DiscoNet(15, 16, prior_index=prior_index)
+    other.norm.fit(torch.randn(200, 15))
+    net.load_state_dict(other.state_dict())
+    torch.testing.assert_close(net(x), other.eval().forward_all(x)[0])
+    net.train()
+    torch.testing.assert_close(net(x), net.forward_all(x)[0])  # training: no fold
+
+
 def _planted_sv(n: int = 32_000, seed: int = 0):
     """S, A_c on a 4 x 4 grid of equally filled cells (values kept 10% away from the cell borders, so equal-count edges
     fall between cells); acceptance constant per cell, at the centres of 16 equal-width levels."""
