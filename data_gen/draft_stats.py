@@ -26,7 +26,7 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-__all__ = ["draft_stats", "native_available"]
+__all__ = ["draft_stats", "pair_stats", "native_available"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "draft_stats.cpp"
 _CFLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-std=c++17"]
@@ -68,8 +68,29 @@ def draft_stats(logits: Tensor, tokens: Tensor, k: int, temperature: float = 0.0
     if mod is None:
         return None
     lead = logits.shape[:-1]
-    z = logits.reshape(-1, logits.shape[-1])
-    z = z if z.dtype == torch.float32 else z.float()
-    out = mod.draft_stats(z if z.is_contiguous() else z.contiguous(), tokens.reshape(-1).long(), int(k),
-                          float(temperature))
+    out = mod.draft_stats(_rows(logits, logits.shape[-1]), tokens.reshape(-1).long(), int(k), float(temperature))
     return out.reshape(*lead, 2 + k)
+
+
+def pair_stats(draft_logits: Tensor, other_logits: Tensor, tokens: Tensor, temperature: float = 0.0
+               ) -> tuple[Tensor, Tensor] | None:
+    """The draft against another model (target or companion) on the same positions: ([..., 4] float32: the other's
+    probability of the token, its entropy, TV = 1/2 sum |p - q| and the overlap sum min(p, q) of softmax(z / T);
+    [...] int64: the first argmax of the other's raw logits), with no [..., V] temporaries. NaN (argmax -1) in a row
+    whose logits hold NaN or inf; None when the native path does not apply."""
+    if draft_logits.device.type != "cpu" or other_logits.device.type != "cpu":
+        return None
+    mod = _load()
+    if mod is None:
+        return None
+    lead, v = draft_logits.shape[:-1], draft_logits.shape[-1]
+    q, o = (_rows(t, v) for t in (draft_logits, other_logits))
+    out, amax = mod.pair_stats(q, o, tokens.reshape(-1).long(), float(temperature))
+    return out.reshape(*lead, 4), amax.reshape(lead)
+
+
+def _rows(t: Tensor, v: int) -> Tensor:
+    """[N, V] contiguous float32 view (or copy) of [..., V] logits."""
+    t = t.reshape(-1, v)
+    t = t if t.dtype == torch.float32 else t.float()
+    return t if t.is_contiguous() else t.contiguous()

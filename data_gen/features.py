@@ -4,6 +4,10 @@ Every per-token quantity a predictor sees (draft top-k, entropy, max probability
 and every raw label quantity (q(x), p(x), min(1, p/q), target argmax, TV) comes from :func:`token_features`.
 ``data_gen.labelling`` calls it with target logits over whole sequences; ``decoding`` calls it without target logits
 on each freshly drafted token. A test asserts both paths give equal features for the same token.
+
+Without a nucleus cut on a CPU the softmax statistics come from native calls (``data_gen.draft_stats``: two or three
+passes over the vocabulary per row, no [..., V] temporaries, sums in double across blocks); otherwise from torch ops
+over the probabilities. Both give the same values to float32 rounding (tested).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-from data_gen.draft_stats import draft_stats
+from data_gen.draft_stats import draft_stats, pair_stats
 
 __all__ = ["probs_from_logits", "probs_and_entropy", "entropy", "topk_values", "token_features", "FEATURE_COLUMNS",
            "TARGET_COLUMNS", "COMPANION_COLUMNS"]
@@ -133,14 +137,22 @@ def token_features(
     """
     want_entropy = columns is None or "draft_entropy" in columns
     want_topk = columns is None or "draft_max_prob" in columns or "draft_topk" in columns
-    need_probs = target_logits is not None or companion_logits is not None  # TV and the companion's overlap
     for name, t in (("target", target_logits), ("companion", companion_logits)):
         # a NaN or inf anywhere makes the sum non-finite: one reduction and one read instead of a [..., V] bool mask
         # (0.3 ms of a ~1 ms stop decision over 152k logits; finite logits of LM magnitudes cannot overflow an fp32 sum)
         if t is not None and not math.isfinite(t.sum(dtype=torch.float32)):
             raise FloatingPointError(f"{name} logits contain NaN or inf")
-    q, q_entropy, topk, q_all = _draft_columns(draft_logits, draft_tokens, max(1, top_k), temperature, top_p,
-                                               want_entropy, want_topk, need_probs)
+    # without a nucleus cut, on one CPU: native statistics (data_gen.draft_stats), else torch ops over probabilities
+    one_cpu = all(t is None or t.device == draft_logits.device for t in (target_logits, companion_logits))
+    stats = draft_stats(draft_logits, draft_tokens, max(1, top_k), temperature) if top_p >= 1.0 and one_cpu else None
+    if stats is not None:
+        if not math.isfinite(stats[..., 0].sum()):  # the native call puts NaN in rows with NaN or inf logits
+            raise FloatingPointError("draft logits contain NaN or inf")
+        q, q_entropy = stats[..., 1], stats[..., 0]
+        topk = stats[..., 2: 2 + min(max(1, top_k), draft_logits.shape[-1])]
+    else:
+        q, q_entropy, topk, q_all = _draft_columns(draft_logits, draft_tokens, max(1, top_k), temperature, top_p,
+                                                   want_entropy, want_topk)
     out: dict[str, Tensor] = {"draft_token": draft_tokens.long(), "q": q}
     if want_entropy:
         out["draft_entropy"] = q_entropy
@@ -151,42 +163,37 @@ def token_features(
         out["draft_hidden"] = draft_hidden.to(torch.float16)
     tok = draft_tokens.long().unsqueeze(-1)
     if companion_logits is not None:
-        c_all, c_entropy = probs_and_entropy(companion_logits, temperature, top_p)
-        c = c_all.gather(-1, tok).squeeze(-1)
+        if stats is not None:  # native: the companion against the draft in three passes, no [..., V] temporaries
+            cs, _ = pair_stats(draft_logits, companion_logits, draft_tokens, temperature)
+            c, c_entropy, c_sim = cs[..., 0], cs[..., 1], cs[..., 3]
+        else:
+            c_all, c_entropy = probs_and_entropy(companion_logits, temperature, top_p)
+            c, c_sim = c_all.gather(-1, tok).squeeze(-1), torch.minimum(q_all, c_all).sum(-1)
         out["companion_prob"] = c
-        out["companion_sim"] = torch.minimum(q_all, c_all).sum(-1)
+        out["companion_sim"] = c_sim
         out["companion_entropy"] = c_entropy
         out["companion_accept"] = (c / q.clamp_min(1e-30)).clamp(max=1.0)
     if target_logits is not None:
-        p_all = probs_from_logits(target_logits, temperature, top_p)
-        p = p_all.gather(-1, tok).squeeze(-1)
-        # Greedy verification compares with the raw argmax (temperature-free).
-        target_argmax = target_logits.argmax(-1)
+        if stats is not None:
+            ts, target_argmax = pair_stats(draft_logits, target_logits, draft_tokens, temperature)
+            p, tv = ts[..., 0], ts[..., 2]
+        else:
+            p_all = probs_from_logits(target_logits, temperature, top_p)
+            p, tv = p_all.gather(-1, tok).squeeze(-1), 0.5 * (p_all - q_all).abs().sum(-1)
+            target_argmax = target_logits.argmax(-1)  # greedy verification compares with the raw argmax
         out["p"] = p
         out["accept_prob"] = (p / q.clamp_min(1e-30)).clamp(max=1.0)
         out["target_argmax"] = target_argmax
         out["greedy_match"] = target_argmax == draft_tokens.long()
-        out["tv"] = 0.5 * (p_all - q_all).abs().sum(-1)
+        out["tv"] = tv
     return out
 
 
 def _draft_columns(
     logits: Tensor, tokens: Tensor, k: int, temperature: float, top_p: float, want_entropy: bool, want_topk: bool,
-    need_probs: bool,
-) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """(q(token), entropy, top-k probabilities, all probabilities) of the draft; the last three None when not asked.
-
-    Without a nucleus cut on a CPU they come from one native call (``data_gen.draft_stats``: two passes over the
-    vocabulary, no [..., V] temporaries, the sums in double across blocks); otherwise, or when the native code is not
-    built, from torch ops over the probabilities. Both raise FloatingPointError for NaN or inf logits.
-    """
-    stats = draft_stats(logits, tokens, k, temperature) if top_p >= 1.0 else None
-    if stats is not None:
-        if not math.isfinite(stats[..., 0].sum()):  # the native call puts NaN in rows with NaN or inf logits
-            raise FloatingPointError("draft logits contain NaN or inf")
-        q_all = probs_from_logits(logits, temperature, top_p) if need_probs else None
-        topk = stats[..., 2: 2 + min(k, logits.shape[-1])] if want_topk else None
-        return stats[..., 1], stats[..., 0] if want_entropy else None, topk, q_all
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+    """The torch-ops path (a nucleus cut, a GPU, or no native build): (q(token), entropy or None, top-k probabilities
+    or None, all probabilities); FloatingPointError for NaN or inf logits."""
     if want_entropy:
         q_all, entropy_ = probs_and_entropy(logits, temperature, top_p)
         # without a nucleus cut the entropy is NaN for NaN, +inf or -inf logits (p (z - m) = 0 x -inf): the check

@@ -84,3 +84,28 @@ def test_token_features_native_and_torch_paths_agree(monkeypatch):
                 torch.testing.assert_close(v, torch_ops[name], rtol=2e-5, atol=2e-6, msg=name)
             else:
                 assert torch.equal(v, torch_ops[name]), name
+
+
+@pytest.mark.parametrize("shape", [(2, 151936), (3, 5000), (2, 3, 37)])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_pair_statistics_equal_a_float64_reference(shape, temperature):
+    """The other model's probability of the token, its entropy, TV and overlap with the draft, its first argmax
+    (ties included: a row equal to the draft's, a tied maximum)."""
+    torch.manual_seed(3)
+    q, o = torch.randn(*shape) * 3, torch.randn(*shape) * 3
+    o[..., 0, :] = q[..., 0, :]  # identical distributions: TV 0, overlap 1
+    o[..., -1, 4] = o[..., -1, 9] = o[..., -1, :].amax(-1) + 5  # a tied maximum: the first index wins
+    tokens = torch.randint(0, shape[-1], shape[:-1])
+    out, amax = ds.pair_stats(q, o, tokens, temperature)
+    t = temperature if temperature > 0 else 1.0
+    pq, po = torch.softmax(q.double() / t, -1), torch.softmax(o.double() / t, -1)
+    torch.testing.assert_close(out[..., 0].double(), po.gather(-1, tokens[..., None])[..., 0], rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(out[..., 1].double(), torch.special.entr(po).sum(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[..., 2].double(), 0.5 * (po - pq).abs().sum(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[..., 3].double(), torch.minimum(po, pq).sum(-1), rtol=1e-5, atol=1e-6)
+    assert torch.equal(amax, o.argmax(-1)) and torch.all(amax[..., -1] == 4)
+    assert torch.all(out[..., 0, 2] < 1e-6) and torch.all((out[..., 0, 3] - 1).abs() < 1e-6)
+    bad = o.clone()
+    bad[..., 1, 2] = float("nan")
+    out, amax = ds.pair_stats(q, bad, tokens, temperature)
+    assert torch.isnan(out[..., 1, :]).all() and torch.all(amax[..., 1] == -1)

@@ -1,5 +1,7 @@
-// One pass-pair over a draft's logits for the stop decision: entropy, q(token) and the top-k probabilities of
-// softmax(z / T), per row, without materialising the probabilities. Built on first use by data_gen/draft_stats.py
+// Softmax statistics without materialising the probabilities. draft_stats: one pass-pair over a draft's logits for the
+// stop decision (entropy, q(token) and the top-k probabilities of softmax(z / T) per row). pair_stats: the draft
+// against the target or companion for the labels (the other's probability of the token, its entropy and argmax, TV and
+// overlap with the draft). Built on first use by data_gen/draft_stats.py
 // (torch.utils.cpp_extension.load); the Python fallback computes the same quantities with torch ops.
 //
 // Per row: pass 1 takes the maxima of 128-element blocks (and a finiteness probe); the k largest values lie in the k
@@ -15,6 +17,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -125,6 +128,83 @@ void row_stats_any(const float* x, int64_t V, float temp, bool scale, int64_t to
   }
 }
 
+// The draft (q) against another model (o) on one row: o(token), o's entropy, TV = 1/2 sum |o - q| and the overlap
+// sum min(o, q) of softmax(z / T) of each; the first argmax of o's raw logits into *amax. Three passes, no temporaries.
+template <bool kScale>
+__attribute__((always_inline)) inline void pair_row(const float* q, const float* o, int64_t V, float temp, int64_t tok,
+                                                    float* out, int64_t* amax) {
+  const int64_t nb = (V + kBlock - 1) / kBlock;
+  float mq = -std::numeric_limits<float>::infinity(), mo = mq, probe = 0.0f;
+  for (int64_t j = 0; j < nb; ++j) {
+    const int64_t lo = j * kBlock, hi = std::min(V, lo + kBlock);
+    float a = -std::numeric_limits<float>::infinity(), b = a, pr = 0.0f;
+#pragma omp simd reduction(max : a, b) reduction(+ : pr)
+    for (int64_t i = lo; i < hi; ++i) {
+      const float zq = load<kScale>(q, i, temp);
+      a = zq > a ? zq : a;
+      b = o[i] > b ? o[i] : b;
+      pr += zq * 0.0f + o[i] * 0.0f;
+    }
+    mq = a > mq ? a : mq;
+    mo = b > mo ? b : mo;
+    probe += pr;
+  }
+  if (!std::isfinite(probe)) {
+    for (int j = 0; j < 4; ++j) out[j] = std::numeric_limits<float>::quiet_NaN();
+    *amax = -1;
+    return;
+  }
+  int64_t arg = 0;
+  while (o[arg] != mo) ++arg;  // the first maximum, as torch.argmax
+  *amax = arg;
+  const float so_max = load<kScale>(o, arg, temp);  // max of o / T (division is monotone)
+  double Sq = 0.0, So = 0.0, To = 0.0;
+  for (int64_t j = 0; j < nb; ++j) {
+    const int64_t lo = j * kBlock, hi = std::min(V, lo + kBlock);
+    float sq = 0.0f, so = 0.0f, to = 0.0f;
+#pragma omp simd reduction(+ : sq, so, to)
+    for (int64_t i = lo; i < hi; ++i) {
+      sq += exp_nonpositive(load<kScale>(q, i, temp) - mq);
+      const float d = load<kScale>(o, i, temp) - so_max;
+      const float e = exp_nonpositive(d);
+      so += e;
+      to += e * d;
+    }
+    Sq += sq;
+    So += so;
+    To += to;
+  }
+  const float sqf = static_cast<float>(Sq), sof = static_cast<float>(So);
+  double TV = 0.0, OV = 0.0;
+  for (int64_t j = 0; j < nb; ++j) {
+    const int64_t lo = j * kBlock, hi = std::min(V, lo + kBlock);
+    float tv = 0.0f, ov = 0.0f;
+#pragma omp simd reduction(+ : tv, ov)
+    for (int64_t i = lo; i < hi; ++i) {
+      const float pq = exp_nonpositive(load<kScale>(q, i, temp) - mq) / sqf;
+      const float po = exp_nonpositive(load<kScale>(o, i, temp) - so_max) / sof;
+      tv += std::fabs(po - pq);
+      ov += po < pq ? po : pq;
+    }
+    TV += tv;
+    OV += ov;
+  }
+  out[0] = exp_nonpositive(load<kScale>(o, tok, temp) - so_max) / sof;
+  out[1] = static_cast<float>(std::log(So) - To / So);
+  out[2] = static_cast<float>(0.5 * TV);
+  out[3] = static_cast<float>(OV);
+}
+
+SPECSTOP_CLONES
+void pair_row_any(const float* q, const float* o, int64_t V, float temp, bool scale, int64_t tok, float* out,
+                  int64_t* amax) {
+  if (scale) {
+    pair_row<true>(q, o, V, temp, tok, out, amax);
+  } else {
+    pair_row<false>(q, o, V, temp, tok, out, amax);
+  }
+}
+
 }  // namespace
 
 // logits [N, V] float32 contiguous, tokens [N] int64, k >= 1, temperature (0 or 1: none) -> [N, 2 + k] float32:
@@ -154,4 +234,37 @@ torch::Tensor draft_stats(torch::Tensor logits, torch::Tensor tokens, int64_t k,
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("draft_stats", &draft_stats, "draft stop-decision statistics"); }
+// draft and other logits [N, V] float32 contiguous, tokens [N] int64, temperature -> ([N, 4] float32: other(token),
+// other's entropy, TV, overlap; [N] int64: first argmax of the other's raw logits). NaN and argmax -1 in a row whose
+// logits hold NaN or inf.
+std::tuple<torch::Tensor, torch::Tensor> pair_stats(torch::Tensor draft, torch::Tensor other, torch::Tensor tokens,
+                                                    double temperature) {
+  TORCH_CHECK(draft.dim() == 2 && draft.sizes() == other.sizes() && draft.scalar_type() == torch::kFloat32 &&
+                  other.scalar_type() == torch::kFloat32 && draft.is_contiguous() && other.is_contiguous() &&
+                  draft.device().is_cpu() && other.device().is_cpu(),
+              "pair_stats: draft and other logits must be contiguous float32 CPU tensors of one shape [N, V]");
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == draft.size(0) && tokens.scalar_type() == torch::kLong,
+              "pair_stats: tokens must be int64 [N]");
+  const int64_t N = draft.size(0), V = draft.size(1);
+  auto out = torch::empty({N, 4}, draft.options());
+  auto amax = torch::empty({N}, tokens.options());
+  auto tok = tokens.contiguous();
+  const float* qp = draft.data_ptr<float>();
+  const float* opp = other.data_ptr<float>();
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  float* outp = out.data_ptr<float>();
+  int64_t* ap = amax.data_ptr<int64_t>();
+  const bool scale = temperature > 0.0 && temperature != 1.0;
+  const float temp = scale ? static_cast<float>(temperature) : 1.0f;
+  for (int64_t r = 0; r < N; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "pair_stats: token id out of range");
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      pair_row_any(qp + r * V, opp + r * V, V, temp, scale, tp[r], outp + r * 4, ap + r);
+  });
+  return {out, amax};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("draft_stats", &draft_stats, "draft stop-decision statistics");
+  m.def("pair_stats", &pair_stats, "draft against another model: its probability of the token, entropy, TV, overlap");
+}
