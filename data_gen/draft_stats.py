@@ -26,7 +26,7 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-__all__ = ["draft_stats", "pair_stats", "native_available"]
+__all__ = ["draft_stats", "pair_stats", "sample_tokens", "native_available"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "draft_stats.cpp"
 _CFLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-std=c++17"]
@@ -94,3 +94,18 @@ def _rows(t: Tensor, v: int) -> Tensor:
     t = t.reshape(-1, v)
     t = t if t.dtype == torch.float32 else t.float()
     return t if t.is_contiguous() else t.contiguous()
+
+
+def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator | None = None) -> Tensor | None:
+    """[..., V] logits -> [...] int64: one draw per row from softmax(logits / temperature) (temperature > 0), by
+    inversion of one uniform per row from ``generator`` against block sums (no [..., V] probabilities, no
+    ``torch.multinomial``). None when the native path does not apply."""
+    if logits.device.type != "cpu" or temperature <= 0:
+        return None
+    mod = _load()
+    if mod is None:
+        return None
+    lead = logits.shape[:-1]
+    z = _rows(logits, logits.shape[-1])
+    u = torch.rand(z.shape[0], generator=generator, dtype=torch.float64)
+    return mod.sample_tokens(z, u, float(temperature)).reshape(lead)

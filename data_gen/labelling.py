@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from data_gen.draft_stats import sample_tokens
 from data_gen.features import probs_from_logits, token_features
 
 
@@ -404,6 +405,9 @@ def draw_draft_tokens(
     """[N] tokens the draft would draw at these positions: argmax when greedy, else a sample of q."""
     if temperature <= 0:
         return draft_logits.argmax(-1)
+    drawn = sample_tokens(draft_logits, temperature, generator) if top_p >= 1.0 else None
+    if drawn is not None:  # native inversion sampling: no [N, V] probabilities
+        return drawn
     probs = probs_from_logits(draft_logits, temperature, top_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

@@ -205,6 +205,51 @@ void pair_row_any(const float* q, const float* o, int64_t V, float temp, bool sc
   }
 }
 
+// One draw from softmax(z / T) by inversion: u * S against the running sum of the blocks' sums, then within the block
+// found. u in [0, 1); the last token of positive probability if rounding runs past the end.
+template <bool kScale>
+__attribute__((always_inline)) inline int64_t sample_row(const float* x, int64_t V, float temp, double u,
+                                                         std::vector<float>& bsum) {
+  const int64_t nb = (V + kBlock - 1) / kBlock;
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < V; ++i) {
+    const float z = load<kScale>(x, i, temp);
+    m = z > m ? z : m;
+  }
+  double S = 0.0;
+  for (int64_t j = 0; j < nb; ++j) {
+    const int64_t lo = j * kBlock, hi = std::min(V, lo + kBlock);
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = lo; i < hi; ++i) s += exp_nonpositive(load<kScale>(x, i, temp) - m);
+    bsum[j] = s;
+    S += s;
+  }
+  const double target = u * S;
+  double cum = 0.0;
+  for (int64_t j = 0; j < nb; ++j) {
+    if (cum + bsum[j] <= target) {  // the draw lies past this block
+      cum += bsum[j];
+      continue;
+    }
+    const int64_t lo = j * kBlock, hi = std::min(V, lo + kBlock);
+    for (int64_t i = lo; i < hi; ++i) {
+      const float e = exp_nonpositive(load<kScale>(x, i, temp) - m);
+      cum += e;
+      if (e > 0.0f && cum > target) return i;
+    }  // the elements' sum fell short of the block's float sum (rounding): go on with the next block
+  }
+  for (int64_t i = V - 1; i > 0; --i)  // rounding ran past the end: the last token of positive probability
+    if (exp_nonpositive(load<kScale>(x, i, temp) - m) > 0.0f) return i;
+  return 0;
+}
+
+SPECSTOP_CLONES
+int64_t sample_row_any(const float* x, int64_t V, float temp, bool scale, double u, std::vector<float>& bsum) {
+  return scale ? sample_row<true>(x, V, temp, u, bsum) : sample_row<false>(x, V, temp, u, bsum);
+}
+
 }  // namespace
 
 // logits [N, V] float32 contiguous, tokens [N] int64, k >= 1, temperature (0 or 1: none) -> [N, 2 + k] float32:
@@ -264,7 +309,31 @@ std::tuple<torch::Tensor, torch::Tensor> pair_stats(torch::Tensor draft, torch::
   return {out, amax};
 }
 
+// logits [N, V] float32 contiguous, u [N] float64 uniforms in [0, 1), temperature > 0 -> [N] int64: one draw per row
+// from softmax(logits / T) (inversion sampling).
+torch::Tensor sample_tokens(torch::Tensor logits, torch::Tensor u, double temperature) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous() &&
+                  logits.device().is_cpu(),
+              "sample_tokens: logits must be a contiguous float32 CPU tensor [N, V]");
+  TORCH_CHECK(u.dim() == 1 && u.size(0) == logits.size(0) && u.scalar_type() == torch::kDouble,
+              "sample_tokens: u must be float64 [N]");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  auto out = torch::empty({N}, logits.options().dtype(torch::kLong));
+  auto uc = u.contiguous();
+  const float* xp = logits.data_ptr<float>();
+  const double* up = uc.data_ptr<double>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const bool scale = temperature > 0.0 && temperature != 1.0;
+  const float temp = scale ? static_cast<float>(temperature) : 1.0f;
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> bsum((V + kBlock - 1) / kBlock);
+    for (int64_t r = begin; r < end; ++r) op[r] = sample_row_any(xp + r * V, V, temp, scale, up[r], bsum);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("sample_tokens", &sample_tokens, "one draw per row from softmax(logits / T)");
   m.def("draft_stats", &draft_stats, "draft stop-decision statistics");
   m.def("pair_stats", &pair_stats, "draft against another model: its probability of the token, entropy, TV, overlap");
 }
