@@ -45,7 +45,7 @@ from data_gen.labelling import (
     label_sequences,
     shared_prefix_len,
 )
-from data_gen.models import ModelSpec, check_same_tokenizer, load_model, model_fingerprint
+from data_gen.models import ModelSpec, check_same_tokenizer, load_model, model_fingerprint, share_truncated_layers
 from data_gen.prompts import PromptSourceConfig, load_prompts, render_prompt, split_of
 from data_gen.schema import ORIGINS, features_schema
 from data_gen.shards import ShardWriter, finished_chunks, prepare_out_dir, read_data_config, summarize
@@ -353,15 +353,17 @@ def produce_chunk(
     todo = sorted(plans, key=lambda p: len(rendered[p.prompt_index]) + len(p.cont))
     for group in _batches(todo, cfg.gen_batch_size):
         n_new = [p.m + L if p.origin == "draft" else 0 if (p.cont and p.cont[-1] == eos) else L for p in group]
-        new, hid, ds = draft_pass(models.draft, [rendered[p.prompt_index] + p.cont for p in group], n_new,
-                                  pad_token_id=pad, eos_token_id=eos, temperature=cfg.temperature, top_p=cfg.top_p,
-                                  generator=rng)
-        for p, c, h in zip(group, new, hid):
+        new, hid, ds, tapped = draft_pass(models.draft, [rendered[p.prompt_index] + p.cont for p in group], n_new,
+                                          pad_token_id=pad, eos_token_id=eos, temperature=cfg.temperature,
+                                          top_p=cfg.top_p, generator=rng, tap=models.companion_tap())
+        for k, (p, c, h) in enumerate(zip(group, new, hid)):
             if p.origin == "draft":
                 p.cont, p.rollout = c[: p.m], c[p.m:]
             else:
                 p.rollout = c
             p.states["draft"] = h
+            if tapped:  # the companion is the draft's first layers: its states from the same pass
+                p.states["companion"] = tapped[k]
         _charge_by_origin(st, group, new, GenStats(seconds=ds.step_seconds))
         _charge_labelling(st, group, rendered, "draft", ds.pass_seconds)
     for run, group in target_runs:  # the rollouts through the target's continuation cache
@@ -541,13 +543,18 @@ def load_models(cfg: GenerateConfig, device: str | None = None) -> tuple[LabelMo
     target, ttok = load_model(mc.spec(mc.target))
     toks = {f"draft ({mc.draft})": tok, f"target ({mc.target})": ttok}
     mods = {f"draft ({mc.draft})": draft, f"target ({mc.target})": target}
-    companion = None
+    companion, depth = None, None
     if mc.companion:
         companion, ctok = load_model(mc.spec(mc.companion, "companion"))
         toks[f"companion ({mc.companion})"] = ctok
         mods[f"companion ({mc.companion})"] = companion
     check_same_tokenizer(toks, mods)
-    return LabelModels(draft, target, companion), tok
+    if companion is not None:
+        depth = share_truncated_layers(companion, draft)
+        if depth:
+            log.info("companion %s: the draft's first %d layers (shared; its states come from the draft's passes)",
+                     mc.companion, depth)
+    return LabelModels(draft, target, companion, depth), tok
 
 
 def attention_for_labelling(models: LabelModels) -> None:

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from data_gen.draft_stats import sample_tokens
@@ -67,6 +68,15 @@ class LabelModels:
     draft: PreTrainedModel
     target: PreTrainedModel
     companion: PreTrainedModel | None = None
+    companion_depth: int | None = None
+    """N when the companion is the draft's first N layers (``data_gen.models.share_truncated_layers``): its states
+    come from the draft's own pass (:meth:`companion_tap`)."""
+
+    def companion_tap(self) -> tuple[int, nn.Module] | None:
+        """(layers, final norm) for :class:`CachedPass`'s tap when the companion is a truncation of the draft."""
+        if self.companion is None or not self.companion_depth:
+            return None
+        return self.companion_depth, self.companion.get_decoder().norm
 
 
 @dataclass
@@ -283,23 +293,38 @@ class CachedPass:
     """
 
     @torch.no_grad()
-    def __init__(self, model: PreTrainedModel, prefixes: list[list[int]], *, pad_token_id: int) -> None:
+    def __init__(self, model: PreTrainedModel, prefixes: list[list[int]], *, pad_token_id: int,
+                 tap: tuple[int, nn.Module] | None = None) -> None:
         if not prefixes or any(len(p) == 0 for p in prefixes):
             raise ValueError("CachedPass needs at least one sequence and a non-empty prefix for each")
         self.pad = pad_token_id
         self.device = next(model.parameters()).device
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
+        self.tap = tap
         self.stats = PassStats()
         self.lengths = [len(p) for p in prefixes]  # tokens of each row in the cache (padding excluded)
         ids, mask = right_padded(prefixes, pad_token_id)
         self.mask = mask.to(self.device)
         t0 = time.perf_counter()
-        out = self.decoder(input_ids=ids.to(self.device), attention_mask=self.mask, use_cache=True)
+        out, tapped = self._decode_call(input_ids=ids.to(self.device), attention_mask=self.mask, use_cache=True)
         self.cache, h = out.past_key_values, out.last_hidden_state  # [B, W, H]
         self._states: list[list[Tensor]] = [[h[r, : n]] for r, n in enumerate(self.lengths)]
+        self._tapped: list[list[Tensor]] = [[tapped[r, : n]] for r, n in enumerate(self.lengths)] if tap else []
         self.stats.pass_seconds += time.perf_counter() - t0
         self.pending: list[int | None] = [None] * len(prefixes)
         """Per row, its last decoded token, not yet in the cache (fed before anything else)."""
+
+    def _decode_call(self, **kw: Any) -> tuple[Any, Tensor | None]:
+        """The decoder's forward, and with a tap the residual stream after its first ``tap[0]`` layers ([B, T, H])."""
+        if self.tap is None:
+            return self.decoder(**kw), None
+        seen: list[Tensor] = []
+        hook = self.decoder.layers[self.tap[0] - 1].register_forward_hook(lambda _m, _a, out: seen.append(out))
+        try:
+            out = self.decoder(**kw)
+        finally:
+            hook.remove()
+        return out, seen[-1][0] if isinstance(seen[-1], tuple) else seen[-1]
 
     @property
     def batch(self) -> int:
@@ -311,12 +336,14 @@ class CachedPass:
         ids, new_mask = right_padded(tokens, self.pad)
         pos = torch.tensor(self.lengths)[:, None] + torch.arange(ids.shape[1])  # [B, T] each row's own positions
         self.mask = torch.cat([self.mask, new_mask.to(self.device)], dim=1)
-        out = self.decoder(input_ids=ids.to(self.device), attention_mask=self.mask, position_ids=pos.to(self.device),
-                           past_key_values=self.cache, use_cache=True)
+        out, tapped = self._decode_call(input_ids=ids.to(self.device), attention_mask=self.mask,
+                                        position_ids=pos.to(self.device), past_key_values=self.cache, use_cache=True)
         h = out.last_hidden_state
         for r, t in enumerate(tokens):
             if t:
                 self._states[r].append(h[r, : len(t)])
+                if tapped is not None:
+                    self._tapped[r].append(tapped[r, : len(t)])
                 self.lengths[r] += len(t)
         return h
 
@@ -366,6 +393,14 @@ class CachedPass:
         row's sequence ends one token past them: a pending decoded token or a tail's last token)."""
         return torch.cat(self._states[r])
 
+    @torch.no_grad()
+    def tapped_states(self, r: int) -> Tensor:
+        """:meth:`states` of the model cut after its first ``tap[0]`` layers: the tapped residual stream through the
+        tap's final norm (``tap[1]``), i.e. the final-norm states of ``truncated:N:<this model>``."""
+        if self.tap is None:
+            raise ValueError("CachedPass.tapped_states needs a tap (layers, final norm) given at construction")
+        return self.tap[1](torch.cat(self._tapped[r]))
+
 
 def draft_pass(
     draft: PreTrainedModel,
@@ -377,12 +412,16 @@ def draft_pass(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
-) -> tuple[list[list[int]], list[Tensor], PassStats]:
+    tap: tuple[int, nn.Module] | None = None,
+) -> tuple[list[list[int]], list[Tensor], PassStats, list[Tensor]]:
     """A :class:`CachedPass` that decodes ``n_new`` tokens a row: (new tokens, per row its [len(prefix) +
-    len(new) - 1, H] states, stats)."""
-    run = CachedPass(draft, prefixes, pad_token_id=pad_token_id)
+    len(new) - 1, H] states, stats, the same rows' tapped states (empty without a tap): the states of a truncation of
+    the draft, e.g. the companion, from the same pass)."""
+    run = CachedPass(draft, prefixes, pad_token_id=pad_token_id, tap=tap)
     new = run.decode(n_new, eos_token_id=eos_token_id, temperature=temperature, top_p=top_p, generator=generator)
-    return new, [run.states(r)[: len(p) + len(c) - 1] for r, (p, c) in enumerate(zip(prefixes, new))], run.stats
+    n = [len(p) + len(c) - 1 for p, c in zip(prefixes, new)]
+    tapped = [run.tapped_states(r)[: n[r]] for r in range(len(n))] if tap else []
+    return new, [run.states(r)[: n[r]] for r in range(len(n))], run.stats, tapped
 
 
 def _non_finite_error(models: LabelModels, seqs, rows_b, lo, *logits: Tensor | None) -> FloatingPointError:

@@ -270,6 +270,27 @@ def check_same_tokenizer(
             raise ValueError(f"models have different output vocabulary sizes: {widths}")
 
 
+def share_truncated_layers(model: PreTrainedModel, base: PreTrainedModel) -> int | None:
+    """When ``model`` is ``truncated:N:<base's name>`` on base's dtype and compute path, make its N layers base's own
+    first N (one copy of their weights in memory: the same modules) and return N; else None and nothing changes.
+
+    Its states after those layers are then base's after its first N, bit for bit, so a pass of base can give them
+    (``data_gen.labelling.CachedPass``'s tap) instead of a pass of its own.
+    """
+    name = str(getattr(model.config, "name_or_path", ""))
+    if not name.startswith("truncated:"):
+        return None
+    _, n, rest = name.split(":", 2)
+    if rest != str(getattr(base.config, "name_or_path", "")):
+        return None
+    same = (str(next(model.parameters()).dtype) == str(next(base.parameters()).dtype)
+            and compute_path_of(model) == compute_path_of(base) and pack_layout_of(model) == pack_layout_of(base))
+    if not same:
+        return None
+    model.get_decoder().layers = base.get_decoder().layers[: int(n)]
+    return int(n)
+
+
 def model_fingerprint(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> dict:
     """Identity of a model that data and predictors are bound to: name, vocabulary and hidden size, and the precision
     it computed in (``dtype``, ``compute_path``, ``head_dtype`` and ``pack_layout``: a predictor is refused for another

@@ -240,7 +240,7 @@ def test_draft_pass_decodes_as_generate_and_its_states_equal_a_full_pass(tiny_pa
     prefixes = [tok(t)["input_ids"] for t in ("def f(x):", "import numpy as np\nx = np.zeros(3)", "print(1)", "a")]
     n_new = [8, 0, 5, 12]
     pad = tok.pad_token_id
-    new, hidden, stats = draft_pass(draft, prefixes, n_new, pad_token_id=pad, eos_token_id=None)
+    new, hidden, stats, _ = draft_pass(draft, prefixes, n_new, pad_token_id=pad, eos_token_id=None)
     alone = [continue_batch(draft, [p], [n], pad_token_id=pad, eos_token_id=None)[0][0]
              for p, n in zip(prefixes, n_new)]
     assert new == alone and [len(c) for c in new] == n_new
@@ -251,7 +251,7 @@ def test_draft_pass_decodes_as_generate_and_its_states_equal_a_full_pass(tiny_pa
         assert h.shape == full.shape
         torch.testing.assert_close(h, full, rtol=1e-3, atol=1e-3)
     stop = new[0][2]  # end of sequence at row 0's third token: it stops there, the others go on
-    cut, _, _ = draft_pass(draft, prefixes, n_new, pad_token_id=pad, eos_token_id=stop)
+    cut, _, _, _ = draft_pass(draft, prefixes, n_new, pad_token_id=pad, eos_token_id=stop)
     assert cut[0] == new[0][: new[0].index(stop) + 1]
     with pytest.raises(ValueError, match="non-empty prefix"):
         draft_pass(draft, [[]], [3], pad_token_id=pad, eos_token_id=None)
@@ -285,7 +285,7 @@ def test_labels_from_draft_pass_states_equal_the_labelling_pass(tiny_pair):
     """Sequences that carry draft_pass's states skip the draft's labelling pass and get the same records."""
     draft, target, tok = tiny_pair
     prefixes = [tok(t)["input_ids"] for t in ("def f(x):", "import numpy as np\nx = np.zeros(3)")]
-    new, hidden, _ = draft_pass(draft, prefixes, [6, 6], pad_token_id=tok.pad_token_id, eos_token_id=None)
+    new, hidden, _, _ = draft_pass(draft, prefixes, [6, 6], pad_token_id=tok.pad_token_id, eos_token_id=None)
 
     def seqs(with_states: bool):
         return [SequenceSpec("p", "t", "code", "train", f"s{i}", p + c, [Segment(len(p) - 1, len(p) + len(c), "draft",
@@ -361,3 +361,45 @@ def test_sample_draw_follows_q():
     assert 0.64 < float((sampled == mode).mean()) < 0.76
     # q == p here: every sampled draw is accepted with probability 1
     np.testing.assert_allclose(np.asarray(recs["accept_prob"])[d == "sample"], 1.0, rtol=1e-5)
+
+
+def test_a_truncated_companion_shares_the_drafts_layers_and_its_states_come_from_the_draft_pass():
+    """truncated:N:<draft> as the companion: its N layers become the draft's own (one copy in memory), the draft
+    pass's tap gives its final-norm states (equal to a pass of its own), and labels from those states equal the
+    labelling pass's; another model, or a truncation of another, is left alone."""
+    from data_gen.labelling import _body_hidden
+    from data_gen.models import ModelSpec, load_model, share_truncated_layers
+
+    draft, tok = load_model(ModelSpec("tiny:1:32:3"))
+    target, _ = load_model(ModelSpec("tiny:2:32:3"))
+    companion, _ = load_model(ModelSpec("truncated:2:tiny:1:32:3"))
+    own = _body_hidden(companion, torch.tensor([tok("def g(y): return y")["input_ids"]]),
+                       torch.ones(1, len(tok("def g(y): return y")["input_ids"]), dtype=torch.long))
+    assert share_truncated_layers(target, draft) is None
+    assert share_truncated_layers(load_model(ModelSpec("truncated:2:tiny:2:32:3"))[0], draft) is None
+    assert share_truncated_layers(companion, draft) == 2
+    assert all(a is b for a, b in zip(companion.get_decoder().layers, draft.get_decoder().layers))
+    ids = tok("def g(y): return y")["input_ids"]
+    torch.testing.assert_close(_body_hidden(companion, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)),
+                               own)  # the shared layers are the ones it had
+
+    models = LabelModels(draft, target, companion, 2)
+    prefixes = [tok(t)["input_ids"] for t in ("def f(x):", "import numpy as np\nx = np.zeros(3)")]
+    new, hidden, _, tapped = draft_pass(draft, prefixes, [6, 6], pad_token_id=tok.pad_token_id, eos_token_id=None,
+                                        tap=models.companion_tap())
+    for p, c, h, t in zip(prefixes, new, hidden, tapped):
+        full = torch.tensor([p + c])
+        assert t.shape == h.shape
+        torch.testing.assert_close(t, _body_hidden(companion, full, torch.ones_like(full))[0, :-1], rtol=1e-3,
+                                   atol=1e-3)
+
+    def seqs(with_states: bool):
+        return [SequenceSpec("p", "t", "code", "train", f"s{i}", p + c, [Segment(len(p) - 1, len(p) + len(c), "draft",
+                             True)], states={"draft": h, "companion": t} if with_states else {})
+                for i, (p, c, h, t) in enumerate(zip(prefixes, new, hidden, tapped))]
+
+    opts = LabelOptions(pad_token_id=tok.pad_token_id)
+    fused, stats = label_sequences(models, seqs(True), opts)
+    plain, _ = label_sequences(models, seqs(False), opts)
+    for col in ("companion_prob", "companion_sim", "companion_entropy"):
+        np.testing.assert_allclose(fused[col], plain[col], rtol=1e-3, atol=1e-4)
