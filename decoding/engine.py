@@ -551,7 +551,7 @@ class SpeculativeDecoder:
         decide by the goodput rule alone (``predictors.goodput.keep_drafting``, as the replay does)."""
         if not self.goodput:
             return self.policy.keep_drafting(feats).tolist(), None
-        sc = self.policy.score(feats).tolist()
+        sc = self.policy.score_list(feats)
         cost = self._round_cost()
         keep = [bool(rnd.active[b]) and goodput.keep_drafting([*rnd.scores[b], float(sc[b])], cost, rnd.caps[b])
                 for b in range(len(sc))]

@@ -96,6 +96,11 @@ class StopPolicy:
         """[N] continue score for N draft tokens."""
         raise NotImplementedError
 
+    def score_list(self, features: Mapping[str, Tensor]) -> list[float]:
+        """:meth:`score` as Python floats (the engine's per-token decisions; cost-aware policies override it to
+        calibrate without array calls)."""
+        return self.score(features).tolist()
+
     def keep_drafting(self, features: Mapping[str, Tensor]) -> Tensor:
         """[N] bool: draft another token after this one."""
         return self.score(features) >= self.threshold

@@ -22,6 +22,8 @@ Usage::
 """
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +81,24 @@ class Calibrator:
         if self.method == "platt":
             return 1.0 / (1.0 + np.exp(-(self.a * s + self.b)))
         return np.clip(np.interp(s, self._x, self._y), 0.0, 1.0)
+
+    def apply_one(self, score: float) -> float:
+        """:meth:`apply` of one score in Python floats (np.interp's rule: clipped outside the breakpoints, else
+        slope * (x - x_j) + y_j on the segment x_j <= x < x_j+1): a per-token decision calls it with no numpy call."""
+        if self.method == "platt":
+            return 1.0 / (1.0 + math.exp(-(self.a * score + self.b)))
+        xs, ys = self.x, self.y
+        if score != score:  # NaN: np.interp gives NaN, or the one breakpoint's value
+            return min(max(float(ys[0]), 0.0), 1.0) if len(xs) == 1 else score
+        if score >= xs[-1]:
+            y = float(ys[-1])
+        elif score < xs[0]:
+            y = float(ys[0])
+        else:
+            j = bisect.bisect_right(xs, score) - 1
+            slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j])
+            y = slope * (score - xs[j]) + ys[j]
+        return min(max(y, 0.0), 1.0)
 
     def __call__(self, scores: Tensor | np.ndarray) -> Tensor | np.ndarray:
         if isinstance(scores, Tensor):  # numpy does the conversions: no torch op per stop decision on the CPU

@@ -233,6 +233,10 @@ class GoodputPolicy(StopPolicy):
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
         return self.calibrator(self.inner.score(features))
 
+    def score_list(self, features: Mapping[str, Tensor]) -> list[float]:
+        cal = self.calibrator
+        return [cal.apply_one(v) for v in self.inner.score(features).tolist()]
+
     def reset(self) -> None:
         self.inner.reset()
 

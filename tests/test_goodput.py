@@ -82,6 +82,46 @@ def test_batch_lengths_pick_the_confident_sequence():
     assert goodput.batch_lengths([[], []], lat) == [0, 0]
 
 
+def test_keep_drafting_and_best_prefix_equal_their_array_forms():
+    """The rule's Python-float loops give the decisions and rates of the array formulas (expected_tokens / the
+    forecast by the last acceptance) on random rounds, curves and caps."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        d = float(rng.choice([0.01, 0.03, 0.06]))
+        slope = float(rng.uniform(0.0, 0.01))
+        cost = RoundCost(d, lambda n, s=slope: 0.09 + s * max(0, n - 4))
+        k, cap = int(rng.integers(0, 12)), int(rng.integers(1, 16))
+        acc = [float(v) for v in rng.choice([0.0, 0.5, 0.999, 1.0, rng.random()], size=k)]
+        if k:
+            rate = goodput.expected_tokens(acc) / (k * d + cost.verify_times(k))
+            n, r = goodput.best_prefix(acc, cost)
+            assert n == int(np.argmax(rate)) and r == float(rate[n])
+        if 0 < k < cap:
+            a = np.clip(np.asarray(acc), 0, 1)
+            ns = np.arange(k + 1, cap + 1)
+            ahead = goodput.expected_tokens(acc)[-1] + np.prod(a) * np.cumsum(a[-1] ** (ns - k))
+            want = bool((ahead / (ns * d + cost.verify_times(cap)[k + 1:])).max() > goodput.best_prefix(acc, cost)[1])
+            assert goodput.keep_drafting(acc, cost, cap) == want
+
+
+def test_calibration_of_one_score_equals_the_array_map():
+    """Calibrator.apply_one (the engine's per-token path) equals apply (np.interp, the replay's) on isotonic maps with
+    repeated breakpoints, at and outside the breakpoints, and on Platt maps; GoodputPolicy.score_list equals score."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        n = int(rng.integers(1, 20))
+        x = np.sort(np.round(rng.random(n), 1))
+        cal = Calibrator("isotonic", x.tolist(), np.sort(rng.random(n)).tolist())
+        s = np.concatenate([rng.random(30) * 1.4 - 0.2, x])
+        assert np.array_equal(cal.apply(s), [cal.apply_one(float(v)) for v in s])
+    platt = Calibrator("platt", a=2.0, b=-1.0)
+    s = rng.normal(size=50)
+    np.testing.assert_allclose(platt.apply(s), [platt.apply_one(float(v)) for v in s], rtol=0, atol=1e-15)
+    pol = GoodputPolicy(MaxConfidence(threshold=0.5), {"greedy": cal})
+    feats = {"draft_max_prob": torch.rand(7), "q": torch.rand(7)}
+    np.testing.assert_allclose(pol.score_list(feats), pol.score(feats).tolist(), rtol=0, atol=1e-7)
+
+
 def test_curve_of_one_length_is_refused_and_a_foreign_curve_warned(caplog):
     with pytest.raises(ValueError, match="at least two lengths"):
         RoundCost.from_cost_model(CostModel(draft_s_per_token=0.01, target_s={1: 1.0}))
@@ -179,9 +219,9 @@ class Recorder(GoodputPolicy):
         self.rounds: list[list[float]] = [[]]
         self.verified: list[int] = []
 
-    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+    def score_list(self, features: Mapping[str, Tensor]) -> list[float]:  # the engine's per-token call
         self.rounds[-1].extend(self.inner.score(features).tolist())
-        return super().score(features)
+        return super().score_list(features)
 
     def update(self, feedback) -> None:
         self.verified.append(feedback.n_drafted)
