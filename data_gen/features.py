@@ -137,20 +137,17 @@ def token_features(
     """
     want_entropy = columns is None or "draft_entropy" in columns
     want_topk = columns is None or "draft_max_prob" in columns or "draft_topk" in columns
-    for name, t in (("target", target_logits), ("companion", companion_logits)):
-        # a NaN or inf anywhere makes the sum non-finite: one reduction and one read instead of a [..., V] bool mask
-        # (0.3 ms of a ~1 ms stop decision over 152k logits; finite logits of LM magnitudes cannot overflow an fp32 sum)
-        if t is not None and not math.isfinite(t.sum(dtype=torch.float32)):
-            raise FloatingPointError(f"{name} logits contain NaN or inf")
     # without a nucleus cut, on one CPU: native statistics (data_gen.draft_stats), else torch ops over probabilities
     one_cpu = all(t is None or t.device == draft_logits.device for t in (target_logits, companion_logits))
     stats = draft_stats(draft_logits, draft_tokens, max(1, top_k), temperature) if top_p >= 1.0 and one_cpu else None
     if stats is not None:
-        if not math.isfinite(stats[..., 0].sum()):  # the native call puts NaN in rows with NaN or inf logits
-            raise FloatingPointError("draft logits contain NaN or inf")
+        _check_finite("draft", stats[..., 0])  # the native calls put NaN in rows with NaN or inf logits
         q, q_entropy = stats[..., 1], stats[..., 0]
         topk = stats[..., 2: 2 + min(max(1, top_k), draft_logits.shape[-1])]
     else:
+        for name, t in (("target", target_logits), ("companion", companion_logits)):
+            if t is not None:
+                _check_finite(name, t)
         q, q_entropy, topk, q_all = _draft_columns(draft_logits, draft_tokens, max(1, top_k), temperature, top_p,
                                                    want_entropy, want_topk)
     out: dict[str, Tensor] = {"draft_token": draft_tokens.long(), "q": q}
@@ -165,6 +162,7 @@ def token_features(
     if companion_logits is not None:
         if stats is not None:  # native: the companion against the draft in three passes, no [..., V] temporaries
             cs, _ = pair_stats(draft_logits, companion_logits, draft_tokens, temperature)
+            _check_finite("companion", cs[..., 1])
             c, c_entropy, c_sim = cs[..., 0], cs[..., 1], cs[..., 3]
         else:
             c_all, c_entropy = probs_and_entropy(companion_logits, temperature, top_p)
@@ -176,6 +174,7 @@ def token_features(
     if target_logits is not None:
         if stats is not None:
             ts, target_argmax = pair_stats(draft_logits, target_logits, draft_tokens, temperature)
+            _check_finite("target", ts[..., 1])
             p, tv = ts[..., 0], ts[..., 2]
         else:
             p_all = probs_from_logits(target_logits, temperature, top_p)
@@ -189,6 +188,14 @@ def token_features(
     return out
 
 
+def _check_finite(name: str, t: Tensor) -> None:
+    """FloatingPointError naming the model when ``t`` (its logits, or a statistic that is NaN for rows with NaN or inf
+    logits) holds NaN or inf: one reduction and one read instead of a [..., V] bool mask (finite logits of LM
+    magnitudes cannot overflow an fp32 sum)."""
+    if not math.isfinite(t.sum(dtype=torch.float32)):
+        raise FloatingPointError(f"{name} logits contain NaN or inf")
+
+
 def _draft_columns(
     logits: Tensor, tokens: Tensor, k: int, temperature: float, top_p: float, want_entropy: bool, want_topk: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
@@ -197,11 +204,9 @@ def _draft_columns(
     if want_entropy:
         q_all, entropy_ = probs_and_entropy(logits, temperature, top_p)
         # without a nucleus cut the entropy is NaN for NaN, +inf or -inf logits (p (z - m) = 0 x -inf): the check
-        if not math.isfinite(entropy_.sum() if top_p >= 1.0 else logits.sum(dtype=torch.float32)):
-            raise FloatingPointError("draft logits contain NaN or inf")
+        _check_finite("draft", entropy_ if top_p >= 1.0 else logits)
     else:
-        if not math.isfinite(logits.sum(dtype=torch.float32)):
-            raise FloatingPointError("draft logits contain NaN or inf")
+        _check_finite("draft", logits)
         q_all, entropy_ = probs_from_logits(logits, temperature, top_p), None
     q = q_all.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
     topk = topk_values(q_all, k) if want_topk else None

@@ -131,3 +131,18 @@ def test_native_sampling_draws_from_the_softmax(temperature):
     assert chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)
     again = ds.sample_tokens(rows, temperature, torch.Generator().manual_seed(0))
     assert torch.equal(draws, again)
+
+
+@pytest.mark.parametrize("role", ["target", "companion"])
+@pytest.mark.parametrize("native", [True, False])
+def test_token_features_name_the_model_with_non_finite_logits(monkeypatch, role, native):
+    """A NaN or inf in the target's or companion's logits raises FloatingPointError naming that model, on the native
+    path (its statistics are NaN for the row) and on the torch one (a reduction over the logits)."""
+    torch.manual_seed(5)
+    logits = {name: torch.randn(3, 4000) for name in ("draft", "target", "companion")}
+    logits[role][2, 7] = float("inf")
+    if not native:
+        monkeypatch.setattr("data_gen.features.draft_stats", lambda *a, **k: None)
+    with pytest.raises(FloatingPointError, match=f"{role} logits contain NaN or inf"):
+        token_features(logits["draft"], torch.tensor([1, 2, 3]), target_logits=logits["target"],
+                       companion_logits=logits["companion"], temperature=0.0)
