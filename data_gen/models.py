@@ -291,6 +291,17 @@ def share_truncated_layers(model: PreTrainedModel, base: PreTrainedModel) -> int
     return int(n)
 
 
+def shared_depth(model: PreTrainedModel | None, base: PreTrainedModel) -> int | None:
+    """N when ``model``'s layers are ``base``'s first N modules (:func:`share_truncated_layers`), else None: its states
+    after them are base's, so one pass of base gives both."""
+    if model is None:
+        return None
+    mine, theirs = model.get_decoder().layers, base.get_decoder().layers
+    if 0 < len(mine) < len(theirs) and all(a is b for a, b in zip(mine, theirs)):
+        return len(mine)
+    return None
+
+
 def model_fingerprint(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> dict:
     """Identity of a model that data and predictors are bound to: name, vocabulary and hidden size, and the precision
     it computed in (``dtype``, ``compute_path``, ``head_dtype`` and ``pack_layout``: a predictor is refused for another

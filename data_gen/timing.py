@@ -263,6 +263,24 @@ def _curve(raw: dict[int, list[float]], statistic: str) -> dict[int, float]:
     return dict(zip(ls, _monotone(ls, [_stat(raw[L], statistic) for L in ls])))
 
 
+def _time_head(model: Any, repeats: int, statistic: str) -> tuple[float, list[float]]:
+    """Seconds of a model's final norm and LM head on one hidden state: the per-token cost of a companion whose layers
+    are the draft's (the engine reads its states from the draft's step)."""
+    import torch
+
+    p = next(model.parameters())
+    h = torch.randn(1, 1, int(model.config.hidden_size), generator=torch.Generator().manual_seed(0)).to(p.device)
+    norm, head = model.get_decoder().norm, model.get_output_embeddings()
+    times = []
+    for r in range(repeats + 1):  # the first is a warm-up
+        t0 = clock(p.device)
+        head(norm(h))
+        t1 = clock(p.device)
+        if r:
+            times.append(t1 - t0)
+    return _stat(times, statistic), times
+
+
 def _time_decode(model: Any, prompt: Any, steps: int, repeats: int, statistic: str) -> tuple[float, list[float]]:
     """Seconds of one single-token decode step over a KV cache of the prompt (min or median over all steps)."""
     import torch
@@ -309,6 +327,8 @@ def measure_cost_model(
     """
     import torch
 
+    from data_gen.models import shared_depth
+
     if not lengths or min(lengths) < 1:
         raise ValueError(f"lengths must be non-empty and >= 1, got {lengths}")
     if statistic not in ("min", "median"):
@@ -325,7 +345,10 @@ def measure_cost_model(
         draft_s, raw = _time_decode(draft, prompt.to(next(draft.parameters()).device), decode_steps, repeats, statistic)
         extra["draft_raw_s"] = raw
         comp_s = 0.0
-        if companion is not None:
+        if companion is not None and shared_depth(companion, draft):  # its states come from the draft's step
+            comp_s, raw = _time_head(companion, repeats, statistic)
+            extra["companion_raw_s"], extra["companion_shares_draft_layers"] = raw, True
+        elif companion is not None:
             comp_s, raw = _time_decode(
                 companion, prompt.to(next(companion.parameters()).device), decode_steps, repeats, statistic
             )

@@ -41,6 +41,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from data_gen.features import COMPANION_COLUMNS, probs_from_logits, token_features
+from data_gen.models import shared_depth
 from data_gen.timing import CostModel, clock, measure_cost_model
 from predictors import goodput
 from predictors.base import GOODPUT, SEQUENTIAL, RoundFeedback, StopPolicy
@@ -158,6 +159,7 @@ class _Stream:
         self.model = model
         self.cache = DynamicCache(config=model.config)
         self.mask = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        self.tapped: Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -165,10 +167,11 @@ class _Stream:
 
     @torch.no_grad()
     def forward(
-        self, tokens: list[list[int]], left_pad: bool, all_logits: bool, hidden: bool = False
+        self, tokens: list[list[int]], left_pad: bool, all_logits: bool, hidden: bool = False, tap: int | None = None
     ) -> tuple[Tensor, Tensor | None, list[list[int]]]:
         """Feed each sequence its tokens (possibly none); returns (logits [B, n or 1, V], last hidden, cache
-        indices)."""
+        indices). With ``tap`` = N, ``self.tapped`` holds the [B, H] residual stream after the first N layers at the
+        last position (the states of a companion that is those layers)."""
         batch = len(tokens)
         n = max(1, max(len(t) for t in tokens))
         device = self.mask.device
@@ -189,10 +192,11 @@ class _Stream:
             position_ids=pos,
             past_key_values=self.cache,
             use_cache=True,
-            output_hidden_states=hidden,
+            output_hidden_states=hidden or tap is not None,
             logits_to_keep=0 if all_logits else 1,
         )
         h = out.hidden_states[-1][:, -1] if hidden else None
+        self.tapped = out.hidden_states[tap][:, -1] if tap is not None else None  # [i]: the input of layer i
         return out.logits, h, idx
 
     def discard(self, b: int, indices: list[int]) -> None:
@@ -327,6 +331,10 @@ class SpeculativeDecoder:
         # A companion the policy does not read is not run: it would only slow the draft loop down.
         self.draft, self.target, self.policy = draft, target, policy
         self.companion = companion if reads_companion else None
+        self.companion_depth = shared_depth(self.companion, draft)
+        """N when the companion's layers are the draft's first N (``data_gen.models.share_truncated_layers``, as
+        ``load_models`` loads a ``truncated:N:<draft>`` companion): its states come from the draft's step and only its
+        final norm and LM head run."""
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.max_draft_len, self.top_k_features = int(max_draft_len), int(top_k_features)
         self.cost_model = cost_model
@@ -446,7 +454,8 @@ class SpeculativeDecoder:
             gen.manual_seed(seed if seed is not None else torch.seed() % 2**63)
         batch = input_ids.shape[0]
         self.policy.reset()
-        cmp = _Stream(self.companion, batch, device) if self.companion is not None else None
+        own_pass = self.companion is not None and not self.companion_depth
+        cmp = _Stream(self.companion, batch, device) if own_pass else None
         st = _Decoding(
             tgt=_Stream(self.target, batch, device), drf=_Stream(self.draft, batch, device), cmp=cmp,
             t_pending=[], d_pending=[], outputs=[[] for _ in range(batch)], done=[False] * batch, eos=eos,
@@ -491,8 +500,13 @@ class SpeculativeDecoder:
         """One batched draft forward pass (B sequences), the stop decision, and the drafted tokens appended."""
         t0 = clock(st.device)
         feed = rnd.feed(st.d_pending, step)
-        logits, hid, idx = st.drf.forward(feed, left_pad=True, all_logits=False, hidden=self.needs_hidden)
-        c_logits = st.cmp.forward(feed, left_pad=True, all_logits=False)[0][:, -1] if st.cmp is not None else None
+        logits, hid, idx = st.drf.forward(feed, left_pad=True, all_logits=False, hidden=self.needs_hidden,
+                                          tap=self.companion_depth)
+        c_logits = None
+        if st.cmp is not None:
+            c_logits = st.cmp.forward(feed, left_pad=True, all_logits=False)[0][:, -1]
+        elif self.companion_depth:  # the companion is the draft's first layers: its head on the draft's state there
+            c_logits = self.companion.get_output_embeddings()(self.companion.get_decoder().norm(st.drf.tapped))
         st.stats.draft_time += clock(st.device) - t0
         st.stats.draft_forwards += 1
         logits = logits[:, -1]  # [B, V]

@@ -338,3 +338,48 @@ def test_companion_runs_only_for_policies_that_read_it(pair, companion):
     assert SpeculativeDecoder(draft, target, build_policy("static:3"), companion=companion).companion is None
     pol = CompanionAccept(threshold=0.2, max_draft_len=4)
     assert SpeculativeDecoder(draft, target, pol, companion=companion).companion is companion
+
+
+def test_a_companion_sharing_the_drafts_layers_reads_its_states_from_the_draft_step():
+    """SV with truncated:N:<draft> loaded as the generator loads it (its layers the draft's own): the engine runs no
+    companion pass, its companion logits equal a separate companion model's, the output is target-only's and the
+    cost model prices the companion as its LM head."""
+    from data_gen.models import ModelSpec, load_model, share_truncated_layers
+    from data_gen.timing import measure_cost_model
+    from predictors.sv import SVPolicy
+
+    draft, _ = load_model(ModelSpec("tiny:1:32:3"))
+    target, _ = load_model(ModelSpec("tiny:2:32:3"))
+    separate, _ = load_model(ModelSpec("truncated:2:tiny:1:32:3"))
+    shared, _ = load_model(ModelSpec("truncated:2:tiny:1:32:3"))
+    assert share_truncated_layers(shared, draft) == 2
+    seen = {}
+
+    class Spy(SVPolicy):
+        def score(self, features):
+            seen.setdefault(self.tag, []).append(features["companion_prob"].clone())
+            return super().score(features)
+
+    runs = {}
+    for tag, comp in (("separate", separate), ("shared", shared)):
+        pol = Spy(_sv_table(), threshold=0.1, max_draft_len=6)
+        pol.tag = tag
+        lat = measure_cost_model(draft, target, comp, prompt_len=8, lengths=(1, 3, 7), repeats=1)
+        dec = SpeculativeDecoder(draft, target, pol, companion=comp, cost_model=lat)
+        assert (dec.companion_depth == 2) == (tag == "shared")
+        runs[tag] = (dec.generate(PROMPT, None, 24, None, 0)[0], lat)
+    ref = target.generate(PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=256)
+    assert runs["shared"][0].tolist() == ref.tolist() == runs["separate"][0].tolist()
+    torch.testing.assert_close(torch.cat(seen["shared"]), torch.cat(seen["separate"]), rtol=1e-4, atol=1e-6)
+    assert runs["shared"][1].extra.get("companion_shares_draft_layers") is True
+
+
+def _sv_table():
+    """A fitted SV bin table (S, A_c on a 4 x 4 grid, acceptance their mean)."""
+    from predictors.sv import SVTable
+
+    table = SVTable(s_bins=4, a_bins=4)
+    g = torch.Generator().manual_seed(0)
+    s, a = torch.rand(200, generator=g), torch.rand(200, generator=g)
+    table.fit(s, a, (s + a) / 2)
+    return table
