@@ -1,0 +1,78 @@
+"""What one stop decision costs inside the engine, split into its features and its policy, beside a draft step.
+
+A stop decision runs once per drafted token right after a draft forward that streamed the draft's weights through the
+caches, so its small ops cost several times their warm cost: this measures it where it runs. For each policy spec the
+engine decodes one prompt (a warm-up of 16 tokens, then ``--repeats`` runs of ``--new_tokens``) on the real pair and
+prints, per decision, the stop time (``DecodeStats.stop_time``), the part spent in ``token_features`` and the rest
+(inputs, network, calibration, the rule), and the decision as a share of one draft forward (the benchmark's
+``stop_overhead`` column, here with the split).
+
+Usage:
+    python benchmarks/bench_stop_decision.py outputs/default/train/disco/export svip outputs/default/train/sv/export
+    python benchmarks/bench_stop_decision.py goodput:outputs/default/train/disco/export --cost_file \
+        outputs/benchmark/cost_model.json
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import decoding.engine as engine
+from data_gen.models import ModelSpec, load_model, share_truncated_layers
+from data_gen.timing import CostModel
+from decoding.engine import SpeculativeDecoder
+from decoding.policies import build_policy
+
+PROMPT = "Write a Python function that merges two sorted lists into one sorted list, with a docstring and tests."
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("policies", nargs="+", help="policy specs (export folders, goodput:<spec>, svip, static:5, ...)")
+    ap.add_argument("--draft", default="packaged:qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--target", default="packaged:qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--companion", default="truncated:12:packaged:qwen2.5-coder-0.5b-instruct",
+                    help="companion for policies that read one (SV); shares the draft's layers as load_models does")
+    ap.add_argument("--cost_file", default=None, help="a cost model for goodput policies (else measured on the fly)")
+    ap.add_argument("--new_tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+
+    draft, tok = load_model(ModelSpec(args.draft, bf16_head=True))
+    target, _ = load_model(ModelSpec(args.target))
+    companion, _ = load_model(ModelSpec(args.companion, bf16_head=True))
+    share_truncated_layers(companion, draft)
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                  return_tensors="pt")
+    ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+    cost = CostModel.from_json(args.cost_file) if args.cost_file else None
+    spent = {"features": 0.0}
+    plain = engine.token_features
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        out = plain(*a, **k)
+        spent["features"] += time.perf_counter() - t0
+        return out
+
+    engine.token_features = timed
+    print("| policy | tokens/s | stop decision, ms | features, ms | policy, ms | draft step, ms | share of a step |")
+    print("|---|---|---|---|---|---|---|")
+    for spec in args.policies:
+        dec = SpeculativeDecoder(draft, target, build_policy(spec, max_draft_len=16), max_draft_len=16,
+                                 companion=companion, cost_model=cost)
+        dec.generate(ids, max_new_tokens=16)
+        for _ in range(args.repeats):
+            spent["features"] = 0.0
+            _, st = dec.generate(ids, max_new_tokens=args.new_tokens)
+            n = max(st.stop_decisions, 1)
+            stop, feat = 1e3 * st.stop_time / n, 1e3 * spent["features"] / n
+            step = 1e3 * st.draft_time / max(st.draft_forwards, 1)
+            print(f"| {spec} | {st.tokens_per_s:.2f} | {stop:.3f} | {feat:.3f} | {stop - feat:.3f} | {step:.1f} | "
+                  f"{st.stop_overhead:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
