@@ -77,17 +77,19 @@ Rule = Callable[[np.ndarray, np.ndarray, goodput.RoundCost, int], tuple[int, int
 
 
 # ------------------------------------------------------------------------------------------------------ the rules
+def _round_so_far(acc: np.ndarray, cost: goodput.RoundCost) -> tuple[float, float, float]:
+    """(expected tokens/s of stopping now, E_k, P_k) of a round that drafted ``acc``."""
+    return goodput.best_prefix(acc, cost)[1], float(goodput.expected_tokens(acc)[-1]), float(np.prod(acc))
+
+
 def ratio_rule(forecast: Callable[[np.ndarray, np.ndarray, int], np.ndarray]) -> Rule:
     """The goodput rule with ``forecast(acc[:k], truth, m) -> [m]`` survival S_1..S_m of the next m tokens."""
 
     def keep(acc: np.ndarray, truth: np.ndarray, cost: goodput.RoundCost, cap: int) -> bool:
         k = len(acc)
-        if k >= cap:
-            return False
-        if k == 0:
-            return True
-        _, now = goodput.best_prefix(acc, cost)
-        e_k, p_k = goodput.expected_tokens(acc)[-1], float(np.prod(acc))
+        if k >= cap or k == 0:
+            return k == 0 and cap > 0
+        now, e_k, p_k = _round_so_far(acc, cost)
         ns = np.arange(k + 1, cap + 1)
         tokens = e_k + p_k * np.cumsum(forecast(acc, truth, cap - k))
         rate = tokens / (ns * cost.per_draft + cost.verify_times(cap)[k + 1:])
@@ -244,12 +246,9 @@ def markov_rule(fit: Fitted) -> Rule:
 
     def keep(acc: np.ndarray, cost: goodput.RoundCost, cap: int) -> bool:
         k = len(acc)
-        if k >= cap:
-            return False
-        if k == 0:
-            return True
-        _, now = goodput.best_prefix(acc, cost)
-        e_k, p_k = goodput.expected_tokens(acc)[-1], float(np.prod(acc))
+        if k >= cap or k == 0:
+            return k == 0 and cap > 0
+        now, e_k, p_k = _round_so_far(acc, cost)
         b = binof(float(acc[-1]))
         ns = np.arange(k + 1, cap + 1)
         times = ns * cost.per_draft + cost.verify_times(cap)[k + 1:]
