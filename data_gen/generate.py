@@ -35,6 +35,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data_gen.compute_path import precision_diffs, use_row_invariant_attention
 from data_gen.continuations import GenStats, continue_batch, speculative_trajectory
+from data_gen.draft_stats import native_available
 from data_gen.labelling import (
     CachedPass,
     LabelModels,
@@ -554,6 +555,8 @@ def load_models(cfg: GenerateConfig, device: str | None = None) -> tuple[LabelMo
         if depth:
             log.info("companion %s: the draft's first %d layers (shared; its states come from the draft's passes)",
                      mc.companion, depth)
+    if next(draft.parameters()).device.type == "cpu":
+        native_available()  # build / load the native statistics with the models, not inside the first shard's timing
     return LabelModels(draft, target, companion, depth), tok
 
 

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
+from data_gen.draft_stats import native_available
 from data_gen.features import COMPANION_COLUMNS, probs_from_logits, token_features
 from data_gen.models import shared_depth
 from data_gen.timing import CostModel, clock, measure_cost_model
@@ -332,6 +333,8 @@ class SpeculativeDecoder:
         self.draft, self.target, self.policy = draft, target, policy
         self.companion = companion if reads_companion else None
         self.companion_depth = shared_depth(self.companion, draft)
+        if next(draft.parameters()).device.type == "cpu":
+            native_available()  # build / load the native statistics now, not inside the first timed decision
         """N when the companion's layers are the draft's first N (``data_gen.models.share_truncated_layers``, as
         ``load_models`` loads a ``truncated:N:<draft>`` companion): its states come from the draft's step and only its
         final norm and LM head run."""
