@@ -49,7 +49,14 @@ from data_gen.labelling import (
 from data_gen.models import ModelSpec, check_same_tokenizer, load_model, model_fingerprint, share_truncated_layers
 from data_gen.prompts import PromptSourceConfig, load_prompts, render_prompt, split_of
 from data_gen.schema import ORIGINS, features_schema
-from data_gen.shards import ShardWriter, finished_chunks, prepare_out_dir, read_data_config, summarize
+from data_gen.shards import (
+    ShardWriter,
+    finished_chunks,
+    prepare_out_dir,
+    read_data_config,
+    summarize,
+    wait_for_out_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -620,6 +627,8 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
     check_same_precision(out_dir, fingerprints)
     if rank == 0:
         prepare_out_dir(out_dir, cfg.data_config(), {**resolved, "fingerprints": fingerprints}, cfg.overwrite)
+    else:  # the other ranks write only into the folder rank 0 has created and checked
+        wait_for_out_dir(out_dir, cfg.data_config())
     features = features_schema(
         cfg.top_k, models.draft.config.hidden_size if cfg.store_hidden else None, models.companion is not None
     )

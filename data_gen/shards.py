@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,6 +88,27 @@ def prepare_out_dir(out_dir: Path, data_config: dict, resolved: dict, overwrite:
     tmp = cfg_file.with_suffix(".tmp")
     tmp.write_text(json.dumps({"fingerprint": fp, "data": data_config, "resolved": resolved}, indent=2, default=str))
     os.replace(tmp, cfg_file)
+
+
+def wait_for_out_dir(out_dir: Path, data_config: dict, timeout_s: float = 600.0, poll_s: float = 0.2) -> None:
+    """A rank other than 0: wait until rank 0 has prepared ``out_dir`` for this data config (:func:`prepare_out_dir`
+    writes its config file last), so that no shard is written before the folder exists or is checked.
+
+    Raises:
+        TimeoutError: naming the folder, when rank 0 has not prepared it within ``timeout_s`` (it failed or hangs).
+    """
+    fp, cfg_file = config_fingerprint(data_config), out_dir / CONFIG_FILE
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if json.loads(cfg_file.read_text()).get("fingerprint") == fp:
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not prepare {out_dir} for this data config within {timeout_s:.0f} s "
+                               f"(see its log: it may have refused the folder)")
+        time.sleep(poll_s)
 
 
 def finished_chunks(out_dir: Path) -> dict[int, int]:

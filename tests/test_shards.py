@@ -5,6 +5,7 @@ import logging
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from data_gen.shards import cost_path, finished_chunks, is_complete, mark_complete, shard_path
 
@@ -38,3 +39,19 @@ def test_complete_marker_follows_the_shards(tmp_path):
     assert not is_complete(tmp_path, "other", 100) and not is_complete(tmp_path, "fp", 200)
     _shard(tmp_path, 1, 5)  # a shard replaced since: generate again
     assert not is_complete(tmp_path, "fp", 100)
+
+
+def test_other_ranks_wait_until_rank_0_prepared_the_folder(tmp_path):
+    """A rank other than 0 writes nothing before rank 0 has created and checked the folder: it waits for the config
+    file of its data config, and names the folder when rank 0 never prepares it."""
+    import threading
+
+    from data_gen.shards import prepare_out_dir, wait_for_out_dir
+
+    out, data = tmp_path / "d", {"seed": 0, "mix": "a"}
+    later = threading.Timer(0.3, prepare_out_dir, args=(out, data, {}, False))
+    later.start()
+    wait_for_out_dir(out, data, timeout_s=10.0, poll_s=0.05)
+    assert (out / "config.json").exists()
+    with pytest.raises(TimeoutError, match=str(tmp_path / "d")):
+        wait_for_out_dir(out, {"seed": 1, "mix": "a"}, timeout_s=0.2, poll_s=0.05)  # another config's folder
