@@ -108,13 +108,19 @@ def best_prefix(acc: Sequence[float], cost: RoundCost, drafted: int | None = Non
         acc: calibrated acceptance of each drafted token, in draft order (k = len(acc)).
         cost: the round's cost.
         drafted: drafting steps paid this round (default k).
+    """
+    best_n, best, _, _ = _scan(acc, cost, len(acc) if drafted is None else drafted)
+    return best_n, best
+
+
+def _scan(acc: Sequence[float], cost: RoundCost, drafted: int) -> tuple[int, float, float, float]:
+    """(n*, its expected tokens/s, E_k, P_k = a_1 ... a_k) of a round that drafted ``acc``, in one pass.
 
     A loop over Python floats, not arrays: the engine calls the rule once per drafted token right after a draft
     forward, where each numpy call costs tens of microseconds; the values are those of :func:`expected_tokens`
     (the same sequential products and sums).
     """
     k = len(acc)
-    drafted = k if drafted is None else drafted
     verify, paid = cost._verify_list(k), drafted * cost.per_draft
     surv = cum = 0.0
     best_n, best = 0, 1.0 / (paid + verify[0])
@@ -125,7 +131,7 @@ def best_prefix(acc: Sequence[float], cost: RoundCost, drafted: int | None = Non
         rate = (1.0 + cum) / (paid + verify[n])
         if rate > best:
             best_n, best = n, rate
-    return best_n, best
+    return best_n, best, 1.0 + cum, surv
 
 
 def keep_drafting(acc: Sequence[float], cost: RoundCost, cap: int) -> bool:
@@ -136,13 +142,8 @@ def keep_drafting(acc: Sequence[float], cost: RoundCost, cap: int) -> bool:
         return False
     if k == 0:
         return True
-    _, now = best_prefix(acc, cost)
-    surv = cum = 0.0
-    for i, x in enumerate(acc):  # E_k and P_k = a_1 ... a_k, as expected_tokens forms them
-        a = min(max(float(x), 0.0), 1.0)
-        surv = a if i == 0 else surv * a
-        cum += surv
-    tokens_k, p_k, r = 1.0 + cum, surv, a
+    _, now, tokens_k, p_k = _scan(acc, cost, k)
+    r = min(max(float(acc[-1]), 0.0), 1.0)
     verify, d = cost._verify_list(cap), cost.per_draft
     ahead = 0.0
     for n in range(k + 1, cap + 1):
