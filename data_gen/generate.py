@@ -551,20 +551,18 @@ def load_models(cfg: GenerateConfig, device: str | None = None) -> tuple[LabelMo
     target, ttok = load_model(mc.spec(mc.target))
     toks = {f"draft ({mc.draft})": tok, f"target ({mc.target})": ttok}
     mods = {f"draft ({mc.draft})": draft, f"target ({mc.target})": target}
-    companion, depth = None, None
+    companion = None
     if mc.companion:
         companion, ctok = load_model(mc.spec(mc.companion, "companion"))
         toks[f"companion ({mc.companion})"] = ctok
         mods[f"companion ({mc.companion})"] = companion
     check_same_tokenizer(toks, mods)
-    if companion is not None:
-        depth = share_truncated_layers(companion, draft)
-        if depth:
-            log.info("companion %s: the draft's first %d layers (shared; its states come from the draft's passes)",
-                     mc.companion, depth)
+    if companion is not None and (depth := share_truncated_layers(companion, draft)):
+        log.info("companion %s: the draft's first %d layers (shared; its states come from the draft's passes)",
+                 mc.companion, depth)
     if next(draft.parameters()).device.type == "cpu":
         native_available()  # build / load the native statistics with the models, not inside the first shard's timing
-    return LabelModels(draft, target, companion, depth), tok
+    return LabelModels(draft, target, companion), tok
 
 
 def attention_for_labelling(models: LabelModels) -> None:

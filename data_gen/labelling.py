@@ -30,6 +30,7 @@ from transformers import PreTrainedModel
 
 from data_gen.draft_stats import sample_tokens
 from data_gen.features import probs_from_logits, token_features
+from data_gen.models import layer_output, shared_depth
 
 
 @dataclass
@@ -68,15 +69,12 @@ class LabelModels:
     draft: PreTrainedModel
     target: PreTrainedModel
     companion: PreTrainedModel | None = None
-    companion_depth: int | None = None
-    """N when the companion is the draft's first N layers (``data_gen.models.share_truncated_layers``): its states
-    come from the draft's own pass (:meth:`companion_tap`)."""
 
     def companion_tap(self) -> tuple[int, nn.Module] | None:
-        """(layers, final norm) for :class:`CachedPass`'s tap when the companion is a truncation of the draft."""
-        if self.companion is None or not self.companion_depth:
-            return None
-        return self.companion_depth, self.companion.get_decoder().norm
+        """(layers, final norm) for :class:`CachedPass`'s tap when the companion's layers are the draft's first N
+        (``data_gen.models.share_truncated_layers``): its states then come from the draft's own pass."""
+        depth = shared_depth(self.companion, self.draft)
+        return (depth, self.companion.get_decoder().norm) if depth and self.companion is not None else None
 
 
 @dataclass
@@ -316,15 +314,9 @@ class CachedPass:
 
     def _decode_call(self, **kw: Any) -> tuple[Any, Tensor | None]:
         """The decoder's forward, and with a tap the residual stream after its first ``tap[0]`` layers ([B, T, H])."""
-        if self.tap is None:
-            return self.decoder(**kw), None
-        seen: list[Tensor] = []
-        hook = self.decoder.layers[self.tap[0] - 1].register_forward_hook(lambda _m, _a, out: seen.append(out))
-        try:
+        with layer_output(self.decoder.layers, self.tap[0] if self.tap else None) as seen:
             out = self.decoder(**kw)
-        finally:
-            hook.remove()
-        return out, seen[-1][0] if isinstance(seen[-1], tuple) else seen[-1]
+        return out, seen[-1] if seen else None
 
     @property
     def batch(self) -> int:

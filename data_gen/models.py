@@ -20,10 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from data_gen.compute_path import (
@@ -300,6 +303,23 @@ def shared_depth(model: PreTrainedModel | None, base: PreTrainedModel) -> int | 
     if 0 < len(mine) < len(theirs) and all(a is b for a, b in zip(mine, theirs)):
         return len(mine)
     return None
+
+
+@contextmanager
+def layer_output(layers: nn.ModuleList, n: int | None) -> Iterator[list[Tensor]]:
+    """Within the block, every forward through ``layers`` appends the residual stream after its first ``n`` layers
+    ([B, T, H]) to the list it yields (a forward hook on layer n, removed on exit; nothing when n is None): the states
+    of a model that shares those layers (:func:`shared_depth`) from the same forward, without keeping every layer's."""
+    seen: list[Tensor] = []
+    if not n:
+        yield seen
+        return
+    hook = layers[n - 1].register_forward_hook(lambda _m, _a, out: seen.append(out[0] if isinstance(out, tuple)
+                                                                               else out))
+    try:
+        yield seen
+    finally:
+        hook.remove()
 
 
 def model_fingerprint(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> dict:

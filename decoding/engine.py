@@ -42,7 +42,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from data_gen.draft_stats import native_available
 from data_gen.features import COMPANION_COLUMNS, probs_from_logits, token_features
-from data_gen.models import shared_depth
+from data_gen.models import layer_output, shared_depth
 from data_gen.timing import CostModel, clock, measure_cost_model
 from predictors import goodput
 from predictors.base import GOODPUT, SEQUENTIAL, RoundFeedback, StopPolicy
@@ -187,17 +187,18 @@ class _Stream:
             idx.append([self.length + start + j for j in range(len(t))])
         pos = (self.mask.sum(-1, keepdim=True) + m.cumsum(-1) - 1).clamp_min(0)
         self.mask = torch.cat([self.mask, m], dim=1)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self.mask,
-            position_ids=pos,
-            past_key_values=self.cache,
-            use_cache=True,
-            output_hidden_states=hidden or tap is not None,
-            logits_to_keep=0 if all_logits else 1,
-        )
+        with layer_output(self.model.get_decoder().layers, tap) as seen:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=self.mask,
+                position_ids=pos,
+                past_key_values=self.cache,
+                use_cache=True,
+                output_hidden_states=hidden,
+                logits_to_keep=0 if all_logits else 1,
+            )
         h = out.hidden_states[-1][:, -1] if hidden else None
-        self.tapped = out.hidden_states[tap][:, -1] if tap is not None else None  # [i]: the input of layer i
+        self.tapped = seen[-1][:, -1] if seen else None
         return out.logits, h, idx
 
     def discard(self, b: int, indices: list[int]) -> None:

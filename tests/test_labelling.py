@@ -383,7 +383,8 @@ def test_a_truncated_companion_shares_the_drafts_layers_and_its_states_come_from
     torch.testing.assert_close(_body_hidden(companion, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)),
                                own)  # the shared layers are the ones it had
 
-    models = LabelModels(draft, target, companion, 2)
+    models = LabelModels(draft, target, companion)
+    assert models.companion_tap()[0] == 2
     prefixes = [tok(t)["input_ids"] for t in ("def f(x):", "import numpy as np\nx = np.zeros(3)")]
     new, hidden, _, tapped = draft_pass(draft, prefixes, [6, 6], pad_token_id=tok.pad_token_id, eos_token_id=None,
                                         tap=models.companion_tap())
