@@ -334,11 +334,11 @@ class SpeculativeDecoder:
         self.draft, self.target, self.policy = draft, target, policy
         self.companion = companion if reads_companion else None
         self.companion_depth = shared_depth(self.companion, draft)
-        if next(draft.parameters()).device.type == "cpu":
-            native_available()  # build / load the native statistics now, not inside the first timed decision
         """N when the companion's layers are the draft's first N (``data_gen.models.share_truncated_layers``, as
         ``load_models`` loads a ``truncated:N:<draft>`` companion): its states come from the draft's step and only its
         final norm and LM head run."""
+        if next(draft.parameters()).device.type == "cpu":
+            native_available()  # build / load the native statistics now, not inside the first timed decision
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.max_draft_len, self.top_k_features = int(max_draft_len), int(top_k_features)
         self.cost_model = cost_model
