@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from data_gen import bf16_gemm
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -61,6 +63,7 @@ __all__ = [
     "apply_compute_path",
     "head_dtype_of",
     "compute_path_of",
+    "gemm_of",
     "cpu_info",
     "cpu_model",
     "native_bf16",
@@ -150,12 +153,15 @@ class PackedLinear(nn.Module):
     No autograd.
     """
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, native: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.pack_dtype = dtype
+        # the bf16 pack runs on specstop's kernel (data_gen.bf16_gemm) when asked and this CPU has it, else oneDNN's
+        self.kernel = "specstop" if native and dtype == torch.bfloat16 and linear.in_features % 2 == 0 else "onednn"
         w = linear.weight.detach().to(dtype).contiguous()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w, None), persistent=False)
+        packed = bf16_gemm.pack(w) if self.kernel == "specstop" else torch.ops.mkldnn._reorder_linear_weight(w, None)
+        self.register_buffer("packed_weight", packed, persistent=False)
         # the bias is added in the activations' dtype (fp32) after the GEMM, so a bf16 pack rounds only x and W
         b = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", b, persistent=False)
@@ -178,12 +184,12 @@ class PackedLinear(nn.Module):
         if self.bias is not None:
             raise ValueError("PackedLinear.raw is for layers without a bias")
         x2, n = self._rows(x2)
-        return torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, None, "none", [], "")[:n]
+        return self._pack_gemm(x2)[:n]
 
     def _rows(self, x2: torch.Tensor) -> tuple[torch.Tensor, int]:
         """([max(N, MIN_ROWS), in] in the pack's dtype, contiguous; N) for the GEMM."""
         n = x2.shape[0]
-        if n < MIN_ROWS:
+        if n < MIN_ROWS and self.kernel == "onednn":
             # oneDNN runs one row on a GEMV kernel whose summation order differs from its kernel for 2+ rows (which
             # gives every row the same bits whatever M is); zero rows keep one-token steps on that kernel, so a
             # verification forward of L tokens reproduces L one-token steps bit for bit. Padding to 4 rather than 2:
@@ -200,13 +206,20 @@ class PackedLinear(nn.Module):
         """[N, in] (pack dtype, contiguous) -> the first ``n`` rows of [N, out], activations' dtype, bias added."""
         if self.pack_dtype == self._out_dtype:  # fp32 pack: bias fused into the GEMM
             return torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, self.bias, "none", [], "")[:n]
-        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, None, "none", [], "")[:n]
+        y = self._pack_gemm(x2)[:n]
         if self.bias is not None:  # bf16 + fp32 promotes to fp32: the same bits as converting first, one op less
             return torch.add(y, self.bias)
         return y.to(self._out_dtype)
 
+    def _pack_gemm(self, x2: torch.Tensor) -> torch.Tensor:
+        """[N, in] (pack dtype, contiguous) -> [N, out] in the pack's dtype, no bias, on the pack's own kernel."""
+        if self.kernel == "specstop":
+            return bf16_gemm.gemm(x2, self.packed_weight, self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, None, "none", [], "")
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, pack={self.pack_dtype}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, pack={self.pack_dtype}, "
+                f"kernel={self.kernel}")
 
 
 FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -226,14 +239,14 @@ class FusedLinears:
     however the model calls its layers.
     """
 
-    def __init__(self, linears: list[nn.Linear], dtype: torch.dtype) -> None:
+    def __init__(self, linears: list[nn.Linear], dtype: torch.dtype, native: bool = False) -> None:
         whole = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears),
                           bias=linears[0].bias is not None)
         with torch.no_grad():
             whole.weight.copy_(torch.cat([lin.weight.detach() for lin in linears]))
             if whole.bias is not None:
                 whole.bias.copy_(torch.cat([lin.bias.detach() for lin in linears]))
-        self.packed = PackedLinear(whole, dtype)
+        self.packed = PackedLinear(whole, dtype, native)
         bounds = [0]
         for lin in linears:
             bounds.append(bounds[-1] + lin.out_features)
@@ -425,7 +438,8 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def apply_compute_path(
-    model: nn.Module, path: str, bf16_head: bool = False, min_elements: int = MIN_PACK_ELEMENTS, fuse: bool = True
+    model: nn.Module, path: str, bf16_head: bool = False, min_elements: int = MIN_PACK_ELEMENTS, fuse: bool = True,
+    native_gemm: bool = True,
 ) -> dict[str, Any]:
     """Swap the model's large ``nn.Linear`` layers for :class:`PackedLinear` (in place) for a resolved ``path``.
 
@@ -442,6 +456,9 @@ def apply_compute_path(
             its members' weights together.
         fuse: pack each :data:`FUSED_GROUPS` of sibling linears as one GEMM (:class:`FusedLinears`): one call
             instead of three (q, k, v) or two (gate, up) per layer, measured 5% of a 0.5B draft's decoding step.
+        native_gemm: with ``packed-bf16``, run the bf16 packs on specstop's kernel (:mod:`data_gen.bf16_gemm`) where
+            this CPU has it (AVX512-BF16), else on oneDNN's. Another summation order: a data folder records which
+            (``gemm`` in the fingerprint).
     Returns:
         stats: packed layer count (fused members included), fused groups, weight bytes before and after, the path.
     Raises:
@@ -457,7 +474,9 @@ def apply_compute_path(
         raise ValueError(f"compute path {path!r} needs a float32 model on the CPU (got {p.dtype} on {p.device}); "
                          f"load with --models.dtype float32 or use --models.compute eager")
     dtype = torch.bfloat16 if path == "packed-bf16" else torch.float32
-    stats = {"compute_path": path, "packed_layers": 0, "bytes_before": 0, "bytes_after": 0}
+    native = bool(native_gemm and dtype == torch.bfloat16 and bf16_gemm.available())
+    stats = {"compute_path": path, "packed_layers": 0, "bytes_before": 0, "bytes_after": 0,
+             "gemm": "specstop" if native else "onednn"}
     tied = _tied_output_weight(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if fuse:
@@ -465,7 +484,7 @@ def apply_compute_path(
         for parent, group in _fusable_groups(model, min_elements):
             lins = [getattr(parent, n) for n in group]
             need = sum(lin.weight.numel() for lin in lins) * dtype.itemsize
-            fused = _pack_or_explain(model, "+".join(group), need, FusedLinears, lins, dtype)
+            fused = _pack_or_explain(model, "+".join(group), need, FusedLinears, lins, dtype, native)
             for i, (n, lin) in enumerate(zip(group, lins)):
                 setattr(parent, n, PackedSlice(fused, i, lin.in_features, lin.out_features, dtype))
                 stats["bytes_before"] += lin.weight.numel() * lin.weight.element_size()
@@ -477,7 +496,8 @@ def apply_compute_path(
             continue
         layer_dtype = torch.float32 if (lin is head and not bf16_head) else dtype
         need = lin.weight.numel() * layer_dtype.itemsize
-        packed = _pack_or_explain(model, f"{name} {tuple(lin.weight.shape)}", need, PackedLinear, lin, layer_dtype)
+        packed = _pack_or_explain(model, f"{name} {tuple(lin.weight.shape)}", need, PackedLinear, lin, layer_dtype,
+                                  native)
         setattr(parent, name, packed)
         stats["packed_layers"] += 1
         stats["bytes_before"] += 0 if lin.weight is tied else lin.weight.numel() * lin.weight.element_size()
@@ -489,6 +509,7 @@ def apply_compute_path(
         model.specstop_compute_path = path
         model.specstop_pack_layout = "fused" if stats.get("fused_groups") else "per-layer"
         model.specstop_head_dtype = "bfloat16" if (bf16_head and path == "packed-bf16") else "float32"
+        model.specstop_gemm = stats["gemm"]
         stats["row_invariant_attention"] = use_row_invariant_attention(model)
         _detach_from_file(model)
     else:
@@ -567,26 +588,34 @@ def pack_layout_of(model: nn.Module) -> str:
     return str(getattr(model, "specstop_pack_layout", "per-layer"))
 
 
-PRECISION_DEFAULTS = {"head_dtype": "float32", "pack_layout": "per-layer"}
+def gemm_of(model: nn.Module) -> str:
+    """The kernel its packed linears run on: ``specstop`` (:mod:`data_gen.bf16_gemm`), ``onednn`` or ``eager``."""
+    if compute_path_of(model) == "eager":
+        return "eager"
+    return str(getattr(model, "specstop_gemm", "onednn"))
+
+
+PRECISION_DEFAULTS = {"head_dtype": "float32", "pack_layout": "per-layer", "gemm": "onednn"}
 """What a fingerprint without these keys computed with (written before they were recorded)."""
 
 
 def precision_diffs(stored: dict, current: dict) -> dict[str, tuple[str, str]]:
     """key -> (stored, current) for each precision field of two model fingerprints that differs (``dtype``,
-    ``compute_path``, ``head_dtype``, ``pack_layout``); keys missing from an older packed fingerprint read as
+    ``compute_path``, ``head_dtype``, ``pack_layout``, ``gemm``); keys missing from an older packed fingerprint read as
     :data:`PRECISION_DEFAULTS`. Nothing when either side has no ``compute_path``."""
     if not stored.get("compute_path") or not current.get("compute_path"):
         return {}
     out = {}
-    for key in ("dtype", "compute_path", "head_dtype", "pack_layout"):
+    for key in ("dtype", "compute_path", "head_dtype", "pack_layout", "gemm"):
         default = PRECISION_DEFAULTS.get(key)
-        if key == "pack_layout" and stored["compute_path"] == "eager":
+        if key in ("pack_layout", "gemm") and stored["compute_path"] == "eager":
             default = "eager"
         was, now = stored.get(key, default), current.get(key)
         if was and now and was != now:
             out[key] = (str(was), str(now))
     if "compute_path" in out:  # another path packs (or not) otherwise anyway
         out.pop("pack_layout", None)
+        out.pop("gemm", None)
     return out
 
 

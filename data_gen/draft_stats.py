@@ -17,40 +17,23 @@ Usage::
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from data_gen.native import NativeExtension
+
 log = logging.getLogger(__name__)
 
 __all__ = ["draft_stats", "pair_stats", "sample_tokens", "native_available"]
 
-_SOURCE = Path(__file__).with_name("csrc") / "draft_stats.cpp"
-_CFLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-std=c++17"]
-_module: Any = None
-_failed: str | None = None
+_EXT = NativeExtension("specstop_draft_stats", "draft_stats.cpp", "native draft statistics")
 
 
 def _load() -> Any:
-    """The built extension, or None (the reason is logged once)."""
-    global _module, _failed
-    if _module is not None or _failed is not None:
-        return _module
-    if os.environ.get("SPECSTOP_NATIVE", "1") == "0":
-        _failed = "SPECSTOP_NATIVE=0"
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        _module = load(name="specstop_draft_stats", sources=[str(_SOURCE)], extra_cflags=_CFLAGS, verbose=False)
-    except Exception as e:  # no compiler, no ninja, no headers: the torch ops give the same statistics
-        _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        log.warning("native draft statistics unavailable (%s); the stop decision uses torch ops (slower per token)",
-                    _failed)
-    return _module
+    """The built extension, or None (``_EXT.failed`` says why)."""
+    return _EXT.module()
 
 
 def native_available() -> bool:

@@ -86,13 +86,17 @@ class ModelsConfig:
     fuse_linears: bool = True
     """On a packed path, q/k/v and gate/up run as one GEMM each (same bits as separate packs; the draft's small k/v,
     eager fp32 when packed one by one, compute in the pack's dtype). Recorded as ``pack_layout``."""
+    native_gemm: bool = True
+    """On packed-bf16, the linears run on specstop's batch-invariant bf16 kernel (``data_gen.bf16_gemm``: weights
+    streamed once for up to 16 rows) where the CPU has AVX512-BF16; false: oneDNN's. Recorded as ``gemm``."""
 
     def spec(self, name: str, role: str = "target") -> ModelSpec:
         """The ModelSpec of ``name`` loaded as ``role`` (draft, target or companion)."""
         if role not in ("draft", "target", "companion"):
             raise ValueError(f"role={role!r}: use draft, target or companion")
         return ModelSpec(name, dtype=self.dtype, device=self.device, cache_dir=self.cache_dir, compute=self.compute,
-                         bf16_head=self.bf16_draft_head and role != "target", fuse_linears=self.fuse_linears)
+                         bf16_head=self.bf16_draft_head and role != "target", fuse_linears=self.fuse_linears,
+                         native_gemm=self.native_gemm)
 
 
 @dataclass
@@ -574,8 +578,8 @@ def attention_for_labelling(models: LabelModels) -> None:
 
 
 def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
-    """Refuse to add shards labelled on another compute path, LM-head dtype or pack layout than the folder's
-    (``compute: auto`` resolves per CPU: bf16 weights on an AVX512-BF16 host, fp32 on an AVX2 one), so that no
+    """Refuse to add shards labelled on another compute path, LM-head dtype, pack layout or GEMM kernel than the
+    folder's (``compute: auto`` resolves per CPU: bf16 weights on an AVX512-BF16 host, fp32 on an AVX2 one), so that no
     folder mixes two precisions (``data_gen.compute_path.precision_diffs``: older folders had fp32 heads and
     per-layer packs)."""
     stored = read_data_config(out_dir)
@@ -584,10 +588,11 @@ def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
     old = stored.get("resolved", {}).get("fingerprints", {})
     hints = {"compute_path": lambda was: f"--models.compute {was}",
              "head_dtype": lambda was: f"--models.bf16_draft_head {str(was == 'bfloat16').lower()}",
-             "pack_layout": lambda was: f"--models.fuse_linears {str(was == 'fused').lower()}"}
+             "pack_layout": lambda was: f"--models.fuse_linears {str(was == 'fused').lower()}",
+             "gemm": lambda was: f"--models.native_gemm {str(was == 'specstop').lower()}"}
     for role, fp in fingerprints.items():
         diffs = precision_diffs(old.get(role, {}), fp)
-        for key in ("compute_path", "head_dtype", "pack_layout"):  # dtype has its own config check
+        for key in ("compute_path", "head_dtype", "pack_layout", "gemm"):  # dtype has its own config check
             if key in diffs:
                 was, now = diffs[key]
                 raise FileExistsError(

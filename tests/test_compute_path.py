@@ -40,6 +40,9 @@ def test_packed_linear_bf16_returns_fp32_close_to_eager() -> None:
 
 BF16 = pytest.param("packed-bf16", marks=pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                                                              reason="oneDNN without bf16"))
+BF16_ONEDNN = pytest.param("packed-bf16+onednn", marks=pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN without bf16"))
+"""packed-bf16 on oneDNN's kernels (``native_gemm=False``); plain BF16 runs specstop's where the CPU has it."""
 
 
 def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
@@ -66,8 +69,8 @@ def test_load_model_keeps_tiny_models_eager_and_the_fingerprint_reads_a_packed_h
     fp = model_fingerprint(model, tok)
     assert fp["compute_path"] == "eager" and fp["dtype"] == "float32"
     cp.apply_compute_path(model, "packed", min_elements=0)
-    assert fp["pack_layout"] == "eager"
-    assert model_fingerprint(model, tok) == {**fp, "compute_path": "packed", "pack_layout": "fused"}
+    assert fp["pack_layout"] == "eager" and fp["gemm"] == "eager"
+    assert model_fingerprint(model, tok) == {**fp, "compute_path": "packed", "pack_layout": "fused", "gemm": "onednn"}
 
 
 def test_auto_picks_bf16_only_with_native_support(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,6 +139,22 @@ def test_a_data_folder_is_not_resumed_with_another_head_dtype(tmp_path) -> None:
     with pytest.raises(FileExistsError, match="--models.bf16_draft_head false"):
         check_same_precision(tmp_path, now)
     check_same_precision(tmp_path, {**now, "draft": {**now["draft"], "head_dtype": "float32"}})
+
+
+def test_a_data_folder_is_not_resumed_with_another_gemm_kernel(tmp_path) -> None:
+    """Folders labelled before specstop's bf16 kernel ran on oneDNN's: a model on the new kernel may not add to them."""
+    import json
+
+    from data_gen.generate import check_same_precision
+
+    (tmp_path / "shard-00000.parquet").write_bytes(b"")
+    old = {"target": {"compute_path": "packed-bf16", "pack_layout": "fused"}}
+    (tmp_path / "config.json").write_text(json.dumps({"resolved": {"fingerprints": old}}))
+    now = {"target": {"compute_path": "packed-bf16", "pack_layout": "fused", "gemm": "specstop"}}
+    with pytest.raises(FileExistsError, match="--models.native_gemm false"):
+        check_same_precision(tmp_path, now)
+    check_same_precision(tmp_path, {"target": {**now["target"], "gemm": "onednn"}})
+    assert cp.precision_diffs({"compute_path": "eager"}, {"compute_path": "eager", "gemm": "eager"}) == {}
 
 
 def test_a_data_folder_is_not_resumed_with_another_pack_layout(tmp_path) -> None:
@@ -253,12 +272,15 @@ def test_bf16_head_is_recorded_in_the_fingerprint() -> None:
 
 def _packed_tiny(path: str, spec: str = "tiny:2:32:3"):
     model, _ = load_model(ModelSpec(spec, compute="eager"))
-    stats = cp.apply_compute_path(model, path, min_elements=0)
+    path, _, kernel = path.partition("+")
+    stats = cp.apply_compute_path(model, path, min_elements=0, native_gemm=kernel != "onednn")
+    if kernel == "onednn":
+        assert stats["gemm"] == "onednn"
     assert stats["row_invariant_attention"] and model.config._attn_implementation == cp.ROW_INVARIANT_ATTENTION
     return model
 
 
-@pytest.mark.parametrize("path", ["packed", BF16])
+@pytest.mark.parametrize("path", ["packed", BF16, BF16_ONEDNN])
 def test_a_packed_forward_is_batch_invariant(path: str) -> None:
     """A position's logits have the same bits in a one-token step, a chunk of L tokens and the prompt."""
     from transformers import DynamicCache
@@ -293,7 +315,7 @@ def test_row_invariant_attention_equals_sdpa_with_left_padding_and_grouped_heads
     torch.testing.assert_close(out[1], ref[1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("path", ["packed", BF16])
+@pytest.mark.parametrize("path", ["packed", BF16, BF16_ONEDNN])
 def test_speculative_decoding_on_a_packed_pair_reproduces_target_only_token_for_token(path: str) -> None:
     from decoding.engine import SpeculativeDecoder
     from decoding.policies import build_policy

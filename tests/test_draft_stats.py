@@ -22,7 +22,7 @@ def _reference(logits: torch.Tensor, tokens: torch.Tensor, k: int, temperature: 
 
 
 def test_native_statistics_are_built():
-    assert ds.native_available(), ds._failed
+    assert ds.native_available(), ds._EXT.failed
 
 
 @pytest.mark.parametrize("shape", [(1, 151936), (3, 5000), (2, 37), (2, 3, 4096)])

@@ -1,0 +1,233 @@
+// y = x W^T in bfloat16 with fp32 accumulation, each output row computed the same way whatever the number of rows:
+// the GEMM of the packed-bf16 compute path (data_gen/bf16_gemm.py). Built on first use with
+// torch.utils.cpp_extension.load; runs where the CPU has AVX512-BF16 (elsewhere available() is false and the caller
+// keeps oneDNN).
+//
+// Layout: pack() stores W [N, K] as [ceil(N / 16)][K / 2][16][2] bf16 ("VNNI" pairs: for 16 output columns, the weights
+// of inputs 2p and 2p + 1 side by side), the operand order of vdpbf16ps. One 64-byte load feeds 16 columns; each
+// row's input pair is broadcast to the 16 lanes, so a lane holds one output and no horizontal sum is needed.
+//
+// Batch invariance: every output element is the same chain of vdpbf16ps over p = 0 .. K/2 - 1 in order, into an fp32
+// lane that starts at zero, then rounded to bf16 (round to nearest even). Row and column tiling, threads and the
+// fp32 spills of long-K tiles change which instructions run together, never the chain, so a row has the same bits
+// alone, in a verification forward of L rows or inside a prompt (tested against a one-row call).
+//
+// Speed: up to 16 rows the weights stream from memory once, in groups of 3-4 column blocks that rows 1-8 and 9-16
+// read in turn (the second time from L2). The 1.5B target's 28 layers of linears, warm, AMD EPYC Zen 5, 2 threads:
+// 13.8 / 16.5 / 23.4 / 41.7 ms at 1 / 4 / 8 / 16 rows against oneDNN's 22.2 / 22.8 / 31.9 / 47.4 (its bf16 kernels
+// slow down past 6 rows). More rows run as 8-row tiles over L2-sized column chunks and 256-input blocks, within ~5% of
+// oneDNN. OpenMP must be on in the build (data_gen/native.py): at::parallel_for runs on one thread without it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define SPECSTOP_BF16_KERNEL 1
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#else
+#define SPECSTOP_BF16_KERNEL 0
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 16;        // output columns per block (one zmm of fp32)
+constexpr int64_t kTileRows = 16;    // rows per tile
+constexpr int64_t kPairBlock = 128;  // input pairs per block of the many-row path (256 inputs)
+constexpr int64_t kChunkBytes = 512 * 1024;  // weights per column chunk of the many-row path (half of L2)
+// Software prefetch of the weights this many input pairs (64-byte lines per column block) ahead, for calls of 2 or more
+// rows, whose extra compute per byte left the hardware prefetcher behind: the 1.5B target's forward of 8 new tokens
+// 79-80 -> 74-75 ms, 16 tokens 116-118 -> 110-112 ms (AMD EPYC Zen 5, interleaved runs); one-row calls keep up
+// without it and lose ~5% with it.
+constexpr int64_t kPrefetchPairs = 64;
+constexpr int kPrefetchMinRows = 2;
+
+bool cpu_has_bf16() {
+#if SPECSTOP_BF16_KERNEL
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+#if SPECSTOP_BF16_KERNEL
+
+// R rows x NB column blocks over input pairs [p0, p1). kSpill: the fp32 accumulators start from and go back to `acc`
+// ([R][ldc] fp32, column offset of block 0); otherwise they start at zero and leave as bf16 into `out` ([R][ldo]).
+// Each row's input pair is broadcast from memory (a load, not a shuffle: the shuffle port would cap the kernel at one
+// vdpbf16ps per cycle).
+template <int R, int NB, bool kSpill>
+BF16_TARGET inline void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t wstride, int64_t p0,
+                              int64_t p1, float* acc, int64_t ldc, uint16_t* out, int64_t ldo) {
+  __m512 c[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b)
+      c[r][b] = kSpill ? _mm512_loadu_ps(acc + r * ldc + b * kCols) : _mm512_setzero_ps();
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512bh wv[NB];
+    if constexpr (!kSpill && R >= kPrefetchMinRows)
+      for (int b = 0; b < NB; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(w + b * wstride + (p + kPrefetchPairs) * 2 * kCols), _MM_HINT_T0);
+    for (int b = 0; b < NB; ++b)
+      wv[b] = (__m512bh)_mm512_loadu_si512(w + b * wstride + p * 2 * kCols);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv =
+          (__m512bh)_mm512_castps_si512(_mm512_set1_ps(*reinterpret_cast<const float*>(x + r * ldx + 2 * p)));
+      for (int b = 0; b < NB; ++b) c[r][b] = _mm512_dpbf16_ps(c[r][b], xv, wv[b]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) {
+      if (kSpill) {
+        _mm512_storeu_ps(acc + r * ldc + b * kCols, c[r][b]);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + b * kCols),
+                            (__m256i)_mm512_cvtneps_pbh(c[r][b]));
+      }
+    }
+}
+
+// Column blocks per pass for a row chunk of R <= 8 rows (at most 24 accumulators; several chains hide the latency).
+constexpr int blocks_for(int r) { return r <= 4 ? 4 : 3; }
+constexpr int kRowChunk = 8;
+
+template <int R, int NB, bool kSpill>
+BF16_TARGET void chunk_fn(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t wstride, int64_t p0, int64_t p1,
+                          float* acc, int64_t ldc, uint16_t* out, int64_t ldo) {
+  micro<R, NB, kSpill>(x, ldx, w, wstride, p0, p1, acc, ldc, out, ldo);
+}
+
+using ChunkFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, float*, int64_t,
+                         uint16_t*, int64_t);
+
+// kChunk[spill][nb index][R - 1] for NB in {1, 3, 4, 6, 8}
+constexpr int kNbs[] = {1, 3, 4, 6, 8};
+constexpr int nb_index(int nb) { return nb == 1 ? 0 : nb == 3 ? 1 : nb == 4 ? 2 : nb == 6 ? 3 : 4; }
+
+template <bool kSpill, int NB, int... Rs>
+constexpr std::array<ChunkFn, kRowChunk> row_table(std::integer_sequence<int, Rs...>) {
+  return {&chunk_fn<Rs + 1, NB, kSpill>...};
+}
+template <bool kSpill>
+constexpr std::array<std::array<ChunkFn, kRowChunk>, 5> nb_table() {
+  constexpr auto seq = std::make_integer_sequence<int, kRowChunk>{};
+  return {row_table<kSpill, 1>(seq), row_table<kSpill, 3>(seq), row_table<kSpill, 4>(seq), row_table<kSpill, 6>(seq),
+          row_table<kSpill, 8>(seq)};
+}
+constexpr auto kDirect = nb_table<false>();
+constexpr auto kSpilled = nb_table<true>();
+
+// Up to 16 rows, column blocks [b0, b1): groups of NB blocks; within a group, row chunks of at most 8 (the second
+// chunk reads the group's weights from L2), each over all of K.
+void few_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t pairs, int64_t b0, int64_t b1,
+              uint16_t* out, int64_t ldo) {
+  const int nb = blocks_for(static_cast<int>(std::min<int64_t>(M, kRowChunk)));
+  const int64_t wstride = pairs * 2 * kCols;
+  for (int64_t b = b0; b < b1; b += nb) {
+    const int g = static_cast<int>(std::min<int64_t>(nb, b1 - b));
+    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+      const int r = static_cast<int>(std::min<int64_t>(kRowChunk, M - m0));
+      if (g == nb) {
+        kDirect[nb_index(nb)][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, 0, pairs, nullptr, 0,
+                                     out + m0 * ldo + b * kCols, ldo);
+      } else {
+        for (int j = 0; j < g; ++j)
+          kDirect[0][r - 1](x + m0 * ldx, ldx, wp + (b + j) * wstride, wstride, 0, pairs, nullptr, 0,
+                            out + m0 * ldo + (b + j) * kCols, ldo);
+      }
+    }
+  }
+}
+
+BF16_TARGET void to_bf16(const float* acc, int64_t n, uint16_t* out) {
+  for (int64_t j = 0; j < n; j += kCols)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + j)));
+}
+
+// More than 16 rows, column blocks [b0, b1): chunks of columns whose weights fit in L2, 8-row tiles, input blocks of
+// kPairBlock pairs with the fp32 accumulators spilled between blocks (the same chain per element as few_rows).
+void many_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t pairs, int64_t b0, int64_t b1,
+               uint16_t* out, int64_t ldo) {
+  constexpr int nb = blocks_for(kRowChunk);
+  const int64_t wstride = pairs * 2 * kCols;
+  const int64_t chunk = std::max<int64_t>(nb, kChunkBytes / (wstride * 2) / nb * nb);
+  std::vector<float> acc(kRowChunk * chunk * kCols);
+  for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
+    const int64_t c1 = std::min(b1, c0 + chunk), ldc = (c1 - c0) * kCols;
+    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+      const int r = static_cast<int>(std::min<int64_t>(kRowChunk, M - m0));
+      std::fill(acc.begin(), acc.begin() + r * ldc, 0.0f);
+      for (int64_t p0 = 0; p0 < pairs; p0 += kPairBlock) {
+        const int64_t p1 = std::min(pairs, p0 + kPairBlock);
+        int64_t b = c0;
+        for (; b + nb <= c1; b += nb)
+          kSpilled[nb_index(nb)][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, p0, p1,
+                                        acc.data() + (b - c0) * kCols, ldc, nullptr, 0);
+        for (; b < c1; ++b)
+          kSpilled[0][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, p0, p1, acc.data() + (b - c0) * kCols, ldc,
+                             nullptr, 0);
+      }
+      for (int64_t q = 0; q < r; ++q) to_bf16(acc.data() + q * ldc, ldc, out + (m0 + q) * ldo + c0 * kCols);
+    }
+  }
+}
+
+#endif  // SPECSTOP_BF16_KERNEL
+
+}  // namespace
+
+bool available() { return cpu_has_bf16(); }
+
+// W [N, K] (float32 or bfloat16) -> [ceil(N / 16), K / 2, 16, 2] bfloat16, zero columns past N; K must be even.
+torch::Tensor pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "bf16_gemm.pack: W must be a 2-d CPU tensor [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(K % 2 == 0, "bf16_gemm.pack: K = ", K, " must be even");
+  const int64_t nb = (N + kCols - 1) / kCols;
+  auto wb = w.to(torch::kBFloat16).contiguous();
+  if (nb * kCols != N) wb = torch::cat({wb, torch::zeros({nb * kCols - N, K}, wb.options())});
+  // [nb, 16, K/2, 2] -> [nb, K/2, 16, 2]
+  return wb.view({nb, kCols, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x [M, K] bfloat16 contiguous, packed W of pack(), N -> [M, N] bfloat16.
+torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N) {
+  TORCH_CHECK(cpu_has_bf16(), "bf16_gemm.gemm: this CPU has no AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
+              "bf16_gemm.gemm: x must be a contiguous bfloat16 CPU tensor [M, K]");
+  TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == torch::kBFloat16 && wp.is_contiguous() && wp.size(2) == kCols &&
+                  wp.size(3) == 2 && wp.size(1) * 2 == x.size(1) && wp.size(0) * kCols >= N && wp.size(0) * kCols < N + kCols,
+              "bf16_gemm.gemm: packed weight of shape [ceil(N/16), K/2, 16, 2] for x's K and N expected");
+  const int64_t M = x.size(0), pairs = wp.size(1), nb = wp.size(0), npad = nb * kCols;
+  auto out = torch::empty({M, npad}, x.options());
+#if SPECSTOP_BF16_KERNEL
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t K = x.size(1);
+  if (M > 0) {
+    at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
+      if (M <= kTileRows) {
+        few_rows(xp, M, K, wpp, pairs, b0, b1, op, npad);
+      } else {
+        many_rows(xp, M, K, wpp, pairs, b0, b1, op, npad);
+      }
+    });
+  }
+#endif
+  return npad == N ? out : out.narrow(1, 0, N).contiguous();
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available", &available, "this CPU runs the kernel (AVX512-BF16)");
+  m.def("pack", &pack, "W [N, K] -> [ceil(N/16), K/2, 16, 2] bfloat16");
+  m.def("gemm", &gemm, "x [M, K] bf16 @ packed W^T -> [M, N] bf16, fp32 accumulation, batch-invariant");
+}

@@ -1,0 +1,61 @@
+"""specstop's bf16 GEMM (data_gen.bf16_gemm): values against float64 of the same bf16 operands, and the same bits
+for a row whatever the number of rows in the call (the batch invariance the packed-bf16 path relies on)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from data_gen import bf16_gemm
+from data_gen.compute_path import PackedLinear
+
+pytestmark = pytest.mark.skipif(not bf16_gemm.available(), reason="no AVX512-BF16 (or no compiler) on this host")
+
+
+def _ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.double() @ w.to(torch.bfloat16).double().T
+
+
+@pytest.mark.parametrize("n,k", [(16, 2), (40, 64), (33, 96), (1000, 448), (96, 1200)])
+def test_gemm_equals_float64_of_the_bf16_operands_to_output_rounding(n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(37, k, generator=g).to(torch.bfloat16)
+    y = bf16_gemm.gemm(x, bf16_gemm.pack(w), n)
+    assert y.shape == (37, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
+    ref = _ref(x, w)
+    # bf16 output: half an ulp of 2^-8 relative, plus fp32 summation error
+    assert ((y.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-4 * k**0.5).all()
+
+
+@pytest.mark.parametrize("n,k", [(48, 64), (200, 320), (17, 2 * 700)])
+def test_a_row_has_the_same_bits_alone_in_a_few_rows_and_in_many(n: int, k: int) -> None:
+    """Calls of 1..40 rows (the one-to-16-row path and the tiled many-row path with its spilled input blocks) give
+    every row the bits of its one-row call."""
+    g = torch.Generator().manual_seed(k)
+    wp = bf16_gemm.pack(torch.randn(n, k, generator=g))
+    x = torch.randn(40, k, generator=g).to(torch.bfloat16)
+    alone = torch.cat([bf16_gemm.gemm(x[i : i + 1].contiguous(), wp, n) for i in range(40)])
+    for m in (2, 3, 5, 8, 9, 16, 17, 24, 40):
+        for start in (0, 40 - m):
+            assert torch.equal(bf16_gemm.gemm(x[start : start + m].contiguous(), wp, n), alone[start : start + m]), m
+
+
+def test_packed_linear_on_the_kernel_matches_onednn_to_bf16_rounding() -> None:
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(256, 96, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 256, generator=g) / 16)
+    native, onednn = PackedLinear(lin, torch.bfloat16, native=True), PackedLinear(lin, torch.bfloat16)
+    assert native.kernel == "specstop" and onednn.kernel == "onednn"
+    x = torch.randn(2, 5, 256, generator=g)
+    with torch.no_grad():
+        a, b = native(x), onednn(x)
+    assert a.dtype == torch.float32 and a.shape == (2, 5, 96)
+    torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3)  # both bf16-rounded outputs of other summation orders
+
+
+def test_bad_shapes_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="in_features=3 must be even"):
+        bf16_gemm.pack(torch.randn(4, 3))
+    wp = bf16_gemm.pack(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="packed weight"):
+        bf16_gemm.gemm(torch.randn(2, 10).to(torch.bfloat16), wp, 32)
