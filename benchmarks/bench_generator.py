@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from data_gen.compute_path import PackedLinear, compute_path_of, cpu_info
+from data_gen.compute_path import PackedLinear, compute_path_of, cpu_info, gemm_of
 from data_gen.generate import ChunkStats, GenerateConfig, attention_for_labelling, load_models, produce_chunk
 from data_gen.prompts import load_prompts, render_prompt
 from data_gen.schema import features_schema
@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--config", default="configs/generate-default.yaml", help="generate config YAML (its mix)")
     ap.add_argument("--n_prompts", type=int, default=16, help="prompts labelled (one chunk each of prompts_per_shard)")
     ap.add_argument("--compute", default=None, help="override models.compute (auto, packed, packed-bf16, eager)")
+    ap.add_argument("--native_gemm", default=None, choices=["true", "false"],
+                    help="override models.native_gemm (packed-bf16 on specstop's bf16 GEMM or oneDNN's)")
     ap.add_argument("--rows", type=int, default=512, help="rows of the floor's GEMMs (a labelling batch's size)")
     args = ap.parse_args()
     import yaml
@@ -98,6 +100,8 @@ def main() -> None:
     cfg = GenerateConfig(**vars(parser.instantiate(parser.parse_object(raw))))
     if args.compute:
         cfg = dataclasses.replace(cfg, models=dataclasses.replace(cfg.models, compute=args.compute))
+    if args.native_gemm:
+        cfg = dataclasses.replace(cfg, models=dataclasses.replace(cfg.models, native_gemm=args.native_gemm == "true"))
     t0 = time.perf_counter()
     models, tok = load_models(cfg)
     attention_for_labelling(models)  # as run_generation runs them
@@ -126,7 +130,8 @@ def main() -> None:
     floor = lab_floor + seq_floor
     info = cpu_info()
     print(f"CPU {info['model_name']} ({info['torch_cpu_capability']}, {torch.get_num_threads()} threads); compute path "
-          f"{compute_path_of(models.target)}; models loaded in {load_s:.0f}s; {len(prompts)} prompts of {args.config}")
+          f"{compute_path_of(models.target)} on {gemm_of(models.target)}; models loaded in {load_s:.0f}s; "
+          f"{len(prompts)} prompts of {args.config}")
     print(f"records {n} in {wall:.1f}s: {n / wall:.2f} records/s; floor {floor:.1f}s (labelling {lab_floor:.1f}s, "
           f"sequential {seq_floor:.1f}s): {floor / wall:.0%} of the floor")
     print("| stage | seconds | share of wall |")
