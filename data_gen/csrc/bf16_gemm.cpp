@@ -41,12 +41,12 @@ constexpr int64_t kCols = 16;        // output columns per block (one zmm of fp3
 constexpr int64_t kTileRows = 16;    // rows per tile
 constexpr int64_t kPairBlock = 128;  // input pairs per block of the many-row path (256 inputs)
 constexpr int64_t kChunkBytes = 512 * 1024;  // weights per column chunk of the many-row path (half of L2)
-// Software prefetch of the weights this many input pairs (64-byte lines per column block) ahead, for calls of 2 or more
-// rows, whose extra compute per byte left the hardware prefetcher behind: the 1.5B target's forward of 8 new tokens
-// 79-80 -> 74-75 ms, 16 tokens 116-118 -> 110-112 ms (AMD EPYC Zen 5, interleaved runs); one-row calls keep up
-// without it and lose ~5% with it.
-constexpr int64_t kPrefetchPairs = 64;
-constexpr int kPrefetchMinRows = 2;
+// Software prefetch distance (input pairs = 64-byte lines per column block) for a call of R rows: their extra compute
+// per byte leaves the hardware prefetcher behind from 3 rows on. Measured on weights streamed from memory (6 x 55 MB
+// gate/up matrices in turn, AMD EPYC Zen 5, 2 threads), ms per call at 1 / 2 / 4 / 8 / 16 rows: no prefetch 0.62 /
+// 0.66 / 0.74 / 0.87 / 1.27; 32 pairs 0.67 / 0.69 / 0.70 / 0.76 / 1.16; 64 pairs 0.70 / 0.73 / 0.75 / 0.73 / 1.11;
+// 128 pairs or prefetching to L2 only was slower at every count.
+constexpr int64_t prefetch_pairs(int rows) { return rows <= 2 ? 0 : (rows <= 4 ? 32 : 64); }
 
 bool cpu_has_bf16() {
 #if SPECSTOP_BF16_KERNEL
@@ -73,9 +73,10 @@ BF16_TARGET inline void micro(const uint16_t* x, int64_t ldx, const uint16_t* w,
       c[r][b] = kSpill ? _mm512_loadu_ps(acc + r * ldc + b * kCols) : _mm512_setzero_ps();
   for (int64_t p = p0; p < p1; ++p) {
     __m512bh wv[NB];
-    if constexpr (!kSpill && R >= kPrefetchMinRows)
+    if constexpr (!kSpill && prefetch_pairs(R) > 0)
       for (int b = 0; b < NB; ++b)
-        _mm_prefetch(reinterpret_cast<const char*>(w + b * wstride + (p + kPrefetchPairs) * 2 * kCols), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + b * wstride + (p + prefetch_pairs(R)) * 2 * kCols),
+                     _MM_HINT_T0);
     for (int b = 0; b < NB; ++b)
       wv[b] = (__m512bh)_mm512_loadu_si512(w + b * wstride + p * 2 * kCols);
     for (int r = 0; r < R; ++r) {
