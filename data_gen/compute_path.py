@@ -1,4 +1,5 @@
-"""The CPU compute path: every large linear layer of a loaded model runs on one oneDNN-prepacked weight.
+"""The CPU compute path: every large linear layer of a loaded model runs on one prepacked weight (oneDNN's, or
+specstop's bf16 GEMM).
 
 Why: on x86 CPUs fp32 ``F.linear`` goes straight to the BLAS sgemm, whose small-M path reads the weights once per few
 rows, so a target forward of 4 or 8 new tokens costs 2-3x one token and verification pays it on every round (see
@@ -22,10 +23,16 @@ numerics), and sibling layers that read the same input (q, k, v; gate, up: :data
 GEMM each, with the same bits as separate packs; the original weight is freed, so ``packed`` costs no extra memory
 and ``packed-bf16`` halves the linears' (a tied LM head keeps the embedding it shares and adds its packed copy).
 
+On ``packed-bf16`` the packs run on specstop's own GEMM (:mod:`data_gen.bf16_gemm`, AVX512-BF16) where the CPU has
+it: it streams the weights once for up to 16 rows, where oneDNN's bf16 kernels slow down past 6 (the 1.5B target's
+forward of 8 new tokens 73.7 against 84.9 ms, one token 55.1 against 64.3 ms, Zen 5). ``native_gemm=False`` keeps
+oneDNN's; the fingerprint records which (``gemm``).
+
 Exactness: on both packed paths a forward is batch-invariant, i.e. a position's logits have the same bits whether it
-is computed in a one-token step, in a verification forward of L tokens or in the prompt. PackedLinear keeps every row
-count on one oneDNN kernel, and the model's attention is switched to :func:`row_invariant_attention`. So greedy
-speculative decoding reproduces the path's own one-token decoding token for token, in bfloat16 too.
+is computed in a one-token step, in a verification forward of L tokens or in the prompt. specstop's bf16 GEMM is so by
+construction; on oneDNN PackedLinear keeps every row count on one kernel (padding fewer than ``MIN_ROWS`` rows); and
+the model's attention is switched to :func:`row_invariant_attention`. So greedy speculative decoding reproduces the
+path's own one-token decoding token for token, in bfloat16 too.
 
 Usage::
 
@@ -44,6 +51,7 @@ import torch
 from torch import nn
 
 from data_gen import bf16_gemm
+from data_gen.native import NativeExtension
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,7 @@ __all__ = [
     "pack_layout_of",
     "precision_diffs",
     "PRECISION_DEFAULTS",
+    "PRECISION_OPTIONS",
     "apply_compute_path",
     "head_dtype_of",
     "compute_path_of",
@@ -76,10 +85,11 @@ COMPUTE_PATHS = ("auto", "packed", "packed-bf16", "eager")
 MIN_PACK_ELEMENTS = 1 << 18
 """Linear layers with fewer weights than this stay eager (262,144: a 512 x 512 layer)."""
 MIN_ROWS = 4
-"""PackedLinear pads a call of fewer rows to this many. Any value >= 2 makes a forward batch-invariant (oneDNN's
-one-row GEMV sums in another order); 4 because on AMD EPYC Zen 4 (avx512_bf16, 2 threads) the whole 1.5B target's
-one-token step took 150 ms padded to 4 rows, 199 ms padded to 2 and 174 ms unpadded (bf16; fp32 196 / 304 / 238 ms),
-oneDNN's kernels for 1-3 rows being slower than for 4 there; on the Intel host of issue 12 1-4 rows cost the same."""
+"""PackedLinear pads a call of fewer rows to this many on oneDNN's kernels (specstop's bf16 GEMM needs no padding).
+Any value >= 2 makes a forward batch-invariant (oneDNN's one-row GEMV sums in another order); 4 because on AMD EPYC
+Zen 4 (avx512_bf16, 2 threads) the whole 1.5B target's one-token step took 150 ms padded to 4 rows, 199 ms padded to 2
+and 174 ms unpadded (bf16; fp32 196 / 304 / 238 ms), oneDNN's kernels for 1-3 rows being slower than for 4 there; on
+the Intel host of issue 12 1-4 rows cost the same."""
 
 
 def cpu_info() -> dict[str, Any]:
@@ -367,11 +377,12 @@ def row_invariant_attention(
     transformers' SDPA path computes a forward of q new tokens with kernels and reduction lengths chosen by q (a GEMV
     and grouped heads for q = 1, masked blocks of the whole key length for q > 1), so the same position gets other
     bits in a verification forward of L tokens than in a one-token step: logits differ by ~3e-5 in fp32 and ~0.1
-    with bfloat16 GEMM outputs, enough to flip near-tie argmaxes. Here each row attends with its own call over exactly
-    the keys before it (length ``T - q + i + 1``), grouped query heads as rows, so rows computed alone, in a chunk or
-    in the prompt get the same bits: with :class:`PackedLinear` a whole forward is batch-invariant and speculative
-    decoding reproduces one-token decoding exactly. Costs one small SDPA call per row and layer: in decoding 1.6 s
-    of a 22.6 s cProfile of the engine (2 prompts x 64 tokens), 1.0 s of it in the SDPA calls themselves.
+    with bfloat16 GEMM outputs, enough to flip near-tie argmaxes. Here each row attends over exactly the keys before it
+    (length ``T - q + i + 1``) in sums whose order depends on that row alone, so rows computed alone, in a chunk or in
+    the prompt get the same bits: with :class:`PackedLinear` a whole forward is batch-invariant and speculative
+    decoding reproduces one-token decoding exactly. On the CPU all rows of a layer are one native call
+    (``csrc/row_attention.cpp``); elsewhere, or without a compiler, one SDPA call per row with the grouped query heads
+    as rows (~40 us a call and layer plus its slicing: ~10 ms of the 1.5B target's forward of 8 new tokens).
 
     Shapes: query [B, H, q, d]; key, value [B, Hkv, T, d] (the last q keys are the queries' own); attention_mask None
     or [B|1, 1, q, T] (bool, True = attend, or additive float). Returns ([B, q, H, d], None) as transformers expects.
@@ -382,6 +393,10 @@ def row_invariant_attention(
     hkv, t_all = key.shape[1], key.shape[2]
     if module.training or dropout > 0 or h % hkv or (attention_mask is not None and attention_mask.shape[-1] != t_all):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    native = _native_attention(query, key, value, attention_mask)
+    if native is not None:
+        mask = query.new_empty(0, dtype=torch.bool) if attention_mask is None else attention_mask
+        return native.row_attention(query, key, value, mask, float(d**-0.5 if scaling is None else scaling)), None
     if attention_mask is None:  # causal without padding (each row's key slice is its causal window); a bool mask
         # is passed anyway so that every forward takes the same SDPA path
         attention_mask = torch.ones(1, 1, q, t_all, dtype=torch.bool, device=query.device)
@@ -394,6 +409,22 @@ def row_invariant_attention(
                                                               scale=scaling)
         out[:, i] = oi.reshape(b, h, d)
     return out, None
+
+
+_ATTENTION = NativeExtension("specstop_row_attention", "row_attention.cpp", "native decoding attention")
+
+
+def _native_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      mask: torch.Tensor | None) -> Any:
+    """The native kernel (``csrc/row_attention.cpp``: all rows of a layer in one call, each summed as if alone) when
+    it applies to these tensors (fp32 CPU, bool or no mask, key and value laid out alike), else None."""
+    if query.device.type != "cpu" or not (query.dtype == key.dtype == value.dtype == torch.float32):
+        return None
+    if mask is not None and mask.dtype != torch.bool:
+        return None
+    if key.stride(-1) != 1 or key.stride() != value.stride():
+        return None
+    return _ATTENTION.module()
 
 
 @functools.lru_cache(maxsize=1)
@@ -597,6 +628,10 @@ def gemm_of(model: nn.Module) -> str:
 
 PRECISION_DEFAULTS = {"head_dtype": "float32", "pack_layout": "per-layer", "gemm": "onednn"}
 """What a fingerprint without these keys computed with (written before they were recorded)."""
+PRECISION_OPTIONS = {"dtype": "--models.dtype", "compute_path": "--models.compute",
+                     "head_dtype": "--models.bf16_draft_head", "pack_layout": "--models.fuse_linears",
+                     "gemm": "--models.native_gemm"}
+"""The option that sets each precision field of a model fingerprint."""
 
 
 def precision_diffs(stored: dict, current: dict) -> dict[str, tuple[str, str]]:

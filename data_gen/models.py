@@ -155,7 +155,8 @@ def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     """Load a causal LM and its tokenizer, in eval mode, on ``spec.device`` with ``spec.dtype`` and compute path.
 
     The compute path (``spec.compute``, see ``data_gen.compute_path``) is resolved for the device and applied last:
-    on CPU by default the large linear layers run on oneDNN-prepacked weights (bfloat16 where the CPU has it).
+    on CPU by default the large linear layers run on prepacked weights (bfloat16 on specstop's GEMM where the CPU has
+    it).
 
     Raises:
         ValueError: for an unknown model source (the message lists the accepted forms) or a compute path the device

@@ -46,7 +46,7 @@ class NativeExtension:
             from torch.utils.cpp_extension import load
 
             self._module = load(name=self.name, sources=[str(self.source)], extra_cflags=CFLAGS,
-                                extra_ldflags=LDFLAGS, verbose=False)
+                                extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC)], verbose=False)
         except Exception as e:  # no compiler, no ninja, no headers: the caller's torch path gives the same results
             msg = str(e).strip()
             self.failed = f"{type(e).__name__}: {msg.splitlines()[-1] if msg else ''}"

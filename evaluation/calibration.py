@@ -142,7 +142,8 @@ class CalibrationResult:
     """policy name -> mode -> map (fitted outside the test split)."""
     table: pd.DataFrame = field(default_factory=pd.DataFrame)
     """policy, mode, label, method, n, n_fit, mean_label, ece_raw (raw score, when a probability), ece, ece_floor
-    (the ECE of perfect calibration by chance on these tokens)."""
+    (the ECE of perfect calibration by chance on these tokens), ece_lo / ece_hi (95% interval over resampled test
+    prompts, when the columns name them)."""
     curves: dict[tuple[str, str], dict[str, np.ndarray]] = field(default_factory=dict)
     """(policy, mode) -> reliability bins of the calibrated acceptance on the test split."""
     notes: list[str] = field(default_factory=list)
@@ -177,7 +178,8 @@ def calibrate_policies(policies: Mapping[str, StopPolicy | None], fit_columns: M
             if not mask.any():
                 continue
             raw = _scores(pol, _rows(test_columns, mask))
-            rows.append(calibration_rows(name, cal, raw, y, mode, n_bins))
+            groups = np.asarray(test_columns["sample_id"])[mask] if "sample_id" in test_columns else None
+            rows.append(calibration_rows(name, cal, raw, y, mode, n_bins, groups=groups))
             res.curves[(name, mode)] = reliability_bins(cal.apply(raw), y, n_bins)
     res.table = pd.DataFrame(rows)
     return res

@@ -143,11 +143,13 @@ def _calibration_section(calibration: pd.DataFrame | None) -> list[str]:
         "split: expected calibration error (15 equal-width bins) of the raw score (when it is a probability) and of "
         "the calibrated acceptance; `ece_floor` is what a perfectly calibrated map scores on these tokens by chance "
         "(labels drawn from its own predictions), so an `ece` near it is as good as this test split can show; "
+        "`ece_lo` / `ece_hi` bound the 95% interval of the ECE over resampled test prompts (tokens of a prompt share "
+        "its acceptance level, so the split's ECE moves with which prompts it holds more than the floor says); "
         "`method` is the map cross-validation chose on the fit tokens. The cost-aware rows of the replay "
         "(`(goodput)`) price these acceptances with the cost model.",
         "",
         markdown_table(calibration, ["policy", "mode", "label", "method", "n", "n_fit", "mean_label", "ece_raw", "ece",
-                                     "ece_floor"], digits=4),
+                                     "ece_floor", "ece_lo", "ece_hi"], digits=4),
     ]
 
 

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with user_errors("python -m pipelines.calibrate"):
         cfg = parse_config(CalibrateConfig, argv, __doc__)
         out = calibrate_export(cfg)
-    cols = ["policy", "mode", "label", "method", "n", "n_fit", "ece_raw", "ece", "ece_floor"]
+    cols = ["policy", "mode", "label", "method", "n", "n_fit", "ece_raw", "ece", "ece_floor", "ece_lo", "ece_hi"]
     print(markdown_table(out["table"], cols, digits=4))
     print(f"calibrated export: {out['folder']} (use it as goodput:{out['folder']})")
     return out

@@ -194,6 +194,28 @@ def ece_noise_floor(probs: np.ndarray, n_bins: int = 15, draws: int = 200, seed:
                           for _ in range(draws)]))
 
 
+def ece_interval(probs: np.ndarray, labels: np.ndarray, groups: np.ndarray, n_bins: int = 15, n_boot: int = 200,
+                 seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of the ECE over resamples of whole prompts (``groups``, one id per token).
+
+    Tokens of one prompt share its topic and acceptance level, so a test split of a few dozen prompts gives an ECE
+    that moves with which prompts it holds far more than :func:`ece_noise_floor` (independent tokens) says. The
+    bootstrap ECE is biased upward like the ECE itself: the interval shows how far the split's ECE could move, and
+    whether a bound such as 0.03 lies inside it. (nan, nan) with fewer than two prompts."""
+    p = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), 0.0, 1.0)
+    y = np.asarray(labels, dtype=np.float64).reshape(-1)
+    ids, inverse = np.unique(np.asarray(groups).astype(str).reshape(-1), return_inverse=True)
+    if len(ids) < 2 or p.size != y.size or p.size != inverse.size:
+        return float("nan"), float("nan")
+    rows_of = [np.flatnonzero(inverse == k) for k in range(len(ids))]
+    rng = np.random.default_rng(seed)
+    values = [expected_calibration_error(p[rows], y[rows], n_bins)
+              for rows in (np.concatenate([rows_of[k] for k in rng.integers(0, len(ids), len(ids))])
+                           for _ in range(n_boot))]
+    lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
 def reliability_bins(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15) -> dict[str, np.ndarray]:
     """Equal-width bins of predicted acceptance: per bin the token count, mean prediction and mean label."""
     p = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), 0.0, 1.0)
@@ -234,9 +256,10 @@ def calibration_label(columns: Mapping[str, object], mode: str) -> tuple[np.ndar
 
 
 def calibration_rows(name: str, cal: Calibrator, scores: np.ndarray, labels: np.ndarray, mode: str,
-                     n_bins: int = 15) -> dict[str, Any]:
-    """One row of the calibration table: ECE of the raw score (when it is a probability) and of the map, and the ECE
-    a perfectly calibrated map would score on these tokens by chance (``ece_floor``)."""
+                     n_bins: int = 15, groups: np.ndarray | None = None) -> dict[str, Any]:
+    """One row of the calibration table: ECE of the raw score (when it is a probability) and of the map, the ECE
+    a perfectly calibrated map would score on these tokens by chance (``ece_floor``) and, given the tokens' prompt
+    ids (``groups``), the 95% interval of the map's ECE over resampled prompts (``ece_lo``, ``ece_hi``)."""
     raw = np.asarray(scores, dtype=np.float64)
     raw_is_prob = bool(raw.size and np.nanmin(raw) >= 0 and np.nanmax(raw) <= 1)
     cal_probs = cal.apply(raw)
@@ -244,4 +267,6 @@ def calibration_rows(name: str, cal: Calibrator, scores: np.ndarray, labels: np.
             "n_fit": cal.n_fit, "mean_label": float(np.mean(labels)) if raw.size else float("nan"),
             "ece_raw": expected_calibration_error(raw, labels, n_bins) if raw_is_prob else float("nan"),
             "ece": expected_calibration_error(cal_probs, labels, n_bins),
-            "ece_floor": ece_noise_floor(cal_probs, n_bins)}
+            "ece_floor": ece_noise_floor(cal_probs, n_bins),
+            **dict(zip(("ece_lo", "ece_hi"), ece_interval(cal_probs, labels, groups, n_bins) if groups is not None
+                       else (float("nan"), float("nan"))))}

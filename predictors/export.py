@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from data_gen.compute_path import precision_diffs
+from data_gen.compute_path import PRECISION_OPTIONS, precision_diffs
 from predictors.base import StopPolicy
 
 log = logging.getLogger(__name__)
@@ -178,11 +178,12 @@ def check_fingerprint(stored: Mapping | None, current: Mapping | None, force: bo
     if stored.get("vocab_sha") and current.get("vocab_sha") and stored["vocab_sha"] != current["vocab_sha"]:
         log.warning("predictor %s: draft vocabulary hash differs (%s vs %s)",
                     where, stored["vocab_sha"], current["vocab_sha"])
-    precision = [f"{k} {was!r} (its data) vs {now!r} (in use)"
-                 for k, (was, now) in precision_diffs(dict(stored), dict(current)).items()]
+    pdiffs = precision_diffs(dict(stored), dict(current))
+    precision = [f"{k} {was!r} (its data) vs {now!r} (in use)" for k, (was, now) in pdiffs.items()]
     if precision:  # same model, other numerics: q and p shift slightly, the predictor still applies
+        options = ", ".join(PRECISION_OPTIONS[k] for k in pdiffs if k in PRECISION_OPTIONS) or "--models.dtype"
         log.warning("predictor %s was trained on data labelled with another precision: %s; its scores may be slightly "
-                    "off (re-label with --models.compute to match)", where, "; ".join(precision))
+                    "off (load the models with %s as its data was, or re-label)", where, "; ".join(precision), options)
     if not diffs:
         return
     msg = (f"predictor {where} was trained for draft model {dict(stored)} but the draft in use is {dict(current)} "

@@ -19,6 +19,7 @@ from predictors import goodput
 from predictors.baselines import MaxConfidence
 from predictors.calibration import (
     Calibrator,
+    ece_interval,
     ece_noise_floor,
     expected_calibration_error,
     fit_calibrator,
@@ -171,6 +172,22 @@ def test_auto_calibration_picks_by_cross_validation_and_the_noise_floor_is_repor
     floor = ece_noise_floor(p)
     assert 0.01 < floor < 0.06
     assert ece_noise_floor(rng.uniform(size=20_000)) < floor / 3
+
+
+def test_ece_interval_over_prompts_widens_when_prompts_differ():
+    """Prompts with their own acceptance level (a calibrated map on average, off per prompt) move the ECE of a split
+    of 16 prompts far more than the independent-token floor says; the interval over resampled prompts shows it."""
+    rng = np.random.default_rng(2)
+    groups = np.repeat(np.arange(16), 80)
+    p = rng.uniform(0.3, 1.0, size=groups.size)
+    shift = rng.normal(0, 0.15, size=16)[groups]  # each prompt's acceptance off the map by its own amount
+    y = (rng.random(p.size) < np.clip(p + shift, 0, 1)).astype(float)
+    lo, hi = ece_interval(p, y, groups)
+    assert lo < expected_calibration_error(p, y) < hi and hi - lo > 0.03
+    y_iid = (rng.random(p.size) < p).astype(float)  # no prompt effect: a narrower interval near the floor
+    lo2, hi2 = ece_interval(p, y_iid, groups)
+    assert hi2 - lo2 < hi - lo and lo2 < ece_noise_floor(p) < hi2 + 0.01
+    assert np.isnan(ece_interval(p[:80], y[:80], groups[:80])).all()  # one prompt: no interval
 
 
 # ------------------------------------------------------------------------------------------------ policies

@@ -9,6 +9,8 @@
 // e * (z - m) per block in float (SIMD lanes) and across blocks in double. Then with S = sum e and T = sum e (z - m):
 // entropy = log S - T / S (both terms >= 0, no cancellation), p_i = exp(z_i - m) / S, max p = 1 / S.
 #include <torch/extension.h>
+
+#include "fast_math.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -24,32 +26,6 @@ namespace {
 
 constexpr int64_t kBlock = 128;
 
-// exp(x) for x <= 0 (Cephes expf: Cody-Waite range reduction, degree-5 polynomial; ~1 ulp), written branch-free so
-// that the compiler vectorises the loops calling it (rounding by the 1.5 * 2^23 trick, the power of two from its bits).
-// exp(0) is exactly 1; below -87 it returns 0; NaN stays NaN.
-__attribute__((always_inline)) inline float exp_nonpositive(float x) {
-  const float xc = x < -87.0f ? -87.0f : x;
-  const float zr = xc * 1.44269504088896341f + 12582912.0f;  // round(x / ln 2) in the low mantissa bits
-  const float n = zr - 12582912.0f;
-  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
-  const int32_t bits = (__builtin_bit_cast(int32_t, zr) - 0x4B400000 + 127) << 23;
-  const float v = e * __builtin_bit_cast(float, bits);
-  return x < -87.0f ? 0.0f : v;
-}
-
-// One binary for AVX2-only and AVX-512 hosts: the dynamic loader picks the clone this CPU runs.
-#if defined(__x86_64__) && defined(__GNUC__)
-#define SPECSTOP_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define SPECSTOP_CLONES
-#endif
 
 // z / T, the scaling a separate instantiation so that no loop branches on it.
 template <bool kScale>
@@ -104,7 +80,7 @@ __attribute__((always_inline)) inline void row_stats(const float* x, int64_t V, 
 #pragma omp simd reduction(+ : s, t)
     for (int64_t i = lo; i < hi; ++i) {
       const float d = (load<kScale>(x, i, temp)) - m;
-      const float e = exp_nonpositive(d);
+      const float e = specstop::exp_nonpositive(d);
       s += e;
       t += e * d;
     }
@@ -114,8 +90,8 @@ __attribute__((always_inline)) inline void row_stats(const float* x, int64_t V, 
   const float sf = static_cast<float>(S);
   out[0] = static_cast<float>(std::log(S) - T / S);
   const float zt = load<kScale>(x, tok, temp);
-  out[1] = exp_nonpositive(zt - m) / sf;
-  for (int64_t j = 0; j < k; ++j) out[2 + j] = j < kk ? exp_nonpositive(cand[j] - m) / sf : 0.0f;
+  out[1] = specstop::exp_nonpositive(zt - m) / sf;
+  for (int64_t j = 0; j < k; ++j) out[2 + j] = j < kk ? specstop::exp_nonpositive(cand[j] - m) / sf : 0.0f;
 }
 
 SPECSTOP_CLONES
@@ -164,9 +140,9 @@ __attribute__((always_inline)) inline void pair_row(const float* q, const float*
     float sq = 0.0f, so = 0.0f, to = 0.0f;
 #pragma omp simd reduction(+ : sq, so, to)
     for (int64_t i = lo; i < hi; ++i) {
-      sq += exp_nonpositive(load<kScale>(q, i, temp) - mq);
+      sq += specstop::exp_nonpositive(load<kScale>(q, i, temp) - mq);
       const float d = load<kScale>(o, i, temp) - so_max;
-      const float e = exp_nonpositive(d);
+      const float e = specstop::exp_nonpositive(d);
       so += e;
       to += e * d;
     }
@@ -181,15 +157,15 @@ __attribute__((always_inline)) inline void pair_row(const float* q, const float*
     float tv = 0.0f, ov = 0.0f;
 #pragma omp simd reduction(+ : tv, ov)
     for (int64_t i = lo; i < hi; ++i) {
-      const float pq = exp_nonpositive(load<kScale>(q, i, temp) - mq) / sqf;
-      const float po = exp_nonpositive(load<kScale>(o, i, temp) - so_max) / sof;
+      const float pq = specstop::exp_nonpositive(load<kScale>(q, i, temp) - mq) / sqf;
+      const float po = specstop::exp_nonpositive(load<kScale>(o, i, temp) - so_max) / sof;
       tv += std::fabs(po - pq);
       ov += po < pq ? po : pq;
     }
     TV += tv;
     OV += ov;
   }
-  out[0] = exp_nonpositive(load<kScale>(o, tok, temp) - so_max) / sof;
+  out[0] = specstop::exp_nonpositive(load<kScale>(o, tok, temp) - so_max) / sof;
   out[1] = static_cast<float>(std::log(So) - To / So);
   out[2] = static_cast<float>(0.5 * TV);
   out[3] = static_cast<float>(OV);
@@ -222,7 +198,7 @@ __attribute__((always_inline)) inline int64_t sample_row(const float* x, int64_t
     const int64_t lo = j * kBlock, hi = std::min(V, lo + kBlock);
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-    for (int64_t i = lo; i < hi; ++i) s += exp_nonpositive(load<kScale>(x, i, temp) - m);
+    for (int64_t i = lo; i < hi; ++i) s += specstop::exp_nonpositive(load<kScale>(x, i, temp) - m);
     bsum[j] = s;
     S += s;
   }
@@ -235,13 +211,13 @@ __attribute__((always_inline)) inline int64_t sample_row(const float* x, int64_t
     }
     const int64_t lo = j * kBlock, hi = std::min(V, lo + kBlock);
     for (int64_t i = lo; i < hi; ++i) {
-      const float e = exp_nonpositive(load<kScale>(x, i, temp) - m);
+      const float e = specstop::exp_nonpositive(load<kScale>(x, i, temp) - m);
       cum += e;
       if (e > 0.0f && cum > target) return i;
     }  // the elements' sum fell short of the block's float sum (rounding): go on with the next block
   }
   for (int64_t i = V - 1; i > 0; --i)  // rounding ran past the end: the last token of positive probability
-    if (exp_nonpositive(load<kScale>(x, i, temp) - m) > 0.0f) return i;
+    if (specstop::exp_nonpositive(load<kScale>(x, i, temp) - m) > 0.0f) return i;
   return 0;
 }
 

@@ -1,0 +1,133 @@
+// Causal attention of q new rows over a KV cache in one call, each row computed exactly as if it were alone: the
+// decoding attention of the packed compute paths (data_gen/compute_path.py, row_invariant_attention). Built on first
+// use by data_gen/native.py; without it the Python loop of one SDPA call per row gives the same kind of result.
+//
+// Per (batch, row i, key head g) one task: the G query heads that read key head g, over keys j < T - q + i + 1 allowed
+// by the mask row. Scores s = scale * q . k_j (d-long dot products), m = max s, e = exp(s - m), l = sum e, then
+// out = sum_j e_j v_j / l; keys masked out (or all keys of a fully masked row: out = 0) contribute nothing. The order
+// of every sum is fixed by the task alone, so a row has the same bits in a one-token step, a verification forward of
+// L rows or a prompt (tested), which transformers' SDPA path does not give (its kernels and blockings depend on q).
+//
+// Why: one SDPA call per row and layer cost ~40 us each plus the slicing around it, ~10 ms of a target forward of 8
+// new tokens (28 layers) against ~1.4 ms for one; here all rows of a layer are one call, its tasks spread over
+// torch's threads.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "fast_math.h"
+
+namespace {
+
+// The G heads of one row over keys [0, t): q rows at q (head stride qh), keys / values at k / v (key stride ks, last
+// dim contiguous), mask row (nullptr: every key allowed), output rows at out (head stride oh). scratch: G * t floats.
+SPECSTOP_CLONES
+void attend(const float* q, int64_t qh, const float* k, const float* v, int64_t ks, int64_t t, const bool* mask,
+            int64_t G, int64_t d, float scale, float* out, int64_t oh, float* scratch) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < t; ++j) {  // scores, key by key for all heads (the key read once)
+    const float* kj = k + j * ks;
+    for (int64_t h = 0; h < G; ++h) {
+      if (mask != nullptr && !mask[j]) {
+        scratch[h * t + j] = kNegInf;
+        continue;
+      }
+      const float* qr = q + h * qh;
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t c = 0; c < d; ++c) acc += qr[c] * kj[c];
+      scratch[h * t + j] = acc * scale;
+    }
+  }
+  std::vector<float> inv(G);
+  for (int64_t h = 0; h < G; ++h) {  // softmax weights in place
+    float* s = scratch + h * t;
+    float m = kNegInf;
+    for (int64_t j = 0; j < t; ++j) m = s[j] > m ? s[j] : m;
+    if (m == kNegInf) {  // no key allowed: the row attends to nothing
+      std::fill(s, s + t, 0.0f);
+      inv[h] = 0.0f;
+      continue;
+    }
+    float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+    for (int64_t j = 0; j < t; ++j) {
+      const float e = specstop::exp_nonpositive(s[j] - m);
+      s[j] = e;
+      l += e;
+    }
+    inv[h] = 1.0f / l;
+  }
+  for (int64_t h = 0; h < G; ++h) std::fill(out + h * oh, out + h * oh + d, 0.0f);
+  for (int64_t j = 0; j < t; ++j) {  // weighted values, key by key for all heads
+    const float* vj = v + j * ks;
+    for (int64_t h = 0; h < G; ++h) {
+      const float e = scratch[h * t + j];
+      float* o = out + h * oh;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) o[c] += e * vj[c];
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    float* o = out + h * oh;
+    const float w = inv[h];
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) o[c] *= w;
+  }
+}
+
+}  // namespace
+
+// query [B, H, q, d], key / value [B, Hkv, T, d] (float32, last dim contiguous), mask [Bm, 1, q, T] bool with Bm in
+// {1, B} or an empty tensor (causal, no padding), scale -> [B, q, H, d] float32.
+torch::Tensor row_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor mask,
+                            double scale) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "row_attention: 4-d query, key and value");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && key.scalar_type() == torch::kFloat32 &&
+                  value.scalar_type() == torch::kFloat32 && query.device().is_cpu() && key.device().is_cpu() &&
+                  value.device().is_cpu(),
+              "row_attention: float32 CPU tensors");
+  const int64_t B = query.size(0), H = query.size(1), q = query.size(2), d = query.size(3);
+  const int64_t Hkv = key.size(1), T = key.size(2);
+  TORCH_CHECK(key.size(0) == B && value.sizes() == key.sizes() && key.size(3) == d && H % Hkv == 0 && q <= T,
+              "row_attention: key/value [B, Hkv, T, d] with H a multiple of Hkv and T >= q");
+  TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1 && key.strides() == value.strides(),
+              "row_attention: key and value with the same strides and a contiguous last dim");
+  const bool has_mask = mask.numel() > 0;
+  if (has_mask) {
+    TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.dim() == 4 && (mask.size(0) == 1 || mask.size(0) == B) &&
+                    mask.size(2) == q && mask.size(3) == T,
+                "row_attention: mask [1 or B, 1, q, T] bool");
+  }
+  auto qc = query.contiguous();
+  auto mc = has_mask ? mask.contiguous() : mask;
+  auto out = torch::empty({B, q, H, d}, query.options());
+  const int64_t G = H / Hkv;
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  const bool* mp = has_mask ? mc.data_ptr<bool>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t kb = key.stride(0), kh = key.stride(1), ks = key.stride(2);
+  const int64_t mb = has_mask && mask.size(0) == B ? q * T : 0;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * q * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(G * T);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task % Hkv, i = (task / Hkv) % q, b = task / (Hkv * q);
+      const int64_t t = T - q + i + 1;
+      const float* qr = qp + ((b * H + g * G) * q + i) * d;  // head g * G at row i; next head q * d further
+      attend(qr, q * d, kp + b * kb + g * kh, vp + b * kb + g * kh, ks, t, mp ? mp + b * mb + i * T : nullptr, G, d,
+             sc, op + ((b * q + i) * H + g * G) * d, d, scratch.data());
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("row_attention", &row_attention, "causal attention of q rows over a KV cache, each row as if alone");
+}
