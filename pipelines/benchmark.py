@@ -620,7 +620,10 @@ def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[An
         pol = build_policy(kind, max_draft_len=cfg.max_draft_len)
         thr, sp = tune_threshold(pol, cols, cm, split=None, mode=mode)
         log.info("%s tuned on val: threshold %.4g (replayed speedup %.2f)", kind, thr, sp)
-        out[spec] = (with_threshold(pol, thr), f"{kind}:{thr:.3g} (val-tuned)", {"spec": kind, "threshold": thr})
+        tuned = with_threshold(pol, thr)
+        # the label is the spec that builds this policy again (svip's spec takes h = 1 - its threshold)
+        param = tuned.h if kind == "svip" else thr
+        out[spec] = (tuned, f"{kind}:{param:.3g} (val-tuned)", {"spec": kind, "threshold": thr})
     return out
 
 

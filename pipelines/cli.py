@@ -107,6 +107,9 @@ dropped too."""
 
 NOISE_LOGS = {
     "transformers.generation.utils": r"Passing `generation_config` together with generation-related arguments",
+    # transformers >= 5.24 renames the forward's cache argument; specstop passes past_key_values, which every version
+    # from the lowest it supports (4.56) reads
+    "transformers.utils.generic": r"`past_key_values`/`cache_params` are deprecated",
     "mlflow.pyfunc": r"Passing a Python object as `python_model`",
     "pytorch_lightning.loggers.mlflow": r"Experiment with name .* not found\. Creating it",
     "lightning.pytorch.loggers.mlflow": r"Experiment with name .* not found\. Creating it",

@@ -111,7 +111,7 @@ def test_smoke_run(tmp_path, tiny_pair):
         "--n_prompts", "2",
         "--max_new_tokens", "6",
         "--reference_max_new_tokens", "3",
-        "--policies", '["static:3", "svip:0.3", "oracle", "hfp:svip:0.3", "static:best", "adaedl:tuned"]',
+        "--policies", '["static:3", "svip:0.3", "oracle", "hfp:svip:0.3", "static:best", "adaedl:tuned", "svip:tuned"]',
         "--tune_data_dir", str(tmp_path / "data"), "--max_static", "4",
         "--predictors", json.dumps([str(tmp_path / "sprinter")]),
         "--hf_rows", '["static:3"]',
@@ -121,8 +121,13 @@ def test_smoke_run(tmp_path, tiny_pair):
     assert names[:2] == ["target-only", "hf:static:3"] and names[-1] == "target-only (eager)"
     assert {"static:3", "svip:0.3", "oracle", "hfp:svip:0.3"} <= set(names)
     tuned = [n for n in names if n.endswith(("(val-best)", "(val-tuned)"))]
-    assert len(tuned) == 2 and tuned[0].startswith("static:") and tuned[1].startswith("adaedl:"), names
+    assert len(tuned) == 3 and tuned[0].startswith("static:") and tuned[1].startswith("adaedl:"), names
+    assert tuned[2].startswith("svip:"), names
     rows = {r["row"]: r for r in result["rows"]}
+    from decoding.policies import build_policy
+
+    for name in tuned[1:]:  # a tuned row's label is the spec that builds it again (svip's takes h = 1 - threshold)
+        assert build_policy(name.split(" ")[0]).threshold == pytest.approx(rows[name]["threshold"], abs=2e-3), name
     for name in ("hf:static:3", "static:3", "svip:0.3", "oracle", "hfp:svip:0.3", *tuned):
         assert rows[name]["exact"] is True and rows[name]["tokens_per_s"] > 0, name
         assert rows[name]["speedup_lo"] <= rows[name]["speedup"] <= rows[name]["speedup_hi"]
