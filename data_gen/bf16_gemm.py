@@ -6,8 +6,8 @@ one token, and their one-row path sums in another order than their many-row path
 steps to 4 rows to stay batch-invariant). Here up to 16 rows stream the weights once, and each output element is the
 same chain of ``vdpbf16ps`` over K whatever the number of rows, so a row has the same bits alone, in a verification
 forward or inside a prompt. Measured on AMD EPYC Zen 5 (2 threads), the 1.5B target's 28 layers of linears: 13.8 /
-16.5 / 23.4 / 41.7 ms at 1 / 4 / 8 / 16 rows against oneDNN's 22.2 / 22.8 / 31.9 / 47.4; 64 rows and more within
-~5% of oneDNN (``benchmarks/bench_bf16_gemm.py``).
+16.5 / 23.4 / 41.7 ms at 1 / 4 / 8 / 16 rows against oneDNN's 22.2 / 22.8 / 31.9 / 47.4; 64 rows and more 3-9%
+slower than oneDNN (``benchmarks/bench_bf16_gemm.py``).
 
 :func:`available` is False where the CPU lacks AVX512-BF16, the build fails or ``SPECSTOP_NATIVE=0``; the compute
 path then keeps oneDNN.

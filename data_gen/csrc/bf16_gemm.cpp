@@ -15,7 +15,7 @@
 // Speed: up to 16 rows the weights stream from memory once, in groups of 3-4 column blocks that rows 1-8 and 9-16
 // read in turn (the second time from L2). The 1.5B target's 28 layers of linears, warm, AMD EPYC Zen 5, 2 threads:
 // 13.8 / 16.5 / 23.4 / 41.7 ms at 1 / 4 / 8 / 16 rows against oneDNN's 22.2 / 22.8 / 31.9 / 47.4 (its bf16 kernels
-// slow down past 6 rows). More rows run as 8-row tiles over L2-sized column chunks and 256-input blocks, within ~5% of
+// slow down past 6 rows). More rows run as 8-row tiles over L2-sized column chunks and 256-input blocks, 3-9% slower than
 // oneDNN. OpenMP must be on in the build (data_gen/native.py): at::parallel_for runs on one thread without it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
