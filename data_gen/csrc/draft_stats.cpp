@@ -9,8 +9,6 @@
 // e * (z - m) per block in float (SIMD lanes) and across blocks in double. Then with S = sum e and T = sum e (z - m):
 // entropy = log S - T / S (both terms >= 0, no cancellation), p_i = exp(z_i - m) / S, max p = 1 / S.
 #include <torch/extension.h>
-
-#include "fast_math.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -22,10 +20,23 @@
 #include <tuple>
 #include <vector>
 
+#include "fast_math.h"
+
 namespace {
 
 constexpr int64_t kBlock = 128;
 
+
+// Whether the logits are divided by T, and T: temperature 0 (greedy) and 1 read the logits as they are.
+struct Scaling {
+  bool on;
+  float temp;
+};
+
+inline Scaling scaling_of(double temperature) {
+  const bool on = temperature > 0.0 && temperature != 1.0;
+  return {on, on ? static_cast<float>(temperature) : 1.0f};
+}
 
 // z / T, the scaling a separate instantiation so that no loop branches on it.
 template <bool kScale>
@@ -243,14 +254,13 @@ torch::Tensor draft_stats(torch::Tensor logits, torch::Tensor tokens, int64_t k,
   const float* xp = logits.data_ptr<float>();
   const int64_t* tp = tok.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  const bool scale = temperature > 0.0 && temperature != 1.0;
-  const float temp = scale ? static_cast<float>(temperature) : 1.0f;
+  const Scaling sc = scaling_of(temperature);
   for (int64_t r = 0; r < N; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "draft_stats: token id out of range");
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> bmax((V + kBlock - 1) / kBlock), cand;
     std::vector<int64_t> order;
     for (int64_t r = begin; r < end; ++r)
-      row_stats_any(xp + r * V, V, temp, scale, tp[r], k, op + r * (2 + k), bmax, order, cand);
+      row_stats_any(xp + r * V, V, sc.temp, sc.on, tp[r], k, op + r * (2 + k), bmax, order, cand);
   });
   return out;
 }
@@ -275,12 +285,11 @@ std::tuple<torch::Tensor, torch::Tensor> pair_stats(torch::Tensor draft, torch::
   const int64_t* tp = tok.data_ptr<int64_t>();
   float* outp = out.data_ptr<float>();
   int64_t* ap = amax.data_ptr<int64_t>();
-  const bool scale = temperature > 0.0 && temperature != 1.0;
-  const float temp = scale ? static_cast<float>(temperature) : 1.0f;
+  const Scaling sc = scaling_of(temperature);
   for (int64_t r = 0; r < N; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "pair_stats: token id out of range");
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      pair_row_any(qp + r * V, opp + r * V, V, temp, scale, tp[r], outp + r * 4, ap + r);
+      pair_row_any(qp + r * V, opp + r * V, V, sc.temp, sc.on, tp[r], outp + r * 4, ap + r);
   });
   return {out, amax};
 }
@@ -299,11 +308,10 @@ torch::Tensor sample_tokens(torch::Tensor logits, torch::Tensor u, double temper
   const float* xp = logits.data_ptr<float>();
   const double* up = uc.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
-  const bool scale = temperature > 0.0 && temperature != 1.0;
-  const float temp = scale ? static_cast<float>(temperature) : 1.0f;
+  const Scaling sc = scaling_of(temperature);
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> bsum((V + kBlock - 1) / kBlock);
-    for (int64_t r = begin; r < end; ++r) op[r] = sample_row_any(xp + r * V, V, temp, scale, up[r], bsum);
+    for (int64_t r = begin; r < end; ++r) op[r] = sample_row_any(xp + r * V, V, sc.temp, sc.on, up[r], bsum);
   });
   return out;
 }
