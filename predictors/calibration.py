@@ -204,34 +204,45 @@ def ece_interval(probs: np.ndarray, labels: np.ndarray, groups: np.ndarray, n_bi
     whether a bound such as 0.03 lies inside it. (nan, nan) with fewer than two prompts."""
     p = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), 0.0, 1.0)
     y = np.asarray(labels, dtype=np.float64).reshape(-1)
-    ids, inverse = np.unique(np.asarray(groups).astype(str).reshape(-1), return_inverse=True)
-    if len(ids) < 2 or p.size != y.size or p.size != inverse.size:
+    codes = np.unique(np.asarray(groups).astype(str).reshape(-1), return_inverse=True)[1]
+    n_groups = int(codes.max()) + 1 if codes.size else 0
+    if n_groups < 2 or p.size != y.size or p.size != codes.size:
         return float("nan"), float("nan")
-    rows_of = [np.flatnonzero(inverse == k) for k in range(len(ids))]
     rng = np.random.default_rng(seed)
-    values = [expected_calibration_error(p[rows], y[rows], n_bins)
-              for rows in (np.concatenate([rows_of[k] for k in rng.integers(0, len(ids), len(ids))])
-                           for _ in range(n_boot))]
+    # each resample as prompt multiplicities weighting the tokens, as the AUC intervals do (evaluation.classification)
+    values = [expected_calibration_error(
+        p, y, n_bins, np.bincount(rng.integers(0, n_groups, n_groups), minlength=n_groups).astype(np.float64)[codes])
+        for _ in range(n_boot)]
     lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)
 
 
-def reliability_bins(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15) -> dict[str, np.ndarray]:
-    """Equal-width bins of predicted acceptance: per bin the token count, mean prediction and mean label."""
+def reliability_bins(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15,
+                     weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Equal-width bins of predicted acceptance: per bin the token count, mean prediction and mean label (``weights``:
+    each token counted that many times, e.g. its prompt's multiplicity in a bootstrap resample)."""
     p = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), 0.0, 1.0)
     y = np.asarray(labels, dtype=np.float64).reshape(-1)
     idx = np.minimum((p * n_bins).astype(np.int64), n_bins - 1)
-    count = np.bincount(idx, minlength=n_bins).astype(np.float64)
-    sp = np.bincount(idx, weights=p, minlength=n_bins)
-    sy = np.bincount(idx, weights=y, minlength=n_bins)
+    if weights is None:
+        count = np.bincount(idx, minlength=n_bins).astype(np.float64)
+        sp = np.bincount(idx, weights=p, minlength=n_bins)
+        sy = np.bincount(idx, weights=y, minlength=n_bins)
+    else:
+        w = np.asarray(weights, dtype=np.float64).reshape(-1)
+        count = np.bincount(idx, weights=w, minlength=n_bins)
+        sp = np.bincount(idx, weights=p * w, minlength=n_bins)
+        sy = np.bincount(idx, weights=y * w, minlength=n_bins)
     with np.errstate(invalid="ignore", divide="ignore"):
         return {"count": count, "mean_pred": sp / count, "mean_label": sy / count,
                 "edges": np.linspace(0.0, 1.0, n_bins + 1)}
 
 
-def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15) -> float:
-    """ECE: sum over equal-width bins of (tokens in bin / N) * |mean prediction - mean label| (soft labels allowed)."""
-    b = reliability_bins(probs, labels, n_bins)
+def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15,
+                               weights: np.ndarray | None = None) -> float:
+    """ECE: sum over equal-width bins of (tokens in bin / N) * |mean prediction - mean label| (soft labels allowed;
+    ``weights`` as in :func:`reliability_bins`)."""
+    b = reliability_bins(probs, labels, n_bins, weights)
     n = b["count"].sum()
     if n <= 0:
         return float("nan")
