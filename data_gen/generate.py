@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data_gen.compute_path import precision_diffs, use_row_invariant_attention
+from data_gen.compute_path import PRECISION_OPTIONS, precision_diffs, use_row_invariant_attention
 from data_gen.continuations import GenStats, continue_batch, speculative_trajectory
 from data_gen.draft_stats import native_available
 from data_gen.labelling import (
@@ -586,18 +586,18 @@ def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
     if stored is None or not any(out_dir.glob("shard-*.parquet")):
         return
     old = stored.get("resolved", {}).get("fingerprints", {})
-    hints = {"compute_path": lambda was: f"--models.compute {was}",
-             "head_dtype": lambda was: f"--models.bf16_draft_head {str(was == 'bfloat16').lower()}",
-             "pack_layout": lambda was: f"--models.fuse_linears {str(was == 'fused').lower()}",
-             "gemm": lambda was: f"--models.native_gemm {str(was == 'specstop').lower()}"}
+    value = {"compute_path": lambda was: was,  # the option's value that computes as the folder's data did
+             "head_dtype": lambda was: str(was == "bfloat16").lower(),
+             "pack_layout": lambda was: str(was == "fused").lower(),
+             "gemm": lambda was: str(was == "specstop").lower()}
     for role, fp in fingerprints.items():
         diffs = precision_diffs(old.get(role, {}), fp)
-        for key in ("compute_path", "head_dtype", "pack_layout", "gemm"):  # dtype has its own config check
+        for key in value:  # dtype has its own config check
             if key in diffs:
                 was, now = diffs[key]
                 raise FileExistsError(
                     f"{out_dir} was labelled with the {role} at {key} {was!r}, this run computes it at {now!r}: pass "
-                    f"{hints[key](was)} to resume it, or use another out_dir"
+                    f"{PRECISION_OPTIONS[key]} {value[key](was)} to resume it, or use another out_dir"
                 )
 
 
