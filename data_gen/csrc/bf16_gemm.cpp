@@ -38,7 +38,7 @@
 namespace {
 
 constexpr int64_t kCols = 16;        // output columns per block (one zmm of fp32)
-constexpr int64_t kTileRows = 16;    // rows per tile
+constexpr int64_t kTileRows = 16;    // calls of up to this many rows stream the weights once (few_rows)
 constexpr int64_t kPairBlock = 128;  // input pairs per block of the many-row path (256 inputs)
 constexpr int64_t kChunkBytes = 512 * 1024;  // weights per column chunk of the many-row path (half of L2)
 // Software prefetch distance (input pairs = 64-byte lines per column block) for a call of R rows: their extra compute
@@ -109,19 +109,17 @@ BF16_TARGET void chunk_fn(const uint16_t* x, int64_t ldx, const uint16_t* w, int
 using ChunkFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, float*, int64_t,
                          uint16_t*, int64_t);
 
-// kChunk[spill][nb index][R - 1] for NB in {1, 3, 4, 6, 8}
-constexpr int kNbs[] = {1, 3, 4, 6, 8};
-constexpr int nb_index(int nb) { return nb == 1 ? 0 : nb == 3 ? 1 : nb == 4 ? 2 : nb == 6 ? 3 : 4; }
+// kDirect / kSpilled[nb index][R - 1] for the NB that occur: 1 (a group's leftover blocks) and blocks_for's 3 and 4
+constexpr int nb_index(int nb) { return nb == 1 ? 0 : nb == 3 ? 1 : 2; }
 
 template <bool kSpill, int NB, int... Rs>
 constexpr std::array<ChunkFn, kRowChunk> row_table(std::integer_sequence<int, Rs...>) {
   return {&chunk_fn<Rs + 1, NB, kSpill>...};
 }
 template <bool kSpill>
-constexpr std::array<std::array<ChunkFn, kRowChunk>, 5> nb_table() {
+constexpr std::array<std::array<ChunkFn, kRowChunk>, 3> nb_table() {
   constexpr auto seq = std::make_integer_sequence<int, kRowChunk>{};
-  return {row_table<kSpill, 1>(seq), row_table<kSpill, 3>(seq), row_table<kSpill, 4>(seq), row_table<kSpill, 6>(seq),
-          row_table<kSpill, 8>(seq)};
+  return {row_table<kSpill, 1>(seq), row_table<kSpill, 3>(seq), row_table<kSpill, 4>(seq)};
 }
 constexpr auto kDirect = nb_table<false>();
 constexpr auto kSpilled = nb_table<true>();
