@@ -1,13 +1,16 @@
-"""Decoding end to end on specstop's bf16 GEMM against oneDNN's: target-only and engine policies, the two kernels'
-model pairs side by side in one process, interleaved per prompt (the host's speed drifts within minutes).
+"""Decoding end to end on two variants of the compute path, side by side in one process, interleaved per prompt
+(the host's speed drifts within minutes): target-only and engine policies.
 
-Both pairs are loaded (``--models.native_gemm`` true and false; about 10 GB together), the benchmark's held-out
-prompts are decoded greedily with ``target.generate`` and with the engine under each policy spec, and tokens/s and
-the speedup over the same kernel's target-only are printed per kernel.
+``--compare native_gemm`` (default): specstop's bf16 GEMM against oneDNN's, two model pairs (``--models.native_gemm``
+true and false, both drafts in bf16; about 10 GB together). ``--compare int8_draft``: one target, the draft with int8
+weights against bf16 (``--models.int8_draft`` true and false). The benchmark's held-out prompts are decoded greedily
+with ``target.generate`` and with the engine under each policy spec, and tokens/s and the speedup over the same
+variant's target-only are printed per variant.
 
 Usage:
     python benchmarks/bench_gemm_decoding.py outputs/default/train/disco/export \\
         goodput:outputs/default/train/disco/export --n_prompts 4 --new_tokens 96
+    python benchmarks/bench_gemm_decoding.py static:5 svip --compare int8_draft
 """
 from __future__ import annotations
 
@@ -17,12 +20,16 @@ import time
 import torch
 
 from data_gen.compute_path import cpu_info
-from data_gen.models import ModelSpec, load_model
+from data_gen.generate import ModelsConfig
+from data_gen.models import load_model
 from data_gen.timing import CostModel
 from decoding.policies import build_decoder
 from pipelines.benchmark import BenchmarkConfig, load_benchmark_prompts
 
-KERNELS = ("specstop", "onednn")
+VARIANTS = {"native_gemm": {"specstop": {"native_gemm": True, "int8_draft": False},
+                             "onednn": {"native_gemm": False, "int8_draft": False}},
+            "int8_draft": {"int8": {"int8_draft": True}, "bf16": {"int8_draft": False}}}
+"""Per comparison, the ModelsConfig fields of each variant."""
 
 
 def main() -> None:
@@ -33,50 +40,57 @@ def main() -> None:
     ap.add_argument("--cost_file", default=None, help="cost model for goodput policies (else measured on the fly)")
     ap.add_argument("--n_prompts", type=int, default=4)
     ap.add_argument("--new_tokens", type=int, default=96)
+    ap.add_argument("--compare", choices=sorted(VARIANTS), default="native_gemm")
     args = ap.parse_args()
     info = cpu_info()
     print(f"CPU {info['model_name']!r}, torch {info['torch']}, {info['threads']} threads")
-    pairs, tok = {}, None
-    for kernel in KERNELS:
-        native = kernel == "specstop"
-        draft, tok = load_model(ModelSpec(args.draft, bf16_head=True, native_gemm=native))
-        target, _ = load_model(ModelSpec(args.target, native_gemm=native))
-        pairs[kernel] = (draft, target)
+    pairs, tok, target = {}, None, None
+    variants = VARIANTS[args.compare]
+    for name, fields in variants.items():
+        models = ModelsConfig(**fields)
+        draft, tok = load_model(models.spec(args.draft, "draft"))
+        if target is None or args.compare == "native_gemm":  # int8_draft: one target for both drafts
+            target, _ = load_model(models.spec(args.target, "target"))
+        pairs[name] = (draft, target)
     cost = CostModel.from_json(args.cost_file) if args.cost_file else None
     decoders = {k: {s: build_decoder(d, t, s, draft_tokenizer=tok, target_tokenizer=tok, cost_model=cost)
                     for s in args.policies} for k, (d, t) in pairs.items()}
     prompts, _, _ = load_benchmark_prompts(BenchmarkConfig(), tok)
     eos = [tok.eos_token_id]
     warm = torch.tensor([prompts[0]])
-    for kernel, (_, target) in pairs.items():  # first calls pay one-time set-up (kernel builds, allocations)
+    for variant, (_, target) in pairs.items():  # first calls pay one-time set-up (kernel builds, allocations)
         with torch.no_grad():
             target.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False,
                             eos_token_id=eos, pad_token_id=eos[0])
-        for dec in decoders[kernel].values():
+        for dec in decoders[variant].values():
             dec.generate(warm, None, 4, eos, 0)
     rows = ["target-only", *args.policies]
-    seconds = {k: dict.fromkeys(rows, 0.0) for k in KERNELS}
-    tokens = {k: dict.fromkeys(rows, 0) for k in KERNELS}
+    seconds = {k: dict.fromkeys(rows, 0.0) for k in variants}
+    tokens = {k: dict.fromkeys(rows, 0) for k in variants}
+    stats = {k: {} for k in variants}  # policy -> DecodeStats summed over prompts
     for i, p in enumerate(prompts[: args.n_prompts]):
         x = torch.tensor([p])
-        for kernel, (_, target) in pairs.items():
+        for variant, (_, target) in pairs.items():
             t0 = time.perf_counter()
             with torch.no_grad():
                 out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.new_tokens,
                                       do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-            seconds[kernel]["target-only"] += time.perf_counter() - t0
-            tokens[kernel]["target-only"] += out.shape[1] - x.shape[1]
-            for spec, dec in decoders[kernel].items():
+            seconds[variant]["target-only"] += time.perf_counter() - t0
+            tokens[variant]["target-only"] += out.shape[1] - x.shape[1]
+            for spec, dec in decoders[variant].items():
                 t0 = time.perf_counter()
-                out, _ = dec.generate(x, None, args.new_tokens, eos, i)
-                seconds[kernel][spec] += time.perf_counter() - t0
-                tokens[kernel][spec] += out.shape[1] - x.shape[1]
+                out, st = dec.generate(x, None, args.new_tokens, eos, i)
+                seconds[variant][spec] += time.perf_counter() - t0
+                stats[variant][spec] = stats[variant][spec] + st if spec in stats[variant] else st
+                tokens[variant][spec] += out.shape[1] - x.shape[1]
         print(f"prompt {i + 1}/{args.n_prompts} done", flush=True)
-    for kernel in KERNELS:
-        base = tokens[kernel]["target-only"] / seconds[kernel]["target-only"]
-        cells = [f"{r}: {tokens[kernel][r] / seconds[kernel][r]:.2f} tok/s "
-                 f"({tokens[kernel][r] / seconds[kernel][r] / base:.2f}x)" for r in rows]
-        print(f"{kernel:8s} " + "  ".join(cells))
+    for variant in variants:
+        base = tokens[variant]["target-only"] / seconds[variant]["target-only"]
+        cells = [f"{r}: {tokens[variant][r] / seconds[variant][r]:.2f} tok/s "
+                 f"({tokens[variant][r] / seconds[variant][r] / base:.2f}x"
+                 + (f", {stats[variant][r].mean_accepted:.2f} accepted/round)" if r in stats[variant] else ")")
+                 for r in rows]
+        print(f"{variant:8s} " + "  ".join(cells))
 
 
 if __name__ == "__main__":

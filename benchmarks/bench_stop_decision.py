@@ -20,7 +20,8 @@ import time
 import torch
 
 import decoding.engine as engine
-from data_gen.models import ModelSpec, load_model, share_truncated_layers
+from data_gen.generate import ModelsConfig
+from data_gen.models import load_model, share_truncated_layers
 from data_gen.timing import CostModel
 from decoding.engine import SpeculativeDecoder
 from decoding.policies import build_policy
@@ -40,9 +41,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
 
-    draft, tok = load_model(ModelSpec(args.draft, bf16_head=True))
-    target, _ = load_model(ModelSpec(args.target))
-    companion, _ = load_model(ModelSpec(args.companion, bf16_head=True))
+    models = ModelsConfig()  # the precision the pipelines load each role with
+    draft, tok = load_model(models.spec(args.draft, "draft"))
+    target, _ = load_model(models.spec(args.target, "target"))
+    companion, _ = load_model(models.spec(args.companion, "companion"))
     share_truncated_layers(companion, draft)
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                   return_tensors="pt")

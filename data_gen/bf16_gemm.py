@@ -9,6 +9,9 @@ forward or inside a prompt. Measured on AMD EPYC Zen 5 (2 threads), the 1.5B tar
 16.5 / 23.4 / 41.7 ms at 1 / 4 / 8 / 16 rows against oneDNN's 22.2 / 22.8 / 31.9 / 47.4; 64 rows and more 3-9%
 slower than oneDNN (``benchmarks/bench_bf16_gemm.py``).
 
+:func:`pack_int8` stores the weights as int8 with one scale per output channel, which the kernel widens to bfloat16
+exactly (half the bytes; the compute path uses it for draft-side models, ``--models.int8_draft``).
+
 :func:`available` is False where the CPU lacks AVX512-BF16, the build fails or ``SPECSTOP_NATIVE=0``; the compute
 path then keeps oneDNN.
 
@@ -18,6 +21,8 @@ Usage::
     if bf16_gemm.available():
         wp = bf16_gemm.pack(linear.weight)              # [ceil(N/16), K/2, 16, 2] bfloat16
         y = bf16_gemm.gemm(x.to(torch.bfloat16), wp, linear.out_features)   # [M, N] bfloat16
+        wq, scale = bf16_gemm.pack_int8(linear.weight)  # int8 [ceil(N / 16), K / 2, 16, 2], fp32 [ceil(N / 16) * 16]
+        y = bf16_gemm.gemm(x.to(torch.bfloat16), wq, linear.out_features, scale)
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from torch import Tensor
 
 from data_gen.native import NativeExtension
 
-__all__ = ["available", "pack", "gemm"]
+__all__ = ["available", "pack", "pack_int8", "gemm"]
 
 _EXT = NativeExtension("specstop_bf16_gemm", "bf16_gemm.cpp", "native bf16 GEMM")
 
@@ -48,12 +53,25 @@ def pack(weight: Tensor) -> Tensor:
     return mod.pack(weight.detach())
 
 
-def gemm(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
-    """[M, K] bfloat16 contiguous rows times the packed weight -> [M, out_features] bfloat16 (fp32 sums rounded to
-    nearest even)."""
+def pack_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """[N, K] weight -> (int8 [ceil(N / 16), K / 2, 16, 2], float32 scales [ceil(N / 16) * 16]): each output row
+    rounded to integers in [-127, 127] times its own scale ``max|w| / 127`` (symmetric, per output channel). Half the
+    bytes of :func:`pack`; the kernel widens the integers to bfloat16 exactly and scales the fp32 sums, so a row's
+    result is still the same whatever the number of rows."""
+    mod = _EXT.module()
+    if mod is None:
+        raise RuntimeError(f"bf16_gemm.pack_int8: the native kernel is unavailable ({_EXT.failed})")
+    if weight.shape[-1] % 2:
+        raise ValueError(f"bf16_gemm.pack_int8: in_features={weight.shape[-1]} must be even")
+    return mod.pack_int8(weight.detach())
+
+
+def gemm(x: Tensor, packed: Tensor, out_features: int, scale: Tensor | None = None) -> Tensor:
+    """[M, K] bfloat16 contiguous rows times the packed weight (of :func:`pack`, or of :func:`pack_int8` with its
+    ``scale``) -> [M, out_features] bfloat16 (fp32 sums, scaled for int8, rounded to nearest even)."""
     mod = _EXT.module()
     if mod is None:
         raise RuntimeError(f"bf16_gemm.gemm: the native kernel is unavailable ({_EXT.failed})")
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         x = x.to(torch.bfloat16).contiguous()
-    return mod.gemm(x, packed, int(out_features))
+    return mod.gemm(x, packed, int(out_features), scale)

@@ -73,6 +73,7 @@ __all__ = [
     "head_dtype_of",
     "compute_path_of",
     "gemm_of",
+    "weights_of",
     "cpu_info",
     "cpu_model",
     "native_bf16",
@@ -163,15 +164,23 @@ class PackedLinear(nn.Module):
     No autograd.
     """
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype, native: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, native: bool = False, int8: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.pack_dtype = dtype
         # the bf16 pack runs on specstop's kernel (data_gen.bf16_gemm) when asked and this CPU has it, else oneDNN's
         self.kernel = "specstop" if native and dtype == torch.bfloat16 and linear.in_features % 2 == 0 else "onednn"
-        w = linear.weight.detach().to(dtype).contiguous()
-        packed = bf16_gemm.pack(w) if self.kernel == "specstop" else torch.ops.mkldnn._reorder_linear_weight(w, None)
+        # int8 weights (per-output-channel scales) exist on specstop's kernel only; activations stay bf16
+        self.weights = "int8" if int8 and self.kernel == "specstop" else str(dtype).removeprefix("torch.")
+        scale = None
+        if self.weights == "int8":
+            packed, scale = bf16_gemm.pack_int8(linear.weight)
+        elif self.kernel == "specstop":
+            packed = bf16_gemm.pack(linear.weight.detach().to(dtype).contiguous())
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(dtype).contiguous(), None)
         self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("weight_scale", scale, persistent=False)
         # the bias is added in the activations' dtype (fp32) after the GEMM, so a bf16 pack rounds only x and W
         b = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", b, persistent=False)
@@ -224,12 +233,12 @@ class PackedLinear(nn.Module):
     def _pack_gemm(self, x2: torch.Tensor) -> torch.Tensor:
         """[N, in] (pack dtype, contiguous) -> [N, out] in the pack's dtype, no bias, on the pack's own kernel."""
         if self.kernel == "specstop":
-            return bf16_gemm.gemm(x2, self.packed_weight, self.out_features)
+            return bf16_gemm.gemm(x2, self.packed_weight, self.out_features, self.weight_scale)
         return torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, None, "none", [], "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, pack={self.pack_dtype}, "
-                f"kernel={self.kernel}")
+                f"kernel={self.kernel}, weights={self.weights}")
 
 
 FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -249,14 +258,15 @@ class FusedLinears:
     however the model calls its layers.
     """
 
-    def __init__(self, linears: list[nn.Linear], dtype: torch.dtype, native: bool = False) -> None:
+    def __init__(self, linears: list[nn.Linear], dtype: torch.dtype, native: bool = False, int8: bool = False
+                 ) -> None:
         whole = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears),
                           bias=linears[0].bias is not None)
         with torch.no_grad():
             whole.weight.copy_(torch.cat([lin.weight.detach() for lin in linears]))
             if whole.bias is not None:
                 whole.bias.copy_(torch.cat([lin.bias.detach() for lin in linears]))
-        self.packed = PackedLinear(whole, dtype, native)
+        self.packed = PackedLinear(whole, dtype, native, int8)
         bounds = [0]
         for lin in linears:
             bounds.append(bounds[-1] + lin.out_features)
@@ -470,7 +480,7 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 def apply_compute_path(
     model: nn.Module, path: str, bf16_head: bool = False, min_elements: int = MIN_PACK_ELEMENTS, fuse: bool = True,
-    native_gemm: bool = True,
+    native_gemm: bool = True, int8_weights: bool = False,
 ) -> dict[str, Any]:
     """Swap the model's large ``nn.Linear`` layers for :class:`PackedLinear` (in place) for a resolved ``path``.
 
@@ -490,6 +500,11 @@ def apply_compute_path(
         native_gemm: with ``packed-bf16``, run the bf16 packs on specstop's kernel (:mod:`data_gen.bf16_gemm`) where
             this CPU has it (AVX512-BF16), else on oneDNN's. Another summation order: a data folder records which
             (``gemm`` in the fingerprint).
+        int8_weights: on specstop's kernel, store the bf16 packs' weights as int8 with one scale per output channel
+            (:func:`data_gen.bf16_gemm.pack_int8`): half the bytes a step streams, activations still bf16. For
+            draft-side models only (``ModelSpec.int8_weights``): their proposals never change what exact decoding
+            emits. Ignored where the kernel does not run (fp32 path, oneDNN, no AVX512-BF16): the model keeps its
+            pack dtype, and ``weights_of`` says which it got (``weights`` in the fingerprint).
     Returns:
         stats: packed layer count (fused members included), fused groups, weight bytes before and after, the path.
     Raises:
@@ -506,16 +521,19 @@ def apply_compute_path(
                          f"load with --models.dtype float32 or use --models.compute eager")
     dtype = torch.bfloat16 if path == "packed-bf16" else torch.float32
     native = bool(native_gemm and dtype == torch.bfloat16 and bf16_gemm.available())
+    int8 = bool(int8_weights and native)
     stats = {"compute_path": path, "packed_layers": 0, "bytes_before": 0, "bytes_after": 0,
-             "gemm": "specstop" if native else "onednn"}
+             "gemm": "specstop" if native else "onednn",
+             "weights": "int8" if int8 else str(dtype).removeprefix("torch.")}
+    wbytes = 1 if int8 else dtype.itemsize
     tied = _tied_output_weight(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if fuse:
         stats["fused_groups"] = 0
         for parent, group in _fusable_groups(model, min_elements):
             lins = [getattr(parent, n) for n in group]
-            need = sum(lin.weight.numel() for lin in lins) * dtype.itemsize
-            fused = _pack_or_explain(model, "+".join(group), need, FusedLinears, lins, dtype, native)
+            need = sum(lin.weight.numel() for lin in lins) * wbytes
+            fused = _pack_or_explain(model, "+".join(group), need, FusedLinears, lins, dtype, native, int8)
             for i, (n, lin) in enumerate(zip(group, lins)):
                 setattr(parent, n, PackedSlice(fused, i, lin.in_features, lin.out_features, dtype))
                 stats["bytes_before"] += lin.weight.numel() * lin.weight.element_size()
@@ -525,10 +543,11 @@ def apply_compute_path(
     for parent, name, lin in _linears(model):
         if lin.weight.numel() < min_elements:
             continue
-        layer_dtype = torch.float32 if (lin is head and not bf16_head) else dtype
-        need = lin.weight.numel() * layer_dtype.itemsize
+        fp32_head = lin is head and not bf16_head
+        layer_dtype = torch.float32 if fp32_head else dtype
+        need = lin.weight.numel() * (layer_dtype.itemsize if fp32_head else wbytes)
         packed = _pack_or_explain(model, f"{name} {tuple(lin.weight.shape)}", need, PackedLinear, lin, layer_dtype,
-                                  native)
+                                  native, int8 and not fp32_head)
         setattr(parent, name, packed)
         stats["packed_layers"] += 1
         stats["bytes_before"] += 0 if lin.weight is tied else lin.weight.numel() * lin.weight.element_size()
@@ -541,6 +560,7 @@ def apply_compute_path(
         model.specstop_pack_layout = "fused" if stats.get("fused_groups") else "per-layer"
         model.specstop_head_dtype = "bfloat16" if (bf16_head and path == "packed-bf16") else "float32"
         model.specstop_gemm = stats["gemm"]
+        model.specstop_weights = stats["weights"]
         stats["row_invariant_attention"] = use_row_invariant_attention(model)
         _detach_from_file(model)
     else:
@@ -626,31 +646,44 @@ def gemm_of(model: nn.Module) -> str:
     return str(getattr(model, "specstop_gemm", "onednn"))
 
 
+def weights_of(model: nn.Module) -> str:
+    """What its packed linears store: ``int8`` (draft-side models on specstop's kernel), the pack dtype
+    (``bfloat16``, ``float32``), or ``eager``."""
+    if compute_path_of(model) == "eager":
+        return "eager"
+    return str(getattr(model, "specstop_weights", _PACK_DTYPES.get(compute_path_of(model), "")))
+
+
+_PACK_DTYPES = {"packed": "float32", "packed-bf16": "bfloat16", "eager": "eager"}
 PRECISION_DEFAULTS = {"head_dtype": "float32", "pack_layout": "per-layer", "gemm": "onednn"}
-"""What a fingerprint without these keys computed with (written before they were recorded)."""
+"""What a fingerprint without these keys computed with (written before they were recorded; ``weights``: the pack
+dtype of its compute path)."""
 PRECISION_OPTIONS = {"dtype": "--models.dtype", "compute_path": "--models.compute",
                      "head_dtype": "--models.bf16_draft_head", "pack_layout": "--models.fuse_linears",
-                     "gemm": "--models.native_gemm"}
+                     "gemm": "--models.native_gemm", "weights": "--models.int8_draft"}
 """The option that sets each precision field of a model fingerprint."""
 
 
 def precision_diffs(stored: dict, current: dict) -> dict[str, tuple[str, str]]:
     """key -> (stored, current) for each precision field of two model fingerprints that differs (``dtype``,
-    ``compute_path``, ``head_dtype``, ``pack_layout``, ``gemm``); keys missing from an older packed fingerprint read as
-    :data:`PRECISION_DEFAULTS`. Nothing when either side has no ``compute_path``."""
+    ``compute_path``, ``head_dtype``, ``pack_layout``, ``gemm``, ``weights``); keys missing from an older packed
+    fingerprint read as :data:`PRECISION_DEFAULTS`. Nothing when either side has no ``compute_path``."""
     if not stored.get("compute_path") or not current.get("compute_path"):
         return {}
     out = {}
-    for key in ("dtype", "compute_path", "head_dtype", "pack_layout", "gemm"):
+    for key in ("dtype", "compute_path", "head_dtype", "pack_layout", "gemm", "weights"):
         default = PRECISION_DEFAULTS.get(key)
         if key in ("pack_layout", "gemm") and stored["compute_path"] == "eager":
             default = "eager"
+        if key == "weights":
+            default = _PACK_DTYPES.get(stored["compute_path"])
         was, now = stored.get(key, default), current.get(key)
         if was and now and was != now:
             out[key] = (str(was), str(now))
     if "compute_path" in out:  # another path packs (or not) otherwise anyway
         out.pop("pack_layout", None)
         out.pop("gemm", None)
+        out.pop("weights", None)
     return out
 
 

@@ -89,6 +89,11 @@ class ModelsConfig:
     native_gemm: bool = True
     """On packed-bf16, the linears run on specstop's batch-invariant bf16 kernel (``data_gen.bf16_gemm``: weights
     streamed once for up to 16 rows) where the CPU has AVX512-BF16; false: oneDNN's. Recorded as ``gemm``."""
+    int8_draft: bool = True
+    """On specstop's bf16 kernel, the draft's and companion's weights are stored as int8 with one scale per output
+    channel (``data_gen.bf16_gemm.pack_int8``): half the bytes of a draft step, whose cost is mostly reading them;
+    the target keeps bf16 (exact decoding emits the target's tokens whatever the draft proposes). Recorded as
+    ``weights``."""
 
     def spec(self, name: str, role: str = "target") -> ModelSpec:
         """The ModelSpec of ``name`` loaded as ``role`` (draft, target or companion)."""
@@ -96,7 +101,7 @@ class ModelsConfig:
             raise ValueError(f"role={role!r}: use draft, target or companion")
         return ModelSpec(name, dtype=self.dtype, device=self.device, cache_dir=self.cache_dir, compute=self.compute,
                          bf16_head=self.bf16_draft_head and role != "target", fuse_linears=self.fuse_linears,
-                         native_gemm=self.native_gemm)
+                         native_gemm=self.native_gemm, int8_weights=self.int8_draft and role != "target")
 
 
 @dataclass
@@ -578,10 +583,10 @@ def attention_for_labelling(models: LabelModels) -> None:
 
 
 def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
-    """Refuse to add shards labelled on another compute path, LM-head dtype, pack layout or GEMM kernel than the
-    folder's (``compute: auto`` resolves per CPU: bf16 weights on an AVX512-BF16 host, fp32 on an AVX2 one), so that no
-    folder mixes two precisions (``data_gen.compute_path.precision_diffs``: older folders had fp32 heads and
-    per-layer packs)."""
+    """Refuse to add shards labelled on another compute path, LM-head dtype, pack layout, GEMM kernel or weight type
+    (int8 drafts) than the folder's (``compute: auto`` resolves per CPU: bf16 weights on an AVX512-BF16 host, fp32 on
+    an AVX2 one), so that no folder mixes two precisions (``data_gen.compute_path.precision_diffs``: older folders had
+    fp32 heads and per-layer packs)."""
     stored = read_data_config(out_dir)
     if stored is None or not any(out_dir.glob("shard-*.parquet")):
         return
@@ -589,7 +594,8 @@ def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
     value = {"compute_path": lambda was: was,  # the option's value that computes as the folder's data did
              "head_dtype": lambda was: str(was == "bfloat16").lower(),
              "pack_layout": lambda was: str(was == "fused").lower(),
-             "gemm": lambda was: str(was == "specstop").lower()}
+             "gemm": lambda was: str(was == "specstop").lower(),
+             "weights": lambda was: str(was == "int8").lower()}
     for role, fp in fingerprints.items():
         diffs = precision_diffs(old.get(role, {}), fp)
         for key in value:  # dtype has its own config check

@@ -37,6 +37,7 @@ from data_gen.compute_path import (
     head_dtype_of,
     pack_layout_of,
     resolve_compute_path,
+    weights_of,
 )
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ class ModelSpec:
     """On a packed path, pack q/k/v and gate/up as one GEMM each (``data_gen.compute_path.FUSED_GROUPS``)."""
     native_gemm: bool = True
     """On packed-bf16, run the linears on specstop's bf16 kernel (``data_gen.bf16_gemm``) where the CPU has it."""
+    int8_weights: bool = False
+    """On specstop's bf16 kernel, store the weights as int8 with per-channel scales (draft-side models:
+    ``ModelsConfig.spec`` sets it)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -170,10 +174,10 @@ def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
         path = "eager"
     model, tok = _load_eager(replace(spec, compute="eager"))
     stats = apply_compute_path(model, path, bf16_head=spec.bf16_head, fuse=spec.fuse_linears,
-                               native_gemm=spec.native_gemm)
+                               native_gemm=spec.native_gemm, int8_weights=spec.int8_weights)
     if stats["packed_layers"]:
-        log.info("%s: %d linear layers packed (%s on %s, %d fused groups), weights %.2f -> %.2f GB", spec.name,
-                 stats["packed_layers"], path, stats["gemm"], stats.get("fused_groups", 0),
+        log.info("%s: %d linear layers packed (%s on %s, %s weights, %d fused groups), weights %.2f -> %.2f GB",
+                 spec.name, stats["packed_layers"], path, stats["gemm"], stats["weights"], stats.get("fused_groups", 0),
                  stats["bytes_before"] / 1e9, stats["bytes_after"] / 1e9)
     return model, tok
 
@@ -329,8 +333,8 @@ def layer_output(layers: nn.ModuleList, n: int | None) -> Iterator[list[Tensor]]
 
 def model_fingerprint(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> dict:
     """Identity of a model that data and predictors are bound to: name, vocabulary and hidden size, and the precision
-    it computed in (``dtype``, ``compute_path``, ``head_dtype``, ``pack_layout`` and ``gemm``: a predictor is refused
-    for another model, warned for another precision).
+    it computed in (``dtype``, ``compute_path``, ``head_dtype``, ``pack_layout``, ``gemm`` and ``weights``: a
+    predictor is refused for another model, warned for another precision).
     """
     return {
         "name": str(getattr(model.config, "name_or_path", "") or type(model).__name__),
@@ -342,4 +346,5 @@ def model_fingerprint(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> d
         "head_dtype": head_dtype_of(model),
         "pack_layout": pack_layout_of(model),
         "gemm": gemm_of(model),
+        "weights": weights_of(model),
     }

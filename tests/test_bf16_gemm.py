@@ -59,3 +59,47 @@ def test_bad_shapes_name_the_problem() -> None:
     wp = bf16_gemm.pack(torch.randn(32, 8))
     with pytest.raises(RuntimeError, match="packed weight"):
         bf16_gemm.gemm(torch.randn(2, 10).to(torch.bfloat16), wp, 32)
+
+
+def _dequantized(w: torch.Tensor) -> torch.Tensor:
+    scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale).clamp(-127, 127) * scale
+
+
+@pytest.mark.parametrize("n,k", [(16, 2), (40, 64), (33, 96), (1000, 448), (96, 1200)])
+def test_int8_gemm_equals_float64_of_the_dequantized_weights_to_output_rounding(n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n * k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(37, k, generator=g).to(torch.bfloat16)
+    w[3] = 0  # a zero row: scale 1, outputs 0
+    q, scale = bf16_gemm.pack_int8(w)
+    assert q.dtype == torch.int8 and q.shape == (-(-n // 16), k // 2, 16, 2) and scale.shape == (q.shape[0] * 16,)
+    y = bf16_gemm.gemm(x, q, n, scale)
+    ref = x.double() @ _dequantized(w).double().T
+    assert y.shape == (37, n) and y.dtype == torch.bfloat16
+    assert ((y.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-4 * k**0.5).all()
+    assert (y[:, 3] == 0).all() and scale[3] == 1
+
+
+@pytest.mark.parametrize("n,k", [(48, 64), (200, 320), (17, 2 * 700)])
+def test_an_int8_row_has_the_same_bits_alone_in_a_few_rows_and_in_many(n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(k + 1)
+    q, scale = bf16_gemm.pack_int8(torch.randn(n, k, generator=g))
+    x = torch.randn(40, k, generator=g).to(torch.bfloat16)
+    alone = torch.cat([bf16_gemm.gemm(x[i : i + 1].contiguous(), q, n, scale) for i in range(40)])
+    for m in (2, 3, 5, 8, 9, 16, 17, 24, 40):
+        for start in (0, 40 - m):
+            assert torch.equal(bf16_gemm.gemm(x[start : start + m].contiguous(), q, n, scale), alone[start : start + m])
+
+
+def test_int8_weights_without_their_scales_are_refused() -> None:
+    w = torch.randn(32, 8)
+    q, scale = bf16_gemm.pack_int8(w)
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="int8 weight needs its scales"):
+        bf16_gemm.gemm(x, q, 32)
+    with pytest.raises(RuntimeError, match="int8 weight needs its scales"):
+        bf16_gemm.gemm(x, bf16_gemm.pack(w), 32, scale)
+    with pytest.raises(RuntimeError, match="scales of pack_int8"):
+        bf16_gemm.gemm(x, q, 32, scale[:16].contiguous())
+    with pytest.raises(ValueError, match="in_features=3 must be even"):
+        bf16_gemm.pack_int8(torch.randn(4, 3))

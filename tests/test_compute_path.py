@@ -43,6 +43,9 @@ BF16 = pytest.param("packed-bf16", marks=pytest.mark.skipif(not torch.ops.mkldnn
 BF16_ONEDNN = pytest.param("packed-bf16+onednn", marks=pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN without bf16"))
 """packed-bf16 on oneDNN's kernels (``native_gemm=False``); plain BF16 runs specstop's where the CPU has it."""
+BF16_INT8 = pytest.param("packed-bf16+int8", marks=pytest.mark.skipif(
+    not cp.bf16_gemm.available(), reason="no AVX512-BF16 (or no compiler): int8 weights need specstop's kernel"))
+"""packed-bf16 on specstop's kernel with int8 weights (``int8_weights=True``, what draft-side models get)."""
 
 
 def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
@@ -69,8 +72,9 @@ def test_load_model_keeps_tiny_models_eager_and_the_fingerprint_reads_a_packed_h
     fp = model_fingerprint(model, tok)
     assert fp["compute_path"] == "eager" and fp["dtype"] == "float32"
     cp.apply_compute_path(model, "packed", min_elements=0)
-    assert fp["pack_layout"] == "eager" and fp["gemm"] == "eager"
-    assert model_fingerprint(model, tok) == {**fp, "compute_path": "packed", "pack_layout": "fused", "gemm": "onednn"}
+    assert fp["pack_layout"] == "eager" and fp["gemm"] == "eager" and fp["weights"] == "eager"
+    assert model_fingerprint(model, tok) == {**fp, "compute_path": "packed", "pack_layout": "fused", "gemm": "onednn",
+                                             "weights": "float32"}
 
 
 def test_auto_picks_bf16_only_with_native_support(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,6 +159,48 @@ def test_a_data_folder_is_not_resumed_with_another_gemm_kernel(tmp_path) -> None
         check_same_precision(tmp_path, now)
     check_same_precision(tmp_path, {"target": {**now["target"], "gemm": "onednn"}})
     assert cp.precision_diffs({"compute_path": "eager"}, {"compute_path": "eager", "gemm": "eager"}) == {}
+
+
+def test_a_data_folder_is_not_resumed_with_another_draft_weight_type(tmp_path) -> None:
+    """Folders labelled before int8 drafts record no ``weights``: a packed-bf16 model's read as bfloat16."""
+    import json
+
+    from data_gen.generate import check_same_precision
+
+    (tmp_path / "shard-00000.parquet").write_bytes(b"")
+    old = {"draft": {"compute_path": "packed-bf16", "gemm": "specstop"}}
+    (tmp_path / "config.json").write_text(json.dumps({"resolved": {"fingerprints": old}}))
+    now = {"draft": {"compute_path": "packed-bf16", "gemm": "specstop", "weights": "int8"}}
+    with pytest.raises(FileExistsError, match="--models.int8_draft false"):
+        check_same_precision(tmp_path, now)
+    check_same_precision(tmp_path, {"draft": {**now["draft"], "weights": "bfloat16"}})
+    assert cp.precision_diffs({"compute_path": "packed"}, {"compute_path": "packed", "weights": "float32"}) == {}
+    assert cp.precision_diffs({"compute_path": "eager"}, {"compute_path": "packed", "weights": "float32"}) == {
+        "compute_path": ("eager", "packed")}
+
+
+@pytest.mark.skipif(not cp.bf16_gemm.available(), reason="no AVX512-BF16 (or no compiler)")
+def test_int8_weights_pack_every_linear_of_a_draft_and_stay_close_to_bf16() -> None:
+    """Every packed layer (LM head included with bf16_head) stores int8; logits within the int8 rounding of bf16's;
+    a target-side head kept fp32 keeps fp32 weights; the fingerprint records ``weights``."""
+    bf16, tok = load_model(ModelSpec("tiny:3:64:2", compute="eager"))
+    int8, _ = load_model(ModelSpec("tiny:3:64:2", compute="eager"))
+    cp.apply_compute_path(bf16, "packed-bf16", bf16_head=True, min_elements=0)
+    stats = cp.apply_compute_path(int8, "packed-bf16", bf16_head=True, min_elements=0, int8_weights=True)
+    packs = [m for m in int8.modules() if isinstance(m, cp.PackedLinear)]
+    assert packs and all(m.weights == "int8" and m.packed_weight.dtype == torch.int8 for m in packs)
+    assert stats["bytes_after"] == sum(m.out_features * m.in_features for m in packs)  # one byte a weight
+    assert model_fingerprint(int8, tok)["weights"] == "int8" and model_fingerprint(bf16, tok)["weights"] == "bfloat16"
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2, 44, 18]])
+    with torch.no_grad():
+        a, b = int8(ids).logits, bf16(ids).logits
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+    head_fp32, _ = load_model(ModelSpec("tiny:3:64:2", compute="eager"))
+    cp.apply_compute_path(head_fp32, "packed-bf16", min_elements=0, int8_weights=True)
+    assert head_fp32.get_output_embeddings().weights == "float32"
+    plain, _ = load_model(ModelSpec("tiny:3:64:2", compute="eager"))
+    assert cp.apply_compute_path(plain, "packed-bf16", min_elements=0, native_gemm=False,
+                                 int8_weights=True)["weights"] == "bfloat16"  # oneDNN: no int8, nothing else changes
 
 
 def test_a_data_folder_is_not_resumed_with_another_pack_layout(tmp_path) -> None:
@@ -246,13 +292,16 @@ def test_a_fused_slice_called_alone_or_out_of_order_still_gives_its_own_columns(
     assert group._out is None and group._key is None
 
 
-def test_models_config_packs_draft_side_heads_in_bf16_only() -> None:
+def test_models_config_packs_draft_side_heads_in_bf16_and_weights_in_int8_only() -> None:
     from data_gen.generate import ModelsConfig
 
     mc = ModelsConfig(compute="packed-bf16")
     assert mc.spec("d", "draft").bf16_head and mc.spec("c", "companion").bf16_head
     assert not mc.spec("t").bf16_head and not mc.spec("t", "target").bf16_head
     assert not ModelsConfig(bf16_draft_head=False).spec("d", "draft").bf16_head
+    assert mc.spec("d", "draft").int8_weights and mc.spec("c", "companion").int8_weights
+    assert not mc.spec("t", "target").int8_weights
+    assert not ModelsConfig(int8_draft=False).spec("d", "draft").int8_weights
     with pytest.raises(ValueError, match="role='verifier'"):
         mc.spec("x", "verifier")
 
@@ -273,14 +322,17 @@ def test_bf16_head_is_recorded_in_the_fingerprint() -> None:
 def _packed_tiny(path: str, spec: str = "tiny:2:32:3"):
     model, _ = load_model(ModelSpec(spec, compute="eager"))
     path, _, kernel = path.partition("+")
-    stats = cp.apply_compute_path(model, path, min_elements=0, native_gemm=kernel != "onednn")
+    stats = cp.apply_compute_path(model, path, min_elements=0, native_gemm=kernel != "onednn",
+                                  int8_weights=kernel == "int8")
     if kernel == "onednn":
         assert stats["gemm"] == "onednn"
+    if kernel == "int8":
+        assert stats["weights"] == "int8" == cp.weights_of(model)
     assert stats["row_invariant_attention"] and model.config._attn_implementation == cp.ROW_INVARIANT_ATTENTION
     return model
 
 
-@pytest.mark.parametrize("path", ["packed", BF16, BF16_ONEDNN])
+@pytest.mark.parametrize("path", ["packed", BF16, BF16_ONEDNN, BF16_INT8])
 def test_a_packed_forward_is_batch_invariant(path: str) -> None:
     """A position's logits have the same bits in a one-token step, a chunk of L tokens and the prompt."""
     from transformers import DynamicCache
@@ -315,12 +367,13 @@ def test_row_invariant_attention_equals_sdpa_with_left_padding_and_grouped_heads
     torch.testing.assert_close(out[1], ref[1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("path", ["packed", BF16, BF16_ONEDNN])
+@pytest.mark.parametrize("path", ["packed", BF16, BF16_ONEDNN, BF16_INT8])
 def test_speculative_decoding_on_a_packed_pair_reproduces_target_only_token_for_token(path: str) -> None:
+    """With an int8 draft (``+int8``) the target stays bf16, as ``ModelsConfig.spec`` loads them."""
     from decoding.engine import SpeculativeDecoder
     from decoding.policies import build_policy
 
-    draft, target = _packed_tiny(path, "tiny:1"), _packed_tiny(path)
+    draft, target = _packed_tiny(path, "tiny:1"), _packed_tiny(path.removesuffix("+int8"))
     ids = torch.tensor([[1, 5, 9, 33, 70, 2]])
     ref = _greedy(target, ids, 40)
     for spec in ("static:3", "static:7", "max_confidence:0.5"):

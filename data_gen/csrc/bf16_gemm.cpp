@@ -6,6 +6,9 @@
 // Layout: pack() stores W [N, K] as [ceil(N / 16)][K / 2][16][2] bf16 ("VNNI" pairs: for 16 output columns, the weights
 // of inputs 2p and 2p + 1 side by side), the operand order of vdpbf16ps. One 64-byte load feeds 16 columns; each
 // row's input pair is broadcast to the 16 lanes, so a lane holds one output and no horizontal sum is needed.
+// pack_int8() stores the same layout in int8 with one fp32 scale per output column (symmetric, max|w| / 127): half the
+// bytes, for draft-side models whose steps are bound by reading their weights. The kernel widens each 32 integers to
+// bf16 (exact) and multiplies the column's fp32 sum by its scale before rounding, so the chain below is unchanged.
 //
 // Batch invariance: every output element is the same chain of vdpbf16ps over p = 0 .. K/2 - 1 in order, into an fp32
 // lane that starts at zero, then rounded to bf16 (round to nearest even). Row and column tiling, threads and the
@@ -24,6 +27,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -46,7 +50,14 @@ constexpr int64_t kChunkBytes = 512 * 1024;  // weights per column chunk of the 
 // gate/up matrices in turn, AMD EPYC Zen 5, 2 threads), ms per call at 1 / 2 / 4 / 8 / 16 rows: no prefetch 0.62 /
 // 0.66 / 0.74 / 0.87 / 1.27; 32 pairs 0.67 / 0.69 / 0.70 / 0.76 / 1.16; 64 pairs 0.70 / 0.73 / 0.75 / 0.73 / 1.11;
 // 128 pairs or prefetching to L2 only was slower at every count.
-constexpr int64_t prefetch_pairs(int rows) { return rows <= 2 ? 0 : (rows <= 4 ? 32 : 64); }
+// int8 weights: 64 pairs (2 KB ahead per column block) at every row count. Measured the same way on the 0.5B draft's
+// gate/up, down and LM head: at 1-4 rows 32 / 64 / 128 / 256 pairs took 0.49-0.71 / 0.49-0.61 / 0.50-0.64 /
+// 0.52-0.78 of the bf16 pack's time; at 6-16 rows none / 64 / 128 / 256 0.51-1.18 / 0.34-0.90 / 0.35-0.91 / 0.41-0.98.
+template <typename WT>
+constexpr int64_t prefetch_pairs(int rows) {
+  if constexpr (std::is_same_v<WT, int8_t>) return 64;
+  return rows <= 2 ? 0 : (rows <= 4 ? 32 : 64);
+}
 
 bool cpu_has_bf16() {
 #if SPECSTOP_BF16_KERNEL
@@ -60,25 +71,42 @@ bool cpu_has_bf16() {
 
 #if SPECSTOP_BF16_KERNEL
 
+// 32 weights of one input pair step for 16 columns as the __m512bh operand of vdpbf16ps: bf16 weights are loaded as
+// they are; int8 weights are widened to fp32 and rounded to bf16, which holds every integer in [-127, 127] exactly, so
+// an int8 pack computes the same chain as a bf16 pack of the integers (the column scale is applied to the fp32 sum).
+BF16_TARGET inline __m512bh load_pairs(const uint16_t* w) { return (__m512bh)_mm512_loadu_si512(w); }
+BF16_TARGET inline __m512bh load_pairs(const int8_t* w) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+  const __m512 hi =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kCols))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// fp32 sums of 16 columns -> bf16 (round to nearest even), times the columns' scales first for an int8 pack.
+template <typename WT>
+BF16_TARGET inline __m256i round_out(__m512 c, const float* scale) {
+  if constexpr (std::is_same_v<WT, int8_t>) c = _mm512_mul_ps(c, _mm512_loadu_ps(scale));
+  return (__m256i)_mm512_cvtneps_pbh(c);
+}
+
 // R rows x NB column blocks over input pairs [p0, p1). kSpill: the fp32 accumulators start from and go back to `acc`
-// ([R][ldc] fp32, column offset of block 0); otherwise they start at zero and leave as bf16 into `out` ([R][ldo]).
-// Each row's input pair is broadcast from memory (a load, not a shuffle: the shuffle port would cap the kernel at one
-// vdpbf16ps per cycle).
-template <int R, int NB, bool kSpill>
-BF16_TARGET inline void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t wstride, int64_t p0,
-                              int64_t p1, float* acc, int64_t ldc, uint16_t* out, int64_t ldo) {
+// ([R][ldc] fp32, column offset of block 0); otherwise they start at zero and leave as bf16 into `out` ([R][ldo]),
+// scaled by `scale` (the blocks' column scales) for an int8 pack. Each row's input pair is broadcast from memory (a
+// load, not a shuffle: the shuffle port would cap the kernel at one vdpbf16ps per cycle).
+template <typename WT, int R, int NB, bool kSpill>
+BF16_TARGET inline void micro(const uint16_t* x, int64_t ldx, const WT* w, int64_t wstride, int64_t p0, int64_t p1,
+                              float* acc, int64_t ldc, uint16_t* out, int64_t ldo, const float* scale) {
   __m512 c[R][NB];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b)
       c[r][b] = kSpill ? _mm512_loadu_ps(acc + r * ldc + b * kCols) : _mm512_setzero_ps();
   for (int64_t p = p0; p < p1; ++p) {
     __m512bh wv[NB];
-    if constexpr (!kSpill && prefetch_pairs(R) > 0)
+    if constexpr (!kSpill && prefetch_pairs<WT>(R) > 0)
       for (int b = 0; b < NB; ++b)
-        _mm_prefetch(reinterpret_cast<const char*>(w + b * wstride + (p + prefetch_pairs(R)) * 2 * kCols),
+        _mm_prefetch(reinterpret_cast<const char*>(w + b * wstride + (p + prefetch_pairs<WT>(R)) * 2 * kCols),
                      _MM_HINT_T0);
-    for (int b = 0; b < NB; ++b)
-      wv[b] = (__m512bh)_mm512_loadu_si512(w + b * wstride + p * 2 * kCols);
+    for (int b = 0; b < NB; ++b) wv[b] = load_pairs(w + b * wstride + p * 2 * kCols);
     for (int r = 0; r < R; ++r) {
       const __m512bh xv =
           (__m512bh)_mm512_castps_si512(_mm512_set1_ps(*reinterpret_cast<const float*>(x + r * ldx + 2 * p)));
@@ -91,7 +119,7 @@ BF16_TARGET inline void micro(const uint16_t* x, int64_t ldx, const uint16_t* w,
         _mm512_storeu_ps(acc + r * ldc + b * kCols, c[r][b]);
       } else {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + b * kCols),
-                            (__m256i)_mm512_cvtneps_pbh(c[r][b]));
+                            round_out<WT>(c[r][b], scale + b * kCols));
       }
     }
 }
@@ -100,34 +128,41 @@ BF16_TARGET inline void micro(const uint16_t* x, int64_t ldx, const uint16_t* w,
 constexpr int blocks_for(int r) { return r <= 4 ? 4 : 3; }
 constexpr int kRowChunk = 8;
 
-template <int R, int NB, bool kSpill>
-BF16_TARGET void chunk_fn(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t wstride, int64_t p0, int64_t p1,
-                          float* acc, int64_t ldc, uint16_t* out, int64_t ldo) {
-  micro<R, NB, kSpill>(x, ldx, w, wstride, p0, p1, acc, ldc, out, ldo);
+template <typename WT, int R, int NB, bool kSpill>
+BF16_TARGET void chunk_fn(const uint16_t* x, int64_t ldx, const WT* w, int64_t wstride, int64_t p0, int64_t p1,
+                          float* acc, int64_t ldc, uint16_t* out, int64_t ldo, const float* scale) {
+  micro<WT, R, NB, kSpill>(x, ldx, w, wstride, p0, p1, acc, ldc, out, ldo, scale);
 }
 
-using ChunkFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, float*, int64_t,
-                         uint16_t*, int64_t);
+template <typename WT>
+using ChunkFn = void (*)(const uint16_t*, int64_t, const WT*, int64_t, int64_t, int64_t, float*, int64_t, uint16_t*,
+                         int64_t, const float*);
 
-// kDirect / kSpilled[nb index][R - 1] for the NB that occur: 1 (a group's leftover blocks) and blocks_for's 3 and 4
+// Tables<WT>::direct / spilled[nb index][R - 1] for the NB that occur: 1 (a group's leftover blocks) and blocks_for's
+// 3 and 4
 constexpr int nb_index(int nb) { return nb == 1 ? 0 : nb == 3 ? 1 : 2; }
 
-template <bool kSpill, int NB, int... Rs>
-constexpr std::array<ChunkFn, kRowChunk> row_table(std::integer_sequence<int, Rs...>) {
-  return {&chunk_fn<Rs + 1, NB, kSpill>...};
-}
-template <bool kSpill>
-constexpr std::array<std::array<ChunkFn, kRowChunk>, 3> nb_table() {
-  constexpr auto seq = std::make_integer_sequence<int, kRowChunk>{};
-  return {row_table<kSpill, 1>(seq), row_table<kSpill, 3>(seq), row_table<kSpill, 4>(seq)};
-}
-constexpr auto kDirect = nb_table<false>();
-constexpr auto kSpilled = nb_table<true>();
+template <typename WT>
+struct Tables {
+  template <bool kSpill, int NB, int... Rs>
+  static constexpr std::array<ChunkFn<WT>, kRowChunk> row_table(std::integer_sequence<int, Rs...>) {
+    return {&chunk_fn<WT, Rs + 1, NB, kSpill>...};
+  }
+  template <bool kSpill>
+  static constexpr std::array<std::array<ChunkFn<WT>, kRowChunk>, 3> nb_table() {
+    constexpr auto seq = std::make_integer_sequence<int, kRowChunk>{};
+    return {row_table<kSpill, 1>(seq), row_table<kSpill, 3>(seq), row_table<kSpill, 4>(seq)};
+  }
+  static constexpr auto direct = nb_table<false>();
+  static constexpr auto spilled = nb_table<true>();
+};
 
 // Up to 16 rows, column blocks [b0, b1): groups of NB blocks; within a group, row chunks of at most 8 (the second
-// chunk reads the group's weights from L2), each over all of K.
-void few_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t pairs, int64_t b0, int64_t b1,
-              uint16_t* out, int64_t ldo) {
+// chunk reads the group's weights from L2), each over all of K. `scale`: the int8 pack's column scales (else unused).
+template <typename WT>
+void few_rows(const uint16_t* x, int64_t M, int64_t ldx, const WT* wp, const float* scale, int64_t pairs, int64_t b0,
+              int64_t b1, uint16_t* out, int64_t ldo) {
+  const auto& direct = Tables<WT>::direct;
   const int nb = blocks_for(static_cast<int>(std::min<int64_t>(M, kRowChunk)));
   const int64_t wstride = pairs * 2 * kCols;
   for (int64_t b = b0; b < b1; b += nb) {
@@ -135,29 +170,33 @@ void few_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* wp, int
     for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
       const int r = static_cast<int>(std::min<int64_t>(kRowChunk, M - m0));
       if (g == nb) {
-        kDirect[nb_index(nb)][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, 0, pairs, nullptr, 0,
-                                     out + m0 * ldo + b * kCols, ldo);
+        direct[nb_index(nb)][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, 0, pairs, nullptr, 0,
+                                    out + m0 * ldo + b * kCols, ldo, scale + b * kCols);
       } else {
         for (int j = 0; j < g; ++j)
-          kDirect[0][r - 1](x + m0 * ldx, ldx, wp + (b + j) * wstride, wstride, 0, pairs, nullptr, 0,
-                            out + m0 * ldo + (b + j) * kCols, ldo);
+          direct[0][r - 1](x + m0 * ldx, ldx, wp + (b + j) * wstride, wstride, 0, pairs, nullptr, 0,
+                           out + m0 * ldo + (b + j) * kCols, ldo, scale + (b + j) * kCols);
       }
     }
   }
 }
 
-BF16_TARGET void to_bf16(const float* acc, int64_t n, uint16_t* out) {
+template <typename WT>
+BF16_TARGET void to_bf16(const float* acc, int64_t n, const float* scale, uint16_t* out) {
   for (int64_t j = 0; j < n; j += kCols)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + j)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), round_out<WT>(_mm512_loadu_ps(acc + j), scale + j));
 }
 
 // More than 16 rows, column blocks [b0, b1): chunks of columns whose weights fit in L2, 8-row tiles, input blocks of
 // kPairBlock pairs with the fp32 accumulators spilled between blocks (the same chain per element as few_rows).
-void many_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t pairs, int64_t b0, int64_t b1,
-               uint16_t* out, int64_t ldo) {
+template <typename WT>
+void many_rows(const uint16_t* x, int64_t M, int64_t ldx, const WT* wp, const float* scale, int64_t pairs, int64_t b0,
+               int64_t b1, uint16_t* out, int64_t ldo) {
+  const auto& spilled = Tables<WT>::spilled;
   constexpr int nb = blocks_for(kRowChunk);
   const int64_t wstride = pairs * 2 * kCols;
-  const int64_t chunk = std::max<int64_t>(nb, kChunkBytes / (wstride * 2) / nb * nb);
+  const int64_t block_bytes = wstride * static_cast<int64_t>(sizeof(WT));
+  const int64_t chunk = std::max<int64_t>(nb, kChunkBytes / block_bytes / nb * nb);
   std::vector<float> acc(kRowChunk * chunk * kCols);
   for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
     const int64_t c1 = std::min(b1, c0 + chunk), ldc = (c1 - c0) * kCols;
@@ -168,13 +207,14 @@ void many_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* wp, in
         const int64_t p1 = std::min(pairs, p0 + kPairBlock);
         int64_t b = c0;
         for (; b + nb <= c1; b += nb)
-          kSpilled[nb_index(nb)][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, p0, p1,
-                                        acc.data() + (b - c0) * kCols, ldc, nullptr, 0);
+          spilled[nb_index(nb)][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, p0, p1,
+                                       acc.data() + (b - c0) * kCols, ldc, nullptr, 0, nullptr);
         for (; b < c1; ++b)
-          kSpilled[0][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, p0, p1, acc.data() + (b - c0) * kCols, ldc,
-                             nullptr, 0);
+          spilled[0][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, p0, p1, acc.data() + (b - c0) * kCols, ldc,
+                            nullptr, 0, nullptr);
       }
-      for (int64_t q = 0; q < r; ++q) to_bf16(acc.data() + q * ldc, ldc, out + (m0 + q) * ldo + c0 * kCols);
+      for (int64_t q = 0; q < r; ++q)
+        to_bf16<WT>(acc.data() + q * ldc, ldc, scale + c0 * kCols, out + (m0 + q) * ldo + c0 * kCols);
     }
   }
 }
@@ -185,41 +225,76 @@ void many_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* wp, in
 
 bool available() { return cpu_has_bf16(); }
 
-// W [N, K] (float32 or bfloat16) -> [ceil(N / 16), K / 2, 16, 2] bfloat16, zero columns past N; K must be even.
-torch::Tensor pack(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "bf16_gemm.pack: W must be a 2-d CPU tensor [N, K]");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(K % 2 == 0, "bf16_gemm.pack: K = ", K, " must be even");
-  const int64_t nb = (N + kCols - 1) / kCols;
-  auto wb = w.to(torch::kBFloat16).contiguous();
-  if (nb * kCols != N) wb = torch::cat({wb, torch::zeros({nb * kCols - N, K}, wb.options())});
-  // [nb, 16, K/2, 2] -> [nb, K/2, 16, 2]
-  return wb.view({nb, kCols, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+namespace {
+// [N, K] -> [ceil(N / 16), K / 2, 16, 2], zero columns past N: the pair layout both packs share.
+torch::Tensor to_pairs(torch::Tensor w) {
+  const int64_t N = w.size(0), K = w.size(1), nb = (N + kCols - 1) / kCols;
+  if (nb * kCols != N) w = torch::cat({w, torch::zeros({nb * kCols - N, K}, w.options())});
+  return w.view({nb, kCols, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// x [M, K] bfloat16 contiguous, packed W of pack(), N -> [M, N] bfloat16.
-torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N) {
+void check_weight(const torch::Tensor& w, const char* what) {
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), what, ": W must be a 2-d CPU tensor [N, K]");
+  TORCH_CHECK(w.size(1) % 2 == 0, what, ": K = ", w.size(1), " must be even");
+}
+}  // namespace
+
+// W [N, K] (float32 or bfloat16) -> [ceil(N / 16), K / 2, 16, 2] bfloat16, zero columns past N; K must be even.
+torch::Tensor pack(torch::Tensor w) {
+  check_weight(w, "bf16_gemm.pack");
+  return to_pairs(w.to(torch::kBFloat16).contiguous());
+}
+
+// W [N, K] -> (int8 [ceil(N / 16), K / 2, 16, 2], fp32 scales [ceil(N / 16) * 16]): each output row of W rounded to
+// integers in [-127, 127] times its own scale max|w| / 127 (symmetric, per output channel; scale 1 for a zero row or
+// past N).
+std::tuple<torch::Tensor, torch::Tensor> pack_int8(torch::Tensor w) {
+  check_weight(w, "bf16_gemm.pack_int8");
+  auto wf = w.to(torch::kFloat32).contiguous();
+  auto scale = wf.abs().amax(1) / 127.0f;
+  scale = torch::where(scale > 0, scale, torch::ones_like(scale));
+  auto q = torch::round(wf / scale.unsqueeze(1)).clamp(-127, 127).to(torch::kChar);
+  const int64_t N = w.size(0), npad = (N + kCols - 1) / kCols * kCols;
+  if (npad != N) scale = torch::cat({scale, torch::ones({npad - N}, scale.options())});
+  return {to_pairs(q), scale.contiguous()};
+}
+
+// x [M, K] bfloat16 contiguous, a weight of pack() (bfloat16) or pack_int8() (int8, with its scales), N -> [M, N]
+// bfloat16.
+torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, std::optional<torch::Tensor> scale) {
   TORCH_CHECK(cpu_has_bf16(), "bf16_gemm.gemm: this CPU has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
               "bf16_gemm.gemm: x must be a contiguous bfloat16 CPU tensor [M, K]");
-  TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == torch::kBFloat16 && wp.is_contiguous() && wp.size(2) == kCols &&
-                  wp.size(3) == 2 && wp.size(1) * 2 == x.size(1) && wp.size(0) * kCols >= N && wp.size(0) * kCols < N + kCols,
+  TORCH_CHECK(wp.dim() == 4 && wp.is_contiguous() && wp.size(2) == kCols && wp.size(3) == 2 &&
+                  wp.size(1) * 2 == x.size(1) && wp.size(0) * kCols >= N && wp.size(0) * kCols < N + kCols,
               "bf16_gemm.gemm: packed weight of shape [ceil(N/16), K/2, 16, 2] for x's K and N expected");
+  const bool int8 = wp.scalar_type() == torch::kChar;
+  TORCH_CHECK(int8 || wp.scalar_type() == torch::kBFloat16, "bf16_gemm.gemm: the packed weight must be bfloat16 or int8");
   const int64_t M = x.size(0), pairs = wp.size(1), nb = wp.size(0), npad = nb * kCols;
+  TORCH_CHECK(int8 == scale.has_value(), "bf16_gemm.gemm: an int8 weight needs its scales, a bfloat16 one none");
+  if (int8)
+    TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() && scale->numel() == npad,
+                "bf16_gemm.gemm: the scales of pack_int8 (float32, ceil(N/16)*16) expected");
   auto out = torch::empty({M, npad}, x.options());
 #if SPECSTOP_BF16_KERNEL
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t K = x.size(1);
-  if (M > 0) {
+  auto run = [&](auto* wptr, const float* sc) {
     at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
       if (M <= kTileRows) {
-        few_rows(xp, M, K, wpp, pairs, b0, b1, op, npad);
+        few_rows(xp, M, K, wptr, sc, pairs, b0, b1, op, npad);
       } else {
-        many_rows(xp, M, K, wpp, pairs, b0, b1, op, npad);
+        many_rows(xp, M, K, wptr, sc, pairs, b0, b1, op, npad);
       }
     });
+  };
+  if (M > 0) {
+    if (int8) {
+      run(wp.data_ptr<int8_t>(), scale->data_ptr<float>());
+    } else {
+      run(reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), nullptr);
+    }
   }
 #endif
   return npad == N ? out : out.narrow(1, 0, N).contiguous();
@@ -228,5 +303,7 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "this CPU runs the kernel (AVX512-BF16)");
   m.def("pack", &pack, "W [N, K] -> [ceil(N/16), K/2, 16, 2] bfloat16");
-  m.def("gemm", &gemm, "x [M, K] bf16 @ packed W^T -> [M, N] bf16, fp32 accumulation, batch-invariant");
+  m.def("pack_int8", &pack_int8, "W [N, K] -> (int8 [ceil(N/16), K/2, 16, 2], fp32 column scales)");
+  m.def("gemm", &gemm, "x [M, K] bf16 @ packed W^T -> [M, N] bf16, fp32 accumulation, batch-invariant",
+        pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("N"), pybind11::arg("scale") = pybind11::none());
 }
