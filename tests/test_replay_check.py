@@ -102,14 +102,13 @@ def test_cost_aware_rows_get_the_interval_against_the_best_thresholded_row(bench
     assert "replay_check.png" in {Path(a.path).name for a in art}
 
 
-def test_prediction_adds_each_rows_prefill_to_the_decoding_time():
+def test_prediction_adds_each_rows_prefill_to_the_curves_decoding_time():
     from pipelines.replay_check import predicted_tokens_per_s
 
-    base = {"tokens_per_s": 10.0, "seconds": 12.0, "prefill_seconds": [1.0, 1.0], "tokens": 100}
     row = {"tokens": 100, "prefill_seconds": [1.5, 1.5]}
-    # decoding 10 s at speedup 2 -> 5 s, plus the row's 3 s of prefill
-    assert predicted_tokens_per_s(row, base, 2.0) == pytest.approx(100 / 8.0)
-    assert predicted_tokens_per_s({"tokens": 100}, base, 2.0) == pytest.approx(20.0)  # older report: no prefill
+    # 100 tokens at 0.05 s each under the curve -> 5 s, plus the row's 3 s of prefill
+    assert predicted_tokens_per_s(row, 0.05) == pytest.approx(100 / 8.0)
+    assert predicted_tokens_per_s({"tokens": 100}, 0.05) == pytest.approx(20.0)  # older report: no prefill
 
 
 def test_the_check_sets_realised_step_costs_beside_the_curve():
@@ -119,7 +118,7 @@ def test_the_check_sets_realised_step_costs_beside_the_curve():
     cm = CostModel(draft_s_per_token=0.05, target_s={1: 0.1, 8: 0.2})
     row = {"row": "static:5", "rounds": 10, "accepted": 30, "draft_tokens": 50, "tokens_per_s": 5.0,
            "draft_ms_per_step": 60.0, "verify_ms_per_pass": 180.0, "verify_mean_tokens": 6.0}
-    out = compare_row(row, None, {"tokens_per_s": 4.0}, "", cm)
+    out = compare_row(row, None, "", cm)
     assert out["measured_draft_ms"] == 60.0 and out["curve_draft_ms"] == 50.0
     assert out["measured_verify_ms"] == 180.0
     assert out["curve_verify_ms"] == pytest.approx(1000 * cm.target_time(6.0), abs=0.01)
