@@ -26,7 +26,9 @@ and ``packed-bf16`` halves the linears' (a tied LM head keeps the embedding it s
 On ``packed-bf16`` the packs run on specstop's own GEMM (:mod:`data_gen.bf16_gemm`, AVX512-BF16) where the CPU has
 it: it streams the weights once for up to 16 rows, where oneDNN's bf16 kernels slow down past 6 (the 1.5B target's
 forward of 8 new tokens 73.7 against 84.9 ms, one token 55.1 against 64.3 ms, Zen 5). ``native_gemm=False`` keeps
-oneDNN's; the fingerprint records which (``gemm``).
+oneDNN's; the fingerprint records which (``gemm``). There, draft-side models (``int8_weights``) store their weights as
+int8 with per-channel scales: half the bytes of a draft step, which reading them bounds (the fingerprint's
+``weights``).
 
 Exactness: on both packed paths a forward is batch-invariant, i.e. a position's logits have the same bits whether it
 is computed in a one-token step, in a verification forward of L tokens or in the prompt. specstop's bf16 GEMM is so by

@@ -196,6 +196,27 @@ class CostModel:
         )
 
 
+def pool_cost_models(models: list[CostModel], statistic: str = "median") -> CostModel:
+    """One curve from several measurements of the same pair (e.g. probes taken between a benchmark's prompts): their
+    raw timings pooled per length and summarised by ``statistic`` (median: the step a host whose speed moves
+    typically took over the whole span; min would keep its fastest moment). ValueError for an empty list or a
+    measurement without raw timings."""
+    if not models:
+        raise ValueError("pool_cost_models: no cost models to pool")
+    pooled: dict[str, list[float]] = {}
+    for cm in models:
+        keys = [k for k in cm.extra if k.startswith(("target_raw_s_L", "draft_raw_s", "companion_raw_s"))]
+        if "draft_raw_s" not in keys:
+            raise ValueError("pool_cost_models: a cost model keeps no raw timings (measure_cost_model keeps them)")
+        for k in keys:
+            pooled.setdefault(k, []).extend(float(v) for v in cm.extra[k])
+    first = models[0]
+    extra = {**first.extra, **pooled, "pooled_measurements": len(models),
+             "measured_at": [cm.extra.get("measured_at") for cm in models]}
+    notes = f"{statistic} over {len(models)} pooled measurements; " + first.notes
+    return replace(first, notes=notes, extra=extra).with_statistic(statistic)
+
+
 def assumed_cost_model() -> CostModel:
     """An explicitly labelled assumption for when no measured cost model exists.
 

@@ -577,18 +577,22 @@ def replay_policy(
     goodput: bool | None = None,
     max_draft_len: int | None = None,
     scores: np.ndarray | None = None,
+    decision_cost_model: CostModel | None = None,
 ) -> ReplayResult:
     """Replay one policy (mutated: reset / update are called on it) over every sequence of ``data``.
 
     Args:
         policy: the stop policy; its threshold and online state are used as they are.
         data: from :func:`prepare_replay_data`.
-        cost_model: round latency model.
+        cost_model: round latency model (prices the rounds).
         mode: 'greedy' or 'sampling' verification.
         goodput: follow the goodput rule (``predictors.goodput``) with ``policy.score`` as calibrated acceptance
             (default: when ``policy.verification == GOODPUT``); the policy is set to ``mode`` (``use_mode``).
         max_draft_len: extra cap on drafted tokens per round.
         scores: precomputed ``policy.score`` over ``data`` rows (skips recomputing across a threshold sweep).
+        decision_cost_model: the curve the goodput rule decides with, when it is not the one that prices the rounds
+            (the benchmark's policies decided with the curve measured before its rows; its replay check prices with
+            the one probed while they ran).
     """
     if mode not in REPLAY_MODES:
         raise ValueError(f"mode={mode!r}: use one of {REPLAY_MODES}")
@@ -602,7 +606,7 @@ def replay_policy(
     policy.use_mode(mode)
     if goodput is None:
         goodput = policy.verification == GOODPUT
-    cost = _goodput_cost(cm, companion) if goodput else None
+    cost = _goodput_cost(decision_cost_model or cm, companion) if goodput else None
     rp = _Replay(
         policy=policy, data=data, cm=cm, mode=mode, goodput=cost, max_draft_len=max_draft_len,
         scores=scores if scores is not None else _scores_for(policy, data, max_draft_len),

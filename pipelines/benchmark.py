@@ -30,7 +30,8 @@ thresholded engine policy (learned or training-free, ``verification == threshold
 the oracle) with its interval, mean accepted length, target calls per token, draft tokens wasted per token,
 stop-decision cost as a fraction of one draft forward, exactness (greedy: outputs equal to target-only's) and ROUGE-L
 against target-only's output. Writes ``benchmark.md``, ``benchmark.json`` (with each engine row's policy spec, the
-prompts' token ids and target-only's output ids), ``speedup.png``, ``cost_model.json`` and the resolved ``config.yaml``
+prompts' token ids and target-only's output ids), ``speedup.png``, ``cost_model.json`` (``cost_model_rows.json``: the
+curve probed between the prompts) and the resolved ``config.yaml``
 to ``out_dir``; logs them to MLflow. The console shows a table within 100 columns; the full one is in ``benchmark.md``.
 
 With ``replay_check`` the run ends with ``pipelines.replay_check``: the benchmark's prompts labelled along target-only's
@@ -136,6 +137,10 @@ class BenchmarkConfig:
     replay_check: bool = False
     """At the end, label the prompts along target-only's output and replay every engine row's policy offline under this
     run's curve: predicted against measured tokens/s (pipelines.replay_check)."""
+    curve_probes: bool = True
+    """order prompt: measure the curve again after each prompt's rows (one repeat, a few seconds) and write the median
+    of their pooled timings as ``cost_model_rows.json``, the host's speed while the rows ran, which the replay check
+    prices with (the policies themselves use the curve measured before the rows, as a user's would be)."""
     force: bool = False
     """Load predictors trained for another draft model anyway."""
     warmup: bool = True
@@ -796,7 +801,6 @@ def load_bench(cfg: BenchmarkConfig) -> tuple[Bench, list[str], dict]:
 def load_cost_model(cfg: BenchmarkConfig, bench: Bench) -> CostModel:
     """``cost_file`` (warned when measured for another pair, path or CPU) or a measurement of L = 1..16 now."""
     from data_gen.compute_path import compute_path_of, cpu_info
-    from data_gen.timing import measure_cost_model
 
     if cfg.cost_file:
         cm = CostModel.from_json(cfg.cost_file)
@@ -805,10 +809,21 @@ def load_cost_model(cfg: BenchmarkConfig, bench: Bench) -> CostModel:
             log.warning("cost file %s does not match this run: %s", cfg.cost_file, diff)
         return cm
     t0 = time.perf_counter()
-    cm = measure_cost_model(bench.draft, bench.target, bench.companion,
-                            lengths=(*range(1, 17), 24, cfg.max_draft_len + 1), repeats=3)
+    cm = measure_curve(bench, repeats=3)
     log.info("verification curve measured in %.0fs:\n%s", time.perf_counter() - t0, cm.curve_table())
     return cm
+
+
+def measure_curve(bench: Bench, repeats: int) -> CostModel:
+    """The pair's curve at every verification length 1..16, 24 and one past the draft cap."""
+    from data_gen.timing import measure_cost_model
+
+    return measure_cost_model(bench.draft, bench.target, bench.companion,
+                              lengths=(*range(1, 17), 24, bench.cfg.max_draft_len + 1), repeats=repeats)
+
+
+CURVE_DURING_ROWS = "cost_model_rows.json"
+"""The curve pooled from probes between the prompts (``curve_probes``), beside the one measured before the rows."""
 
 
 Runner = Callable[[Bench], Row]
@@ -879,6 +894,8 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench) -> list[Row]:
         rows_j = {name: runner(view) for name, runner in plan}  # target-only first: the greedy oracle's look-ahead
         if bench.cfg.bracket_base:
             _bracket(rows_j[plan[0][0]], plan[0][1](view), j)
+        if bench.cfg.curve_probes:
+            bench.shared.setdefault("curve_probes", []).append(measure_curve(bench, repeats=1))
         for name, row in rows_j.items():
             if name in merged:
                 merged[name].extend(row)
@@ -939,8 +956,27 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
         release_reference(bench)
     table = finish_rows(rows, bench)
     write_report(table, bench, names, out_dir)
+    write_curve_during_rows(bench, out_dir)
     check = run_replay_check(bench, out_dir) if cfg.replay_check else None
     return table, {"prompts": p_stats, "seconds": time.perf_counter() - t_start, "replay_check": check}
+
+
+def write_curve_during_rows(bench: Bench, out_dir: Path) -> None:
+    """``cost_model_rows.json`` from the probes taken between the prompts (none in row order or without probes), and a
+    log line comparing it with the curve measured before the rows."""
+    from data_gen.timing import pool_cost_models
+
+    probes = bench.shared.get("curve_probes") or []
+    if not probes:
+        return
+    cm = pool_cost_models(probes)
+    cm.to_json(out_dir / CURVE_DURING_ROWS)
+    before = bench.cost_model
+    if before is not None:
+        log.info("curve during the rows (median of %d probes): t(1) %.1f ms, t(8) / t(1) %.2f, draft step %.1f ms; "
+                 "before the rows: %.1f ms, %.2f, %.1f ms", len(probes), 1e3 * cm.target_time(1),
+                 cm.target_time(8) / cm.target_time(1), 1e3 * cm.draft_s_per_token, 1e3 * before.target_time(1),
+                 before.target_time(8) / before.target_time(1), 1e3 * before.draft_s_per_token)
 
 
 def run_replay_check(bench: Bench, out_dir: Path) -> dict[str, Any] | None:

@@ -8,7 +8,8 @@ match and from the end of the output, as long as the longest draft a benchmarked
 
 Replay (``evaluation.replay``): every engine row's policy (static, tuned baselines, learned exports, ``goodput:`` rows;
 not target-only, the transformers rows or the eager reference), rebuilt from the spec and threshold the benchmark
-recorded, is replayed on those records under the benchmark's ``cost_model.json``, in its decoding mode, with its
+recorded, is replayed on those records under the benchmark's curve (``cost_model_rows.json``, pooled from probes
+between its prompts, else ``cost_model.json``, measured before its rows), in its decoding mode, with its
 ``max_draft_len`` and ``max_new_tokens`` (``ReplayConfig.branch_rollouts``: past a round's first mismatch the round
 reads the draft's rollout, as the engine's draft does). In greedy mode on an exact compute path the replay follows the
 engine's own trajectory (same rounds, drafted and accepted tokens), so what remains between predicted and measured
@@ -46,7 +47,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data_gen.labelling import LabelModels, LabelOptions
 from data_gen.timing import CostModel
-from pipelines.benchmark import BenchmarkConfig, metric_key
+from pipelines.benchmark import CURVE_DURING_ROWS, BenchmarkConfig, metric_key
 from predictors.base import HINDSIGHT, StopPolicy
 
 if TYPE_CHECKING:
@@ -107,7 +108,12 @@ class BenchFolder:
     continuations: list[list[int]]
     """target-only's output per prompt."""
     cost_model: CostModel
-    """The curve the benchmark measured (its cost_model.json)."""
+    """The curve the check prices with: the benchmark's probes between its prompts pooled (``cost_model_rows.json``)
+    where it took them, else the curve it measured before the rows (``cost_model.json``)."""
+    cost_model_file: Path | None = None
+    """The file ``cost_model`` was read from."""
+    decision_cost_model: CostModel | None = None
+    """The curve the benchmark's cost-aware policies decided with (``cost_model.json``; None: ``cost_model``)."""
 
     @property
     def base(self) -> dict[str, Any]:
@@ -136,11 +142,14 @@ def read_bench_folder(path: str | Path, cfg: BenchmarkConfig | None = None) -> B
     if "output_ids" not in base or "prompt_ids" not in report:
         raise ValueError(f"{path / 'benchmark.json'}: the 'target-only' row has no output_ids (written before the "
                          f"replay check existed); rerun python -m pipelines.benchmark --config {path / 'config.yaml'}")
-    cm_file = path / "cost_model.json"
-    if not cm_file.is_file():
-        raise FileNotFoundError(f"{cm_file}: no such file (the benchmark writes the curve it measured there)")
+    before = path / "cost_model.json"
+    if not before.is_file():
+        raise FileNotFoundError(f"{before}: no such file (the benchmark writes the curve it measured there)")
+    during = path / CURVE_DURING_ROWS  # missing for a benchmark without probes between its prompts
+    cm_file = during if during.is_file() else before
     return BenchFolder(path, cfg or _read_config(path / "config.yaml"), rows, list(report.get("prompts") or []),
-                       report["prompt_ids"], base["output_ids"], CostModel.from_json(cm_file))
+                       report["prompt_ids"], base["output_ids"], CostModel.from_json(cm_file), cm_file,
+                       CostModel.from_json(before))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -255,7 +264,7 @@ def replay_rows(folder: BenchFolder, policies: list[tuple[dict[str, Any], StopPo
         if pol is not None:
             try:
                 res = replay_policy(copy.deepcopy(pol), data, folder.cost_model, folder.mode,
-                                    max_draft_len=cfg.max_draft_len)
+                                    max_draft_len=cfg.max_draft_len, decision_cost_model=folder.decision_cost_model)
             except (ValueError, KeyError) as e:  # a goodput policy without a map for the mode, missing columns
                 note = f"not replayed: {e}"
         out.append(compare_row(row, res, note, folder.cost_model))
@@ -366,7 +375,8 @@ def run_check(folder: BenchFolder, draft: PreTrainedModel, target: PreTrainedMod
     summary = summarize(rows)
     log.info(summary_line(summary))
     return {"mode": folder.mode, "rows": rows, "summary": summary, "data": note, "records": len(columns["offset"]),
-            "rollouts": rollouts, "rollout_len": rollout_len, "cost_model": str(folder.path / "cost_model.json"),
+            "rollouts": rollouts, "rollout_len": rollout_len,
+            "cost_model": str(folder.cost_model_file or folder.path / "cost_model.json"),
             "statistic": folder.cost_model.extra.get("statistic", "min"),
             "seconds": round(time.perf_counter() - t0, 1)}
 

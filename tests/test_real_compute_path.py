@@ -1,7 +1,7 @@
 """The CPU compute path on the real Qwen2.5-Coder pair (opt in: pytest --real -m real; needs scripts/setup.sh --real).
 
 At the same dtype the packed path leaves target-only output unchanged, and every exact policy's greedy output equals
-target-only's on the same path (the default one: bf16 weights where the CPU has them).
+target-only's on the same path (the default one: bf16 weights where the CPU has them, the draft's in int8).
 """
 from __future__ import annotations
 
@@ -48,12 +48,16 @@ def test_packed_fp32_target_decodes_what_eager_fp32_decodes(prompts):
 
 
 def test_exact_policies_match_target_only_on_the_default_path(prompts):
-    from data_gen.models import ModelSpec, load_model
+    """Each model at the precision the pipelines load its role with (``ModelsConfig.spec``: the draft's head in
+    bf16 and its weights in int8 where the CPU has AVX512-BF16)."""
+    from data_gen.generate import ModelsConfig
+    from data_gen.models import load_model
     from decoding.engine import SpeculativeDecoder
     from decoding.policies import build_policy
 
-    draft, tok = load_model(ModelSpec(DRAFT))
-    target, _ = load_model(ModelSpec(TARGET))
+    models = ModelsConfig()
+    draft, tok = load_model(models.spec(DRAFT, "draft"))
+    target, _ = load_model(models.spec(TARGET, "target"))
     for p in prompts[:2]:
         ref = _greedy(target, p)
         for spec in ("static:5", "svip:0.3", "static:12"):

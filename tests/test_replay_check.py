@@ -68,6 +68,10 @@ def test_replay_follows_the_engine_for_static_thresholded_and_cost_aware_policie
             assert r[f"predicted_{k}"] == pytest.approx(r[f"measured_{k}"], abs=1e-3), (name, k)
         assert r["ratio"] == pytest.approx(r["predicted_tokens_per_s"] / r["measured_tokens_per_s"], rel=1e-2)
         assert r["predicted_tokens_per_s"] > 0 and r["curve_tokens_per_s"] > 0
+    # priced with the curve probed between the prompts (one probe a prompt), not the one measured before the rows
+    assert check["cost_model"] == str(out / "cost_model_rows.json")
+    pooled = json.loads((out / "cost_model_rows.json").read_text())
+    assert pooled["extra"]["pooled_measurements"] == 3 and pooled["extra"]["statistic"] == "median"
     assert len({rows[n]["measured_mean_drafted"] for n in followed}) > 2  # policies that draft differently
     oracle = rows["oracle"]
     assert "oracle" in oracle["note"] and oracle["predicted_mean_accepted"] == pytest.approx(
@@ -147,9 +151,26 @@ def test_standalone_check_on_a_finished_benchmark(bench_run, capsys):
     assert "replay check: worst" in out and max(len(x) for x in out.splitlines()) <= 100
     assert (tmp / "bench" / "benchmark.md").read_text().count("## Replay check") == 1
     assert (tmp / "bench" / "replay_check_records.npz").is_file()  # the second check reused the first's records
-    median = check_main(["--bench_dir", str(tmp / "bench"), "--tracking", "false", "--statistic", "median"])
-    assert median["statistic"] == "median" and again["statistic"] == "min"
-    assert [r["measured_tokens_per_s"] for r in median["rows"]] == [r["measured_tokens_per_s"] for r in again["rows"]]
+    # the pooled probes' curve is their median; --statistic resummarises its raw timings
+    fastest = check_main(["--bench_dir", str(tmp / "bench"), "--tracking", "false", "--statistic", "min"])
+    assert fastest["statistic"] == "min" and again["statistic"] == "median"
+    assert [r["measured_tokens_per_s"] for r in fastest["rows"]] == [r["measured_tokens_per_s"] for r in again["rows"]]
+
+
+def test_pooled_probes_give_the_median_of_their_raw_timings():
+    from data_gen.timing import CostModel, pool_cost_models
+
+    def probe(scale: float) -> CostModel:
+        raw = {"draft_raw_s": [0.010 * scale], "target_raw_s_L1": [0.050 * scale], "target_raw_s_L2": [0.060 * scale]}
+        return CostModel(draft_s_per_token=0.010 * scale, target_s={1: 0.050 * scale, 2: 0.060 * scale}, extra=raw)
+
+    pooled = pool_cost_models([probe(1.0), probe(1.5), probe(1.2)])
+    assert pooled.draft_s_per_token == pytest.approx(0.012) and pooled.target_s[1] == pytest.approx(0.060)
+    assert pooled.target_s[2] == pytest.approx(0.072) and pooled.extra["pooled_measurements"] == 3
+    with pytest.raises(ValueError, match="no cost models"):
+        pool_cost_models([])
+    with pytest.raises(ValueError, match="no raw timings"):
+        pool_cost_models([CostModel(draft_s_per_token=0.01, target_s={1: 0.05, 2: 0.06})])
 
 
 def test_cost_model_summarised_by_another_statistic():
