@@ -26,6 +26,8 @@ Usage::
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -45,12 +47,7 @@ def available() -> bool:
 def pack(weight: Tensor) -> Tensor:
     """[N, K] weight (any float dtype, K even) -> the kernel's layout, [ceil(N / 16), K / 2, 16, 2] bfloat16 (the
     weights rounded to bfloat16 once, zero columns past N)."""
-    mod = _EXT.module()
-    if mod is None:
-        raise RuntimeError(f"bf16_gemm.pack: the native kernel is unavailable ({_EXT.failed})")
-    if weight.shape[-1] % 2:
-        raise ValueError(f"bf16_gemm.pack: in_features={weight.shape[-1]} must be even")
-    return mod.pack(weight.detach())
+    return _module("pack", weight).pack(weight.detach())
 
 
 def pack_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -58,12 +55,17 @@ def pack_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     rounded to integers in [-127, 127] times its own scale ``max|w| / 127`` (symmetric, per output channel). Half the
     bytes of :func:`pack`; the kernel widens the integers to bfloat16 exactly and scales the fp32 sums, so a row's
     result is still the same whatever the number of rows."""
+    return _module("pack_int8", weight).pack_int8(weight.detach())
+
+
+def _module(what: str, weight: Tensor) -> Any:
+    """The built kernel for packing ``weight``: RuntimeError when unavailable, ValueError for an odd in_features."""
     mod = _EXT.module()
     if mod is None:
-        raise RuntimeError(f"bf16_gemm.pack_int8: the native kernel is unavailable ({_EXT.failed})")
+        raise RuntimeError(f"bf16_gemm.{what}: the native kernel is unavailable ({_EXT.failed})")
     if weight.shape[-1] % 2:
-        raise ValueError(f"bf16_gemm.pack_int8: in_features={weight.shape[-1]} must be even")
-    return mod.pack_int8(weight.detach())
+        raise ValueError(f"bf16_gemm.{what}: in_features={weight.shape[-1]} must be even")
+    return mod
 
 
 def gemm(x: Tensor, packed: Tensor, out_features: int, scale: Tensor | None = None) -> Tensor:

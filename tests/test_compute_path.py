@@ -116,14 +116,19 @@ def test_a_predictor_from_data_of_another_precision_is_warned_not_refused(caplog
     assert "--models.compute" in caplog.text
 
 
-def test_a_data_folder_is_not_resumed_on_another_compute_path(tmp_path) -> None:
+def _labelled_folder(path, fingerprints: dict) -> None:
+    """A data folder with one (empty) shard, labelled with these models' fingerprints."""
     import json
 
+    (path / "shard-00000.parquet").write_bytes(b"")
+    (path / "config.json").write_text(json.dumps({"resolved": {"fingerprints": fingerprints}}))
+
+
+def test_a_data_folder_is_not_resumed_on_another_compute_path(tmp_path) -> None:
     from data_gen.generate import check_same_precision
 
-    (tmp_path / "shard-00000.parquet").write_bytes(b"")
     fp = {"draft": {"compute_path": "packed-bf16"}, "target": {"compute_path": "packed-bf16"}}
-    (tmp_path / "config.json").write_text(json.dumps({"resolved": {"fingerprints": fp}}))
+    _labelled_folder(tmp_path, fp)
     check_same_precision(tmp_path, fp)  # same path: fine
     with pytest.raises(FileExistsError, match="--models.compute packed-bf16"):
         check_same_precision(tmp_path, {**fp, "target": {"compute_path": "packed"}})
@@ -131,13 +136,11 @@ def test_a_data_folder_is_not_resumed_on_another_compute_path(tmp_path) -> None:
 
 def test_a_data_folder_is_not_resumed_with_another_head_dtype(tmp_path) -> None:
     """Folders written before head_dtype was recorded had fp32 heads: a bf16-head draft may not add to them."""
-    import json
 
     from data_gen.generate import check_same_precision
 
-    (tmp_path / "shard-00000.parquet").write_bytes(b"")
     old = {"draft": {"compute_path": "packed-bf16"}, "target": {"compute_path": "packed-bf16"}}
-    (tmp_path / "config.json").write_text(json.dumps({"resolved": {"fingerprints": old}}))
+    _labelled_folder(tmp_path, old)
     now = {"draft": {"compute_path": "packed-bf16", "head_dtype": "bfloat16"},
            "target": {"compute_path": "packed-bf16", "head_dtype": "float32"}}
     with pytest.raises(FileExistsError, match="--models.bf16_draft_head false"):
@@ -145,35 +148,25 @@ def test_a_data_folder_is_not_resumed_with_another_head_dtype(tmp_path) -> None:
     check_same_precision(tmp_path, {**now, "draft": {**now["draft"], "head_dtype": "float32"}})
 
 
-def test_a_data_folder_is_not_resumed_with_another_gemm_kernel(tmp_path) -> None:
-    """Folders labelled before specstop's bf16 kernel ran on oneDNN's: a model on the new kernel may not add to them."""
-    import json
-
+@pytest.mark.parametrize("role,recorded,key,now,option,same", [
+    ("target", {"pack_layout": "fused"}, "gemm", "specstop", "--models.native_gemm false", "onednn"),
+    ("draft", {"gemm": "specstop"}, "weights", "int8", "--models.int8_draft false", "bfloat16"),
+])
+def test_a_data_folder_is_not_resumed_with_another_gemm_kernel_or_weight_type(
+        tmp_path, role: str, recorded: dict, key: str, now: str, option: str, same: str) -> None:
+    """Folders labelled before ``gemm`` / ``weights`` were recorded read as their old values (oneDNN's kernel; the
+    pack dtype): a model on specstop's kernel or with int8 weights may not add to them."""
     from data_gen.generate import check_same_precision
 
-    (tmp_path / "shard-00000.parquet").write_bytes(b"")
-    old = {"target": {"compute_path": "packed-bf16", "pack_layout": "fused"}}
-    (tmp_path / "config.json").write_text(json.dumps({"resolved": {"fingerprints": old}}))
-    now = {"target": {"compute_path": "packed-bf16", "pack_layout": "fused", "gemm": "specstop"}}
-    with pytest.raises(FileExistsError, match="--models.native_gemm false"):
-        check_same_precision(tmp_path, now)
-    check_same_precision(tmp_path, {"target": {**now["target"], "gemm": "onednn"}})
+    old = {"compute_path": "packed-bf16", **recorded}
+    _labelled_folder(tmp_path, {role: old})
+    with pytest.raises(FileExistsError, match=option):
+        check_same_precision(tmp_path, {role: {**old, key: now}})
+    check_same_precision(tmp_path, {role: {**old, key: same}})
+
+
+def test_unrecorded_kernel_and_weights_read_as_their_paths_defaults() -> None:
     assert cp.precision_diffs({"compute_path": "eager"}, {"compute_path": "eager", "gemm": "eager"}) == {}
-
-
-def test_a_data_folder_is_not_resumed_with_another_draft_weight_type(tmp_path) -> None:
-    """Folders labelled before int8 drafts record no ``weights``: a packed-bf16 model's read as bfloat16."""
-    import json
-
-    from data_gen.generate import check_same_precision
-
-    (tmp_path / "shard-00000.parquet").write_bytes(b"")
-    old = {"draft": {"compute_path": "packed-bf16", "gemm": "specstop"}}
-    (tmp_path / "config.json").write_text(json.dumps({"resolved": {"fingerprints": old}}))
-    now = {"draft": {"compute_path": "packed-bf16", "gemm": "specstop", "weights": "int8"}}
-    with pytest.raises(FileExistsError, match="--models.int8_draft false"):
-        check_same_precision(tmp_path, now)
-    check_same_precision(tmp_path, {"draft": {**now["draft"], "weights": "bfloat16"}})
     assert cp.precision_diffs({"compute_path": "packed"}, {"compute_path": "packed", "weights": "float32"}) == {}
     assert cp.precision_diffs({"compute_path": "eager"}, {"compute_path": "packed", "weights": "float32"}) == {
         "compute_path": ("eager", "packed")}
@@ -205,13 +198,11 @@ def test_int8_weights_pack_every_linear_of_a_draft_and_stay_close_to_bf16() -> N
 
 def test_a_data_folder_is_not_resumed_with_another_pack_layout(tmp_path) -> None:
     """Folders written before fusion packed every linear on its own ("per-layer"): fused models may not add to them."""
-    import json
 
     from data_gen.generate import check_same_precision
 
-    (tmp_path / "shard-00000.parquet").write_bytes(b"")
     old = {"draft": {"compute_path": "packed-bf16"}}
-    (tmp_path / "config.json").write_text(json.dumps({"resolved": {"fingerprints": old}}))
+    _labelled_folder(tmp_path, old)
     with pytest.raises(FileExistsError, match="--models.fuse_linears false"):
         check_same_precision(tmp_path, {"draft": {"compute_path": "packed-bf16", "pack_layout": "fused"}})
     check_same_precision(tmp_path, {"draft": {"compute_path": "packed-bf16", "pack_layout": "per-layer"}})
