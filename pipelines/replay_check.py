@@ -47,7 +47,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data_gen.labelling import LabelModels, LabelOptions
 from data_gen.timing import CostModel
-from pipelines.benchmark import CURVE_DURING_ROWS, BenchmarkConfig, metric_key
+from pipelines.benchmark import CURVE_DURING_ROWS, ENTROPY_KINDS, BenchmarkConfig, metric_key
 from predictors.base import HINDSIGHT, StopPolicy
 
 if TYPE_CHECKING:
@@ -63,7 +63,8 @@ PLOT = "replay_check.png"
 ROW_KEYS = ("row", "spec", "measured_tokens_per_s", "predicted_tokens_per_s", "ratio", "measured_speedup",
             "predicted_speedup", "curve_tokens_per_s", "measured_mean_accepted", "predicted_mean_accepted",
             "measured_draft_ms", "curve_draft_ms", "measured_verify_ms", "curve_verify_ms",
-            "measured_mean_drafted", "predicted_mean_drafted", "measured_rounds", "predicted_rounds", "note")
+            "measured_mean_drafted", "predicted_mean_drafted", "measured_rounds", "predicted_rounds",
+            "curve_vs_best_entropy", "note")
 """The fields of one row of the check (None where not measured or not replayed)."""
 
 
@@ -315,9 +316,27 @@ def predicted_tokens_per_s(row: dict[str, Any], curve_s_per_token: float) -> flo
     return float(tokens) / (float(tokens) * curve_s_per_token + sum(pre_row))
 
 
+def add_curve_ratios(rows: list[dict[str, Any]], bench_rows: list[dict[str, Any]]) -> None:
+    """Each replayed row's ``curve_vs_best_entropy``: its tokens/s under the curve over the best entropy bound's
+    (SVIP, AdaEDL rows, the best by the same measure). Greedy decoding is deterministic, so a row's rounds, drafted and
+    accepted tokens are the same in every run; the curve prices them alike for every row, where the measured ratios
+    also carry the host's speed at the moment each row ran (DISCO against the best entropy bound measured 1.045x,
+    1.10x and 1.00x in three runs of the tenth session, 1.033x, 1.041x and 1.035x under their curves). It leaves out
+    the stop decisions' own time (the benchmark's ``stop_overhead`` column)."""
+    kinds = {r["row"]: r.get("kind") for r in bench_rows}
+    entropy = [r for r in rows if kinds.get(r["row"]) in ENTROPY_KINDS and r["curve_tokens_per_s"]]
+    if not entropy:
+        return
+    best = max(r["curve_tokens_per_s"] for r in entropy)
+    for r in rows:
+        if r["curve_tokens_per_s"]:
+            r["curve_vs_best_entropy"] = round(r["curve_tokens_per_s"] / best, 4)
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The worst |predicted / measured - 1| over all rows and over the rows the replay follows exactly (no note), and
-    how many rows fall within the band."""
+    """The worst |predicted / measured - 1| over all rows and over the rows the replay follows exactly (no note), how
+    many rows fall within the band, and the row with the highest curve-priced ratio to the best entropy bound (not the
+    oracle)."""
     scored = [r for r in rows if r["ratio"] is not None]
 
     def worst(rs: list[dict[str, Any]]) -> tuple[str | None, float | None]:
@@ -328,9 +347,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
     row, err = worst(scored)
     exact_row, exact_err = worst([r for r in scored if not r["note"]])
+    ranked = [r for r in rows if r.get("curve_vs_best_entropy") is not None and r["spec"] != "oracle"]
+    top = max(ranked, key=lambda r: r["curve_vs_best_entropy"]) if ranked else None
     return {"worst_row": row, "worst_error": err, "worst_exact_row": exact_row, "worst_exact_error": exact_err,
             "within_band": sum(abs(r["ratio"] - 1) <= BAND for r in scored), "rows_scored": len(scored),
-            "band": BAND}
+            "band": BAND, "best_curve_row": top["row"] if top else None,
+            "best_curve_vs_best_entropy": top["curve_vs_best_entropy"] if top else None}
 
 
 def summary_line(summary: dict[str, Any]) -> str:
@@ -341,7 +363,11 @@ def summary_line(summary: dict[str, Any]) -> str:
     if summary["worst_exact_row"] is not None and summary["worst_exact_row"] != summary["worst_row"]:
         line += (f"; among rows the replay follows exactly {summary['worst_exact_error']:.3f} "
                  f"({summary['worst_exact_row']})")
-    return line + f"; {summary['within_band']} of {summary['rows_scored']} rows within {summary['band']:.0%}"
+    line += f"; {summary['within_band']} of {summary['rows_scored']} rows within {summary['band']:.0%}"
+    if summary.get("best_curve_row"):
+        line += (f"; under the curve the best row against the best entropy bound: {summary['best_curve_row']} "
+                 f"{summary['best_curve_vs_best_entropy']:.3f}x")
+    return line
 
 
 def run_check(folder: BenchFolder, draft: PreTrainedModel, target: PreTrainedModel,
@@ -372,6 +398,7 @@ def run_check(folder: BenchFolder, draft: PreTrainedModel, target: PreTrainedMod
     else:
         columns, rollouts = cached
     rows, note = replay_rows(folder, policies, columns)
+    add_curve_ratios(rows, folder.rows)
     summary = summarize(rows)
     log.info(summary_line(summary))
     return {"mode": folder.mode, "rows": rows, "summary": summary, "data": note, "records": len(columns["offset"]),
@@ -437,10 +464,12 @@ def markdown_section(result: dict[str, Any]) -> str:
         "predicted tokens/s = tokens / (tokens x the replay's seconds per token under the curve + the row's measured "
         "prefill); accepted / drafted = draft tokens "
         "per round, measured / predicted; curve tok/s = the replay's own tokens/s under the curve (no prefill or "
-        f"overhead). Goal: predicted / measured within 1 +- {s['band']:.2f}.", "",
+        "overhead); vs entropy (curve) = curve tok/s over the best entropy bound's, the same rounds priced alike "
+        "(greedy rounds do not change from run to run; measured ratios also carry the host's speed when each row "
+        f"ran). Goal: predicted / measured within 1 +- {s['band']:.2f}.", "",
         "| row | measured tok/s | predicted tok/s | predicted / measured | accepted | drafted | rounds | "
-        "curve tok/s | draft step ms, engine / curve | verification ms, engine / curve | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "curve tok/s | vs entropy (curve) | draft step ms, engine / curve | verification ms, engine / curve | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         pair = [f"{_fmt(r[f'measured_{k}'])} / {_fmt(r[f'predicted_{k}'])}"
@@ -449,7 +478,7 @@ def markdown_section(result: dict[str, Any]) -> str:
                  if r.get(f"measured_{k}_ms") else "" for k in ("draft", "verify")]
         lines.append(f"| {r['row']} | {_fmt(r['measured_tokens_per_s'])} | {_fmt(r['predicted_tokens_per_s'])} | "
                      f"{_fmt(r['ratio'])} | {' | '.join(pair)} | {_fmt(r['curve_tokens_per_s'])} | "
-                     f"{' | '.join(steps)} | {r['note']} |")
+                     f"{_fmt(r.get('curve_vs_best_entropy'))} | {' | '.join(steps)} | {r['note']} |")
     return "\n".join([*lines, "", summary_line(s) + ".", "", f"![predicted against measured]({PLOT})", ""])
 
 
@@ -526,6 +555,8 @@ def check_metrics(result: dict[str, Any]) -> dict[str, float]:
         if r["ratio"] is not None:
             out[f"{metric_key(r['row'])}/replay_ratio"] = float(r["ratio"])
             out[f"{metric_key(r['row'])}/replay_predicted_tokens_per_s"] = float(r["predicted_tokens_per_s"])
+        if r.get("curve_vs_best_entropy") is not None:
+            out[f"{metric_key(r['row'])}/curve_vs_best_entropy"] = float(r["curve_vs_best_entropy"])
     if result["summary"]["worst_error"] is not None:
         out["replay_check/worst_error"] = float(result["summary"]["worst_error"])
     return out

@@ -78,6 +78,12 @@ def test_replay_follows_the_engine_for_static_thresholded_and_cost_aware_policie
         oracle["measured_mean_accepted"], abs=1e-3)
     s = check["summary"]
     assert s["rows_scored"] == len(rows) and s["worst_row"] in rows and 0 <= s["within_band"] <= len(rows)
+    # the same rounds priced by the curve, against the best entropy bound (SVIP, AdaEDL) by that measure
+    kinds = {r["row"]: r["kind"] for r in report["rows"]}
+    entropy = [r["curve_vs_best_entropy"] for n, r in rows.items() if kinds[n] in ("svip", "adaedl")]
+    assert max(entropy) == 1.0 and all(r["curve_vs_best_entropy"] > 0 for r in rows.values())
+    best = max((r for n, r in rows.items() if n != "oracle"), key=lambda r: r["curve_vs_best_entropy"])
+    assert s["best_curve_row"] == best["row"] and s["best_curve_vs_best_entropy"] == best["curve_vs_best_entropy"]
     md = (out / "benchmark.md").read_text()
     assert md.count("## Replay check") == 1 and "replay check: worst |predicted/measured - 1|" in md
     assert (out / "replay_check.png").is_file() and result["stats"]["replay_check"]["summary"] == s
