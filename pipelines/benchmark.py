@@ -962,12 +962,13 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
 
 
 def write_curve_during_rows(bench: Bench, out_dir: Path) -> None:
-    """``cost_model_rows.json`` from the probes taken between the prompts (none in row order or without probes), and a
-    log line comparing it with the curve measured before the rows."""
+    """``cost_model_rows.json`` from the probes taken between the prompts (none in row order or without probes: an
+    earlier run's file is removed), and a log line comparing it with the curve measured before the rows."""
     from data_gen.timing import pool_cost_models
 
     probes = bench.shared.get("curve_probes") or []
     if not probes:
+        (out_dir / CURVE_DURING_ROWS).unlink(missing_ok=True)  # an earlier run's probes do not describe this one
         return
     cm = pool_cost_models(probes)
     cm.to_json(out_dir / CURVE_DURING_ROWS)
