@@ -332,7 +332,8 @@ def measure_cost_model(
     decode_steps: int = 8,
     statistic: str = "min",
 ) -> CostModel:
-    """Time the draft decode step and the target verification pass on the models' own device, under ``torch.no_grad``.
+    """Time the draft decode step and the target verification pass on the models' own device, in inference mode (as
+    the decoding engine runs them).
 
     Args:
         draft, target, companion: causal LMs (transformers ``PreTrainedModel``), already on their device / dtype.
@@ -362,7 +363,7 @@ def measure_cost_model(
     vocab = min(int(draft.config.vocab_size), int(target.config.vocab_size))
     prompt = torch.randint(0, vocab, (1, prompt_len), generator=g).to(dev)
     extra: dict[str, Any] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "statistic": statistic}
-    with torch.no_grad():
+    with torch.inference_mode():
         draft_s, raw = _time_decode(draft, prompt.to(next(draft.parameters()).device), decode_steps, repeats, statistic)
         extra["draft_raw_s"] = raw
         comp_s = 0.0

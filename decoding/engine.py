@@ -166,7 +166,7 @@ class _Stream:
     def length(self) -> int:
         return self.mask.shape[1]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(
         self, tokens: list[list[int]], left_pad: bool, all_logits: bool, hidden: bool = False, tap: int | None = None
     ) -> tuple[Tensor, Tensor | None, list[list[int]]]:
@@ -380,7 +380,7 @@ class SpeculativeDecoder:
         return self._cost
 
     # ------------------------------------------------------------------ main loop
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(
         self,
         input_ids: Tensor,

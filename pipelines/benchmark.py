@@ -403,7 +403,8 @@ def timed_prompts(bench: Bench, row: Row, decode: Callable[[int, torch.Tensor], 
         x = torch.tensor([ids], device=dev)
         torch.manual_seed(bench.cfg.seed + bench.offset + i)
         t0 = clock(dev)
-        out = decode(i, x)
+        with torch.inference_mode():  # every row alike: the engine decodes in inference mode (fewer dispatch steps)
+            out = decode(i, x)
         row.seconds.append(clock(dev) - t0)
         row.outputs.append(bench.new_tokens(out[0], len(ids)))
     return row
@@ -422,7 +423,7 @@ def run_target_only(bench: Bench, name: str = "target-only", target: PreTrainedM
     return row
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def prefill_seconds(model: PreTrainedModel, ids: list[int]) -> float:
     """Seconds of one forward of a prompt into a fresh cache (target-only's prefill, timed after its row: the replay
     check adds each row's prefill to the curve's decoding time)."""
