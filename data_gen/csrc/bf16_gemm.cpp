@@ -82,6 +82,10 @@ BF16_TARGET inline __m512bh load_pairs(const int8_t* w) {
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
+// The column scales from column c on (an int8 pack's), or null for a bf16 pack, which has none (never an offset from a
+// null pointer).
+inline const float* cols_from(const float* scale, int64_t c) { return scale ? scale + c : nullptr; }
+
 // fp32 sums of 16 columns -> bf16 (round to nearest even), times the columns' scales first for an int8 pack.
 template <typename WT>
 BF16_TARGET inline __m256i round_out(__m512 c, const float* scale) {
@@ -119,7 +123,7 @@ BF16_TARGET inline void micro(const uint16_t* x, int64_t ldx, const WT* w, int64
         _mm512_storeu_ps(acc + r * ldc + b * kCols, c[r][b]);
       } else {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + b * kCols),
-                            round_out<WT>(c[r][b], scale + b * kCols));
+                            round_out<WT>(c[r][b], cols_from(scale, b * kCols)));
       }
     }
 }
@@ -171,11 +175,11 @@ void few_rows(const uint16_t* x, int64_t M, int64_t ldx, const WT* wp, const flo
       const int r = static_cast<int>(std::min<int64_t>(kRowChunk, M - m0));
       if (g == nb) {
         direct[nb_index(nb)][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, 0, pairs, nullptr, 0,
-                                    out + m0 * ldo + b * kCols, ldo, scale + b * kCols);
+                                    out + m0 * ldo + b * kCols, ldo, cols_from(scale, b * kCols));
       } else {
         for (int j = 0; j < g; ++j)
           direct[0][r - 1](x + m0 * ldx, ldx, wp + (b + j) * wstride, wstride, 0, pairs, nullptr, 0,
-                           out + m0 * ldo + (b + j) * kCols, ldo, scale + (b + j) * kCols);
+                           out + m0 * ldo + (b + j) * kCols, ldo, cols_from(scale, (b + j) * kCols));
       }
     }
   }
@@ -184,7 +188,8 @@ void few_rows(const uint16_t* x, int64_t M, int64_t ldx, const WT* wp, const flo
 template <typename WT>
 BF16_TARGET void to_bf16(const float* acc, int64_t n, const float* scale, uint16_t* out) {
   for (int64_t j = 0; j < n; j += kCols)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), round_out<WT>(_mm512_loadu_ps(acc + j), scale + j));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
+                        round_out<WT>(_mm512_loadu_ps(acc + j), cols_from(scale, j)));
 }
 
 // More than 16 rows, column blocks [b0, b1): chunks of columns whose weights fit in L2, 8-row tiles, input blocks of
@@ -214,7 +219,7 @@ void many_rows(const uint16_t* x, int64_t M, int64_t ldx, const WT* wp, const fl
                             nullptr, 0, nullptr);
       }
       for (int64_t q = 0; q < r; ++q)
-        to_bf16<WT>(acc.data() + q * ldc, ldc, scale + c0 * kCols, out + (m0 + q) * ldo + c0 * kCols);
+        to_bf16<WT>(acc.data() + q * ldc, ldc, cols_from(scale, c0 * kCols), out + (m0 + q) * ldo + c0 * kCols);
     }
   }
 }
@@ -269,7 +274,8 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, std::optional<t
                   wp.size(1) * 2 == x.size(1) && wp.size(0) * kCols >= N && wp.size(0) * kCols < N + kCols,
               "bf16_gemm.gemm: packed weight of shape [ceil(N/16), K/2, 16, 2] for x's K and N expected");
   const bool int8 = wp.scalar_type() == torch::kChar;
-  TORCH_CHECK(int8 || wp.scalar_type() == torch::kBFloat16, "bf16_gemm.gemm: the packed weight must be bfloat16 or int8");
+  TORCH_CHECK(int8 || wp.scalar_type() == torch::kBFloat16,
+              "bf16_gemm.gemm: the packed weight must be bfloat16 or int8");
   const int64_t M = x.size(0), pairs = wp.size(1), nb = wp.size(0), npad = nb * kCols;
   TORCH_CHECK(int8 == scale.has_value(), "bf16_gemm.gemm: an int8 weight needs its scales, a bfloat16 one none");
   if (int8)
