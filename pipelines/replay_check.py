@@ -139,7 +139,7 @@ def read_bench_folder(path: str | Path, cfg: BenchmarkConfig | None = None) -> B
     base = next((r for r in rows if r.get("row") == "target-only"), None)
     if base is None:
         raise ValueError(f"{path / 'benchmark.json'} has no 'target-only' row: the replay check labels target-only's "
-                         f"output and anchors its prediction on target-only's tokens/s; rerun the benchmark")
+                         f"output (the prompts it replays); rerun the benchmark")
     if "output_ids" not in base or "prompt_ids" not in report:
         raise ValueError(f"{path / 'benchmark.json'}: the 'target-only' row has no output_ids (written before the "
                          f"replay check existed); rerun python -m pipelines.benchmark --config {path / 'config.yaml'}")
@@ -147,10 +147,10 @@ def read_bench_folder(path: str | Path, cfg: BenchmarkConfig | None = None) -> B
     if not before.is_file():
         raise FileNotFoundError(f"{before}: no such file (the benchmark writes the curve it measured there)")
     during = path / CURVE_DURING_ROWS  # missing for a benchmark without probes between its prompts
-    cm_file = during if during.is_file() else before
+    decided = CostModel.from_json(before)
+    cm_file, cm = (during, CostModel.from_json(during)) if during.is_file() else (before, decided)
     return BenchFolder(path, cfg or _read_config(path / "config.yaml"), rows, list(report.get("prompts") or []),
-                       report["prompt_ids"], base["output_ids"], CostModel.from_json(cm_file), cm_file,
-                       CostModel.from_json(before))
+                       report["prompt_ids"], base["output_ids"], cm, cm_file, decided)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
