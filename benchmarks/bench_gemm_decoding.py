@@ -3,14 +3,17 @@
 
 ``--compare native_gemm`` (default): specstop's bf16 GEMM against oneDNN's, two model pairs (``--models.native_gemm``
 true and false, both drafts in bf16; about 10 GB together). ``--compare int8_draft``: one target, the draft with int8
-weights against bf16 (``--models.int8_draft`` true and false). The benchmark's held-out prompts are decoded greedily
-with ``target.generate`` and with the engine under each policy spec, and tokens/s and the speedup over the same
-variant's target-only are printed per variant.
+weights against bf16 (``--models.int8_draft`` true and false). ``--compare target_head``: one draft, the target's LM
+head in bf16 with fp32 logits against fp32 (``--models.bf16_target_head`` true and false). The benchmark's held-out
+prompts are decoded greedily with ``target.generate`` and with the engine under each policy spec, and tokens/s and the
+speedup over the same variant's target-only are printed per variant, with how far the variants' target-only outputs
+agree (another target precision may emit other tokens).
 
 Usage:
     python benchmarks/bench_gemm_decoding.py outputs/default/train/disco/export \\
         goodput:outputs/default/train/disco/export --n_prompts 4 --new_tokens 96
     python benchmarks/bench_gemm_decoding.py static:5 svip --compare int8_draft
+    python benchmarks/bench_gemm_decoding.py static:4 svip --compare target_head
 """
 from __future__ import annotations
 
@@ -28,8 +31,11 @@ from pipelines.benchmark import BenchmarkConfig, load_benchmark_prompts
 
 VARIANTS = {"native_gemm": {"specstop": {"native_gemm": True, "int8_draft": False},
                              "onednn": {"native_gemm": False, "int8_draft": False}},
-            "int8_draft": {"int8": {"int8_draft": True}, "bf16": {"int8_draft": False}}}
+            "int8_draft": {"int8": {"int8_draft": True}, "bf16": {"int8_draft": False}},
+            "target_head": {"bf16-head": {"bf16_target_head": True}, "fp32-head": {"bf16_target_head": False}}}
 """Per comparison, the ModelsConfig fields of each variant."""
+SHARED = {"int8_draft": "target", "target_head": "draft"}
+"""The model a comparison loads once for both variants (the other one differs)."""
 
 
 def main() -> None:
@@ -44,12 +50,13 @@ def main() -> None:
     args = ap.parse_args()
     info = cpu_info()
     print(f"CPU {info['model_name']!r}, torch {info['torch']}, {info['threads']} threads")
-    pairs, tok, target = {}, None, None
-    variants = VARIANTS[args.compare]
+    pairs, tok, draft, target = {}, None, None, None
+    variants, shared = VARIANTS[args.compare], SHARED.get(args.compare)
     for name, fields in variants.items():
         models = ModelsConfig(**fields)
-        draft, tok = load_model(models.spec(args.draft, "draft"))
-        if target is None or args.compare == "native_gemm":  # int8_draft: one target for both drafts
+        if draft is None or shared != "draft":
+            draft, tok = load_model(models.spec(args.draft, "draft"))
+        if target is None or shared != "target":
             target, _ = load_model(models.spec(args.target, "target"))
         pairs[name] = (draft, target)
     cost = CostModel.from_json(args.cost_file) if args.cost_file else None
@@ -68,6 +75,7 @@ def main() -> None:
     seconds = {k: dict.fromkeys(rows, 0.0) for k in variants}
     tokens = {k: dict.fromkeys(rows, 0) for k in variants}
     stats = {k: {} for k in variants}  # policy -> DecodeStats summed over prompts
+    outputs = {k: [] for k in variants}  # target-only tokens per prompt
     for i, p in enumerate(prompts[: args.n_prompts]):
         x = torch.tensor([p])
         for variant, (_, target) in pairs.items():
@@ -77,6 +85,7 @@ def main() -> None:
                                       do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
             seconds[variant]["target-only"] += time.perf_counter() - t0
             tokens[variant]["target-only"] += out.shape[1] - x.shape[1]
+            outputs[variant].append(out[0, x.shape[1]:].tolist())
             for spec, dec in decoders[variant].items():
                 t0 = time.perf_counter()
                 out, st = dec.generate(x, None, args.new_tokens, eos, i)
@@ -91,6 +100,10 @@ def main() -> None:
                  + (f", {stats[variant][r].mean_accepted:.2f} accepted/round)" if r in stats[variant] else ")")
                  for r in rows]
         print(f"{variant:8s} " + "  ".join(cells))
+    a, b = outputs.values()
+    same = [next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y))) for x, y in zip(a, b)]
+    print(f"target-only outputs identical on {sum(x == y for x, y in zip(a, b))} of {len(a)} prompts; tokens before "
+          f"the first difference: {same}")
 
 
 if __name__ == "__main__":

@@ -68,12 +68,13 @@ def _module(what: str, weight: Tensor) -> Any:
     return mod
 
 
-def gemm(x: Tensor, packed: Tensor, out_features: int, scale: Tensor | None = None) -> Tensor:
+def gemm(x: Tensor, packed: Tensor, out_features: int, scale: Tensor | None = None, fp32_out: bool = False) -> Tensor:
     """[M, K] bfloat16 contiguous rows times the packed weight (of :func:`pack`, or of :func:`pack_int8` with its
-    ``scale``) -> [M, out_features] bfloat16 (fp32 sums, scaled for int8, rounded to nearest even)."""
+    ``scale``) -> [M, out_features] bfloat16 (fp32 sums, scaled for int8, rounded to nearest even), or with
+    ``fp32_out`` float32: the same sums unrounded (an LM head's logits keep fp32 resolution)."""
     mod = _EXT.module()
     if mod is None:
         raise RuntimeError(f"bf16_gemm.gemm: the native kernel is unavailable ({_EXT.failed})")
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         x = x.to(torch.bfloat16).contiguous()
-    return mod.gemm(x, packed, int(out_features), scale)
+    return mod.gemm(x, packed, int(out_features), scale, bool(fp32_out))

@@ -71,6 +71,7 @@ __all__ = [
     "precision_diffs",
     "PRECISION_DEFAULTS",
     "PRECISION_OPTIONS",
+    "precision_option",
     "apply_compute_path",
     "head_dtype_of",
     "compute_path_of",
@@ -161,17 +162,21 @@ class PackedLinear(nn.Module):
     """``nn.Linear`` whose weight lives once in oneDNN's blocked layout (fp32 or bfloat16), for inference.
 
     The forward takes and returns the activations' own dtype (fp32); with a bfloat16 pack the input is rounded to
-    bfloat16 and the output, accumulated in fp32 and rounded to bfloat16 by oneDNN, comes back as fp32. Each row's
+    bfloat16 and the output, accumulated in fp32 and rounded to bfloat16 by the kernel, comes back as fp32
+    (``fp32_out``, on specstop's kernel: the fp32 sums unrounded, for LM heads). Each row's
     result has the same bits whatever the number of rows in the call (fewer than ``MIN_ROWS`` are zero-padded).
     No autograd.
     """
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype, native: bool = False, int8: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, native: bool = False, int8: bool = False,
+                 fp32_out: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.pack_dtype = dtype
         # the bf16 pack runs on specstop's kernel (data_gen.bf16_gemm) when asked and this CPU has it, else oneDNN's
         self.kernel = "specstop" if native and dtype == torch.bfloat16 and linear.in_features % 2 == 0 else "onednn"
+        # an LM head on specstop's kernel returns its fp32 sums unrounded (logits keep fp32 resolution)
+        self.fp32_out = bool(fp32_out and self.kernel == "specstop")
         # int8 weights (per-output-channel scales) exist on specstop's kernel only; activations stay bf16
         self.weights = "int8" if int8 and self.kernel == "specstop" else str(dtype).removeprefix("torch.")
         scale = None
@@ -227,6 +232,9 @@ class PackedLinear(nn.Module):
         """[N, in] (pack dtype, contiguous) -> the first ``n`` rows of [N, out], activations' dtype, bias added."""
         if self.pack_dtype == self._out_dtype:  # fp32 pack: bias fused into the GEMM
             return torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, self.bias, "none", [], "")[:n]
+        if self.fp32_out:  # the fp32 sums themselves
+            y = bf16_gemm.gemm(x2, self.packed_weight, self.out_features, self.weight_scale, fp32_out=True)[:n]
+            return y if self.bias is None else torch.add(y, self.bias)
         y = self._pack_gemm(x2)[:n]
         if self.bias is not None:  # bf16 + fp32 promotes to fp32: the same bits as converting first, one op less
             return torch.add(y, self.bias)
@@ -240,7 +248,7 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, pack={self.pack_dtype}, "
-                f"kernel={self.kernel}, weights={self.weights}")
+                f"kernel={self.kernel}, weights={self.weights}" + (", fp32_out" if self.fp32_out else ""))
 
 
 FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -482,19 +490,22 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 def apply_compute_path(
     model: nn.Module, path: str, bf16_head: bool = False, min_elements: int = MIN_PACK_ELEMENTS, fuse: bool = True,
-    native_gemm: bool = True, int8_weights: bool = False,
+    native_gemm: bool = True, int8_weights: bool = False, fp32_logits: bool = False,
 ) -> dict[str, Any]:
     """Swap the model's large ``nn.Linear`` layers for :class:`PackedLinear` (in place) for a resolved ``path``.
 
     Args:
         model: a model on the CPU, in eval mode, in float32 (the packed paths keep fp32 activations).
         path: ``packed``, ``packed-bf16`` or ``eager`` (no change); resolve ``auto`` first.
-        bf16_head: with ``packed-bf16``, pack the LM head in bfloat16 too. bf16 GEMM outputs are rounded to bfloat16,
-            which for logits of magnitude 16-32 is a step of 0.125 (probabilities off by up to a few %, more argmax
-            ties), so it is off by default and ``load_model`` turns it on for draft-side models only
-            (``ModelSpec.bf16_head``): a draft's proposals do not change what exact decoding emits, and its head is
-            43% of the bytes a 0.5B draft step reads (measured: draft step 81.1 -> 67.3 ms; the target's 181.5 ->
-            167.8 ms, not taken: its logits are the output).
+        bf16_head: with ``packed-bf16``, pack the LM head in bfloat16 too (int8 with ``int8_weights``). On specstop's
+            kernel the head returns its fp32 sums (``head_dtype`` ``bfloat16-fp32-logits``): only the final hidden
+            state and the weights are rounded, as in every other layer of the bf16 path. oneDNN rounds its bf16
+            outputs, which for logits of magnitude 16-32 is a step of 0.125 (probabilities off by up to a few %,
+            more argmax ties; ``head_dtype`` ``bfloat16``). The head is 43% of the bytes a 0.5B draft step reads
+            (draft step 81.1 -> 67.3 ms on oneDNN) and a fifth of the 1.5B target's step (83.0 -> 68.9 ms on
+            specstop's kernel, AMD EPYC Zen 5); ``load_model`` turns it on per role (``ModelSpec.bf16_head``).
+        fp32_logits: the head must keep fp32 resolution (the target's: its logits are the output): a bf16 head only
+            where it returns fp32 sums (specstop's kernel), else the head stays fp32.
         min_elements: layers with fewer weights stay eager (tests pass 0 to pack tiny models); a fused group counts
             its members' weights together.
         fuse: pack each :data:`FUSED_GROUPS` of sibling linears as one GEMM (:class:`FusedLinears`): one call
@@ -530,6 +541,8 @@ def apply_compute_path(
     wbytes = 1 if int8 else dtype.itemsize
     tied = _tied_output_weight(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    sums_out = native and isinstance(head, nn.Linear) and head.in_features % 2 == 0  # the head's fp32 sums returned
+    head_bf16 = bool(bf16_head and dtype == torch.bfloat16 and (sums_out or not fp32_logits))
     if fuse:
         stats["fused_groups"] = 0
         for parent, group in _fusable_groups(model, min_elements):
@@ -545,11 +558,11 @@ def apply_compute_path(
     for parent, name, lin in _linears(model):
         if lin.weight.numel() < min_elements:
             continue
-        fp32_head = lin is head and not bf16_head
+        fp32_head = lin is head and not head_bf16
         layer_dtype = torch.float32 if fp32_head else dtype
         need = lin.weight.numel() * (layer_dtype.itemsize if fp32_head else wbytes)
         packed = _pack_or_explain(model, f"{name} {tuple(lin.weight.shape)}", need, PackedLinear, lin, layer_dtype,
-                                  native, int8 and not fp32_head)
+                                  native, int8 and not fp32_head, lin is head)
         setattr(parent, name, packed)
         stats["packed_layers"] += 1
         stats["bytes_before"] += 0 if lin.weight is tied else lin.weight.numel() * lin.weight.element_size()
@@ -560,7 +573,7 @@ def apply_compute_path(
     if stats["packed_layers"]:  # read back by compute_path_of; a model with nothing packed computes as eager
         model.specstop_compute_path = path
         model.specstop_pack_layout = "fused" if stats.get("fused_groups") else "per-layer"
-        model.specstop_head_dtype = "bfloat16" if (bf16_head and path == "packed-bf16") else "float32"
+        model.specstop_head_dtype = _head_dtype(model.get_output_embeddings() if head is not None else None)
         model.specstop_gemm = stats["gemm"]
         model.specstop_weights = stats["weights"]
         stats["row_invariant_attention"] = use_row_invariant_attention(model)
@@ -663,7 +676,15 @@ dtype of its compute path)."""
 PRECISION_OPTIONS = {"dtype": "--models.dtype", "compute_path": "--models.compute",
                      "head_dtype": "--models.bf16_draft_head", "pack_layout": "--models.fuse_linears",
                      "gemm": "--models.native_gemm", "weights": "--models.int8_draft"}
-"""The option that sets each precision field of a model fingerprint."""
+"""The option that sets each precision field of a model fingerprint (a draft-side model's; :func:`precision_option`
+names the target's)."""
+
+
+def precision_option(key: str, role: str = "draft") -> str:
+    """The option that sets precision field ``key`` of the model in ``role`` (draft, target or companion)."""
+    if key == "head_dtype" and role == "target":
+        return "--models.bf16_target_head"
+    return PRECISION_OPTIONS[key]
 
 
 def precision_diffs(stored: dict, current: dict) -> dict[str, tuple[str, str]]:
@@ -689,7 +710,16 @@ def precision_diffs(stored: dict, current: dict) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _head_dtype(head: nn.Module | None) -> str:
+    """What a packed model's LM head computes in: ``float32``, ``bfloat16`` (bf16 GEMM, logits rounded to bf16:
+    oneDNN) or ``bfloat16-fp32-logits`` (bf16 or int8 weights on specstop's kernel, fp32 sums returned)."""
+    if not isinstance(head, PackedLinear) or head.pack_dtype != torch.bfloat16:
+        return "float32"
+    return "bfloat16-fp32-logits" if head.fp32_out else "bfloat16"
+
+
 def head_dtype_of(model: nn.Module) -> str:
-    """The dtype its LM head computes in: ``bfloat16`` for a draft-side packed-bf16 model, else the model's own."""
+    """The dtype its LM head computes in (``_head_dtype``: ``float32``, ``bfloat16`` or ``bfloat16-fp32-logits`` on
+    packed-bf16 per ``bf16_head``), else the model's own."""
     own = str(next(model.parameters()).dtype).removeprefix("torch.")
     return str(getattr(model, "specstop_head_dtype", own))

@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data_gen.compute_path import PRECISION_OPTIONS, precision_diffs, use_row_invariant_attention
+from data_gen.compute_path import precision_diffs, precision_option, use_row_invariant_attention
 from data_gen.continuations import GenStats, continue_batch, speculative_trajectory
 from data_gen.draft_stats import native_available
 from data_gen.labelling import (
@@ -81,8 +81,13 @@ class ModelsConfig:
     """CPU compute path (data_gen.compute_path): auto (oneDNN-packed linears, bfloat16 weights where the CPU computes
     bf16 natively), packed (fp32), packed-bf16, or eager (off: torch's default kernels)."""
     bf16_draft_head: bool = True
-    """On packed-bf16, the draft's and companion's LM heads compute in bfloat16 too (a draft step -17% on Zen 4; its
-    logits rounded to bfloat16); the target's head stays fp32. Data and predictors record it (``head_dtype``)."""
+    """On packed-bf16, the draft's and companion's LM heads compute in bfloat16 too (a draft step -17% on Zen 4; on
+    oneDNN their logits are rounded to bfloat16, on specstop's kernel they are its fp32 sums). Data and predictors
+    record it (``head_dtype``)."""
+    bf16_target_head: bool = True
+    """On specstop's bf16 kernel, the target's LM head computes in bfloat16 too, returning fp32 logits (its step -17%
+    on Zen 5: the fp32 head was a fifth of it); elsewhere, where bf16 logits would be rounded, it stays fp32. Recorded
+    as the target's ``head_dtype``."""
     fuse_linears: bool = True
     """On a packed path, q/k/v and gate/up run as one GEMM each (same bits as separate packs; the draft's small k/v,
     eager fp32 when packed one by one, compute in the pack's dtype). Recorded as ``pack_layout``."""
@@ -99,9 +104,11 @@ class ModelsConfig:
         """The ModelSpec of ``name`` loaded as ``role`` (draft, target or companion)."""
         if role not in ("draft", "target", "companion"):
             raise ValueError(f"role={role!r}: use draft, target or companion")
+        target = role == "target"
         return ModelSpec(name, dtype=self.dtype, device=self.device, cache_dir=self.cache_dir, compute=self.compute,
-                         bf16_head=self.bf16_draft_head and role != "target", fuse_linears=self.fuse_linears,
-                         native_gemm=self.native_gemm, int8_weights=self.int8_draft and role != "target")
+                         bf16_head=self.bf16_target_head if target else self.bf16_draft_head, fp32_logits=target,
+                         fuse_linears=self.fuse_linears, native_gemm=self.native_gemm,
+                         int8_weights=self.int8_draft and not target)
 
 
 @dataclass
@@ -592,7 +599,7 @@ def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
         return
     old = stored.get("resolved", {}).get("fingerprints", {})
     value = {"compute_path": lambda was: was,  # the option's value that computes as the folder's data did
-             "head_dtype": lambda was: str(was == "bfloat16").lower(),
+             "head_dtype": lambda was: str(was != "float32").lower(),
              "pack_layout": lambda was: str(was == "fused").lower(),
              "gemm": lambda was: str(was == "specstop").lower(),
              "weights": lambda was: str(was == "int8").lower()}
@@ -601,9 +608,13 @@ def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
         for key in value:  # dtype has its own config check
             if key in diffs:
                 was, now = diffs[key]
+                if key == "head_dtype" and "float32" not in (was, now):  # both bf16: rounded logits, or fp32 sums
+                    fix = "--models.native_gemm false gives rounded bf16 logits, fp32 sums need specstop's kernel"
+                else:
+                    fix = f"pass {precision_option(key, role)} {value[key](was)} to resume it"
                 raise FileExistsError(
-                    f"{out_dir} was labelled with the {role} at {key} {was!r}, this run computes it at {now!r}: pass "
-                    f"{PRECISION_OPTIONS[key]} {value[key](was)} to resume it, or use another out_dir"
+                    f"{out_dir} was labelled with the {role} at {key} {was!r}, this run computes it at {now!r}: {fix}, "
+                    f"or use another out_dir"
                 )
 
 

@@ -69,7 +69,10 @@ class ModelSpec:
     compute: str = "auto"
     """CPU compute path (data_gen.compute_path): auto, packed, packed-bf16 or eager (off)."""
     bf16_head: bool = False
-    """On packed-bf16, pack the LM head in bfloat16 too (draft-side models: ``ModelsConfig.spec`` sets it)."""
+    """On packed-bf16, pack the LM head in bfloat16 too (``ModelsConfig.spec`` sets it per role)."""
+    fp32_logits: bool = False
+    """The LM head keeps fp32 resolution (the target's): a bf16 head only on specstop's kernel, which returns its
+    fp32 sums; elsewhere the head stays fp32."""
     fuse_linears: bool = True
     """On a packed path, pack q/k/v and gate/up as one GEMM each (``data_gen.compute_path.FUSED_GROUPS``)."""
     native_gemm: bool = True
@@ -174,7 +177,8 @@ def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
         path = "eager"
     model, tok = _load_eager(replace(spec, compute="eager"))
     stats = apply_compute_path(model, path, bf16_head=spec.bf16_head, fuse=spec.fuse_linears,
-                               native_gemm=spec.native_gemm, int8_weights=spec.int8_weights)
+                               native_gemm=spec.native_gemm, int8_weights=spec.int8_weights,
+                               fp32_logits=spec.fp32_logits)
     if stats["packed_layers"]:
         log.info("%s: %d linear layers packed (%s on %s, %s weights, %d fused groups), weights %.2f -> %.2f GB",
                  spec.name, stats["packed_layers"], path, stats["gemm"], stats["weights"], stats.get("fused_groups", 0),

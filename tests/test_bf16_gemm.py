@@ -103,3 +103,45 @@ def test_int8_weights_without_their_scales_are_refused() -> None:
         bf16_gemm.gemm(x, q, 32, scale[:16].contiguous())
     with pytest.raises(ValueError, match="in_features=3 must be even"):
         bf16_gemm.pack_int8(torch.randn(4, 3))
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_fp32_out_returns_the_sums_the_bf16_output_rounds(int8: bool) -> None:
+    """``fp32_out`` (the LM heads' logits): float32 sums within fp32 summation error of float64, rounding to the bits
+    of the bf16 output, and a row's bits the same in calls of 1..40 rows (both row paths)."""
+    n, k = 200, 320
+    g = torch.Generator().manual_seed(11 + int8)
+    w, x = torch.randn(n, k, generator=g), torch.randn(40, k, generator=g).to(torch.bfloat16)
+    wp, scale = bf16_gemm.pack_int8(w) if int8 else (bf16_gemm.pack(w), None)
+    y = bf16_gemm.gemm(x, wp, n, scale, fp32_out=True)
+    assert y.dtype == torch.float32 and y.shape == (40, n)
+    ref = x.double() @ (_dequantized(w) if int8 else w.to(torch.bfloat16)).double().T
+    assert ((y.double() - ref).abs() <= ref.abs() * 2.0**-20 + 1e-5 * k**0.5).all()
+    assert torch.equal(y.to(torch.bfloat16), bf16_gemm.gemm(x, wp, n, scale))
+    alone = torch.cat([bf16_gemm.gemm(x[i : i + 1].contiguous(), wp, n, scale, fp32_out=True) for i in range(40)])
+    for m in (3, 8, 16, 17, 40):
+        assert torch.equal(bf16_gemm.gemm(x[:m].contiguous(), wp, n, scale, fp32_out=True), alone[:m]), m
+
+
+def test_a_bf16_head_on_the_kernel_returns_fp32_logits() -> None:
+    """The LM head on specstop's kernel keeps fp32 resolution (``bfloat16-fp32-logits``); the target asks for it and
+    gets a bf16 head only there (``fp32_logits``)."""
+    from data_gen import compute_path as cp
+    from data_gen.models import ModelSpec, load_model, model_fingerprint
+
+    model, tok = load_model(ModelSpec("tiny:3:64:2", compute="eager"))
+    ref, _ = load_model(ModelSpec("tiny:3:64:2", compute="eager"))
+    cp.apply_compute_path(model, "packed-bf16", bf16_head=True, min_elements=0, fp32_logits=True)
+    cp.apply_compute_path(ref, "packed-bf16", bf16_head=False, min_elements=0)
+    head = model.get_output_embeddings()
+    assert head.fp32_out and head.pack_dtype == torch.bfloat16
+    assert model_fingerprint(model, tok)["head_dtype"] == "bfloat16-fp32-logits"
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2, 44, 18]])
+    with torch.no_grad():
+        a, b = model(ids).logits, ref(ids).logits
+    assert a.dtype == torch.float32
+    assert not torch.equal(a, a.to(torch.bfloat16).float())  # not rounded to bf16
+    assert (a - b).abs().max() < 2**-6 * b.abs().max()  # the weights' bf16 rounding only
+    onednn, _ = load_model(ModelSpec("tiny:3:64:2", compute="eager"))
+    cp.apply_compute_path(onednn, "packed-bf16", bf16_head=True, min_elements=0, fp32_logits=True, native_gemm=False)
+    assert model_fingerprint(onednn, tok)["head_dtype"] == "float32"  # oneDNN would round the logits: head kept fp32

@@ -146,6 +146,20 @@ def test_a_data_folder_is_not_resumed_with_another_head_dtype(tmp_path) -> None:
     with pytest.raises(FileExistsError, match="--models.bf16_draft_head false"):
         check_same_precision(tmp_path, now)
     check_same_precision(tmp_path, {**now, "draft": {**now["draft"], "head_dtype": "float32"}})
+    with pytest.raises(FileExistsError, match="--models.bf16_target_head false"):  # the target's own option
+        check_same_precision(tmp_path, {**now, "draft": {**now["draft"], "head_dtype": "float32"},
+                                        "target": {**now["target"], "head_dtype": "bfloat16-fp32-logits"}})
+
+
+def test_a_data_folder_with_rounded_bf16_logits_is_not_resumed_with_fp32_logits(tmp_path) -> None:
+    """Before specstop's kernel returned its fp32 sums, bf16 heads rounded the logits: no head option reproduces
+    that on the kernel, and the message says what does."""
+    from data_gen.generate import check_same_precision
+
+    old = {"draft": {"compute_path": "packed-bf16", "head_dtype": "bfloat16", "gemm": "specstop"}}
+    _labelled_folder(tmp_path, old)
+    with pytest.raises(FileExistsError, match="native_gemm false gives rounded bf16 logits"):
+        check_same_precision(tmp_path, {"draft": {**old["draft"], "head_dtype": "bfloat16-fp32-logits"}})
 
 
 @pytest.mark.parametrize("role,recorded,key,now,option,same", [
@@ -288,7 +302,9 @@ def test_models_config_packs_draft_side_heads_in_bf16_and_weights_in_int8_only()
 
     mc = ModelsConfig(compute="packed-bf16")
     assert mc.spec("d", "draft").bf16_head and mc.spec("c", "companion").bf16_head
-    assert not mc.spec("t").bf16_head and not mc.spec("t", "target").bf16_head
+    assert not mc.spec("d", "draft").fp32_logits and mc.spec("t").fp32_logits and mc.spec("t", "target").fp32_logits
+    assert mc.spec("t", "target").bf16_head  # fp32 logits: a bf16 head only where the kernel returns its sums
+    assert not ModelsConfig(bf16_target_head=False).spec("t", "target").bf16_head
     assert not ModelsConfig(bf16_draft_head=False).spec("d", "draft").bf16_head
     assert mc.spec("d", "draft").int8_weights and mc.spec("c", "companion").int8_weights
     assert not mc.spec("t", "target").int8_weights
@@ -303,8 +319,8 @@ def test_bf16_head_is_recorded_in_the_fingerprint() -> None:
 
     model, tok = load_model(ModelSpec("tiny:1", compute="eager"))
     assert model_fingerprint(model, tok)["head_dtype"] == "float32"
-    cp.apply_compute_path(model, "packed-bf16", bf16_head=True, min_elements=0)
-    assert model_fingerprint(model, tok)["head_dtype"] == "bfloat16"
+    cp.apply_compute_path(model, "packed-bf16", bf16_head=True, min_elements=0, native_gemm=False)
+    assert model_fingerprint(model, tok)["head_dtype"] == "bfloat16"  # oneDNN: logits rounded to bf16
     assert model.get_output_embeddings().pack_dtype == torch.bfloat16
 
 

@@ -11,7 +11,8 @@
 // bf16 (exact) and multiplies the column's fp32 sum by its scale before rounding, so the chain below is unchanged.
 //
 // Batch invariance: every output element is the same chain of vdpbf16ps over p = 0 .. K/2 - 1 in order, into an fp32
-// lane that starts at zero, then rounded to bf16 (round to nearest even). Row and column tiling, threads and the
+// lane that starts at zero, then rounded to bf16 (round to nearest even; an LM head asks for the fp32 sums as they are,
+// its logits). Row and column tiling, threads and the
 // fp32 spills of long-K tiles change which instructions run together, never the chain, so a row has the same bits
 // alone, in a verification forward of L rows or inside a prompt (tested against a one-row call).
 //
@@ -86,20 +87,25 @@ BF16_TARGET inline __m512bh load_pairs(const int8_t* w) {
 // null pointer).
 inline const float* cols_from(const float* scale, int64_t c) { return scale ? scale + c : nullptr; }
 
-// fp32 sums of 16 columns -> bf16 (round to nearest even), times the columns' scales first for an int8 pack.
-template <typename WT>
-BF16_TARGET inline __m256i round_out(__m512 c, const float* scale) {
+// fp32 sums of 16 columns -> the output (OT: uint16_t for bf16, rounded to nearest even; float for the fp32 sums as
+// they are, the LM heads' logits), times the columns' scales first for an int8 pack.
+template <typename WT, typename OT>
+BF16_TARGET inline void store_out(OT* out, __m512 c, const float* scale) {
   if constexpr (std::is_same_v<WT, int8_t>) c = _mm512_mul_ps(c, _mm512_loadu_ps(scale));
-  return (__m256i)_mm512_cvtneps_pbh(c);
+  if constexpr (std::is_same_v<OT, float>) {
+    _mm512_storeu_ps(out, c);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(c));
+  }
 }
 
 // R rows x NB column blocks over input pairs [p0, p1). kSpill: the fp32 accumulators start from and go back to `acc`
-// ([R][ldc] fp32, column offset of block 0); otherwise they start at zero and leave as bf16 into `out` ([R][ldo]),
-// scaled by `scale` (the blocks' column scales) for an int8 pack. Each row's input pair is broadcast from memory (a
+// ([R][ldc] fp32, column offset of block 0); otherwise they start at zero and leave through store_out into `out`
+// ([R][ldo]), scaled by `scale` (the blocks' column scales) for an int8 pack. Each row's input pair is broadcast from memory (a
 // load, not a shuffle: the shuffle port would cap the kernel at one vdpbf16ps per cycle).
-template <typename WT, int R, int NB, bool kSpill>
+template <typename WT, typename OT, int R, int NB, bool kSpill>
 BF16_TARGET inline void micro(const uint16_t* x, int64_t ldx, const WT* w, int64_t wstride, int64_t p0, int64_t p1,
-                              float* acc, int64_t ldc, uint16_t* out, int64_t ldo, const float* scale) {
+                              float* acc, int64_t ldc, OT* out, int64_t ldo, const float* scale) {
   __m512 c[R][NB];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b)
@@ -122,8 +128,7 @@ BF16_TARGET inline void micro(const uint16_t* x, int64_t ldx, const WT* w, int64
       if (kSpill) {
         _mm512_storeu_ps(acc + r * ldc + b * kCols, c[r][b]);
       } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + b * kCols),
-                            round_out<WT>(c[r][b], cols_from(scale, b * kCols)));
+        store_out<WT>(out + r * ldo + b * kCols, c[r][b], cols_from(scale, b * kCols));
       }
     }
 }
@@ -132,28 +137,28 @@ BF16_TARGET inline void micro(const uint16_t* x, int64_t ldx, const WT* w, int64
 constexpr int blocks_for(int r) { return r <= 4 ? 4 : 3; }
 constexpr int kRowChunk = 8;
 
-template <typename WT, int R, int NB, bool kSpill>
+template <typename WT, typename OT, int R, int NB, bool kSpill>
 BF16_TARGET void chunk_fn(const uint16_t* x, int64_t ldx, const WT* w, int64_t wstride, int64_t p0, int64_t p1,
-                          float* acc, int64_t ldc, uint16_t* out, int64_t ldo, const float* scale) {
-  micro<WT, R, NB, kSpill>(x, ldx, w, wstride, p0, p1, acc, ldc, out, ldo, scale);
+                          float* acc, int64_t ldc, OT* out, int64_t ldo, const float* scale) {
+  micro<WT, OT, R, NB, kSpill>(x, ldx, w, wstride, p0, p1, acc, ldc, out, ldo, scale);
 }
 
-template <typename WT>
-using ChunkFn = void (*)(const uint16_t*, int64_t, const WT*, int64_t, int64_t, int64_t, float*, int64_t, uint16_t*,
+template <typename WT, typename OT>
+using ChunkFn = void (*)(const uint16_t*, int64_t, const WT*, int64_t, int64_t, int64_t, float*, int64_t, OT*,
                          int64_t, const float*);
 
-// Tables<WT>::direct / spilled[nb index][R - 1] for the NB that occur: 1 (a group's leftover blocks) and blocks_for's
+// Tables<WT, OT>::direct / spilled[nb index][R - 1] for the NB that occur: 1 (a group's leftover blocks) and blocks_for's
 // 3 and 4
 constexpr int nb_index(int nb) { return nb == 1 ? 0 : nb == 3 ? 1 : 2; }
 
-template <typename WT>
+template <typename WT, typename OT>
 struct Tables {
   template <bool kSpill, int NB, int... Rs>
-  static constexpr std::array<ChunkFn<WT>, kRowChunk> row_table(std::integer_sequence<int, Rs...>) {
-    return {&chunk_fn<WT, Rs + 1, NB, kSpill>...};
+  static constexpr std::array<ChunkFn<WT, OT>, kRowChunk> row_table(std::integer_sequence<int, Rs...>) {
+    return {&chunk_fn<WT, OT, Rs + 1, NB, kSpill>...};
   }
   template <bool kSpill>
-  static constexpr std::array<std::array<ChunkFn<WT>, kRowChunk>, 3> nb_table() {
+  static constexpr std::array<std::array<ChunkFn<WT, OT>, kRowChunk>, 3> nb_table() {
     constexpr auto seq = std::make_integer_sequence<int, kRowChunk>{};
     return {row_table<kSpill, 1>(seq), row_table<kSpill, 3>(seq), row_table<kSpill, 4>(seq)};
   }
@@ -163,10 +168,10 @@ struct Tables {
 
 // Up to 16 rows, column blocks [b0, b1): groups of NB blocks; within a group, row chunks of at most 8 (the second
 // chunk reads the group's weights from L2), each over all of K. `scale`: the int8 pack's column scales (else unused).
-template <typename WT>
+template <typename WT, typename OT>
 void few_rows(const uint16_t* x, int64_t M, int64_t ldx, const WT* wp, const float* scale, int64_t pairs, int64_t b0,
-              int64_t b1, uint16_t* out, int64_t ldo) {
-  const auto& direct = Tables<WT>::direct;
+              int64_t b1, OT* out, int64_t ldo) {
+  const auto& direct = Tables<WT, OT>::direct;
   const int nb = blocks_for(static_cast<int>(std::min<int64_t>(M, kRowChunk)));
   const int64_t wstride = pairs * 2 * kCols;
   for (int64_t b = b0; b < b1; b += nb) {
@@ -185,19 +190,17 @@ void few_rows(const uint16_t* x, int64_t M, int64_t ldx, const WT* wp, const flo
   }
 }
 
-template <typename WT>
-BF16_TARGET void to_bf16(const float* acc, int64_t n, const float* scale, uint16_t* out) {
-  for (int64_t j = 0; j < n; j += kCols)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
-                        round_out<WT>(_mm512_loadu_ps(acc + j), cols_from(scale, j)));
+template <typename WT, typename OT>
+BF16_TARGET void to_out(const float* acc, int64_t n, const float* scale, OT* out) {
+  for (int64_t j = 0; j < n; j += kCols) store_out<WT>(out + j, _mm512_loadu_ps(acc + j), cols_from(scale, j));
 }
 
 // More than 16 rows, column blocks [b0, b1): chunks of columns whose weights fit in L2, 8-row tiles, input blocks of
 // kPairBlock pairs with the fp32 accumulators spilled between blocks (the same chain per element as few_rows).
-template <typename WT>
+template <typename WT, typename OT>
 void many_rows(const uint16_t* x, int64_t M, int64_t ldx, const WT* wp, const float* scale, int64_t pairs, int64_t b0,
-               int64_t b1, uint16_t* out, int64_t ldo) {
-  const auto& spilled = Tables<WT>::spilled;
+               int64_t b1, OT* out, int64_t ldo) {
+  const auto& spilled = Tables<WT, OT>::spilled;
   constexpr int nb = blocks_for(kRowChunk);
   const int64_t wstride = pairs * 2 * kCols;
   const int64_t block_bytes = wstride * static_cast<int64_t>(sizeof(WT));
@@ -213,13 +216,13 @@ void many_rows(const uint16_t* x, int64_t M, int64_t ldx, const WT* wp, const fl
         int64_t b = c0;
         for (; b + nb <= c1; b += nb)
           spilled[nb_index(nb)][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, p0, p1,
-                                       acc.data() + (b - c0) * kCols, ldc, nullptr, 0, nullptr);
+                                       acc.data() + (b - c0) * kCols, ldc, static_cast<OT*>(nullptr), 0, nullptr);
         for (; b < c1; ++b)
           spilled[0][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, p0, p1, acc.data() + (b - c0) * kCols, ldc,
-                            nullptr, 0, nullptr);
+                            static_cast<OT*>(nullptr), 0, nullptr);
       }
       for (int64_t q = 0; q < r; ++q)
-        to_bf16<WT>(acc.data() + q * ldc, ldc, cols_from(scale, c0 * kCols), out + (m0 + q) * ldo + c0 * kCols);
+        to_out<WT>(acc.data() + q * ldc, ldc, cols_from(scale, c0 * kCols), out + (m0 + q) * ldo + c0 * kCols);
     }
   }
 }
@@ -265,8 +268,8 @@ std::tuple<torch::Tensor, torch::Tensor> pack_int8(torch::Tensor w) {
 }
 
 // x [M, K] bfloat16 contiguous, a weight of pack() (bfloat16) or pack_int8() (int8, with its scales), N -> [M, N]
-// bfloat16.
-torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, std::optional<torch::Tensor> scale) {
+// bfloat16 (fp32_out: float32, the fp32 sums unrounded; the same chain, so the bf16 output is this one rounded).
+torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, std::optional<torch::Tensor> scale, bool fp32_out) {
   TORCH_CHECK(cpu_has_bf16(), "bf16_gemm.gemm: this CPU has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
               "bf16_gemm.gemm: x must be a contiguous bfloat16 CPU tensor [M, K]");
@@ -281,12 +284,11 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, std::optional<t
   if (int8)
     TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() && scale->numel() == npad,
                 "bf16_gemm.gemm: the scales of pack_int8 (float32, ceil(N/16)*16) expected");
-  auto out = torch::empty({M, npad}, x.options());
+  auto out = torch::empty({M, npad}, x.options().dtype(fp32_out ? torch::kFloat32 : torch::kBFloat16));
 #if SPECSTOP_BF16_KERNEL
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t K = x.size(1);
-  auto run = [&](auto* wptr, const float* sc) {
+  auto run = [&](auto* wptr, const float* sc, auto* op) {
     at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
       if (M <= kTileRows) {
         few_rows(xp, M, K, wptr, sc, pairs, b0, b1, op, npad);
@@ -295,11 +297,18 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, std::optional<t
       }
     });
   };
+  auto run_out = [&](auto* wptr, const float* sc) {
+    if (fp32_out) {
+      run(wptr, sc, out.data_ptr<float>());
+    } else {
+      run(wptr, sc, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+    }
+  };
   if (M > 0) {
     if (int8) {
-      run(wp.data_ptr<int8_t>(), scale->data_ptr<float>());
+      run_out(wp.data_ptr<int8_t>(), scale->data_ptr<float>());
     } else {
-      run(reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), nullptr);
+      run_out(reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), nullptr);
     }
   }
 #endif
@@ -310,6 +319,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "this CPU runs the kernel (AVX512-BF16)");
   m.def("pack", &pack, "W [N, K] -> [ceil(N/16), K/2, 16, 2] bfloat16");
   m.def("pack_int8", &pack_int8, "W [N, K] -> (int8 [ceil(N/16), K/2, 16, 2], fp32 column scales)");
-  m.def("gemm", &gemm, "x [M, K] bf16 @ packed W^T -> [M, N] bf16, fp32 accumulation, batch-invariant",
-        pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("N"), pybind11::arg("scale") = pybind11::none());
+  m.def("gemm", &gemm,
+        "x [M, K] bf16 @ packed W^T -> [M, N] bf16 (fp32_out: float32), fp32 accumulation, batch-invariant",
+        pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("N"), pybind11::arg("scale") = pybind11::none(),
+        pybind11::arg("fp32_out") = false);
 }
