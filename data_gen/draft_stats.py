@@ -1,5 +1,6 @@
 """The draft statistics of a stop decision in one native call: entropy, q(token) and the top-k probabilities of
-softmax(z / T) for each row of logits, without materialising the probabilities (``csrc/draft_stats.cpp``).
+softmax(z / T) for each row of logits, without materialising the probabilities (``csrc/draft_stats.cpp``); and DISCO's
+inputs and network on them in another (:func:`disco_score`).
 
 After a draft forward that streamed its weights through the caches, every small torch op of the stop decision costs
 several times its warm cost (code and dispatcher state come back from memory); the torch version of these statistics
@@ -13,6 +14,7 @@ Usage::
 
     stats = draft_stats(logits, tokens, k=10, temperature=0.0)   # [N, 2 + k] or None
     entropy, q, topk = stats[:, 0], stats[:, 1], stats[:, 2:]
+    score = disco_score(topk, [position], [8.0], [False], (w1, b1, w2, b2), (-1, 1.0, 0.0))  # DiscoPolicy's
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from data_gen.native import NativeExtension
 
 log = logging.getLogger(__name__)
 
-__all__ = ["draft_stats", "pair_stats", "sample_tokens", "native_available"]
+__all__ = ["draft_stats", "pair_stats", "sample_tokens", "disco_score", "native_available"]
 
 _EXT = NativeExtension("specstop_draft_stats", "draft_stats.cpp", "native draft statistics")
 
@@ -70,6 +72,28 @@ def pair_stats(draft_logits: Tensor, other_logits: Tensor, tokens: Tensor, tempe
     q, o = (_rows(t, v) for t in (draft_logits, other_logits))
     out, amax = mod.pair_stats(q, o, tokens.reshape(-1).long(), float(temperature))
     return out.reshape(*lead, 4), amax.reshape(lead)
+
+
+def disco_score(topk: Tensor, scalars: list[Tensor], divisors: list[float], logs: list[bool],
+                weights: tuple[Tensor, Tensor, Tensor, float], prior: tuple[int, float, float],
+                sigmoid: bool = True) -> Tensor | None:
+    """[N] DISCO scores in one native call (``predictors.disco.DiscoPolicy.score``): inputs [topk [N, k], the entropy
+    of the renormalised top-k, each scalar column [N] (or [1]) divided by its divisor or, where ``logs``, log(max(v,
+    1e-9))], then ReLU(x w1^T + b1) . w2 + b2 (``weights``: the standardisation folded into w1 [H, D], b1 [H]; w2 [H];
+    b2) plus ``prior`` (index, scale, bias: scale * logit(x[index]) + bias, index -1 for none), through a sigmoid
+    when ``sigmoid``. None when the native path does not apply (not a float32 CPU top-k, no build) or an input is not
+    finite (the torch path then names the column)."""
+    if topk.device.type != "cpu" or topk.dtype != torch.float32 or topk.dim() != 2:
+        return None
+    mod = _load()
+    if mod is None:
+        return None
+    w1, b1, w2, b2 = weights
+    try:
+        return mod.disco_score(topk if topk.is_contiguous() else topk.contiguous(), scalars, divisors, logs, w1, b1,
+                               w2, b2, prior[0], prior[1], prior[2], sigmoid)
+    except RuntimeError:
+        return None
 
 
 def _rows(t: Tensor, v: int) -> Tensor:

@@ -12,12 +12,14 @@ Usage::
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from predictors.inputs import FeatureSpec, LearnedPolicy
+from data_gen.draft_stats import disco_score
+from predictors.inputs import LOG_PREFIX, FeatureSpec, LearnedPolicy, extra_column
 
 __all__ = ["Standardise", "PriorLogit", "DiscoNet", "DiscoPolicy"]
 
@@ -144,25 +146,40 @@ class DiscoNet(nn.Module):
 
     def _eval_logit(self, x: Tensor) -> Tensor:
         """forward_all's logit at eval for the plain head, in four ops: the standardisation folded into the first
-        linear layer (W / std, b - (W / std) mean), functional calls instead of module calls. A stop decision runs it
-        once per drafted token right after a draft forward, where each op and call costs several times its warm cost.
-        Equal to forward_all's logit to float32 rounding (tested)."""
-        first, act = self.body[0], self.body[1]
-        params = (first.weight, first.bias, self.norm.mean, self.norm.std)
-        key = tuple((t.data_ptr(), t._version) for t in params)  # moved, reloaded or trained: fold again
-        if getattr(self, "_fold_key", None) != key:
-            with torch.no_grad():
-                w = first.weight / self.norm.std
-                self._fold = (w, first.bias - w @ self.norm.mean)
-            self._fold_key = key
-        w, b = self._fold
-        out = torch.nn.functional.linear(act(torch.nn.functional.linear(x, w, b)), self.head.weight, self.head.bias)
+        linear layer (:meth:`folded`), functional calls instead of module calls. A stop decision runs it once per
+        drafted token right after a draft forward, where each op and call costs several times its warm cost. Equal to
+        forward_all's logit to float32 rounding (tested)."""
+        w, b = self.folded()[:2]
+        out = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w, b)), self.head.weight,
+                                         self.head.bias)
         out = out[:, 0]
         return out + self.prior(x) if self.prior_index >= 0 else out
 
+    def folded(self) -> tuple[Tensor, Tensor, Tensor, float, tuple[int, float, float]]:
+        """The plain head's eval network with the standardisation folded into the first layer: (w1 = W / std [H, D],
+        b1 = b - w1 mean [H], w2 [H] (the logit's row of the output layer), b2, prior (index, scale, bias; index -1
+        without one)), recomputed when a parameter was moved, reloaded or trained."""
+        first = self.body[0]
+        params = (first.weight, first.bias, self.norm.mean, self.norm.std, self.head.weight, self.head.bias,
+                  *((self.prior.scale, self.prior.bias) if self.prior_index >= 0 else ()))
+        key = tuple((t.data_ptr(), t._version) for t in params)
+        if getattr(self, "_fold_key", None) != key:
+            with torch.no_grad():
+                w = first.weight / self.norm.std
+                prior = ((self.prior_index, float(self.prior.scale), float(self.prior.bias)) if self.prior_index >= 0
+                         else (-1, 1.0, 0.0))
+                self._fold = (w.contiguous(), (first.bias - w @ self.norm.mean).contiguous(),
+                              self.head.weight[0].contiguous(), float(self.head.bias[0]), prior)
+            self._fold_key = key
+        return self._fold
+
 
 class DiscoPolicy(LearnedPolicy):
-    """DISCO stop policy: keep drafting while sigmoid(FFN(features)) >= threshold, at most ``max_draft_len`` tokens."""
+    """DISCO stop policy: keep drafting while sigmoid(FFN(features)) >= threshold, at most ``max_draft_len`` tokens.
+
+    On the CPU the plain head's score runs as one native call (``data_gen.draft_stats.disco_score``: the inputs and
+    the network, equal to the torch path to float32 rounding, tested); elsewhere, for the hybrid head or without the
+    native build, through torch ops (``LearnedPolicy.score``)."""
 
     kind = "disco"
     output = "logit"
@@ -173,3 +190,21 @@ class DiscoPolicy(LearnedPolicy):
                 f"DiscoPolicy needs a disco FeatureSpec of width {net.in_dim}, got {spec.kind} width {spec.width}"
             )
         super().__init__(net, spec, threshold, max_draft_len)
+        # the scalar columns after the top-k and its entropy, as build_features orders them: position, then extras
+        self._scalars = ("position", *(extra_column(e) for e in spec.extra))
+        self._divisors = [spec.position_scale, *(1.0 for _ in spec.extra)]
+        self._logs = [False, *(e.startswith(LOG_PREFIX) for e in spec.extra)]
+        self._native = spec.parts == ("disco",) and not net.hidden_dim
+
+    @torch.no_grad()
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        if self._native and not self.net.training:
+            topk = features.get("draft_topk")
+            cols = [features.get(c) for c in self._scalars]
+            if isinstance(topk, Tensor) and topk.dim() == 2 and all(isinstance(c, Tensor) for c in cols):
+                w1, b1, w2, b2, prior = self.net.folded()
+                if w1.device.type == "cpu":
+                    out = disco_score(topk, cols, self._divisors, self._logs, (w1, b1, w2, b2), prior)
+                    if out is not None:
+                        return out
+        return super().score(features)

@@ -115,6 +115,40 @@ def test_disco_eval_forward_folds_the_standardisation_and_follows_updates(prior_
     torch.testing.assert_close(net(x), net.forward_all(x)[0])  # training: no fold
 
 
+@pytest.mark.parametrize("prior_index", [-1, 12])
+def test_disco_native_score_equals_the_torch_path(prior_index):
+    """DiscoPolicy.score's native call (inputs and network in one: the engine's stop decision) gives the torch path's
+    scores to float32 rounding, for the engine's column types (int64 position, float32 extras, log extras), one row
+    or many; a NaN input is refused by the torch path's message."""
+    from data_gen.draft_stats import native_available
+
+    if not native_available():
+        pytest.skip("native statistics unavailable (no compiler)")
+    torch.manual_seed(1)
+    spec = FeatureSpec.for_disco(top_k=10, extra=("draft_max_prob", "draft_entropy", "log_max_prob"))
+    net = DiscoNet(spec.width, 64, prior_index=prior_index)
+    net.norm.fit(torch.rand(300, spec.width) * 2)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    pol = DiscoPolicy(net, spec, threshold=0.5)
+    topk = torch.softmax(torch.randn(7, 40) * 3, -1).sort(-1, descending=True).values[:, :10].contiguous()
+    topk[3, 5:] = 0  # fewer than k tokens with mass
+    feats = {"draft_topk": topk, "position": torch.arange(7), "draft_max_prob": topk[:, 0].clone(),
+             "draft_entropy": torch.rand(7) * 4}
+    native = pol.score(feats)
+    pol._native = False
+    torch_path = pol.score(feats)
+    pol._native = True
+    torch.testing.assert_close(native, torch_path, rtol=1e-5, atol=1e-6)
+    one = {k: v[2:3] for k, v in feats.items()}
+    torch.testing.assert_close(pol.score(one), torch_path[2:3], rtol=1e-5, atol=1e-6)
+    bad = {**feats, "draft_entropy": feats["draft_entropy"].clone()}
+    bad["draft_entropy"][4] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        pol.score(bad)
+
+
 def _planted_sv(n: int = 32_000, seed: int = 0):
     """S, A_c on a 4 x 4 grid of equally filled cells (values kept 10% away from the cell borders, so equal-count edges
     fall between cells); acceptance constant per cell, at the centres of 16 equal-width levels."""

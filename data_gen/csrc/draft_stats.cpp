@@ -1,7 +1,8 @@
 // Softmax statistics without materialising the probabilities. draft_stats: one pass-pair over a draft's logits for the
 // stop decision (entropy, q(token) and the top-k probabilities of softmax(z / T) per row). pair_stats: the draft
 // against the target or companion for the labels (the other's probability of the token, its entropy and argmax, TV and
-// overlap with the draft). Built on first use by data_gen/draft_stats.py
+// overlap with the draft). disco_score: DISCO's inputs built from those statistics and its network in one call (the
+// rest of a stop decision). Built on first use by data_gen/draft_stats.py
 // (torch.utils.cpp_extension.load); the Python fallback computes the same quantities with torch ops.
 //
 // Per row: pass 1 takes the maxima of 128-element blocks (and a finiteness probe); the k largest values lie in the k
@@ -316,7 +317,77 @@ torch::Tensor sample_tokens(torch::Tensor logits, torch::Tensor u, double temper
   return out;
 }
 
+// DISCO's score per row, as predictors.inputs.build_features and DiscoNet's eval forward compute it in torch ops: the
+// inputs [top-k probabilities, entropy of the renormalised top-k, scalar columns (each divided by its divisor, or
+// log(max(v, 1e-9)))], a standardisation folded into the first layer (w1, b1), ReLU, the output layer (w2, b2), plus
+// prior_scale * logit(clamp(x[prior_index], 1e-6, 1 - 1e-6)) + prior_bias when prior_index >= 0; sigmoid of it all
+// when `sigmoid`. One call instead of about twenty torch ops: right after a draft forward each op costs several times
+// its warm cost. A row with a non-finite input is refused (the caller's torch path then names the column).
+torch::Tensor disco_score(const torch::Tensor& topk, const std::vector<torch::Tensor>& scalars,
+                          const std::vector<double>& divs, const std::vector<bool>& logs, const torch::Tensor& w1,
+                          const torch::Tensor& b1, const torch::Tensor& w2, double b2, int64_t prior_index,
+                          double prior_scale, double prior_bias, bool sigmoid) {
+  TORCH_CHECK(topk.dim() == 2 && topk.scalar_type() == torch::kFloat32 && topk.is_contiguous() && topk.is_cpu(),
+              "disco_score: topk must be a contiguous float32 CPU tensor [N, k]");
+  const int64_t n = topk.size(0), k = topk.size(1), ns = static_cast<int64_t>(scalars.size());
+  const int64_t d = k + 1 + ns, h = w1.size(0);
+  TORCH_CHECK(static_cast<int64_t>(divs.size()) == ns && static_cast<int64_t>(logs.size()) == ns,
+              "disco_score: one divisor and one log flag per scalar column");
+  TORCH_CHECK(w1.dim() == 2 && w1.size(1) == d && w1.scalar_type() == torch::kFloat32 && w1.is_contiguous() &&
+                  b1.numel() == h && b1.scalar_type() == torch::kFloat32 && b1.is_contiguous() && w2.numel() == h &&
+                  w2.scalar_type() == torch::kFloat32 && w2.is_contiguous(),
+              "disco_score: float32 contiguous w1 [H, ", d, "], b1 [H], w2 [H] expected");
+  TORCH_CHECK(prior_index < d, "disco_score: prior_index ", prior_index, " >= input width ", d);
+  std::vector<torch::Tensor> cols;
+  for (const auto& c : scalars) {
+    auto f = c.scalar_type() == torch::kFloat32 ? c.contiguous() : c.to(torch::kFloat32).contiguous();
+    TORCH_CHECK(f.is_cpu() && (f.numel() == n || f.numel() == 1), "disco_score: a scalar column has ", f.numel(),
+                " values for ", n, " rows");
+    cols.push_back(f);
+  }
+  auto out = torch::empty({n}, topk.options());
+  const float* tp = topk.data_ptr<float>();
+  const float* w1p = w1.data_ptr<float>();
+  const float* b1p = b1.data_ptr<float>();
+  const float* w2p = w2.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  std::vector<float> x(d);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* t = tp + r * k;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; ++j) sum += t[j];
+    const float denom = std::max(sum, 1e-12f);
+    float ent = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      x[j] = t[j];
+      const float u = t[j] / denom;
+      ent += u > 0.0f ? -u * std::log(u) : (u == 0.0f ? 0.0f : -std::numeric_limits<float>::infinity());
+    }
+    x[k] = ent;
+    for (int64_t c = 0; c < ns; ++c) {
+      const float v = cols[c].data_ptr<float>()[cols[c].numel() == 1 ? 0 : r];
+      x[k + 1 + c] = logs[c] ? std::log(std::max(v, 1e-9f)) : v / static_cast<float>(divs[c]);
+    }
+    for (int64_t j = 0; j < d; ++j)
+      TORCH_CHECK(std::isfinite(x[j]), "disco_score: non-finite input ", j, " in row ", r);
+    float logit = static_cast<float>(b2);
+    for (int64_t i = 0; i < h; ++i) {
+      const float* wi = w1p + i * d;
+      float a = b1p[i];
+      for (int64_t j = 0; j < d; ++j) a += wi[j] * x[j];
+      logit += w2p[i] * std::max(a, 0.0f);
+    }
+    if (prior_index >= 0) {
+      const float v = std::min(std::max(x[prior_index], 1e-6f), 1.0f - 1e-6f);
+      logit += static_cast<float>(prior_scale) * std::log(v / (1.0f - v)) + static_cast<float>(prior_bias);
+    }
+    op[r] = sigmoid ? 1.0f / (1.0f + std::exp(-logit)) : logit;
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("disco_score", &disco_score, "DISCO's inputs and network on the draft statistics, one call");
   m.def("sample_tokens", &sample_tokens, "one draw per row from softmax(logits / T)");
   m.def("draft_stats", &draft_stats, "draft stop-decision statistics");
   m.def("pair_stats", &pair_stats, "draft against another model: its probability of the token, entropy, TV, overlap");
