@@ -11,6 +11,12 @@
 // Why: one SDPA call per row and layer cost ~40 us each plus the slicing around it, ~10 ms of a target forward of 8
 // new tokens (28 layers) against ~1.4 ms for one; here all rows of a layer are one call, its tasks spread over
 // torch's threads.
+//
+// On AVX-512 hosts, heads of 16k <= 128 dims run attend_avx512: each key's dims held in registers for the G heads'
+// dot products (independent chains instead of one reduction per dot) and the weighted values summed in registers for
+// two heads at a time. The 1.5B target's layer (12 heads over 2 key heads, d = 128) over 300 cached keys, 2 threads,
+// AMD EPYC Zen 5: 23 / 176 / 356 us at 1 / 8 / 16 rows with the portable loops, 12 / 84 / 167 us with these (the
+// target's forward of 8 rows 2.6 ms shorter; 600 cached keys: 47 / 346 / 688 against 22 / 168 / 332 us).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -21,7 +27,35 @@
 
 #include "fast_math.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 namespace {
+
+// Softmax weights in place for G rows of t scores (scratch [G][t]): exp(s - max) and inv[h] = 1 / sum; a row with no
+// key allowed (all -inf) becomes zeros with inv 0 (it attends to nothing).
+__attribute__((always_inline)) inline void softmax_in_place(float* scratch, int64_t G, int64_t t, float* inv) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t h = 0; h < G; ++h) {
+    float* s = scratch + h * t;
+    float m = kNegInf;
+    for (int64_t j = 0; j < t; ++j) m = s[j] > m ? s[j] : m;
+    if (m == kNegInf) {
+      std::fill(s, s + t, 0.0f);
+      inv[h] = 0.0f;
+      continue;
+    }
+    float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+    for (int64_t j = 0; j < t; ++j) {
+      const float e = specstop::exp_nonpositive(s[j] - m);
+      s[j] = e;
+      l += e;
+    }
+    inv[h] = 1.0f / l;
+  }
+}
 
 // The G heads of one row over keys [0, t): q rows at q (head stride qh), keys / values at k / v (key stride ks, last
 // dim contiguous), mask row (nullptr: every key allowed), output rows at out (head stride oh). scratch: G * t floats.
@@ -44,24 +78,7 @@ void attend(const float* q, int64_t qh, const float* k, const float* v, int64_t 
     }
   }
   std::vector<float> inv(G);
-  for (int64_t h = 0; h < G; ++h) {  // softmax weights in place
-    float* s = scratch + h * t;
-    float m = kNegInf;
-    for (int64_t j = 0; j < t; ++j) m = s[j] > m ? s[j] : m;
-    if (m == kNegInf) {  // no key allowed: the row attends to nothing
-      std::fill(s, s + t, 0.0f);
-      inv[h] = 0.0f;
-      continue;
-    }
-    float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-    for (int64_t j = 0; j < t; ++j) {
-      const float e = specstop::exp_nonpositive(s[j] - m);
-      s[j] = e;
-      l += e;
-    }
-    inv[h] = 1.0f / l;
-  }
+  softmax_in_place(scratch, G, t, inv.data());
   for (int64_t h = 0; h < G; ++h) std::fill(out + h * oh, out + h * oh + d, 0.0f);
   for (int64_t j = 0; j < t; ++j) {  // weighted values, key by key for all heads
     const float* vj = v + j * ks;
@@ -79,6 +96,74 @@ void attend(const float* q, int64_t qh, const float* k, const float* v, int64_t 
     for (int64_t c = 0; c < d; ++c) o[c] *= w;
   }
 }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SPECSTOP_AVX512_ATTENTION 1
+#define AVX512_TARGET __attribute__((target("avx512f,avx512dq")))
+
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+}
+
+// out[h] = sum_j s[h][j] v_j * inv[h] for NH (1 or 2) heads from h0, the d / 16 <= 8 chunks of each in registers.
+template <int NH>
+AVX512_TARGET inline void weighted_values(const float* v, int64_t ks, int64_t t, int64_t nc, const float* s0,
+                                          const float* s1, float inv0, float inv1, float* o0, float* o1) {
+  __m512 a0[8], a1[8];
+  for (int64_t c = 0; c < nc; ++c) {
+    a0[c] = _mm512_setzero_ps();
+    a1[c] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < t; ++j) {
+    const float* vj = v + j * ks;
+    const __m512 e0 = _mm512_set1_ps(s0[j]);
+    const __m512 e1 = NH == 2 ? _mm512_set1_ps(s1[j]) : e0;
+    for (int64_t c = 0; c < nc; ++c) {
+      const __m512 vc = _mm512_loadu_ps(vj + 16 * c);
+      a0[c] = _mm512_fmadd_ps(e0, vc, a0[c]);
+      if constexpr (NH == 2) a1[c] = _mm512_fmadd_ps(e1, vc, a1[c]);
+    }
+  }
+  for (int64_t c = 0; c < nc; ++c) {
+    _mm512_storeu_ps(o0 + 16 * c, _mm512_mul_ps(a0[c], _mm512_set1_ps(inv0)));
+    if constexpr (NH == 2) _mm512_storeu_ps(o1 + 16 * c, _mm512_mul_ps(a1[c], _mm512_set1_ps(inv1)));
+  }
+}
+
+// attend() for d a multiple of 16, at most 128, on AVX-512: the same result up to the order of each dot product's
+// sum (a fixed order per task, so rows keep their bits whatever q is).
+AVX512_TARGET void attend_avx512(const float* q, int64_t qh, const float* k, const float* v, int64_t ks, int64_t t,
+                                 const bool* mask, int64_t G, int64_t d, float scale, float* out, int64_t oh,
+                                 float* scratch) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t nc = d / 16;
+  for (int64_t j = 0; j < t; ++j) {  // scores: key j's dims loaded once for the G heads' dot products
+    if (mask != nullptr && !mask[j]) {
+      for (int64_t h = 0; h < G; ++h) scratch[h * t + j] = kNegInf;
+      continue;
+    }
+    const float* kj = k + j * ks;
+    __m512 kc[8];
+    for (int64_t c = 0; c < nc; ++c) kc[c] = _mm512_loadu_ps(kj + 16 * c);
+    for (int64_t h = 0; h < G; ++h) {
+      const float* qr = q + h * qh;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), kc[0]);
+      for (int64_t c = 1; c < nc; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kc[c], acc);
+      scratch[h * t + j] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  std::vector<float> inv(G);
+  softmax_in_place(scratch, G, t, inv.data());
+  int64_t h = 0;
+  for (; h + 2 <= G; h += 2)
+    weighted_values<2>(v, ks, t, nc, scratch + h * t, scratch + (h + 1) * t, inv[h], inv[h + 1], out + h * oh,
+                       out + (h + 1) * oh);
+  if (h < G) weighted_values<1>(v, ks, t, nc, scratch + h * t, nullptr, inv[h], 0.0f, out + h * oh, nullptr);
+}
+#else
+#define SPECSTOP_AVX512_ATTENTION 0
+#endif
 
 }  // namespace
 
@@ -115,14 +200,28 @@ torch::Tensor row_attention(torch::Tensor query, torch::Tensor key, torch::Tenso
   const int64_t kb = key.stride(0), kh = key.stride(1), ks = key.stride(2);
   const int64_t mb = has_mask && mask.size(0) == B ? q * T : 0;
   const float sc = static_cast<float>(scale);
+#if SPECSTOP_AVX512_ATTENTION
+  static const bool avx512 = cpu_has_avx512();
+  const bool fast = avx512 && d % 16 == 0 && d <= 128;
+#else
+  const bool fast = false;
+#endif
   at::parallel_for(0, B * q * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(G * T);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task % Hkv, i = (task / Hkv) % q, b = task / (Hkv * q);
       const int64_t t = T - q + i + 1;
       const float* qr = qp + ((b * H + g * G) * q + i) * d;  // head g * G at row i; next head q * d further
-      attend(qr, q * d, kp + b * kb + g * kh, vp + b * kb + g * kh, ks, t, mp ? mp + b * mb + i * T : nullptr, G, d,
-             sc, op + ((b * q + i) * H + g * G) * d, d, scratch.data());
+      const bool* mrow = mp ? mp + b * mb + i * T : nullptr;
+      float* orow = op + ((b * q + i) * H + g * G) * d;
+#if SPECSTOP_AVX512_ATTENTION
+      if (fast) {
+        attend_avx512(qr, q * d, kp + b * kb + g * kh, vp + b * kb + g * kh, ks, t, mrow, G, d, sc, orow, d,
+                      scratch.data());
+        continue;
+      }
+#endif
+      attend(qr, q * d, kp + b * kb + g * kh, vp + b * kb + g * kh, ks, t, mrow, G, d, sc, orow, d, scratch.data());
     }
   });
   return out;
