@@ -705,8 +705,10 @@ def _draft_round(rp: _Replay, s: int, rows: np.ndarray, rem: int, plan: dict[int
     if plan is not None:
         return plan[s], plan[s]
     cap = len(rows)
-    if rp.policy.verification == HINDSIGHT:
-        n = min(int(rp.data.match_run[s]), cap, rem - 1)
+    if rp.policy.verification == HINDSIGHT:  # the acceptable run, and the failing token when run as the engine does
+        run = int(rp.data.match_run[s])
+        extra = int(getattr(rp.policy, "drafts_failing_token", False) and rp.mode == "greedy")
+        n = min(run + extra, cap, rem - 1)
         return n, n
     if cap == 0:
         return 0, 0

@@ -192,6 +192,8 @@ def row_policies(folder: BenchFolder, draft: PreTrainedModel, tokenizer: PreTrai
             continue
         if r.get("threshold") is not None:
             pol = with_threshold(pol, float(r["threshold"]))
+        if pol.verification == HINDSIGHT:  # the oracle's rounds as the engine runs them
+            pol.drafts_failing_token = True
         out.append((r, pol, row_note(pol, cfg)))
     return out
 
@@ -199,9 +201,8 @@ def row_policies(folder: BenchFolder, draft: PreTrainedModel, tokenizer: PreTrai
 def row_note(policy: StopPolicy, cfg: BenchmarkConfig) -> str:
     """Why the replay cannot follow the engine's trajectory for this row ('' when it can)."""
     notes = []
-    if policy.verification == HINDSIGHT:
-        notes.append("oracle: the replay drafts the acceptable run (DISCO's definition), the engine also drafts the "
-                     "token that fails; its time is estimated")
+    if policy.verification == HINDSIGHT and cfg.temperature > 0:
+        notes.append("sampling oracle: the replay drafts the expected acceptable run, the engine's time is estimated")
     elif not policy.exact:
         notes.append("approximate policy: the replay verifies every drafted token, the engine takes them unverified")
     if cfg.batch_size > 1:

@@ -189,12 +189,17 @@ class AdaEDL(StopPolicy):
 
 
 class Oracle(StopPolicy):
-    """Draft exactly until the first target mismatch (known in hindsight): the upper bound, for analysis only."""
+    """Draft exactly until the first target mismatch (known in hindsight): the upper bound, for analysis only.
+
+    The offline replay drafts the acceptable run (DISCO's definition). The engine cannot stop before a token it has
+    not drafted: it stops on the first mismatch, which it drafts and verifies like any policy's stopping token;
+    ``drafts_failing_token`` makes the replay do the same (the replay check compares the two)."""
 
     kind = "oracle"
     verification = HINDSIGHT
     has_threshold = False
     required_columns = ("greedy_match",)
+    drafts_failing_token: bool = False
 
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
         return features["greedy_match"].float()

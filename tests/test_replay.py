@@ -98,6 +98,11 @@ def test_oracle_hand_computed():
     assert r.speedup == pytest.approx(2.0)
     s = replay_policy(OracleSchedule(), data, CONST, "greedy")
     assert s.time_s == pytest.approx(12) and s.tokens == 6
+    engine_like = Oracle()
+    engine_like.drafts_failing_token = True  # as the engine runs it: the first mismatch drafted and verified too
+    e = replay_policy(engine_like, data, CONST, "greedy")
+    # round 0 drafts 3 (the run of 2 and the mismatch), emits 3; round 3 drafts 2 (never the last stored token)
+    assert (e.n_rounds, e.tokens, e.accepted, e.drafted, e.time_s) == (2, 6, 4, 5, 13)
 
 
 def test_sampling_expectation_hand_computed():

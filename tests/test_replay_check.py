@@ -60,7 +60,7 @@ def test_replay_follows_the_engine_for_static_thresholded_and_cost_aware_policie
     assert sorted(rows) == sorted(engine) and "hf:static:3" not in rows and "target-only" not in rows
     assert check["mode"] == "greedy" and check["rollouts"] > 0 and check["rollout_len"] == 8
     followed = [name for name, r in rows.items() if not r["note"]]
-    assert len(followed) == 6 and any(n.endswith("(val-tuned)") for n in followed)
+    assert len(followed) == 7 and any(n.endswith("(val-tuned)") for n in followed) and "oracle" in followed
     assert any(n.startswith("goodput") for n in followed)
     for name in followed:  # the same trajectory: same rounds, drafted and accepted tokens
         r = rows[name]
@@ -73,9 +73,6 @@ def test_replay_follows_the_engine_for_static_thresholded_and_cost_aware_policie
     pooled = json.loads((out / "cost_model_rows.json").read_text())
     assert pooled["extra"]["pooled_measurements"] == 3 and pooled["extra"]["statistic"] == "median"
     assert len({rows[n]["measured_mean_drafted"] for n in followed}) > 2  # policies that draft differently
-    oracle = rows["oracle"]
-    assert "oracle" in oracle["note"] and oracle["predicted_mean_accepted"] == pytest.approx(
-        oracle["measured_mean_accepted"], abs=1e-3)
     s = check["summary"]
     assert s["rows_scored"] == len(rows) and s["worst_row"] in rows and 0 <= s["within_band"] <= len(rows)
     # the same rounds priced by the curve, against the best entropy bound (SVIP, AdaEDL) by that measure
