@@ -169,10 +169,11 @@ class CostModel:
         return cls(**d)
 
     def with_statistic(self, statistic: str) -> CostModel:
-        """The same measurement summarised by another statistic (``min`` or ``median`` of its raw timings, kept in
-        ``extra``; verification times made non-decreasing in L again). ValueError when the raw timings are missing."""
-        if statistic not in ("min", "median"):
-            raise ValueError(f"statistic={statistic!r}: use 'min' or 'median'")
+        """The same measurement summarised by another statistic (``min``, ``median`` or ``mean`` of its raw timings,
+        kept in ``extra``; verification times made non-decreasing in L again). ValueError when the raw timings are
+        missing."""
+        if statistic not in STATISTICS:
+            raise ValueError(f"statistic={statistic!r}: use one of {', '.join(STATISTICS)}")
         raw_t = {int(k.removeprefix("target_raw_s_L")): v for k, v in self.extra.items()
                  if k.startswith("target_raw_s_L") and v}
         if not self.extra.get("draft_raw_s") or len(raw_t) < len(self.target_s):
@@ -196,11 +197,12 @@ class CostModel:
         )
 
 
-def pool_cost_models(models: list[CostModel], statistic: str = "median") -> CostModel:
+def pool_cost_models(models: list[CostModel], statistic: str = "mean") -> CostModel:
     """One curve from several measurements of the same pair (e.g. probes taken between a benchmark's prompts): their
-    raw timings pooled per length and summarised by ``statistic`` (median: the step a host whose speed moves
-    typically took over the whole span; min would keep its fastest moment). ValueError for an empty list or a
-    measurement without raw timings."""
+    raw timings pooled per length and summarised by ``statistic`` (mean: what a step cost on average over the whole
+    span, the expectation of a decoding run's total time on a host whose speed moves; median: a typical step, which
+    under a host switching between fast and slow phases sits at the fast one; min: the fastest moment). ValueError for
+    an empty list or a measurement without raw timings."""
     if not models:
         raise ValueError("pool_cost_models: no cost models to pool")
     pooled: dict[str, list[float]] = {}
@@ -260,7 +262,13 @@ def _crop(cache: Any, length: int) -> None:
         cache.crop(-extra)
 
 
+STATISTICS = ("min", "median", "mean")
+"""How raw timings are summarised (:meth:`CostModel.with_statistic`, :func:`pool_cost_models`)."""
+
+
 def _stat(times: list[float], statistic: str) -> float:
+    if statistic == "mean":
+        return statistics.fmean(times)
     return min(times) if statistic == "min" else statistics.median(times)
 
 

@@ -138,8 +138,8 @@ class BenchmarkConfig:
     """At the end, label the prompts along target-only's output and replay every engine row's policy offline under this
     run's curve: predicted against measured tokens/s (pipelines.replay_check)."""
     curve_probes: bool = True
-    """order prompt: measure the curve again after each prompt's rows (one repeat, a few seconds) and write the median
-    of their pooled timings as ``cost_model_rows.json``, the host's speed while the rows ran, which the replay check
+    """order prompt: measure the curve again after each prompt's rows (one repeat, a few seconds) and write the mean
+    of their pooled timings as ``cost_model_rows.json``, the host's average speed while the rows ran, which the replay check
     prices with (the policies themselves use the curve measured before the rows, as a user's would be)."""
     force: bool = False
     """Load predictors trained for another draft model anyway."""
@@ -975,7 +975,7 @@ def write_curve_during_rows(bench: Bench, out_dir: Path) -> None:
     cm.to_json(out_dir / CURVE_DURING_ROWS)
     before = bench.cost_model
     if before is not None:
-        log.info("curve during the rows (median of %d probes): t(1) %.1f ms, t(8) / t(1) %.2f, draft step %.1f ms; "
+        log.info("curve during the rows (mean of %d probes): t(1) %.1f ms, t(8) / t(1) %.2f, draft step %.1f ms; "
                  "before the rows: %.1f ms, %.2f, %.1f ms", len(probes), 1e3 * cm.target_time(1),
                  cm.target_time(8) / cm.target_time(1), 1e3 * cm.draft_s_per_token, 1e3 * before.target_time(1),
                  before.target_time(8) / before.target_time(1), 1e3 * before.draft_s_per_token)
