@@ -139,8 +139,8 @@ class BenchmarkConfig:
     run's curve: predicted against measured tokens/s (pipelines.replay_check)."""
     curve_probes: bool = True
     """order prompt: measure the curve again after each prompt's rows (one repeat, a few seconds) and write the mean
-    of their pooled timings as ``cost_model_rows.json``, the host's average speed while the rows ran, which the replay check
-    prices with (the policies themselves use the curve measured before the rows, as a user's would be)."""
+    of their pooled timings as ``cost_model_rows.json``, the host's average speed while the rows ran, which the replay
+    check prices with (the policies themselves use the curve measured before the rows, as a user's would be)."""
     force: bool = False
     """Load predictors trained for another draft model anyway."""
     warmup: bool = True
