@@ -232,18 +232,16 @@ class PackedLinear(nn.Module):
         """[N, in] (pack dtype, contiguous) -> the first ``n`` rows of [N, out], activations' dtype, bias added."""
         if self.pack_dtype == self._out_dtype:  # fp32 pack: bias fused into the GEMM
             return torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, self.bias, "none", [], "")[:n]
-        if self.fp32_out:  # the fp32 sums themselves
-            y = bf16_gemm.gemm(x2, self.packed_weight, self.out_features, self.weight_scale, fp32_out=True)[:n]
-            return y if self.bias is None else torch.add(y, self.bias)
         y = self._pack_gemm(x2)[:n]
         if self.bias is not None:  # bf16 + fp32 promotes to fp32: the same bits as converting first, one op less
             return torch.add(y, self.bias)
-        return y.to(self._out_dtype)
+        return y.to(self._out_dtype)  # fp32_out: already fp32, returned as it is
 
     def _pack_gemm(self, x2: torch.Tensor) -> torch.Tensor:
-        """[N, in] (pack dtype, contiguous) -> [N, out] in the pack's dtype, no bias, on the pack's own kernel."""
+        """[N, in] (pack dtype, contiguous) -> [N, out] in the pack's dtype (fp32 with ``fp32_out``), no bias, on the
+        pack's own kernel."""
         if self.kernel == "specstop":
-            return bf16_gemm.gemm(x2, self.packed_weight, self.out_features, self.weight_scale)
+            return bf16_gemm.gemm(x2, self.packed_weight, self.out_features, self.weight_scale, fp32_out=self.fp32_out)
         return torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, None, "none", [], "")
 
     def extra_repr(self) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CostModel", "measure_cost_model", "assumed_cost_model", "clock"]
+__all__ = ["CostModel", "measure_cost_model", "pool_cost_models", "assumed_cost_model", "clock", "STATISTICS"]
 
 
 @dataclass

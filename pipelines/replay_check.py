@@ -46,7 +46,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from data_gen.labelling import LabelModels, LabelOptions
-from data_gen.timing import CostModel
+from data_gen.timing import STATISTICS, CostModel
 from pipelines.benchmark import CURVE_DURING_ROWS, ENTROPY_KINDS, BenchmarkConfig, metric_key
 from predictors.base import HINDSIGHT, StopPolicy
 
@@ -88,8 +88,8 @@ class ReplayCheckConfig:
     """MLflow tracking URI (default: the benchmark's, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)."""
 
     def __post_init__(self) -> None:
-        if self.statistic not in (None, "min", "median", "mean"):
-            raise ValueError(f"--statistic {self.statistic!r}: use min, median or mean (or leave it unset)")
+        if self.statistic is not None and self.statistic not in STATISTICS:
+            raise ValueError(f"--statistic {self.statistic!r}: use {', '.join(STATISTICS)} (or leave it unset)")
         if self.gen_batch_size < 1 or self.label_batch_tokens < 1:
             raise ValueError(f"gen_batch_size={self.gen_batch_size} and label_batch_tokens={self.label_batch_tokens} "
                              "must be >= 1")
