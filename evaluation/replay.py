@@ -1,10 +1,9 @@
 """Offline replay of stop policies over stored labelled sequences: no model runs, only the per-token records.
 
 Records are grouped by labelled segment (``seq_id`` and the segment start ``prefix_len - offset``, see
-:func:`segment_keys`) and ordered by ``offset``. A round starts at offset ``s``: the policy drafts tokens
-``s, s+1, ...``, and after each drafted token ``keep_drafting`` says whether to draft another (the token that triggers
-the
-stop is still drafted and verified), up to ``policy.draft_cap()`` tokens and the end of the sequence. Verification:
+:func:`segment_keys`) and ordered by ``offset``. A round starts at offset ``s``: the policy drafts tokens ``s, s+1,
+...``, and after each drafted token ``keep_drafting`` says whether to draft another (the token that triggers the stop is
+still drafted and verified), up to ``policy.draft_cap()`` tokens and the end of the sequence. Verification:
 
 - ``greedy``: accepted count ``a`` = leading ``greedy_match`` among the drafted tokens (first mismatch);
 - ``sampling``: the expectation ``E[a] = sum_k prod_{j<=k} accept_prob_j`` over the drafted prefix (exact speculative
@@ -12,51 +11,45 @@ stop is still drafted and verified), up to ``policy.draft_cap()`` tokens and the
 
 The round emits ``a + 1`` tokens (the correction, or the bonus token when all were accepted) and costs
 ``CostModel.round_time(n_drafted)``; ``policy.update(RoundFeedback(...))`` follows each round and ``policy.reset()``
-starts
-each sequence. Predicted speedup = (tokens / replayed seconds) * target-only seconds per token (``target_s[1]``).
+starts each sequence. Predicted speedup = (tokens / replayed seconds) * target-only seconds per token (``target_s[1]``).
 
 Why this is exact for greedy on ``origin == "target"`` teacher-forced sequences: greedy speculative decoding outputs
-exactly
-the target's greedy continuation, and along that continuation the draft's prefix at offset ``s + j`` is identical to the
-stored one while every earlier drafted token matched. So the accepted counts, the round boundaries and the emitted
-tokens of
-every round are those of a real run. Two caveats: (1) the draft tokens *after* the first mismatch of a round were
-drafted in a
-real run from the draft's own (wrong) token, while the stored features there come from the target's token, so the
-number of
-*wasted* drafts of a threshold policy is approximate (accepted counts are not); (2) it holds when the stored target
-continuation is the target's greedy output (temperature 0). Elsewhere (draft rollouts, dataset text, sampling) the
-sequence
-after a mismatch is not what speculative decoding would have produced, and the replay is an approximation that uses the
-stored prefixes as a sample of contexts. :class:`ReplayConfig` replays the exact case by default and falls back, with
-a note
-in ``ReplayData.note``, when the data holds no such sequences.
+exactly the target's greedy continuation, and along that continuation the draft's prefix at offset ``s + j`` is
+identical to the stored one while every earlier drafted token matched. So the accepted counts, the round boundaries and
+the emitted tokens of every round are those of a real run. Two caveats: (1) the draft tokens *after* the first mismatch
+of a round were drafted in a real run from the draft's own (wrong) token, while the stored features there come from the
+target's token, so the number of *wasted* drafts of a threshold policy is approximate (accepted counts are not); (2) it
+holds when the stored target continuation is the target's greedy output (temperature 0). Elsewhere (draft rollouts,
+dataset text, sampling) the sequence after a mismatch is not what speculative decoding would have produced, and the
+replay is an approximation that uses the stored prefixes as a sample of contexts. :class:`ReplayConfig` replays the
+exact case by default and falls back, with a note in ``ReplayData.note``, when the data holds no such sequences.
 
-Caveat (1) goes with ``ReplayConfig.branch_rollouts`` on data that holds the draft's own rollout from every prefix
-where a drafted token fails greedy match, and from the end of the sequence (``data_gen.generate.label_continuation``):
-past a round's first mismatch the round reads that rollout's rows, as the engine's draft does, so the drafted lengths
-(and the goodput rule's verified lengths) are those of a real run too. ``ReplayConfig.max_new_tokens`` caps each round
-as the engine caps it (``max_new_tokens - emitted - 1``) and lets a round draft past the stored end (an end of
-sequence) into the rollout from there. ``pipelines.replay_check`` replays the benchmark's prompts this way.
+Caveat (1) goes with ``ReplayConfig.branch_rollouts`` on data that holds the draft's own rollout from every prefix where
+a drafted token fails greedy match, and from the end of the sequence (``data_gen.generate.label_continuation``): past a
+round's first mismatch the round reads that rollout's rows, as the engine's draft does, so the drafted lengths (and the
+goodput rule's verified lengths) are those of a real run too. ``ReplayConfig.max_new_tokens`` caps each round as the
+engine caps it (``max_new_tokens - emitted - 1``) and lets a round draft past the stored end (an end of sequence) into
+the rollout from there. ``pipelines.replay_check`` replays the benchmark's prompts this way.
 
 Tokens are counted up to the end of the stored sequence (a round that would emit its bonus token past the end is
-clipped),
-so in greedy mode every policy emits the same tokens and the speedup is a pure time ratio.
+clipped), so in greedy mode every policy emits the same tokens and the speedup is a pure time ratio.
 
 Special policies: the oracle (``verification == HINDSIGHT``, DISCO's definition) drafts exactly the acceptable run
-(greedy: leading
-matches; sampling: until the first rejection, in expectation), never the last stored token (its bonus would lie past
-the end);
-it is the upper bound when a verification pass costs more than a draft step and verification time is subadditive in
-length.
-The schedule oracle (:class:`OracleSchedule`) is the exact bound under any non-decreasing cost
-model in greedy mode: a dynamic programme over each sequence picks, at every round start, how many of the acceptable
-tokens
-to draft so that the total replayed time is minimal (in sampling mode it falls back to the expectation oracle).
-Cost-aware policies (``verification == GOODPUT``: SV, ``goodput:`` wrappers) follow the one goodput rule of
+(greedy: leading matches; sampling: until the first rejection, in expectation), never the last stored token (its bonus
+would lie past the end); it is the upper bound when a verification pass costs more than a draft step and verification
+time is subadditive in length. The schedule oracle (:class:`OracleSchedule`) is the exact bound under any non-decreasing
+cost model in greedy mode: a dynamic programme over each sequence picks, at every round start, how many of the
+acceptable tokens to draft so that the total replayed time is minimal (in sampling mode it falls back to the expectation
+oracle). Cost-aware policies (``verification == GOODPUT``: SV, ``goodput:`` wrappers) follow the one goodput rule of
 ``predictors.goodput`` (the engine calls the same functions): draft while the expected tokens/s of the lengths still
-reachable improves, verify the best prefix, paying companion steps per drafted token when the policy reads them. Each
-of their rounds also records the tokens it expected to emit beside the ones it did (``ReplayResult.round_tokens``).
+reachable improves, verify the best prefix, paying companion steps per drafted token when the policy reads them. Each of
+their rounds also records the tokens it expected to emit beside the ones it did (``ReplayResult.round_tokens``).
+
+Approximate policies (``verification == SEQUENTIAL``, SPRINTER) are replayed as the engine runs them: the tokens a round
+drafts before its last are taken unverified and only the last is checked (greedy match, or min(1, p/q) in expectation),
+so a round of n drafted tokens emits n + 1 tokens or n. Once a round takes a mismatch unverified the engine's output
+leaves the stored sequence while the replay goes on along it: the rounds' lengths and checks are a sample of the
+policy's, not its trajectory.
 
 Phases: :func:`replay_policy` runs :func:`_replay_sequence` per stored sequence, which runs rounds
 (:func:`_replay_round`: :func:`_round_rows` gives the rows the round drafts from, :func:`_draft_round` decides drafted
@@ -81,7 +74,16 @@ from torch import Tensor
 
 from data_gen.timing import CostModel
 from predictors import goodput
-from predictors.base import GOODPUT, HINDSIGHT, THRESHOLD, RoundFeedback, StopPolicy, as_tensor_dict, drafted_length
+from predictors.base import (
+    GOODPUT,
+    HINDSIGHT,
+    SEQUENTIAL,
+    THRESHOLD,
+    RoundFeedback,
+    StopPolicy,
+    as_tensor_dict,
+    drafted_length,
+)
 
 __all__ = [
     "ReplayConfig",
@@ -652,13 +654,7 @@ def _replay_round(rp: _Replay, a0: int, s: int, b0: int, plan: dict[int, int] | 
     rows = _round_rows(rp, a0, s, b0, cap)  # the rows the round drafts from, in draft order
     n, nv = _draft_round(rp, s, rows, rem, plan)  # drafted, verified
     v = rows[:nv]
-    if rp.mode == "greedy":
-        g = rp.data.greedy[v]
-        acc = float(len(g) if g.all() else int(np.argmin(g)))  # leading greedy matches
-        a_int = int(acc)
-    else:
-        acc = float(np.cumprod(rp.data.accept[v]).sum()) if nv else 0.0
-        a_int = int(round(acc))
+    acc, a_int = _accepted(rp, v)
     t = n * rp.per_draft + rp.cm.target_time(nv + 1)
     # tokens past the stored end are not counted
     rp.res.add_round(min(acc + 1, rem), acc, n, nv, t, rp.cm.target_only_s_per_token, n)
@@ -669,6 +665,23 @@ def _replay_round(rp: _Replay, a0: int, s: int, b0: int, plan: dict[int, int] | 
         q = rp.data.q[v].tolist()
         rp.policy.update(RoundFeedback.leading(n_drafted=nv, n_accepted=a_int, draft_probs=q))
     return s + a_int + 1
+
+
+def _accepted(rp: _Replay, verified: np.ndarray) -> tuple[float, int]:
+    """(accepted tokens, as a float in expectation, and as the count the next round starts after) of a round whose
+    target checks ``verified`` rows: the leading greedy matches, or the expected run of min(1, p/q) acceptances; under
+    approximate sequential verification (``SEQUENTIAL``, SPRINTER) the tokens before the last are taken unverified, as
+    the engine takes them, and only the last one is checked."""
+    n = len(verified)
+    if rp.policy.verification == SEQUENTIAL and n:
+        last = float(rp.data.greedy[verified[-1]]) if rp.mode == "greedy" else float(rp.data.accept[verified[-1]])
+        return n - 1 + last, n - 1 + int(round(last))
+    if rp.mode == "greedy":
+        g = rp.data.greedy[verified]
+        a = len(g) if g.all() else int(np.argmin(g))  # leading greedy matches
+        return float(a), a
+    acc = float(np.cumprod(rp.data.accept[verified]).sum()) if n else 0.0
+    return acc, int(round(acc))
 
 
 def _room(rp: _Replay, a0: int, s: int, b0: int) -> int:
@@ -905,8 +918,8 @@ def replay_table(
             rows.append({**base, **common, "reason": str(e)})
             continue
         results[name] = r
-        # replay models SPRINTER's rounds with exact verification (threshold), SV's with its goodput rule
-        how = pol.verification if pol.verification in (GOODPUT, HINDSIGHT) else THRESHOLD
+        # SV's rounds follow its goodput rule, SPRINTER's its approximate sequential verification
+        how = pol.verification if pol.verification in (GOODPUT, HINDSIGHT, SEQUENTIAL) else THRESHOLD
         rows.append({**base, **common, **r.as_row(), "verification": how, "reason": ""})
         if sweep and pol.tunable:
             sw = threshold_sweep(pol, data, cost_model, None, cfg.mode, cfg.max_draft_len)

@@ -726,7 +726,11 @@ def finish_rows(rows: list[Row], bench: Bench) -> list[dict[str, Any]]:
     best_thr = max(thresholded, key=lambda r: r.tokens_per_s) if thresholded else None
     boot = np.random.default_rng(bench.cfg.seed).integers(0, len(bench.prompts), (bench.cfg.n_boot, len(bench.prompts)))
     table = [r.metrics(rows[0], best_entropy, boot, best_thr) for r in rows]
-    table[0]["output_ids"] = rows[0].outputs  # target-only's tokens: what pipelines.replay_check labels
+    # target-only's tokens, and in greedy decoding those of every row whose output differs (an approximate policy's):
+    # what pipelines.replay_check labels
+    for t, r in zip(table, rows):
+        if r is rows[0] or (bench.cfg.temperature == 0 and r.exact is False and r.method == "engine"):
+            t["output_ids"] = r.outputs
     line = cost_aware_line(table, best_thr.name if best_thr else None)
     if line:
         log.info(line)

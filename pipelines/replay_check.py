@@ -195,17 +195,19 @@ def row_policies(folder: BenchFolder, draft: PreTrainedModel, tokenizer: PreTrai
             pol = with_threshold(pol, float(r["threshold"]))
         if pol.verification == HINDSIGHT:  # the oracle's rounds as the engine runs them
             pol.drafts_failing_token = True
-        out.append((r, pol, row_note(pol, cfg)))
+        out.append((r, pol, row_note(pol, cfg, own_output=bool(r.get("output_ids")))))
     return out
 
 
-def row_note(policy: StopPolicy, cfg: BenchmarkConfig) -> str:
-    """Why the replay cannot follow the engine's trajectory for this row ('' when it can)."""
+def row_note(policy: StopPolicy, cfg: BenchmarkConfig, own_output: bool = False) -> str:
+    """Why the replay cannot follow the engine's trajectory for this row ('' when it can). ``own_output``: the row
+    recorded its output (an approximate policy's in greedy decoding, replayed along it: :func:`own_output_rows`)."""
     notes = []
     if policy.verification == HINDSIGHT and cfg.temperature > 0:
         notes.append("sampling oracle: the replay drafts the expected acceptable run, the engine's time is estimated")
-    elif not policy.exact:
-        notes.append("approximate policy: the replay verifies every drafted token, the engine takes them unverified")
+    elif not policy.exact and not (own_output and cfg.temperature == 0):
+        notes.append("approximate policy: rounds checked at their last token as the engine checks them, along "
+                     "target-only's output, which the engine leaves at a mismatch it takes unverified")
     if cfg.batch_size > 1:
         notes.append("engine batched: the replay runs one sequence a round")
     if cfg.temperature > 0:
@@ -222,12 +224,16 @@ def rollout_length(policies: list[StopPolicy], max_draft_len: int) -> int:
 
 # ----------------------------------------------------------------------------------------------------------- labelling
 def label_prompts(folder: BenchFolder, models: LabelModels, opts: LabelOptions, rollout_len: int,
-                  gen_batch_size: int = 8, label_batch_tokens: int = 4096) -> tuple[dict[str, np.ndarray], int]:
-    """Records along each prompt's target-only output and the draft's rollouts from its branch points (greedy mode),
-    logging each prompt with an ETA; returns (columns, rollouts)."""
+                  gen_batch_size: int = 8, label_batch_tokens: int = 4096, outputs: list[list[int]] | None = None,
+                  what: str = "target-only's output") -> tuple[dict[str, np.ndarray], int]:
+    """Records along each prompt's target-only output (``outputs``: another row's, labelled without rollouts) and the
+    draft's rollouts from its branch points (greedy mode), logging each prompt with an ETA; returns (columns,
+    rollouts)."""
     from data_gen.generate import label_continuation
 
-    todo = [(i, ids, c) for i, (ids, c) in enumerate(zip(folder.prompts, folder.continuations)) if c]
+    branches = outputs is None and folder.mode == "greedy"
+    outputs = folder.continuations if outputs is None else outputs
+    todo = [(i, ids, c) for i, (ids, c) in enumerate(zip(folder.prompts, outputs)) if c]
     total, done_tokens, rollouts = sum(len(c) for _, _, c in todo), 0, 0
     gen = torch.Generator().manual_seed(folder.cfg.seed)
     parts: list[dict[str, list]] = []
@@ -235,26 +241,29 @@ def label_prompts(folder: BenchFolder, models: LabelModels, opts: LabelOptions, 
     for k, (i, ids, cont) in enumerate(todo):
         name = folder.names[i] if i < len(folder.names) else str(i)
         recs, st = label_continuation(models, ids, cont, opts, sample_id=f"{i}:{name}", rollout_len=rollout_len,
-                                      branches=folder.mode == "greedy", source="benchmark",
+                                      branches=branches, source="benchmark",
                                       gen_batch_size=gen_batch_size, label_batch_tokens=label_batch_tokens,
                                       generator=gen)
         parts.append(recs)
         done_tokens += len(cont)
         rollouts += st.rollouts
         spent = time.perf_counter() - t0
-        log.info("replay check: labelled prompt %d/%d (%d positions, %d draft rollouts, %d records) in %.0fs; "
-                 "ETA %.0fs", k + 1, len(todo), len(cont), st.rollouts, st.records, spent,
+        log.info("replay check: labelled prompt %d/%d along %s (%d positions, %d draft rollouts, %d records) in "
+                 "%.0fs; ETA %.0fs", k + 1, len(todo), what, len(cont), st.rollouts, st.records, spent,
                  spent / done_tokens * (total - done_tokens))
     if not parts:
-        raise ValueError(f"{folder.path / 'benchmark.json'}: target-only's outputs are all empty: nothing to replay")
+        raise ValueError(f"{folder.path / 'benchmark.json'}: {what} is empty for every prompt: nothing to replay")
     columns = {k: np.asarray(list(itertools.chain.from_iterable(p[k] for p in parts))) for k in parts[0]}
     return columns, rollouts
 
 
 # ----------------------------------------------------------------------------------------------------------- replay
 def replay_rows(folder: BenchFolder, policies: list[tuple[dict[str, Any], StopPolicy | None, str]],
-                columns: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], str]:
-    """Every engine row replayed on the labelled prompts under the benchmark's curve; returns (rows, data note)."""
+                columns: dict[str, np.ndarray], own: dict[str, dict[str, np.ndarray]] | None = None
+                ) -> tuple[list[dict[str, Any]], str]:
+    """Every engine row replayed on the labelled prompts under the benchmark's curve; returns (rows, data note).
+
+    ``own``: row name -> records along that row's own output (:func:`own_output_rows`), replayed instead."""
     from evaluation.replay import ReplayConfig, prepare_replay_data, replay_policy
 
     cfg = folder.cfg
@@ -266,7 +275,8 @@ def replay_rows(folder: BenchFolder, policies: list[tuple[dict[str, Any], StopPo
         res = None
         if pol is not None:
             try:
-                res = replay_policy(copy.deepcopy(pol), data, folder.cost_model, folder.mode,
+                rows_data = data if row["row"] not in (own or {}) else prepare_replay_data(own[row["row"]], rc)
+                res = replay_policy(copy.deepcopy(pol), rows_data, folder.cost_model, folder.mode,
                                     max_draft_len=cfg.max_draft_len, decision_cost_model=folder.decision_cost_model)
             except (ValueError, KeyError) as e:  # a goodput policy without a map for the mode, missing columns
                 note = f"not replayed: {e}"
@@ -399,7 +409,8 @@ def run_check(folder: BenchFolder, draft: PreTrainedModel, target: PreTrainedMod
         _store_records(folder, opts, rollout_len, models, columns, rollouts)
     else:
         columns, rollouts = cached
-    rows, note = replay_rows(folder, policies, columns)
+    own = own_output_rows(folder, policies, models, opts, gen_batch_size, label_batch_tokens)
+    rows, note = replay_rows(folder, policies, columns, own)
     add_curve_ratios(rows, folder.rows)
     summary = summarize(rows)
     log.info(summary_line(summary))
@@ -410,36 +421,73 @@ def run_check(folder: BenchFolder, draft: PreTrainedModel, target: PreTrainedMod
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def own_output_rows(folder: BenchFolder, policies: list[tuple[dict[str, Any], StopPolicy | None, str]],
+                    models: LabelModels, opts: LabelOptions, gen_batch_size: int = 8, label_batch_tokens: int = 4096
+                    ) -> dict[str, dict[str, np.ndarray]]:
+    """Row name -> records along that row's own output, for the approximate rows (``SEQUENTIAL``, SPRINTER) of a
+    greedy benchmark: the engine takes a round's drafts unverified, so its output leaves target-only's at the first
+    mismatch it takes, and every round it drafts reads a prefix of its own output: the drafted tokens are that output's
+    tokens, and a round's checked last token is the output's token there (the bonus) or the draft's, replaced by the
+    target's (the correction). Labelled teacher-forced along the output (no rollouts), the replay follows the engine's
+    rounds exactly. Cached in the folder like the main records."""
+    if folder.mode != "greedy":
+        return {}
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for row, pol, _ in policies:
+        outputs = row.get("output_ids")
+        if pol is None or pol.exact or not outputs:
+            continue
+        name = f"replay_check_records-{_slug(row['row'])}.npz"
+        cached = _cached_records(folder, opts, 0, models, name, outputs)
+        if cached is None:
+            cols, _ = label_prompts(folder, models, opts, 0, gen_batch_size, label_batch_tokens, outputs=outputs,
+                                    what=f"{row['row']}'s output")
+            _store_records(folder, opts, 0, models, cols, 0, name, outputs)
+        else:
+            cols = cached[0]
+        out[row["row"]] = cols
+    return out
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
+
+
 RECORDS = "replay_check_records.npz"
 """The labelled records of a check, kept in the benchmark's folder: a second check (another statistic) reuses them."""
 
 
-def _records_key(folder: BenchFolder, opts: LabelOptions, rollout_len: int, models: LabelModels) -> str:
-    """What the labelled records depend on: the prompts, target-only's outputs, the options and the models."""
+def _records_key(folder: BenchFolder, opts: LabelOptions, rollout_len: int, models: LabelModels,
+                 outputs: list[list[int]] | None = None) -> str:
+    """What the labelled records depend on: the prompts, the outputs labelled (target-only's), the options and the
+    models."""
     names = [str(getattr(m.config, "name_or_path", "")) for m in (models.draft, models.target, models.companion)
              if m is not None]
-    blob = json.dumps([folder.prompts, folder.continuations, rollout_len, repr(opts), names], default=str)
+    blob = json.dumps([folder.prompts, folder.continuations if outputs is None else outputs, rollout_len, repr(opts),
+                       names], default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _cached_records(folder: BenchFolder, opts: LabelOptions, rollout_len: int, models: LabelModels
+def _cached_records(folder: BenchFolder, opts: LabelOptions, rollout_len: int, models: LabelModels,
+                    name: str = RECORDS, outputs: list[list[int]] | None = None
                     ) -> tuple[dict[str, np.ndarray], int] | None:
-    path = folder.path / RECORDS
+    path = folder.path / name
     if not path.is_file():
         return None
     with np.load(path, allow_pickle=False) as z:
-        if str(z["_key"]) != _records_key(folder, opts, rollout_len, models):
+        if str(z["_key"]) != _records_key(folder, opts, rollout_len, models, outputs):
             return None
         log.info("replay check: reusing the labelled records in %s", path)
         return {k: z[k] for k in z.files if not k.startswith("_")}, int(z["_rollouts"])
 
 
 def _store_records(folder: BenchFolder, opts: LabelOptions, rollout_len: int, models: LabelModels,
-                   columns: dict[str, np.ndarray], rollouts: int) -> None:
+                   columns: dict[str, np.ndarray], rollouts: int, name: str = RECORDS,
+                   outputs: list[list[int]] | None = None) -> None:
     arrays = {k: (v.astype(str) if v.dtype == object else v) for k, v in columns.items()}  # strings without pickle
-    tmp = folder.path / (RECORDS + ".tmp.npz")
-    np.savez(tmp, _key=_records_key(folder, opts, rollout_len, models), _rollouts=rollouts, **arrays)
-    tmp.replace(folder.path / RECORDS)  # nothing half-written
+    tmp = folder.path / (name + ".tmp.npz")
+    np.savez(tmp, _key=_records_key(folder, opts, rollout_len, models, outputs), _rollouts=rollouts, **arrays)
+    tmp.replace(folder.path / name)  # nothing half-written
 
 
 def _load_companion(cfg: BenchmarkConfig) -> PreTrainedModel | None:

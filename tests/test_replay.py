@@ -19,7 +19,7 @@ from evaluation.replay import (
     tune_threshold,
 )
 from predictors import goodput
-from predictors.base import GOODPUT, RoundFeedback, StopPolicy
+from predictors.base import GOODPUT, SEQUENTIAL, RoundFeedback, StopPolicy
 from predictors.baselines import SVIP, HFHeuristic, MaxConfidence, Oracle, StaticLength
 
 
@@ -126,6 +126,37 @@ def test_threshold_policy_and_feedback():
     assert pol.resets == 1
     assert [(f.n_drafted, f.n_accepted) for f in pol.feedback] == [(2, 2), (2, 2)]
     assert pol.feedback[0].accepted == [True, True] and pol.feedback[0].draft_probs == [0.5, 0.5]
+
+
+class SequentialColumn(ColumnScore):
+    """SPRINTER-like: approximate sequential verification (only a round's last drafted token is checked)."""
+
+    kind = "sprinter"
+    verification = SEQUENTIAL
+
+
+def test_sequential_verification_checks_only_the_last_token():
+    cols = hand_rollout()
+    order = np.argsort(cols["offset"])
+    # by offset 0..5: greedy [1,0,1,1,0,1], accept [.5,.5,1,.8,1,1], x [.9,.9,.1,.9,.1,.9]
+    cols["greedy_match"][order] = [True, False, True, True, False, True]
+    cols["x"][order] = [0.9, 0.9, 0.1, 0.9, 0.1, 0.9]
+    data = prepare_replay_data(cols)
+    pol = SequentialColumn(0.5)
+    r = replay_policy(pol, data, CONST, "greedy")
+    # s=0: drafts offsets 0-2 (x = .1 stops), the mismatch at 1 taken unverified, the last (2) matches: 3 accepted,
+    # emits 4 (3 + bonus), 3 + 4 s; s=4: drafts 1 (x = .1), it fails: emits the correction, 1 + 4 s; s=5: drafts
+    # the last stored token, it matches: emits 2, clipped to the 1 left, 1 + 4 s
+    assert (r.n_rounds, r.tokens, r.accepted, r.drafted, r.time_s) == (3, 6, 4, 5, 17)
+    assert [(f.n_drafted, f.n_accepted) for f in pol.feedback] == [(3, 3), (1, 0), (1, 1)]
+    # exact verification of the same drafts would stop at the mismatch: s=0 accepts 1 (emits 2), ...
+    exact = replay_policy(ColumnScore(0.5), data, CONST, "greedy")
+    assert exact.accepted < r.accepted and exact.n_rounds > r.n_rounds
+    # sampling: only the last token's min(1, p/q) counts; s=0 drafts 0-2, accept[2] = 1: 3 accepted, next s=4
+    # (1 + 1 drafted, accept 1: emits 2, the 2 left)
+    s = replay_policy(SequentialColumn(0.5), prepare_replay_data(cols, ReplayConfig(mode="sampling")), CONST,
+                      "sampling")
+    assert (s.n_rounds, s.tokens, s.accepted, s.drafted) == (2, 6, 4, 4)
 
 
 def test_heuristic_schedule():

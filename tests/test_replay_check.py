@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipelines.benchmark import main as benchmark_main
 from pipelines.benchmark import metric_key
@@ -30,8 +31,22 @@ def calibrated_max_confidence(folder: Path) -> str:
     return str(out)
 
 
+def random_sprinter(folder: Path, tiny_pair) -> str:
+    """An exported SPRINTER verifier of random weights on the tiny draft's hidden state (approximate decoding)."""
+    from data_gen.models import model_fingerprint
+    from predictors.export import export_predictor
+    from predictors.inputs import FeatureSpec
+    from predictors.sprinter import SprinterNet, SprinterPolicy
+
+    draft, _, tok = tiny_pair
+    torch.manual_seed(0)
+    h = draft.config.hidden_size
+    pol = SprinterPolicy(SprinterNet(h), FeatureSpec.for_sprinter(h), threshold=0.45, max_draft_len=8)
+    return str(export_predictor(pol, folder, {"draft_fingerprint": model_fingerprint(draft, tok)}))
+
+
 @pytest.fixture(scope="module")
-def bench_run(tmp_path_factory):
+def bench_run(tmp_path_factory, tiny_pair):
     """One benchmark of the tiny pair that agrees on about 70% of tokens, on the exact eager path, with the check."""
     from tests.synthetic import make_records, write_shards
 
@@ -45,6 +60,7 @@ def bench_run(tmp_path_factory):
         "--prompt_texts", json.dumps(["def add(a, b):", "Write a haiku about the sea.", "hello world"]),
         "--n_prompts", "3", "--max_new_tokens", "24", "--max_draft_len", "8", "--hf_rows", '["static:3"]',
         "--policies", json.dumps(policies), "--tune_data_dir", str(tmp / "data"),
+        "--predictors", json.dumps([random_sprinter(tmp / "sprinter", tiny_pair)]),
         "--tracking_uri", f"sqlite:///{tmp / 'mlflow.db'}", "--replay_check", "true",
     ]
     return tmp, benchmark_main(argv)
@@ -60,7 +76,7 @@ def test_replay_follows_the_engine_for_static_thresholded_and_cost_aware_policie
     assert sorted(rows) == sorted(engine) and "hf:static:3" not in rows and "target-only" not in rows
     assert check["mode"] == "greedy" and check["rollouts"] > 0 and check["rollout_len"] == 8
     followed = [name for name, r in rows.items() if not r["note"]]
-    assert len(followed) == 7 and any(n.endswith("(val-tuned)") for n in followed) and "oracle" in followed
+    assert len(followed) == 8 and any(n.endswith("(val-tuned)") for n in followed) and "oracle" in followed
     assert any(n.startswith("goodput") for n in followed)
     for name in followed:  # the same trajectory: same rounds, drafted and accepted tokens
         r = rows[name]
@@ -84,6 +100,23 @@ def test_replay_follows_the_engine_for_static_thresholded_and_cost_aware_policie
     md = (out / "benchmark.md").read_text()
     assert md.count("## Replay check") == 1 and "replay check: worst |predicted/measured - 1|" in md
     assert (out / "replay_check.png").is_file() and result["stats"]["replay_check"]["summary"] == s
+
+
+def test_an_approximate_row_is_replayed_along_its_own_output(bench_run):
+    """SPRINTER takes a round's drafts unverified, so its output leaves target-only's; labelled along its own output
+    (kept in benchmark.json), the replay follows its rounds exactly."""
+    tmp, _ = bench_run
+    out = tmp / "bench"
+    report = json.loads((out / "benchmark.json").read_text())
+    bench = {r["row"]: r for r in report["rows"]}
+    name = next(n for n in bench if n.startswith("sprinter"))
+    assert bench[name]["exact"] is False and bench[name]["output_ids"] != bench["target-only"]["output_ids"]
+    assert all("output_ids" not in r for n, r in bench.items() if n not in (name, "target-only"))
+    r = next(r for r in report["replay_check"]["rows"] if r["row"] == name)
+    assert not r["note"] and r["measured_rounds"] > 3
+    for k in SAME:
+        assert r[f"predicted_{k}"] == pytest.approx(r[f"measured_{k}"], abs=1e-3), k
+    assert list(out.glob("replay_check_records-sprinter*.npz"))
 
 
 def test_cost_aware_rows_get_the_interval_against_the_best_thresholded_row(bench_run, capsys):
