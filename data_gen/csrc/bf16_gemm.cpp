@@ -16,11 +16,11 @@
 // fp32 spills of long-K tiles change which instructions run together, never the chain, so a row has the same bits
 // alone, in a verification forward of L rows or inside a prompt (tested against a one-row call).
 //
-// Speed: up to 16 rows the weights stream from memory once, in groups of 3-4 column blocks that rows 1-8 and 9-16
-// read in turn (the second time from L2). The 1.5B target's 28 layers of linears, warm, AMD EPYC Zen 5, 2 threads:
-// 13.8 / 16.5 / 23.4 / 41.7 ms at 1 / 4 / 8 / 16 rows against oneDNN's 22.2 / 22.8 / 31.9 / 47.4 (its bf16 kernels
-// slow down past 6 rows). More rows run as 8-row tiles over L2-sized column chunks and 256-input blocks, 3-9% slower than
-// oneDNN. OpenMP must be on in the build (data_gen/native.py): at::parallel_for runs on one thread without it.
+// Speed: up to 16 rows the weights stream from memory once (see few_rows). The 1.5B target's 28 layers of linears,
+// warm, AMD EPYC Zen 5, 2 threads: 13.8 / 16.5 / 23.4 / 41.7 ms at 1 / 4 / 8 / 16 rows against oneDNN's 22.2 / 22.8 /
+// 31.9 / 47.4 (its bf16 kernels slow down past 6 rows; figures of an earlier layout for 5-16 rows, see few_rows).
+// More rows run as 8-row tiles over L2-sized column chunks and 256-input blocks, 3-9% slower than oneDNN. OpenMP must be
+// on in the build (data_gen/native.py): at::parallel_for runs on one thread without it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -50,14 +50,16 @@ constexpr int64_t kChunkBytes = 512 * 1024;  // weights per column chunk of the 
 // per byte leaves the hardware prefetcher behind from 3 rows on. Measured on weights streamed from memory (6 x 55 MB
 // gate/up matrices in turn, AMD EPYC Zen 5, 2 threads), ms per call at 1 / 2 / 4 / 8 / 16 rows: no prefetch 0.62 /
 // 0.66 / 0.74 / 0.87 / 1.27; 32 pairs 0.67 / 0.69 / 0.70 / 0.76 / 1.16; 64 pairs 0.70 / 0.73 / 0.75 / 0.73 / 1.11;
-// 128 pairs or prefetching to L2 only was slower at every count.
+// 128 pairs or prefetching to L2 only was slower at every count. With 5-16 rows a pass over one column block (few_rows)
+// 128 pairs: the real target's forward of 6 / 8 tokens, paired ratios against 64 pairs 0.95 / 0.91; at 12-16 rows 256
+// pairs was no faster.
 // int8 weights: 64 pairs (2 KB ahead per column block) at every row count. Measured the same way on the 0.5B draft's
 // gate/up, down and LM head: at 1-4 rows 32 / 64 / 128 / 256 pairs took 0.49-0.71 / 0.49-0.61 / 0.50-0.64 /
 // 0.52-0.78 of the bf16 pack's time; at 6-16 rows none / 64 / 128 / 256 0.51-1.18 / 0.34-0.90 / 0.35-0.91 / 0.41-0.98.
 template <typename WT>
 constexpr int64_t prefetch_pairs(int rows) {
   if constexpr (std::is_same_v<WT, int8_t>) return 64;
-  return rows <= 2 ? 0 : (rows <= 4 ? 32 : 64);
+  return rows <= 2 ? 0 : (rows <= 4 ? 32 : 128);
 }
 
 bool cpu_has_bf16() {
@@ -133,9 +135,8 @@ BF16_TARGET inline void micro(const uint16_t* x, int64_t ldx, const WT* w, int64
     }
 }
 
-// Column blocks per pass for a row chunk of R <= 8 rows (at most 24 accumulators; several chains hide the latency).
-constexpr int blocks_for(int r) { return r <= 4 ? 4 : 3; }
-constexpr int kRowChunk = 8;
+constexpr int kRowChunk = 8;  // rows of a tile: the many-row path's, and few_rows' for an int8 pack
+constexpr int kWideRows = 4;  // few_rows, bf16 pack: more rows than this run one column block per pass
 
 template <typename WT, typename OT, int R, int NB, bool kSpill>
 BF16_TARGET void chunk_fn(const uint16_t* x, int64_t ldx, const WT* w, int64_t wstride, int64_t p0, int64_t p1,
@@ -147,46 +148,58 @@ template <typename WT, typename OT>
 using ChunkFn = void (*)(const uint16_t*, int64_t, const WT*, int64_t, int64_t, int64_t, float*, int64_t, OT*,
                          int64_t, const float*);
 
-// Tables<WT, OT>::direct / spilled[nb index][R - 1] for the NB that occur: 1 (a group's leftover blocks) and blocks_for's
-// 3 and 4
-constexpr int nb_index(int nb) { return nb == 1 ? 0 : nb == 3 ? 1 : 2; }
-
+// The micro-kernels by row count, [R - 1]: one_block (1-16 rows, one column block a pass), four_blocks (1-4 rows),
+// three_blocks (1-8 rows), and spilled3 / spilled1 (the many-row path's 8-row tiles: three blocks, a chunk's leftover).
 template <typename WT, typename OT>
 struct Tables {
   template <bool kSpill, int NB, int... Rs>
-  static constexpr std::array<ChunkFn<WT, OT>, kRowChunk> row_table(std::integer_sequence<int, Rs...>) {
+  static constexpr std::array<ChunkFn<WT, OT>, sizeof...(Rs)> row_table(std::integer_sequence<int, Rs...>) {
     return {&chunk_fn<WT, OT, Rs + 1, NB, kSpill>...};
   }
-  template <bool kSpill>
-  static constexpr std::array<std::array<ChunkFn<WT, OT>, kRowChunk>, 3> nb_table() {
-    constexpr auto seq = std::make_integer_sequence<int, kRowChunk>{};
-    return {row_table<kSpill, 1>(seq), row_table<kSpill, 3>(seq), row_table<kSpill, 4>(seq)};
-  }
-  static constexpr auto direct = nb_table<false>();
-  static constexpr auto spilled = nb_table<true>();
+  static constexpr auto one_block = row_table<false, 1>(std::make_integer_sequence<int, static_cast<int>(kTileRows)>{});
+  static constexpr auto four_blocks = row_table<false, 4>(std::make_integer_sequence<int, kWideRows>{});
+  static constexpr auto three_blocks = row_table<false, 3>(std::make_integer_sequence<int, kRowChunk>{});
+  static constexpr auto spilled3 = row_table<true, 3>(std::make_integer_sequence<int, kRowChunk>{});
+  static constexpr auto spilled1 = row_table<true, 1>(std::make_integer_sequence<int, kRowChunk>{});
 };
 
-// Up to 16 rows, column blocks [b0, b1): groups of NB blocks; within a group, row chunks of at most 8 (the second
-// chunk reads the group's weights from L2), each over all of K. `scale`: the int8 pack's column scales (else unused).
+// Up to 16 rows, column blocks [b0, b1), over all of K; `scale`: the int8 pack's column scales (else unused).
+// bf16 pack (bound by reading the weights): every weight read once, from memory, by all the rows. Up to 4 rows a pass
+// covers four column blocks (4-16 chains of vdpbf16ps hide its latency); from 5 rows one block, one accumulator per
+// row. Before, rows 9-16 ran as a second 8-row chunk re-reading each group of blocks from L2 while memory idled: the
+// 1.5B target's forward of L new tokens over a 300-token cache, both layouts interleaved in one process (AMD EPYC Zen 5,
+// 2 threads), paired ratios new / old at L = 6 / 8 / 12 / 16: 0.91 / 0.91 / 0.81 / 0.86 (with the prefetch distance
+// of 128 pairs from 5 rows), L = 1-4 unchanged.
+// int8 pack (half the bytes, its widening makes more rows compute-bound): groups of 3-4 column blocks that rows 1-8 and
+// 9-16 read in turn, the second time from L2 (one block a pass was 1.14x slower at 8 rows in the 0.5B draft).
 template <typename WT, typename OT>
 void few_rows(const uint16_t* x, int64_t M, int64_t ldx, const WT* wp, const float* scale, int64_t pairs, int64_t b0,
               int64_t b1, OT* out, int64_t ldo) {
-  const auto& direct = Tables<WT, OT>::direct;
-  const int nb = blocks_for(static_cast<int>(std::min<int64_t>(M, kRowChunk)));
+  using T = Tables<WT, OT>;
   const int64_t wstride = pairs * 2 * kCols;
-  for (int64_t b = b0; b < b1; b += nb) {
-    const int g = static_cast<int>(std::min<int64_t>(nb, b1 - b));
-    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-      const int r = static_cast<int>(std::min<int64_t>(kRowChunk, M - m0));
-      if (g == nb) {
-        direct[nb_index(nb)][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, 0, pairs, nullptr, 0,
-                                    out + m0 * ldo + b * kCols, ldo, cols_from(scale, b * kCols));
-      } else {
-        for (int j = 0; j < g; ++j)
-          direct[0][r - 1](x + m0 * ldx, ldx, wp + (b + j) * wstride, wstride, 0, pairs, nullptr, 0,
-                           out + m0 * ldo + (b + j) * kCols, ldo, cols_from(scale, (b + j) * kCols));
+  auto call = [&](ChunkFn<WT, OT> fn, int64_t m0, int64_t b) {
+    fn(x + m0 * ldx, ldx, wp + b * wstride, wstride, 0, pairs, nullptr, 0, out + m0 * ldo + b * kCols, ldo,
+       cols_from(scale, b * kCols));
+  };
+  if constexpr (std::is_same_v<WT, int8_t>) {
+    const int nb = M <= kWideRows ? 4 : 3;
+    for (int64_t b = b0; b < b1; b += nb) {
+      const bool whole = b + nb <= b1;
+      for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+        const int r = static_cast<int>(std::min<int64_t>(kRowChunk, M - m0));
+        if (whole) {
+          call(nb == 4 ? T::four_blocks[r - 1] : T::three_blocks[r - 1], m0, b);
+        } else {
+          for (int64_t j = b; j < b1; ++j) call(T::one_block[r - 1], m0, j);
+        }
       }
     }
+  } else {
+    const int r = static_cast<int>(M);
+    int64_t b = b0;
+    if (M <= kWideRows)
+      for (; b + 4 <= b1; b += 4) call(T::four_blocks[r - 1], 0, b);
+    for (; b < b1; ++b) call(T::one_block[r - 1], 0, b);
   }
 }
 
@@ -200,8 +213,9 @@ BF16_TARGET void to_out(const float* acc, int64_t n, const float* scale, OT* out
 template <typename WT, typename OT>
 void many_rows(const uint16_t* x, int64_t M, int64_t ldx, const WT* wp, const float* scale, int64_t pairs, int64_t b0,
                int64_t b1, OT* out, int64_t ldo) {
-  const auto& spilled = Tables<WT, OT>::spilled;
-  constexpr int nb = blocks_for(kRowChunk);
+  const auto& spilled3 = Tables<WT, OT>::spilled3;
+  const auto& spilled1 = Tables<WT, OT>::spilled1;
+  constexpr int nb = 3;  // column blocks per pass of an 8-row tile (24 accumulators)
   const int64_t wstride = pairs * 2 * kCols;
   const int64_t block_bytes = wstride * static_cast<int64_t>(sizeof(WT));
   const int64_t chunk = std::max<int64_t>(nb, kChunkBytes / block_bytes / nb * nb);
@@ -215,11 +229,11 @@ void many_rows(const uint16_t* x, int64_t M, int64_t ldx, const WT* wp, const fl
         const int64_t p1 = std::min(pairs, p0 + kPairBlock);
         int64_t b = c0;
         for (; b + nb <= c1; b += nb)
-          spilled[nb_index(nb)][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, p0, p1,
-                                       acc.data() + (b - c0) * kCols, ldc, static_cast<OT*>(nullptr), 0, nullptr);
+          spilled3[r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, p0, p1, acc.data() + (b - c0) * kCols, ldc,
+                          static_cast<OT*>(nullptr), 0, nullptr);
         for (; b < c1; ++b)
-          spilled[0][r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, p0, p1, acc.data() + (b - c0) * kCols, ldc,
-                            static_cast<OT*>(nullptr), 0, nullptr);
+          spilled1[r - 1](x + m0 * ldx, ldx, wp + b * wstride, wstride, p0, p1, acc.data() + (b - c0) * kCols, ldc,
+                          static_cast<OT*>(nullptr), 0, nullptr);
       }
       for (int64_t q = 0; q < r; ++q)
         to_out<WT>(acc.data() + q * ldc, ldc, cols_from(scale, c0 * kCols), out + (m0 + q) * ldo + c0 * kCols);
