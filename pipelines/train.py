@@ -451,6 +451,7 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, export
         speed = _replayed_speedup(res.get("replay"), kind)
         if speed is not None:
             rows[kind]["test_speedup"] = speed
+            rows[kind]["decoding"] = "exact" if policies[kind].exact else "approximate"
     from pipelines.evaluate import cost_aware_rows, store_calibrations  # calibration maps, cost-aware (goodput) rows
 
     store_calibrations(res, {k: exports[k] for k in policies if k in exports}, Path(cfg.out_dir) / "calibrated")
@@ -495,7 +496,7 @@ RESULTS_MD = "results.md"
 
 FULL_COLUMNS = ["predictor", "status", "label", "val_auc", "val_auc_best_free", "test_auc", "best_free",
                 "test_auc_best_free", "cv_auc", "cv_best_free", "cv_auc_best_free", "cv_diff", "cv_diff_lo",
-                "cv_diff_hi", "threshold", "val_speedup", "test_speedup", "ece_greedy", "ece_sampling",
+                "cv_diff_hi", "threshold", "val_speedup", "test_speedup", "decoding", "ece_greedy", "ece_sampling",
                 "info_gain_bits", "info_gain_frac", "registered", "champion"]
 """Columns of the full table (``results.md``), in order; a column no row has is left out."""
 
@@ -516,7 +517,8 @@ SUMMARY_NOTE = (
     "test AUC: on the predictor's own label and draw, test split; best free: the best training-free score (top-1,\n"
     "q(x), -entropy) on the same tokens; cv diff: cross-validated AUC difference to it, "
     "95% paired bootstrap interval;\n"
-    "speedup: replayed on the test split (thresholds tuned on validation); reg.: MLflow registry version (* champion)."
+    "speedup: replayed on the test split (thresholds tuned on validation; approx.: approximate decoding, SPRINTER's\n"
+    "rounds take their drafts before the last unverified); reg.: MLflow registry version (* champion)."
 )
 
 FREE_SHORT = {"max-prob": "top-1", "draft-prob": "q(x)", "neg-entropy": "-entropy"}
@@ -538,6 +540,8 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
         if r.get("cv_diff") is not None:
             cv = f"{r['cv_diff']:+.4f} [{r['cv_diff_lo']:+.4f},{r['cv_diff_hi']:+.4f}]"
         speed = f"{r['test_speedup']:.2f}x" if isinstance(r.get("test_speedup"), float) else ""
+        if speed and r.get("decoding") == "approximate":
+            speed += " approx."
         version = str(r.get("registered") or "").rsplit(" ", 1)[-1] + ("*" if r.get("champion") else "")
         label = str(r.get("label") or "").split(",")[0]
         out.append([str(r.get("predictor")), label, _fmt(r.get("test_auc")), best, cv, speed, version])
