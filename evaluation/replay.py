@@ -568,6 +568,8 @@ class _Replay:
     companion: bool
     online: bool
     res: ReplayResult
+    sequential: bool = False
+    """Take a round's drafts before its last unverified, as the engine runs an approximate policy."""
 
 
 def replay_policy(
@@ -580,6 +582,7 @@ def replay_policy(
     max_draft_len: int | None = None,
     scores: np.ndarray | None = None,
     decision_cost_model: CostModel | None = None,
+    verify_all: bool = False,
 ) -> ReplayResult:
     """Replay one policy (mutated: reset / update are called on it) over every sequence of ``data``.
 
@@ -595,6 +598,8 @@ def replay_policy(
         decision_cost_model: the curve the goodput rule decides with, when it is not the one that prices the rounds
             (the benchmark's policies decided with the curve measured before its rows; its replay check prices with
             the one probed while they ran).
+        verify_all: replay an approximate policy's rounds (``SEQUENTIAL``) as if every drafted token were verified
+            (its threshold is tuned so: taking the drafts unverified, the fastest threshold would never stop).
     """
     if mode not in REPLAY_MODES:
         raise ValueError(f"mode={mode!r}: use one of {REPLAY_MODES}")
@@ -614,6 +619,7 @@ def replay_policy(
         scores=scores if scores is not None else _scores_for(policy, data, max_draft_len),
         per_draft=cm.draft_s_per_token + (cm.companion_s_per_token if companion else 0.0),
         companion=companion, online=_overrides(policy, "update"), res=ReplayResult(n_seqs=data.n_seqs),
+        sequential=policy.verification == SEQUENTIAL and not verify_all,
     )
     for a0, b0 in zip(data.starts.tolist(), data.ends.tolist()):
         _replay_sequence(rp, a0, b0)
@@ -673,7 +679,7 @@ def _accepted(rp: _Replay, verified: np.ndarray) -> tuple[float, int]:
     approximate sequential verification (``SEQUENTIAL``, SPRINTER) the tokens before the last are taken unverified, as
     the engine takes them, and only the last one is checked."""
     n = len(verified)
-    if rp.policy.verification == SEQUENTIAL and n:
+    if rp.sequential and n:
         last = float(rp.data.greedy[verified[-1]]) if rp.mode == "greedy" else float(rp.data.accept[verified[-1]])
         return n - 1 + last, n - 1 + int(round(last))
     if rp.mode == "greedy":
@@ -813,14 +819,16 @@ def threshold_sweep(
     grid: Sequence[float] | None = None,
     mode: str = "greedy",
     max_draft_len: int | None = None,
+    verify_all: bool = False,
 ) -> pd.DataFrame:
-    """Replay ``policy`` at each threshold of ``grid`` (default :func:`default_grid`); one row per threshold."""
+    """Replay ``policy`` at each threshold of ``grid`` (default :func:`default_grid`); one row per threshold
+    (``verify_all``: see :func:`replay_policy`)."""
     scores = _scores_for(policy, data, max_draft_len)
     grid = list(grid) if grid is not None else default_grid(policy, data, scores=scores)
     rows = []
     for thr in grid:
         p = with_threshold(policy, thr)
-        r = replay_policy(p, data, cost_model, mode, max_draft_len=max_draft_len, scores=scores)
+        r = replay_policy(p, data, cost_model, mode, max_draft_len=max_draft_len, scores=scores, verify_all=verify_all)
         rows.append({"threshold": float(thr), **r.as_row()})
     return pd.DataFrame(rows)
 
@@ -846,7 +854,9 @@ def tune_threshold(
             :class:`ReplayConfig`; falls back to every sequence when none match).
     Returns:
         (best threshold, its predicted speedup). The policy is replayed with its threshold rule (SV's goodput length
-        has no threshold to tune).
+        has no threshold to tune); an approximate policy (SPRINTER) as if every drafted token were verified, so the
+        speed it is tuned for rewards stopping at the tokens the target would reject (taking its drafts unverified,
+        the fastest threshold would never stop; its output's quality has no place in the objective).
 
     Example (what the main job does after training)::
 
@@ -857,7 +867,7 @@ def tune_threshold(
         raise ValueError(f"tune_threshold: no rows in split {split!r}")
     cfg = ReplayConfig(mode=mode, origins=origins, split=split if "split" in columns else None)
     data = prepare_replay_data(columns, cfg)
-    sweep = threshold_sweep(policy, data, cost_model, grid, mode)
+    sweep = threshold_sweep(policy, data, cost_model, grid, mode, verify_all=True)
     best = sweep.loc[sweep["speedup"].idxmax()]
     return float(best["threshold"]), float(best["speedup"])
 

@@ -242,6 +242,11 @@ def test_tune_threshold_on_val():
     assert sp == pytest.approx(best)
     with pytest.raises(ValueError, match="no rows in split"):
         tune_threshold(ColumnScore(0.5), cols, CONST, grid, split="nosuch")
+    # an approximate policy is tuned as if every drafted token were verified: taking them unverified, the fastest
+    # threshold would be the one that never stops (-1 here)
+    assert tune_threshold(SequentialColumn(0.5), cols, CONST, grid, split="val") == (thr, pytest.approx(sp))
+    approx = {g: replay_policy(SequentialColumn(g), data, CONST).speedup for g in grid}
+    assert max(approx, key=approx.get) == -1.0 and approx[-1.0] > sp
 
 
 def test_fallback_when_no_target_sequences():
