@@ -4,7 +4,8 @@ engine row's policy replayed under the benchmark's measured curve, predicted aga
 Labelling (``data_gen.generate.label_continuation``, the generator's labelling passes and rollouts): along the
 target-only output the benchmark produced for each prompt (no extra target decoding), records of origin ``target``
 teacher-forced, plus, in greedy mode, the draft's own rollout from every prefix where the drafted token fails greedy
-match and from the end of the output, as long as the longest draft a benchmarked policy can make.
+match and from the end of the output, as long as the longest draft a benchmarked policy can make. An approximate row
+(SPRINTER, greedy) is labelled along its own output, which the benchmark keeps (:func:`own_output_rows`).
 
 Replay (``evaluation.replay``): every engine row's policy (static, tuned baselines, learned exports, ``goodput:`` rows;
 not target-only, the transformers rows or the eager reference), rebuilt from the spec and threshold the benchmark
@@ -509,7 +510,8 @@ def markdown_section(result: dict[str, Any]) -> str:
     lines = [
         SECTION, "",
         f"Every engine row's policy replayed offline ({result['mode']}) on the benchmark's prompts, labelled along "
-        f"target-only's output with the draft's rollouts ({result['rollouts']} rollouts of {result['rollout_len']} "
+        f"target-only's output (an approximate row along its own) with the draft's rollouts ({result['rollouts']} "
+        f"rollouts of {result['rollout_len']} "
         f"tokens, {result['records']} records; {result['data']}), under this run's curve ({result['cost_model']}). "
         "predicted tokens/s = tokens / (tokens x the replay's seconds per token under the curve + the row's measured "
         "prefill); accepted / drafted = draft tokens "
