@@ -168,7 +168,7 @@ struct Tables {
 // covers four column blocks (4-16 chains of vdpbf16ps hide its latency); from 5 rows one block, one accumulator per
 // row. Before, rows 9-16 ran as a second 8-row chunk re-reading each group of blocks from L2 while memory idled: the
 // 1.5B target's forward of L new tokens over a 300-token cache, both layouts interleaved in one process (AMD EPYC Zen 5,
-// 2 threads), paired ratios new / old at L = 6 / 8 / 12 / 16: 0.91 / 0.91 / 0.81 / 0.86 (with the prefetch distance
+// 2 threads), paired ratios new / old at L = 6 / 8 / 12 / 16: 0.96 / 0.95 / 0.83 / 0.89 (with the prefetch distance
 // of 128 pairs from 5 rows), L = 1-4 unchanged.
 // int8 pack (half the bytes, its widening makes more rows compute-bound): groups of 3-4 column blocks that rows 1-8 and
 // 9-16 read in turn, the second time from L2 (one block a pass was 1.14x slower at 8 rows in the 0.5B draft).
