@@ -404,12 +404,7 @@ def run_check(folder: BenchFolder, draft: PreTrainedModel, target: PreTrainedMod
                         temperature=cfg.temperature, top_p=cfg.top_p, pad_token_id=int(pad or 0))
     rollout_len = rollout_length(ready, cfg.max_draft_len)
     models = LabelModels(draft, target, companion if needs_companion else None)
-    cached = _cached_records(folder, opts, rollout_len, models)
-    if cached is None:
-        columns, rollouts = label_prompts(folder, models, opts, rollout_len, gen_batch_size, label_batch_tokens)
-        _store_records(folder, opts, rollout_len, models, columns, rollouts)
-    else:
-        columns, rollouts = cached
+    columns, rollouts = labelled_records(folder, models, opts, rollout_len, gen_batch_size, label_batch_tokens)
     own = own_output_rows(folder, policies, models, opts, gen_batch_size, label_batch_tokens)
     rows, note = replay_rows(folder, policies, columns, own)
     add_curve_ratios(rows, folder.rows)
@@ -420,6 +415,10 @@ def run_check(folder: BenchFolder, draft: PreTrainedModel, target: PreTrainedMod
             "cost_model": str(folder.cost_model_file or folder.path / "cost_model.json"),
             "statistic": folder.cost_model.extra.get("statistic", "min"),
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+RECORDS = "replay_check_records.npz"
+"""The labelled records of a check, kept in the benchmark's folder: a second check (another statistic) reuses them."""
 
 
 def own_output_rows(folder: BenchFolder, policies: list[tuple[dict[str, Any], StopPolicy | None, str]],
@@ -438,24 +437,29 @@ def own_output_rows(folder: BenchFolder, policies: list[tuple[dict[str, Any], St
         outputs = row.get("output_ids")
         if pol is None or pol.exact or not outputs:
             continue
-        name = f"replay_check_records-{_slug(row['row'])}.npz"
-        cached = _cached_records(folder, opts, 0, models, name, outputs)
-        if cached is None:
-            cols, _ = label_prompts(folder, models, opts, 0, gen_batch_size, label_batch_tokens, outputs=outputs,
-                                    what=f"{row['row']}'s output")
-            _store_records(folder, opts, 0, models, cols, 0, name, outputs)
-        else:
-            cols = cached[0]
-        out[row["row"]] = cols
+        out[row["row"]] = labelled_records(folder, models, opts, 0, gen_batch_size, label_batch_tokens, outputs,
+                                           f"{row['row']}'s output",
+                                           f"replay_check_records-{_slug(row['row'])}.npz")[0]
     return out
+
+
+def labelled_records(folder: BenchFolder, models: LabelModels, opts: LabelOptions, rollout_len: int,
+                     gen_batch_size: int = 8, label_batch_tokens: int = 4096, outputs: list[list[int]] | None = None,
+                     what: str = "target-only's output", name: str = RECORDS) -> tuple[dict[str, np.ndarray], int]:
+    """(columns, rollouts) of :func:`label_prompts` along target-only's output (``outputs``: another row's, named
+    ``what`` in the log), read from the folder's file ``name`` when it holds them for the same inputs, else labelled
+    and stored there."""
+    cached = _cached_records(folder, opts, rollout_len, models, name, outputs)
+    if cached is not None:
+        return cached
+    columns, rollouts = label_prompts(folder, models, opts, rollout_len, gen_batch_size, label_batch_tokens, outputs,
+                                      what)
+    _store_records(folder, opts, rollout_len, models, columns, rollouts, name, outputs)
+    return columns, rollouts
 
 
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name).strip("-")
-
-
-RECORDS = "replay_check_records.npz"
-"""The labelled records of a check, kept in the benchmark's folder: a second check (another statistic) reuses them."""
 
 
 def _records_key(folder: BenchFolder, opts: LabelOptions, rollout_len: int, models: LabelModels,
