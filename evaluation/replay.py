@@ -78,7 +78,6 @@ from predictors.base import (
     GOODPUT,
     HINDSIGHT,
     SEQUENTIAL,
-    THRESHOLD,
     RoundFeedback,
     StopPolicy,
     as_tensor_dict,
@@ -929,8 +928,7 @@ def replay_table(
             continue
         results[name] = r
         # SV's rounds follow its goodput rule, SPRINTER's its approximate sequential verification
-        how = pol.verification if pol.verification in (GOODPUT, HINDSIGHT, SEQUENTIAL) else THRESHOLD
-        rows.append({**base, **common, **r.as_row(), "verification": how, "reason": ""})
+        rows.append({**base, **common, **r.as_row(), "verification": pol.verification, "reason": ""})
         if sweep and pol.tunable:
             sw = threshold_sweep(pol, data, cost_model, None, cfg.mode, cfg.max_draft_len)
             sw.insert(0, "policy", name)
