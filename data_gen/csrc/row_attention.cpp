@@ -58,7 +58,8 @@ __attribute__((always_inline)) inline void softmax_in_place(float* scratch, int6
 }
 
 // The G heads of one row over keys [0, t): q rows at q (head stride qh), keys / values at k / v (key stride ks, last
-// dim contiguous), mask row (nullptr: every key allowed), output rows at out (head stride oh). scratch: G * t floats.
+// dim contiguous), mask row (nullptr: every key allowed), output rows at out (head stride oh). scratch: G * t floats
+// of scores, then G for the softmax's inverse sums.
 SPECSTOP_CLONES
 void attend(const float* q, int64_t qh, const float* k, const float* v, int64_t ks, int64_t t, const bool* mask,
             int64_t G, int64_t d, float scale, float* out, int64_t oh, float* scratch) {
@@ -77,8 +78,8 @@ void attend(const float* q, int64_t qh, const float* k, const float* v, int64_t 
       scratch[h * t + j] = acc * scale;
     }
   }
-  std::vector<float> inv(G);
-  softmax_in_place(scratch, G, t, inv.data());
+  float* inv = scratch + G * t;
+  softmax_in_place(scratch, G, t, inv);
   for (int64_t h = 0; h < G; ++h) std::fill(out + h * oh, out + h * oh + d, 0.0f);
   for (int64_t j = 0; j < t; ++j) {  // weighted values, key by key for all heads
     const float* vj = v + j * ks;
@@ -153,8 +154,8 @@ AVX512_TARGET void attend_avx512(const float* q, int64_t qh, const float* k, con
       scratch[h * t + j] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
-  std::vector<float> inv(G);
-  softmax_in_place(scratch, G, t, inv.data());
+  float* inv = scratch + G * t;
+  softmax_in_place(scratch, G, t, inv);
   int64_t h = 0;
   for (; h + 2 <= G; h += 2)
     weighted_values<2>(v, ks, t, nc, scratch + h * t, scratch + (h + 1) * t, inv[h], inv[h + 1], out + h * oh,
@@ -207,7 +208,7 @@ torch::Tensor row_attention(torch::Tensor query, torch::Tensor key, torch::Tenso
   const bool fast = false;
 #endif
   at::parallel_for(0, B * q * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(G * T);
+    std::vector<float> scratch(G * T + G);  // scores and inverse sums of one task (attend)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task % Hkv, i = (task / Hkv) % q, b = task / (Hkv * q);
       const int64_t t = T - q + i + 1;
