@@ -121,8 +121,12 @@ class BenchmarkConfig:
     """New tokens per prompt of the reference row (None: max_new_tokens); fewer keep a slow reference short."""
     order: str = "prompt"
     """prompt: every row on one prompt before the next (drift hits all rows alike); row: one row over all prompts."""
-    bracket_base: bool = True
-    """order prompt: time target-only on each prompt before and after the other rows and keep the faster run."""
+    repeats: int = 2
+    """order prompt: run every row this many times on each prompt, in plan order and then reversed, alternately (so
+    drift and the shared host's slow phases, which last 10-20 s here, fall on early and late rows alike), and keep each
+    row's faster run on that prompt, its output checked equal (the minimum, as ``timeit`` advises: the cost without
+    interference from other processes; target-only thus runs before and after the other rows). 1: each row once, in
+    plan order. The reference row (``reference_compute``) runs once."""
     batch_size: int = 1
     """Engine rows decode this many prompts per batch (left padding, per-sequence draft lengths)."""
     cost_file: str | None = None
@@ -173,6 +177,8 @@ class BenchmarkConfig:
             raise ValueError(f"reference_max_new_tokens={self.reference_max_new_tokens}: must be >= 1 (or null)")
         if self.max_static < 1 or self.n_boot < 1:
             raise ValueError(f"max_static={self.max_static} and n_boot={self.n_boot} must be >= 1")
+        if self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats}: must be >= 1 (runs of every row per prompt)")
         for r in self.hf_rows:
             if r not in ("heuristic", "default") and not re.fullmatch(r"static:\d+", r):
                 raise ValueError(f"hf_rows: {r!r} is not one of static:K, heuristic, default")
@@ -243,15 +249,18 @@ class Row:
         """Engine rows: one stop decision as a fraction of one draft forward (``DecodeStats.stop_overhead``)."""
         return None if self.decode is None else self.decode.stop_overhead
 
-    def step_costs(self) -> dict[str, float | None]:
-        """Engine rows: the draft step and the verification pass the engine realised, in ms, and the pass's mean new
-        tokens (drafted + 1; analysis-only rows have no verification pass of their own)."""
+    def step_costs(self) -> dict[str, Any]:
+        """Engine rows: the draft step and the verification pass the engine realised, in ms, the passes' mean new
+        tokens and how many passes had each length (verified drafts + 1; analysis-only rows have no verification pass
+        of their own)."""
         d = self.decode
         passes = d.target_calls if d is not None and d.analysis_time == 0 else 0
+        lengths = [k + 1 for k in d.verified_lengths] if passes and d is not None else []
         return {
             "draft_ms_per_step": round(1000 * d.draft_time / d.draft_forwards, 2) if d and d.draft_forwards else None,
             "verify_ms_per_pass": round(1000 * d.target_time / passes, 2) if passes else None,
-            "verify_mean_tokens": round((self.draft_tokens + self.rounds) / passes, 2) if passes else None,
+            "verify_mean_tokens": round(float(np.mean(lengths)), 2) if lengths else None,
+            "verify_lengths": {str(L): lengths.count(L) for L in sorted(set(lengths))} or None,
         }
 
     @property
@@ -896,9 +905,16 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench) -> list[Row]:
     n = len(bench.prompts)
     for j, prompt in enumerate(bench.prompts):
         view = replace(bench, prompts=[prompt], offset=j, reference=None)
-        rows_j = {name: runner(view) for name, runner in plan}  # target-only first: the greedy oracle's look-ahead
-        if bench.cfg.bracket_base:
-            _bracket(rows_j[plan[0][0]], plan[0][1](view), j)
+        rows_j: dict[str, Row] = {}
+        for r in range(bench.cfg.repeats):  # target-only first in the first pass: the greedy oracle's look-ahead
+            for name, runner in plan if r % 2 == 0 else plan[::-1]:
+                if name not in rows_j:
+                    rows_j[name] = runner(view)
+                elif not rows_j[name].reference:
+                    rows_j[name] = _faster(rows_j[name], runner(view), j)
+        if bench.cfg.repeats > 1:
+            rows_j[plan[0][0]].note = (f"reference; per prompt the faster of {bench.cfg.repeats} runs, before and "
+                                       "after the other rows")
         if bench.cfg.curve_probes:
             bench.shared.setdefault("curve_probes", []).append(measure_curve(bench, repeats=1))
         for name, row in rows_j.items():
@@ -915,16 +931,14 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench) -> list[Row]:
     return [merged[name] for name, _ in plan]
 
 
-def _bracket(first: Row, again: Row, j: int) -> None:
-    """Target-only of one prompt timed before and after its other rows: keep the faster (a shared VM slows a minute
-    down now and then, by up to 3x measured here; the denominator of every ratio must not carry such a spike)."""
+def _faster(first: Row, again: Row, j: int) -> Row:
+    """One row run twice on prompt j: the faster run (a shared VM slows down for 10-20 s now and then, by up to 3x
+    measured here: neither a row nor the denominator of its ratios must carry such a spike), or the first when the
+    outputs differ (then only one run decoded each output; logged)."""
     if again.outputs != first.outputs:
-        log.warning("target-only gave other tokens on prompt %d the second time; keeping the first timing", j + 1)
-        return
-    if again.seconds[0] < first.seconds[0]:
-        first.seconds = again.seconds
-        first.prefill_seconds = again.prefill_seconds or first.prefill_seconds
-    first.note = "reference; per prompt the faster of two runs, before and after the other rows"
+        log.warning("%s gave other tokens on prompt %d the second time; keeping the first run", first.name, j + 1)
+        return first
+    return again if sum(again.seconds) < sum(first.seconds) else first
 
 
 def _log_row(i: int, n: int, name: str, rows: list[Row], seconds: float, t0: float) -> None:

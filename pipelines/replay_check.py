@@ -285,10 +285,21 @@ def replay_rows(folder: BenchFolder, policies: list[tuple[dict[str, Any], StopPo
     return out, data.note
 
 
+def curve_pass_seconds(row: dict[str, Any], cost_model: CostModel) -> float:
+    """The curve's mean seconds over the row's own verification passes: t(L) averaged over the lengths it verified
+    (``verify_lengths``), not t at their mean length, which a curve with a step (t(17) about twice t(16)) would
+    under-price for a row whose lengths vary; rows written before the lengths were kept: t(mean length)."""
+    hist = row.get("verify_lengths")
+    if not hist:
+        return cost_model.target_time(row["verify_mean_tokens"])
+    n = sum(hist.values())
+    return sum(c * cost_model.target_time(int(L)) for L, c in hist.items()) / n
+
+
 def compare_row(row: dict[str, Any], res: ReplayResult | None, note: str,
                 cost_model: CostModel | None = None) -> dict[str, Any]:
     """One row of the check: the engine's measured figures beside the replay's (``res`` None: not replayed), and the
-    step costs the engine realised beside the curve's (draft step; verification pass at the row's mean length)."""
+    step costs the engine realised beside the curve's (draft step; verification pass over the row's own lengths)."""
     rounds = row.get("rounds") or 0
     out: dict[str, Any] = dict.fromkeys(ROW_KEYS)
     out.update(row=row["row"], spec=row.get("spec"), measured_tokens_per_s=row.get("tokens_per_s"),
@@ -300,7 +311,7 @@ def compare_row(row: dict[str, Any], res: ReplayResult | None, note: str,
                    curve_draft_ms=round(1000 * cost_model.draft_s_per_token, 2))
     if cost_model is not None and row.get("verify_ms_per_pass") and row.get("verify_mean_tokens"):
         out.update(measured_verify_ms=row["verify_ms_per_pass"],
-                   curve_verify_ms=round(1000 * cost_model.target_time(row["verify_mean_tokens"]), 2))
+                   curve_verify_ms=round(1000 * curve_pass_seconds(row, cost_model), 2))
     if res is None or not res.time_s > 0:
         return out
     predicted = predicted_tokens_per_s(row, res.time_s / res.tokens)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,33 @@ def test_paired_bootstrap_interval_brackets_the_ratio():
     assert same == lo == hi == pytest.approx(1.0)
 
 
+def test_rows_repeat_in_alternating_order_and_keep_each_prompts_faster_run():
+    """repeats = 2: every row twice a prompt, in plan order then reversed; per prompt the faster run is kept, the
+    first when the outputs differ; the reference row runs once."""
+    from pipelines.benchmark import Bench, Row, run_rows
+
+    calls: list[tuple[int, str]] = []
+    times = {("a", 0): [3.0, 1.0], ("a", 1): [1.0, 2.0], ("b", 0): [2.0, 1.0], ("b", 1): [1.0, 1.0]}
+
+    def runner(name: str, reference: bool = False, outputs: Callable[[int], list[int]] = lambda k: [1, 2]):
+        def run(view: Bench) -> Row:
+            k = sum(1 for j, n in calls if j == view.offset and n == name)
+            calls.append((view.offset, name))
+            secs = times.get((name, view.offset), [1.0, 1.0])[k]
+            return Row(name, "engine", seconds=[secs], outputs=[outputs(k)], reference=reference)
+        return run
+
+    plan = [("target-only", runner("target-only")), ("a", runner("a")),
+            ("b", runner("b", outputs=lambda k: [k])), ("ref", runner("ref", reference=True))]
+    cfg = BenchmarkConfig(repeats=2, curve_probes=False, n_prompts=2)
+    bench = Bench(cfg, None, None, None, None, prompts=[[1], [2]], eos=[0])  # type: ignore[arg-type]
+    rows = {r.name: r for r in run_rows(plan, bench)}
+    assert calls[:7] == [(0, "target-only"), (0, "a"), (0, "b"), (0, "ref"), (0, "b"), (0, "a"), (0, "target-only")]
+    assert rows["a"].seconds == [1.0, 1.0] and rows["ref"].seconds == [1.0, 1.0]  # the faster of each prompt's runs
+    assert rows["b"].seconds == [2.0, 1.0] and rows["b"].outputs == [[0], [0]]  # outputs differ: the first run kept
+    assert "faster of 2 runs" in rows["target-only"].note
+
+
 def test_smoke_run(tmp_path, tiny_pair):
     from data_gen.models import model_fingerprint
     from predictors.export import export_predictor
@@ -136,7 +164,7 @@ def test_smoke_run(tmp_path, tiny_pair):
     assert ref["exact"] is None and ref["prompt_tokens"] == [3, 3] and "3 new tokens" in ref["note"]
     assert "look-ahead read from target-only's output" in rows["oracle"]["note"]  # greedy oracle: measured time
     assert len(rows["static:3"]["prefill_seconds"]) == 2
-    assert "faster of two runs" in rows["target-only"]["note"]  # bracketed: before and after the other rows
+    assert "faster of 2 runs" in rows["target-only"]["note"]  # repeats 2: before and after the other rows
     assert rows["hf:static:3"]["mean_accepted"] is not None and rows["hf:static:3"]["wasted_per_token"] >= 0
     assert rows["static:3"]["vs_best_entropy"] is not None and rows["target-only"]["vs_best_entropy"] is None
     spr = [r for r in result["rows"] if r["row"].startswith("sprinter")][0]
