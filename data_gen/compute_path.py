@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from data_gen import bf16_gemm
+from data_gen import bf16_gemm, native_layers
 from data_gen.native import NativeExtension
 
 log = logging.getLogger(__name__)
@@ -468,12 +468,15 @@ def use_row_invariant_attention(model: nn.Module, on: bool = True) -> bool:
     current = getattr(cfg, "_attn_implementation", None)
     if not on:
         if current == ROW_INVARIANT_ATTENTION:
+            native_layers.uninstall(model)  # they run the row-invariant kernel: back to transformers' layers
             model.set_attn_implementation("sdpa")
         return False
     if current not in ("sdpa", "eager", ROW_INVARIANT_ATTENTION):
         return False
     _register_attention()
     model.set_attn_implementation(ROW_INVARIANT_ATTENTION)
+    if getattr(model, "specstop_native_layers", False) and not native_layers.installed(model):
+        native_layers.install(model)
     return True
 
 
@@ -488,7 +491,7 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 def apply_compute_path(
     model: nn.Module, path: str, bf16_head: bool = False, min_elements: int = MIN_PACK_ELEMENTS, fuse: bool = True,
-    native_gemm: bool = True, int8_weights: bool = False, fp32_logits: bool = False,
+    native_gemm: bool = True, int8_weights: bool = False, fp32_logits: bool = False, native_layers_on: bool = True,
 ) -> dict[str, Any]:
     """Swap the model's large ``nn.Linear`` layers for :class:`PackedLinear` (in place) for a resolved ``path``.
 
@@ -516,6 +519,9 @@ def apply_compute_path(
             draft-side models only (``ModelSpec.int8_weights``): their proposals never change what exact decoding
             emits. Ignored where the kernel does not run (fp32 path, oneDNN, no AVX512-BF16): the model keeps its
             pack dtype, and ``weights_of`` says which it got (``weights`` in the fingerprint).
+        native_layers_on: run each decoder layer whose structure :mod:`data_gen.native_layers` reproduces as one native
+            call (with ``fuse``, on specstop's kernel, while the row-invariant attention is on): the same bits without
+            the Python around the layer, a third of a 0.5B draft's one-token step.
     Returns:
         stats: packed layer count (fused members included), fused groups, weight bytes before and after, the path.
     Raises:
@@ -574,7 +580,9 @@ def apply_compute_path(
         model.specstop_head_dtype = _head_dtype(model.get_output_embeddings() if head is not None else None)
         model.specstop_gemm = stats["gemm"]
         model.specstop_weights = stats["weights"]
+        model.specstop_native_layers = bool(native_layers_on and fuse)
         stats["row_invariant_attention"] = use_row_invariant_attention(model)
+        stats["native_layers"] = native_layers.installed(model)
         _detach_from_file(model)
     else:
         stats["compute_path"] = "eager"

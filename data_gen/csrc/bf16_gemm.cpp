@@ -329,6 +329,7 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, std::optional<t
   return npad == N ? out : out.narrow(1, 0, N).contiguous();
 }
 
+#ifndef SPECSTOP_NO_BINDINGS  // decoder_layer.cpp compiles this file in without its bindings
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "this CPU runs the kernel (AVX512-BF16)");
   m.def("pack", &pack, "W [N, K] -> [ceil(N/16), K/2, 16, 2] bfloat16");
@@ -338,3 +339,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("N"), pybind11::arg("scale") = pybind11::none(),
         pybind11::arg("fp32_out") = false);
 }
+#endif

@@ -228,6 +228,8 @@ torch::Tensor row_attention(torch::Tensor query, torch::Tensor key, torch::Tenso
   return out;
 }
 
+#ifndef SPECSTOP_NO_BINDINGS  // decoder_layer.cpp compiles this file in without its bindings
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_attention", &row_attention, "causal attention of q rows over a KV cache, each row as if alone");
 }
+#endif
