@@ -73,6 +73,11 @@ class DecodeStats:
     """Drafted tokens per sequence-round."""
     verified_lengths: list[int] = field(default_factory=list)
     """Drafted tokens sent to the target per sequence-round (fewer than drafted under the goodput rule)."""
+    prompt_passes: int = 0
+    """Sequence-rounds verified inside the target's pass over the prompt (each sequence's first: the target reads its
+    prompt together with the first drafts, so that pass's time is in ``prefill_time``, not ``target_time``)."""
+    prompt_pass_lengths: list[int] = field(default_factory=list)
+    """Drafted tokens verified in those passes (also in ``verified_lengths``)."""
     expected_tokens: list[float] = field(default_factory=list)
     """Goodput policies: tokens each sequence-round was expected to emit (1 + E[accepted] of the verified prefix)."""
     draft_forwards: int = 0
@@ -88,7 +93,8 @@ class DecodeStats:
     analysis_time: float = 0.0
     """Seconds in analysis-only target look-ahead (oracle); included in wall_time."""
     prefill_time: float = 0.0
-    """Seconds prefilling the prompts into every model's cache; included in wall_time."""
+    """Seconds prefilling the prompts into every model's cache (the target's pass over the prompts, which also verifies
+    the first drafts, included); included in wall_time."""
     wall_time: float = 0.0
     """Seconds of the whole call(s)."""
 
@@ -168,11 +174,13 @@ class _Stream:
 
     @torch.inference_mode()
     def forward(
-        self, tokens: list[list[int]], left_pad: bool, all_logits: bool, hidden: bool = False, tap: int | None = None
+        self, tokens: list[list[int]], left_pad: bool, all_logits: bool | int, hidden: bool = False,
+        tap: int | None = None
     ) -> tuple[Tensor, Tensor | None, list[list[int]]]:
-        """Feed each sequence its tokens (possibly none); returns (logits [B, n or 1, V], last hidden, cache
-        indices). With ``tap`` = N, ``self.tapped`` holds the [B, H] residual stream after the first N layers at the
-        last position (the states of a companion that is those layers)."""
+        """Feed each sequence its tokens (possibly none); returns (logits [B, n, V] of the last n positions, last
+        hidden, cache indices): n = every position (``all_logits`` True), the last (False) or the given count. With
+        ``tap`` = N, ``self.tapped`` holds the [B, H] residual stream after the first N layers at the last position
+        (the states of a companion that is those layers)."""
         batch = len(tokens)
         n = max(1, max(len(t) for t in tokens))
         device = self.mask.device
@@ -195,7 +203,7 @@ class _Stream:
                 past_key_values=self.cache,
                 use_cache=True,
                 output_hidden_states=hidden,
-                logits_to_keep=0 if all_logits else 1,
+                logits_to_keep=0 if all_logits is True else 1 if all_logits is False else int(all_logits),
             )
         h = out.hidden_states[-1][:, -1] if hidden else None
         self.tapped = seen[-1][:, -1] if seen else None
@@ -238,6 +246,8 @@ class _Decoding:
     """[B][N] target-only greedy output (the oracle's look-ahead without target steps), or None."""
     peek: bool = False
     """The oracle runs the target one step per drafted token (no reference given)."""
+    prompt_pending: list[bool] = field(default_factory=list)
+    """[B] the target has not read sequence b's prompt yet: its first verification pass reads it."""
 
     @property
     def batch(self) -> int:
@@ -446,7 +456,10 @@ class SpeculativeDecoder:
 
     def _prefill(self, input_ids: Tensor, mask: Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None,
                  seed: int | None) -> _Decoding:
-        """Fresh caches holding every prompt token but the last (each model's first pending input)."""
+        """Fresh draft (and companion) caches holding every prompt token but the last (their first pending input); the
+        target's is empty, its whole prompt pending: its first verification pass reads the prompt and the first drafts
+        in one forward (as transformers' assisted generation does: one target pass a prompt fewer than a prefill
+        followed by a first verification)."""
         device = self.target.device
         if eos_token_id is None:
             eos = set()
@@ -468,9 +481,11 @@ class SpeculativeDecoder:
         prompts = [input_ids[b][mask[b].bool()].tolist() for b in range(batch)]
         if input_ids.shape[1] > 1:
             for s in st.streams():
-                s.forward([p[:-1] for p in prompts], left_pad=True, all_logits=False)
-        st.t_pending = [[p[-1]] for p in prompts]
+                if s is not st.tgt:  # the target reads its prompt in the first verification pass, with the drafts
+                    s.forward([p[:-1] for p in prompts], left_pad=True, all_logits=False)
+        st.t_pending = [list(p) for p in prompts]
         st.d_pending = [[p[-1]] for p in prompts]
+        st.prompt_pending = [True] * batch
         return st
 
     def _padded_outputs(self, st: _Decoding) -> Tensor:
@@ -601,19 +616,27 @@ class SpeculativeDecoder:
         else:
             t_feed = [st.t_pending[b] + rnd.drafted[b][: n_sent[b]] for b in range(st.batch)]
         t_feed = [t_feed[b] if not st.done[b] else [] for b in range(st.batch)]
+        keep = 1 if st.peek else max(n_sent[b] + 1 for b in live)  # the positions that score drafts or the bonus
+        prompt = [b for b in live if st.prompt_pending[b] and not st.peek]
         t0 = clock(st.device)
-        tl, _, tidx = st.tgt.forward(t_feed, left_pad=False, all_logits=True)  # [B, n, V]
-        st.stats.target_time += clock(st.device) - t0
+        tl, _, tidx = st.tgt.forward(t_feed, left_pad=True, all_logits=keep)  # [B, keep, V], windows right-aligned
+        if prompt:  # the prompts' pass: the target's prefill, which verified the first drafts too
+            st.stats.prefill_time += clock(st.device) - t0
+        else:
+            st.stats.target_time += clock(st.device) - t0
         for b in range(st.batch):
             rnd.t_idx[b] += tidx[b]
         for b in live:
             k = n_sent[b]
             if st.peek:
-                logit_rows = rnd.peek_logits[b][:k] + [tl[b, 0]]
+                logit_rows = rnd.peek_logits[b][:k] + [tl[b, -1]]
             else:
-                logit_rows = [tl[b, j] for j in range(k + 1)]
+                logit_rows = [tl[b, keep - k - 1 + j] for j in range(k + 1)]
             emitted, n_acc, flags = self._verify(rnd.drafted[b][:k], rnd.q_rows[b][:k], logit_rows, st.gen)
             st.stats.verified_lengths.append(k)
+            if b in prompt:
+                st.stats.prompt_passes += 1
+                st.stats.prompt_pass_lengths.append(k)
             self.policy.update(RoundFeedback(n_drafted=k, n_accepted=n_acc, draft_probs=rnd.q_x[b][:k], accepted=flags))
             self._settle(st, rnd, b, emitted, n_acc)
 
@@ -628,8 +651,9 @@ class SpeculativeDecoder:
         stats.wasted += n_drafted - n_acc
         stats.accepted_lengths.append(n_acc)
         stats.draft_lengths.append(n_drafted)
-        st.tgt.discard(b, rnd.t_idx[b][1 + n_acc :])
+        st.tgt.discard(b, rnd.t_idx[b][len(st.t_pending[b]) + n_acc :])  # pending (the prompt at first) + accepted
         st.t_pending[b] = emitted[n_acc:]
+        st.prompt_pending[b] = False
         if n_drafted:
             fed = n_drafted - 1  # the draft never fed its last drafted token
             keep_n = min(n_acc, fed)

@@ -210,6 +210,9 @@ class ReplayResult:
     """Goodput policies: (drafted, verified) tokens of every round (to compare with the engine's)."""
     expected_tokens: float = 0.0
     """Goodput policies: tokens the rounds expected to emit (calibrated acceptance of the verified prefixes)."""
+    first_verify_s: float = 0.0
+    """Seconds of each sequence's first verification pass under the cost model (in ``time_s``): the engine runs it
+    inside the target's pass over the prompt, so a comparison with its measured prefill leaves it out."""
 
     def add_round(self, emitted: float, accepted: float, drafted: float, verified: float, seconds: float,
                   target_s_per_token: float, hist_key: int) -> None:
@@ -661,6 +664,8 @@ def _replay_round(rp: _Replay, a0: int, s: int, b0: int, plan: dict[int, int] | 
     v = rows[:nv]
     acc, a_int = _accepted(rp, v)
     t = n * rp.per_draft + rp.cm.target_time(nv + 1)
+    if s == a0:
+        rp.res.first_verify_s += rp.cm.target_time(nv + 1)
     # tokens past the stored end are not counted
     rp.res.add_round(min(acc + 1, rem), acc, n, nv, t, rp.cm.target_only_s_per_token, n)
     if rp.goodput is not None:

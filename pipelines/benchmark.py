@@ -49,6 +49,7 @@ import logging
 import re
 import textwrap
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -254,8 +255,15 @@ class Row:
         tokens and how many passes had each length (verified drafts + 1; analysis-only rows have no verification pass
         of their own)."""
         d = self.decode
-        passes = d.target_calls if d is not None and d.analysis_time == 0 else 0
-        lengths = [k + 1 for k in d.verified_lengths] if passes and d is not None else []
+        passes = d.target_calls - d.prompt_passes if d is not None and d.analysis_time == 0 else 0
+        lengths = []
+        if passes and d is not None:  # the passes over the prompts are the prefill's (their time is prefill_seconds)
+            in_prompt = Counter(d.prompt_pass_lengths)
+            for k in d.verified_lengths:
+                if in_prompt[k]:
+                    in_prompt[k] -= 1
+                else:
+                    lengths.append(k + 1)
         return {
             "draft_ms_per_step": round(1000 * d.draft_time / d.draft_forwards, 2) if d and d.draft_forwards else None,
             "verify_ms_per_pass": round(1000 * d.target_time / passes, 2) if passes else None,
@@ -302,6 +310,7 @@ class Row:
             "identical_prompts": self.identical_prompts,
             "prompt_tokens": [len(o) for o in self.outputs], "prompt_seconds": [round(x, 4) for x in self.seconds],
             "prefill_seconds": [round(x, 4) for x in self.prefill_seconds] or None,
+            "prompt_passes": self.decode.prompt_passes if self.decode is not None else None,
             **self.step_costs(),
         }
 
@@ -570,7 +579,8 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
         n_new = [len(o) for o in row.outputs[-len(chunk):]]
         row.seconds += [seconds * n / max(sum(n_new), 1) for n in n_new]
     assert total is not None
-    row.rounds, row.accepted, row.target_calls = total.rounds, total.accepted, total.target_calls
+    row.rounds, row.accepted = total.rounds, total.accepted
+    row.target_calls = total.target_calls - total.prompt_passes  # target passes after each prompt's (the prefill's)
     row.draft_tokens, row.decode = total.draft_tokens, total
     if total.analysis_time > 0:
         row.note = "analysis only: time estimated (look-ahead replaced by the measured verification curve)"

@@ -314,7 +314,8 @@ def compare_row(row: dict[str, Any], res: ReplayResult | None, note: str,
                    curve_verify_ms=round(1000 * curve_pass_seconds(row, cost_model), 2))
     if res is None or not res.time_s > 0:
         return out
-    predicted = predicted_tokens_per_s(row, res.time_s / res.tokens)
+    merged = res.first_verify_s if row.get("prompt_passes") else 0.0  # verified inside the measured prefill
+    predicted = predicted_tokens_per_s(row, (res.time_s - merged) / res.tokens)
     measured = row.get("tokens_per_s") or 0.0
     out.update(predicted_tokens_per_s=round(predicted, 3), predicted_speedup=round(res.speedup, 4),
                ratio=round(predicted / measured, 4) if measured > 0 else None,
@@ -326,9 +327,10 @@ def compare_row(row: dict[str, Any], res: ReplayResult | None, note: str,
 
 def predicted_tokens_per_s(row: dict[str, Any], curve_s_per_token: float) -> float:
     """The engine row's tokens/s as the replay predicts it: the row's tokens at the replay's seconds per token under
-    the curve (its rounds' draft steps and verification passes), plus the row's own measured prefill (draft and target
-    caches filled with the prompt: the same for every policy, not in the curve). Reports without prefill times: the
-    replay's own tokens/s.
+    the curve (its rounds' draft steps and verification passes; the caller leaves out each prompt's first
+    verification pass, which the engine runs inside the target's pass over the prompt), plus the row's own measured
+    prefill (draft cache filled with the prompt, the target's pass over it: not in the curve). Reports without prefill
+    times: the replay's own tokens/s.
 
     Not anchored on target-only's measured time (the check before the tenth session divided it by the replayed
     speedup): target-only is timed through ``generate`` and bracketed (the faster of two runs per prompt), so its

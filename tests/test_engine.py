@@ -74,6 +74,30 @@ def test_greedy_equals_target_only(pair, spec):
     assert len(stats.accepted_lengths) == stats.rounds == stats.target_calls
 
 
+def test_the_target_reads_each_prompt_with_the_first_drafts_in_one_pass(pair):
+    """No separate target prefill: its pass over the prompt verifies the first drafts (as transformers' assisted
+    generation does), booked as prefill; a left-padded batch of prompts of other lengths decodes as each alone."""
+    draft, target = pair
+    calls: list[int] = []
+    hook = target.register_forward_hook(lambda _m, args, kw, _o: calls.append(kw["input_ids"].shape[1]),
+                                        with_kwargs=True)
+    try:
+        dec = SpeculativeDecoder(draft, target, build_policy("static:4"))
+        out, stats = dec.generate(PROMPT, None, max_new_tokens=20, eos_token_id=None, seed=0)
+    finally:
+        hook.remove()
+    assert len(calls) == stats.target_calls == stats.rounds  # every target pass verifies
+    assert calls[0] == PROMPT.shape[1] + stats.draft_lengths[0] and stats.prompt_passes == 1
+    assert stats.prompt_pass_lengths == stats.verified_lengths[:1] and stats.prefill_time > 0
+    short = PROMPT[:, 4:]
+    batch = torch.cat([PROMPT, torch.cat([torch.full((1, 4), 256), short], 1)])
+    mask = torch.cat([torch.ones_like(PROMPT), torch.cat([torch.zeros(1, 4), torch.ones_like(short)], 1)]).long()
+    both, st = dec.generate(batch, mask, max_new_tokens=20, eos_token_id=None, seed=0)
+    alone, _ = dec.generate(short, None, max_new_tokens=20, eos_token_id=None, seed=0)
+    assert both[0].tolist() == out[0].tolist() and st.prompt_passes == 2
+    assert both[1, PROMPT.shape[1]:].tolist() == alone[0, short.shape[1]:].tolist()
+
+
 def test_oracle_reads_the_reference_output_instead_of_target_steps(pair):
     """Given target-only's output, the oracle drafts exactly the same rounds as when it peeks at the target, without a
     target step per drafted token (no analysis time), and its output is still target-only's."""
