@@ -580,10 +580,10 @@ def apply_compute_path(
         model.specstop_head_dtype = _head_dtype(model.get_output_embeddings() if head is not None else None)
         model.specstop_gemm = stats["gemm"]
         model.specstop_weights = stats["weights"]
+        _detach_from_file(model)  # first: a native layer keeps its norms' tensors, which must not hold the file
         model.specstop_native_layers = bool(native_layers_on and fuse)
         stats["row_invariant_attention"] = use_row_invariant_attention(model)
         stats["native_layers"] = native_layers.installed(model)
-        _detach_from_file(model)
     else:
         stats["compute_path"] = "eager"
     return stats

@@ -48,7 +48,11 @@ def installed(model: nn.Module) -> int:
 
 
 def install(model: nn.Module) -> int:
-    """Make every qualifying decoder layer of a packed model run as one native call; returns how many."""
+    """Make every qualifying decoder layer of a packed model run as one native call; returns how many.
+
+    The native layers hold the model's own tensors (no copies): install once the weights no longer view the
+    safetensors file (``compute_path._detach_from_file``), or a norm's view keeps the whole mapped file resident (the
+    1.5B target's RSS 6.3 -> 15.8 GB when installed before)."""
     from data_gen.compute_path import ROW_INVARIANT_ATTENTION
 
     cfg = getattr(model, "config", None)
