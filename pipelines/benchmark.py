@@ -113,6 +113,11 @@ class BenchmarkConfig:
     ``hfp:<spec>`` runs the spec inside transformers' generate."""
     predictors: list[str] = field(default_factory=list)
     """Learned predictors for the engine: export folders or models:/<name>@champion."""
+    tune_predictors: bool = True
+    """Tune each thresholded learned predictor on the validation split of ``tune_data_dir`` under this run's curve,
+    as ``<baseline>:tuned`` rows are (the export's threshold was tuned by the main job under its own curve, measured in
+    another run, maybe another phase of the host: thresholded rows then compare unlike with like); false keeps the
+    export's threshold."""
     hf_rows: list[str] = field(default_factory=lambda: ["static:5", "heuristic", "default"])
     """transformers assisted-generation rows: static:K, heuristic, default."""
     reference_compute: str | None = "eager"
@@ -652,6 +657,51 @@ def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[An
     return out
 
 
+def tune_predictors(specs: Sequence[str], bench: Bench) -> dict[str, tuple[Any, str, dict[str, Any]]]:
+    """Thresholded learned predictors (export folders, registry refs) -> (policy at the threshold that replays fastest
+    on the validation split under the bench's cost model, label, how to rebuild it), as :func:`tune_on_validation`
+    tunes the training-free ones (an approximate policy as if every drafted token were verified, as the main job does:
+    ``evaluation.replay.tune_threshold``). Cost-aware and transformers rows have no threshold and are left out."""
+    from decoding.policies import build_policy, policy_label
+    from evaluation.replay import missing_columns, tune_threshold, with_threshold
+    from pipelines.evaluate import load_columns, subset
+    from predictors.base import SEQUENTIAL
+    from predictors.labels import draw_mask
+
+    cfg, cm = bench.cfg, bench.cost_model
+    assert cm is not None and cfg.tune_data_dir is not None
+    pols = {}
+    for spec in specs:
+        if spec.startswith(("hfp:", "goodput:")):
+            continue
+        pol = build_policy(spec, draft=bench.draft, draft_tokenizer=bench.tokenizer, max_draft_len=cfg.max_draft_len,
+                           force=cfg.force)
+        if pol.has_threshold and pol.verification in (THRESHOLD, SEQUENTIAL):
+            pols[spec] = pol
+    if not pols:
+        return {}
+    mode = "sampling" if cfg.temperature > 0 else "greedy"
+    extra = tuple(sorted({c for p in pols.values() for c in p.required_columns}))
+    cols = load_columns(cfg.tune_data_dir, splits=["val"], extra_columns=extra)
+    mask = draw_mask(cols, "greedy" if mode == "greedy" else "sample")
+    if mask is not None:
+        cols = subset(cols, mask)
+    out: dict[str, tuple[Any, str, dict[str, Any]]] = {}
+    for spec, pol in pols.items():
+        miss = missing_columns(pol, cols)
+        if miss:
+            log.warning("%s keeps its export's threshold %.4g: the validation data in %s lacks %s", spec,
+                        pol.threshold, cfg.tune_data_dir, miss)
+            continue
+        thr, sp = tune_threshold(pol, cols, cm, split=None, mode=mode)
+        log.info("%s tuned on val under this run's curve: threshold %.4g (export's %.4g; replayed speedup %.2f)",
+                 spec, thr, pol.threshold, sp)
+        base = policy_label(spec, pol)
+        label = f"{base[:-1]}, val-tuned {thr:.3g})" if base.endswith(")") else f"{base} (val-tuned {thr:.3g})"
+        out[spec] = (with_threshold(pol, thr), label, {"spec": spec, "threshold": thr})
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------- report
 COLUMNS = ("row", "tokens_per_s", "speedup", "vs_best_entropy", "vs_best_thresholded", "mean_accepted",
            "mean_drafted", "target_calls_per_token", "wasted_per_token", "stop_overhead", "identical_prompts",
@@ -857,6 +907,8 @@ Runner = Callable[[Bench], Row]
 def row_plan(cfg: BenchmarkConfig, bench: Bench) -> list[tuple[str, Runner]]:
     """(name, runner) for every row, in order; target-only first."""
     tuned = tune_on_validation(cfg.policies, bench)
+    if cfg.tune_predictors and cfg.tune_data_dir is not None:
+        tuned.update(tune_predictors(cfg.predictors, bench))
     plan: list[tuple[str, Runner]] = [("target-only", lambda b: run_target_only(b))]
     for kind in cfg.hf_rows:
         plan.append((f"hf:{kind}", lambda b, k=kind: run_hf(b, k)))

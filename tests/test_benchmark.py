@@ -121,6 +121,7 @@ def test_rows_repeat_in_alternating_order_and_keep_each_prompts_faster_run():
 
 def test_smoke_run(tmp_path, tiny_pair):
     from data_gen.models import model_fingerprint
+    from predictors.baselines import SVIP
     from predictors.export import export_predictor
     from predictors.inputs import FeatureSpec
     from predictors.sprinter import SprinterNet, SprinterPolicy
@@ -131,6 +132,7 @@ def test_smoke_run(tmp_path, tiny_pair):
     sprinter = SprinterPolicy(SprinterNet(draft.config.hidden_size), FeatureSpec.for_sprinter(draft.config.hidden_size),
                               threshold=0.5, max_draft_len=6)
     export_predictor(sprinter, tmp_path / "sprinter", {"draft_fingerprint": model_fingerprint(draft, tok)})
+    export_predictor(SVIP(0.99), tmp_path / "svip-export", {"draft_fingerprint": model_fingerprint(draft, tok)})
     out = tmp_path / "bench"
     argv = [
         "--config", str(ROOT / "configs" / "benchmark-smoke.yaml"),
@@ -141,7 +143,7 @@ def test_smoke_run(tmp_path, tiny_pair):
         "--reference_max_new_tokens", "3",
         "--policies", '["static:3", "svip:0.3", "oracle", "hfp:svip:0.3", "static:best", "adaedl:tuned", "svip:tuned"]',
         "--tune_data_dir", str(tmp_path / "data"), "--max_static", "4",
-        "--predictors", json.dumps([str(tmp_path / "sprinter")]),
+        "--predictors", json.dumps([str(tmp_path / "sprinter"), str(tmp_path / "svip-export")]),
         "--hf_rows", '["static:3"]',
     ]
     result = main(argv)
@@ -169,6 +171,9 @@ def test_smoke_run(tmp_path, tiny_pair):
     assert rows["static:3"]["vs_best_entropy"] is not None and rows["target-only"]["vs_best_entropy"] is None
     spr = [r for r in result["rows"] if r["row"].startswith("sprinter")][0]
     assert spr["rouge_l"] is not None and "approximate" in spr["note"]
+    assert "val-tuned" not in spr["row"] and spr["threshold"] is None  # no draft_hidden to tune on: the export's
+    exported = [r for r in result["rows"] if r["row"].startswith("svip (svip-export, val-tuned")]
+    assert len(exported) == 1 and exported[0]["threshold"] is not None  # a thresholded export, tuned on val here
     assert "target verification curve" in (out / "benchmark.md").read_text()
     for f in ("benchmark.md", "benchmark.json", "speedup.png", "config.yaml", "cost_model.json"):
         assert (out / f).is_file(), f
