@@ -134,21 +134,19 @@ def _native_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask
                     **kwargs: Any) -> torch.Tensor:
     """The decoder layer's forward: natively when it gives transformers' result, else transformers' own."""
     cache = _cache_layer(past_key_values, self.self_attn.layer_idx)
-    if cache is None or not _native_inputs(self, hidden_states, position_embeddings):
-        return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                  past_key_values=past_key_values, use_cache=use_cache,
-                                  position_embeddings=position_embeddings, **kwargs)
-    if not cache.is_initialized:
-        cache.lazy_initialization(hidden_states, hidden_states)  # empty keys / values of the activations' dtype
-    if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 4
-                                       or attention_mask.shape[-1] != _seq_len(cache) + hidden_states.shape[1]):
-        return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                  past_key_values=past_key_values, use_cache=use_cache,
-                                  position_embeddings=position_embeddings, **kwargs)
-    cos, sin = position_embeddings  # type: ignore[misc]
-    mask = _NO_MASK if attention_mask is None else attention_mask
-    h, cache.keys, cache.values = self.specstop_native.forward(hidden_states, cos, sin, mask, cache.keys, cache.values)
-    return h
+    if cache is not None and _native_inputs(self, hidden_states, position_embeddings):
+        if not cache.is_initialized:
+            cache.lazy_initialization(hidden_states, hidden_states)  # empty keys / values of the activations' dtype
+        if attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.dim() == 4
+                                      and attention_mask.shape[-1] == _seq_len(cache) + hidden_states.shape[1]):
+            cos, sin = position_embeddings  # type: ignore[misc]
+            mask = _NO_MASK if attention_mask is None else attention_mask
+            h, cache.keys, cache.values = self.specstop_native.forward(hidden_states, cos, sin, mask, cache.keys,
+                                                                       cache.values)
+            return h
+    return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                              past_key_values=past_key_values, use_cache=use_cache,
+                              position_embeddings=position_embeddings, **kwargs)
 
 
 def _native_inputs(layer: nn.Module, h: torch.Tensor, position_embeddings: Any) -> bool:

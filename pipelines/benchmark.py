@@ -261,19 +261,15 @@ class Row:
         of their own)."""
         d = self.decode
         passes = d.target_calls - d.prompt_passes if d is not None and d.analysis_time == 0 else 0
-        lengths = []
-        if passes and d is not None:  # the passes over the prompts are the prefill's (their time is prefill_seconds)
-            in_prompt = Counter(d.prompt_pass_lengths)
-            for k in d.verified_lengths:
-                if in_prompt[k]:
-                    in_prompt[k] -= 1
-                else:
-                    lengths.append(k + 1)
+        hist = Counter()  # new tokens (verified drafts + 1) of the passes after the prompts' (those are the prefill's)
+        if passes and d is not None:
+            hist = Counter(k + 1 for k in d.verified_lengths) - Counter(k + 1 for k in d.prompt_pass_lengths)
+        n = sum(hist.values())
         return {
             "draft_ms_per_step": round(1000 * d.draft_time / d.draft_forwards, 2) if d and d.draft_forwards else None,
             "verify_ms_per_pass": round(1000 * d.target_time / passes, 2) if passes else None,
-            "verify_mean_tokens": round(float(np.mean(lengths)), 2) if lengths else None,
-            "verify_lengths": {str(L): lengths.count(L) for L in sorted(set(lengths))} or None,
+            "verify_mean_tokens": round(sum(L * c for L, c in hist.items()) / n, 2) if n else None,
+            "verify_lengths": {str(L): hist[L] for L in sorted(hist)} or None,
         }
 
     @property
@@ -618,8 +614,6 @@ def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[An
     draws; sampling: sampled draws)."""
     from decoding.policies import build_policy
     from evaluation.replay import ReplayConfig, prepare_replay_data, replay_policy, tune_threshold, with_threshold
-    from pipelines.evaluate import load_columns, subset
-    from predictors.labels import draw_mask
 
     wanted = [s for s in specs if _needs_tuning(s)]
     if not wanted:
@@ -630,11 +624,7 @@ def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[An
         raise ValueError(f"--tune_data_dir {cfg.tune_data_dir}: no such folder; run the main job first (python -m "
                          f"pipelines.train --config configs/default.yaml writes outputs/default/data) or give a data "
                          f"folder written by pipelines.generate")
-    mode = "sampling" if cfg.temperature > 0 else "greedy"
-    cols = load_columns(cfg.tune_data_dir, splits=["val"])
-    mask = draw_mask(cols, "greedy" if mode == "greedy" else "sample")  # one draw per position, as the replay reads
-    if mask is not None:
-        cols = subset(cols, mask)
+    mode, cols = _validation_columns(bench)
     out: dict[str, tuple[Any, str, dict[str, Any]]] = {}
     for spec in wanted:
         if spec == "static:best":
@@ -657,6 +647,20 @@ def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[An
     return out
 
 
+def _validation_columns(bench: Bench, extra: tuple[str, ...] = ()) -> tuple[str, dict[str, np.ndarray]]:
+    """(decoding mode, the validation split of ``cfg.tune_data_dir`` with one draw per position, as the replay reads:
+    argmax draws for greedy decoding, sampled ones for sampling), ``extra`` columns included when present."""
+    from pipelines.evaluate import load_columns, subset
+    from predictors.labels import draw_mask
+
+    cfg = bench.cfg
+    assert cfg.tune_data_dir is not None
+    mode = "sampling" if cfg.temperature > 0 else "greedy"
+    cols = load_columns(cfg.tune_data_dir, splits=["val"], extra_columns=extra)
+    mask = draw_mask(cols, "greedy" if mode == "greedy" else "sample")
+    return mode, subset(cols, mask) if mask is not None else cols
+
+
 def tune_predictors(specs: Sequence[str], bench: Bench) -> dict[str, tuple[Any, str, dict[str, Any]]]:
     """Thresholded learned predictors (export folders, registry refs) -> (policy at the threshold that replays fastest
     on the validation split under the bench's cost model, label, how to rebuild it), as :func:`tune_on_validation`
@@ -664,9 +668,7 @@ def tune_predictors(specs: Sequence[str], bench: Bench) -> dict[str, tuple[Any, 
     ``evaluation.replay.tune_threshold``). Cost-aware and transformers rows have no threshold and are left out."""
     from decoding.policies import build_policy, policy_label
     from evaluation.replay import missing_columns, tune_threshold, with_threshold
-    from pipelines.evaluate import load_columns, subset
     from predictors.base import SEQUENTIAL
-    from predictors.labels import draw_mask
 
     cfg, cm = bench.cfg, bench.cost_model
     assert cm is not None and cfg.tune_data_dir is not None
@@ -680,12 +682,7 @@ def tune_predictors(specs: Sequence[str], bench: Bench) -> dict[str, tuple[Any, 
             pols[spec] = pol
     if not pols:
         return {}
-    mode = "sampling" if cfg.temperature > 0 else "greedy"
-    extra = tuple(sorted({c for p in pols.values() for c in p.required_columns}))
-    cols = load_columns(cfg.tune_data_dir, splits=["val"], extra_columns=extra)
-    mask = draw_mask(cols, "greedy" if mode == "greedy" else "sample")
-    if mask is not None:
-        cols = subset(cols, mask)
+    mode, cols = _validation_columns(bench, tuple(sorted({c for p in pols.values() for c in p.required_columns})))
     out: dict[str, tuple[Any, str, dict[str, Any]]] = {}
     for spec, pol in pols.items():
         miss = missing_columns(pol, cols)
