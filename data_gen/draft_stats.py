@@ -13,6 +13,7 @@ callers compute the same quantities with torch ops (``data_gen.features``).
 Usage::
 
     stats = draft_stats(logits, tokens, k=10, temperature=0.0)   # [N, 2 + k] or None
+    tokens, stats = greedy_draft_stats(logits, k=10)              # greedy: the argmax and its statistics at once
     entropy, q, topk = stats[:, 0], stats[:, 1], stats[:, 2:]
     score = disco_score(topk, [position], [8.0], [False], (w1, b1, w2, b2), (-1, 1.0, 0.0))  # DiscoPolicy's
 """
@@ -28,7 +29,7 @@ from data_gen.native import NativeExtension
 
 log = logging.getLogger(__name__)
 
-__all__ = ["draft_stats", "pair_stats", "sample_tokens", "disco_score", "native_available"]
+__all__ = ["draft_stats", "greedy_draft_stats", "pair_stats", "sample_tokens", "disco_score", "native_available"]
 
 _EXT = NativeExtension("specstop_draft_stats", "draft_stats.cpp", "native draft statistics")
 
@@ -53,8 +54,27 @@ def draft_stats(logits: Tensor, tokens: Tensor, k: int, temperature: float = 0.0
     if mod is None:
         return None
     lead = logits.shape[:-1]
-    out = mod.draft_stats(_rows(logits, logits.shape[-1]), tokens.reshape(-1).long(), int(k), float(temperature))
+    out = mod.draft_stats(_rows(logits, logits.shape[-1]), tokens.reshape(-1).long(), int(k), float(temperature),
+                          False)
     return out.reshape(*lead, 2 + k)
+
+
+def greedy_draft_stats(logits: Tensor, k: int, name: str = "draft") -> tuple[Tensor, Tensor] | None:
+    """Greedy decoding's draft step in one native call: [B, V] logits -> ([B] int64 tokens, each row's first argmax as
+    ``torch.argmax`` picks it; [B, 2 + k] their :func:`draft_stats`), the argmax read off the statistics' own passes.
+    FloatingPointError naming ``name`` when a row's logits hold NaN or inf; None when the native path does not apply
+    (then ``argmax`` and :func:`draft_stats`)."""
+    if logits.device.type != "cpu" or k < 1 or logits.dim() != 2:
+        return None
+    mod = _load()
+    if mod is None:
+        return None
+    try:
+        return mod.greedy_stats(_rows(logits, logits.shape[-1]), int(k), True)
+    except RuntimeError as e:
+        if "non-finite logits" in str(e):
+            raise FloatingPointError(f"{name} logits contain NaN or inf") from e
+        raise
 
 
 def pair_stats(draft_logits: Tensor, other_logits: Tensor, tokens: Tensor, temperature: float = 0.0

@@ -113,6 +113,7 @@ def token_features(
     temperature: float = 1.0,
     top_p: float = 1.0,
     columns: Collection[str] | None = None,
+    stats: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-draft-token features and raw label quantities.
 
@@ -130,6 +131,9 @@ def token_features(
         columns: the draft columns wanted (a decoder passes its policy's ``required_columns``): ``draft_entropy`` and
             the top-k ones (``draft_max_prob``, ``draft_topk``) are skipped when not named (``draft_token`` and ``q``
             always come, and every target / companion column of the logits given); None computes all.
+        stats: these logits' and tokens' native statistics when the caller has them already (the engine's greedy draft
+            step, ``data_gen.draft_stats.greedy_draft_stats``, which also checked them finite), at least ``top_k``
+            wide; used when the native path applies.
     Returns:
         dict of tensors with leading shape [...]: ``draft_token, q, draft_entropy, draft_max_prob, draft_topk [...,
         k]``,
@@ -139,9 +143,12 @@ def token_features(
     want_topk = columns is None or "draft_max_prob" in columns or "draft_topk" in columns
     # without a nucleus cut, on one CPU: native statistics (data_gen.draft_stats), else torch ops over probabilities
     one_cpu = all(t is None or t.device == draft_logits.device for t in (target_logits, companion_logits))
-    stats = draft_stats(draft_logits, draft_tokens, max(1, top_k), temperature) if top_p >= 1.0 and one_cpu else None
+    native = top_p >= 1.0 and one_cpu
+    if stats is None or not native:
+        stats = draft_stats(draft_logits, draft_tokens, max(1, top_k), temperature) if native else None
+        if stats is not None:
+            _check_finite("draft", stats[..., 0])  # the native calls put NaN in rows with NaN or inf logits
     if stats is not None:
-        _check_finite("draft", stats[..., 0])  # the native calls put NaN in rows with NaN or inf logits
         q, q_entropy = stats[..., 1], stats[..., 0]
         topk = stats[..., 2: 2 + min(max(1, top_k), draft_logits.shape[-1])]
     else:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from data_gen.draft_stats import native_available
+from data_gen.draft_stats import greedy_draft_stats, native_available
 from data_gen.features import COMPANION_COLUMNS, probs_from_logits, token_features
 from data_gen.models import layer_output, shared_depth
 from data_gen.timing import CostModel, clock, measure_cost_model
@@ -89,7 +89,8 @@ class DecodeStats:
     stop_decisions: int = 0
     """Batched stop decisions taken (one per draft step)."""
     stop_time: float = 0.0
-    """Seconds computing features and policy decisions."""
+    """Seconds computing features and policy decisions (in greedy decoding on a CPU also the drafted token's argmax,
+    which the features' native pass reads off for free)."""
     analysis_time: float = 0.0
     """Seconds in analysis-only target look-ahead (oracle); included in wall_time."""
     prefill_time: float = 0.0
@@ -347,9 +348,12 @@ class SpeculativeDecoder:
         """N when the companion's layers are the draft's first N (``data_gen.models.share_truncated_layers``, as
         ``load_models`` loads a ``truncated:N:<draft>`` companion): its states come from the draft's step and only its
         final norm and LM head run."""
-        if next(draft.parameters()).device.type == "cpu":
-            native_available()  # build / load the native statistics now, not inside the first timed decision
         self.temperature, self.top_p = float(temperature), float(top_p)
+        # (builds / loads the native statistics now, not inside the first timed decision)
+        self._fused_greedy = (next(draft.parameters()).device.type == "cpu" and native_available()
+                              and self.temperature == 0 and self.top_p >= 1.0)
+        """Greedy on a CPU with the native statistics: each draft step's argmax and stop features in one call
+        (``data_gen.draft_stats.greedy_draft_stats``)."""
         self.max_draft_len, self.top_k_features = int(max_draft_len), int(top_k_features)
         self.cost_model = cost_model
         self.needs_hidden = "draft_hidden" in policy.required_columns
@@ -358,10 +362,19 @@ class SpeculativeDecoder:
         self.goodput = policy.verification == GOODPUT
         policy.use_mode(mode_of(self.temperature))  # a goodput policy picks its calibration map (or names the fix)
         self._cost: goodput.RoundCost | None = None
+        self._positions: dict[tuple[int, int, torch.device], Tensor] = {}
         if self.goodput and cost_model is not None:
             self._cost = self._round_cost()
 
     # ------------------------------------------------------------------ helpers
+    def _position(self, batch: int, step: int, device: torch.device) -> Tensor:
+        """[batch] int64 filled with ``step``, made once per (batch, step, device): not a tensor op per decision."""
+        key = (batch, step, device)
+        pos = self._positions.get(key)
+        if pos is None:
+            pos = self._positions[key] = torch.full((batch,), step, dtype=torch.long, device=device)
+        return pos
+
     def _probs(self, logits: Tensor) -> Tensor:
         return probs_from_logits(logits, self.temperature, self.top_p)
 
@@ -531,14 +544,18 @@ class SpeculativeDecoder:
         logits = logits[:, -1]  # [B, V]
         for b in range(st.batch):
             rnd.d_idx[b] += idx[b]
-        tok = self._pick(logits, st.gen)  # [B]
+        # greedy on a CPU: the token is the argmax that the features' native pass finds (one call for both)
+        tok = None if self._fused_greedy else self._pick(logits, st.gen)  # [B]
         t_logits = self._peek_target(st, rnd, step) if st.peek else None  # [B, V]
         t0 = clock(st.device)
+        # (all threads: the native call shares a single row's vocabulary among them)
+        picked = greedy_draft_stats(logits, max(1, self.top_k_features)) if tok is None else None
+        tok, stats = picked if picked is not None else (tok if tok is not None else self._pick(logits, st.gen), None)
         with _one_thread(st.device):
             feats = token_features(logits, tok, target_logits=t_logits, companion_logits=c_logits, draft_hidden=hid,
                                    top_k=self.top_k_features, temperature=self.temperature, top_p=self.top_p,
-                                   columns=self.policy.required_columns)
-            feats["position"] = torch.full((st.batch,), step, dtype=torch.long, device=st.device)
+                                   columns=self.policy.required_columns, stats=stats)
+            feats["position"] = self._position(st.batch, step, st.device)
             if self.analysis and not st.peek:
                 feats["greedy_match"] = self._reference_match(st, rnd, tok)
             keep, sc = self._decide(feats, rnd)

@@ -155,15 +155,23 @@ class DiscoNet(nn.Module):
         out = out[:, 0]
         return out + self.prior(x) if self.prior_index >= 0 else out
 
-    def folded(self) -> tuple[Tensor, Tensor, Tensor, float, tuple[int, float, float]]:
+    def folded(self, check: bool = True) -> tuple[Tensor, Tensor, Tensor, float, tuple[int, float, float]]:
         """The plain head's eval network with the standardisation folded into the first layer: (w1 = W / std [H, D],
         b1 = b - w1 mean [H], w2 [H] (the logit's row of the output layer), b2, prior (index, scale, bias; index -1
-        without one)), recomputed when a parameter was moved, reloaded or trained."""
+        without one)), recomputed when a parameter was moved, reloaded or trained.
+
+        ``check=False`` returns the fold made last without comparing the parameters' pointers and versions (sixteen
+        attribute reads, tens of microseconds right after a draft forward): the engine's per-token decisions, after
+        :meth:`DiscoPolicy.reset` checked it when the sequence started. Moving the net, loading a state dict and
+        switching train / eval drop the fold in any case."""
+        fold = self.__dict__.get("_fold")
+        if not check and fold is not None:
+            return fold
         first = self.body[0]
         params = (first.weight, first.bias, self.norm.mean, self.norm.std, self.head.weight, self.head.bias,
                   *((self.prior.scale, self.prior.bias) if self.prior_index >= 0 else ()))
         key = tuple((t.data_ptr(), t._version) for t in params)
-        if getattr(self, "_fold_key", None) != key:
+        if fold is None or self.__dict__.get("_fold_key") != key:
             with torch.no_grad():
                 w = first.weight / self.norm.std
                 prior = ((self.prior_index, float(self.prior.scale), float(self.prior.bias)) if self.prior_index >= 0
@@ -172,6 +180,21 @@ class DiscoNet(nn.Module):
                               self.head.weight[0].contiguous(), float(self.head.bias[0]), prior)
             self._fold_key = key
         return self._fold
+
+    def _drop_fold(self) -> None:
+        self.__dict__.pop("_fold", None)
+
+    def train(self, mode: bool = True) -> DiscoNet:
+        self._drop_fold()
+        return super().train(mode)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DiscoNet:
+        self._drop_fold()
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._drop_fold()
+        super()._load_from_state_dict(*args, **kwargs)
 
 
 class DiscoPolicy(LearnedPolicy):
@@ -196,13 +219,20 @@ class DiscoPolicy(LearnedPolicy):
         self._logs = [False, *(e.startswith(LOG_PREFIX) for e in spec.extra)]
         self._native = spec.parts == ("disco",) and not net.hidden_dim
 
+    def reset(self) -> None:
+        """A sequence starts: the folded network is checked against the parameters here (its per-token calls skip
+        the check, :meth:`DiscoNet.folded`)."""
+        super().reset()
+        if self._native and not self.net.training:
+            self.net.folded()
+
     @torch.no_grad()
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
         if self._native and not self.net.training:
             topk = features.get("draft_topk")
             cols = [features.get(c) for c in self._scalars]
             if isinstance(topk, Tensor) and topk.dim() == 2 and all(isinstance(c, Tensor) for c in cols):
-                w1, b1, w2, b2, prior = self.net.folded()
+                w1, b1, w2, b2, prior = self.net.folded(check=False)
                 if w1.device.type == "cpu":
                     out = disco_score(topk, cols, self._divisors, self._logs, (w1, b1, w2, b2), prior)
                     if out is not None:

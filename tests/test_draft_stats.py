@@ -62,6 +62,29 @@ def test_native_statistics_mark_rows_with_non_finite_logits(bad):
     assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
 
 
+@pytest.mark.parametrize("shape", [(1, 151936), (3, 5000), (2, 37)])
+def test_greedy_stats_pick_the_first_argmax_and_its_statistics(shape):
+    """Greedy decoding's one call: the token torch.argmax picks (the first of tied maxima, in any block) and the
+    statistics draft_stats gives for it."""
+    torch.manual_seed(3)
+    logits = torch.randn(*shape) * 3
+    logits[0, 3] = logits[0, -1] = logits.max() + 1.0  # a tie across blocks: the first wins
+    if shape[0] > 1:
+        logits[1, 200 % shape[1]] += 30.0
+    tokens, stats = ds.greedy_draft_stats(logits, 10)
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert tokens[0] == 3
+    torch.testing.assert_close(stats, ds.draft_stats(logits, tokens, 10), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_greedy_stats_name_the_model_of_non_finite_logits(bad):
+    logits = torch.randn(2, 3000)
+    logits[1, 5] = bad
+    with pytest.raises(FloatingPointError, match="draft logits contain NaN or inf"):
+        ds.greedy_draft_stats(logits, 4)
+
+
 def test_token_features_native_and_torch_paths_agree(monkeypatch):
     """The native statistics and the torch ops give the same features (to float32 rounding of the torch softmax's
     sum); the nucleus path always takes the torch ops."""

@@ -74,6 +74,25 @@ def test_greedy_equals_target_only(pair, spec):
     assert len(stats.accepted_lengths) == stats.rounds == stats.target_calls
 
 
+def test_greedy_draft_steps_take_token_and_features_from_one_native_call(pair):
+    """Greedy on a CPU the drafted token is the argmax the features' native pass finds: same tokens, rounds and
+    features as the separate argmax and statistics."""
+    draft, target = pair
+    runs = []
+    for fused in (True, False):
+        pol = Recorder(0.3)
+        dec = SpeculativeDecoder(draft, target, pol)
+        if not fused:
+            dec._fused_greedy = False
+        elif not dec._fused_greedy:
+            pytest.skip("native statistics unavailable (no compiler)")
+        out, stats = dec.generate(PROMPT, None, max_new_tokens=20, eos_token_id=None, seed=0)
+        runs.append((out.tolist(), stats.draft_lengths, pol.seen))
+    assert runs[0][:2] == runs[1][:2]
+    for a, b in zip(runs[0][2], runs[1][2], strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_the_target_reads_each_prompt_with_the_first_drafts_in_one_pass(pair):
     """No separate target prefill: its pass over the prompt verifies the first drafts (as transformers' assisted
     generation does), booked as prefill; a left-padded batch of prompts of other lengths decodes as each alone."""

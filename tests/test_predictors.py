@@ -115,6 +115,32 @@ def test_disco_eval_forward_folds_the_standardisation_and_follows_updates(prior_
     torch.testing.assert_close(net(x), net.forward_all(x)[0])  # training: no fold
 
 
+def test_disco_unchecked_fold_is_dropped_by_moves_loads_and_mode_switches():
+    """folded(check=False), the engine's per-token call, reuses the fold; DiscoPolicy.reset (a sequence starts)
+    re-checks it against the parameters; loading, moving and train / eval switches drop it."""
+    torch.manual_seed(0)
+    net = DiscoNet(15, 16).eval()
+    net.norm.fit(torch.randn(200, 15))
+    first = net.folded(check=False)
+    with torch.no_grad():
+        net.body[0].weight.mul_(2.0)
+    assert net.folded(check=False) is first  # unchecked: the fold made last
+    refreshed = net.folded()
+    assert refreshed is not first and torch.equal(refreshed[0], net.body[0].weight / net.norm.std)
+    for change in (lambda: net.load_state_dict(DiscoNet(15, 16).state_dict()), lambda: net.to(torch.float32),
+                   lambda: net.train().eval()):
+        before = net.folded(check=False)
+        change()
+        assert net.folded(check=False) is not before
+    spec = FeatureSpec.for_disco(top_k=10)
+    pol = DiscoPolicy(DiscoNet(spec.width, 8).eval(), spec)
+    old = pol.net.folded(check=False)
+    with torch.no_grad():
+        pol.net.head.bias.add_(1.0)
+    pol.reset()
+    assert pol.net.folded(check=False) is not old and pol.net.folded(check=False)[3] == float(pol.net.head.bias[0].detach())
+
+
 @pytest.mark.parametrize("prior_index", [-1, 12])
 def test_disco_native_score_equals_the_torch_path(prior_index):
     """DiscoPolicy.score's native call (inputs and network in one: the engine's stop decision) gives the torch path's

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -26,6 +27,8 @@
 namespace {
 
 constexpr int64_t kBlock = 128;
+// A single row at least this wide is shared among the threads (below, waking them costs more than it saves).
+constexpr int64_t kSharedRow = 32768;
 
 
 // Whether the logits are divided by T, and T: temperature 0 (greedy) and 1 read the logits as they are.
@@ -49,12 +52,13 @@ inline float load(const float* x, int64_t i, float temp) {
   }
 }
 
+// Pass 1 over blocks [j0, j1): each block's maximum into bmax[j]; returns the finiteness probe (NaN when a logit is
+// NaN or +-inf: x * 0).
 template <bool kScale>
-__attribute__((always_inline)) inline void row_stats(const float* x, int64_t V, float temp, int64_t tok, int64_t k, float* out,
-               std::vector<float>& bmax, std::vector<int64_t>& order, std::vector<float>& cand) {
-  const int64_t nb = (V + kBlock - 1) / kBlock;
-  float probe = 0.0f;  // NaN when any logit is NaN or +-inf (x * 0)
-  for (int64_t j = 0; j < nb; ++j) {
+__attribute__((always_inline)) inline float block_maxima(const float* x, int64_t V, float temp, int64_t j0,
+                                                         int64_t j1, float* bmax) {
+  float probe = 0.0f;
+  for (int64_t j = j0; j < j1; ++j) {
     const int64_t lo = j * kBlock, hi = std::min(V, lo + kBlock);
     float mx = -std::numeric_limits<float>::infinity();
     float pr = 0.0f;
@@ -67,52 +71,148 @@ __attribute__((always_inline)) inline void row_stats(const float* x, int64_t V, 
     bmax[j] = mx;
     probe += pr;
   }
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  if (!std::isfinite(probe)) {
-    for (int64_t j = 0; j < 2 + k; ++j) out[j] = nan;
-    return;
-  }
-  const int64_t kb = std::min(k, nb);
-  order.resize(nb);
-  for (int64_t j = 0; j < nb; ++j) order[j] = j;
-  std::partial_sort(order.begin(), order.begin() + kb, order.end(),
-                    [&](int64_t a, int64_t b) { return bmax[a] > bmax[b] || (bmax[a] == bmax[b] && a < b); });
-  cand.clear();
-  for (int64_t j = 0; j < kb; ++j) {
-    const int64_t lo = order[j] * kBlock, hi = std::min(V, lo + kBlock);
-    for (int64_t i = lo; i < hi; ++i) cand.push_back(load<kScale>(x, i, temp));
-  }
-  const int64_t kk = std::min<int64_t>(k, static_cast<int64_t>(cand.size()));
-  std::partial_sort(cand.begin(), cand.begin() + kk, cand.end(), std::greater<float>());
-  const float m = cand[0];
-  double S = 0.0, T = 0.0;
-  for (int64_t j = 0; j < nb; ++j) {
+  return probe;
+}
+
+// Pass 2 over blocks [j0, j1): each block's float sums of e = exp(z - m) and e * (z - m) into s[j], t[j] (added
+// across blocks in double, in block order, by the caller: the same sums however the blocks were shared out).
+template <bool kScale>
+__attribute__((always_inline)) inline void block_sums(const float* x, int64_t V, float temp, float m, int64_t j0,
+                                                      int64_t j1, float* s, float* t) {
+  for (int64_t j = j0; j < j1; ++j) {
     const int64_t lo = j * kBlock, hi = std::min(V, lo + kBlock);
-    float s = 0.0f, t = 0.0f;
-#pragma omp simd reduction(+ : s, t)
+    float sj = 0.0f, tj = 0.0f;
+#pragma omp simd reduction(+ : sj, tj)
     for (int64_t i = lo; i < hi; ++i) {
       const float d = (load<kScale>(x, i, temp)) - m;
       const float e = specstop::exp_nonpositive(d);
-      s += e;
-      t += e * d;
+      sj += e;
+      tj += e * d;
     }
-    S += s;
-    T += t;
+    s[j] = sj;
+    t[j] = tj;
+  }
+}
+
+// Per-row scratch: block maxima and sums, the blocks' order, the top-k candidates.
+struct Scratch {
+  std::vector<float> bmax, bs, bt, cand;
+  std::vector<int64_t> order;
+  explicit Scratch(int64_t nb) : bmax(nb), bs(nb), bt(nb) {}
+};
+
+// Between the passes: the top-k logits (the k largest lie in the k blocks with the largest maxima) into sc.cand,
+// sorted; returns the maximum m.
+template <bool kScale>
+inline float top_candidates(const float* x, int64_t V, float temp, int64_t k, Scratch& sc) {
+  const int64_t nb = static_cast<int64_t>(sc.bmax.size()), kb = std::min(k, nb);
+  const auto& bmax = sc.bmax;
+  sc.order.resize(nb);
+  for (int64_t j = 0; j < nb; ++j) sc.order[j] = j;
+  std::partial_sort(sc.order.begin(), sc.order.begin() + kb, sc.order.end(),
+                    [&](int64_t a, int64_t b) { return bmax[a] > bmax[b] || (bmax[a] == bmax[b] && a < b); });
+  sc.cand.clear();
+  for (int64_t j = 0; j < kb; ++j) {
+    const int64_t lo = sc.order[j] * kBlock, hi = std::min(V, lo + kBlock);
+    for (int64_t i = lo; i < hi; ++i) sc.cand.push_back(load<kScale>(x, i, temp));
+  }
+  const int64_t kk = std::min<int64_t>(k, static_cast<int64_t>(sc.cand.size()));
+  std::partial_sort(sc.cand.begin(), sc.cand.begin() + kk, sc.cand.end(), std::greater<float>());
+  return sc.cand[0];
+}
+
+// After the passes: entropy = log S - T / S, q(token), the top-k probabilities; tok < 0 picks the first maximum as
+// the token (as torch.argmax: the first block holding it, then in it) into *pick.
+template <bool kScale>
+inline void finish_row(const float* x, int64_t V, float temp, int64_t tok, int64_t k, float m, float* out,
+                       int64_t* pick, const Scratch& sc) {
+  const int64_t nb = static_cast<int64_t>(sc.bmax.size());
+  double S = 0.0, T = 0.0;
+  for (int64_t j = 0; j < nb; ++j) {
+    S += sc.bs[j];
+    T += sc.bt[j];
+  }
+  if (tok < 0) {
+    int64_t j = 0;
+    while (sc.bmax[j] != m) ++j;
+    int64_t i = j * kBlock;
+    while (load<kScale>(x, i, temp) != m) ++i;
+    tok = i;
+    *pick = i;
   }
   const float sf = static_cast<float>(S);
   out[0] = static_cast<float>(std::log(S) - T / S);
-  const float zt = load<kScale>(x, tok, temp);
-  out[1] = specstop::exp_nonpositive(zt - m) / sf;
-  for (int64_t j = 0; j < k; ++j) out[2 + j] = j < kk ? specstop::exp_nonpositive(cand[j] - m) / sf : 0.0f;
+  out[1] = specstop::exp_nonpositive(load<kScale>(x, tok, temp) - m) / sf;
+  const int64_t kk = std::min<int64_t>(k, static_cast<int64_t>(sc.cand.size()));
+  for (int64_t j = 0; j < k; ++j) out[2 + j] = j < kk ? specstop::exp_nonpositive(sc.cand[j] - m) / sf : 0.0f;
+}
+
+inline void mark_non_finite(int64_t k, float* out, int64_t* pick) {
+  for (int64_t j = 0; j < 2 + k; ++j) out[j] = std::numeric_limits<float>::quiet_NaN();
+  if (pick != nullptr) *pick = -1;
+}
+
+// One row on one thread: both passes over every block.
+template <bool kScale>
+__attribute__((always_inline)) inline void row_stats(const float* x, int64_t V, float temp, int64_t tok, int64_t k,
+                                                     float* out, int64_t* pick, Scratch& sc) {
+  const int64_t nb = static_cast<int64_t>(sc.bmax.size());
+  if (!std::isfinite(block_maxima<kScale>(x, V, temp, 0, nb, sc.bmax.data()))) {
+    mark_non_finite(k, out, pick);
+    return;
+  }
+  const float m = top_candidates<kScale>(x, V, temp, k, sc);
+  block_sums<kScale>(x, V, temp, m, 0, nb, sc.bs.data(), sc.bt.data());
+  finish_row<kScale>(x, V, temp, tok, k, m, out, pick, sc);
 }
 
 SPECSTOP_CLONES
 void row_stats_any(const float* x, int64_t V, float temp, bool scale, int64_t tok, int64_t k, float* out,
-                   std::vector<float>& bmax, std::vector<int64_t>& order, std::vector<float>& cand) {
+                   int64_t* pick, Scratch& sc) {
   if (scale) {
-    row_stats<true>(x, V, temp, tok, k, out, bmax, order, cand);
+    row_stats<true>(x, V, temp, tok, k, out, pick, sc);
   } else {
-    row_stats<false>(x, V, temp, tok, k, out, bmax, order, cand);
+    row_stats<false>(x, V, temp, tok, k, out, pick, sc);
+  }
+}
+
+SPECSTOP_CLONES
+float block_maxima_any(const float* x, int64_t V, float temp, bool scale, int64_t j0, int64_t j1, float* bmax) {
+  return scale ? block_maxima<true>(x, V, temp, j0, j1, bmax) : block_maxima<false>(x, V, temp, j0, j1, bmax);
+}
+
+SPECSTOP_CLONES
+void block_sums_any(const float* x, int64_t V, float temp, bool scale, float m, int64_t j0, int64_t j1, float* s,
+                    float* t) {
+  if (scale) {
+    block_sums<true>(x, V, temp, m, j0, j1, s, t);
+  } else {
+    block_sums<false>(x, V, temp, m, j0, j1, s, t);
+  }
+}
+
+// One row with its blocks shared among the threads (a decode step's single row): the same values as row_stats (the
+// blocks' sums are added in block order either way).
+void row_stats_shared(const float* x, int64_t V, float temp, bool scale, int64_t tok, int64_t k, float* out,
+                      int64_t* pick, Scratch& sc) {
+  const int64_t nb = static_cast<int64_t>(sc.bmax.size());
+  const int64_t grain = std::max<int64_t>(64, nb / std::max(1, at::get_num_threads()) + 1);
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, nb, grain, [&](int64_t j0, int64_t j1) {
+    if (!std::isfinite(block_maxima_any(x, V, temp, scale, j0, j1, sc.bmax.data()))) finite = false;
+  });
+  if (!finite) {
+    mark_non_finite(k, out, pick);
+    return;
+  }
+  const float m = scale ? top_candidates<true>(x, V, temp, k, sc) : top_candidates<false>(x, V, temp, k, sc);
+  at::parallel_for(0, nb, grain, [&](int64_t j0, int64_t j1) {
+    block_sums_any(x, V, temp, scale, m, j0, j1, sc.bs.data(), sc.bt.data());
+  });
+  if (scale) {
+    finish_row<true>(x, V, temp, tok, k, m, out, pick, sc);
+  } else {
+    finish_row<false>(x, V, temp, tok, k, m, out, pick, sc);
   }
 }
 
@@ -240,32 +340,57 @@ int64_t sample_row_any(const float* x, int64_t V, float temp, bool scale, double
 
 }  // namespace
 
-// logits [N, V] float32 contiguous, tokens [N] int64, k >= 1, temperature (0 or 1: none) -> [N, 2 + k] float32:
-// entropy, q(token), top-k probabilities (descending; zeros past V).
-torch::Tensor draft_stats(torch::Tensor logits, torch::Tensor tokens, int64_t k, double temperature) {
+// The rows' statistics: tokens given (tp) or picked as each row's first argmax (pick).
+std::tuple<torch::Tensor, torch::Tensor> stats_rows(const torch::Tensor& logits, const int64_t* tp, int64_t k,
+                                                     double temperature, bool strict, bool pick) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous() &&
                   logits.device().is_cpu(),
               "draft_stats: logits must be a contiguous float32 CPU tensor [N, V]");
-  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == logits.size(0) && tokens.scalar_type() == torch::kLong,
-              "draft_stats: tokens must be int64 [N]");
   TORCH_CHECK(k >= 1, "draft_stats: k must be >= 1");
   const int64_t N = logits.size(0), V = logits.size(1);
   auto out = torch::empty({N, 2 + k}, logits.options());
-  auto tok = tokens.contiguous();
+  auto picks = torch::empty({pick ? N : 0}, logits.options().dtype(torch::kLong));
   const float* xp = logits.data_ptr<float>();
-  const int64_t* tp = tok.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  const Scaling sc = scaling_of(temperature);
-  for (int64_t r = 0; r < N; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "draft_stats: token id out of range");
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> bmax((V + kBlock - 1) / kBlock), cand;
-    std::vector<int64_t> order;
-    for (int64_t r = begin; r < end; ++r)
-      row_stats_any(xp + r * V, V, sc.temp, sc.on, tp[r], k, op + r * (2 + k), bmax, order, cand);
-  });
-  return out;
+  int64_t* pp = pick ? picks.data_ptr<int64_t>() : nullptr;
+  const Scaling s = scaling_of(temperature);
+  const int64_t nb = (V + kBlock - 1) / kBlock;
+  if (N == 1 && V >= kSharedRow && at::get_num_threads() > 1 && !at::in_parallel_region()) {
+    Scratch sc(nb);  // one row (a decode step): its blocks shared among the threads
+    row_stats_shared(xp, V, s.temp, s.on, pick ? -1 : tp[0], k, op, pp, sc);
+  } else {
+    at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+      Scratch sc(nb);
+      for (int64_t r = begin; r < end; ++r)
+        row_stats_any(xp + r * V, V, s.temp, s.on, pick ? -1 : tp[r], k, op + r * (2 + k), pick ? pp + r : nullptr,
+                      sc);
+    });
+  }
+  if (strict)
+    for (int64_t r = 0; r < N; ++r) TORCH_CHECK(!std::isnan(op[r * (2 + k)]), "non-finite logits in row ", r);
+  return {out, picks};
 }
 
+// logits [N, V] float32 contiguous, tokens [N] int64, k >= 1, temperature (0 or 1: none) -> [N, 2 + k] float32:
+// entropy, q(token), top-k probabilities (descending; zeros past V). Rows with NaN or inf logits: NaN, or with
+// `strict` an error naming the row.
+torch::Tensor draft_stats(torch::Tensor logits, torch::Tensor tokens, int64_t k, double temperature, bool strict) {
+  TORCH_CHECK(logits.dim() == 2, "draft_stats: logits must be a contiguous float32 CPU tensor [N, V]");
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == logits.size(0) && tokens.scalar_type() == torch::kLong,
+              "draft_stats: tokens must be int64 [N]");
+  auto tok = tokens.contiguous();
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  for (int64_t r = 0; r < tok.size(0); ++r)
+    TORCH_CHECK(tp[r] >= 0 && tp[r] < logits.size(1), "draft_stats: token id out of range");
+  return std::get<0>(stats_rows(logits, tp, k, temperature, strict, false));
+}
+
+// Greedy decoding's draft step: logits [N, V] -> (the first argmax per row [N] int64 as the drafted token, the
+// statistics of draft_stats for it [N, 2 + k]): the argmax read off the same two passes, no separate torch.argmax.
+std::tuple<torch::Tensor, torch::Tensor> greedy_stats(torch::Tensor logits, int64_t k, bool strict) {
+  auto [out, picks] = stats_rows(logits, nullptr, k, 0.0, strict, true);
+  return {picks, out};
+}
 // draft and other logits [N, V] float32 contiguous, tokens [N] int64, temperature -> ([N, 4] float32: other(token),
 // other's entropy, TV, overlap; [N] int64: first argmax of the other's raw logits). NaN and argmax -1 in a row whose
 // logits hold NaN or inf.
@@ -390,5 +515,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("disco_score", &disco_score, "DISCO's inputs and network on the draft statistics, one call");
   m.def("sample_tokens", &sample_tokens, "one draw per row from softmax(logits / T)");
   m.def("draft_stats", &draft_stats, "draft stop-decision statistics");
+  m.def("greedy_stats", &greedy_stats, "greedy draft step: first argmax and its stop-decision statistics");
   m.def("pair_stats", &pair_stats, "draft against another model: its probability of the token, entropy, TV, overlap");
 }
