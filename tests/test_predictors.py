@@ -138,7 +138,8 @@ def test_disco_unchecked_fold_is_dropped_by_moves_loads_and_mode_switches():
     with torch.no_grad():
         pol.net.head.bias.add_(1.0)
     pol.reset()
-    assert pol.net.folded(check=False) is not old and pol.net.folded(check=False)[3] == float(pol.net.head.bias[0].detach())
+    fold = pol.net.folded(check=False)
+    assert fold is not old and fold[3] == float(pol.net.head.bias[0].detach())
 
 
 @pytest.mark.parametrize("prior_index", [-1, 12])
