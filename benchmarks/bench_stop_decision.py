@@ -3,7 +3,8 @@
 A stop decision runs once per drafted token right after a draft forward that streamed the draft's weights through the
 caches, so its small ops cost several times their warm cost: this measures it where it runs. For each policy spec the
 engine decodes one prompt (a warm-up of 16 tokens, then ``--repeats`` runs of ``--new_tokens``) on the real pair and
-prints, per decision, the stop time (``DecodeStats.stop_time``), the part spent in ``token_features`` and the rest
+prints, per decision, the stop time (``DecodeStats.stop_time``), the part spent in the features (``token_features``
+and, greedy, ``greedy_draft_stats``: the statistics with the drafted token's argmax) and the rest
 (inputs, network, calibration, the rule), and the decision as a share of one draft forward (the benchmark's
 ``stop_overhead`` column, here with the split).
 
@@ -51,15 +52,18 @@ def main() -> None:
     ids = ids if torch.is_tensor(ids) else ids["input_ids"]
     cost = CostModel.from_json(args.cost_file) if args.cost_file else None
     spent = {"features": 0.0}
-    plain = engine.token_features
 
-    def timed(*a, **k):
-        t0 = time.perf_counter()
-        out = plain(*a, **k)
-        spent["features"] += time.perf_counter() - t0
-        return out
+    def timed(fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            spent["features"] += time.perf_counter() - t0
+            return out
+        return run
 
-    engine.token_features = timed
+    # the features: the greedy step's native statistics (with the drafted token's argmax) and token_features
+    engine.token_features = timed(engine.token_features)
+    engine.greedy_draft_stats = timed(engine.greedy_draft_stats)
     print("| policy | tokens/s | stop decision, ms | features, ms | policy, ms | draft step, ms | share of a step |")
     print("|---|---|---|---|---|---|---|")
     for spec in args.policies:
