@@ -391,6 +391,7 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_stats(torch::Tensor logits, int6
   auto [out, picks] = stats_rows(logits, nullptr, k, 0.0, strict, true);
   return {picks, out};
 }
+
 // draft and other logits [N, V] float32 contiguous, tokens [N] int64, temperature -> ([N, 4] float32: other(token),
 // other's entropy, TV, overlap; [N] int64: first argmax of the other's raw logits). NaN and argmax -1 in a row whose
 // logits hold NaN or inf.
