@@ -54,8 +54,7 @@ def draft_stats(logits: Tensor, tokens: Tensor, k: int, temperature: float = 0.0
     if mod is None:
         return None
     lead = logits.shape[:-1]
-    out = mod.draft_stats(_rows(logits, logits.shape[-1]), tokens.reshape(-1).long(), int(k), float(temperature),
-                          False)
+    out = mod.draft_stats(_rows(logits, logits.shape[-1]), tokens.reshape(-1).long(), int(k), float(temperature))
     return out.reshape(*lead, 2 + k)
 
 
@@ -70,7 +69,7 @@ def greedy_draft_stats(logits: Tensor, k: int, name: str = "draft") -> tuple[Ten
     if mod is None:
         return None
     try:
-        return mod.greedy_stats(_rows(logits, logits.shape[-1]), int(k), True)
+        return mod.greedy_stats(_rows(logits, logits.shape[-1]), int(k))
     except RuntimeError as e:
         if "non-finite logits" in str(e):
             raise FloatingPointError(f"{name} logits contain NaN or inf") from e

@@ -143,9 +143,10 @@ def token_features(
     want_topk = columns is None or "draft_max_prob" in columns or "draft_topk" in columns
     # without a nucleus cut, on one CPU: native statistics (data_gen.draft_stats), else torch ops over probabilities
     one_cpu = all(t is None or t.device == draft_logits.device for t in (target_logits, companion_logits))
-    native = top_p >= 1.0 and one_cpu
-    if stats is None or not native:
-        stats = draft_stats(draft_logits, draft_tokens, max(1, top_k), temperature) if native else None
+    if not (top_p >= 1.0 and one_cpu):
+        stats = None
+    elif stats is None:
+        stats = draft_stats(draft_logits, draft_tokens, max(1, top_k), temperature)
         if stats is not None:
             _check_finite("draft", stats[..., 0])  # the native calls put NaN in rows with NaN or inf logits
     if stats is not None:

@@ -362,19 +362,10 @@ class SpeculativeDecoder:
         self.goodput = policy.verification == GOODPUT
         policy.use_mode(mode_of(self.temperature))  # a goodput policy picks its calibration map (or names the fix)
         self._cost: goodput.RoundCost | None = None
-        self._positions: dict[tuple[int, int, torch.device], Tensor] = {}
         if self.goodput and cost_model is not None:
             self._cost = self._round_cost()
 
     # ------------------------------------------------------------------ helpers
-    def _position(self, batch: int, step: int, device: torch.device) -> Tensor:
-        """[batch] int64 filled with ``step``, made once per (batch, step, device): not a tensor op per decision."""
-        key = (batch, step, device)
-        pos = self._positions.get(key)
-        if pos is None:
-            pos = self._positions[key] = torch.full((batch,), step, dtype=torch.long, device=device)
-        return pos
-
     def _probs(self, logits: Tensor) -> Tensor:
         return probs_from_logits(logits, self.temperature, self.top_p)
 
@@ -544,18 +535,17 @@ class SpeculativeDecoder:
         logits = logits[:, -1]  # [B, V]
         for b in range(st.batch):
             rnd.d_idx[b] += idx[b]
-        # greedy on a CPU: the token is the argmax that the features' native pass finds (one call for both)
         tok = None if self._fused_greedy else self._pick(logits, st.gen)  # [B]
         t_logits = self._peek_target(st, rnd, step) if st.peek else None  # [B, V]
         t0 = clock(st.device)
-        # (all threads: the native call shares a single row's vocabulary among them)
-        picked = greedy_draft_stats(logits, max(1, self.top_k_features)) if tok is None else None
-        tok, stats = picked if picked is not None else (tok if tok is not None else self._pick(logits, st.gen), None)
+        stats = None
+        if tok is None:  # greedy on a CPU: the argmax the features' native pass finds, one call on all threads
+            tok, stats = greedy_draft_stats(logits, max(1, self.top_k_features)) or (self._pick(logits, st.gen), None)
         with _one_thread(st.device):
             feats = token_features(logits, tok, target_logits=t_logits, companion_logits=c_logits, draft_hidden=hid,
                                    top_k=self.top_k_features, temperature=self.temperature, top_p=self.top_p,
                                    columns=self.policy.required_columns, stats=stats)
-            feats["position"] = self._position(st.batch, step, st.device)
+            feats["position"] = torch.full((st.batch,), step, dtype=torch.long, device=st.device)
             if self.analysis and not st.peek:
                 feats["greedy_match"] = self._reference_match(st, rnd, tok)
             keep, sc = self._decide(feats, rnd)

@@ -340,9 +340,11 @@ int64_t sample_row_any(const float* x, int64_t V, float temp, bool scale, double
 
 }  // namespace
 
-// The rows' statistics: tokens given (tp) or picked as each row's first argmax (pick).
+// The rows' statistics for the tokens tp, or (tp null: greedy) for each row's first argmax, returned as the picks, with
+// an error on the first row whose logits hold NaN or inf (the given tokens' rows get NaN statistics instead).
 std::tuple<torch::Tensor, torch::Tensor> stats_rows(const torch::Tensor& logits, const int64_t* tp, int64_t k,
-                                                     double temperature, bool strict, bool pick) {
+                                                     double temperature) {
+  const bool pick = tp == nullptr;
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous() &&
                   logits.device().is_cpu(),
               "draft_stats: logits must be a contiguous float32 CPU tensor [N, V]");
@@ -366,15 +368,14 @@ std::tuple<torch::Tensor, torch::Tensor> stats_rows(const torch::Tensor& logits,
                       sc);
     });
   }
-  if (strict)
+  if (pick)
     for (int64_t r = 0; r < N; ++r) TORCH_CHECK(!std::isnan(op[r * (2 + k)]), "non-finite logits in row ", r);
   return {out, picks};
 }
 
 // logits [N, V] float32 contiguous, tokens [N] int64, k >= 1, temperature (0 or 1: none) -> [N, 2 + k] float32:
-// entropy, q(token), top-k probabilities (descending; zeros past V). Rows with NaN or inf logits: NaN, or with
-// `strict` an error naming the row.
-torch::Tensor draft_stats(torch::Tensor logits, torch::Tensor tokens, int64_t k, double temperature, bool strict) {
+// entropy, q(token), top-k probabilities (descending; zeros past V); NaN in rows with NaN or inf logits.
+torch::Tensor draft_stats(torch::Tensor logits, torch::Tensor tokens, int64_t k, double temperature) {
   TORCH_CHECK(logits.dim() == 2, "draft_stats: logits must be a contiguous float32 CPU tensor [N, V]");
   TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == logits.size(0) && tokens.scalar_type() == torch::kLong,
               "draft_stats: tokens must be int64 [N]");
@@ -382,13 +383,14 @@ torch::Tensor draft_stats(torch::Tensor logits, torch::Tensor tokens, int64_t k,
   const int64_t* tp = tok.data_ptr<int64_t>();
   for (int64_t r = 0; r < tok.size(0); ++r)
     TORCH_CHECK(tp[r] >= 0 && tp[r] < logits.size(1), "draft_stats: token id out of range");
-  return std::get<0>(stats_rows(logits, tp, k, temperature, strict, false));
+  return std::get<0>(stats_rows(logits, tp, k, temperature));
 }
 
 // Greedy decoding's draft step: logits [N, V] -> (the first argmax per row [N] int64 as the drafted token, the
-// statistics of draft_stats for it [N, 2 + k]): the argmax read off the same two passes, no separate torch.argmax.
-std::tuple<torch::Tensor, torch::Tensor> greedy_stats(torch::Tensor logits, int64_t k, bool strict) {
-  auto [out, picks] = stats_rows(logits, nullptr, k, 0.0, strict, true);
+// statistics of draft_stats for it [N, 2 + k]): the argmax read off the same two passes, no separate torch.argmax;
+// an error naming the first row with NaN or inf logits.
+std::tuple<torch::Tensor, torch::Tensor> greedy_stats(torch::Tensor logits, int64_t k) {
+  auto [out, picks] = stats_rows(logits, nullptr, k, 0.0);
   return {picks, out};
 }
 
