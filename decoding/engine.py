@@ -175,11 +175,11 @@ class _Stream:
 
     @torch.inference_mode()
     def forward(
-        self, tokens: list[list[int]], left_pad: bool, all_logits: bool | int, hidden: bool = False,
+        self, tokens: list[list[int]], left_pad: bool, keep_logits: int = 1, hidden: bool = False,
         tap: int | None = None
     ) -> tuple[Tensor, Tensor | None, list[list[int]]]:
-        """Feed each sequence its tokens (possibly none); returns (logits [B, n, V] of the last n positions, last
-        hidden, cache indices): n = every position (``all_logits`` True), the last (False) or the given count. With
+        """Feed each sequence its tokens (possibly none); returns (logits [B, n, V] of the last n = ``keep_logits``
+        positions, 0 meaning every position (transformers' ``logits_to_keep``), last hidden, cache indices). With
         ``tap`` = N, ``self.tapped`` holds the [B, H] residual stream after the first N layers at the last position
         (the states of a companion that is those layers)."""
         batch = len(tokens)
@@ -204,7 +204,7 @@ class _Stream:
                 past_key_values=self.cache,
                 use_cache=True,
                 output_hidden_states=hidden,
-                logits_to_keep=0 if all_logits is True else 1 if all_logits is False else int(all_logits),
+                logits_to_keep=keep_logits,
             )
         h = out.hidden_states[-1][:, -1] if hidden else None
         self.tapped = seen[-1][:, -1] if seen else None
@@ -486,7 +486,7 @@ class SpeculativeDecoder:
         if input_ids.shape[1] > 1:
             for s in st.streams():
                 if s is not st.tgt:  # the target reads its prompt in the first verification pass, with the drafts
-                    s.forward([p[:-1] for p in prompts], left_pad=True, all_logits=False)
+                    s.forward([p[:-1] for p in prompts], left_pad=True)
         st.t_pending = [list(p) for p in prompts]
         st.d_pending = [[p[-1]] for p in prompts]
         st.prompt_pending = [True] * batch
@@ -523,11 +523,11 @@ class SpeculativeDecoder:
         """One batched draft forward pass (B sequences), the stop decision, and the drafted tokens appended."""
         t0 = clock(st.device)
         feed = rnd.feed(st.d_pending, step)
-        logits, hid, idx = st.drf.forward(feed, left_pad=True, all_logits=False, hidden=self.needs_hidden,
+        logits, hid, idx = st.drf.forward(feed, left_pad=True, hidden=self.needs_hidden,
                                           tap=self.companion_depth)
         c_logits = None
         if st.cmp is not None:
-            c_logits = st.cmp.forward(feed, left_pad=True, all_logits=False)[0][:, -1]
+            c_logits = st.cmp.forward(feed, left_pad=True)[0][:, -1]
         elif self.companion_depth:  # the companion is the draft's first layers: its head on the draft's state there
             c_logits = self.companion.get_output_embeddings()(self.companion.get_decoder().norm(st.drf.tapped))
         st.stats.draft_time += clock(st.device) - t0
@@ -580,7 +580,7 @@ class SpeculativeDecoder:
     def _peek_target(self, st: _Decoding, rnd: _Round, step: int) -> Tensor:
         """Analysis only: the target's [B, V] logits at the token each active sequence feeds (one step)."""
         t0 = clock(st.device)
-        tl, _, tidx = st.tgt.forward(rnd.feed(st.t_pending, step), left_pad=True, all_logits=False)
+        tl, _, tidx = st.tgt.forward(rnd.feed(st.t_pending, step), left_pad=True)
         for b in range(st.batch):
             rnd.t_idx[b] += tidx[b]
         st.stats.analysis_time += clock(st.device) - t0
@@ -626,7 +626,7 @@ class SpeculativeDecoder:
         keep = 1 if st.peek else max(n_sent[b] + 1 for b in live)  # the positions that score drafts or the bonus
         prompt = [b for b in live if st.prompt_pending[b] and not st.peek]
         t0 = clock(st.device)
-        tl, _, tidx = st.tgt.forward(t_feed, left_pad=True, all_logits=keep)  # [B, keep, V], windows right-aligned
+        tl, _, tidx = st.tgt.forward(t_feed, left_pad=True, keep_logits=keep)  # [B, keep, V], windows right-aligned
         if prompt:  # the prompts' pass: the target's prefill, which verified the first drafts too
             st.stats.prefill_time += clock(st.device) - t0
         else:
