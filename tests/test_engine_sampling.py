@@ -72,3 +72,23 @@ def test_output_distribution_is_target(pair, spec, temperature, top_p):
         q1 = probs_from_logits(draft(PROMPT).logits[0, -1], temperature, top_p).double().numpy()
     if 0.5 * np.abs(q1 - p1).sum() > 0.15:
         assert chi2_pvalue(c1, q1) < 1e-3
+
+
+def test_draws_from_probabilities_follow_them_and_never_pick_a_zero(monkeypatch):
+    """SpeculativeDecoder._draw (the residual's and top-p's draws): the native inversion sampler on a CPU, and
+    torch.multinomial where it is unavailable, both match the probabilities and never draw a zero-probability token."""
+    import decoding.engine as engine
+
+    probs = torch.zeros(4, 3000)
+    probs[:, [7, 1500, 2999]] = torch.tensor([0.2, 0.5, 0.3])
+    probs[:, 100:200] = 1e-4  # a tail
+    probs = probs / probs.sum(-1, keepdim=True)
+    want = probs[0].double().numpy()
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(engine, "sample_tokens", lambda *a, **k: None)
+        gen = torch.Generator().manual_seed(0)
+        draws = torch.cat([SpeculativeDecoder._draw(probs, gen) for _ in range(2000)]).numpy()
+        counts = np.bincount(draws, minlength=probs.shape[1])
+        assert counts[want == 0].sum() == 0, native
+        assert chi2_pvalue(counts, want) > 1e-3, native
