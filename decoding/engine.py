@@ -371,7 +371,7 @@ class SpeculativeDecoder:
 
     def _pick(self, logits: Tensor, gen: torch.Generator | None) -> Tensor:
         """[B, V] logits -> [B] token: argmax (greedy) or a draw from the sampling distribution (without top-p, straight
-        from the logits by the native inversion sampler)."""
+        from the logits by the native inversion sampler, whose softmax equals ``_probs``' to float rounding)."""
         if self.temperature == 0:
             return logits.argmax(-1)
         if self.top_p >= 1.0:
@@ -385,8 +385,9 @@ class SpeculativeDecoder:
         """[B, V] probabilities -> [B] one draw per row. On a CPU by the native inversion sampler on their logs
         (``data_gen.draft_stats.sample_tokens``: one uniform per row against block sums accumulated in double, zero
         probabilities never drawn); ``torch.multinomial`` took 2.2-2.4 ms a draw over the Qwen vocabulary (151,936
-        tokens), 16% of a draft step, against 0.04 ms. Elsewhere, or without the native build, ``torch.multinomial``."""
-        tok = sample_tokens(probs.log(), 1.0, gen)
+        tokens), 16% of a draft step, against 0.04-0.1 ms. Elsewhere, or without the native build,
+        ``torch.multinomial``."""
+        tok = sample_tokens(probs.log(), 1.0, gen) if probs.device.type == "cpu" else None
         return tok if tok is not None else torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
     def _sample(self, probs: Tensor, gen: torch.Generator | None) -> int:
