@@ -136,7 +136,7 @@ class CostModel:
             if mine and theirs and mine != theirs:
                 out.append(f"{what}: measured {mine}, run {theirs}")
         if machine and self.machine:
-            for key in ("model_name", "simd_flags"):
+            for key in ("model_name", "simd_flags", "bf16_chain"):
                 if self.machine.get(key) and machine.get(key) and self.machine[key] != machine[key]:
                     mine, theirs = self.machine[key], machine[key]
                     if key == "simd_flags":

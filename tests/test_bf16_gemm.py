@@ -2,6 +2,11 @@
 for a row whatever the number of rows in the call (the batch invariance the packed-bf16 path relies on)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
+
 import pytest
 import torch
 
@@ -145,3 +150,22 @@ def test_a_bf16_head_on_the_kernel_returns_fp32_logits() -> None:
     onednn, _ = load_model(ModelSpec("tiny:3:64:2", compute="eager"))
     cp.apply_compute_path(onednn, "packed-bf16", bf16_head=True, min_elements=0, fp32_logits=True, native_gemm=False)
     assert model_fingerprint(onednn, tok)["head_dtype"] == "float32"  # oneDNN would round the logits: head kept fp32
+
+
+def test_both_chains_compute_the_same_products_and_amx_can_be_turned_off() -> None:
+    """Where AMX runs the bf16 packs, a process with SPECSTOP_AMX=0 runs vdpbf16ps instead: it says so, and its
+    results equal this process's to bf16 output rounding (the two chains sum in another order)."""
+    if bf16_gemm.chain() != "amx":
+        pytest.skip(f"this process runs the {bf16_gemm.chain()} chain, not AMX")
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(70, 1400, generator=g), torch.randn(9, 1400, generator=g).to(torch.bfloat16)
+    here = bf16_gemm.gemm(x, bf16_gemm.pack(w), 70, fp32_out=True)
+    code = ("import sys, torch; from data_gen import bf16_gemm; w, x = torch.load(sys.argv[1]); "
+            "torch.save((bf16_gemm.chain(), bf16_gemm.gemm(x, bf16_gemm.pack(w), 70, fp32_out=True)), sys.argv[1])")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "io.pt")
+        torch.save((w, x), path)
+        subprocess.run([sys.executable, "-c", code, path], check=True, env={**os.environ, "SPECSTOP_AMX": "0"})
+        chain, there = torch.load(path)
+    assert chain == "avx512-bf16"
+    torch.testing.assert_close(here, there, rtol=1e-5, atol=1e-4)

@@ -1,7 +1,7 @@
 // y = x W^T in bfloat16 with fp32 accumulation, each output row computed the same way whatever the number of rows:
 // the GEMM of the packed-bf16 compute path (data_gen/bf16_gemm.py). Built on first use with
 // torch.utils.cpp_extension.load; runs where the CPU has AVX512-BF16 (elsewhere available() is false and the caller
-// keeps oneDNN).
+// keeps oneDNN), and bfloat16 packs on AMX-BF16 tiles where the CPU has those too (amx_rows, below).
 //
 // Layout: pack() stores W [N, K] as [ceil(N / 16)][K / 2][16][2] bf16 ("VNNI" pairs: for 16 output columns, the weights
 // of inputs 2p and 2p + 1 side by side), the operand order of vdpbf16ps. One 64-byte load feeds 16 columns; each
@@ -33,9 +33,14 @@
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstdlib>
 #define SPECSTOP_BF16_KERNEL 1
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #else
 #define SPECSTOP_BF16_KERNEL 0
 #endif
@@ -67,6 +72,28 @@ bool cpu_has_bf16() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// AMX-BF16 (Intel Sapphire Rapids and later): the tile unit computes 16 rows x 16 columns x 32 inputs per instruction,
+// so up to 16 rows cost what one row costs (reading the weights). Used for bfloat16 packs on every row count where the
+// CPU has it, Linux grants the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, once per process) and SPECSTOP_AMX is not
+// 0; int8 packs stay on vdpbf16ps. Decided once per process, so a model's rows always run on one of the two chains.
+bool cpu_has_amx() {
+#if SPECSTOP_BF16_KERNEL
+  static const bool ok = [] {
+    const char* env = std::getenv("SPECSTOP_AMX");
+    if (env && std::strcmp(env, "0") == 0) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool amx_bf16 = (d >> 22) & 1u, amx_tile = (d >> 24) & 1u;
+    if (!amx_bf16 || !amx_tile || !cpu_has_bf16()) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
 #else
   return false;
 #endif
@@ -241,11 +268,92 @@ void many_rows(const uint16_t* x, int64_t M, int64_t ldx, const WT* wp, const fl
   }
 }
 
+// The AMX chain. Tiles: 0, 1 the fp32 sums of two column blocks (R rows x 16), 2 the rows' next 32 inputs (R x 32
+// bf16), 3, 4 the two blocks' weights for them (16 input pairs x 16 columns x 2: 1 KB of the pack as it lies, whose
+// [K / 2][16][2] layout is the tile operand's), 5-7 the same for the last K mod 32 inputs. Every output element is the
+// tdpbf16ps chain over the input chunks in order from zero, whatever the rows, the blocks or the threads: a row has the
+// same bits alone, in a verification forward or in a prompt.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+AMX_TARGET inline void amx_configure(int rows, int tail_pairs) {
+  TileConfig cfg;
+  for (int t = 0; t < 3; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
+  for (int t = 3; t < 5; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  if (tail_pairs) {
+    cfg.rows[5] = static_cast<uint8_t>(rows), cfg.colsb[5] = static_cast<uint16_t>(4 * tail_pairs);
+    for (int t = 6; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(tail_pairs), cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One pass: rows [m0, m0 + R) (R <= 16, tiles configured for R) times column block b (and b + 1 when kTwo).
+template <bool kTwo, typename OT>
+AMX_TARGET inline void amx_pass(const uint16_t* x, int64_t ldx, const uint16_t* w0, int64_t wstride, int64_t chunks,
+                                int64_t tail, int rows, float* buf, OT* out, int64_t ldo) {
+  const uint16_t* w1 = w0 + wstride;
+  constexpr int64_t kChunk = 16 * 2 * kCols;  // pack elements of 16 input pairs of one block
+  _tile_zero(0);
+  if constexpr (kTwo) _tile_zero(1);
+  for (int64_t j = 0; j < chunks; ++j) {
+    _tile_loadd(2, x + j * 32, ldx * 2);
+    _tile_loadd(3, w0 + j * kChunk, 64);
+    if constexpr (kTwo) _tile_loadd(4, w1 + j * kChunk, 64);
+    _tile_dpbf16ps(0, 2, 3);
+    if constexpr (kTwo) _tile_dpbf16ps(1, 2, 4);
+  }
+  if (tail) {
+    _tile_loadd(5, x + chunks * 32, ldx * 2);
+    _tile_loadd(6, w0 + chunks * kChunk, 64);
+    if constexpr (kTwo) _tile_loadd(7, w1 + chunks * kChunk, 64);
+    _tile_dpbf16ps(0, 5, 6);
+    if constexpr (kTwo) _tile_dpbf16ps(1, 5, 7);
+  }
+  _tile_stored(0, buf, 64);
+  if constexpr (kTwo) _tile_stored(1, buf + 16 * kCols, 64);
+  for (int r = 0; r < rows; ++r) {
+    store_out<uint16_t>(out + r * ldo, _mm512_load_ps(buf + r * kCols), nullptr);
+    if constexpr (kTwo) store_out<uint16_t>(out + r * ldo + kCols, _mm512_load_ps(buf + (16 + r) * kCols), nullptr);
+  }
+}
+
+// Any number of rows, column blocks [b0, b1) of a bfloat16 pack: pairs of blocks, 16-row tiles under each (a pair's
+// weights, at most 2 x 16 x K bf16 = 573 KB for K = 8960, come from memory once and from L2 for the next row tiles).
+template <typename OT>
+AMX_TARGET void amx_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t pairs, int64_t b0,
+                         int64_t b1, OT* out, int64_t ldo) {
+  const int64_t wstride = pairs * 2 * kCols, chunks = pairs / 16, tail = pairs % 16;
+  alignas(64) float buf[2 * 16 * kCols];
+  int configured = -1;
+  for (int64_t b = b0; b < b1; b += 2) {
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
+      if (rows != configured) amx_configure(rows, static_cast<int>(tail)), configured = rows;
+      const uint16_t* xr = x + m0 * ldx;
+      OT* o = out + m0 * ldo + b * kCols;
+      if (b + 1 < b1) {
+        amx_pass<true>(xr, ldx, wp + b * wstride, wstride, chunks, tail, rows, buf, o, ldo);
+      } else {
+        amx_pass<false>(xr, ldx, wp + b * wstride, wstride, chunks, tail, rows, buf, o, ldo);
+      }
+    }
+  }
+  _tile_release();
+}
+
 #endif  // SPECSTOP_BF16_KERNEL
 
 }  // namespace
 
 bool available() { return cpu_has_bf16(); }
+
+// The chain bfloat16 packs run on in this process: "amx" or "avx512-bf16" (int8 packs: always the latter).
+std::string chain() { return cpu_has_amx() ? "amx" : "avx512-bf16"; }
 
 namespace {
 // [N, K] -> [ceil(N / 16), K / 2, 16, 2], zero columns past N: the pair layout both packs share.
@@ -302,8 +410,12 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, std::optional<t
 #if SPECSTOP_BF16_KERNEL
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const int64_t K = x.size(1);
+  const bool amx = cpu_has_amx();
   auto run = [&](auto* wptr, const float* sc, auto* op) {
     at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
+      if constexpr (std::is_same_v<std::remove_const_t<std::remove_pointer_t<decltype(wptr)>>, uint16_t>) {
+        if (amx) return amx_rows(xp, M, K, wptr, pairs, b0, b1, op, npad);
+      }
       if (M <= kTileRows) {
         few_rows(xp, M, K, wptr, sc, pairs, b0, b1, op, npad);
       } else {
@@ -332,6 +444,7 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, std::optional<t
 #ifndef SPECSTOP_NO_BINDINGS  // decoder_layer.cpp compiles this file in without its bindings
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "this CPU runs the kernel (AVX512-BF16)");
+  m.def("chain", &chain, "the chain bfloat16 packs run on in this process: amx or avx512-bf16");
   m.def("pack", &pack, "W [N, K] -> [ceil(N/16), K/2, 16, 2] bfloat16");
   m.def("pack_int8", &pack_int8, "W [N, K] -> (int8 [ceil(N/16), K/2, 16, 2], fp32 column scales)");
   m.def("gemm", &gemm,

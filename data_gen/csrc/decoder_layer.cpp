@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -22,8 +23,12 @@
 #include <vector>
 
 #include "fast_math.h"
+// every header the included kernels use, at global scope (inside the namespaces below their guards make them no-ops)
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #define SPECSTOP_NO_BINDINGS 1
