@@ -102,8 +102,8 @@ def test_bad_compute_paths_name_the_option(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_cpu_info_names_the_model_and_flags() -> None:
     info = cp.cpu_info()
-    assert set(info) >= {"model_name", "simd_flags", "torch_cpu_capability", "threads", "torch"}
-    assert info["torch"] == torch.__version__
+    assert set(info) >= {"model_name", "simd_flags", "torch_cpu_capability", "threads", "torch", "bf16_chain"}
+    assert info["torch"] == torch.__version__ and info["bf16_chain"] in ("amx", "avx512-bf16", "none")
 
 
 def test_a_predictor_from_data_of_another_precision_is_warned_not_refused(caplog: pytest.LogCaptureFixture) -> None:

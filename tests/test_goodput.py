@@ -132,6 +132,15 @@ def test_curve_of_one_length_is_refused_and_a_foreign_curve_warned(caplog):
     assert diffs == ["target: measured b, run other-target"] and "other-target" in caplog.text
 
 
+def test_a_curve_measured_on_the_other_bf16_chain_is_named():
+    """AMX and vdpbf16ps give a CPU two verification curves (one flat to 16 rows, one not): a cost file measured with
+    the other chain is reported like another CPU."""
+    cm = CostModel(draft_s_per_token=0.01, target_s={1: 1.0, 2: 1.1}, machine={"model_name": "x", "bf16_chain": "amx"})
+    diffs = cm.mismatch("", "", None, {"model_name": "x", "bf16_chain": "avx512-bf16"})
+    assert diffs == ["CPU bf16_chain: measured on 'amx', run on 'avx512-bf16'"]
+    assert cm.mismatch("", "", None, {"model_name": "x"}) == []  # a run that does not say is not accused
+
+
 # ------------------------------------------------------------------------------------------------- calibration
 
 
