@@ -154,7 +154,7 @@ def test_a_bf16_head_on_the_kernel_returns_fp32_logits() -> None:
 
 def test_both_chains_compute_the_same_products_and_amx_can_be_turned_off() -> None:
     """Where AMX runs the bf16 packs, a process with SPECSTOP_AMX=0 runs vdpbf16ps instead: it says so, and its
-    results equal this process's to bf16 output rounding (the two chains sum in another order)."""
+    fp32 sums equal this process's to rounding (the two chains add the same products in another order)."""
     if bf16_gemm.chain() != "amx":
         pytest.skip(f"this process runs the {bf16_gemm.chain()} chain, not AMX")
     g = torch.Generator().manual_seed(5)
