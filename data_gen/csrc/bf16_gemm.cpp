@@ -413,8 +413,12 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, std::optional<t
   const bool amx = cpu_has_amx();
   auto run = [&](auto* wptr, const float* sc, auto* op) {
     at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
-      if constexpr (std::is_same_v<std::remove_const_t<std::remove_pointer_t<decltype(wptr)>>, uint16_t>) {
-        if (amx) return amx_rows(xp, M, K, wptr, pairs, b0, b1, op, npad);
+      constexpr bool bf16_pack = std::is_same_v<std::decay_t<decltype(*wptr)>, uint16_t>;
+      if constexpr (bf16_pack) {
+        if (amx) {
+          amx_rows(xp, M, K, wptr, pairs, b0, b1, op, npad);
+          return;
+        }
       }
       if (M <= kTileRows) {
         few_rows(xp, M, K, wptr, sc, pairs, b0, b1, op, npad);
