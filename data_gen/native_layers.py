@@ -127,13 +127,17 @@ def _layer_spec(layer: nn.Module) -> tuple[Any, ...] | None:
 _NO_MASK = torch.empty(0, dtype=torch.bool)
 
 
-def _native_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    position_ids: torch.Tensor | None = None, past_key_values: Any = None,
-                    use_cache: bool | None = False,
-                    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    **kwargs: Any) -> torch.Tensor:
-    """The decoder layer's forward: natively when it gives transformers' result, else transformers' own."""
-    cache = _cache_layer(past_key_values, self.self_attn.layer_idx)
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+"""The decoder layer's KV-cache keyword: ``cache`` from transformers 5.24 on, ``past_key_values`` before."""
+
+
+def _native_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The decoder layer's forward: natively when it gives transformers' result, else transformers' own with the
+    arguments as given (the model passes them by keyword; the cache's keyword depends on the transformers version)."""
+    attention_mask = kwargs.get("attention_mask")
+    position_embeddings = kwargs.get("position_embeddings")
+    past = next((kwargs[k] for k in CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
+    cache = None if args else _cache_layer(past, self.self_attn.layer_idx)
     if cache is not None and _native_inputs(self, hidden_states, position_embeddings):
         if not cache.is_initialized:
             cache.lazy_initialization(hidden_states, hidden_states)  # empty keys / values of the activations' dtype
@@ -144,9 +148,7 @@ def _native_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask
             h, cache.keys, cache.values = self.specstop_native.forward(hidden_states, cos, sin, mask, cache.keys,
                                                                        cache.values)
             return h
-    return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                              past_key_values=past_key_values, use_cache=use_cache,
-                              position_embeddings=position_embeddings, **kwargs)
+    return type(self).forward(self, hidden_states, *args, **kwargs)
 
 
 def _native_inputs(layer: nn.Module, h: torch.Tensor, position_embeddings: Any) -> bool:

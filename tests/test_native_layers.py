@@ -39,14 +39,41 @@ def _steps(model: torch.nn.Module, prompt: torch.Tensor, tail: torch.Tensor, mas
     return torch.cat(out, 1)
 
 
+def _count_native_calls(model: torch.nn.Module) -> dict[str, int]:
+    """Count the calls that reach the layers' native objects (a fallback to transformers' layers counts none)."""
+    calls = {"n": 0}
+    for layer in model.modules():
+        nat = getattr(layer, "specstop_native", None)
+        if nat is not None:
+            def counted(*args, _forward=nat.forward):
+                calls["n"] += 1
+                return _forward(*args)
+            nat.forward = counted
+    return calls
+
+
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_native_layers_compute_the_bits_of_transformers_layers(int8: bool, chunk: int) -> None:
     native, plain = _pair(int8)
+    calls = _count_native_calls(native)
     prompt = torch.tensor([[1, 5, 9, 33, 70, 2, 44, 18]])
     tail = torch.tensor([[7, 99, 3, 250, 12, 61, 8]])
     with torch.inference_mode():
         assert torch.equal(_steps(native, prompt, tail, chunk=chunk), _steps(plain, prompt, tail, chunk=chunk))
+    assert calls["n"] == 3 * (1 + -(-tail.shape[1] // chunk))  # every layer of every forward ran natively
+
+
+def test_generate_runs_the_native_layers() -> None:
+    """transformers' generate (and the model's forward it calls) reaches the native layers, whatever keyword this
+    transformers version passes the layers their cache by (``cache`` from 5.24, ``past_key_values`` before)."""
+    native, plain = _pair()
+    calls = _count_native_calls(native)
+    ids = torch.tensor([[1, 5, 9, 33, 70]])
+    with torch.inference_mode():
+        a = native.generate(ids, max_new_tokens=4, do_sample=False)
+        b = plain.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(a, b) and calls["n"] == 3 * 4
 
 
 def test_native_layers_take_a_left_padded_batch_and_keep_hidden_state_capture() -> None:
