@@ -161,11 +161,16 @@ class CostModel:
     @classmethod
     def from_json(cls, path: str | Path) -> CostModel:
         """Read a cost model written by :meth:`to_json`."""
-        d = json.loads(Path(path).read_text())
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CostModel:
+        """The inverse of :meth:`to_dict` (keys it does not know go to ``extra``)."""
+        d = dict(d)
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(d) - known
         if unknown:
-            d.setdefault("extra", {}).update({k: d.pop(k) for k in unknown})
+            d["extra"] = {**d.get("extra", {}), **{k: d.pop(k) for k in unknown}}
         return cls(**d)
 
     def with_statistic(self, statistic: str) -> CostModel:

@@ -34,6 +34,11 @@ prompts' token ids and target-only's output ids), ``speedup.png``, ``cost_model.
 curve probed between the prompts) and the resolved ``config.yaml``
 to ``out_dir``; logs them to MLflow. The console shows a table within 100 columns; the full one is in ``benchmark.md``.
 
+A stopped run continues: with ``order: prompt`` every finished prompt's rows are kept in ``<out_dir>/prompts`` and the
+report is rewritten after each prompt (marked partial); the same command on the same machine reads them back and
+goes on at the first unfinished prompt, on the curve the run began with (``pipelines.benchmark_resume``; ``--resume
+false`` starts over).
+
 With ``replay_check`` the run ends with ``pipelines.replay_check``: the benchmark's prompts labelled along target-only's
 output, every engine row's policy replayed offline under this run's curve, predicted against measured tokens/s
 (``replay_check`` in benchmark.json and benchmark.md, ``replay_check.png``).
@@ -62,6 +67,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from data_gen.generate import ModelsConfig
 from data_gen.prompts import PromptSourceConfig
 from data_gen.timing import CostModel, clock
+from pipelines.benchmark_resume import PROMPTS_DIR, PromptStore, run_identity
 from predictors.base import GOODPUT, THRESHOLD
 
 if TYPE_CHECKING:
@@ -151,6 +157,10 @@ class BenchmarkConfig:
     """order prompt: measure the curve again after each prompt's rows (one repeat, a few seconds) and write the mean
     of their pooled timings as ``cost_model_rows.json``, the host's average speed while the rows ran, which the replay
     check prices with (the policies themselves use the curve measured before the rows, as a user's would be)."""
+    resume: bool = True
+    """order prompt: keep each finished prompt's rows in ``<out_dir>/prompts`` and continue a stopped run of the same
+    config on the same machine at its first unfinished prompt, on the curve it began with
+    (``pipelines.benchmark_resume``); false: start over (earlier files moved aside)."""
     force: bool = False
     """Load predictors trained for another draft model anyway."""
     warmup: bool = True
@@ -776,8 +786,9 @@ def plot_speedups(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def finish_rows(rows: list[Row], bench: Bench) -> list[dict[str, Any]]:
-    """Exactness and ROUGE-L against target-only, the bootstrap intervals, the best entropy row: the report rows."""
+def finish_rows(rows: list[Row], bench: Bench, quiet: bool = False) -> list[dict[str, Any]]:
+    """Exactness and ROUGE-L against target-only, the bootstrap intervals, the best entropy row: the report rows
+    (``quiet``: without logging the cost-aware line)."""
     ref = rows[0].outputs
     for r in rows[1:]:
         if not r.outputs or r.reference:
@@ -798,7 +809,7 @@ def finish_rows(rows: list[Row], bench: Bench) -> list[dict[str, Any]]:
         if r is rows[0] or (bench.cfg.temperature == 0 and r.exact is False and r.method == "engine"):
             t["output_ids"] = r.outputs
     line = cost_aware_line(table, best_thr.name if best_thr else None)
-    if line:
+    if line and not quiet:
         log.info(line)
     return table
 
@@ -823,7 +834,10 @@ def cost_aware_line(table: list[dict[str, Any]], best_thresholded: str | None) -
             f"over prompts)")
 
 
-def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], out_dir: Path) -> None:
+def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], out_dir: Path,
+                 of: int | None = None) -> None:
+    """``benchmark.md``, ``benchmark.json`` and ``speedup.png`` of the rows in ``table`` (``of``: the run's number of
+    prompts when the table covers only the first ones, a report of a run still going or stopped)."""
     cfg, cm = bench.cfg, bench.cost_model
     from data_gen.compute_path import compute_path_of, cpu_info
 
@@ -831,8 +845,11 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
     entropy = [r for r in table if r["kind"] in ENTROPY_KINDS and r["method"] == "engine"]
     best_e = max(entropy, key=lambda r: r["tokens_per_s"])["row"] if entropy else "none"
     best_t = best_thresholded(table)
+    partial = (f"**Partial: the first {len(names)} of {of} prompts.** The run goes on, or was stopped: the same "
+               f"command continues it (`{PROMPTS_DIR}/` keeps every finished prompt).\n") if of else ""
     md = [
         "# Decoding benchmark\n",
+        *([partial] if partial else []),
         f"draft `{cfg.models.draft}`, target `{cfg.models.target}`, companion `{cfg.models.companion}`; "
         f"{len(names)} prompts ({', '.join(names)}), {cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, "
         f"device {cfg.models.device}, compute path {compute_path_of(bench.target)} (fp32 activations), batch size "
@@ -852,19 +869,34 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
     if cm is not None:
         md += ["\n```", cm.curve_table(), "```"]
     (out_dir / "benchmark.md").write_text("\n".join(md) + "\n")
-    report = {"rows": table, "prompts": names, "prompt_ids": bench.prompts, "cpu": info}
+    report = {"rows": table, "prompts": names, "prompt_ids": bench.prompts, "cpu": info,
+              "prompts_of_run": of or len(names)}
     (out_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
     plot_speedups(table, out_dir / "speedup.png")
 
 
 # ----------------------------------------------------------------------------------------------------------- main
-def load_bench(cfg: BenchmarkConfig) -> tuple[Bench, list[str], dict]:
-    """Load the models (one compute path for all rows), the prompts and the verification curve."""
+def load_bench(cfg: BenchmarkConfig, store: PromptStore | None = None) -> tuple[Bench, list[str], dict]:
+    """Load the models (one compute path for all rows), the prompts and the verification curve: the stored run's when
+    ``store`` holds one to continue (checked to be this config, these prompts and this machine), else ``cost_file``'s
+    or measured now."""
+    from data_gen.compute_path import compute_path_of, cpu_info
     from data_gen.generate import GenerateConfig, load_models
 
     models, tok = load_models(GenerateConfig(models=cfg.models))
     prompts, names, p_stats = load_benchmark_prompts(cfg, tok)
     bench = Bench(cfg, models.draft, models.target, models.companion, tok, prompts, _eos(tok, models.target))
+    if store is not None:
+        identity = run_identity(cfg, prompts)
+        bench.cost_model = store.resume(identity, cpu_info(), str(bench.draft.config.name_or_path),
+                                        str(bench.target.config.name_or_path), compute_path_of(bench.target))
+        if bench.cost_model is not None:
+            log.info("benchmark: continuing the run in %s (%d of %d prompts done) on its first curve", store.folder,
+                     len(store.done()), len(prompts))
+            return bench, names, p_stats
+        bench.cost_model = load_cost_model(cfg, bench)
+        store.begin(identity, bench.cost_model)
+        return bench, names, p_stats
     bench.cost_model = load_cost_model(cfg, bench)
     return bench, names, p_stats
 
@@ -950,8 +982,14 @@ def release_reference(bench: Bench) -> None:
     bench.shared.pop("reference_target", None)
 
 
-def run_rows(plan: list[tuple[str, Runner]], bench: Bench) -> list[Row]:
-    """Every row on every prompt, in ``cfg.order``, with progress and an ETA; returns the rows in plan order."""
+PromptDone = Callable[[list[Row], int], None]
+"""Called with the rows so far (plan order) and how many prompts they cover, after each prompt of ``order: prompt``."""
+
+
+def run_rows(plan: list[tuple[str, Runner]], bench: Bench, store: PromptStore | None = None,
+             on_prompt: PromptDone | None = None) -> list[Row]:
+    """Every row on every prompt, in ``cfg.order``, with progress and an ETA; returns the rows in plan order. With a
+    ``store`` (order prompt), prompts it holds are read back instead of run and each prompt run is saved to it."""
     t0 = time.perf_counter()
     if bench.cfg.order == "row":
         rows: list[Row] = []
@@ -962,20 +1000,19 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench) -> list[Row]:
         return rows
     merged: dict[str, Row] = {}
     n = len(bench.prompts)
+    stored = set(store.done()) if store is not None else set()
+    ran = 0
     for j, prompt in enumerate(bench.prompts):
-        view = replace(bench, prompts=[prompt], offset=j, reference=None)
-        rows_j: dict[str, Row] = {}
-        for r in range(bench.cfg.repeats):  # target-only first in the first pass: the greedy oracle's look-ahead
-            for name, runner in plan if r % 2 == 0 else plan[::-1]:
-                if name not in rows_j:
-                    rows_j[name] = runner(view)
-                elif not rows_j[name].reference:
-                    rows_j[name] = _faster(rows_j[name], runner(view), j)
-        if bench.cfg.repeats > 1:
-            rows_j[plan[0][0]].note = (f"reference; per prompt the faster of {bench.cfg.repeats} runs, before and "
-                                       "after the other rows")
-        if bench.cfg.curve_probes:
-            bench.shared.setdefault("curve_probes", []).append(measure_curve(bench, repeats=1))
+        if j in stored:
+            assert store is not None
+            rows_j, probe = store.load(j)
+        else:
+            rows_j, probe = run_prompt(plan, replace(bench, prompts=[prompt], offset=j, reference=None), j)
+            if store is not None:
+                store.save(j, rows_j, probe)
+            ran += 1
+        if probe is not None:
+            bench.shared.setdefault("curve_probes", []).append(probe)
         for name, row in rows_j.items():
             if name in merged:
                 merged[name].extend(row)
@@ -985,9 +1022,30 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench) -> list[Row]:
         base = merged[plan[0][0]]
         line = ", ".join(f"{name} x{r.tokens_per_s / base.tokens_per_s:.2f}" for name, r in list(merged.items())[1:6]
                          if base.tokens_per_s)
-        log.info("prompt %d/%d done (%.0fs, ETA %.0fs): target-only %.3f tokens/s; so far %s ...", j + 1, n, done,
-                 done / (j + 1) * (n - j - 1), base.tokens_per_s, line)
+        how = "read back from an earlier run" if j in stored else f"done ({done:.0f}s"
+        eta = "" if j in stored else f", ETA {done / ran * sum(1 for k in range(j + 1, n) if k not in stored):.0f}s)"
+        log.info("prompt %d/%d %s%s: target-only %.3f tokens/s; so far %s ...", j + 1, n, how, eta,
+                 base.tokens_per_s, line)
+        if on_prompt is not None and j not in stored:
+            on_prompt([merged[name] for name, _ in plan], j + 1)
     return [merged[name] for name, _ in plan]
+
+
+def run_prompt(plan: list[tuple[str, Runner]], view: Bench, j: int) -> tuple[dict[str, Row], CostModel | None]:
+    """Every row of the plan on the one prompt of ``view`` (prompt j of the run), ``repeats`` times in alternating
+    order, each row's faster run kept; then the curve probed once (``curve_probes``, else None)."""
+    rows_j: dict[str, Row] = {}
+    for r in range(view.cfg.repeats):  # target-only first in the first pass: the greedy oracle's look-ahead
+        for name, runner in plan if r % 2 == 0 else plan[::-1]:
+            if name not in rows_j:
+                rows_j[name] = runner(view)
+            elif not rows_j[name].reference:
+                rows_j[name] = _faster(rows_j[name], runner(view), j)
+    if view.cfg.repeats > 1:
+        rows_j[plan[0][0]].note = (f"reference; per prompt the faster of {view.cfg.repeats} runs, before and "
+                                   "after the other rows")
+    probe = measure_curve(view, repeats=1) if view.cfg.curve_probes else None
+    return rows_j, probe
 
 
 def _faster(first: Row, again: Row, j: int) -> Row:
@@ -1020,7 +1078,12 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
     t_start = time.perf_counter()
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    bench, names, p_stats = load_bench(cfg)
+    store = None
+    if cfg.order == "prompt":
+        store = PromptStore(out_dir / PROMPTS_DIR)
+        if not cfg.resume:
+            store.set_aside()
+    bench, names, p_stats = load_bench(cfg, store)
     assert bench.cost_model is not None
     bench.cost_model.to_json(out_dir / "cost_model.json")
     log.info("benchmark: %d prompts x %d new tokens, device %s, compute path %s", len(bench.prompts),
@@ -1028,8 +1091,16 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
     if cfg.warmup:
         warm_up(bench)
     plan = row_plan(cfg, bench)
+    if store is not None:
+        store.check_rows([name for name, _ in plan])
+
+    def report_so_far(rows: list[Row], k: int) -> None:  # a run stopped now leaves the report of its first k prompts
+        if k < len(bench.prompts):
+            view = replace(bench, prompts=bench.prompts[:k])
+            write_report(finish_rows(rows, view, quiet=True), view, names[:k], out_dir, of=len(bench.prompts))
+
     try:
-        rows = run_rows(plan, bench)
+        rows = run_rows(plan, bench, store, report_so_far)
     finally:
         release_reference(bench)
     table = finish_rows(rows, bench)
