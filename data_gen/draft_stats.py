@@ -95,13 +95,14 @@ def pair_stats(draft_logits: Tensor, other_logits: Tensor, tokens: Tensor, tempe
 
 def disco_score(topk: Tensor, scalars: list[Tensor], divisors: list[float], logs: list[bool],
                 weights: tuple[Tensor, Tensor, Tensor, float], prior: tuple[int, float, float],
-                sigmoid: bool = True) -> Tensor | None:
+                sigmoid: bool = True, hidden: Tensor | None = None, hidden_w: Tensor | None = None) -> Tensor | None:
     """[N] DISCO scores in one native call (``predictors.disco.DiscoPolicy.score``): inputs [topk [N, k], the entropy
     of the renormalised top-k, each scalar column [N] (or [1]) divided by its divisor or, where ``logs``, log(max(v,
     1e-9))], then ReLU(x w1^T + b1) . w2 + b2 (``weights``: the standardisation folded into w1 [H, D], b1 [H]; w2 [H];
     b2) plus ``prior`` (index, scale, bias: scale * logit(x[index]) + bias, index -1 for none), through a sigmoid
-    when ``sigmoid``. None when the native path does not apply (not a float32 CPU top-k, no build) or an input is not
-    finite (the torch path then names the column)."""
+    when ``sigmoid``; with ``hidden`` [N, Hd] (any float dtype) and ``hidden_w`` [Hd] also hidden . hidden_w (SPRINTER's
+    linear term on the draft's hidden state). None when the native path does not apply (not a float32 CPU top-k, no
+    build) or an input is not finite (the torch path then names the column)."""
     if topk.device.type != "cpu" or topk.dtype != torch.float32 or topk.dim() != 2:
         return None
     mod = _load()
@@ -110,7 +111,7 @@ def disco_score(topk: Tensor, scalars: list[Tensor], divisors: list[float], logs
     w1, b1, w2, b2 = weights
     try:
         return mod.disco_score(topk if topk.is_contiguous() else topk.contiguous(), scalars, divisors, logs, w1, b1,
-                               w2, b2, prior[0], prior[1], prior[2], sigmoid)
+                               w2, b2, prior[0], prior[1], prior[2], sigmoid, hidden, hidden_w)
     except RuntimeError:
         return None
 

@@ -114,6 +114,7 @@ def token_features(
     top_p: float = 1.0,
     columns: Collection[str] | None = None,
     stats: Tensor | None = None,
+    companion_stats: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-draft-token features and raw label quantities.
 
@@ -134,6 +135,9 @@ def token_features(
         stats: these logits' and tokens' native statistics when the caller has them already (the engine's greedy draft
             step, ``data_gen.draft_stats.greedy_draft_stats``, which also checked them finite), at least ``top_k``
             wide; used when the native path applies.
+        companion_stats: ``data_gen.draft_stats.pair_stats(draft_logits, companion_logits, draft_tokens,
+            temperature)[0]`` when the caller has it already (the engine computes it on all threads, a decode step's
+            one row shared among them); used when the native path applies.
     Returns:
         dict of tensors with leading shape [...]: ``draft_token, q, draft_entropy, draft_max_prob, draft_topk [...,
         k]``,
@@ -169,7 +173,9 @@ def token_features(
     tok = draft_tokens.long().unsqueeze(-1)
     if companion_logits is not None:
         if stats is not None:  # native: the companion against the draft in three passes, no [..., V] temporaries
-            cs, _ = pair_stats(draft_logits, companion_logits, draft_tokens, temperature)
+            cs = companion_stats
+            if cs is None:
+                cs, _ = pair_stats(draft_logits, companion_logits, draft_tokens, temperature)
             _check_finite("companion", cs[..., 1])
             c, c_entropy, c_sim = cs[..., 0], cs[..., 1], cs[..., 3]
         else:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from data_gen.draft_stats import greedy_draft_stats, native_available, sample_tokens
+from data_gen.draft_stats import greedy_draft_stats, native_available, pair_stats, sample_tokens
 from data_gen.features import COMPANION_COLUMNS, probs_from_logits, token_features
 from data_gen.models import layer_output, shared_depth
 from data_gen.timing import CostModel, clock, measure_cost_model
@@ -556,10 +556,14 @@ class SpeculativeDecoder:
         stats = None
         if tok is None:  # greedy on a CPU: the argmax the features' native pass finds, one call on all threads
             tok, stats = greedy_draft_stats(logits, max(1, self.top_k_features)) or (self._pick(logits, st.gen), None)
+        c_stats = None
+        if c_logits is not None and stats is not None:  # SV's companion columns: one native call on all threads too
+            c_stats = pair_stats(logits, c_logits, tok, self.temperature)
+            c_stats = None if c_stats is None else c_stats[0]
         with _one_thread(st.device):
             feats = token_features(logits, tok, target_logits=t_logits, companion_logits=c_logits, draft_hidden=hid,
                                    top_k=self.top_k_features, temperature=self.temperature, top_p=self.top_p,
-                                   columns=self.policy.required_columns, stats=stats)
+                                   columns=self.policy.required_columns, stats=stats, companion_stats=c_stats)
             feats["position"] = torch.full((st.batch,), step, dtype=torch.long, device=st.device)
             if self.analysis and not st.peek:
                 feats["greedy_match"] = self._reference_match(st, rnd, tok)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from data_gen.draft_stats import disco_score
-from predictors.inputs import LOG_PREFIX, FeatureSpec, LearnedPolicy, extra_column
+from predictors.inputs import FeatureSpec, LearnedPolicy, disco_scalars
 
 __all__ = ["Standardise", "PriorLogit", "DiscoNet", "DiscoPolicy"]
 
@@ -214,9 +214,7 @@ class DiscoPolicy(LearnedPolicy):
             )
         super().__init__(net, spec, threshold, max_draft_len)
         # the scalar columns after the top-k and its entropy, as build_features orders them: position, then extras
-        self._scalars = ("position", *(extra_column(e) for e in spec.extra))
-        self._divisors = [spec.position_scale, *(1.0 for _ in spec.extra)]
-        self._logs = [False, *(e.startswith(LOG_PREFIX) for e in spec.extra)]
+        self._scalars, self._divisors, self._logs = disco_scalars(spec)
         self._native = spec.parts == ("disco",) and not net.hidden_dim
 
     def reset(self) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "build_features",
     "extra_column",
     "disco_columns",
+    "disco_scalars",
     "topk_entropy",
     "LearnedPolicy",
     "FEATURE_KINDS",
@@ -69,6 +70,14 @@ def extra_column(name: str) -> str:
 def disco_columns(extra: Sequence[str]) -> tuple[str, ...]:
     """Record columns the ``disco`` part reads: the top-k, the position and each explicit input's column, once."""
     return ("draft_topk", "position", *dict.fromkeys(extra_column(e) for e in extra))
+
+
+def disco_scalars(spec: FeatureSpec) -> tuple[tuple[str, ...], list[float], list[bool]]:
+    """The ``disco`` part's scalar inputs after its top-k and their entropy, as :func:`build_features` orders them:
+    (record columns, divisors, log flags) of the position and each explicit input (the arguments of the native
+    ``data_gen.draft_stats.disco_score``)."""
+    return (("position", *(extra_column(e) for e in spec.extra)), [spec.position_scale, *(1.0 for _ in spec.extra)],
+            [False, *(e.startswith(LOG_PREFIX) for e in spec.extra)])
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,16 @@ Usage::
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from data_gen.draft_stats import disco_score
 from predictors.base import SEQUENTIAL
 from predictors.disco import PriorLogit, Standardise
-from predictors.inputs import FeatureSpec, LearnedPolicy
+from predictors.inputs import FeatureSpec, LearnedPolicy, disco_scalars
 
 __all__ = ["SprinterNet", "SprinterPolicy"]
 
@@ -64,3 +67,43 @@ class SprinterPolicy(LearnedPolicy):
                 f"got {spec.kind} width {spec.width}"
             )
         super().__init__(net, spec, threshold, max_draft_len)
+        self._scalars, self._divisors, self._logs = disco_scalars(spec)
+        prior_on_disco = net.prior_index < 0 or net.prior_index >= spec.hidden_size
+        self._native = spec.parts == ("hidden", "disco") and prior_on_disco
+
+    def folded(self) -> tuple[tuple[Tensor, Tensor, Tensor, float], Tensor, tuple[int, float, float]]:
+        """The eval network as the native ``disco_score`` takes it: the standardisation folded into the linear layer
+        (w' = w / std, b' = b - w' . mean), its DISCO part as a two-unit ReLU layer that passes z = b' + w'_disco . x
+        through exactly (relu(z) - relu(-z)), its hidden-state part as the vector the hidden state is dotted with, and
+        the prior on a DISCO input (index within the DISCO part)."""
+        net, hd = self.net, self.spec.hidden_size
+        params = (net.linear.weight, net.linear.bias, net.norm.mean, net.norm.std,
+                  *((net.prior.scale, net.prior.bias) if net.prior_index >= 0 else ()))
+        key = tuple((t.data_ptr(), t._version) for t in params)
+        if self.__dict__.get("_fold_key") != key:
+            with torch.no_grad():
+                w = net.linear.weight[0] / net.norm.std
+                b = float(net.linear.bias[0] - (w * net.norm.mean).sum())
+                wd = w[hd:]
+                layer = (torch.stack([wd, -wd]).contiguous(), torch.tensor([b, -b]), torch.tensor([1.0, -1.0]), 0.0)
+                prior = ((net.prior_index - hd, float(net.prior.scale), float(net.prior.bias)) if net.prior_index >= 0
+                         else (-1, 1.0, 0.0))
+                self._fold = (layer, w[:hd].contiguous(), prior)
+            self._fold_key = key
+        return self._fold
+
+    @torch.no_grad()
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        """On the CPU one native call (``data_gen.draft_stats.disco_score`` with the hidden-state term: the inputs and
+        the linear layer, equal to the torch path to float32 rounding, tested) instead of about twenty tensor
+        operations, each several times its warm cost right after a draft forward; the torch path elsewhere."""
+        if self._native and not self.net.training and self.net.linear.weight.device.type == "cpu":
+            topk, hid = features.get("draft_topk"), features.get("draft_hidden")
+            cols = [features.get(c) for c in self._scalars]
+            if (isinstance(topk, Tensor) and topk.dim() == 2 and isinstance(hid, Tensor) and hid.dim() == 2
+                    and all(isinstance(c, Tensor) for c in cols)):
+                layer, wh, prior = self.folded()
+                out = disco_score(topk, cols, self._divisors, self._logs, layer, prior, hidden=hid, hidden_w=wh)
+                if out is not None:
+                    return out
+        return super().score(features)

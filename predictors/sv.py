@@ -38,6 +38,9 @@ Usage::
 """
 from __future__ import annotations
 
+import bisect
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -189,3 +192,23 @@ class SVPolicy(LearnedPolicy):
         if spec.kind != "sv":
             raise ValueError(f"SVPolicy needs an sv FeatureSpec, got {spec.kind}")
         super().__init__(table, spec, threshold, max_draft_len)
+        self._lists: tuple[list[float], list[float], list[list[float]]] | None = None
+
+    def reset(self) -> None:
+        """A sequence starts: the table's inner edges and cells as Python lists for :meth:`score_list`."""
+        super().reset()
+        t = self.net
+        self._lists = (t.s_edges[1:-1].tolist(), t.a_edges[1:-1].tolist(), t.table.tolist())
+
+    def score_list(self, features: Mapping[str, Tensor]) -> list[float]:
+        """The engine's per-token call: the cell values looked up in Python lists (``bisect``, the cells ``forward``'s
+        ``bucketize`` finds) for a few CPU rows, instead of about ten tensor operations, each several times its warm
+        cost right after a draft forward; the tensor path otherwise (no reset yet, NaN, a GPU)."""
+        s, a = features.get("companion_sim"), features.get("companion_accept")
+        if (self._lists is not None and isinstance(s, Tensor) and isinstance(a, Tensor) and s.device.type == "cpu"
+                and 0 < s.numel() <= 8 and s.shape == a.shape and not self.net.training):
+            s_in, a_in, table = self._lists
+            ss, aa = s.reshape(-1).tolist(), a.reshape(-1).tolist()
+            if all(math.isfinite(x) for x in ss + aa):
+                return [table[bisect.bisect_right(s_in, x)][bisect.bisect_right(a_in, y)] for x, y in zip(ss, aa)]
+        return super().score_list(features)

@@ -134,6 +134,27 @@ def test_pair_statistics_equal_a_float64_reference(shape, temperature):
     assert torch.isnan(out[..., 1, :]).all() and torch.all(amax[..., 1] == -1)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_decode_steps_pair_row_shared_among_threads_has_the_bits_of_one_thread(temperature):
+    """A single wide row (a decode step's draft against the companion) runs its blocks on every thread: the same bits
+    as the row computed on one thread and as that row inside a batch; a tied maximum in a later block is found."""
+    torch.manual_seed(5)
+    q, o = torch.randn(3, 151936) * 3, torch.randn(3, 151936) * 3
+    o[1, 90000] = o[1, 120000] = o[1].amax() + 4
+    tokens = torch.tensor([7, 90000, 151935])
+    batch, batch_amax = ds.pair_stats(q, o, tokens, temperature)
+    n = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for r in range(3):
+                one, amax = ds.pair_stats(q[r : r + 1], o[r : r + 1], tokens[r : r + 1], temperature)
+                assert torch.equal(one[0], batch[r]) and int(amax[0]) == int(batch_amax[r]), (threads, r)
+    finally:
+        torch.set_num_threads(n)
+    assert int(batch_amax[1]) == 90000
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_native_sampling_draws_from_the_softmax(temperature):
     """Inversion sampling over block sums: frequencies of 60,000 draws over a 300-token vocabulary (three blocks, the

@@ -399,9 +399,9 @@ def test_a_companion_sharing_the_drafts_layers_reads_its_states_from_the_draft_s
     seen = {}
 
     class Spy(SVPolicy):
-        def score(self, features):
+        def score_list(self, features):  # the engine's per-token call
             seen.setdefault(self.tag, []).append(features["companion_prob"].clone())
-            return super().score(features)
+            return super().score_list(features)
 
     runs = {}
     for tag, comp in (("separate", separate), ("shared", shared)):

@@ -176,6 +176,47 @@ def test_disco_native_score_equals_the_torch_path(prior_index):
         pol.score(bad)
 
 
+@pytest.mark.parametrize("prior", [False, True])
+def test_sprinter_native_score_equals_the_torch_path(prior):
+    """SprinterPolicy.score's native call (the DISCO inputs and the hidden-state term in one, the linear layer with its
+    standardisation folded) gives the torch path's scores to float32 rounding, on float16 hidden states as the engine
+    passes them, one row or many; the fold follows the weights; a NaN is refused by the torch path's message."""
+    from data_gen.draft_stats import native_available
+    from predictors.sprinter import SprinterNet, SprinterPolicy
+
+    if not native_available():
+        pytest.skip("native statistics unavailable (no compiler)")
+    torch.manual_seed(2)
+    hd = 24
+    spec = FeatureSpec.for_sprinter(hd, top_k=10, extra=("draft_max_prob", "q", "log_q"))
+    net = SprinterNet(spec.width, prior_index=hd if prior else -1)  # the prior on the first top-k probability
+    net.norm.fit(torch.rand(300, spec.width) * 2)
+    with torch.no_grad():
+        net.linear.weight.copy_(torch.randn_like(net.linear.weight) * 0.2)
+        net.linear.bias.fill_(0.3)
+    pol = SprinterPolicy(net, spec, threshold=0.5)
+    topk = torch.softmax(torch.randn(6, 40) * 3, -1).sort(-1, descending=True).values[:, :10].contiguous()
+    feats = {"draft_topk": topk, "position": torch.arange(6), "draft_max_prob": topk[:, 0].clone(),
+             "q": topk[:, 1].clone(), "draft_hidden": torch.randn(6, hd).to(torch.float16)}
+    native = pol.score(feats)
+    pol._native = False
+    torch_path = pol.score(feats)
+    pol._native = True
+    torch.testing.assert_close(native, torch_path, rtol=1e-5, atol=1e-6)
+    one = {k: v[4:5] for k, v in feats.items()}
+    torch.testing.assert_close(pol.score(one), torch_path[4:5], rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        net.linear.bias.fill_(-2.0)  # the fold follows a changed weight
+    pol._native = False
+    moved = pol.score(feats)
+    pol._native = True
+    torch.testing.assert_close(pol.score(feats), moved, rtol=1e-5, atol=1e-6)
+    bad = {**feats, "draft_hidden": feats["draft_hidden"].clone()}
+    bad["draft_hidden"][1, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        pol.score(bad)
+
+
 def _planted_sv(n: int = 32_000, seed: int = 0):
     """S, A_c on a 4 x 4 grid of equally filled cells (values kept 10% away from the cell borders, so equal-count edges
     fall between cells); acceptance constant per cell, at the centres of 16 equal-width levels."""
@@ -197,6 +238,26 @@ def test_sv_table_recovers_cell_means():
     pol = SVPolicy(table)
     x = {"companion_sim": torch.tensor([0.1, 0.9]), "companion_accept": torch.tensor([0.1, 0.6])}
     assert torch.allclose(pol.score(x), torch.tensor([means[0, 0], means[3, 2]], dtype=torch.float32), atol=0.03)
+
+
+def test_sv_score_list_looks_up_the_cells_the_tensor_path_finds():
+    """The engine's per-token call (Python lists after reset) gives the tensor path's values, edges included; before a
+    reset, on NaN or on a wide batch it takes the tensor path (which names a NaN column)."""
+    s, a, y, _ = _planted_sv()
+    table = SVTable(s_bins=4, a_bins=4, prior_count=1.0)
+    table.fit(s, a, y)
+    pol = SVPolicy(table)
+    edges = table.s_edges.float().tolist()
+    xs = torch.tensor([0.0, 1.0, -0.5, 2.0, *edges, 0.3])
+    xa = torch.tensor([*table.a_edges.float().tolist(), 0.5, 1.5, 0.2, 0.7, 0.9, 0.01])[: xs.numel()]
+    assert pol._lists is None
+    pol.reset()
+    for i in range(xs.numel()):
+        one = {"companion_sim": xs[i : i + 1], "companion_accept": xa[i : i + 1]}
+        assert pol.score_list(one) == pol.score(one).tolist(), i
+    bad = {"companion_sim": torch.tensor([float("nan")]), "companion_accept": torch.tensor([0.5])}
+    with pytest.raises(ValueError, match="NaN or inf"):
+        pol.score_list(bad)
 
 
 def test_sv_information_gain_known_value():

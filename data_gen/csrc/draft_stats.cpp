@@ -19,6 +19,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -217,13 +218,14 @@ void row_stats_shared(const float* x, int64_t V, float temp, bool scale, int64_t
 }
 
 // The draft (q) against another model (o) on one row: o(token), o's entropy, TV = 1/2 sum |o - q| and the overlap
-// sum min(o, q) of softmax(z / T) of each; the first argmax of o's raw logits into *amax. Three passes, no temporaries.
+// sum min(o, q) of softmax(z / T) of each; the first argmax of o's raw logits into *amax. Three passes over blocks of
+// kBlock logits, no [V] temporaries: each pass leaves one partial per block (float, summed in SIMD order within the
+// block) and the partials are combined in block order (double), so a row gives the same bits whether its blocks run
+// on one thread or are shared among several (pair_row_any's `shared`, for a decode step's single wide row).
 template <bool kScale>
-__attribute__((always_inline)) inline void pair_row(const float* q, const float* o, int64_t V, float temp, int64_t tok,
-                                                    float* out, int64_t* amax) {
-  const int64_t nb = (V + kBlock - 1) / kBlock;
-  float mq = -std::numeric_limits<float>::infinity(), mo = mq, probe = 0.0f;
-  for (int64_t j = 0; j < nb; ++j) {
+__attribute__((always_inline)) inline void pair_block_max(const float* q, const float* o, int64_t V, float temp,
+                                                          int64_t j0, int64_t j1, float* bq, float* bo, float* bp) {
+  for (int64_t j = j0; j < j1; ++j) {
     const int64_t lo = j * kBlock, hi = std::min(V, lo + kBlock);
     float a = -std::numeric_limits<float>::infinity(), b = a, pr = 0.0f;
 #pragma omp simd reduction(max : a, b) reduction(+ : pr)
@@ -233,21 +235,15 @@ __attribute__((always_inline)) inline void pair_row(const float* q, const float*
       b = o[i] > b ? o[i] : b;
       pr += zq * 0.0f + o[i] * 0.0f;
     }
-    mq = a > mq ? a : mq;
-    mo = b > mo ? b : mo;
-    probe += pr;
+    bq[j] = a, bo[j] = b, bp[j] = pr;
   }
-  if (!std::isfinite(probe)) {
-    for (int j = 0; j < 4; ++j) out[j] = std::numeric_limits<float>::quiet_NaN();
-    *amax = -1;
-    return;
-  }
-  int64_t arg = 0;
-  while (o[arg] != mo) ++arg;  // the first maximum, as torch.argmax
-  *amax = arg;
-  const float so_max = load<kScale>(o, arg, temp);  // max of o / T (division is monotone)
-  double Sq = 0.0, So = 0.0, To = 0.0;
-  for (int64_t j = 0; j < nb; ++j) {
+}
+
+template <bool kScale>
+__attribute__((always_inline)) inline void pair_block_sums(const float* q, const float* o, int64_t V, float temp,
+                                                           float mq, float so_max, int64_t j0, int64_t j1, float* sq_,
+                                                           float* so_, float* to_) {
+  for (int64_t j = j0; j < j1; ++j) {
     const int64_t lo = j * kBlock, hi = std::min(V, lo + kBlock);
     float sq = 0.0f, so = 0.0f, to = 0.0f;
 #pragma omp simd reduction(+ : sq, so, to)
@@ -258,13 +254,15 @@ __attribute__((always_inline)) inline void pair_row(const float* q, const float*
       so += e;
       to += e * d;
     }
-    Sq += sq;
-    So += so;
-    To += to;
+    sq_[j] = sq, so_[j] = so, to_[j] = to;
   }
-  const float sqf = static_cast<float>(Sq), sof = static_cast<float>(So);
-  double TV = 0.0, OV = 0.0;
-  for (int64_t j = 0; j < nb; ++j) {
+}
+
+template <bool kScale>
+__attribute__((always_inline)) inline void pair_block_overlap(const float* q, const float* o, int64_t V, float temp,
+                                                              float mq, float so_max, float sqf, float sof, int64_t j0,
+                                                              int64_t j1, float* tv_, float* ov_) {
+  for (int64_t j = j0; j < j1; ++j) {
     const int64_t lo = j * kBlock, hi = std::min(V, lo + kBlock);
     float tv = 0.0f, ov = 0.0f;
 #pragma omp simd reduction(+ : tv, ov)
@@ -274,23 +272,86 @@ __attribute__((always_inline)) inline void pair_row(const float* q, const float*
       tv += std::fabs(po - pq);
       ov += po < pq ? po : pq;
     }
-    TV += tv;
-    OV += ov;
+    tv_[j] = tv, ov_[j] = ov;
   }
-  out[0] = specstop::exp_nonpositive(load<kScale>(o, tok, temp) - so_max) / sof;
-  out[1] = static_cast<float>(std::log(So) - To / So);
-  out[2] = static_cast<float>(0.5 * TV);
-  out[3] = static_cast<float>(OV);
+}
+
+// The three passes over blocks [j0, j1), compiled for each instruction set (the blocks' loops are the work).
+SPECSTOP_CLONES
+void pair_max_any(const float* q, const float* o, int64_t V, float temp, bool scale, int64_t j0, int64_t j1, float* bq,
+                  float* bo, float* bp) {
+  if (scale) {
+    pair_block_max<true>(q, o, V, temp, j0, j1, bq, bo, bp);
+  } else {
+    pair_block_max<false>(q, o, V, temp, j0, j1, bq, bo, bp);
+  }
 }
 
 SPECSTOP_CLONES
-void pair_row_any(const float* q, const float* o, int64_t V, float temp, bool scale, int64_t tok, float* out,
-                  int64_t* amax) {
+void pair_sums_any(const float* q, const float* o, int64_t V, float temp, bool scale, float mq, float so_max,
+                   int64_t j0, int64_t j1, float* sq, float* so, float* to) {
   if (scale) {
-    pair_row<true>(q, o, V, temp, tok, out, amax);
+    pair_block_sums<true>(q, o, V, temp, mq, so_max, j0, j1, sq, so, to);
   } else {
-    pair_row<false>(q, o, V, temp, tok, out, amax);
+    pair_block_sums<false>(q, o, V, temp, mq, so_max, j0, j1, sq, so, to);
   }
+}
+
+SPECSTOP_CLONES
+void pair_overlap_any(const float* q, const float* o, int64_t V, float temp, bool scale, float mq, float so_max,
+                      float sqf, float sof, int64_t j0, int64_t j1, float* tv, float* ov) {
+  if (scale) {
+    pair_block_overlap<true>(q, o, V, temp, mq, so_max, sqf, sof, j0, j1, tv, ov);
+  } else {
+    pair_block_overlap<false>(q, o, V, temp, mq, so_max, sqf, sof, j0, j1, tv, ov);
+  }
+}
+
+void pair_row_any(const float* q, const float* o, int64_t V, float temp, bool scale, int64_t tok, float* out,
+                  int64_t* amax, bool shared) {
+  const int64_t nb = (V + kBlock - 1) / kBlock;
+  std::vector<float> b0(nb), b1(nb), b2(nb), b3(nb);
+  const int64_t grain = shared ? std::max<int64_t>(64, nb / std::max(1, at::get_num_threads()) + 1) : nb;
+  auto blocks = [&](const auto& pass) {  // pass(j0, j1) over every block, shared among the threads or on this one
+    if (shared) {
+      at::parallel_for(0, nb, grain, pass);
+    } else {
+      pass(0, nb);
+    }
+  };
+  blocks([&](int64_t j0, int64_t j1) { pair_max_any(q, o, V, temp, scale, j0, j1, b0.data(), b1.data(), b2.data()); });
+  float mq = -std::numeric_limits<float>::infinity(), mo = mq, probe = 0.0f;
+  int64_t first = 0;  // the first block holding o's maximum
+  for (int64_t j = 0; j < nb; ++j) {
+    mq = b0[j] > mq ? b0[j] : mq;
+    if (b1[j] > mo) mo = b1[j], first = j;
+    probe += b2[j];
+  }
+  if (!std::isfinite(probe)) {
+    for (int j = 0; j < 4; ++j) out[j] = std::numeric_limits<float>::quiet_NaN();
+    *amax = -1;
+    return;
+  }
+  int64_t arg = first * kBlock;
+  while (o[arg] != mo) ++arg;  // the first maximum, as torch.argmax
+  *amax = arg;
+  const float so_max = scale ? o[arg] / temp : o[arg];  // max of o / T (division is monotone), as load() reads it
+  blocks([&](int64_t j0, int64_t j1) {
+    pair_sums_any(q, o, V, temp, scale, mq, so_max, j0, j1, b0.data(), b1.data(), b2.data());
+  });
+  double Sq = 0.0, So = 0.0, To = 0.0;
+  for (int64_t j = 0; j < nb; ++j) Sq += b0[j], So += b1[j], To += b2[j];
+  const float sqf = static_cast<float>(Sq), sof = static_cast<float>(So);
+  blocks([&](int64_t j0, int64_t j1) {
+    pair_overlap_any(q, o, V, temp, scale, mq, so_max, sqf, sof, j0, j1, b0.data(), b3.data());
+  });
+  double TV = 0.0, OV = 0.0;
+  for (int64_t j = 0; j < nb; ++j) TV += b0[j], OV += b3[j];
+  const float zt = scale ? o[tok] / temp : o[tok];
+  out[0] = specstop::exp_nonpositive(zt - so_max) / sof;
+  out[1] = static_cast<float>(std::log(So) - To / So);
+  out[2] = static_cast<float>(0.5 * TV);
+  out[3] = static_cast<float>(OV);
 }
 
 // One draw from softmax(z / T) by inversion: u * S against the running sum of the blocks' sums, then within the block
@@ -416,9 +477,13 @@ std::tuple<torch::Tensor, torch::Tensor> pair_stats(torch::Tensor draft, torch::
   int64_t* ap = amax.data_ptr<int64_t>();
   const Scaling sc = scaling_of(temperature);
   for (int64_t r = 0; r < N; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "pair_stats: token id out of range");
+  if (N == 1 && V >= kSharedRow && at::get_num_threads() > 1) {  // a decode step's row: its blocks shared
+    pair_row_any(qp, opp, V, sc.temp, sc.on, tp[0], outp, ap, true);
+    return {out, amax};
+  }
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      pair_row_any(qp + r * V, opp + r * V, V, sc.temp, sc.on, tp[r], outp + r * 4, ap + r);
+      pair_row_any(qp + r * V, opp + r * V, V, sc.temp, sc.on, tp[r], outp + r * 4, ap + r, false);
   });
   return {out, amax};
 }
@@ -454,7 +519,8 @@ torch::Tensor sample_tokens(torch::Tensor logits, torch::Tensor u, double temper
 torch::Tensor disco_score(const torch::Tensor& topk, const std::vector<torch::Tensor>& scalars,
                           const std::vector<double>& divs, const std::vector<bool>& logs, const torch::Tensor& w1,
                           const torch::Tensor& b1, const torch::Tensor& w2, double b2, int64_t prior_index,
-                          double prior_scale, double prior_bias, bool sigmoid) {
+                          double prior_scale, double prior_bias, bool sigmoid,
+                          const std::optional<torch::Tensor>& hidden, const std::optional<torch::Tensor>& hidden_w) {
   TORCH_CHECK(topk.dim() == 2 && topk.scalar_type() == torch::kFloat32 && topk.is_contiguous() && topk.is_cpu(),
               "disco_score: topk must be a contiguous float32 CPU tensor [N, k]");
   const int64_t n = topk.size(0), k = topk.size(1), ns = static_cast<int64_t>(scalars.size());
@@ -473,6 +539,16 @@ torch::Tensor disco_score(const torch::Tensor& topk, const std::vector<torch::Te
                 " values for ", n, " rows");
     cols.push_back(f);
   }
+  // optional linear term on the draft's hidden state (SPRINTER's: hidden [N, Hd] . hidden_w [Hd], added to the logit)
+  torch::Tensor hf, hw;
+  TORCH_CHECK(hidden.has_value() == hidden_w.has_value(), "disco_score: hidden and hidden_w come together");
+  if (hidden.has_value()) {
+    hf = hidden->to(torch::kFloat32).contiguous();
+    hw = hidden_w->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(hf.is_cpu() && hf.dim() == 2 && hf.size(0) == n && hw.dim() == 1 && hw.size(0) == hf.size(1),
+                "disco_score: hidden [N, Hd] and hidden_w [Hd] expected");
+  }
+  const int64_t hd = hidden.has_value() ? hf.size(1) : 0;
   auto out = torch::empty({n}, topk.options());
   const float* tp = topk.data_ptr<float>();
   const float* w1p = w1.data_ptr<float>();
@@ -504,6 +580,16 @@ torch::Tensor disco_score(const torch::Tensor& topk, const std::vector<torch::Te
       float a = b1p[i];
       for (int64_t j = 0; j < d; ++j) a += wi[j] * x[j];
       logit += w2p[i] * std::max(a, 0.0f);
+    }
+    if (hd) {
+      const float* hr = hf.data_ptr<float>() + r * hd;
+      const float* wr = hw.data_ptr<float>();
+      float dot = 0.0f;
+      for (int64_t j = 0; j < hd; ++j) {
+        TORCH_CHECK(std::isfinite(hr[j]), "disco_score: non-finite hidden input ", j, " in row ", r);
+        dot += hr[j] * wr[j];
+      }
+      logit += dot;
     }
     if (prior_index >= 0) {
       const float v = std::min(std::max(x[prior_index], 1e-6f), 1.0f - 1e-6f);
