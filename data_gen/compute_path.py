@@ -101,8 +101,10 @@ def cpu_info() -> dict[str, Any]:
     """:func:`cpu_model`, the torch threads in use now (a thread count set later is not missed) and the instructions
     specstop's bf16 GEMM runs on here (``bf16_chain``: amx, avx512-bf16 or none, :func:`data_gen.bf16_gemm.chain`)."""
     model = cpu_model()
-    # a CPU without AVX512-BF16 runs neither chain: no build of the kernel just to say so
-    chain = bf16_gemm.chain() if "avx512_bf16" in model["simd_flags"] else "none"
+    # a CPU without AVX512-BF16 runs neither chain: no build of the kernel just to say so; where the flags are unknown
+    # (no /proc/cpuinfo) the kernel itself tells
+    known = bool(model["simd_flags"])
+    chain = bf16_gemm.chain() if "avx512_bf16" in model["simd_flags"] or not known else "none"
     return {**model, "threads": torch.get_num_threads(), "bf16_chain": chain}
 
 

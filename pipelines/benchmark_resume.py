@@ -96,7 +96,10 @@ class PromptStore:
         """Move an earlier run's files to ``prompts.old-<time>`` (starting over loses nothing); returns where."""
         if not self.folder.exists():
             return None
-        dest = self.folder.with_name(f"{self.folder.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        stem = f"{self.folder.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+        dest, i = self.folder.with_name(stem), 1
+        while dest.exists():
+            dest, i = self.folder.with_name(f"{stem}-{i}"), i + 1
         self.folder.rename(dest)
         log.info("benchmark: the earlier run's prompts moved to %s (starting over)", dest)
         return dest
@@ -119,7 +122,10 @@ class PromptStore:
         return curve
 
     def begin(self, identity: dict[str, Any], curve: CostModel) -> None:
-        """Record a new run (its identity and its curve) before its first prompt."""
+        """Record a new run (its identity and its curve) before its first prompt; prompt files without a run.json
+        (whose run is unknown) are moved aside first, never read as this run's."""
+        if self.done():
+            self.set_aside()
         self.folder.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.run_file, json.dumps({"identity": identity, "cost_model": curve.to_dict()}, indent=1))
 

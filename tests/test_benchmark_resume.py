@@ -82,6 +82,10 @@ def test_another_config_prompts_or_machine_is_refused_with_what_differs(tmp_path
         store.check_rows(["target-only", "svip:0.4 (val-tuned)"])
     moved = store.set_aside()
     assert moved is not None and (moved / "run.json").is_file() and not store.folder.exists()
+    store.folder.mkdir()
+    (store.folder / "prompt-0000.json").write_text("{}")  # a prompt of an unknown run: never read as this one's
+    store.begin(run_identity(cfg, [[1], [2]]), _curve())
+    assert store.done() == [] and len(list(tmp_path.glob("prompts.old-*"))) == 2
 
 
 def test_the_benchmark_resumes_on_tiny_models(tmp_path, caplog):

@@ -106,6 +106,17 @@ def test_cpu_info_names_the_model_and_flags() -> None:
     assert info["torch"] == torch.__version__ and info["bf16_chain"] in ("amx", "avx512-bf16", "none")
 
 
+def test_without_cpu_flags_the_kernel_names_its_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where /proc/cpuinfo is missing (the flags unknown) the bf16 chain is the kernel's own answer, not 'none'."""
+    monkeypatch.setattr(cp, "cpu_model", lambda: {"model_name": "", "simd_flags": [], "torch_cpu_capability": "",
+                                                  "torch": torch.__version__})
+    monkeypatch.setattr(cp.bf16_gemm, "chain", lambda: "avx512-bf16")
+    assert cp.cpu_info()["bf16_chain"] == "avx512-bf16"
+    monkeypatch.setattr(cp, "cpu_model", lambda: {"model_name": "x", "simd_flags": ["avx2"], "torch_cpu_capability": "",
+                                                  "torch": torch.__version__})
+    assert cp.cpu_info()["bf16_chain"] == "none"
+
+
 def test_a_predictor_from_data_of_another_precision_is_warned_not_refused(caplog: pytest.LogCaptureFixture) -> None:
     from predictors.export import check_fingerprint
 

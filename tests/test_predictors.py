@@ -142,6 +142,21 @@ def test_disco_unchecked_fold_is_dropped_by_moves_loads_and_mode_switches():
     assert fold is not old and fold[3] == float(pol.net.head.bias[0].detach())
 
 
+def _topk(n: int) -> torch.Tensor:
+    """[n, 10] sorted top-10 probabilities of random 40-token distributions."""
+    return torch.softmax(torch.randn(n, 40) * 3, -1).sort(-1, descending=True).values[:, :10].contiguous()
+
+
+def _native_and_torch(pol, feats) -> tuple[torch.Tensor, torch.Tensor]:
+    """A policy's scores on its native path and on the torch path."""
+    native = pol.score(feats)
+    pol._native = False
+    try:
+        return native, pol.score(feats)
+    finally:
+        pol._native = True
+
+
 @pytest.mark.parametrize("prior_index", [-1, 12])
 def test_disco_native_score_equals_the_torch_path(prior_index):
     """DiscoPolicy.score's native call (inputs and network in one: the engine's stop decision) gives the torch path's
@@ -159,14 +174,11 @@ def test_disco_native_score_equals_the_torch_path(prior_index):
         for p in net.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     pol = DiscoPolicy(net, spec, threshold=0.5)
-    topk = torch.softmax(torch.randn(7, 40) * 3, -1).sort(-1, descending=True).values[:, :10].contiguous()
+    topk = _topk(7)
     topk[3, 5:] = 0  # fewer than k tokens with mass
     feats = {"draft_topk": topk, "position": torch.arange(7), "draft_max_prob": topk[:, 0].clone(),
              "draft_entropy": torch.rand(7) * 4}
-    native = pol.score(feats)
-    pol._native = False
-    torch_path = pol.score(feats)
-    pol._native = True
+    native, torch_path = _native_and_torch(pol, feats)
     torch.testing.assert_close(native, torch_path, rtol=1e-5, atol=1e-6)
     one = {k: v[2:3] for k, v in feats.items()}
     torch.testing.assert_close(pol.score(one), torch_path[2:3], rtol=1e-5, atol=1e-6)
@@ -195,22 +207,16 @@ def test_sprinter_native_score_equals_the_torch_path(prior):
         net.linear.weight.copy_(torch.randn_like(net.linear.weight) * 0.2)
         net.linear.bias.fill_(0.3)
     pol = SprinterPolicy(net, spec, threshold=0.5)
-    topk = torch.softmax(torch.randn(6, 40) * 3, -1).sort(-1, descending=True).values[:, :10].contiguous()
+    topk = _topk(6)
     feats = {"draft_topk": topk, "position": torch.arange(6), "draft_max_prob": topk[:, 0].clone(),
              "q": topk[:, 1].clone(), "draft_hidden": torch.randn(6, hd).to(torch.float16)}
-    native = pol.score(feats)
-    pol._native = False
-    torch_path = pol.score(feats)
-    pol._native = True
+    native, torch_path = _native_and_torch(pol, feats)
     torch.testing.assert_close(native, torch_path, rtol=1e-5, atol=1e-6)
     one = {k: v[4:5] for k, v in feats.items()}
     torch.testing.assert_close(pol.score(one), torch_path[4:5], rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         net.linear.bias.fill_(-2.0)  # the fold follows a changed weight
-    pol._native = False
-    moved = pol.score(feats)
-    pol._native = True
-    torch.testing.assert_close(pol.score(feats), moved, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(*_native_and_torch(pol, feats), rtol=1e-5, atol=1e-6)
     bad = {**feats, "draft_hidden": feats["draft_hidden"].clone()}
     bad["draft_hidden"][1, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf"):
