@@ -405,6 +405,9 @@ def load_benchmark_prompts(cfg: BenchmarkConfig, tokenizer) -> tuple[list[list[i
     prompts = prompts[: cfg.n_prompts]
     if not prompts:
         raise ValueError(f"no prompts left after the split filter split={cfg.split!r}; set split: null or add sources")
+    if len(prompts) < cfg.n_prompts:
+        log.warning("n_prompts=%d asked, but the sources hold %d prompts in split %r: running those (add sources or "
+                    "set another split for more)", cfg.n_prompts, len(prompts), cfg.split)
     ids, names, n_trunc = [], [], 0
     for p in prompts:
         tok_ids, truncated = render_prompt(p, tokenizer, cfg.use_chat_template, cfg.max_prompt_tokens)

@@ -78,6 +78,18 @@ def test_bad_options_through_the_command_line(capsys, tmp_path):
         assert e.value.code == 2 and words in err and "Traceback" not in err, err
 
 
+def test_fewer_prompts_than_asked_are_named(caplog):
+    """A config asking for more prompts than its sources hold in the split runs those and says how many."""
+    from data_gen.models import ModelSpec, load_model
+    from pipelines.benchmark import load_benchmark_prompts
+
+    _, tok = load_model(ModelSpec("tiny:1"))
+    cfg = BenchmarkConfig(prompt_texts=["def f():", "hello"], n_prompts=5, split=None)
+    with caplog.at_level("WARNING"):
+        ids, names, _ = load_benchmark_prompts(cfg, tok)
+    assert len(ids) == 2 and "n_prompts=5 asked, but the sources hold 2 prompts" in caplog.text
+
+
 def test_paired_bootstrap_interval_brackets_the_ratio():
     import numpy as np
 
