@@ -889,18 +889,17 @@ def load_bench(cfg: BenchmarkConfig, store: PromptStore | None = None) -> tuple[
     models, tok = load_models(GenerateConfig(models=cfg.models))
     prompts, names, p_stats = load_benchmark_prompts(cfg, tok)
     bench = Bench(cfg, models.draft, models.target, models.companion, tok, prompts, _eos(tok, models.target))
+    identity = run_identity(cfg, prompts) if store is not None else None
     if store is not None:
-        identity = run_identity(cfg, prompts)
         bench.cost_model = store.resume(identity, cpu_info(), str(bench.draft.config.name_or_path),
                                         str(bench.target.config.name_or_path), compute_path_of(bench.target))
         if bench.cost_model is not None:
             log.info("benchmark: continuing the run in %s (%d of %d prompts done) on its first curve", store.folder,
                      len(store.done()), len(prompts))
             return bench, names, p_stats
-        bench.cost_model = load_cost_model(cfg, bench)
-        store.begin(identity, bench.cost_model)
-        return bench, names, p_stats
     bench.cost_model = load_cost_model(cfg, bench)
+    if store is not None:
+        store.begin(identity, bench.cost_model)
     return bench, names, p_stats
 
 
