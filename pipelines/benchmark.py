@@ -10,8 +10,9 @@ the same model objects (so every row runs on the same compute path, ``--models.c
   folders or ``models:/<name>@champion``); ``hfp:<policy>`` runs a policy inside transformers' generate. Tuned specs
   read the validation split of ``tune_data_dir`` and replay it under this run's measured curve: ``static:best`` (the
   static length of highest replayed speedup), ``<baseline>:tuned`` (``svip:tuned``, ``adaedl:tuned``,
-  ``max_confidence:tuned``: threshold of highest replayed speedup). Learned exports keep the threshold the main job
-  tuned on validation.
+  ``max_confidence:tuned``, ``draft_prob:tuned``: threshold of highest replayed speedup; under sampling
+  ``draft_prob``, q(x) of the drafted token, is what transformers' confidence criterion compares, not the top-1
+  probability). Thresholded learned exports are tuned again the same way (``tune_predictors``).
 
 Rows run side by side (``order: prompt``, the default): every row decodes prompt 1, then every row prompt 2, and so on,
 so a machine that slows down or speeds up during the run (a shared VM does, by 10-30%) moves every row alike and the
@@ -67,6 +68,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from data_gen.generate import ModelsConfig
 from data_gen.prompts import PromptSourceConfig
 from data_gen.timing import CostModel, clock
+from pipelines.benchmark_pace import Pace, PaceMeter, excess, normal_pace
 from pipelines.benchmark_resume import PROMPTS_DIR, PromptStore, run_identity
 from predictors.base import GOODPUT, THRESHOLD
 
@@ -77,7 +79,7 @@ log = logging.getLogger(__name__)
 
 ENTROPY_KINDS = ("svip", "adaedl")
 """Policies the learned ones must beat: the training-free entropy bounds."""
-TUNABLE_BASELINES = ("svip", "adaedl", "max_confidence")
+TUNABLE_BASELINES = ("svip", "adaedl", "max_confidence", "draft_prob")
 
 
 @dataclass
@@ -139,6 +141,13 @@ class BenchmarkConfig:
     row's faster run on that prompt, its output checked equal (the minimum, as ``timeit`` advises: the cost without
     interference from other processes; target-only thus runs before and after the other rows). 1: each row once, in
     plan order. The reference row (``reference_compute``) runs once."""
+    rerun_slower_than: float | None = None
+    """order prompt, repeats > 1: after the prompt's first pass, run a row (target-only too) again only when its
+    forwards ran more than this fraction (e.g. 0.05) slower than the prompt's normal pace (its rows' median, per model,
+    against the curve: ``pipelines.benchmark_pace``), i.e. when a slow phase of the host hit it. Saved 27% of the rows'
+    time in the eighteenth session's run, but a row then keeps a typical run where every row twice keeps the faster of
+    two (the curve's own convention): on a noisy host the replay check, priced with minimum times, drifted 8-14% from
+    the rows (README). null (default): every row runs ``repeats`` times."""
     batch_size: int = 1
     """Engine rows decode this many prompts per batch (left padding, per-sequence draft lengths)."""
     cost_file: str | None = None
@@ -195,6 +204,9 @@ class BenchmarkConfig:
             raise ValueError(f"max_static={self.max_static} and n_boot={self.n_boot} must be >= 1")
         if self.repeats < 1:
             raise ValueError(f"repeats={self.repeats}: must be >= 1 (runs of every row per prompt)")
+        if self.rerun_slower_than is not None and self.rerun_slower_than < 0:
+            raise ValueError(f"rerun_slower_than={self.rerun_slower_than}: must be >= 0 (a fraction, e.g. 0.05), or "
+                             "null to run every row `repeats` times")
         for r in self.hf_rows:
             if r not in ("heuristic", "default") and not re.fullmatch(r"static:\d+", r):
                 raise ValueError(f"hf_rows: {r!r} is not one of static:K, heuristic, default")
@@ -246,6 +258,8 @@ class Row:
     """The reference row (another compute path, maybe fewer tokens): no exactness check."""
     prefill_seconds: list[float] = field(default_factory=list)
     """Engine rows: seconds per prompt spent prefilling the prompt (inside ``seconds``)."""
+    runs: int = 1
+    """Runs of the row over its prompts (per prompt 1 up to ``repeats``; the faster one kept)."""
     decode: DecodeStats | None = field(default=None, repr=False)
     """Engine rows: the engine's counters and timings over the row's prompts (stop decisions, draft steps,
     verification passes: the costs the engine realised)."""
@@ -255,6 +269,7 @@ class Row:
         self.seconds += other.seconds
         self.outputs += other.outputs
         self.prefill_seconds += other.prefill_seconds
+        self.runs += other.runs
         for k in ("rounds", "accepted", "target_calls", "draft_tokens"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         if other.decode is not None:
@@ -317,7 +332,7 @@ class Row:
             "wasted_per_token": round(wasted / self.tokens, 3) if self.tokens and self.draft_tokens else None,
             "stop_overhead": None if self.stop_overhead is None else round(self.stop_overhead, 4),
             "exact": self.exact, "rouge_l": None if self.rouge_l is None else round(self.rouge_l, 4),
-            "tokens": self.tokens, "seconds": round(sum(self.seconds), 3), "note": self.note,
+            "tokens": self.tokens, "seconds": round(sum(self.seconds), 3), "runs": self.runs, "note": self.note,
             "identical_prompts": self.identical_prompts,
             "prompt_tokens": [len(o) for o in self.outputs], "prompt_seconds": [round(x, 4) for x in self.seconds],
             "prefill_seconds": [round(x, 4) for x in self.prefill_seconds] or None,
@@ -715,7 +730,7 @@ def tune_predictors(specs: Sequence[str], bench: Bench) -> dict[str, tuple[Any, 
 # ----------------------------------------------------------------------------------------------------------- report
 COLUMNS = ("row", "tokens_per_s", "speedup", "vs_best_entropy", "vs_best_thresholded", "mean_accepted",
            "mean_drafted", "target_calls_per_token", "wasted_per_token", "stop_overhead", "identical_prompts",
-           "rouge_l", "note")
+           "rouge_l", "runs", "note")
 RATIO_COLUMNS = ("speedup", "vs_best_entropy", "vs_best_thresholded")
 """Columns holding a ratio with its interval (``<c>_lo``, ``<c>_hi``)."""
 
@@ -863,7 +878,8 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
         f"learned or training-free ({best_t or 'none'}); [95% paired bootstrap interval over prompts]; mean_accepted / "
         "mean_drafted = draft tokens accepted / drafted per round; stop_overhead = one stop decision / one draft "
         "forward; identical_prompts = prompts whose output equals target-only's (greedy); rouge_l against "
-        "target-only's output.\n",
+        "target-only's output; runs = the row's timed runs over the prompts, the faster kept per prompt"
+        f"{_runs_rule(cfg)}.\n",
         markdown_table(table),
     ]
     line = cost_aware_line(table, best_t)
@@ -876,6 +892,15 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
               "prompts_of_run": of or len(names)}
     (out_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
     plot_speedups(table, out_dir / "speedup.png")
+
+
+def _runs_rule(cfg: BenchmarkConfig) -> str:
+    if cfg.order != "prompt" or cfg.repeats == 1:
+        return " (one run per prompt)"
+    if cfg.rerun_slower_than is None:
+        return f" ({cfg.repeats} per prompt)"
+    return (f" (a row again, up to {cfg.repeats} per prompt, only when its forwards ran over "
+            f"{100 * cfg.rerun_slower_than:.0f}% slower than the prompt's pace against the curve)")
 
 
 # ----------------------------------------------------------------------------------------------------------- main
@@ -998,6 +1023,7 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench, store: PromptStore | 
         for i, (name, runner) in enumerate(plan):
             t_row = time.perf_counter()
             rows.append(runner(bench))
+            rows[-1].runs = len(rows[-1].seconds)  # once per prompt
             _log_row(i, len(plan), name, rows, time.perf_counter() - t_row, t0)
         return rows
     merged: dict[str, Row] = {}
@@ -1034,20 +1060,56 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench, store: PromptStore | 
 
 
 def run_prompt(plan: list[tuple[str, Runner]], view: Bench, j: int) -> tuple[dict[str, Row], CostModel | None]:
-    """Every row of the plan on the one prompt of ``view`` (prompt j of the run), ``repeats`` times in alternating
-    order, each row's faster run kept; then the curve probed once (``curve_probes``, else None)."""
+    """Every row of the plan on the one prompt of ``view`` (prompt j of the run), up to ``repeats`` times in
+    alternating order, each row's faster run kept; with ``rerun_slower_than`` set, only the rows a slow phase hit run
+    after the first pass (target-only included: every row is measured alike); then the curve probed once
+    (``curve_probes``, else None)."""
+    cfg = view.cfg
+    tol = cfg.rerun_slower_than if view.cost_model is not None else None
     rows_j: dict[str, Row] = {}
-    for r in range(view.cfg.repeats):  # target-only first in the first pass: the greedy oracle's look-ahead
+    paces: dict[str, Pace | None] = {}
+    normal: dict[str, float] = {}
+    for r in range(cfg.repeats):  # target-only first in the first pass: the greedy oracle's look-ahead
+        if r == 1 and tol is not None:
+            normal = normal_pace([p for p in paces.values() if p is not None])
+        again, spared = [], 0.0
         for name, runner in plan if r % 2 == 0 else plan[::-1]:
+            if name in rows_j and rows_j[name].reference:
+                continue
+            if name in rows_j and tol is not None and not _was_slowed(paces[name], normal, tol):
+                spared += sum(rows_j[name].seconds)
+                continue
+            row, pace = _run_paced(runner, view) if tol is not None else (runner(view), None)
             if name not in rows_j:
-                rows_j[name] = runner(view)
-            elif not rows_j[name].reference:
-                rows_j[name] = _faster(rows_j[name], runner(view), j)
-    if view.cfg.repeats > 1:
-        rows_j[plan[0][0]].note = (f"reference; per prompt the faster of {view.cfg.repeats} runs, before and "
-                                   "after the other rows")
-    probe = measure_curve(view, repeats=1) if view.cfg.curve_probes else None
+                rows_j[name], paces[name] = row, pace
+                continue
+            kept = _faster(rows_j[name], row, j)
+            kept.runs = rows_j[name].runs + 1
+            paces[name] = pace if kept is row else paces[name]
+            rows_j[name] = kept
+            again.append(name)
+        if r >= 1 and tol is not None:
+            log.info("prompt %d pass %d: ran again %d of %d rows (over %.0f%% slower than the prompt's pace: %s), "
+                     "%.0fs of runs spared", j + 1, r + 1, len(again), len(plan), 100 * tol, ", ".join(again), spared)
+    if cfg.repeats > 1 and tol is None:
+        rows_j[plan[0][0]].note = (f"reference; per prompt the faster of {cfg.repeats} runs, before and after the "
+                                   "other rows")
+    probe = measure_curve(view, repeats=1) if cfg.curve_probes else None
     return rows_j, probe
+
+
+def _run_paced(runner: Runner, view: Bench) -> tuple[Row, Pace]:
+    """One run of a row with its target and draft forwards timed against the curve."""
+    assert view.cost_model is not None
+    with PaceMeter({"target": view.target, "draft": view.draft}, view.cost_model) as meter:
+        row = runner(view)
+    return row, meter.pace
+
+
+def _was_slowed(pace: Pace | None, normal: dict[str, float], tol: float) -> bool:
+    """A run whose priced forwards took more than ``1 + tol`` times the prompt's normal pace (or cannot be judged)."""
+    x = excess(pace, normal)
+    return x is None or x > tol
 
 
 def _faster(first: Row, again: Row, j: int) -> Row:

@@ -46,6 +46,10 @@ NOT_IDENTITY = ("out_dir", "resume", "replay_check", "n_boot", "tracking", "trac
 """Config fields that do not change a prompt's measured rows (``n_prompts``: the prompts' own ids are compared, so a
 run may be extended to more prompts)."""
 
+ADDED_SINCE = {"rerun_slower_than": None}
+"""Config fields added after runs were stored, with the value that reproduces how those runs ran (a stored identity
+without the field is compared with it)."""
+
 
 def run_identity(cfg: BenchmarkConfig, prompts: list[list[int]]) -> dict[str, Any]:
     """What a resumed run must share with the stored one: the config fields that shape a prompt's rows and, per
@@ -162,7 +166,7 @@ class PromptStore:
 def _differences(stored: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Config fields and prompts in which two identities differ, each naming both values."""
     out = []
-    a, b = stored.get("config", {}), now["config"]
+    a, b = {**ADDED_SINCE, **stored.get("config", {})}, now["config"]
     for k in sorted(set(a) | set(b)):
         if a.get(k) != b.get(k):
             out.append(f"{k}: stored {a.get(k)!r}, now {b.get(k)!r}")

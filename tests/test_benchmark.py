@@ -65,6 +65,25 @@ def test_thresholds_are_tuned_on_one_draw_per_position(tmp_path, monkeypatch, te
     assert len(seen) == 1 and list(seen[0]["draw"]) == [draw] * 3
 
 
+def test_the_drafted_tokens_probability_is_tuned_like_the_other_baselines(tmp_path, monkeypatch):
+    """draft_prob:tuned (q(x), transformers' confidence criterion under sampling) is tuned on val as the others are."""
+    import numpy as np
+
+    import evaluation.replay as replay
+    import pipelines.evaluate as evaluate
+    from pipelines.benchmark import Bench, tune_on_validation
+
+    (tmp_path / "data").mkdir()
+    monkeypatch.setattr(evaluate, "load_columns", lambda *a, **k: {"draw": np.array(["sample"] * 2),
+                                                                    "seq_id": np.zeros(2, dtype=np.int64)})
+    monkeypatch.setattr(replay, "tune_threshold", lambda pol, c, *a, **k: (0.25, 1.3))
+    cfg = BenchmarkConfig(policies=["draft_prob:tuned"], tune_data_dir=str(tmp_path / "data"), temperature=1.0)
+    bench = Bench(cfg, None, None, None, None, [], [], cost_model=object())  # type: ignore[arg-type]
+    pol, label, rebuild = tune_on_validation(cfg.policies, bench)["draft_prob:tuned"]
+    assert pol.kind == "draft_prob" and pol.threshold == 0.25 and label == "draft_prob:0.25 (val-tuned)"
+    assert rebuild == {"spec": "draft_prob", "threshold": 0.25}
+
+
 def test_bad_options_through_the_command_line(capsys, tmp_path):
     """What a user types: one line naming the option and the fix, exit code 2, no traceback."""
     for argv, words in (
