@@ -1,5 +1,5 @@
 """A row runs again only when a slow phase hit it: forwards timed against the curve (``pipelines.benchmark_pace``),
-the prompt's median pace as the norm, target-only always twice, the reference row once."""
+the prompt's median pace as the norm, target-only measured as every row, the reference row once."""
 from __future__ import annotations
 
 import pytest
