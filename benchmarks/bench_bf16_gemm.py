@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from data_gen import bf16_gemm
-from data_gen.compute_path import cpu_info
-from data_gen.models import ModelSpec, load_model
-from data_gen.timing import _crop, _prefill
+from compute import bf16_gemm
+from compute.compute_path import cpu_info
+from compute.models import ModelSpec, load_model
+from compute.timing import _crop, _prefill
 
 
 def _best(fn, repeats: int) -> float:
@@ -101,7 +101,7 @@ def main() -> None:
           f"{', '.join(f for f in info['simd_flags'] if 'bf16' in f or f == 'avx512f')}")
     from transformers import AutoConfig
 
-    from data_gen.packaged import ensure_packaged
+    from compute.packaged import ensure_packaged
 
     path = (ensure_packaged(args.model.removeprefix("packaged:"), Path("~/.cache/specstop").expanduser())
             if args.model.startswith("packaged:") else args.model)

@@ -22,10 +22,10 @@ import time
 
 import torch
 
-from data_gen.compute_path import cpu_info
+from compute.compute_path import cpu_info
+from compute.models import load_model
+from compute.timing import CostModel
 from data_gen.generate import ModelsConfig
-from data_gen.models import load_model
-from data_gen.timing import CostModel
 from decoding.policies import build_decoder
 from pipelines.benchmark import BenchmarkConfig, load_benchmark_prompts
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from data_gen.compute_path import PackedLinear, compute_path_of, cpu_info, gemm_of
+from compute.compute_path import PackedLinear, compute_path_of, cpu_info, gemm_of
 from data_gen.generate import ChunkStats, GenerateConfig, attention_for_labelling, load_models, produce_chunk
 from data_gen.prompts import load_prompts, render_prompt
 from data_gen.schema import features_schema

@@ -53,7 +53,7 @@ from sklearn.isotonic import IsotonicRegression
 from sklearn.metrics import roc_auc_score
 
 import evaluation.replay as replay_mod
-from data_gen.timing import CostModel
+from compute.timing import CostModel
 from evaluation.replay import (
     OracleSchedule,
     ReplayConfig,

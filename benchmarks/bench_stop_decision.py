@@ -21,9 +21,9 @@ import time
 import torch
 
 import decoding.engine as engine
+from compute.models import load_model, share_truncated_layers
+from compute.timing import CostModel
 from data_gen.generate import ModelsConfig
-from data_gen.models import load_model, share_truncated_layers
-from data_gen.timing import CostModel
 from decoding.engine import SpeculativeDecoder
 from decoding.policies import build_policy
 

@@ -5,7 +5,7 @@ and every raw label quantity (q(x), p(x), min(1, p/q), target argmax, TV) comes 
 ``data_gen.labelling`` calls it with target logits over whole sequences; ``decoding`` calls it without target logits
 on each freshly drafted token. A test asserts both paths give equal features for the same token.
 
-Without a nucleus cut on a CPU the softmax statistics come from native calls (``data_gen.draft_stats``: two or three
+Without a nucleus cut on a CPU the softmax statistics come from native calls (``compute.draft_stats``: two or three
 passes over the vocabulary per row, no [..., V] temporaries, sums in double across blocks); otherwise from torch ops
 over the probabilities. Both give the same values to float32 rounding (tested).
 """
@@ -17,7 +17,7 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-from data_gen.draft_stats import draft_stats, pair_stats
+from compute.draft_stats import draft_stats, pair_stats
 
 __all__ = ["probs_from_logits", "probs_and_entropy", "entropy", "topk_values", "token_features", "FEATURE_COLUMNS",
            "TARGET_COLUMNS", "COMPANION_COLUMNS"]
@@ -133,9 +133,9 @@ def token_features(
             the top-k ones (``draft_max_prob``, ``draft_topk``) are skipped when not named (``draft_token`` and ``q``
             always come, and every target / companion column of the logits given); None computes all.
         stats: these logits' and tokens' native statistics when the caller has them already (the engine's greedy draft
-            step, ``data_gen.draft_stats.greedy_draft_stats``, which also checked them finite), at least ``top_k``
+            step, ``compute.draft_stats.greedy_draft_stats``, which also checked them finite), at least ``top_k``
             wide; used when the native path applies.
-        companion_stats: ``data_gen.draft_stats.pair_stats(draft_logits, companion_logits, draft_tokens,
+        companion_stats: ``compute.draft_stats.pair_stats(draft_logits, companion_logits, draft_tokens,
             temperature)[0]`` when the caller has it already (the engine computes it on all threads, a decode step's
             one row shared among them); used when the native path applies.
     Returns:
@@ -145,7 +145,7 @@ def token_features(
     """
     want_entropy = columns is None or "draft_entropy" in columns
     want_topk = columns is None or "draft_max_prob" in columns or "draft_topk" in columns
-    # without a nucleus cut, on one CPU: native statistics (data_gen.draft_stats), else torch ops over probabilities
+    # without a nucleus cut, on one CPU: native statistics (compute.draft_stats), else torch ops over probabilities
     one_cpu = all(t is None or t.device == draft_logits.device for t in (target_logits, companion_logits))
     if not (top_p >= 1.0 and one_cpu):
         stats = None

@@ -33,9 +33,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data_gen.compute_path import precision_diffs, precision_option, use_row_invariant_attention
+from compute.compute_path import precision_diffs, precision_option, use_row_invariant_attention
+from compute.draft_stats import native_available
+from compute.models import ModelSpec, check_same_tokenizer, load_model, model_fingerprint, share_truncated_layers
 from data_gen.continuations import GenStats, continue_batch, speculative_trajectory
-from data_gen.draft_stats import native_available
 from data_gen.labelling import (
     CachedPass,
     LabelModels,
@@ -46,7 +47,6 @@ from data_gen.labelling import (
     label_sequences,
     shared_prefix_len,
 )
-from data_gen.models import ModelSpec, check_same_tokenizer, load_model, model_fingerprint, share_truncated_layers
 from data_gen.prompts import PromptSourceConfig, load_prompts, render_prompt, split_of
 from data_gen.schema import ORIGINS, features_schema
 from data_gen.shards import (
@@ -78,7 +78,7 @@ class ModelsConfig:
     cache_dir: str = "~/.cache/specstop"
     """Cache of the packaged models (joined GGUF converted once to safetensors)."""
     compute: str = "auto"
-    """CPU compute path (data_gen.compute_path): auto (oneDNN-packed linears, bfloat16 weights where the CPU computes
+    """CPU compute path (compute.compute_path): auto (oneDNN-packed linears, bfloat16 weights where the CPU computes
     bf16 natively), packed (fp32), packed-bf16, or eager (off: torch's default kernels)."""
     bf16_draft_head: bool = True
     """On packed-bf16, the draft's and companion's LM heads compute in bfloat16 too (a draft step -17% on Zen 4; on
@@ -92,11 +92,11 @@ class ModelsConfig:
     """On a packed path, q/k/v and gate/up run as one GEMM each (same bits as separate packs; the draft's small k/v,
     eager fp32 when packed one by one, compute in the pack's dtype). Recorded as ``pack_layout``."""
     native_gemm: bool = True
-    """On packed-bf16, the linears run on specstop's batch-invariant bf16 kernel (``data_gen.bf16_gemm``: weights
+    """On packed-bf16, the linears run on specstop's batch-invariant bf16 kernel (``compute.bf16_gemm``: weights
     streamed once for up to 16 rows) where the CPU has AVX512-BF16; false: oneDNN's. Recorded as ``gemm``."""
     int8_draft: bool = True
     """On specstop's bf16 kernel, the draft's and companion's weights are stored as int8 with one scale per output
-    channel (``data_gen.bf16_gemm.pack_int8``): half the bytes of a draft step, whose cost is mostly reading them;
+    channel (``compute.bf16_gemm.pack_int8``): half the bytes of a draft step, whose cost is mostly reading them;
     the target keeps bf16 (exact decoding emits the target's tokens whatever the draft proposes). Recorded as
     ``weights``."""
 
@@ -347,7 +347,7 @@ def produce_chunk(
             else:
                 pl.cont = tok(ref, add_special_tokens=False)["input_ids"][: pl.m]
     # Target origin, and in greedy decoding the spec origin too: exact speculative decoding emits the target's greedy
-    # continuation token for token (bit for bit on the packed paths, data_gen.compute_path), so its trajectory is
+    # continuation token for token (bit for bit on the packed paths, compute.compute_path), so its trajectory is
     # that continuation, made here in batches instead of one assisted generation per prompt (which took ~40% of a
     # shard's wall time). Sampling (temperature > 0) keeps real assisted-generation trajectories.
     greedy_spec = cfg.temperature == 0
@@ -592,7 +592,7 @@ def attention_for_labelling(models: LabelModels) -> None:
 def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
     """Refuse to add shards labelled on another compute path, LM-head dtype, pack layout, GEMM kernel or weight type
     (int8 drafts) than the folder's (``compute: auto`` resolves per CPU: bf16 weights on an AVX512-BF16 host, fp32 on
-    an AVX2 one), so that no folder mixes two precisions (``data_gen.compute_path.precision_diffs``: older folders had
+    an AVX2 one), so that no folder mixes two precisions (``compute.compute_path.precision_diffs``: older folders had
     fp32 heads and per-layer packs)."""
     stored = read_data_config(out_dir)
     if stored is None or not any(out_dir.glob("shard-*.parquet")):
@@ -725,6 +725,6 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
 
 def _measure_costs(models: LabelModels, out_dir: Path) -> None:
     """Store the draft/target cost model beside the data (the replay's speedup model)."""
-    from data_gen.timing import measure_cost_model
+    from compute.timing import measure_cost_model
 
     measure_cost_model(models.draft, models.target, models.companion).to_json(out_dir / "cost_model.json")

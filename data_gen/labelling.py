@@ -28,9 +28,9 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from data_gen.draft_stats import sample_tokens
+from compute.draft_stats import sample_tokens
+from compute.models import layer_output, shared_depth
 from data_gen.features import probs_from_logits, token_features
-from data_gen.models import layer_output, shared_depth
 
 
 @dataclass
@@ -72,7 +72,7 @@ class LabelModels:
 
     def companion_tap(self) -> tuple[int, nn.Module] | None:
         """(layers, final norm) for :class:`CachedPass`'s tap when the companion's layers are the draft's first N
-        (``data_gen.models.share_truncated_layers``): its states then come from the draft's own pass."""
+        (``compute.models.share_truncated_layers``): its states then come from the draft's own pass."""
         depth = shared_depth(self.companion, self.draft)
         return (depth, self.companion.get_decoder().norm) if depth and self.companion is not None else None
 

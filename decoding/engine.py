@@ -9,7 +9,7 @@ policy is told the outcome (``policy.update``) and both KV caches (transformers 
 How a round runs follows what the policy declares (``predictors.base.StopPolicy``), never its kind:
 - ``verification == GOODPUT`` (SV, any ``goodput:`` policy): the score is a calibrated acceptance; the round drafts
   while the expected tokens/s of the lengths still reachable improves and verifies the best prefix (the one rule of
-  ``predictors.goodput``, priced by the measured ``data_gen.timing.CostModel``, the same call as the offline replay).
+  ``predictors.goodput``, priced by the measured ``compute.timing.CostModel``, the same call as the offline replay).
 - ``verification == SEQUENTIAL`` (SPRINTER, ``policy.exact`` False): approximate sequential verification; drafted tokens
   before the last one are taken unverified, the target checks only the last token (min(1, p/q) or a resample from
   norm(max(0, p - q))).
@@ -40,10 +40,10 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from data_gen.draft_stats import greedy_draft_stats, native_available, pair_stats, sample_tokens
+from compute.draft_stats import greedy_draft_stats, native_available, pair_stats, sample_tokens
+from compute.models import layer_output, shared_depth
+from compute.timing import CostModel, clock, measure_cost_model
 from data_gen.features import COMPANION_COLUMNS, probs_from_logits, token_features
-from data_gen.models import layer_output, shared_depth
-from data_gen.timing import CostModel, clock, measure_cost_model
 from predictors import goodput
 from predictors.base import GOODPUT, SEQUENTIAL, RoundFeedback, StopPolicy
 from predictors.calibration import mode_of
@@ -298,14 +298,14 @@ class SpeculativeDecoder:
     """Speculative decoding of ``target`` with ``draft`` proposals, drafting lengths chosen by ``policy``.
 
     Args:
-        draft, target: causal LMs sharing one tokenizer (check it with ``data_gen.models.check_same_tokenizer``).
+        draft, target: causal LMs sharing one tokenizer (check it with ``compute.models.check_same_tokenizer``).
         policy: the stop policy (``predictors.base.StopPolicy``).
         companion: companion LM for SV-type policies (run alongside the draft on the same tokens).
         temperature: 0 for greedy decoding, > 0 for exact speculative sampling.
         top_p: nucleus mass of the sampling distributions (draft and target alike).
         max_draft_len: hard cap on draft tokens per round (on top of ``policy.draft_cap()``).
         top_k_features: top-k draft probabilities in the features (must match the predictor's training data).
-        cost_model: the measured verification curve, ``data_gen.timing.CostModel`` (``pipelines.measure_costs``);
+        cost_model: the measured verification curve, ``compute.timing.CostModel`` (``pipelines.measure_costs``);
             goodput policies (SV, ``goodput:``) price their rounds with it (measured on the fly when missing; a curve
             measured for other models or another CPU is used with a warning naming both, one with fewer than two
             lengths is refused).
@@ -345,7 +345,7 @@ class SpeculativeDecoder:
         self.draft, self.target, self.policy = draft, target, policy
         self.companion = companion if reads_companion else None
         self.companion_depth = shared_depth(self.companion, draft)
-        """N when the companion's layers are the draft's first N (``data_gen.models.share_truncated_layers``, as
+        """N when the companion's layers are the draft's first N (``compute.models.share_truncated_layers``, as
         ``load_models`` loads a ``truncated:N:<draft>`` companion): its states come from the draft's step and only its
         final norm and LM head run."""
         self.temperature, self.top_p = float(temperature), float(top_p)
@@ -353,7 +353,7 @@ class SpeculativeDecoder:
         self._fused_greedy = (next(draft.parameters()).device.type == "cpu" and native_available()
                               and self.temperature == 0 and self.top_p >= 1.0)
         """Greedy on a CPU with the native statistics: each draft step's argmax and stop features in one call
-        (``data_gen.draft_stats.greedy_draft_stats``)."""
+        (``compute.draft_stats.greedy_draft_stats``)."""
         self.max_draft_len, self.top_k_features = int(max_draft_len), int(top_k_features)
         self.cost_model = cost_model
         self.needs_hidden = "draft_hidden" in policy.required_columns
@@ -383,7 +383,7 @@ class SpeculativeDecoder:
     @staticmethod
     def _draw(probs: Tensor, gen: torch.Generator | None) -> Tensor:
         """[B, V] probabilities -> [B] one draw per row. On a CPU by the native inversion sampler on their logs
-        (``data_gen.draft_stats.sample_tokens``: one uniform per row against block sums accumulated in double, zero
+        (``compute.draft_stats.sample_tokens``: one uniform per row against block sums accumulated in double, zero
         probabilities never drawn); ``torch.multinomial`` took 2.2-2.4 ms a draw over the Qwen vocabulary (151,936
         tokens), 16% of a draft step, against 0.04-0.1 ms. Elsewhere, or without the native build,
         ``torch.multinomial``."""
@@ -401,7 +401,7 @@ class SpeculativeDecoder:
         if self.cost_model is None:
             self.cost_model = measure_cost_model(self.draft, self.target, self.companion,
                                                  lengths=(1, 2, 4, 8, 16, 24, 32, 41), repeats=1)
-        from data_gen.compute_path import compute_path_of, cpu_info
+        from compute.compute_path import compute_path_of, cpu_info
 
         goodput.check_cost_model(self.cost_model, _name(self.draft), _name(self.target), compute_path_of(self.target),
                                  dict(cpu_info()))

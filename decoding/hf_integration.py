@@ -50,7 +50,7 @@ def check_hf_policy(policy: StopPolicy, cost_model: Any = None) -> None:
             f"decoding.engine.SpeculativeDecoder"
         )
     if policy.verification == GOODPUT and cost_model is None:
-        raise ValueError(f"policy {policy.kind!r} is cost-aware: pass cost_model= (a data_gen.timing.CostModel, "
+        raise ValueError(f"policy {policy.kind!r} is cost-aware: pass cost_model= (a compute.timing.CostModel, "
                          f"python -m pipelines.measure_costs)")
     if not policy.exact:
         raise ValueError(
@@ -181,7 +181,7 @@ def generate_with_policy(
         input_ids: [1, T] prompt (transformers' assisted generation runs batch size 1).
         policy: a stop policy needing only draft features; ``reset()`` is called first.
         top_k_features: top-k draft probabilities in the features.
-        cost_model: the measured verification curve (``data_gen.timing.CostModel``), needed by cost-aware policies.
+        cost_model: the measured verification curve (``compute.timing.CostModel``), needed by cost-aware policies.
         generate_kwargs: passed to ``generate`` (``max_new_tokens``, ``do_sample``, ``attention_mask``...).
     Returns:
         (generate's output, stats) with stats = {"draft_lengths", "accepted_lengths", "stop_time"}.

@@ -119,7 +119,7 @@ def build_policy(
 
         fp = None
         if draft is not None and draft_tokenizer is not None:
-            from data_gen.models import model_fingerprint
+            from compute.models import model_fingerprint
 
             fp = model_fingerprint(draft, draft_tokenizer)
         return load_reference(spec, draft_fingerprint=fp, force=force, tracking_uri=tracking_uri)
@@ -181,7 +181,7 @@ def build_decoder(
     Args:
         decoder_kwargs: ``temperature``, ``top_p``, ``max_draft_len``, ``top_k_features``, ``cost_model``.
     """
-    from data_gen.models import check_same_tokenizer
+    from compute.models import check_same_tokenizer
     from decoding.engine import SpeculativeDecoder
 
     toks = {"draft": draft_tokenizer, "target": target_tokenizer}

@@ -6,7 +6,7 @@
 - ``evaluation.replay``: offline replay of policies over stored sequences without models; predicted speedup under a
   ``CostModel``; latency-optimal threshold tuning (``replay_table``, ``tune_threshold``).
 - ``evaluation.calibration``: calibration maps of every policy's acceptance per decoding mode, ECE, reliability.
-- The timing model (``CostModel``) is ``data_gen.timing``.
+- The timing model (``CostModel``) is ``compute.timing``.
 - ``evaluation.report`` / ``evaluation.plots``: report.md, PNG plots, CSVs, MLflow artifacts (``write_report``).
 
 Entry point: ``python -m pipelines.evaluate --data_dir DIR --predictors '[REF, ...]' --out_dir DIR``.

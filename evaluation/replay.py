@@ -72,7 +72,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from data_gen.timing import CostModel
+from compute.timing import CostModel
 from predictors import goodput
 from predictors.base import (
     GOODPUT,

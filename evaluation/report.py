@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from data_gen.timing import CostModel
+from compute.timing import CostModel
 from predictors.base import StopPolicy
 
 __all__ = ["write_report", "markdown_table", "report_metrics"]

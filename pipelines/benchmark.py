@@ -22,7 +22,7 @@ In greedy decoding the oracle reads target-only's output as its look-ahead (exac
 so its rounds verify like any policy's and its time is measured; in sampling it runs the target one step per drafted
 token and its time is estimated from the curve.
 
-The verification curve (``data_gen.timing.CostModel``, L = 1..16 new tokens, read from ``cost_file`` or measured at the
+The verification curve (``compute.timing.CostModel``, L = 1..16 new tokens, read from ``cost_file`` or measured at the
 start) prices SV's rounds, the sampling oracle's estimate and the tuning, and is printed in the report.
 
 Per row: tokens/s, speedup over target-only with a paired bootstrap interval over prompts, the ratio to the best
@@ -65,9 +65,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from compute.timing import CostModel, clock
 from data_gen.generate import ModelsConfig
 from data_gen.prompts import PromptSourceConfig
-from data_gen.timing import CostModel, clock
 from pipelines.benchmark_pace import Pace, PaceMeter, excess, normal_pace
 from pipelines.benchmark_resume import PROMPTS_DIR, PromptStore, run_identity
 from predictors.base import GOODPUT, THRESHOLD
@@ -857,7 +857,7 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
     """``benchmark.md``, ``benchmark.json`` and ``speedup.png`` of the rows in ``table`` (``of``: the run's number of
     prompts when the table covers only the first ones, a report of a run still going or stopped)."""
     cfg, cm = bench.cfg, bench.cost_model
-    from data_gen.compute_path import compute_path_of, cpu_info
+    from compute.compute_path import compute_path_of, cpu_info
 
     info = cpu_info()
     entropy = [r for r in table if r["kind"] in ENTROPY_KINDS and r["method"] == "engine"]
@@ -908,7 +908,7 @@ def load_bench(cfg: BenchmarkConfig, store: PromptStore | None = None) -> tuple[
     """Load the models (one compute path for all rows), the prompts and the verification curve: the stored run's when
     ``store`` holds one to continue (checked to be this config, these prompts and this machine), else ``cost_file``'s
     or measured now."""
-    from data_gen.compute_path import compute_path_of, cpu_info
+    from compute.compute_path import compute_path_of, cpu_info
     from data_gen.generate import GenerateConfig, load_models
 
     models, tok = load_models(GenerateConfig(models=cfg.models))
@@ -930,7 +930,7 @@ def load_bench(cfg: BenchmarkConfig, store: PromptStore | None = None) -> tuple[
 
 def load_cost_model(cfg: BenchmarkConfig, bench: Bench) -> CostModel:
     """``cost_file`` (warned when measured for another pair, path or CPU) or a measurement of L = 1..16 now."""
-    from data_gen.compute_path import compute_path_of, cpu_info
+    from compute.compute_path import compute_path_of, cpu_info
 
     if cfg.cost_file:
         cm = CostModel.from_json(cfg.cost_file)
@@ -946,7 +946,7 @@ def load_cost_model(cfg: BenchmarkConfig, bench: Bench) -> CostModel:
 
 def measure_curve(bench: Bench, repeats: int) -> CostModel:
     """The pair's curve at every verification length 1..16, 24 and one past the draft cap."""
-    from data_gen.timing import measure_cost_model
+    from compute.timing import measure_cost_model
 
     return measure_cost_model(bench.draft, bench.target, bench.companion,
                               lengths=(*range(1, 17), 24, bench.cfg.max_draft_len + 1), repeats=repeats)
@@ -987,7 +987,7 @@ def run_reference(bench: Bench) -> Row:
     cfg = bench.cfg
     target = bench.shared.get("reference_target")
     if target is None:
-        from data_gen.models import load_model
+        from compute.models import load_model
 
         mc = replace(cfg.models, compute=cfg.reference_compute)
         target, _ = load_model(mc.spec(mc.target))
@@ -1177,7 +1177,7 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
 def write_curve_during_rows(bench: Bench, out_dir: Path) -> None:
     """``cost_model_rows.json`` from the probes taken between the prompts (none in row order or without probes: an
     earlier run's file is removed), and a log line comparing it with the curve measured before the rows."""
-    from data_gen.timing import pool_cost_models
+    from compute.timing import pool_cost_models
 
     probes = bench.shared.get("curve_probes") or []
     if not probes:

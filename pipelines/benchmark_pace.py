@@ -34,7 +34,7 @@ from typing import Any
 
 from torch import nn
 
-from data_gen.timing import CostModel
+from compute.timing import CostModel
 
 __all__ = ["Pace", "PaceMeter", "normal_pace", "excess", "DRAFT_STEP_MAX_TOKENS"]
 

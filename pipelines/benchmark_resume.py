@@ -30,7 +30,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from data_gen.timing import CostModel
+from compute.timing import CostModel
 
 if TYPE_CHECKING:
     from pipelines.benchmark import BenchmarkConfig, Row

@@ -210,7 +210,7 @@ def data_temperature(data_dir: str | Path) -> float | None:
 
 def load_cost_model(cfg: EvaluateConfig) -> tuple[Any, str]:
     """(CostModel or None, a note for the report)."""
-    from data_gen.timing import CostModel, assumed_cost_model
+    from compute.timing import CostModel, assumed_cost_model
 
     path = Path(cfg.cost_model) if cfg.cost_model else Path(cfg.data_dir) / "cost_model.json"
     if path.is_file():
@@ -298,7 +298,7 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
     """
     import pandas as pd
 
-    from data_gen.timing import assumed_cost_model
+    from compute.timing import assumed_cost_model
     from evaluation.classification import score_table, sprinter_table
     from evaluation.replay import ReplayConfig, replay_table, tune_threshold, with_threshold
     from evaluation.report import report_metrics, write_report

@@ -2,7 +2,7 @@
 L = 1..16 new tokens over a cached prefix, with the CPU model and flags, torch version, threads and compute path in the
 JSON.
 
-The one timing model (``data_gen.timing.CostModel``) that the replay, Speculative Verification and the benchmark read.
+The one timing model (``compute.timing.CostModel``) that the replay, Speculative Verification and the benchmark read.
 Timings taken while other processes load the machine overstate costs: measure on a quiet machine (the minimum over
 repeats is kept and the curve made non-decreasing in L).
 
@@ -17,9 +17,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from compute.timing import CostModel, measure_cost_model
 from data_gen.generate import ModelsConfig
 from data_gen.shards import read_data_config
-from data_gen.timing import CostModel, measure_cost_model
 
 log = logging.getLogger(__name__)
 

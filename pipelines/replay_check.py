@@ -46,8 +46,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from compute.timing import STATISTICS, CostModel
 from data_gen.labelling import LabelModels, LabelOptions
-from data_gen.timing import STATISTICS, CostModel
 from pipelines.benchmark import CURVE_DURING_ROWS, ENTROPY_KINDS, BenchmarkConfig, metric_key
 from predictors.base import HINDSIGHT, StopPolicy
 
@@ -509,7 +509,7 @@ def _store_records(folder: BenchFolder, opts: LabelOptions, rollout_len: int, mo
 
 
 def _load_companion(cfg: BenchmarkConfig) -> PreTrainedModel | None:
-    from data_gen.models import load_model
+    from compute.models import load_model
 
     if not cfg.models.companion:
         return None  # the engine refused such rows too: they are reported as not replayed

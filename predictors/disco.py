@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from data_gen.draft_stats import disco_score
+from compute.draft_stats import disco_score
 from predictors.inputs import FeatureSpec, LearnedPolicy, disco_scalars
 
 __all__ = ["Standardise", "PriorLogit", "DiscoNet", "DiscoPolicy"]
@@ -200,7 +200,7 @@ class DiscoNet(nn.Module):
 class DiscoPolicy(LearnedPolicy):
     """DISCO stop policy: keep drafting while sigmoid(FFN(features)) >= threshold, at most ``max_draft_len`` tokens.
 
-    On the CPU the plain head's score runs as one native call (``data_gen.draft_stats.disco_score``: the inputs and
+    On the CPU the plain head's score runs as one native call (``compute.draft_stats.disco_score``: the inputs and
     the network, equal to the torch path to float32 rounding, tested); elsewhere, for the hybrid head or without the
     native build, through torch ops (``LearnedPolicy.score``)."""
 

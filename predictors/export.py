@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from data_gen.compute_path import PRECISION_OPTIONS, precision_diffs
+from compute.compute_path import PRECISION_OPTIONS, precision_diffs
 from predictors.base import StopPolicy
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def export_predictor(policy: StopPolicy, folder: str | Path, metadata: dict) -> 
     Args:
         policy: a learned policy (DiscoPolicy, SprinterPolicy, SVPolicy) or a training-free baseline.
         folder: destination folder.
-        metadata: extra fields, e.g. ``draft_fingerprint`` (data_gen.models.model_fingerprint), data fingerprint, target
+        metadata: extra fields, e.g. ``draft_fingerprint`` (compute.models.model_fingerprint), data fingerprint, target
             and companion identities, ``metrics``, ``config``; given keys override the ones taken from the policy
             (``policy.train_info`` supplies label, metrics and config after ``fit_predictor``).
     Returns:
@@ -199,7 +199,7 @@ def load_predictor(folder: str | Path, draft_fingerprint: dict | None = None, fo
 
     Args:
         folder: an export folder (``predictor.json`` + weights).
-        draft_fingerprint: the draft model in use (``data_gen.models.model_fingerprint``); a predictor trained for a
+        draft_fingerprint: the draft model in use (``compute.models.model_fingerprint``); a predictor trained for a
             different draft (name, vocab_size or hidden_size) is refused with FingerprintMismatch unless ``force``.
         force: load despite a fingerprint mismatch (logs a warning).
     """

@@ -7,7 +7,7 @@ calibrated predictor.
 P_n = a_1 ... a_n; verifying n of them emits E_n = 1 + P_1 + ... + P_n tokens in expectation (the accepted ones plus
 the correction or bonus token). A round that drafts k and verifies n <= k takes k * d + t(n + 1) seconds (d: one draft
 step, plus the companion's when the predictor reads it; t(L): one target pass over L new tokens,
-``data_gen.timing.CostModel.target_time``).
+``compute.timing.CostModel.target_time``).
 
 - Verify the best prefix: n* = argmax_{n <= k} E_n / (k d + t(n + 1)) (the drafting already done is sunk).
 - Keep drafting while the best expected tokens/s over the lengths still reachable, n = k+1 .. cap, beats that of
@@ -65,7 +65,7 @@ class RoundCost:
 
     @classmethod
     def from_cost_model(cls, cm: Any, companion: bool = False) -> RoundCost:
-        """From a ``data_gen.timing.CostModel`` (:func:`check_cost_model` first: at least two measured lengths)."""
+        """From a ``compute.timing.CostModel`` (:func:`check_cost_model` first: at least two measured lengths)."""
         check_cost_model(cm)
         return cls(cm.draft_s_per_token + (cm.companion_s_per_token if companion else 0.0), cm.target_time)
 

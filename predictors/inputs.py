@@ -75,7 +75,7 @@ def disco_columns(extra: Sequence[str]) -> tuple[str, ...]:
 def disco_scalars(spec: FeatureSpec) -> tuple[tuple[str, ...], list[float], list[bool]]:
     """The ``disco`` part's scalar inputs after its top-k and their entropy, as :func:`build_features` orders them:
     (record columns, divisors, log flags) of the position and each explicit input (the arguments of the native
-    ``data_gen.draft_stats.disco_score``)."""
+    ``compute.draft_stats.disco_score``)."""
     return (("position", *(extra_column(e) for e in spec.extra)), [spec.position_scale, *(1.0 for _ in spec.extra)],
             [False, *(e.startswith(LOG_PREFIX) for e in spec.extra)])
 

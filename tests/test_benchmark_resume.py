@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from data_gen.timing import CostModel
+from compute.timing import CostModel
 from decoding.engine import DecodeStats
 from pipelines.benchmark import Bench, BenchmarkConfig, Row, main, run_rows
 from pipelines.benchmark_resume import PromptStore, row_from_dict, row_to_dict, run_identity

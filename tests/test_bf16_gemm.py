@@ -1,4 +1,4 @@
-"""specstop's bf16 GEMM (data_gen.bf16_gemm): values against float64 of the same bf16 operands, and the same bits
+"""specstop's bf16 GEMM (compute.bf16_gemm): values against float64 of the same bf16 operands, and the same bits
 for a row whatever the number of rows in the call (the batch invariance the packed-bf16 path relies on)."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import tempfile
 import pytest
 import torch
 
-from data_gen import bf16_gemm
-from data_gen.compute_path import PackedLinear
+from compute import bf16_gemm
+from compute.compute_path import PackedLinear
 
 pytestmark = pytest.mark.skipif(not bf16_gemm.available(), reason="no AVX512-BF16 (or no compiler) on this host")
 
@@ -131,8 +131,8 @@ def test_fp32_out_returns_the_sums_the_bf16_output_rounds(int8: bool) -> None:
 def test_a_bf16_head_on_the_kernel_returns_fp32_logits() -> None:
     """The LM head on specstop's kernel keeps fp32 resolution (``bfloat16-fp32-logits``); the target asks for it and
     gets a bf16 head only there (``fp32_logits``)."""
-    from data_gen import compute_path as cp
-    from data_gen.models import ModelSpec, load_model, model_fingerprint
+    from compute import compute_path as cp
+    from compute.models import ModelSpec, load_model, model_fingerprint
 
     model, tok = load_model(ModelSpec("tiny:3:64:2", compute="eager"))
     ref, _ = load_model(ModelSpec("tiny:3:64:2", compute="eager"))
@@ -160,7 +160,7 @@ def test_both_chains_compute_the_same_products_and_amx_can_be_turned_off() -> No
     g = torch.Generator().manual_seed(5)
     w, x = torch.randn(70, 1400, generator=g), torch.randn(9, 1400, generator=g).to(torch.bfloat16)
     here = bf16_gemm.gemm(x, bf16_gemm.pack(w), 70, fp32_out=True)
-    code = ("import sys, torch; from data_gen import bf16_gemm; w, x = torch.load(sys.argv[1]); "
+    code = ("import sys, torch; from compute import bf16_gemm; w, x = torch.load(sys.argv[1]); "
             "torch.save((bf16_gemm.chain(), bf16_gemm.gemm(x, bf16_gemm.pack(w), 70, fp32_out=True)), sys.argv[1])")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "io.pt")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from data_gen import compute_path as cp
-from data_gen.models import ModelSpec, load_model, model_fingerprint
+from compute import compute_path as cp
+from compute.models import ModelSpec, load_model, model_fingerprint
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -326,7 +326,7 @@ def test_models_config_packs_draft_side_heads_in_bf16_and_weights_in_int8_only()
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN without bf16")
 def test_bf16_head_is_recorded_in_the_fingerprint() -> None:
-    from data_gen.models import model_fingerprint
+    from compute.models import model_fingerprint
 
     model, tok = load_model(ModelSpec("tiny:1", compute="eager"))
     assert model_fingerprint(model, tok)["head_dtype"] == "float32"

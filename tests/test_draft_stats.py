@@ -1,4 +1,4 @@
-"""The native draft statistics (``data_gen.draft_stats``): entropy, q(token) and top-k probabilities against a float64
+"""The native draft statistics (``compute.draft_stats``): entropy, q(token) and top-k probabilities against a float64
 reference, rows with NaN or inf, and token_features with and without the native call."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-import data_gen.draft_stats as ds
+import compute.draft_stats as ds
 from data_gen.features import token_features
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import Tensor
 
+from compute.timing import CostModel, measure_cost_model
 from data_gen.features import token_features
-from data_gen.timing import CostModel, measure_cost_model
 from decoding.engine import SpeculativeDecoder
 from decoding.policies import build_decoder, build_policy
 from predictors.base import GOODPUT, SEQUENTIAL, StopPolicy
@@ -304,7 +304,7 @@ def test_bad_input(pair, companion):
 
 
 def test_tokenizer_and_fingerprint_checks(tmp_path, tiny_pair):
-    from data_gen.models import byte_tokenizer, model_fingerprint
+    from compute.models import byte_tokenizer, model_fingerprint
     from predictors.baselines import SVIP
     from predictors.export import export_predictor
 
@@ -346,7 +346,7 @@ def test_sv_batch_greedy_selection(pair, companion):
 def test_real_pair_greedy_exact():
     """The packaged Qwen pair: engine output equals target-only greedy output (run with --real under
     flock /tmp/specstop-real.lock)."""
-    from data_gen.models import ModelSpec, load_model
+    from compute.models import ModelSpec, load_model
 
     draft, tok = load_model(ModelSpec("packaged:qwen2.5-coder-0.5b-instruct"))
     target, _ = load_model(ModelSpec("packaged:qwen2.5-coder-1.5b-instruct"))
@@ -387,8 +387,8 @@ def test_a_companion_sharing_the_drafts_layers_reads_its_states_from_the_draft_s
     """SV with truncated:N:<draft> loaded as the generator loads it (its layers the draft's own): the engine runs no
     companion pass, its companion logits equal a separate companion model's, the output is target-only's and the
     cost model prices the companion as its LM head."""
-    from data_gen.models import ModelSpec, load_model, share_truncated_layers
-    from data_gen.timing import measure_cost_model
+    from compute.models import ModelSpec, load_model, share_truncated_layers
+    from compute.timing import measure_cost_model
     from predictors.sv import SVPolicy
 
     draft, _ = load_model(ModelSpec("tiny:1:32:3"))

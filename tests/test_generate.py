@@ -63,10 +63,10 @@ def test_greedy_spec_prefixes_are_the_target_continuation_made_in_batches(tmp_pa
     continuation (no assisted generation call) and equal what assisted generation gives."""
     import torch
 
+    from compute.compute_path import apply_compute_path
+    from compute.models import ModelSpec, load_model
     from data_gen import generate as gen
-    from data_gen.compute_path import apply_compute_path
     from data_gen.continuations import continue_batch, speculative_trajectory
-    from data_gen.models import ModelSpec, load_model
 
     draft, tok = load_model(ModelSpec("tiny:1", compute="eager"))
     target, _ = load_model(ModelSpec("tiny:2:32:3", compute="eager"))
@@ -261,8 +261,8 @@ def test_label_continuation_labels_the_given_tokens_and_the_drafts_rollouts(tiny
 def test_loaded_models_keep_row_invariant_attention_and_only_labelling_turns_it_off(monkeypatch):
     """load_models serves the benchmark, measure_costs and the replay check too: they must decode exactly, so only
     the generator (after measuring its cost model) switches its models to SDPA."""
-    from data_gen import compute_path as cp
-    from data_gen import models as model_sources
+    from compute import compute_path as cp
+    from compute import models as model_sources
     from data_gen.generate import attention_for_labelling, load_models
 
     monkeypatch.setattr(model_sources, "apply_compute_path",

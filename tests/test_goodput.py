@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from data_gen.timing import CostModel
+from compute.timing import CostModel
 from decoding.engine import SpeculativeDecoder
 from decoding.policies import build_policy
 from evaluation.replay import ReplayConfig, prepare_replay_data, replay_policy

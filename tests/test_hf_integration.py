@@ -83,7 +83,7 @@ def test_refuses_policies_it_cannot_run(pair):
 def test_goodput_policy_in_assisted_generation(pair):
     """A cost-aware policy drives transformers' drafting through the goodput rule and verifies its best prefix only;
     the output stays the target's greedy one; without a cost model it is refused."""
-    from data_gen.timing import CostModel
+    from compute.timing import CostModel
     from predictors.baselines import MaxConfidence
     from predictors.calibration import Calibrator
     from predictors.goodput import GoodputPolicy

@@ -367,8 +367,8 @@ def test_a_truncated_companion_shares_the_drafts_layers_and_its_states_come_from
     """truncated:N:<draft> as the companion: its N layers become the draft's own (one copy in memory), the draft
     pass's tap gives its final-norm states (equal to a pass of its own), and labels from those states equal the
     labelling pass's; another model, or a truncation of another, is left alone."""
+    from compute.models import ModelSpec, load_model, share_truncated_layers
     from data_gen.labelling import _body_hidden
-    from data_gen.models import ModelSpec, load_model, share_truncated_layers
 
     draft, tok = load_model(ModelSpec("tiny:1:32:3"))
     target, _ = load_model(ModelSpec("tiny:2:32:3"))

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compute.models import ModelSpec, byte_tokenizer, check_same_tokenizer, load_model, model_fingerprint
 from data_gen.features import token_features
-from data_gen.models import ModelSpec, byte_tokenizer, check_same_tokenizer, load_model, model_fingerprint
 
 
 def test_unknown_source_lists_accepted_forms():

@@ -1,4 +1,4 @@
-"""Native decoder layers (data_gen/native_layers.py): the bits of transformers' layers on the packed-bf16 path."""
+"""Native decoder layers (compute/native_layers.py): the bits of transformers' layers on the packed-bf16 path."""
 from __future__ import annotations
 
 import copy
@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 
-from data_gen import compute_path as cp
-from data_gen import native_layers
-from data_gen.models import tiny_model
+from compute import compute_path as cp
+from compute import native_layers
+from compute.models import tiny_model
 
 pytestmark = pytest.mark.skipif(not cp.bf16_gemm.available(), reason="no AVX512-BF16 (or no compiler)")
 
@@ -89,7 +89,7 @@ def test_native_layers_take_a_left_padded_batch_and_keep_hidden_state_capture() 
 
 
 def test_the_layer_output_tap_of_a_companion_sees_the_native_layers() -> None:
-    from data_gen.models import layer_output
+    from compute.models import layer_output
 
     native, plain = _pair()
     ids = torch.tensor([[1, 5, 9, 33, 70]])

@@ -1,4 +1,4 @@
-"""The packaged-model join / check / convert cache (data_gen.packaged), on fake parts installed as tmp packages.
+"""The packaged-model join / check / convert cache (compute.packaged), on fake parts installed as tmp packages.
 
 Run: .venv/bin/python -m pytest tests/test_packaged.py -q   (add --real to load the real Qwen pair)
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from data_gen import packaged
-from data_gen.packaged import MARKER, PACKAGED_MODELS, PackagedModel, PackagedPart, ensure_packaged, join_parts
+from compute import packaged
+from compute.packaged import MARKER, PACKAGED_MODELS, PackagedModel, PackagedPart, ensure_packaged, join_parts
 
 SLICES = [b"GGUF" + bytes(range(256)) * 3, b"second slice " * 50, b"tail"]
 
@@ -45,7 +45,7 @@ def fake_convert(monkeypatch):
     calls: list[bytes] = []
 
     def convert(gguf_file: Path, out_dir: Path) -> dict:
-        from data_gen.models import byte_tokenizer, tiny_model
+        from compute.models import byte_tokenizer, tiny_model
 
         calls.append(gguf_file.read_bytes())
         tok = byte_tokenizer()
@@ -90,7 +90,7 @@ def test_join_checks_and_converts_once(tmp_path, monkeypatch, fake_convert):
 
 
 def test_load_model_from_packaged_cache(tmp_path, monkeypatch, fake_convert):
-    from data_gen.models import ModelSpec, load_model
+    from compute.models import ModelSpec, load_model
 
     _install_fake(tmp_path, monkeypatch)
     model, tok = load_model(ModelSpec("packaged:fake-model", cache_dir=str(tmp_path / "cache")))
@@ -170,7 +170,7 @@ def test_real_pair_loads_with_one_tokenizer():
     """Both packaged models load (converting on first use), emit 151,936 logits and share the tokenizer."""
     import torch
 
-    from data_gen.models import ModelSpec, check_same_tokenizer, load_model
+    from compute.models import ModelSpec, check_same_tokenizer, load_model
 
     draft, tok_d = load_model(ModelSpec("packaged:qwen2.5-coder-0.5b-instruct"))
     ids = tok_d("def fibonacci(n):", return_tensors="pt").input_ids

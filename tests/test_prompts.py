@@ -33,7 +33,7 @@ def _write_jsonl(path, rows) -> str:
 
 @pytest.fixture(scope="module")
 def tok():
-    from data_gen.models import byte_tokenizer
+    from compute.models import byte_tokenizer
 
     return byte_tokenizer()
 

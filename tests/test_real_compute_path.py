@@ -21,7 +21,7 @@ def prompts() -> list[list[int]]:
 
     from transformers import AutoTokenizer
 
-    from data_gen.packaged import ensure_packaged
+    from compute.packaged import ensure_packaged
     from pipelines.benchmark import BenchmarkConfig, load_benchmark_prompts
 
     folder = ensure_packaged(TARGET.removeprefix("packaged:"), Path("~/.cache/specstop").expanduser())
@@ -38,7 +38,7 @@ def _greedy(model, ids: list[int]) -> list[int]:
 
 
 def test_packed_fp32_target_decodes_what_eager_fp32_decodes(prompts):
-    from data_gen.models import ModelSpec, load_model
+    from compute.models import ModelSpec, load_model
 
     eager, _ = load_model(ModelSpec(TARGET, compute="eager"))
     ref = [_greedy(eager, p) for p in prompts]
@@ -50,8 +50,8 @@ def test_packed_fp32_target_decodes_what_eager_fp32_decodes(prompts):
 def test_exact_policies_match_target_only_on_the_default_path(prompts):
     """Each model at the precision the pipelines load its role with (``ModelsConfig.spec``: the draft's head in
     bf16 and its weights in int8 where the CPU has AVX512-BF16)."""
+    from compute.models import load_model
     from data_gen.generate import ModelsConfig
-    from data_gen.models import load_model
     from decoding.engine import SpeculativeDecoder
     from decoding.policies import build_policy
 

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def real_pair():
-    from data_gen.models import ModelSpec, load_model
+    from compute.models import ModelSpec, load_model
 
     draft, tok = load_model(ModelSpec("packaged:qwen2.5-coder-0.5b-instruct"))
     target, _ = load_model(ModelSpec("packaged:qwen2.5-coder-1.5b-instruct"))

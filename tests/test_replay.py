@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from data_gen.timing import CostModel, measure_cost_model
+from compute.timing import CostModel, measure_cost_model
 from evaluation.replay import (
     OracleSchedule,
     ReplayConfig,
@@ -282,7 +282,7 @@ def test_cost_model_json_and_interpolation(tmp_path):
 
 
 def test_measure_cost_model_tiny():
-    from data_gen.models import tiny_model
+    from compute.models import tiny_model
 
     torch.manual_seed(0)
     draft, target = tiny_model(1).eval(), tiny_model(2, 48, 2).eval()

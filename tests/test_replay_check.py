@@ -33,7 +33,7 @@ def calibrated_max_confidence(folder: Path) -> str:
 
 def random_sprinter(folder: Path, tiny_pair) -> str:
     """An exported SPRINTER verifier of random weights on the tiny draft's hidden state (approximate decoding)."""
-    from data_gen.models import model_fingerprint
+    from compute.models import model_fingerprint
     from predictors.export import export_predictor
     from predictors.inputs import FeatureSpec
     from predictors.sprinter import SprinterNet, SprinterPolicy
@@ -152,7 +152,7 @@ def test_prediction_adds_each_rows_prefill_to_the_curves_decoding_time():
 
 
 def test_the_check_sets_realised_step_costs_beside_the_curve():
-    from data_gen.timing import CostModel
+    from compute.timing import CostModel
     from pipelines.replay_check import compare_row
 
     cm = CostModel(draft_s_per_token=0.05, target_s={1: 0.1, 8: 0.2})
@@ -196,7 +196,7 @@ def test_standalone_check_on_a_finished_benchmark(bench_run, capsys):
 def test_pooled_probes_give_the_mean_of_their_raw_timings():
     """The mean (a row's total time is a sum of steps: its expectation on a host whose speed moves), or another
     statistic when asked."""
-    from data_gen.timing import CostModel, pool_cost_models
+    from compute.timing import CostModel, pool_cost_models
 
     def probe(scale: float) -> CostModel:
         raw = {"draft_raw_s": [0.010 * scale], "target_raw_s_L1": [0.050 * scale], "target_raw_s_L2": [0.060 * scale]}
@@ -215,7 +215,7 @@ def test_pooled_probes_give_the_mean_of_their_raw_timings():
 
 
 def test_cost_model_summarised_by_another_statistic():
-    from data_gen.timing import CostModel
+    from compute.timing import CostModel
 
     raw = {"draft_raw_s": [0.05, 0.07, 0.06], "target_raw_s_L1": [0.1, 0.3, 0.2], "target_raw_s_L2": [0.1, 0.12, 0.5]}
     cm = CostModel(draft_s_per_token=0.05, target_s={1: 0.1, 2: 0.1}, extra=raw)

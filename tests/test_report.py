@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from torch import Tensor
 
-from data_gen.timing import CostModel
+from compute.timing import CostModel
 from evaluation.classification import score_table, sprinter_table
 from evaluation.replay import ReplayConfig, replay_table
 from evaluation.report import write_report

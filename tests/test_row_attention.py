@@ -1,4 +1,4 @@
-"""The native decoding attention (csrc/row_attention.cpp behind data_gen.compute_path.row_invariant_attention):
+"""The native decoding attention (csrc/row_attention.cpp behind compute.compute_path.row_invariant_attention):
 values of SDPA, and each row's bits whatever the number of rows computed with it."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from data_gen import compute_path as cp
+from compute import compute_path as cp
 
 pytestmark = pytest.mark.skipif(cp._ATTENTION.module() is None, reason="native build unavailable")
 

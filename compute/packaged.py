@@ -10,7 +10,7 @@ sha256, loads it with transformers' GGUF support, saves a safetensors model + to
 folder,
 then rename, with a marker file) and deletes the joined GGUF. Later calls return the cached folder at once.
 
-Usage: ``python -m data_gen.packaged [NAME ...] [--cache-dir ~/.cache/specstop]`` (converts; prints the folders), or
+Usage: ``python -m compute.packaged [NAME ...] [--cache-dir ~/.cache/specstop]`` (converts; prints the folders), or
 in code
 ``folder = ensure_packaged("qwen2.5-coder-0.5b-instruct", Path("~/.cache/specstop").expanduser())``.
 """

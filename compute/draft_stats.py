@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from data_gen.native import NativeExtension
+from compute.native import NativeExtension
 
 log = logging.getLogger(__name__)
 

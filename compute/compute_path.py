@@ -23,7 +23,7 @@ numerics), and sibling layers that read the same input (q, k, v; gate, up: :data
 GEMM each, with the same bits as separate packs; the original weight is freed, so ``packed`` costs no extra memory
 and ``packed-bf16`` halves the linears' (a tied LM head keeps the embedding it shares and adds its packed copy).
 
-On ``packed-bf16`` the packs run on specstop's own GEMM (:mod:`data_gen.bf16_gemm`, AVX512-BF16) where the CPU has
+On ``packed-bf16`` the packs run on specstop's own GEMM (:mod:`compute.bf16_gemm`, AVX512-BF16) where the CPU has
 it: it streams the weights once for up to 16 rows, where oneDNN's bf16 kernels slow down past 6 (the 1.5B target's
 forward of 8 new tokens 73.7 against 84.9 ms, one token 55.1 against 64.3 ms, Zen 5); on a CPU with AMX-BF16 it runs
 on the tile unit, and a target forward of 16 new tokens costs 1.13x one token (Intel Xeon with AMX, 2 threads).
@@ -39,7 +39,7 @@ path's own one-token decoding token for token, in bfloat16 too.
 
 Usage::
 
-    from data_gen.compute_path import apply_compute_path, resolve_compute_path
+    from compute.compute_path import apply_compute_path, resolve_compute_path
     path = resolve_compute_path("auto", torch.device("cpu"))        # e.g. "packed-bf16"
     stats = apply_compute_path(model, path)                         # {"packed_layers": 197, ...}
 """
@@ -53,8 +53,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from data_gen import bf16_gemm, native_layers
-from data_gen.native import NativeExtension
+from compute import bf16_gemm, native_layers
+from compute.native import NativeExtension
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ the Intel host of issue 12 1-4 rows cost the same."""
 
 def cpu_info() -> dict[str, Any]:
     """:func:`cpu_model`, the torch threads in use now (a thread count set later is not missed) and the instructions
-    specstop's bf16 GEMM runs on here (``bf16_chain``: amx, avx512-bf16 or none, :func:`data_gen.bf16_gemm.chain`)."""
+    specstop's bf16 GEMM runs on here (``bf16_chain``: amx, avx512-bf16 or none, :func:`compute.bf16_gemm.chain`)."""
     model = cpu_model()
     # a CPU without AVX512-BF16 runs neither chain: no build of the kernel just to say so; where the flags are unknown
     # (no /proc/cpuinfo) the kernel itself tells
@@ -180,7 +180,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.pack_dtype = dtype
-        # the bf16 pack runs on specstop's kernel (data_gen.bf16_gemm) when asked and this CPU has it, else oneDNN's
+        # the bf16 pack runs on specstop's kernel (compute.bf16_gemm) when asked and this CPU has it, else oneDNN's
         self.kernel = "specstop" if native and dtype == torch.bfloat16 and linear.in_features % 2 == 0 else "onednn"
         # an LM head on specstop's kernel returns its fp32 sums unrounded (logits keep fp32 resolution)
         self.fp32_out = bool(fp32_out and self.kernel == "specstop")
@@ -518,15 +518,15 @@ def apply_compute_path(
             its members' weights together.
         fuse: pack each :data:`FUSED_GROUPS` of sibling linears as one GEMM (:class:`FusedLinears`): one call
             instead of three (q, k, v) or two (gate, up) per layer, measured 5% of a 0.5B draft's decoding step.
-        native_gemm: with ``packed-bf16``, run the bf16 packs on specstop's kernel (:mod:`data_gen.bf16_gemm`) where
+        native_gemm: with ``packed-bf16``, run the bf16 packs on specstop's kernel (:mod:`compute.bf16_gemm`) where
             this CPU has it (AVX512-BF16), else on oneDNN's. Another summation order: a data folder records which
             (``gemm`` in the fingerprint).
         int8_weights: on specstop's kernel, store the bf16 packs' weights as int8 with one scale per output channel
-            (:func:`data_gen.bf16_gemm.pack_int8`): half the bytes a step streams, activations still bf16. For
+            (:func:`compute.bf16_gemm.pack_int8`): half the bytes a step streams, activations still bf16. For
             draft-side models only (``ModelSpec.int8_weights``): their proposals never change what exact decoding
             emits. Ignored where the kernel does not run (fp32 path, oneDNN, no AVX512-BF16): the model keeps its
             pack dtype, and ``weights_of`` says which it got (``weights`` in the fingerprint).
-        native_layers_on: run each decoder layer whose structure :mod:`data_gen.native_layers` reproduces as one native
+        native_layers_on: run each decoder layer whose structure :mod:`compute.native_layers` reproduces as one native
             call (with ``fuse``, on specstop's kernel, while the row-invariant attention is on): the same bits without
             the Python around the layer, a third of a 0.5B draft's one-token step.
     Returns:
@@ -668,7 +668,7 @@ def pack_layout_of(model: nn.Module) -> str:
 
 
 def gemm_of(model: nn.Module) -> str:
-    """The kernel its packed linears run on: ``specstop`` (:mod:`data_gen.bf16_gemm`), ``onednn`` or ``eager``."""
+    """The kernel its packed linears run on: ``specstop`` (:mod:`compute.bf16_gemm`), ``onednn`` or ``eager``."""
     if compute_path_of(model) == "eager":
         return "eager"
     return str(getattr(model, "specstop_gemm", "onednn"))

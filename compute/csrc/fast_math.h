@@ -1,4 +1,4 @@
-// Shared by the native kernels (data_gen/csrc/*.cpp): a vectorisable exp for non-positive arguments and the
+// Shared by the native kernels (compute/csrc/*.cpp): a vectorisable exp for non-positive arguments and the
 // function-clone attribute that builds one binary for AVX-512, AVX2 and baseline x86-64 hosts.
 #pragma once
 

@@ -7,7 +7,7 @@ packed layers' wrappers, the cache update) and ~1,200 ATen operations dispatched
 the same ATen operations from C++ and calls the GEMM and the attention kernels directly.
 
 Where it applies (:func:`install`, called by ``compute_path.apply_compute_path``): Qwen2 / Llama decoder layers whose
-q, k, v are one fused pack and whose MLP is a :class:`~data_gen.compute_path.GatedMLP`, every pack on specstop's bf16
+q, k, v are one fused pack and whose MLP is a :class:`~compute.compute_path.GatedMLP`, every pack on specstop's bf16
 GEMM (AVX512-BF16), attention on the row-invariant kernel. A call falls back to transformers' own forward whenever
 it could differ: training, a cache other than a plain ``DynamicCache`` layer (or none), a mask the native attention
 does not take, another dtype or device. Forward hooks on the layers (hidden-state capture, ``layer_output`` taps)
@@ -16,7 +16,7 @@ kernel off, this one included; ``apply_compute_path(native_layers=False)`` this 
 
 Usage::
 
-    from data_gen import native_layers
+    from compute import native_layers
     n = native_layers.install(model)      # layers now native (0 where it does not apply)
     native_layers.uninstall(model)        # back to transformers' forward
 """
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from data_gen.native import NativeExtension
+from compute.native import NativeExtension
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def install(model: nn.Module) -> int:
     The native layers hold the model's own tensors (no copies): install once the weights no longer view the
     safetensors file (``compute_path._detach_from_file``), or a norm's view keeps the whole mapped file resident (the
     1.5B target's RSS 6.3 -> 15.8 GB when installed before)."""
-    from data_gen.compute_path import ROW_INVARIANT_ATTENTION
+    from compute.compute_path import ROW_INVARIANT_ATTENTION
 
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "_attn_implementation", None) != ROW_INVARIANT_ATTENTION:
@@ -94,7 +94,7 @@ def uninstall(model: nn.Module) -> None:
 
 def _layer_spec(layer: nn.Module) -> tuple[Any, ...] | None:
     """The NativeLayer constructor's arguments for one layer, or None when its structure is not the one reproduced."""
-    from data_gen.compute_path import FusedLinears, GatedMLP, PackedLinear, PackedSlice
+    from compute.compute_path import FusedLinears, GatedMLP, PackedLinear, PackedSlice
 
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     n_in, n_post = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)

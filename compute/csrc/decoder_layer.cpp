@@ -3,7 +3,7 @@
 // GEMM and its bias, rotary embedding, the KV cache's concatenation, the row-invariant attention, o_proj, the gated
 // MLP in row chunks, the residual adds), so a layer returns the same bits as the Python one (tested), without its
 // ~2,000 Python calls a step (module calls, attribute and config lookups, wrappers): about a third of a 0.5B draft's
-// one-token step (data_gen/native_layers.py).
+// one-token step (compute/native_layers.py).
 //
 // The GEMM and the attention are the kernels of bf16_gemm.cpp and row_attention.cpp, compiled into this extension
 // (their bindings left out) and called directly.
@@ -43,7 +43,7 @@ namespace {
 
 using torch::Tensor;
 
-// A PackedLinear on specstop's kernel (data_gen/compute_path.py): bf16 or int8 pack, optional scales and fp32 bias.
+// A PackedLinear on specstop's kernel (compute/compute_path.py): bf16 or int8 pack, optional scales and fp32 bias.
 struct Packed {
   Tensor weight;
   std::optional<Tensor> scale;

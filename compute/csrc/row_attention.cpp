@@ -1,6 +1,6 @@
 // Causal attention of q new rows over a KV cache in one call, each row computed exactly as if it were alone: the
-// decoding attention of the packed compute paths (data_gen/compute_path.py, row_invariant_attention). Built on first
-// use by data_gen/native.py; without it the Python loop of one SDPA call per row gives the same kind of result.
+// decoding attention of the packed compute paths (compute/compute_path.py, row_invariant_attention). Built on first
+// use by compute/native.py; without it the Python loop of one SDPA call per row gives the same kind of result.
 //
 // Per (batch, row i, key head g) one task: the G query heads that read key head g, over keys j < T - q + i + 1 allowed
 // by the mask row. Scores s = scale * q . k_j (d-long dot products), m = max s, e = exp(s - m), l = sum e, then

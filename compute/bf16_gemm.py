@@ -26,7 +26,7 @@ path then keeps oneDNN.
 
 Usage::
 
-    from data_gen import bf16_gemm
+    from compute import bf16_gemm
     if bf16_gemm.available():
         wp = bf16_gemm.pack(linear.weight)              # [ceil(N/16), K/2, 16, 2] bfloat16
         y = bf16_gemm.gemm(x.to(torch.bfloat16), wp, linear.out_features)   # [M, N] bfloat16
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from data_gen.native import NativeExtension
+from compute.native import NativeExtension
 
 __all__ = ["available", "chain", "pack", "pack_int8", "gemm"]
 

@@ -13,8 +13,8 @@ hand.
 
 Usage::
 
-    from data_gen.models import ModelSpec, load_model
-    from data_gen.timing import measure_cost_model
+    from compute.models import ModelSpec, load_model
+    from compute.timing import measure_cost_model
     draft, _ = load_model(ModelSpec("tiny:1")); target, _ = load_model(ModelSpec("tiny:2:48:2"))
     cm = measure_cost_model(draft, target, lengths=(1, 2, 4), prompt_len=16, repeats=2)
     cm.to_json("cost_model.json"); cm.round_time(5); print(cm.curve_table())
@@ -57,7 +57,7 @@ class CostModel:
     prompt_len: int = 0
     """Cached prefix length the timings were taken at."""
     compute_path: str = "eager"
-    """Compute path of the target during the timings (``data_gen.compute_path``)."""
+    """Compute path of the target during the timings (``compute.compute_path``)."""
     machine: dict[str, Any] = field(default_factory=dict)
     """Where it was measured: CPU model name, SIMD flags, torch version and CPU capability, threads."""
     assumed: bool = False
@@ -362,7 +362,7 @@ def measure_cost_model(
     """
     import torch
 
-    from data_gen.models import shared_depth
+    from compute.models import shared_depth
 
     if not lengths or min(lengths) < 1:
         raise ValueError(f"lengths must be non-empty and >= 1, got {lengths}")
@@ -407,7 +407,7 @@ def measure_cost_model(
     def _name(m: Any) -> str:
         return "" if m is None else str(getattr(m.config, "name_or_path", "") or type(m).__name__)
 
-    from data_gen.compute_path import compute_path_of, cpu_info
+    from compute.compute_path import compute_path_of, cpu_info
 
     return CostModel(
         compute_path=compute_path_of(target),

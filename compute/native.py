@@ -1,4 +1,4 @@
-"""Build and load the project's native kernels (``data_gen/csrc/*.cpp``) on first use.
+"""Build and load the project's native kernels (``compute/csrc/*.cpp``) on first use.
 
 ``torch.utils.cpp_extension.load`` compiles a source with g++ and ninja (a few seconds, cached under
 ``~/.cache/torch_extensions``) and imports it. OpenMP is on, so ``at::parallel_for`` inside a kernel runs on torch's
@@ -7,7 +7,7 @@ turned off with ``SPECSTOP_NATIVE=0`` loads as None, with the reason logged once
 
 Usage::
 
-    from data_gen.native import NativeExtension
+    from compute.native import NativeExtension
     ext = NativeExtension("specstop_draft_stats", "draft_stats.cpp", "native draft statistics")
     mod = ext.module()        # the extension, or None (ext.failed says why)
 """

