@@ -47,26 +47,26 @@ from data_gen.features import COMPANION_COLUMNS, probs_from_logits, token_featur
 from predictors import goodput
 from predictors.base import GOODPUT, SEQUENTIAL, RoundFeedback, StopPolicy
 from predictors.calibration import mode_of
+from predictors.counts import RoundCounts
 
 __all__ = ["DecodeStats", "SpeculativeDecoder"]
 
 
-@dataclass
-class DecodeStats:
-    """Counters and timings of one or more ``generate`` calls (add them with ``+``)."""
+OLD_NAMES = {"new_tokens": "tokens", "draft_tokens": "drafted"}
+"""Counter names of stored records written before the shared vocabulary (``predictors.counts``) -> today's."""
 
-    new_tokens: int = 0
-    """Tokens emitted (all sequences)."""
+
+@dataclass
+class DecodeStats(RoundCounts):
+    """Counters and timings of one or more ``generate`` calls (add them with ``+``).
+
+    The round counts (``rounds``, ``tokens``, ``drafted``, ``verified``, ``accepted``) are those of
+    ``predictors.counts.RoundCounts``, whole numbers here, summed over all sequences."""
+
     target_calls: int = 0
     """Target forward passes (verification rounds; prefill not counted)."""
-    draft_tokens: int = 0
-    """Tokens the draft proposed (all sequences)."""
-    accepted: int = 0
-    """Draft tokens accepted by verification (or taken unverified by SPRINTER)."""
     wasted: int = 0
     """Draft tokens proposed but not emitted (rejected or cut by SV's goodput length)."""
-    rounds: int = 0
-    """Per-sequence verification rounds."""
     accepted_lengths: list[int] = field(default_factory=list)
     """Accepted draft tokens per sequence-round."""
     draft_lengths: list[int] = field(default_factory=list)
@@ -99,9 +99,18 @@ class DecodeStats:
     wall_time: float = 0.0
     """Seconds of the whole call(s)."""
 
+    @classmethod
+    def from_dict(cls, d: dict) -> DecodeStats:
+        """Stats from their ``dataclasses.asdict`` form, also as stored before the shared vocabulary (``OLD_NAMES``;
+        ``verified``, not kept then, is the sum of ``verified_lengths``)."""
+        d = {OLD_NAMES.get(k, k): v for k, v in d.items()}
+        if "verified" not in d:
+            d["verified"] = sum(d.get("verified_lengths", ()))
+        return cls(**d)
+
     @property
     def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
+        return self.tokens / self.wall_time if self.wall_time > 0 else 0.0
 
     @property
     def mean_accepted(self) -> float:
@@ -109,7 +118,7 @@ class DecodeStats:
 
     @property
     def target_calls_per_token(self) -> float:
-        return self.target_calls / self.new_tokens if self.new_tokens else 0.0
+        return self.target_calls / self.tokens if self.tokens else 0.0
 
     @property
     def stop_overhead(self) -> float:
@@ -127,11 +136,13 @@ class DecodeStats:
     def summary(self) -> dict[str, float]:
         """Flat metrics for logging."""
         return {
-            "new_tokens": self.new_tokens,
+            "tokens": self.tokens,
+            "rounds": self.rounds,
+            "verified": self.verified,
             "tokens_per_s": self.tokens_per_s,
             "mean_accepted": self.mean_accepted,
             "target_calls_per_token": self.target_calls_per_token,
-            "draft_tokens": self.draft_tokens,
+            "drafted": self.drafted,
             "wasted": self.wasted,
             "stop_overhead": self.stop_overhead,
             "wall_time": self.wall_time,
@@ -509,7 +520,7 @@ class SpeculativeDecoder:
 
     def _padded_outputs(self, st: _Decoding) -> Tensor:
         """[B, N] the new tokens, right-padded with the pad (else eos, else 0) id; counts them in the stats."""
-        st.stats.new_tokens = sum(len(o) for o in st.outputs)
+        st.stats.tokens = sum(len(o) for o in st.outputs)
         pad = self.target.config.pad_token_id
         if pad is None:
             pad = next(iter(st.eos)) if st.eos else 0
@@ -659,6 +670,7 @@ class SpeculativeDecoder:
             else:
                 logit_rows = [tl[b, keep - k - 1 + j] for j in range(k + 1)]
             emitted, n_acc, flags = self._verify(rnd.drafted[b][:k], rnd.q_rows[b][:k], logit_rows, st.gen)
+            st.stats.verified += k
             st.stats.verified_lengths.append(k)
             if b in prompt:
                 st.stats.prompt_passes += 1
@@ -672,7 +684,7 @@ class SpeculativeDecoder:
         stats = st.stats
         stats.target_calls += 1  # one verification per sequence-round
         stats.rounds += 1
-        stats.draft_tokens += n_drafted
+        stats.drafted += n_drafted
         stats.accepted += n_acc
         stats.wasted += n_drafted - n_acc
         stats.accepted_lengths.append(n_acc)

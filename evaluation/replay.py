@@ -83,6 +83,7 @@ from predictors.base import (
     as_tensor_dict,
     drafted_length,
 )
+from predictors.counts import RoundCounts
 
 __all__ = [
     "ReplayConfig",
@@ -185,19 +186,13 @@ class ReplayData:
 
 
 @dataclass
-class ReplayResult:
-    """Totals of one policy replayed over all sequences."""
+class ReplayResult(RoundCounts):
+    """Totals of one policy replayed over all sequences.
+
+    The round counts are those of ``predictors.counts.RoundCounts``, held as floats (expected counts in sampling
+    mode); ``tokens`` is clipped at the end of each stored sequence. ``as_row`` keeps its table columns' names."""
 
     n_seqs: int = 0
-    n_rounds: int = 0
-    tokens: float = 0.0
-    """Tokens emitted (accepted + one target token per round, clipped at the end of the stored sequence)."""
-    drafted: float = 0.0
-    """Draft tokens produced."""
-    verified: float = 0.0
-    """Draft tokens sent to the target."""
-    accepted: float = 0.0
-    """Draft tokens accepted (expected in sampling mode)."""
     time_s: float = 0.0
     """Replayed seconds under the cost model."""
     target_only_s: float = 0.0
@@ -217,11 +212,11 @@ class ReplayResult:
     def add_round(self, emitted: float, accepted: float, drafted: float, verified: float, seconds: float,
                   target_s_per_token: float, hist_key: int) -> None:
         """Count one verification round."""
-        self.n_rounds += 1
-        self.tokens += emitted
-        self.accepted += accepted
-        self.drafted += drafted
-        self.verified += verified
+        self.rounds += 1
+        self.tokens += float(emitted)
+        self.accepted += float(accepted)
+        self.drafted += float(drafted)
+        self.verified += float(verified)
         self.time_s += seconds
         self.target_only_s += emitted * target_s_per_token
         self.draft_len_hist[hist_key] = self.draft_len_hist.get(hist_key, 0) + 1
@@ -229,25 +224,25 @@ class ReplayResult:
     @property
     def tokens_per_call(self) -> float:
         """Tokens emitted per target call (mean accepted length + 1)."""
-        return self.tokens / self.n_rounds if self.n_rounds else float("nan")
+        return self.tokens / self.rounds if self.rounds else float("nan")
 
     @property
     def mean_accepted(self) -> float:
-        return self.accepted / self.n_rounds if self.n_rounds else float("nan")
+        return self.accepted / self.rounds if self.rounds else float("nan")
 
     @property
     def drafted_per_round(self) -> float:
-        return self.drafted / self.n_rounds if self.n_rounds else float("nan")
+        return self.drafted / self.rounds if self.rounds else float("nan")
 
     @property
     def wasted_per_round(self) -> float:
         """Draft tokens not accepted, per round (rejected, after the first rejection, or drafted but not verified)."""
-        return (self.drafted - self.accepted) / self.n_rounds if self.n_rounds else float("nan")
+        return (self.drafted - self.accepted) / self.rounds if self.rounds else float("nan")
 
     @property
     def expected_per_round(self) -> float:
         """Goodput policies: expected tokens per round (NaN for the others)."""
-        return self.expected_tokens / self.n_rounds if self.round_tokens else float("nan")
+        return self.expected_tokens / self.rounds if self.round_tokens else float("nan")
 
     @property
     def speedup(self) -> float:
@@ -257,7 +252,7 @@ class ReplayResult:
     def as_row(self) -> dict[str, float]:
         return {
             "n_seqs": self.n_seqs,
-            "n_rounds": self.n_rounds,
+            "n_rounds": self.rounds,
             "tokens": self.tokens,
             "tokens_per_call": self.tokens_per_call,
             "mean_accepted": self.mean_accepted,

@@ -610,7 +610,7 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
     assert total is not None
     row.rounds, row.accepted = total.rounds, total.accepted
     row.target_calls = total.target_calls - total.prompt_passes  # target passes after each prompt's (the prefill's)
-    row.draft_tokens, row.decode = total.draft_tokens, total
+    row.draft_tokens, row.decode = total.drafted, total
     if total.analysis_time > 0:
         row.note = "analysis only: time estimated (look-ahead replaced by the measured verification curve)"
     elif pol.needs_target:

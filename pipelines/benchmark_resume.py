@@ -73,7 +73,7 @@ def row_from_dict(d: dict[str, Any]) -> Row:
     decode = d.pop("decode", None)
     known = {f.name for f in fields(Row)}
     row = Row(**{k: v for k, v in d.items() if k in known})
-    row.decode = None if decode is None else DecodeStats(**decode)
+    row.decode = None if decode is None else DecodeStats.from_dict(decode)  # old counter names too
     return row
 
 

@@ -319,7 +319,7 @@ def compare_row(row: dict[str, Any], res: ReplayResult | None, note: str,
     measured = row.get("tokens_per_s") or 0.0
     out.update(predicted_tokens_per_s=round(predicted, 3), predicted_speedup=round(res.speedup, 4),
                ratio=round(predicted / measured, 4) if measured > 0 else None,
-               curve_tokens_per_s=round(res.tokens / res.time_s, 3), predicted_rounds=res.n_rounds,
+               curve_tokens_per_s=round(res.tokens / res.time_s, 3), predicted_rounds=res.rounds,
                predicted_mean_accepted=round(res.mean_accepted, 3),
                predicted_mean_drafted=round(res.drafted_per_round, 3))
     return out

@@ -28,7 +28,7 @@ def _plan(calls: list[tuple[int, str]], fail_at: int | None = None):
             if view.offset == fail_at:
                 raise KeyboardInterrupt  # the run stopped during this prompt
             calls.append((view.offset, name))
-            stats = DecodeStats(new_tokens=2, rounds=1, accepted_lengths=[1], draft_time=0.5, draft_forwards=2)
+            stats = DecodeStats(tokens=2, rounds=1, accepted_lengths=[1], draft_time=0.5, draft_forwards=2)
             return Row(name, "engine", seconds=[1.0 + view.offset], outputs=[[view.offset, 7]], rounds=1,
                        decode=stats)
         return run
@@ -37,7 +37,7 @@ def _plan(calls: list[tuple[int, str]], fail_at: int | None = None):
 
 def test_a_row_survives_the_round_trip_through_json():
     row = Row("a", "engine", kind="svip", seconds=[1.5], outputs=[[1, 2]], threshold=0.3,
-              decode=DecodeStats(new_tokens=2, verified_lengths=[3, 1], stop_time=0.01))
+              decode=DecodeStats(tokens=2, verified_lengths=[3, 1], stop_time=0.01))
     import json
 
     again = row_from_dict(json.loads(json.dumps(row_to_dict(row))))
@@ -59,7 +59,7 @@ def test_a_stopped_run_continues_at_its_first_unfinished_prompt(tmp_path):
     rows = {r.name: r for r in run_rows(_plan(again), bench, store)}
     assert again == [(2, "target-only"), (2, "a")]  # only the unfinished prompt runs
     assert rows["a"].seconds == [1.0, 2.0, 3.0] and rows["a"].outputs == [[0, 7], [1, 7], [2, 7]]
-    assert rows["a"].rounds == 3 and rows["a"].decode is not None and rows["a"].decode.new_tokens == 6
+    assert rows["a"].rounds == 3 and rows["a"].decode is not None and rows["a"].decode.tokens == 6
     assert store.done() == [0, 1, 2]
 
 

@@ -3,6 +3,7 @@ input."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from torch import Tensor
 
 from compute.timing import CostModel, measure_cost_model
 from data_gen.features import token_features
-from decoding.engine import SpeculativeDecoder
+from decoding.engine import DecodeStats, SpeculativeDecoder
 from decoding.policies import build_decoder, build_policy
 from predictors.base import GOODPUT, SEQUENTIAL, StopPolicy
 from tests.tiny_pairs import make_pair
@@ -68,10 +69,19 @@ def test_greedy_equals_target_only(pair, spec):
     out, stats = dec.generate(PROMPT, None, max_new_tokens=20, eos_token_id=None, seed=0)
     assert out.tolist() == ref.tolist()
     assert out[0, PROMPT.shape[1]:].tolist() == greedy_loop(target, PROMPT, 20)
-    assert stats.new_tokens == 20
-    assert stats.accepted + stats.wasted == stats.draft_tokens
-    assert stats.accepted + stats.rounds == stats.new_tokens  # each round adds accepted + one target token
+    assert stats.tokens == 20
+    assert stats.accepted + stats.wasted == stats.drafted
+    assert stats.accepted + stats.rounds == stats.tokens  # each round adds accepted + one target token
     assert len(stats.accepted_lengths) == stats.rounds == stats.target_calls
+    assert stats.verified == sum(stats.verified_lengths) and stats.accepted <= stats.verified <= stats.drafted
+
+
+def test_stats_read_back_under_old_names():
+    """Stats stored before the shared vocabulary (``predictors.counts``) read back under today's names."""
+    old = {"new_tokens": 6, "draft_tokens": 9, "rounds": 3, "accepted": 4, "verified_lengths": [3, 3, 2]}
+    st = DecodeStats.from_dict(old)
+    assert (st.tokens, st.drafted, st.verified, st.rounds, st.accepted) == (6, 9, 8, 3, 4)
+    assert DecodeStats.from_dict(asdict(st)) == st
 
 
 def test_greedy_draft_steps_take_token_and_features_from_one_native_call(pair):
@@ -139,7 +149,7 @@ def test_mixed_acceptance_and_draft_cap(pair):
     draft, target = pair
     _, stats = SpeculativeDecoder(draft, target, build_policy("static:4")).generate(PROMPT, None, 30, None, 0)
     assert max(stats.draft_lengths) <= 4
-    assert 0 < stats.wasted < stats.draft_tokens
+    assert 0 < stats.wasted < stats.drafted
     _, st2 = SpeculativeDecoder(draft, target, build_policy("static:8"), max_draft_len=3).generate(PROMPT, None, 20)
     assert max(st2.draft_lengths) <= 3
 
@@ -199,7 +209,7 @@ def test_batch_equals_per_sequence(pair, spec):
         single = ids[b : b + 1, mask[b].bool()]
         o1, s1 = dec.generate(single, None, 12, None, 0)
         assert out[b, 9:].tolist() == o1[0, single.shape[1]:].tolist()
-    assert stats.new_tokens == 36
+    assert stats.tokens == 36
     if spec != "static:3":
         assert len(set(stats.draft_lengths)) > 1  # per-sequence draft lengths
 
@@ -211,9 +221,9 @@ def test_eos_and_max_new_tokens(pair):
     out, stats = SpeculativeDecoder(draft, target, build_policy("static:5")).generate(PROMPT, None, 15, eos, 0)
     new = out[0, PROMPT.shape[1]:].tolist()
     assert new[: new.index(eos) + 1] == ref[: ref.index(eos) + 1]
-    assert stats.new_tokens == ref.index(eos) + 1
+    assert stats.tokens == ref.index(eos) + 1
     out, stats = SpeculativeDecoder(draft, target, build_policy("static:5")).generate(PROMPT, None, 7, None, 0)
-    assert out.shape[1] == PROMPT.shape[1] + 7 and stats.new_tokens == 7
+    assert out.shape[1] == PROMPT.shape[1] + 7 and stats.tokens == 7
 
 
 class CompanionAccept(StopPolicy):
@@ -276,7 +286,7 @@ def test_sprinter_sequential_verification(pair):
     # Never stopping before the cap: only every 8th token is checked; the output may differ but the counts add up.
     seq = SpeculativeDecoder(draft, target, Sequential(threshold=-1.0, max_draft_len=8))
     out, stats = seq.generate(PROMPT, None, 20, None, 0)
-    assert stats.new_tokens == 20 and stats.accepted + stats.rounds == 20
+    assert stats.tokens == 20 and stats.accepted + stats.rounds == 20
     assert stats.accepted_lengths[0] >= 7  # the 7 tokens before the checked one are taken unverified
 
 
@@ -287,7 +297,7 @@ def test_sprinter_policy_from_predictors(pair):
     draft, target = pair
     pol = SprinterPolicy(SprinterNet(32), FeatureSpec.for_sprinter(32), threshold=0.5, max_draft_len=6)
     out, stats = SpeculativeDecoder(draft, target, pol).generate(PROMPT, None, 12, None, 0)
-    assert stats.new_tokens == 12
+    assert stats.tokens == 12
 
 
 def test_bad_input(pair, companion):
@@ -372,7 +382,7 @@ def test_sv_stops_drafting_when_goodput_says_verify_nothing(pair, companion):
     out, stats = dec.generate(PROMPT, None, 10, None, 0)
     ref = target.generate(PROMPT, do_sample=False, max_new_tokens=10, pad_token_id=256)
     assert out.tolist() == ref.tolist()
-    assert stats.accepted == 0 and stats.draft_tokens <= stats.rounds  # at most one drafted per round, none sent
+    assert stats.accepted == 0 and stats.drafted <= stats.rounds  # at most one drafted per round, none sent
 
 
 def test_companion_runs_only_for_policies_that_read_it(pair, companion):

@@ -51,7 +51,7 @@ def sample_first_two(draft, target, spec: str, temperature: float, top_p: float)
         new = out[:, PROMPT.shape[1]:]
         c1 += np.bincount(new[:, 0].numpy(), minlength=v)
         c2 += np.bincount(new[:, 1].numpy(), minlength=v)
-        assert 0 < stats.accepted < stats.draft_tokens  # both accept and reject paths ran
+        assert 0 < stats.accepted < stats.drafted  # both accept and reject paths ran
     return c1, c2
 
 

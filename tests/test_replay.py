@@ -80,13 +80,13 @@ def test_greedy_static_hand_computed():
     assert data.exact and data.greedy.tolist() == [True, True, False, True, True, True]
     # static-2: rounds at 0 (a=2, emits 3) and 3 (a=2, emits 3); each costs 2 * 1 + 4 = 6 s
     r = replay_policy(StaticLength(2), data, CONST, "greedy")
-    assert (r.n_rounds, r.tokens, r.accepted, r.drafted, r.time_s) == (2, 6, 4, 4, 12)
+    assert (r.rounds, r.tokens, r.accepted, r.drafted, r.time_s) == (2, 6, 4, 4, 12)
     assert r.tokens_per_call == 3 and r.wasted_per_round == 0
     assert r.speedup == pytest.approx(6 * 4 / 12)
     # static-3: round 0 drafts 3 and accepts 2 (one wasted), round 3 accepts 3 (its bonus lies past the end: not
     # counted): 6 tokens in 14 s
     r = replay_policy(StaticLength(3), data, CONST, "greedy")
-    assert (r.n_rounds, r.tokens, r.accepted, r.drafted, r.time_s) == (2, 6, 5, 6, 14)
+    assert (r.rounds, r.tokens, r.accepted, r.drafted, r.time_s) == (2, 6, 5, 6, 14)
     assert r.speedup == pytest.approx(6 * 4 / 14)
 
 
@@ -94,7 +94,7 @@ def test_oracle_hand_computed():
     data = prepare_replay_data(hand_rollout())
     r = replay_policy(Oracle(), data, CONST, "greedy")
     # drafts exactly the match runs but never the last stored token: 2 (emits 3), then 2 of the run of 3 (emits 3)
-    assert (r.n_rounds, r.tokens, r.drafted, r.time_s) == (2, 6, 4, 12)
+    assert (r.rounds, r.tokens, r.drafted, r.time_s) == (2, 6, 4, 12)
     assert r.speedup == pytest.approx(2.0)
     s = replay_policy(OracleSchedule(), data, CONST, "greedy")
     assert s.time_s == pytest.approx(12) and s.tokens == 6
@@ -102,7 +102,7 @@ def test_oracle_hand_computed():
     engine_like.drafts_failing_token = True  # as the engine runs it: the first mismatch drafted and verified too
     e = replay_policy(engine_like, data, CONST, "greedy")
     # round 0 drafts 3 (the run of 2 and the mismatch), emits 3; round 3 drafts 2 (never the last stored token)
-    assert (e.n_rounds, e.tokens, e.accepted, e.drafted, e.time_s) == (2, 6, 4, 5, 13)
+    assert (e.rounds, e.tokens, e.accepted, e.drafted, e.time_s) == (2, 6, 4, 5, 13)
 
 
 def test_sampling_expectation_hand_computed():
@@ -110,7 +110,7 @@ def test_sampling_expectation_hand_computed():
     r = replay_policy(StaticLength(2), data, CONST, "sampling")
     # s=0: E[a] = .5 + .25 = .75 -> next at 0+1+1=2; s=2: E = 1 + .8 = 1.8 -> next at 2+2+1=5; s=5: 1 token, E = 1
     # (emits 2, clipped to the 1 stored token left)
-    assert r.n_rounds == 3
+    assert r.rounds == 3
     assert r.accepted == pytest.approx(0.75 + 1.8 + 1.0)
     assert r.tokens == pytest.approx(1.75 + 2.8 + 1)
     assert r.time_s == pytest.approx(6 + 6 + 5)
@@ -122,7 +122,7 @@ def test_threshold_policy_and_feedback():
     pol = ColumnScore(0.5)
     r = replay_policy(pol, data, CONST, "greedy")
     # s=0: x=[.9,.2] -> drafts 2 (stops after the .2 token), a=2; s=3: x=[.9,.1] -> drafts 2, a=2
-    assert (r.n_rounds, r.tokens, r.drafted) == (2, 6, 4)
+    assert (r.rounds, r.tokens, r.drafted) == (2, 6, 4)
     assert pol.resets == 1
     assert [(f.n_drafted, f.n_accepted) for f in pol.feedback] == [(2, 2), (2, 2)]
     assert pol.feedback[0].accepted == [True, True] and pol.feedback[0].draft_probs == [0.5, 0.5]
@@ -147,23 +147,23 @@ def test_sequential_verification_checks_only_the_last_token():
     # s=0: drafts offsets 0-2 (x = .1 stops), the mismatch at 1 taken unverified, the last (2) matches: 3 accepted,
     # emits 4 (3 + bonus), 3 + 4 s; s=4: drafts 1 (x = .1), it fails: emits the correction, 1 + 4 s; s=5: drafts
     # the last stored token, it matches: emits 2, clipped to the 1 left, 1 + 4 s
-    assert (r.n_rounds, r.tokens, r.accepted, r.drafted, r.time_s) == (3, 6, 4, 5, 17)
+    assert (r.rounds, r.tokens, r.accepted, r.drafted, r.time_s) == (3, 6, 4, 5, 17)
     assert [(f.n_drafted, f.n_accepted) for f in pol.feedback] == [(3, 3), (1, 0), (1, 1)]
     # exact verification of the same drafts would stop at the mismatch: s=0 accepts 1 (emits 2), ...
     exact = replay_policy(ColumnScore(0.5), data, CONST, "greedy")
-    assert exact.accepted < r.accepted and exact.n_rounds > r.n_rounds
+    assert exact.accepted < r.accepted and exact.rounds > r.rounds
     # sampling: only the last token's min(1, p/q) counts; s=0 drafts 0-2, accept[2] = 1: 3 accepted, next s=4
     # (1 + 1 drafted, accept 1: emits 2, the 2 left)
     s = replay_policy(SequentialColumn(0.5), prepare_replay_data(cols, ReplayConfig(mode="sampling")), CONST,
                       "sampling")
-    assert (s.n_rounds, s.tokens, s.accepted, s.drafted) == (2, 6, 4, 4)
+    assert (s.rounds, s.tokens, s.accepted, s.drafted) == (2, 6, 4, 4)
 
 
 def test_heuristic_schedule():
     data = prepare_replay_data(hand_rollout())
     # k=1: s=0 a=1 (all accepted -> k=3); s=2: drafts 3, a=0 (k=2); s=3: drafts 2, a=2 (k=4); s=6 end
     r = replay_policy(HFHeuristic(initial=1), data, CONST, "greedy")
-    assert (r.n_rounds, r.drafted, r.accepted, r.tokens) == (3, 6, 3, 6)
+    assert (r.rounds, r.drafted, r.accepted, r.tokens) == (3, 6, 3, 6)
 
 
 def _random_columns(n_seq: int = 12, length: int = 80, seed: int = 0) -> dict[str, np.ndarray]:
@@ -264,7 +264,7 @@ def test_builtin_policies_run():
         r = replay_policy(p, data, CONST)
         # greedy replay emits every stored token once, whatever the policy; the counts nest
         assert r.tokens == pytest.approx(data.n_rows)
-        assert r.accepted <= r.verified <= r.drafted and r.tokens <= r.accepted + r.n_rounds  # the last bonus is cut
+        assert r.accepted <= r.verified <= r.drafted and r.tokens <= r.accepted + r.rounds  # the last bonus is cut
         assert r.speedup == pytest.approx(r.tokens * CONST.target_only_s_per_token / r.time_s)
 
 
@@ -325,7 +325,7 @@ def test_position_uses_in_round_index():
     data = prepare_replay_data(hand_rollout())  # stored positions are all 0: the replay must override them
     a = replay_policy(FirstTwo(0.5), data, CONST)
     b = replay_policy(StaticLength(3), data, CONST)
-    assert (a.n_rounds, a.tokens, a.drafted, a.time_s) == (b.n_rounds, b.tokens, b.drafted, b.time_s)
+    assert (a.rounds, a.tokens, a.drafted, a.time_s) == (b.rounds, b.tokens, b.drafted, b.time_s)
 
 
 def test_keep_drafting_override_sees_the_round():
@@ -333,10 +333,10 @@ def test_keep_drafting_override_sees_the_round():
     # x by offset [.9,.2,.9,.9,.1,.9]; threshold .5: s=0 cumprod [.9,.18] -> drafts 2, a=2, next 3;
     # s=3 cumprod [.9,.09] -> drafts 2, a=2, next 6
     r = replay_policy(CumulativeProduct(0.5), data, CONST)
-    assert (r.n_rounds, r.drafted, r.accepted, r.tokens) == (2, 4, 4, 6)
+    assert (r.rounds, r.drafted, r.accepted, r.tokens) == (2, 4, 4, 6)
     # threshold .05: s=0 cumprod [.9,.18,.162,.146,.0146] -> drafts 5, a=2 -> next 3; s=3 [.9,.09,.081] -> 3, a=3
     r = replay_policy(CumulativeProduct(0.05), data, CONST)
-    assert (r.n_rounds, r.drafted, r.accepted, r.tokens) == (2, 8, 5, 6)
+    assert (r.rounds, r.drafted, r.accepted, r.tokens) == (2, 8, 5, 6)
 
 
 def test_two_segments_of_one_sequence_are_replayed_apart():
@@ -347,7 +347,7 @@ def test_two_segments_of_one_sequence_are_replayed_apart():
     data = prepare_replay_data(two, ReplayConfig(teacher_forced_only=False))
     assert data.n_seqs == 2 and data.greedy.tolist() == [True, True, False, True, True, True] * 2
     r = replay_policy(StaticLength(2), data, CONST)
-    assert (r.n_rounds, r.tokens, r.time_s) == (4, 12, 24)
+    assert (r.rounds, r.tokens, r.time_s) == (4, 12, 24)
 
 
 def test_sampling_oracle_hand_computed():
@@ -355,7 +355,7 @@ def test_sampling_oracle_hand_computed():
     r = replay_policy(Oracle(), data, CONST, "sampling")
     # never drafts the last stored token. s=0: accept [.5,.5,1,.8,1]: E[A] = .5+.25+.25+.2+.2 = 1.4, E[time] = 1.4 + 4,
     # next at 0+1+1 = 2; s=2: accept [1,.8,1]: E[A] = 2.6, E[time] = 2.6 + 4, emits 3.6, next at 2+3+1 = 6
-    assert r.n_rounds == 2
+    assert r.rounds == 2
     assert r.tokens == pytest.approx(2.4 + 3.6) and r.drafted == pytest.approx(4.0)
     assert r.time_s == pytest.approx(5.4 + 6.6) and r.speedup == pytest.approx(2.0)
 
@@ -404,15 +404,15 @@ def test_branch_rollouts_give_the_drafts_own_rows_past_a_mismatch_and_the_end():
     # s=0 (cap 8-0-1 = 7): rows 0, 1 (mismatch), then the rollout from offset 1: x [.9,.9,.9,.2] -> drafts 4, a = 1;
     # s=2 (cap 5): rows 2..4 match, then the rollout past the end: x all .9 -> drafts 5 (cap), a = 3 + 2 = 5,
     # emits the 3 stored tokens left
-    assert (r.n_rounds, r.drafted, r.accepted, r.tokens) == (2, 9, 6, 5)
+    assert (r.rounds, r.drafted, r.accepted, r.tokens) == (2, 9, 6, 5)
     assert r.time_s == pytest.approx(9 * 1.0 + 2 * 4.0)
     # cut by the limit (5 new tokens: the stored length): s=0 cap 4 -> drafts 4, a = 1; s=2 cap 2 -> drafts 2, a = 2
     capped = replay_policy(ColumnScore(0.5), prepare_replay_data(cols, ReplayConfig(branch_rollouts=True,
                                                                                     max_new_tokens=5)), CONST)
-    assert (capped.n_rounds, capped.drafted, capped.accepted, capped.tokens) == (2, 6, 3, 5)
+    assert (capped.rounds, capped.drafted, capped.accepted, capped.tokens) == (2, 6, 3, 5)
     # without the rollouts the rounds read the stored rows (x .9 throughout) and stop at the stored end
     plain = replay_policy(ColumnScore(0.5), prepare_replay_data(cols), CONST)
-    assert (plain.n_rounds, plain.drafted, plain.accepted, plain.tokens) == (2, 8, 4, 5)
+    assert (plain.rounds, plain.drafted, plain.accepted, plain.tokens) == (2, 8, 4, 5)
     sampled = prepare_replay_data(cols, ReplayConfig(branch_rollouts=True, mode="sampling"))
     assert sampled.branches == {}  # greedy mode only: a sampled round has no first mismatch to branch at
     with pytest.raises(ValueError, match="max_new_tokens"):
