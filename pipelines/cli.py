@@ -24,6 +24,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TypeVar
 
 from jsonargparse import ActionConfigFile, ArgumentParser
@@ -49,7 +50,11 @@ def parse_config(cls: type[T], argv: list[str] | None, description: str) -> T:
     try:
         init = parser.instantiate_classes(ns)
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(init).items() if k in fields})
+        cfg = cls(**{k: v for k, v in vars(init).items() if k in fields})
+        uri = getattr(cfg, "tracking_uri", None) or os.environ.get("MLFLOW_TRACKING_URI")
+        if uri and hasattr(cfg, "tracking_uri"):
+            check_tracking_uri(uri)
+        return cfg
     except (ValueError, TypeError) as e:
         parser.error(_one_line(e))
         raise  # parser.error exits; unreachable
@@ -84,6 +89,36 @@ def resolve_tracking_uri(value: str | None = None) -> str:
     from predictors.registry import resolve_tracking_uri as resolve
 
     return resolve(value)
+
+
+TRACKING_SCHEMES = ("sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks")
+"""URI schemes MLflow's tracking store accepts (a database, a server); ``postgresql+psycopg2`` and such count too."""
+
+
+def check_tracking_uri(uri: str) -> None:
+    """Refuse, before any work, a tracking URI MLflow would refuse after it: a bare path or ``file:`` URI (MLflow's
+    retired file store), an unknown scheme, or a SQLite file whose folder cannot be made. The message says what to pass.
+    """
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if ":" in uri else ""
+    if len(scheme) == 1:  # a Windows drive letter is a path, not a scheme
+        scheme = ""
+    if scheme in ("", "file"):
+        path = uri.removeprefix("file://").removeprefix("file:")
+        raise ValueError(f"tracking URI {uri!r} is a path, which MLflow reads as its retired file store; pass "
+                         f"sqlite:///{path.rstrip('/')}.db (a local database) or http://HOST:5000 (a tracking server)")
+    if scheme not in TRACKING_SCHEMES:
+        raise ValueError(f"tracking URI {uri!r}: scheme {scheme!r} is not a tracking store; pass sqlite:///FILE.db, "
+                         f"http(s)://HOST:PORT or a database URI ({', '.join(TRACKING_SCHEMES)})")
+    if scheme == "sqlite" and uri.startswith("sqlite:///") and uri != "sqlite:///:memory:":
+        folder = Path(uri.removeprefix("sqlite:///")).expanduser().parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"tracking URI {uri!r}: cannot create its folder {folder} ({e.strerror}); pass "
+                             f"sqlite:///<a writable path>.db") from e
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"tracking URI {uri!r}: folder {folder} is not writable; pass sqlite:///<a writable "
+                             f"path>.db")
 
 
 def setup_logging() -> None:

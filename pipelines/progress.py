@@ -4,7 +4,9 @@ The bar (tqdm, on a terminal only) names the running stage (generate, train disc
 crossval, register); during generation it shows the records labelled, records/s and an ETA. Each stage logs one line
 when it ends (``stage generate: 12,000 records in 612 s (19.6 records/s)``), a stage that is cut logs how long it ran,
 and :meth:`ChainProgress.total_line` gives the total with each stage's time, so the user sees where the time goes.
-The log lines go through ``logging`` (above the bar on a terminal), so a log file holds the same summary.
+The log lines go through ``logging`` (above the bar on a terminal), so a log file holds the same summary. When stderr
+is not a terminal (nohup, CI, a batch scheduler) there is no bar: each stage then logs a heartbeat line at least once
+a minute (:class:`Heartbeat`: what it has done, its rate and ETA where it knows them).
 
 Usage::
 
@@ -16,6 +18,9 @@ Usage::
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -37,6 +42,80 @@ def fmt_duration(seconds: float) -> str:
     return f"{int(minutes // 60)} h {int(minutes % 60):02d} min"
 
 
+HEARTBEAT_S = 45.0
+"""Seconds between two heartbeat lines (``SPECSTOP_HEARTBEAT_S`` overrides it): under a minute with a margin for a
+thread that waits on the interpreter lock."""
+
+
+def heartbeat_default() -> bool:
+    """Heartbeat lines by default where no bar shows progress: stderr is not a terminal."""
+    return not sys.stderr.isatty()
+
+
+class Heartbeat:
+    """A log line every :data:`HEARTBEAT_S` seconds while a long piece of work runs, from a daemon thread, so that a
+    log file shows progress even when the work reports nothing for minutes (a shard of generation, an epoch).
+
+    The work calls :meth:`update` with what it has done (and, when known, the total): the line then gives the rate and
+    the ETA; without updates it says how long the work has run. Used as a context manager; a disabled heartbeat
+    (``enabled=False``) starts no thread.
+
+    Usage::
+
+        with Heartbeat(log, "benchmark row svip", total=8, unit="prompts") as hb:
+            for i, p in enumerate(prompts):
+                run(p)
+                hb.update(i + 1)
+    """
+
+    def __init__(self, log: logging.Logger, name: str, total: float | None = None, unit: str = "records",
+                 enabled: bool | None = None, interval: float | None = None) -> None:
+        self.log, self.name, self.total, self.unit = log, name, total, unit
+        self.enabled = heartbeat_default() if enabled is None else enabled
+        self.interval = interval or float(os.environ.get("SPECSTOP_HEARTBEAT_S", HEARTBEAT_S))
+        self.done: float | None = None
+        self.note = ""
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def update(self, done: float, total: float | None = None, note: str = "") -> None:
+        """Record progress: ``done`` units of ``total`` (kept from before when None); ``note`` ends the line."""
+        self.done = done
+        if total is not None:
+            self.total = total
+        self.note = note
+
+    def line(self) -> str:
+        """The heartbeat line as it reads now."""
+        elapsed = time.perf_counter() - self.t0
+        if self.done is None:
+            return f"{self.name}: running for {fmt_duration(elapsed)}" + (f"; {self.note}" if self.note else "")
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        of = f"/{self.total:,.0f}" if self.total else ""
+        eta = ""
+        if self.total and rate > 0:
+            eta = f", ETA {fmt_duration(max(0.0, self.total - self.done) / rate)}"
+        note = f"; {self.note}" if self.note else ""
+        return (f"{self.name}: {self.done:,.0f}{of} {self.unit} in {fmt_duration(elapsed)} "
+                f"({rate:,.2f} {self.unit}/s{eta}){note}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.log.info("heartbeat: %s", self.line())
+
+    def __enter__(self) -> Heartbeat:
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, name=f"heartbeat {self.name}", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+
+
 @dataclass
 class Stage:
     """A running stage: the caller sets ``summary`` (what it did, e.g. ``"8 epochs, val AUC 0.66"``) and may set
@@ -48,6 +127,8 @@ class Stage:
     reused: bool = False
     seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    heartbeat: Heartbeat | None = None
+    """The stage's heartbeat (logs while it runs when stderr is not a terminal); callers may ``update`` it."""
 
     def line(self) -> str:
         what = f"{self.summary} " if self.summary else ""
@@ -62,11 +143,15 @@ class ChainProgress:
         stages: the planned stages in order (the bar's length; a stage not in the list still runs and is reported).
         log: where the summary lines go.
         disable: no bar (None: a bar only when stderr is a terminal).
+        heartbeat: log a heartbeat line at least once a minute in every stage (None: when stderr is not a terminal).
     """
 
-    def __init__(self, stages: list[str], log: logging.Logger, disable: bool | None = None) -> None:
+    def __init__(self, stages: list[str], log: logging.Logger, disable: bool | None = None,
+                 heartbeat: bool | None = None) -> None:
         self.planned = list(stages)
         self.log = log
+        self.heartbeat = heartbeat_default() if heartbeat is None else heartbeat
+        self.current: Stage | None = None
         self.done: list[Stage] = []
         self.t0 = time.perf_counter()
         self._stack = ExitStack()
@@ -87,13 +172,17 @@ class ChainProgress:
     def stage(self, name: str) -> Iterator[Stage]:
         """Run one stage: the bar shows it while it runs; its summary line is logged when it ends. A stage cut by an
         exception (Ctrl-C included) logs how long it ran and that the same command resumes, then re-raises."""
-        st = Stage(name)
+        st = Stage(name, heartbeat=Heartbeat(self.log, f"stage {name}", enabled=self.heartbeat))
         step = f"{self.planned.index(name) + 1}/{len(self.planned)} " if name in self.planned else ""
         self.bar.set_description(f"stage {step}{name}", refresh=False)
         self.bar.set_postfix_str("")
         t = time.perf_counter()
+        self.current = st
+        if self.heartbeat:
+            self.log.info("stage %s: started", name)
         try:
-            yield st
+            with st.heartbeat:
+                yield st
         except BaseException:
             st.seconds = time.perf_counter() - t
             self.log.warning("stage %s cut after %s: finished shards and exports are kept; the same command resumes",
@@ -152,8 +241,13 @@ class GenerationMeter:
         return self.on_shard
 
     def on_shard(self, event: dict) -> None:
-        """Called by the generator after each shard: {new_records, seconds, ...} counted from its start."""
+        """Called by the generator after each shard: {new_records, seconds, ...} counted from its start; an event
+        with ``in_shard`` (records labelled so far, sent while a shard runs) only moves the heartbeat."""
+        if "in_shard" in event:
+            self._beat(self.banked_records + int(event.get("new_records", 0)))
+            return
         self.records, self.seconds = int(event["new_records"]), float(event["seconds"])
+        self._beat(self.banked_records + self.records)
         self.shards += 1
         new, secs = self.banked_records + self.records, self.banked_seconds + self.seconds
         rate = new / secs if secs > 0 else 0.0
@@ -172,3 +266,8 @@ class GenerationMeter:
             self.chain.log.info("generate: first shard: %s records in %s (%.1f records/s); %s records to go, ETA %s. "
                                 "Too long? Stop it (Ctrl-C) and pass a smaller --data.max_records: finished shards "
                                 "are kept", f"{new:,}", fmt_duration(secs), rate, f"{left:,}", eta)
+
+    def _beat(self, records: int) -> None:
+        stage = self.chain.current
+        if stage is not None and stage.heartbeat is not None:
+            stage.heartbeat.update(records, self.remaining or None)

@@ -57,3 +57,27 @@ def test_generate_value_out_of_range_as_typed():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "error: --max_records must be positive or null, got -5"
+
+
+@pytest.mark.parametrize("uri, wanted", [
+    ("/proc/nope/mlflow", "retired file store; pass sqlite:////proc/nope/mlflow.db"),
+    ("file:///tmp/mlruns", "retired file store"),
+    ("ftp://host/x", "scheme 'ftp' is not a tracking store"),
+    ("sqlite:////proc/nope/mlflow.db", "cannot create its folder /proc/nope"),
+])
+def test_tracking_uri_refused_before_any_work(uri, wanted, capsys):
+    """A tracking URI MLflow would refuse after the work ends in one line at parse time, saying what to pass."""
+    from pipelines.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main([*TRAIN, "--tracking_uri", uri])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert wanted in err and "Traceback" not in err
+
+
+def test_tracking_uri_accepted_forms(tmp_path):
+    from pipelines.cli import check_tracking_uri
+
+    for uri in (f"sqlite:///{tmp_path}/m.db", "http://127.0.0.1:5000", "postgresql+psycopg2://u@h/db"):
+        check_tracking_uri(uri)

@@ -1,0 +1,237 @@
+"""Small summaries of finished runs, kept in ``results/`` and rendered into the README and docs/results.md.
+
+A summary is one JSON file: what was run (kind, config, command, config hash, date), where (CPU model, family and
+model number, SIMD flags, torch, threads, compute path) and the figures the docs quote: for the main job each
+predictor's test AUC on its own label beside the best training-free score and the cross-validated difference with
+its interval; for the benchmark each row's tokens/s and speedups with their intervals over prompts. The docs never
+carry a hand-typed figure: ``python -m pipelines.results`` renders them from these files.
+
+Usage::
+
+    from pipelines.result_store import summarize_main_job, write_summary
+    write_summary(summarize_main_job("outputs/default/train", command="python -m pipelines.train ..."), "results")
+"""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SCHEMA = "specstop-results/1"
+KINDS = ("main_job", "benchmark")
+REQUIRED = {
+    "main_job": ("schema", "kind", "config", "command", "date", "machine", "pair", "compute_path", "predictors"),
+    "benchmark": ("schema", "kind", "config", "command", "date", "machine", "pair", "compute_path", "rows",
+                  "n_prompts", "max_new_tokens", "temperature"),
+}
+PREDICTOR_FIELDS = ("predictor", "label", "test_auc", "best_free", "test_auc_best_free", "cv_diff", "cv_diff_lo",
+                    "cv_diff_hi", "test_speedup", "decoding", "ece_greedy", "ece_sampling")
+ROW_FIELDS = ("row", "method", "kind", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "vs_best_entropy",
+              "vs_best_entropy_lo", "vs_best_entropy_hi", "exact", "identical_prompts", "mean_accepted",
+              "mean_drafted", "thresholded", "verification")
+
+
+class SummaryError(ValueError):
+    """A summary file that cannot be read: the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One stored run: its file and its parsed content."""
+
+    path: Path
+    data: dict[str, Any]
+
+    @property
+    def kind(self) -> str:
+        return self.data["kind"]
+
+    @property
+    def group(self) -> tuple[str, str, str]:
+        """Runs that may be compared: same model pair, same compute path, same CPU kind (never averaged across)."""
+        pair = f"{self.data['pair']['draft']} -> {self.data['pair']['target']}"
+        return pair, self.data["compute_path"], cpu_label(self.data["machine"])
+
+
+def _proc_cpu_ids() -> dict[str, str]:
+    """Vendor, family and model number of this CPU (empty where /proc/cpuinfo is missing)."""
+    out: dict[str, str] = {}
+    path = Path("/proc/cpuinfo")
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        key, _, val = line.partition(":")
+        key = key.strip()
+        if key in ("vendor_id", "cpu family", "model") and key not in out:
+            out[key] = val.strip()
+        if not line.strip() and out:
+            break
+    return out
+
+
+def machine_facts(machine: dict[str, Any]) -> dict[str, Any]:
+    """The run's machine record (from its cost model) plus this CPU's vendor, family and model number."""
+    ids = _proc_cpu_ids()
+    return {**machine, "vendor": ids.get("vendor_id", ""), "family": ids.get("cpu family", ""),
+            "model": ids.get("model", "")}
+
+
+def cpu_generation(machine: dict[str, Any]) -> str:
+    """A readable CPU generation from vendor / family / model where known (Zen 3, Zen 4, Zen 5), else ''."""
+    vendor, family, model = machine.get("vendor", ""), machine.get("family", ""), machine.get("model", "")
+    if vendor != "AuthenticAMD" or not family.isdigit() or not model.isdigit():
+        return ""
+    fam, mod = int(family), int(model)
+    if fam == 25:
+        return "Zen 4" if 0x10 <= mod <= 0x1F or 0x60 <= mod <= 0xAF else "Zen 3"
+    return {23: "Zen 2", 26: "Zen 5"}.get(fam, "")
+
+
+def isa_label(flags: list[str]) -> str:
+    """The instruction set class that decides specstop's compute path."""
+    fl = set(flags)
+    if "amx_bf16" in fl:
+        return "AMX-BF16"
+    if "avx512_bf16" in fl:
+        return "AVX-512 BF16"
+    if "avx512f" in fl:
+        return "AVX-512"
+    if "avx2" in fl:
+        return "AVX2"
+    return "no AVX2"
+
+
+def cpu_label(machine: dict[str, Any]) -> str:
+    """``AMD EPYC (Zen 4, AVX-512 BF16)``: model name, generation where known, ISA class."""
+    gen = cpu_generation(machine)
+    isa = machine.get("isa") or isa_label(machine.get("simd_flags", []))
+    inner = ", ".join(x for x in (gen, isa) if x)
+    return f"{machine.get('model_name') or 'unknown CPU'} ({inner})"
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """A short, stable hash of a resolved config (sorted JSON)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise SummaryError(f"{path}: missing (is the run finished?)") from e
+    except json.JSONDecodeError as e:
+        raise SummaryError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from e
+
+
+def _pick(record: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    return {k: record[k] for k in fields if k in record}
+
+
+def _cost_facts(cost_file: Path) -> tuple[dict[str, Any], str]:
+    cost = _read_json(cost_file)
+    return machine_facts(cost.get("machine") or {}), cost.get("compute_path", "unknown")
+
+
+def _today() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+
+
+def summarize_main_job(out_dir: str | Path, command: str, config_name: str = "default",
+                       duration_s: float | None = None) -> dict[str, Any]:
+    """The summary of a finished main job in ``out_dir`` (its results.json, resolved config and cost model)."""
+    out = Path(out_dir)
+    results = _read_json(out / "results.json")
+    resolved = _read_json(out / "resolved_config.json")
+    models = resolved.get("data", {}).get("models", {})
+    machine, path = _cost_facts(out / "report" / "cost_model.json")
+    rows = [_pick(r, PREDICTOR_FIELDS) for r in results.get("results", []) if "test_auc" in r or "test_speedup" in r]
+    return {
+        "schema": SCHEMA, "kind": "main_job", "config": config_name, "command": command, "date": _today(),
+        "config_hash": config_hash(resolved), "machine": machine, "compute_path": path,
+        "pair": {"draft": models.get("draft", "?"), "target": models.get("target", "?")},
+        "records": results.get("records"), "duration_s": duration_s, "predictors": rows,
+    }
+
+
+def summarize_benchmark(out_dir: str | Path, command: str, config_name: str = "benchmark",
+                        duration_s: float | None = None) -> dict[str, Any]:
+    """The summary of a finished benchmark in ``out_dir`` (benchmark.json, config.yaml, cost_model.json)."""
+    out = Path(out_dir)
+    bench = _read_json(out / "benchmark.json")
+    try:
+        config = yaml.safe_load((out / "config.yaml").read_text())
+    except FileNotFoundError as e:
+        raise SummaryError(f"{out / 'config.yaml'}: missing (is the run finished?)") from e
+    machine, path = _cost_facts(out / "cost_model.json")
+    machine = {**(bench.get("cpu") or {}), **machine}
+    replay = bench.get("replay_check") or {}
+    return {
+        "schema": SCHEMA, "kind": "benchmark", "config": config_name, "command": command, "date": _today(),
+        "config_hash": config_hash(config), "machine": machine, "compute_path": path,
+        "pair": {"draft": config["models"]["draft"], "target": config["models"]["target"]},
+        "n_prompts": len(bench.get("prompt_ids") or []), "max_new_tokens": config["max_new_tokens"],
+        "temperature": config["temperature"], "partial": bool(bench.get("partial", False)),
+        "duration_s": duration_s, "rows": [_pick(r, ROW_FIELDS) for r in bench["rows"]],
+        "replay_check": replay.get("summary"),
+    }
+
+
+def summary_name(summary: dict[str, Any]) -> str:
+    """``benchmark-benchmark-full-zen-4-avx-512-bf16-2026-11-25.json``: kind, config, CPU kind, date."""
+    cpu = cpu_label(summary["machine"]).split("(", 1)[-1].rstrip(")")
+    slug = "-".join(cpu.lower().replace(",", " ").split())
+    return f"{summary['kind']}-{summary['config']}-{slug}-{summary['date']}.json"
+
+
+def write_summary(summary: dict[str, Any], results_dir: str | Path) -> Path:
+    """Write ``summary`` into ``results_dir`` (atomically); returns the file."""
+    validate(summary, Path("<new summary>"))
+    folder = Path(results_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / summary_name(summary)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=1, sort_keys=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def validate(data: Any, path: Path) -> None:
+    """Raise :class:`SummaryError` naming ``path`` and the first missing or malformed field."""
+    if not isinstance(data, dict):
+        raise SummaryError(f"{path}: not a JSON object")
+    if data.get("schema") != SCHEMA:
+        raise SummaryError(f"{path}: field 'schema' is {data.get('schema')!r}, expected {SCHEMA!r}")
+    if data.get("kind") not in KINDS:
+        raise SummaryError(f"{path}: field 'kind' is {data.get('kind')!r}, expected one of {', '.join(KINDS)}")
+    for key in REQUIRED[data["kind"]]:
+        if key not in data:
+            raise SummaryError(f"{path}: field {key!r} missing")
+    for key in ("draft", "target"):
+        if not isinstance(data["pair"], dict) or key not in data["pair"]:
+            raise SummaryError(f"{path}: field 'pair.{key}' missing")
+    items, need = (data["rows"], ("row", "tokens_per_s")) if data["kind"] == "benchmark" else (
+        data["predictors"], ("predictor",))
+    if not isinstance(items, list) or not items:
+        raise SummaryError(f"{path}: field {'rows' if data['kind'] == 'benchmark' else 'predictors'!r} is empty")
+    for i, item in enumerate(items):
+        for key in need:
+            if not isinstance(item, dict) or key not in item:
+                raise SummaryError(f"{path}: field {key!r} missing in entry {i}")
+
+
+def load_summaries(results_dir: str | Path) -> list[Summary]:
+    """Every ``*.json`` summary in ``results_dir``, validated, oldest first by date then name."""
+    folder = Path(results_dir)
+    if not folder.is_dir():
+        raise SummaryError(f"{folder}: no such results folder (pass --results_dir)")
+    out = []
+    for path in sorted(folder.glob("*.json")):
+        data = _read_json(path)
+        validate(data, path)
+        out.append(Summary(path, data))
+    return sorted(out, key=lambda s: (s.data["date"], s.path.name))

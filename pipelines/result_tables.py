@@ -1,0 +1,175 @@
+"""Markdown tables rendered from stored run summaries (:mod:`pipelines.result_store`), and the blocks of the README
+and docs/results.md they fill.
+
+A block sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` in a Markdown file; rendering replaces
+what is between the markers and leaves the rest of the file alone. Runs of another model pair, compute path or CPU
+kind are never averaged with others: each such group gets its own tables.
+
+Usage::
+
+    from pipelines.result_tables import render_blocks
+    blocks = render_blocks(load_summaries("results"))   # {"readme": "...", "docs": "..."}
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from pipelines.result_store import Summary, cpu_label
+
+ENTROPY_KINDS = ("svip", "adaedl")
+LEARNED_KINDS = ("disco", "sprinter", "sv")
+HEADLINE_BENCHMARKS = ("benchmark-full", "benchmark")
+FREE_NAMES = {"max-prob": "top-1 probability", "draft-prob": "q(x)", "neg-entropy": "-entropy"}
+ROW_NAMES = {"target-only": "target-only", "hf:default": "transformers assisted generation (its defaults)"}
+
+
+def _f(x: Any, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def _interval(mid: Any, lo: Any, hi: Any, spec: str = ".2f", suffix: str = "x") -> str:
+    if mid is None:
+        return ""
+    if lo is None or hi is None:
+        return f"{mid:{spec}}{suffix}"
+    return f"{mid:{spec}}{suffix} [{lo:{spec}}, {hi:{spec}}]"
+
+
+def _is_learned(row: dict[str, Any]) -> bool:
+    kind = row.get("kind") or ""
+    return kind in LEARNED_KINDS or kind.startswith("goodput-")
+
+
+def caption(s: Summary) -> str:
+    """Where and when a run was made, and the command that reproduces it."""
+    d = s.data
+    m = d["machine"]
+    threads = f", {m['threads']} threads" if m.get("threads") else ""
+    torch = f", torch {m['torch']}" if m.get("torch") else ""
+    return (f"{cpu_label(m)}{threads}{torch}, compute path `{d['compute_path']}`; {d['date']}; "
+            f"`{d['command']}`")
+
+
+def predictor_table(s: Summary) -> str:
+    """Each learned predictor's test AUC on its own label beside the best training-free score's, and the
+    cross-validated difference with its 95% paired-bootstrap interval."""
+    lines = ["| predictor | label | test AUC | best training-free score (test AUC) | cross-validated AUC difference "
+             "[95% CI] | replayed speedup |", "|---|---|---|---|---|---|"]
+    for p in s.data["predictors"]:
+        if p.get("test_auc") is None:
+            continue
+        free = FREE_NAMES.get(p.get("best_free", ""), p.get("best_free", ""))
+        cv = _interval(p.get("cv_diff"), p.get("cv_diff_lo"), p.get("cv_diff_hi"), "+.4f", "")
+        speed = _f(p.get("test_speedup"), ".2f") + ("x" if p.get("test_speedup") is not None else "")
+        lines.append(f"| {p['predictor']} | {p.get('label', '')} | {_f(p['test_auc'], '.4f')} | "
+                     f"{free} {_f(p.get('test_auc_best_free'), '.4f')} | {cv} | {speed} |")
+    return "\n".join(lines)
+
+
+def row_name(row: dict[str, Any]) -> str:
+    """A readable row name: the engine's policy label, or the transformers / target-only reference."""
+    return ROW_NAMES.get(row["row"], row["row"])
+
+
+def benchmark_table(s: Summary) -> str:
+    """Tokens/s of every row with its speedup over target-only and its ratio to the best entropy bound, each with
+    the 95% paired-bootstrap interval over prompts."""
+    lines = ["| row | tokens/s | vs target-only [95% CI] | vs best entropy bound [95% CI] | output = target-only |",
+             "|---|---|---|---|---|"]
+    n = s.data["n_prompts"]
+    for r in s.data["rows"]:
+        same = "" if r.get("identical_prompts") is None else f"{r['identical_prompts']}/{n}"
+        lines.append(f"| {row_name(r)} | {r['tokens_per_s']:.2f} | "
+                     f"{_interval(r.get('speedup'), r.get('speedup_lo'), r.get('speedup_hi'))} | "
+                     f"{_interval(r.get('vs_best_entropy'), r.get('vs_best_entropy_lo'), r.get('vs_best_entropy_hi'))}"
+                     f" | {same} |")
+    return "\n".join(lines)
+
+
+def verdict(s: Summary) -> str:
+    """One sentence on what the benchmark decides: the best exact learned row against the best entropy bound."""
+    rows = s.data["rows"]
+    learned = [r for r in rows if _is_learned(r) and r.get("exact") is not False and r.get("vs_best_entropy")]
+    entropy = [r for r in rows if (r.get("kind") or "") in ENTROPY_KINDS and r.get("vs_best_entropy") == 1.0]
+    if not learned or not entropy:
+        return "This run has no exact learned row and entropy bound to compare."
+    best = max(learned, key=lambda r: r["vs_best_entropy"])
+    mid, lo, hi = best["vs_best_entropy"], best.get("vs_best_entropy_lo"), best.get("vs_best_entropy_hi")
+    head = (f"The best exact learned stopper ({row_name(best)}) ran {_interval(mid, lo, hi)} the best entropy bound "
+            f"({row_name(entropy[0])}) over {s.data['n_prompts']} prompts")
+    if lo is not None and lo > 1.0:
+        return head + ": a learned stopper is measurably faster on this pair and machine."
+    if hi is not None and hi < 1.0:
+        return head + ": the entropy bound is measurably faster; it also needs no training."
+    return (head + ": the interval holds 1, so on this pair and machine a learned stopper is not measurably faster "
+            "than the training-free bound, which needs no training.")
+
+
+def _benchmark_heading(s: Summary) -> str:
+    d = s.data
+    mode = "greedy" if d["temperature"] == 0 else f"sampling at temperature {d['temperature']}"
+    partial = " (partial: a stopped run)" if d.get("partial") else ""
+    return f"{d['n_prompts']} prompts x {d['max_new_tokens']} new tokens, {mode}{partial}"
+
+
+def headline(summaries: list[Summary]) -> tuple[Summary | None, Summary | None]:
+    """The README's runs: the newest default main job and the newest greedy headline benchmark."""
+    mains = [s for s in summaries if s.kind == "main_job" and s.data["config"] == "default"]
+    benches = [s for s in summaries if s.kind == "benchmark" and s.data["temperature"] == 0]
+    for name in HEADLINE_BENCHMARKS:
+        picked = [s for s in benches if s.data["config"] == name]
+        if picked:
+            return (mains[-1] if mains else None), picked[-1]
+    return (mains[-1] if mains else None), None
+
+
+def render_readme(summaries: list[Summary]) -> str:
+    """The README's results block: the learned-vs-free AUC table and the end-to-end table of the headline runs."""
+    main, bench = headline(summaries)
+    parts = []
+    if main is not None:
+        records = f", {main.data['records']:,} labelled records" if main.data.get("records") else ""
+        parts += [f"Learned predictors against the best training-free score (main job{records}; {caption(main)}):",
+                  "", predictor_table(main), ""]
+    if bench is not None:
+        parts += [f"End to end, {_benchmark_heading(bench)} ({caption(bench)}):", "", benchmark_table(bench), "",
+                  verdict(bench)]
+    if not parts:
+        parts = ["No stored run yet: `python -m pipelines.train --results_dir results` writes one."]
+    return "\n".join(parts).rstrip()
+
+
+def render_docs(summaries: list[Summary]) -> str:
+    """docs/results.md's block: every stored run, grouped by model pair, compute path and CPU kind, newest first."""
+    groups: dict[tuple[str, str, str], list[Summary]] = {}
+    for s in summaries:
+        groups.setdefault(s.group, []).append(s)
+    parts: list[str] = []
+    for (pair, path, cpu), runs in sorted(groups.items()):
+        parts += [f"### {pair}, `{path}`, {cpu}", ""]
+        for s in reversed(runs):
+            if s.kind == "main_job":
+                parts += [f"**Main job, config `{s.data['config']}`** ({caption(s)}):", "", predictor_table(s), ""]
+            else:
+                parts += [f"**Benchmark `{s.data['config']}`, {_benchmark_heading(s)}** ({caption(s)}):", "",
+                          benchmark_table(s), "", verdict(s), ""]
+    return "\n".join(parts).rstrip() if parts else "No stored run yet."
+
+
+def render_blocks(summaries: list[Summary]) -> dict[str, str]:
+    """Every block the docs hold, by name."""
+    return {"readme": render_readme(summaries), "docs": render_docs(summaries)}
+
+
+def block_pattern(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- results:{name} -->\n)(.*?)(^<!-- /results:{name} -->)", re.S | re.M)
+
+
+def fill(text: str, name: str, body: str, path: Path) -> str:
+    """``text`` with the block ``name`` replaced by ``body``; a file without the markers is an error naming it."""
+    pat = block_pattern(name)
+    if not pat.search(text):
+        raise ValueError(f"{path}: no <!-- results:{name} --> ... <!-- /results:{name} --> markers")
+    return pat.sub(lambda m: m.group(1) + (body.rstrip("\n") + "\n" if body else "") + m.group(3), text, count=1)

@@ -1,0 +1,100 @@
+"""Render the README's results table and docs/results.md from the run summaries stored in ``results/``.
+
+Every figure the README and docs/results.md quote comes from a summary file (``pipelines.result_store``), never typed by
+hand. ``--check`` renders in memory and exits 1, naming the file, when a document differs from what the summaries
+give (the unit suite runs it). ``--main_job DIR`` / ``--benchmark DIR`` first store the summary of a finished run.
+
+Usage:
+    python -m pipelines.results                      # rewrite the README's and docs/results.md's blocks
+    python -m pipelines.results --check              # exit 1 when they differ from results/
+    python -m pipelines.results --benchmark outputs/benchmark-full --config_name benchmark-full \\
+        --command "python -m pipelines.benchmark --config configs/benchmark-full.yaml"
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipelines.cli import parse_config, setup_logging, user_errors
+from pipelines.result_store import SummaryError, load_summaries, summarize_benchmark, summarize_main_job, write_summary
+from pipelines.result_tables import fill, render_blocks
+
+log = logging.getLogger(__name__)
+
+DOCUMENTS = {"readme": "README.md", "docs": "docs/results.md"}
+"""Block name -> the file (from the repository root) that holds it."""
+
+
+@dataclass
+class ResultsConfig:
+    """What to render, or which finished run to store first."""
+
+    results_dir: str = "results"
+    """Folder of the run summaries (JSON)."""
+    root: str = "."
+    """Repository root holding README.md and docs/."""
+    check: bool = False
+    """Render in memory and exit 1 when a document differs (nothing is written)."""
+    main_job: str | None = None
+    """Store the summary of the finished main job in this folder (its out_dir) before rendering."""
+    benchmark: str | None = None
+    """Store the summary of the finished benchmark in this folder (its out_dir) before rendering."""
+    config_name: str | None = None
+    """The config's name in the summary (default: default for a main job, benchmark for a benchmark)."""
+    command: str | None = None
+    """The command that reproduces the stored run (default: the usual command for its config name)."""
+
+
+def store_runs(cfg: ResultsConfig) -> None:
+    """Write the summaries of the runs named by ``--main_job`` / ``--benchmark``."""
+    if cfg.main_job:
+        name = cfg.config_name or "default"
+        cmd = cfg.command or f"python -m pipelines.train --config configs/{name}.yaml"
+        log.info("stored %s", write_summary(summarize_main_job(cfg.main_job, cmd, name), cfg.results_dir))
+    if cfg.benchmark:
+        name = cfg.config_name or "benchmark"
+        cmd = cfg.command or f"python -m pipelines.benchmark --config configs/{name}.yaml"
+        log.info("stored %s", write_summary(summarize_benchmark(cfg.benchmark, cmd, name), cfg.results_dir))
+
+
+def render(cfg: ResultsConfig) -> list[Path]:
+    """Fill every document's block from the summaries; returns the documents that differ(ed)."""
+    blocks = render_blocks(load_summaries(Path(cfg.root) / cfg.results_dir))
+    differ = []
+    for name, rel in DOCUMENTS.items():
+        path = Path(cfg.root) / rel
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing; it must hold the <!-- results:{name} --> block")
+        text = path.read_text()
+        new = fill(text, name, blocks[name], path)
+        if new != text:
+            differ.append(path)
+            if not cfg.check:
+                path.write_text(new)
+    return differ
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    with user_errors("python -m pipelines.results"):
+        cfg = parse_config(ResultsConfig, argv, __doc__)
+        try:
+            if not cfg.check:
+                store_runs(cfg)
+            differ = render(cfg)
+        except SummaryError as e:
+            raise ValueError(str(e)) from e
+    if cfg.check:
+        for path in differ:
+            print(f"{path}: differs from what {cfg.results_dir}/ renders; run python -m pipelines.results",
+                  file=sys.stderr)
+        return 1 if differ else 0
+    for path in differ:
+        log.info("rewrote %s", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

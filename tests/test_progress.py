@@ -1,0 +1,45 @@
+"""Progress in logs: with no terminal every stage logs a heartbeat line with its rate and ETA, at the set interval."""
+from __future__ import annotations
+
+import logging
+import time
+
+from pipelines.progress import ChainProgress, Heartbeat
+
+
+def test_heartbeat_lines_with_rate_and_eta(caplog, monkeypatch):
+    monkeypatch.setenv("SPECSTOP_HEARTBEAT_S", "0.05")
+    log = logging.getLogger("test.heartbeat")
+    with caplog.at_level(logging.INFO, logger="test.heartbeat"), Heartbeat(log, "row svip", total=8,
+                                                                            unit="prompts", enabled=True) as hb:
+        time.sleep(0.12)
+        hb.update(2)
+        time.sleep(0.12)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("heartbeat:")]
+    assert any("row svip: running for" in x for x in lines)
+    assert any("2/8 prompts" in x and "prompts/s, ETA" in x for x in lines)
+
+
+def test_disabled_heartbeat_starts_no_thread():
+    with Heartbeat(logging.getLogger("x"), "quiet", enabled=False) as hb:
+        assert hb._thread is None
+
+
+def test_generation_meter_moves_the_stage_heartbeat(caplog, monkeypatch):
+    """A main job piped to a file: the generate stage says it started, then beats with records, rate and ETA, also
+    from updates the generator sends inside a shard."""
+    monkeypatch.setenv("SPECSTOP_HEARTBEAT_S", "0.05")
+    log = logging.getLogger("test.chain")
+    chain = ChainProgress(["generate"], log, disable=True, heartbeat=True)
+    with caplog.at_level(logging.INFO, logger="test.chain"), chain, chain.stage("generate"):
+        meter = chain.generation(remaining=1000)
+        on = meter.folder()
+        on({"in_shard": 1, "new_records": 100})
+        time.sleep(0.12)
+        on({"new_records": 300, "seconds": 0.2, "chunk": 0, "chunks": 4})
+        time.sleep(0.12)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert "stage generate: started" in msgs
+    beats = [m for m in msgs if m.startswith("heartbeat: stage generate")]
+    assert any("100/1,000 records" in m for m in beats) and any("300/1,000 records" in m for m in beats)
+    assert all("ETA" in m for m in beats)

@@ -1,0 +1,104 @@
+"""Results rendered from stored run summaries: the README and docs/results.md agree with results/, a malformed or
+missing summary is named with its field, and runs of another pair or compute path get their own tables."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelines import results as results_cli
+from pipelines.result_store import SCHEMA, SummaryError, load_summaries, summary_name, write_summary
+from pipelines.result_tables import fill, render_docs, render_readme
+
+ROOT = Path(__file__).resolve().parents[1]
+MACHINE = {"model_name": "AMD EPYC", "simd_flags": ["avx2", "avx512_bf16", "avx512f"], "torch": "2.13.0+cpu",
+           "threads": 2, "vendor": "AuthenticAMD", "family": "25", "model": "17"}
+
+
+def bench_summary(**over) -> dict:
+    rows = [
+        {"row": "target-only", "kind": "", "tokens_per_s": 6.0, "speedup": 1.0, "speedup_lo": 1.0, "speedup_hi": 1.0},
+        {"row": "svip (val-tuned 0.35)", "kind": "svip", "tokens_per_s": 9.0, "speedup": 1.5, "speedup_lo": 1.4,
+         "speedup_hi": 1.6, "vs_best_entropy": 1.0, "vs_best_entropy_lo": 1.0, "vs_best_entropy_hi": 1.0,
+         "exact": True, "identical_prompts": 4},
+        {"row": "disco (val-tuned 0.4)", "kind": "disco", "tokens_per_s": 9.1, "speedup": 1.52, "speedup_lo": 1.41,
+         "speedup_hi": 1.63, "vs_best_entropy": 1.01, "vs_best_entropy_lo": 0.98, "vs_best_entropy_hi": 1.04,
+         "exact": True, "identical_prompts": 4},
+    ]
+    base = {"schema": SCHEMA, "kind": "benchmark", "config": "benchmark-full", "command": "python -m x", "date":
+            "2026-11-25", "machine": MACHINE, "pair": {"draft": "d", "target": "t"}, "compute_path": "packed-bf16",
+            "rows": rows, "n_prompts": 4, "max_new_tokens": 128, "temperature": 0.0}
+    return {**base, **over}
+
+
+def main_summary(**over) -> dict:
+    preds = [{"predictor": "disco", "label": "greedy match", "test_auc": 0.80, "best_free": "max-prob",
+              "test_auc_best_free": 0.79, "cv_diff": 0.002, "cv_diff_lo": 0.001, "cv_diff_hi": 0.003,
+              "test_speedup": 1.6}]
+    base = {"schema": SCHEMA, "kind": "main_job", "config": "default", "command": "python -m y", "date": "2026-11-25",
+            "machine": MACHINE, "pair": {"draft": "d", "target": "t"}, "compute_path": "packed-bf16",
+            "predictors": preds, "records": 20000}
+    return {**base, **over}
+
+
+def test_readme_and_docs_match_the_stored_results():
+    """What CI checks: python -m pipelines.results --check on the repository exits 0."""
+    assert results_cli.main(["--check", "true", "--root", str(ROOT)]) == 0
+
+
+def test_render_then_check_round_trip(tmp_path):
+    (tmp_path / "docs").mkdir()
+    for name, rel in results_cli.DOCUMENTS.items():
+        (tmp_path / rel).write_text(f"# doc\n<!-- results:{name} -->\nold\n<!-- /results:{name} -->\ntail\n")
+    write_summary(bench_summary(), tmp_path / "results")
+    write_summary(main_summary(), tmp_path / "results")
+    assert results_cli.main(["--check", "true", "--root", str(tmp_path)]) == 1
+    assert results_cli.main(["--root", str(tmp_path)]) == 0
+    assert results_cli.main(["--check", "true", "--root", str(tmp_path)]) == 0
+    readme = (tmp_path / "README.md").read_text()
+    assert "1.01x [0.98, 1.04]" in readme and "interval holds 1" in readme and readme.endswith("tail\n")
+    assert "AMD EPYC (Zen 4, AVX-512 BF16)" in readme
+    assert "+0.0020 [+0.0010, +0.0030]" in readme
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda d: d.pop("rows"), "'rows' missing"),
+    (lambda d: d.update(schema="x"), "field 'schema'"),
+    (lambda d: d["pair"].pop("target"), "'pair.target' missing"),
+    (lambda d: d["rows"][1].pop("tokens_per_s"), "'tokens_per_s' missing in entry 1"),
+])
+def test_malformed_summary_names_file_and_field(tmp_path, mutate, field):
+    data = bench_summary(pair={"draft": "d", "target": "t"})
+    data["rows"] = [dict(r) for r in data["rows"]]
+    mutate(data)
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(SummaryError, match=field) as e:
+        load_summaries(tmp_path)
+    assert "bad.json" in str(e.value)
+
+
+def test_unreadable_and_missing(tmp_path, capsys):
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(SummaryError, match="broken.json: not valid JSON"):
+        load_summaries(tmp_path)
+    with pytest.raises(SystemExit):
+        results_cli.main(["--results_dir", "nope", "--root", str(tmp_path)])
+    assert "no such results folder" in capsys.readouterr().err
+
+
+def test_another_pair_or_path_gets_its_own_group():
+    from pipelines.result_store import Summary
+
+    a = Summary(Path("a.json"), bench_summary())
+    b = Summary(Path("b.json"), bench_summary(compute_path="packed"))
+    c = Summary(Path("c.json"), bench_summary(pair={"draft": "x", "target": "y"}))
+    text = render_docs([a, b, c])
+    assert text.count("### ") == 3 and "`packed`" in text and "x -> y" in text
+    assert "vs target-only" in render_readme([a, b, c])
+
+
+def test_summary_name_and_fill_errors(tmp_path):
+    assert summary_name(bench_summary()) == "benchmark-benchmark-full-zen-4-avx-512-bf16-2026-11-25.json"
+    with pytest.raises(ValueError, match="no <!-- results:readme -->"):
+        fill("no markers", "readme", "x", tmp_path / "README.md")
