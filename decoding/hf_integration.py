@@ -23,6 +23,7 @@ Usage:
 """
 from __future__ import annotations
 
+import time
 import types
 from typing import Any
 
@@ -132,8 +133,6 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         return super()._generate_candidates(generation_args)
 
     def _stop(self, input_ids: Tensor, scores: tuple[Tensor, ...] | None) -> Tensor:
-        import time
-
         t0 = time.perf_counter()
         logits = scores[-1]  # [B, V] processed draft logits (temperature / top-p already applied)
         tok = input_ids[:, -1]

@@ -28,12 +28,16 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from compute.models import check_same_tokenizer, model_fingerprint
+from decoding.engine import SpeculativeDecoder
 from predictors.base import StopPolicy
-from predictors.baselines import SVIP, AdaEDL, DraftProb, HFHeuristic, MaxConfidence, Oracle, StaticLength
+from predictors.baselines import BASELINES, SVIP, AdaEDL, DraftProb, HFHeuristic, MaxConfidence, Oracle, StaticLength
+from predictors.goodput import MissingCalibration, goodput_policy
 
 __all__ = ["build_policy", "build_decoder", "policy_label", "needs_companion", "GOODPUT_PREFIX"]
 
 GOODPUT_PREFIX = "goodput:"
+
 
 def needs_companion(policy: StopPolicy) -> bool:
     """``policy.needs_companion`` (what the policy declares); a function for callers that map over policies."""
@@ -102,8 +106,6 @@ def build_policy(
     if isinstance(spec, dict):
         params = dict(spec)
         kind = params.pop("kind", None)
-        from predictors.baselines import BASELINES
-
         if kind not in BASELINES:
             raise ValueError(f"policy dict {spec}: 'kind' must be one of {sorted(BASELINES)}")
         return BASELINES[kind](**params)
@@ -115,12 +117,10 @@ def build_policy(
     if kind in _NAMED and not spec.startswith("models:/"):
         return _named(kind, arg or None, max_draft_len)
     if spec.startswith(("models:/", "runs:/")) or Path(spec).expanduser().is_dir():
-        from predictors.registry import load_reference
+        from predictors.registry import load_reference  # mlflow: loaded only for a learned predictor
 
         fp = None
         if draft is not None and draft_tokenizer is not None:
-            from compute.models import model_fingerprint
-
             fp = model_fingerprint(draft, draft_tokenizer)
         return load_reference(spec, draft_fingerprint=fp, force=force, tracking_uri=tracking_uri)
     raise ValueError(
@@ -132,8 +132,6 @@ def build_policy(
 def _goodput(inner: str, draft: PreTrainedModel | None, draft_tokenizer: PreTrainedTokenizerBase | None, force: bool,
              tracking_uri: str | None, calibration_dir: str | Path | None) -> StopPolicy:
     """``goodput:<inner>``: the inner policy with the calibration maps of its export."""
-    from predictors.goodput import MissingCalibration, goodput_policy
-
     if not inner:
         raise ValueError(
             "policy goodput: needs a predictor or score after the colon, e.g. goodput:models:/name@champion"
@@ -174,16 +172,13 @@ def build_decoder(
     companion_tokenizer: PreTrainedTokenizerBase | None = None,
     force: bool = False,
     **decoder_kwargs: Any,
-):
+) -> SpeculativeDecoder:
     """A ``SpeculativeDecoder`` after the checks: one tokenizer for all models, the predictor made for this draft, a
     companion present when the policy needs one.
 
     Args:
         decoder_kwargs: ``temperature``, ``top_p``, ``max_draft_len``, ``top_k_features``, ``cost_model``.
     """
-    from compute.models import check_same_tokenizer
-    from decoding.engine import SpeculativeDecoder
-
     toks = {"draft": draft_tokenizer, "target": target_tokenizer}
     models = {"draft": draft, "target": target}
     if companion is not None:

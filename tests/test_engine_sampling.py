@@ -75,9 +75,9 @@ def test_output_distribution_is_target(pair, spec, temperature, top_p):
 
 
 def test_draws_from_probabilities_follow_them_and_never_pick_a_zero(monkeypatch):
-    """SpeculativeDecoder._draw (the residual's and top-p's draws): the native inversion sampler on a CPU, and
+    """decoding.sampling.draw (the residual's and top-p's draws): the native inversion sampler on a CPU, and
     torch.multinomial where it is unavailable, both match the probabilities and never draw a zero-probability token."""
-    import decoding.engine as engine
+    import decoding.sampling as sampling
 
     probs = torch.zeros(4, 3000)
     probs[:, [7, 1500, 2999]] = torch.tensor([0.2, 0.5, 0.3])
@@ -86,9 +86,9 @@ def test_draws_from_probabilities_follow_them_and_never_pick_a_zero(monkeypatch)
     want = probs[0].double().numpy()
     for native in (True, False):
         if not native:
-            monkeypatch.setattr(engine, "sample_tokens", lambda *a, **k: None)
+            monkeypatch.setattr(sampling, "sample_tokens", lambda *a, **k: None)
         gen = torch.Generator().manual_seed(0)
-        draws = torch.cat([SpeculativeDecoder._draw(probs, gen) for _ in range(2000)]).numpy()
+        draws = torch.cat([sampling.draw(probs, gen) for _ in range(2000)]).numpy()
         counts = np.bincount(draws, minlength=probs.shape[1])
         assert counts[want == 0].sum() == 0, native
         assert chi2_pvalue(counts, want) > 1e-3, native
