@@ -31,9 +31,10 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 T = TypeVar("T")
 
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, FileExistsError)
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, FileExistsError, ConnectionError,
+               TimeoutError)
 """Exceptions that carry a message for the user (config checks, unknown model sources, missing files or columns, a
-data folder made by another config)."""
+data folder made by another config, a tracking server that does not answer, a lock held by another run)."""
 
 
 def parse_config(cls: type[T], argv: list[str] | None, description: str) -> T:

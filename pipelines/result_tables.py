@@ -125,6 +125,26 @@ def headline(summaries: list[Summary]) -> tuple[Summary | None, Summary | None]:
     return (mains[-1] if mains else None), None
 
 
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min"
+
+
+def times_table(summaries: list[Summary]) -> str:
+    """The newest main job's and headline benchmark's wall time per CPU kind and compute path."""
+    latest: dict[tuple[str, str, str], Summary] = {}
+    for s in summaries:
+        if s.data.get("duration_s") and (s.kind == "main_job" and s.data["config"] == "default"
+                                         or s.kind == "benchmark" and s.data["config"] in HEADLINE_BENCHMARKS):
+            latest[(cpu_label(s.data["machine"]), s.data["compute_path"], s.kind + s.data["config"])] = s
+    if not latest:
+        return ""
+    lines = ["| CPU | compute path | run | wall time | date |", "|---|---|---|---|---|"]
+    for (cpu, path, _), s in sorted(latest.items()):
+        what = "main job (`configs/default.yaml`)" if s.kind == "main_job" else f"benchmark `{s.data['config']}`"
+        lines.append(f"| {cpu} | `{path}` | {what} | {_minutes(s.data['duration_s'])} | {s.data['date']} |")
+    return "\n".join(lines)
+
+
 def render_readme(summaries: list[Summary]) -> str:
     """The README's results block: the learned-vs-free AUC table and the end-to-end table of the headline runs."""
     main, bench = headline(summaries)
@@ -136,6 +156,10 @@ def render_readme(summaries: list[Summary]) -> str:
     if bench is not None:
         parts += [f"End to end, {_benchmark_heading(bench)} ({caption(bench)}):", "", benchmark_table(bench), "",
                   verdict(bench)]
+    times = times_table(summaries)
+    if times:
+        parts += ["", "Wall time on 2 cores, from a run's start to its table (the main job's first model conversion "
+                  "excluded):", "", times]
     if not parts:
         parts = ["No stored run yet: `python -m pipelines.train --results_dir results` writes one."]
     return "\n".join(parts).rstrip()

@@ -45,6 +45,8 @@ class ResultsConfig:
     """The config's name in the summary (default: default for a main job, benchmark for a benchmark)."""
     command: str | None = None
     """The command that reproduces the stored run (default: the usual command for its config name)."""
+    duration_s: float | None = None
+    """Wall time of the stored run in seconds, from its log (the main job prints it as ``total``)."""
 
 
 def store_runs(cfg: ResultsConfig) -> None:
@@ -52,11 +54,13 @@ def store_runs(cfg: ResultsConfig) -> None:
     if cfg.main_job:
         name = cfg.config_name or "default"
         cmd = cfg.command or f"python -m pipelines.train --config configs/{name}.yaml"
-        log.info("stored %s", write_summary(summarize_main_job(cfg.main_job, cmd, name), cfg.results_dir))
+        summary = summarize_main_job(cfg.main_job, cmd, name, cfg.duration_s)
+        log.info("stored %s", write_summary(summary, cfg.results_dir))
     if cfg.benchmark:
         name = cfg.config_name or "benchmark"
         cmd = cfg.command or f"python -m pipelines.benchmark --config configs/{name}.yaml"
-        log.info("stored %s", write_summary(summarize_benchmark(cfg.benchmark, cmd, name), cfg.results_dir))
+        summary = summarize_benchmark(cfg.benchmark, cmd, name, cfg.duration_s)
+        log.info("stored %s", write_summary(summary, cfg.results_dir))
 
 
 def render(cfg: ResultsConfig) -> list[Path]:
