@@ -25,7 +25,7 @@ import torch
 from compute.compute_path import cpu_info
 from compute.models import load_model
 from compute.timing import CostModel
-from data_gen.generate import ModelsConfig
+from data_gen.config import ModelsConfig
 from decoding.policies import build_decoder
 from pipelines.benchmark import BenchmarkConfig, load_benchmark_prompts
 

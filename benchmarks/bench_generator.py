@@ -1,6 +1,6 @@
 """Generator throughput against the floor of the same work, measured side by side in one run.
 
-The generator (``data_gen.generate.produce_chunk``, the function every shard runs) labels the chunks of a generate
+The generator (``data_gen.chunk.produce_chunk``, the function every shard runs) labels the chunks of a generate
 config; the benchmark then measures, on the same models and compute path, what that work cannot go below:
 
 - labelling passes: every token passed costs one forward of each model's linear layers, and every labelled position
@@ -28,10 +28,14 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
+from jsonargparse import ArgumentParser
 from torch import nn
 
 from compute.compute_path import PackedLinear, compute_path_of, cpu_info, gemm_of
-from data_gen.generate import ChunkStats, GenerateConfig, attention_for_labelling, load_models, produce_chunk
+from data_gen.chunk import ChunkStats, produce_chunk
+from data_gen.config import GenerateConfig
+from data_gen.generate import attention_for_labelling, load_models
 from data_gen.prompts import load_prompts, render_prompt
 from data_gen.schema import features_schema
 from data_gen.shards import ShardWriter
@@ -90,11 +94,7 @@ def main() -> None:
                     help="override models.native_gemm (packed-bf16 on specstop's bf16 GEMM or oneDNN's)")
     ap.add_argument("--rows", type=int, default=512, help="rows of the floor's GEMMs (a labelling batch's size)")
     args = ap.parse_args()
-    import yaml
-
     raw = yaml.safe_load(Path(args.config).read_text())
-    from jsonargparse import ArgumentParser
-
     parser = ArgumentParser()
     parser.add_class_arguments(GenerateConfig, as_group=False)
     cfg = GenerateConfig(**vars(parser.instantiate(parser.parse_object(raw))))

@@ -23,7 +23,7 @@ import torch
 import decoding.engine as engine
 from compute.models import load_model, share_truncated_layers
 from compute.timing import CostModel
-from data_gen.generate import ModelsConfig
+from data_gen.config import ModelsConfig
 from decoding.engine import SpeculativeDecoder
 from decoding.policies import build_policy
 

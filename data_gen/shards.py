@@ -22,6 +22,8 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 log = logging.getLogger(__name__)
@@ -252,9 +254,6 @@ def read_columns(
     Raises:
         FileNotFoundError: no shards.  KeyError: a required column is missing.  ValueError: the shards hold no rows.
     """
-    import pyarrow.compute as pc
-    import pyarrow.dataset as pads
-
     per_folder = folder_columns(data_dir)
     for folder, names in per_folder.items():
         missing = [c for c in columns if c not in names]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from compute.timing import CostModel, measure_cost_model
-from data_gen.generate import ModelsConfig
+from data_gen.config import ModelsConfig
 from data_gen.shards import read_data_config
 
 log = logging.getLogger(__name__)

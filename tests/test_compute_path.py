@@ -309,7 +309,7 @@ def test_a_fused_slice_called_alone_or_out_of_order_still_gives_its_own_columns(
 
 
 def test_models_config_packs_draft_side_heads_in_bf16_and_weights_in_int8_only() -> None:
-    from data_gen.generate import ModelsConfig
+    from data_gen.config import ModelsConfig
 
     mc = ModelsConfig(compute="packed-bf16")
     assert mc.spec("d", "draft").bf16_head and mc.spec("c", "companion").bf16_head

