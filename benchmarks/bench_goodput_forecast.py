@@ -35,7 +35,7 @@ to thresholded DISCO. Greedy mode; data sets:
 
 Usage (a few seconds: numpy and DISCO's small network on stored records, no language model; 1 thread):
     OMP_NUM_THREADS=1 python benchmarks/bench_goodput_forecast.py
-    OMP_NUM_THREADS=1 python benchmarks/bench_goodput_forecast.py --root /work/main/outputs --cost costs-zen5.json
+    OMP_NUM_THREADS=1 python benchmarks/bench_goodput_forecast.py --root /work/main/outputs --cost costs-other-host.json
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import numpy as np
@@ -52,8 +53,9 @@ import torch
 from sklearn.isotonic import IsotonicRegression
 from sklearn.metrics import roc_auc_score
 
-import evaluation.replay as replay_mod
+import evaluation.replay_rounds as replay_mod
 from compute.timing import CostModel
+from evaluation.data import load_columns, subset
 from evaluation.replay import (
     OracleSchedule,
     ReplayConfig,
@@ -64,7 +66,6 @@ from evaluation.replay import (
     tune_threshold,
     with_threshold,
 )
-from pipelines.evaluate import load_columns, subset
 from predictors import goodput
 from predictors.baselines import SVIP, Oracle
 from predictors.export import load_predictor
@@ -304,7 +305,7 @@ class Study:
     def _drafter(self, rule: Rule):
         data, holder = self.data, hindsight_holder
 
-        def draft(rp, s, rows, rem, plan):  # same signature as evaluation.replay._draft_round
+        def draft(rp, s, rows, rem, plan):  # same signature as evaluation.replay_rounds._draft_round
             cap = len(rows)
             if cap == 0:
                 return 0, 0
@@ -340,40 +341,50 @@ def boot_ratio(a: np.ndarray, b: np.ndarray, n: int = 2000, seed: int = 0) -> tu
 
 
 # -------------------------------------------------------------------------------------------------------- main
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--root", default="outputs", help="the main job's and the benchmark's outputs folder")
-    ap.add_argument("--cost", default=None, help="price val / test with this curve (a file under --root) instead of "
-                                                 "the data folder's cost_model.json")
-    args = ap.parse_args()
-    t0 = time.perf_counter()
-    root = Path(args.root)
+@dataclasses.dataclass
+class Inputs:
+    """What every replay of the study reads: DISCO's export (thresholded and as a goodput policy), the data set's
+    greedy-draw columns, its curve and the benchmark's."""
+
+    root: Path
+    disco: Any
+    gp: goodput.GoodputPolicy
+    cols: dict[str, np.ndarray]
+    cm: CostModel
+    bcm: CostModel
+
+    def split_data(self, *splits: str) -> ReplayData:
+        """The replay data of the target sequences of ``splits``."""
+        return prepare_replay_data(subset(self.cols, np.isin(self.cols["split"].astype(str), splits)), ReplayConfig())
+
+
+def load_inputs(root: Path, cost: str | None) -> Inputs:
+    """DISCO's export, the data set's greedy draws of every split, and the curves (``cost``: another file for the data
+    set's, under ``root``)."""
     export = root / "default/train/disco/export"
     disco = load_predictor(export)
     gp = goodput.goodput_policy(load_predictor(export), str(export))
     cols = load_columns(root / "default/data", ["train", "val", "test"], tuple(disco.required_columns))
     cols = subset(cols, draw_mask(cols, "greedy"))
-    cm = CostModel.from_json(root / (args.cost or "default/data/cost_model.json"))
+    cm = CostModel.from_json(root / (cost or "default/data/cost_model.json"))
+    return Inputs(root, disco, gp, cols, cm, CostModel.from_json(root / "benchmark/cost_model.json"))
 
-    def split_data(*splits: str) -> ReplayData:
-        return prepare_replay_data(subset(cols, np.isin(cols["split"].astype(str), splits)), ReplayConfig())
 
-    # forecasts fitted on train + val target sequences
-    fit_data = split_data("train", "val")
-    fit_acc = position_score_matrix(gp, fit_data.features, 1)[:, 0]
+def fit_on_train_val(inp: Inputs) -> Fitted:
+    """The forecasts fitted on the train + val target sequences, described on a grid of acceptances."""
+    fit_data = inp.split_data("train", "val")
+    fit_acc = position_score_matrix(inp.gp, fit_data.features, 1)[:, 0]
     fit = fit_forecasts(fit_data, fit_acc)
     print(f"fit on train+val: {fit_data.note}; base rate after an accepted token rho = {fit.rho:.3f}")
     grid = np.linspace(0.5, 1.0, 6)
     print("  next-iso f(a):", ", ".join(f"{a:.2f}->{fit.next_iso.predict([a])[0]:.3f}" for a in grid))
     print("  surv-iso S_4(a):", ", ".join(f"{a:.2f}->{fit.surv[3].predict([a])[0]:.3f}" for a in grid),
           "| a**4:", ", ".join(f"{a ** 4:.3f}" for a in grid))
+    return fit
 
-    # thresholded SVIP tuned on val (greedy draws; the benchmark's svip:tuned)
-    val_cols = subset(cols, cols["split"].astype(str) == "val")
-    svip_thr, _ = tune_threshold(SVIP(max_draft_len=40), val_cols, cm, split=None)
-    bcm = CostModel.from_json(root / "benchmark/cost_model.json")
-    svip_thr_b = tune_threshold(SVIP(max_draft_len=16), val_cols, bcm, split=None)[0]
 
+def forecast_rules(fit: Fitted) -> tuple[dict[str, Rule], dict[str, Rule]]:
+    """(the fitted forecasts' rules, the hindsight bounds' rules)."""
     rules: dict[str, Rule] = {
         "last (current)": ratio_rule(geometric(lambda a: a)),
         "base": ratio_rule(geometric(lambda a: fit.rho)),
@@ -386,9 +397,13 @@ def main() -> None:
         "hindsight-scores": ratio_rule(hindsight_scores(hindsight_holder)),
         "hindsight-truth": ratio_rule(hindsight_truth),
     }
+    return rules, hind
 
-    val = Study(split_data("val"), cm, gp, None)
-    # choices on val: shrink weight w, rate-lambda's lambda (as a speedup over target-only, lambda = s / t(1))
+
+def choose_on_val(inp: Inputs, fit: Fitted, rules: dict[str, Rule], val: Study) -> float:
+    """The shrink weight w, rate-lambda's speedup s (lambda = s / t(1)) and the power gamma of highest replayed
+    speedup on val; the power and shrink rules join ``rules``. Returns s."""
+    gp, cm = inp.gp, inp.cm
     ws = np.round(np.linspace(0, 1, 11), 2)
     best_w = max(ws, key=lambda w: speedup(val.per_seq(gp, ratio_rule(geometric(
         lambda a, w=w: w * a + (1 - w) * fit.rho)))))
@@ -401,29 +416,33 @@ def main() -> None:
           f"gamma = {best_g}")
     rules[f"power (gamma={best_g})"] = power_rule(best_g, rules["last (current)"])
     rules[f"shrink (w={best_w})"] = ratio_rule(geometric(lambda a: best_w * a + (1 - best_w) * fit.rho))
+    return float(best_s)
 
-    def lam_rule(c: CostModel) -> Rule:
-        return rate_lambda_rule(best_s / c.target_time(1), geometric(lambda a: a))
 
-    bench_dir = root / "benchmark"
-    z = np.load(bench_dir / "replay_check_records.npz", allow_pickle=False)
+def bench_data(root: Path) -> ReplayData:
+    """The benchmark prompts' records, replayed as ``pipelines.replay_check`` does."""
+    z = np.load(root / "benchmark" / "replay_check_records.npz", allow_pickle=False)
     bcols = {k: z[k] for k in z.files if not k.startswith("_")}
-    bdata = prepare_replay_data(bcols, ReplayConfig(mode="greedy", origins=("target",), branch_rollouts=True,
-                                                    max_new_tokens=96, fallback_to_all=False))
-    sets = {"val": (val, cm, 40, svip_thr), "test": (Study(split_data("test"), cm, gp, None), cm, 40, svip_thr),
-            "bench": (Study(bdata, bcm, gp, 16), bcm, 16, svip_thr_b)}
-    print(f"SVIP threshold tuned on val: {svip_thr:.4f} (data curve), {svip_thr_b:.4f} (benchmark curve)")
+    return prepare_replay_data(bcols, ReplayConfig(mode="greedy", origins=("target",), branch_rollouts=True,
+                                                   max_new_tokens=96, fallback_to_all=False))
+
+
+def replay_sets(inp: Inputs, sets: dict[str, tuple[Study, CostModel, int, float]], rules: dict[str, Rule],
+                hind: dict[str, Rule], best_s: float) -> dict[str, dict[str, np.ndarray]]:
+    """Data set -> row name -> [S, 2] (target-only, replayed) seconds per sequence, for every policy and rule."""
+    gp = inp.gp
     table: dict[str, dict[str, np.ndarray]] = {}
     for name, (st, c, mdl, thr) in sets.items():
         print(f"{name}: {st.data.note}")
         res = {
-            "DISCO thresholded": st.per_seq(disco),
+            "DISCO thresholded": st.per_seq(inp.disco),
             "SVIP thresholded": st.per_seq(with_threshold(SVIP(max_draft_len=mdl), thr)),
             "goodput DISCO (library)": st.per_seq(gp),
         }
         for rn, rule in rules.items():
             res[f"goodput DISCO, {rn}"] = st.per_seq(gp, rule)
-        res[f"rate-lambda (s={best_s}), last"] = st.per_seq(gp, lam_rule(c))
+        res[f"rate-lambda (s={best_s}), last"] = st.per_seq(gp, rate_lambda_rule(best_s / c.target_time(1),
+                                                                                 geometric(lambda a: a)))
         for rn, rule in hind.items():
             res[f"bound: {rn}"] = st.per_seq(gp, rule)
         res["oracle"] = st.per_seq(Oracle(max_draft_len=mdl))
@@ -432,12 +451,23 @@ def main() -> None:
     for name, res in table.items():  # the patched round loop reproduces the library's rule
         if not np.allclose(res["goodput DISCO (library)"], res["goodput DISCO, last (current)"]):
             raise RuntimeError(f"{name}: the study's round loop no longer matches evaluation.replay's")
-    test = split_data("test")
-    a_test = position_score_matrix(gp, test.features, 1)[:, 0]
+    return table
+
+
+def print_next_token_auc(inp: Inputs) -> None:
+    """On test, after an accepted token: how well the current and the next token's calibrated acceptance rank the
+    next token's greedy match."""
+    test = inp.split_data("test")
+    a_test = position_score_matrix(inp.gp, test.features, 1)[:, 0]
     x, y = pairs(test, a_test, 1)
     nxt = np.asarray([a_test[t + 1] for a, b in zip(test.starts, test.ends) for t in range(a, b - 1) if test.greedy[t]])
     print(f"test, after an accepted token: AUC of the next token's greedy match from the current token's calibrated "
           f"acceptance {roc_auc_score(y[:, 0], x):.3f}, from its own {roc_auc_score(y[:, 0], nxt):.3f}")
+
+
+def print_table(table: dict[str, dict[str, np.ndarray]]) -> None:
+    """Per policy and data set: replayed speedup, its ratio to thresholded DISCO with the interval, and to the
+    oracle."""
     names = list(table["val"])
     head = f"{'policy':38s}" + "".join(f"| {n:^35s}" for n in table)
     print("\nreplayed speedup over target-only; x DISCO thresholded [95% paired bootstrap]; / oracle")
@@ -450,8 +480,32 @@ def main() -> None:
             sa = speedup(a)
             line += f"| {sa:.3f} {sa / speedup(base):.3f} [{lo:.2f},{hi:.2f}] {sa / speedup(orc):.2f} "
         print(line)
-    print(f"\n{time.perf_counter() - t0:.0f} s")
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--root", default="outputs", help="the main job's and the benchmark's outputs folder")
+    ap.add_argument("--cost", default=None, help="price val / test with this curve (a file under --root) instead of "
+                                                 "the data folder's cost_model.json")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    inp = load_inputs(Path(args.root), args.cost)
+    fit = fit_on_train_val(inp)
+    # thresholded SVIP tuned on val (greedy draws; the benchmark's svip:tuned)
+    val_cols = subset(inp.cols, inp.cols["split"].astype(str) == "val")
+    svip_thr, _ = tune_threshold(SVIP(max_draft_len=40), val_cols, inp.cm, split=None)
+    svip_thr_b = tune_threshold(SVIP(max_draft_len=16), val_cols, inp.bcm, split=None)[0]
+    rules, hind = forecast_rules(fit)
+    val = Study(inp.split_data("val"), inp.cm, inp.gp, None)
+    best_s = choose_on_val(inp, fit, rules, val)
+    sets = {"val": (val, inp.cm, 40, svip_thr),
+            "test": (Study(inp.split_data("test"), inp.cm, inp.gp, None), inp.cm, 40, svip_thr),
+            "bench": (Study(bench_data(inp.root), inp.bcm, inp.gp, 16), inp.bcm, 16, svip_thr_b)}
+    print(f"SVIP threshold tuned on val: {svip_thr:.4f} (data curve), {svip_thr_b:.4f} (benchmark curve)")
+    table = replay_sets(inp, sets, rules, hind, best_s)
+    print_next_token_auc(inp)
+    print_table(table)
+    print(f"\n{time.perf_counter() - t0:.0f} s")
 
 if __name__ == "__main__":
     main()
