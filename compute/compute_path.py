@@ -47,13 +47,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from compute import bf16_gemm, native_layers
+from compute import bf16_gemm, cpu, native_layers
 from compute.native import NativeExtension
 
 log = logging.getLogger(__name__)
@@ -73,15 +72,16 @@ __all__ = [
     "PRECISION_DEFAULTS",
     "PRECISION_OPTIONS",
     "precision_option",
+    "gemm_resume_hint",
     "apply_compute_path",
     "head_dtype_of",
     "compute_path_of",
     "gemm_of",
     "weights_of",
     "cpu_info",
-    "cpu_model",
     "native_bf16",
     "resolve_compute_path",
+    "auto_cpu_path",
     "row_invariant_attention",
     "use_row_invariant_attention",
 ]
@@ -99,58 +99,35 @@ the Intel host of issue 12 1-4 rows cost the same."""
 
 def cpu_info() -> dict[str, Any]:
     """:func:`cpu_model`, the torch threads in use now (a thread count set later is not missed) and the instructions
-    specstop's bf16 GEMM runs on here (``bf16_chain``: amx, avx512-bf16 or none, :func:`compute.bf16_gemm.chain`)."""
-    model = cpu_model()
-    # a CPU without AVX512-BF16 runs neither chain: no build of the kernel just to say so; where the flags are unknown
-    # (no /proc/cpuinfo) the kernel itself tells
-    known = bool(model["simd_flags"])
-    chain = bf16_gemm.chain() if "avx512_bf16" in model["simd_flags"] or not known else "none"
+    specstop's bf16 GEMM runs on here (``bf16_chain``: amx, avx512-bf16, avx2 or none, :func:`compute.bf16_gemm.chain`;
+    ``SPECSTOP_ISA`` counts)."""
+    model = cpu.cpu_model()
+    # a CPU with neither kernel ISA runs no chain: no build of a kernel just to say so (where the flags are unknown, no
+    # /proc/cpuinfo, bf16_gemm.isa asks the kernels)
+    chain = "none" if bf16_gemm.isa() == "none" else bf16_gemm.chain()
     return {**model, "threads": torch.get_num_threads(), "bf16_chain": chain}
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_model() -> dict[str, Any]:
-    """Model name and the SIMD flags that decide the compute path (from /proc/cpuinfo where it exists)."""
-    model, flags = "", set()
-    path = Path("/proc/cpuinfo")
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            key, _, val = line.partition(":")
-            key = key.strip()
-            if key == "model name" and not model:
-                model = val.strip()
-            elif key == "flags" and not flags:
-                flags = set(val.split())
-    simd = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
-    return {
-        "model_name": model,
-        "simd_flags": simd,
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__,
-    }
 
 
 def native_bf16() -> bool:
     """True when this CPU computes bfloat16 dot products in hardware (AVX512-BF16 or AMX-BF16) and oneDNN uses it."""
-    flags = set(cpu_model()["simd_flags"])
+    flags = set(cpu.cpu_model()["simd_flags"])
     has_isa = bool(flags & {"avx512_bf16", "amx_bf16"})
     return has_isa and torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolve_compute_path(path: str, device: torch.device | str) -> str:
-    """The concrete path for ``path`` on ``device``: ``auto`` picks; an explicit path is checked.
+    """The concrete path for ``path`` on ``device``: ``auto`` picks (:func:`auto_cpu_path` on the CPU); an explicit
+    path is checked.
 
     Raises:
         ValueError: an unknown path, or a packed path asked for on a device or CPU that lacks it (the message names
-            the option ``--models.compute`` and the value that works).
+            the option ``--models.compute`` and the value that works), or a ``SPECSTOP_ISA`` this CPU lacks.
     """
     if path not in COMPUTE_PATHS:
         raise ValueError(f"models.compute={path!r}: use one of {', '.join(COMPUTE_PATHS)}")
     dev = torch.device(device)
     if path == "auto":
-        if dev.type != "cpu" or not torch.backends.mkldnn.is_available():
-            return "eager"
-        return "packed-bf16" if native_bf16() else "packed"
+        return auto_cpu_path() if dev.type == "cpu" else "eager"
     if path == "eager":
         return path
     if dev.type != "cpu":
@@ -159,10 +136,33 @@ def resolve_compute_path(path: str, device: torch.device | str) -> str:
     if not torch.backends.mkldnn.is_available():
         raise ValueError(f"models.compute={path!r} needs oneDNN (mkldnn), which this torch build lacks; use "
                          f"--models.compute eager")
-    if path == "packed-bf16" and not native_bf16():
-        raise ValueError(f"models.compute=packed-bf16 needs a CPU with AVX512-BF16 or AMX-BF16; this one "
-                         f"({cpu_model()['model_name'] or 'unknown'}) has none: use --models.compute packed or eager")
+    if path == "packed-bf16" and not (bf16_gemm.available() or native_bf16()):
+        raise ValueError(f"models.compute=packed-bf16 needs specstop's bf16 kernel (a CPU with AVX512-BF16, or AVX2 "
+                         f"with FMA, and a C++ compiler: {bf16_gemm.unavailable_reason()}) or oneDNN's bf16 "
+                         f"(AVX512-BF16 or AMX-BF16); this CPU ({cpu.cpu_model()['model_name'] or 'unknown'}) has "
+                         f"neither: use --models.compute packed (or eager)")
     return path
+
+
+def auto_cpu_path() -> str:
+    """The fastest exact path this CPU runs: ``packed-bf16`` on specstop's kernel (AVX512-BF16 / AMX, or AVX2) or on
+    oneDNN's bf16, else ``packed`` (oneDNN fp32), else ``eager``; a path other than specstop's kernel is said in one
+    log line (with the reason)."""
+    if not torch.backends.mkldnn.is_available():
+        path, why = "eager", "this torch build has no oneDNN"
+    elif bf16_gemm.available():
+        return "packed-bf16"
+    elif native_bf16():
+        path, why = "packed-bf16", f"oneDNN's bf16; specstop's kernel is unavailable: {bf16_gemm.unavailable_reason()}"
+    else:
+        path, why = "packed", f"oneDNN fp32: {bf16_gemm.unavailable_reason()}"
+    _say_once(f"compute path auto: {path} ({why})")
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def _say_once(message: str) -> None:
+    log.info(message)
 
 
 class PackedLinear(nn.Module):
@@ -182,15 +182,17 @@ class PackedLinear(nn.Module):
         self.pack_dtype = dtype
         # the bf16 pack runs on specstop's kernel (compute.bf16_gemm) when asked and this CPU has it, else oneDNN's
         self.kernel = "specstop" if native and dtype == torch.bfloat16 and linear.in_features % 2 == 0 else "onednn"
+        # the kernel's ISA (avx512 or avx2), fixed at packing: the pack is that kernel's
+        self.isa = bf16_gemm.isa() if self.kernel == "specstop" else None
         # an LM head on specstop's kernel returns its fp32 sums unrounded (logits keep fp32 resolution)
         self.fp32_out = bool(fp32_out and self.kernel == "specstop")
         # int8 weights (per-output-channel scales) exist on specstop's kernel only; activations stay bf16
         self.weights = "int8" if int8 and self.kernel == "specstop" else str(dtype).removeprefix("torch.")
         scale = None
         if self.weights == "int8":
-            packed, scale = bf16_gemm.pack_int8(linear.weight)
+            packed, scale = bf16_gemm.pack_int8(linear.weight, self.isa)
         elif self.kernel == "specstop":
-            packed = bf16_gemm.pack(linear.weight.detach().to(dtype).contiguous())
+            packed = bf16_gemm.pack(linear.weight.detach().to(dtype).contiguous(), self.isa)
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(dtype).contiguous(), None)
         self.register_buffer("packed_weight", packed, persistent=False)
@@ -248,12 +250,14 @@ class PackedLinear(nn.Module):
         """[N, in] (pack dtype, contiguous) -> [N, out] in the pack's dtype (fp32 with ``fp32_out``), no bias, on the
         pack's own kernel."""
         if self.kernel == "specstop":
-            return bf16_gemm.gemm(x2, self.packed_weight, self.out_features, self.weight_scale, fp32_out=self.fp32_out)
+            return bf16_gemm.gemm(x2, self.packed_weight, self.out_features, self.weight_scale, self.fp32_out,
+                                  self.isa)
         return torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, None, "none", [], "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, pack={self.pack_dtype}, "
-                f"kernel={self.kernel}, weights={self.weights}" + (", fp32_out" if self.fp32_out else ""))
+                f"kernel={self.kernel}{'-' + self.isa if self.isa else ''}, weights={self.weights}"
+                + (", fp32_out" if self.fp32_out else ""))
 
 
 FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -421,7 +425,8 @@ def row_invariant_attention(
     native = _native_attention(query, key, value, attention_mask)
     if native is not None:
         mask = query.new_empty(0, dtype=torch.bool) if attention_mask is None else attention_mask
-        return native.row_attention(query, key, value, mask, float(d**-0.5 if scaling is None else scaling)), None
+        scale = float(d**-0.5 if scaling is None else scaling)
+        return native.row_attention(query, key, value, mask, scale, cpu.avx512_allowed()), None
     if attention_mask is None:  # causal without padding (each row's key slice is its causal window); a bool mask
         # is passed anyway so that every forward takes the same SDPA path
         attention_mask = torch.ones(1, 1, q, t_all, dtype=torch.bool, device=query.device)
@@ -545,9 +550,13 @@ def apply_compute_path(
                          f"load with --models.dtype float32 or use --models.compute eager")
     dtype = torch.bfloat16 if path == "packed-bf16" else torch.float32
     native = bool(native_gemm and dtype == torch.bfloat16 and bf16_gemm.available())
+    if dtype == torch.bfloat16 and not native and not native_bf16():
+        raise ValueError(f"compute path packed-bf16 on oneDNN needs oneDNN's bf16 (AVX512-BF16 or AMX-BF16), which "
+                         f"this CPU lacks; use --models.native_gemm true (specstop's kernel: "
+                         f"{bf16_gemm.unavailable_reason() or 'available'}) or --models.compute packed")
     int8 = bool(int8_weights and native)
     stats = {"compute_path": path, "packed_layers": 0, "bytes_before": 0, "bytes_after": 0,
-             "gemm": "specstop" if native else "onednn",
+             "gemm": bf16_gemm.gemm_name() if native else "onednn",
              "weights": "int8" if int8 else str(dtype).removeprefix("torch.")}
     wbytes = 1 if int8 else dtype.itemsize
     tied = _tied_output_weight(model)
@@ -698,6 +707,21 @@ def precision_option(key: str, role: str = "draft") -> str:
     if key == "head_dtype" and role == "target":
         return "--models.bf16_target_head"
     return PRECISION_OPTIONS[key]
+
+
+def gemm_resume_hint(was: str, now: str) -> str | None:
+    """How to compute again with the specstop kernel ISA a folder's ``gemm`` names (``specstop``: AVX512-BF16,
+    ``specstop-avx2``) when this process runs another kernel; None when the ISA is not what differs (the option
+    ``--models.native_gemm`` then says it)."""
+    wanted = bf16_gemm.isa_of_gemm(was)
+    if wanted is None or wanted == bf16_gemm.isa_of_gemm(now) or (now == "onednn" and wanted == bf16_gemm.isa()):
+        return None
+    flags = cpu.cpu_model()["simd_flags"]
+    if flags and wanted not in cpu.isas_of(flags):
+        model = cpu.cpu_model()["model_name"] or "unknown"
+        return f"its {cpu.ISA_NAMES[wanted]} kernel does not run on this CPU ({model}): label it on a CPU that has it"
+    also = " and pass --models.native_gemm true" if now == "onednn" else ""
+    return f"set SPECSTOP_ISA={wanted}{also} to resume it"
 
 
 def precision_diffs(stored: dict, current: dict) -> dict[str, tuple[str, str]]:

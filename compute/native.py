@@ -10,6 +10,7 @@ Usage::
     from compute.native import NativeExtension
     ext = NativeExtension("specstop_draft_stats", "draft_stats.cpp", "native draft statistics")
     mod = ext.module()        # the extension, or None (ext.failed says why)
+    avx2 = NativeExtension("specstop_bf16_gemm_avx2", "bf16_gemm_avx2.cpp", "AVX2 bf16 GEMM", AVX2_CFLAGS)
 """
 from __future__ import annotations
 
@@ -20,18 +21,20 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NativeExtension", "CFLAGS"]
+__all__ = ["NativeExtension", "CFLAGS", "AVX2_CFLAGS"]
 
 CSRC = Path(__file__).with_name("csrc")
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
+AVX2_CFLAGS = ["-mavx2", "-mfma", "-mf16c"]
+"""Added for the AVX2 builds (``*_avx2`` extensions): the whole source compiled for AVX2 + FMA, no AVX-512."""
 
 
 class NativeExtension:
     """One native source built and imported once per process."""
 
-    def __init__(self, name: str, source: str, what: str) -> None:
-        self.name, self.source, self.what = name, CSRC / source, what
+    def __init__(self, name: str, source: str, what: str, cflags: tuple[str, ...] = ()) -> None:
+        self.name, self.source, self.what, self.cflags = name, CSRC / source, what, list(cflags)
         self._module: Any = None
         self.failed: str | None = None
 
@@ -43,9 +46,9 @@ class NativeExtension:
             self.failed = "SPECSTOP_NATIVE=0"
             return None
         try:
-            from torch.utils.cpp_extension import load
+            from torch.utils.cpp_extension import load  # heavy, and only where a kernel is built
 
-            self._module = load(name=self.name, sources=[str(self.source)], extra_cflags=CFLAGS,
+            self._module = load(name=self.name, sources=[str(self.source)], extra_cflags=CFLAGS + self.cflags,
                                 extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC)], verbose=False)
         except Exception as e:  # no compiler, no ninja, no headers: the caller's torch path gives the same results
             msg = str(e).strip()

@@ -6,13 +6,13 @@ in all, AMD EPYC Zen 5, 2 threads): ~2,000 Python calls a step (module calls, at
 packed layers' wrappers, the cache update) and ~1,200 ATen operations dispatched from Python. The native layer runs
 the same ATen operations from C++ and calls the GEMM and the attention kernels directly.
 
-Where it applies (:func:`install`, called by ``compute_path.apply_compute_path``): Qwen2 / Llama decoder layers whose
-q, k, v are one fused pack and whose MLP is a :class:`~compute.compute_path.GatedMLP`, every pack on specstop's bf16
-GEMM (AVX512-BF16), attention on the row-invariant kernel. A call falls back to transformers' own forward whenever
-it could differ: training, a cache other than a plain ``DynamicCache`` layer (or none), a mask the native attention
-does not take, another dtype or device. Forward hooks on the layers (hidden-state capture, ``layer_output`` taps)
-still run: the layer module is called as before, only its body is native. ``SPECSTOP_NATIVE=0`` turns every native
-kernel off, this one included; ``apply_compute_path(native_layers=False)`` this one alone.
+Where it applies (:func:`install`, called by ``compute_path.apply_compute_path``): Qwen2 / Llama decoder layers whose q,
+k, v are one fused pack and whose MLP is a :class:`~compute.compute_path.GatedMLP`, every pack on specstop's bf16 GEMM
+(of either ISA: one build per ISA, ``_EXTS``), attention on the row-invariant kernel. A call falls back to transformers'
+own forward whenever it could differ: training, a cache other than a plain ``DynamicCache`` layer (or none), a mask the
+native attention does not take, another dtype or device. Forward hooks on the layers (hidden-state capture,
+``layer_output`` taps) still run: the layer module is called as before, only its body is native. ``SPECSTOP_NATIVE=0``
+turns every native kernel off, this one included; ``apply_compute_path(native_layers=False)`` this one alone.
 
 Usage::
 
@@ -29,13 +29,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from compute.native import NativeExtension
+from compute.cpu import avx512_allowed
+from compute.native import AVX2_CFLAGS, NativeExtension
 
 log = logging.getLogger(__name__)
 
 __all__ = ["install", "uninstall", "installed"]
 
-_EXT = NativeExtension("specstop_decoder_layer", "decoder_layer.cpp", "native decoder layers")
+_EXTS = {
+    "avx512": NativeExtension("specstop_decoder_layer", "decoder_layer.cpp", "native decoder layers"),
+    "avx2": NativeExtension("specstop_decoder_layer_avx2", "decoder_layer.cpp", "native decoder layers (AVX2)",
+                            (*AVX2_CFLAGS, "-DSPECSTOP_GEMM_AVX2")),
+}
+"""The build per GEMM ISA (``compute.bf16_gemm``): a layer runs the GEMM its packs were made for."""
 
 LAYERS = ("Qwen2DecoderLayer", "LlamaDecoderLayer")
 """Decoder layer classes whose forward is the one ``csrc/decoder_layer.cpp`` reproduces (pre-norm RMSNorm, rotary
@@ -64,11 +70,13 @@ def install(model: nn.Module) -> int:
     specs = [_layer_spec(layer) for layer in layers]
     if not layers or any(s is None for s in specs):
         return 0
-    mod = _EXT.module()
+    isas = {s[-1] for s in specs}
+    mod = _EXTS[isas.pop()].module() if len(isas) == 1 else None
     if mod is None or not mod.available():
         return 0
+    attention_avx512 = avx512_allowed()
     for layer, spec in zip(layers, specs):
-        layer.specstop_native = _Native(mod.NativeLayer(*spec))
+        layer.specstop_native = _Native(mod.NativeLayer(*spec[:-1], attention_avx512))
         layer.forward = types.MethodType(_native_forward, layer)
     return len(layers)
 
@@ -93,7 +101,8 @@ def uninstall(model: nn.Module) -> None:
 
 
 def _layer_spec(layer: nn.Module) -> tuple[Any, ...] | None:
-    """The NativeLayer constructor's arguments for one layer, or None when its structure is not the one reproduced."""
+    """The NativeLayer constructor's arguments for one layer but the attention's ISA flag, then its packs' GEMM ISA;
+    None when its structure is not the one reproduced."""
     from compute.compute_path import FusedLinears, GatedMLP, PackedLinear, PackedSlice
 
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -110,6 +119,8 @@ def _layer_spec(layer: nn.Module) -> tuple[Any, ...] | None:
     if len(fused.bounds) != 4 or not all(isinstance(p, PackedLinear) and p.kernel == "specstop" and not p.fp32_out
                                          for p in packs):
         return None
+    if len({p.isa for p in packs}) != 1 or packs[0].isa not in _EXTS:
+        return None
     if mlp.gate_up.bias is not None or mlp.down_proj.bias is not None or attn.training:
         return None
     head_dim = int(attn.head_dim)
@@ -121,7 +132,7 @@ def _layer_spec(layer: nn.Module) -> tuple[Any, ...] | None:
             float(n_post.variance_epsilon), qkv.packed_weight, qkv.weight_scale, qkv.bias, q_out, kv_out,
             o.packed_weight, o.weight_scale, o.bias, o.out_features, mlp.gate_up.packed_weight,
             mlp.gate_up.weight_scale, mlp.down_proj.packed_weight, mlp.down_proj.weight_scale, mlp.intermediate,
-            q_out // head_dim, kv_out // head_dim, head_dim, float(attn.scaling), GatedMLP.CHUNK_ELEMENTS)
+            q_out // head_dim, kv_out // head_dim, head_dim, float(attn.scaling), GatedMLP.CHUNK_ELEMENTS, qkv.isa)
 
 
 _NO_MASK = torch.empty(0, dtype=torch.bool)

@@ -1,19 +1,28 @@
-"""specstop's bf16 GEMM (compute.bf16_gemm): values against float64 of the same bf16 operands, and the same bits
-for a row whatever the number of rows in the call (the batch invariance the packed-bf16 path relies on)."""
+"""specstop's bf16 GEMM (compute.bf16_gemm), every test once per kernel ISA this CPU runs (AVX512-BF16, AVX2):
+values against float64 of the same bf16 operands, and the same bits for a row whatever the number of rows in the call
+(the batch invariance the packed-bf16 path relies on)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from compute import bf16_gemm
-from compute.compute_path import PackedLinear
+from compute.compute_path import PackedLinear, native_bf16
+from tests.kernel_isas import KERNEL_ISAS, use_isa
 
-pytestmark = pytest.mark.skipif(not bf16_gemm.available(), reason="no AVX512-BF16 (or no compiler) on this host")
+
+@pytest.fixture(params=KERNEL_ISAS, autouse=True)
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test of this module runs on each kernel ISA (SPECSTOP_ISA)."""
+    use_isa(monkeypatch, request.param)
+    return request.param
 
 
 def _ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -45,6 +54,8 @@ def test_a_row_has_the_same_bits_alone_in_a_few_rows_and_in_many(n: int, k: int)
 
 
 def test_packed_linear_on_the_kernel_matches_onednn_to_bf16_rounding() -> None:
+    if not native_bf16():
+        pytest.skip("oneDNN has no bf16 kernels on this CPU")
     g = torch.Generator().manual_seed(3)
     lin = torch.nn.Linear(256, 96, bias=True)
     with torch.no_grad():
@@ -147,12 +158,14 @@ def test_a_bf16_head_on_the_kernel_returns_fp32_logits() -> None:
     assert a.dtype == torch.float32
     assert not torch.equal(a, a.to(torch.bfloat16).float())  # not rounded to bf16
     assert (a - b).abs().max() < 2**-6 * b.abs().max()  # the weights' bf16 rounding only
+    if not native_bf16():
+        return  # oneDNN has no bf16 kernels on this CPU
     onednn, _ = load_model(ModelSpec("tiny:3:64:2", compute="eager"))
     cp.apply_compute_path(onednn, "packed-bf16", bf16_head=True, min_elements=0, fp32_logits=True, native_gemm=False)
     assert model_fingerprint(onednn, tok)["head_dtype"] == "float32"  # oneDNN would round the logits: head kept fp32
 
 
-def test_both_chains_compute_the_same_products_and_amx_can_be_turned_off() -> None:
+def test_both_chains_compute_the_same_products_and_amx_can_be_turned_off(isa: str) -> None:
     """Where AMX runs the bf16 packs, a process with SPECSTOP_AMX=0 runs vdpbf16ps instead: it says so, and its
     fp32 sums equal this process's to rounding (the two chains add the same products in another order)."""
     if bf16_gemm.chain() != "amx":
@@ -169,3 +182,33 @@ def test_both_chains_compute_the_same_products_and_amx_can_be_turned_off() -> No
         chain, there = torch.load(path)
     assert chain == "avx512-bf16"
     torch.testing.assert_close(here, there, rtol=1e-5, atol=1e-4)
+
+
+def test_the_two_isas_compute_the_same_products(isa: str) -> None:
+    """The AVX2 kernel and the AVX512-BF16 one add the same bf16 products in other orders: fp32 sums equal to rounding,
+    int8 packs of each kernel's byte order alike."""
+    if isa != "avx2" or not bf16_gemm.available("avx512"):
+        pytest.skip("needs both kernels (runs in the avx2 round)")
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(70, 1400, generator=g), torch.randn(9, 1400, generator=g).to(torch.bfloat16)
+    for which in (None, "avx512"):
+        assert bf16_gemm.gemm_name(which) == ("specstop-avx2" if which is None else "specstop")
+    ys = [bf16_gemm.gemm(x, bf16_gemm.pack(w, which), 70, fp32_out=True, which=which) for which in ("avx2", "avx512")]
+    torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-4)
+    qs = [bf16_gemm.pack_int8(w, which) for which in ("avx2", "avx512")]
+    assert torch.equal(qs[0][1], qs[1][1]) and not torch.equal(qs[0][0], qs[1][0])  # same scales, other byte order
+    ys = [bf16_gemm.gemm(x, q, 70, scale, fp32_out=True, which=which) for (q, scale), which in zip(qs, ("avx2",
+                                                                                                      "avx512"))]
+    torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-4)
+
+
+def test_the_avx2_build_holds_no_avx512_instruction(isa: str) -> None:
+    """The AVX2 kernel is compiled for AVX2 + FMA only: no zmm register or AVX-512 mask in its machine code, so it runs
+    on AVX2-only CPUs as timed here."""
+    objdump = shutil.which("objdump")
+    if isa != "avx2" or objdump is None:
+        pytest.skip("the avx2 round, with objdump")
+    so = Path(bf16_gemm.library("avx2"))
+    code = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(so)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "vfmadd" in code and "%zmm" not in code and "{%k" not in code

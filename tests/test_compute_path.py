@@ -7,7 +7,9 @@ import torch
 from torch import nn
 
 from compute import compute_path as cp
+from compute import cpu
 from compute.models import ModelSpec, load_model, model_fingerprint
+from tests.kernel_isas import KERNEL_ISAS, use_isa
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -38,14 +40,22 @@ def test_packed_linear_bf16_returns_fp32_close_to_eager() -> None:
     assert (out - lin(x)).abs().max() < 0.05
 
 
-BF16 = pytest.param("packed-bf16", marks=pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                                                             reason="oneDNN without bf16"))
 BF16_ONEDNN = pytest.param("packed-bf16+onednn", marks=pytest.mark.skipif(
-    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN without bf16"))
-"""packed-bf16 on oneDNN's kernels (``native_gemm=False``); plain BF16 runs specstop's where the CPU has it."""
-BF16_INT8 = pytest.param("packed-bf16+int8", marks=pytest.mark.skipif(
-    not cp.bf16_gemm.available(), reason="no AVX512-BF16 (or no compiler): int8 weights need specstop's kernel"))
-"""packed-bf16 on specstop's kernel with int8 weights (``int8_weights=True``, what draft-side models get)."""
+    not cp.native_bf16(), reason="oneDNN without bf16"))
+"""packed-bf16 on oneDNN's kernels (``native_gemm=False``)."""
+BF16 = [pytest.param(f"packed-bf16@{isa.values[0]}", marks=isa.marks) for isa in KERNEL_ISAS]
+"""packed-bf16 on specstop's kernel of each ISA this CPU runs (``@isa``: SPECSTOP_ISA)."""
+BF16_INT8 = [pytest.param(f"packed-bf16+int8@{isa.values[0]}", marks=isa.marks) for isa in KERNEL_ISAS]
+"""packed-bf16 on specstop's kernel of each ISA with int8 weights (``int8_weights=True``, what draft-side models
+get)."""
+
+
+def _on_isa(path: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``path`` without its ``@isa``, whose kernels this test then runs."""
+    path, _, isa = path.partition("@")
+    if isa:
+        use_isa(monkeypatch, isa)
+    return path
 
 
 def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
@@ -77,13 +87,70 @@ def test_load_model_keeps_tiny_models_eager_and_the_fingerprint_reads_a_packed_h
                                              "weights": "float32"}
 
 
-def test_auto_picks_bf16_only_with_native_support(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cp, "native_bf16", lambda: False)
-    assert cp.resolve_compute_path("auto", "cpu") == "packed"
-    monkeypatch.setattr(cp, "native_bf16", lambda: True)
+def test_auto_picks_the_fastest_path_this_cpu_runs(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """specstop's kernel where it runs, else oneDNN's bf16, else oneDNN fp32, else eager; anything but the kernel is
+    said in one log line."""
+    monkeypatch.setattr(cp.bf16_gemm, "available", lambda which=None: True)
     assert cp.resolve_compute_path("auto", "cpu") == "packed-bf16"
+    monkeypatch.setattr(cp.bf16_gemm, "available", lambda which=None: False)
+    monkeypatch.setattr(cp.bf16_gemm, "unavailable_reason", lambda which=None: "no compiler")
+    monkeypatch.setattr(cp, "native_bf16", lambda: True)
+    with caplog.at_level("INFO", logger="compute.compute_path"):
+        assert cp.resolve_compute_path("auto", "cpu") == "packed-bf16"
+        monkeypatch.setattr(cp, "native_bf16", lambda: False)
+        assert cp.resolve_compute_path("auto", "cpu") == "packed"
+        assert cp.resolve_compute_path("auto", "cpu") == "packed"
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["compute path auto: packed-bf16 (oneDNN's bf16; specstop's kernel is unavailable: no compiler)",
+                    "compute path auto: packed (oneDNN fp32: no compiler)"]  # one line each, not one per model
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert cp.resolve_compute_path("auto", "cpu") == "eager"
     assert cp.resolve_compute_path("auto", "cuda:0") == "eager"
     assert cp.resolve_compute_path("eager", "cuda:0") == "eager"
+
+
+def _fake_cpu(monkeypatch: pytest.MonkeyPatch, name: str, flags: list[str], x86: bool = True) -> None:
+    """Make this process see another CPU: its model name, SIMD flags and architecture (SPECSTOP_ISA unset)."""
+    monkeypatch.setattr(cpu, "cpu_model", lambda: {"model_name": name, "simd_flags": flags,
+                                                   "torch_cpu_capability": "", "torch": torch.__version__})
+    monkeypatch.setattr(cpu, "is_x86", lambda: x86)
+    monkeypatch.delenv("SPECSTOP_ISA", raising=False)
+
+
+def test_a_cpu_with_neither_kernel_gets_a_path_that_exists(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """An aarch64 CPU (no x86 flags, no kernel): auto says packed in one line, packed-bf16 is refused naming packed,
+    SPECSTOP_ISA is refused naming what the CPU is."""
+    _fake_cpu(monkeypatch, "Neoverse-N1", [], x86=False)
+    monkeypatch.setattr(cp, "native_bf16", lambda: False)
+    assert cp.bf16_gemm.isa() == "none" and not cp.bf16_gemm.available() and cp.bf16_gemm.chain() == "none"
+    with caplog.at_level("INFO", logger="compute.compute_path"):
+        assert cp.resolve_compute_path("auto", "cpu") == "packed"
+    assert "compute path auto: packed (oneDNN fp32: Neoverse-N1 is not x86-64)" in caplog.text
+    assert cp.cpu_info()["bf16_chain"] == "none"
+    with pytest.raises(ValueError, match="Neoverse-N1.*has neither: use --models.compute packed"):
+        cp.resolve_compute_path("packed-bf16", "cpu")
+    monkeypatch.setenv("SPECSTOP_ISA", "avx2")
+    with pytest.raises(ValueError, match="SPECSTOP_ISA=avx2 needs an x86-64 CPU.*leave it unset"):
+        cp.bf16_gemm.isa()
+
+
+def test_specstop_isa_names_what_the_cpu_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cpu(monkeypatch, "AMD EPYC 7B13", ["avx", "avx2", "fma"])
+    assert cp.bf16_gemm.isa() == "avx2" and cp.bf16_gemm.gemm_name() == "specstop-avx2"
+    monkeypatch.setenv("SPECSTOP_ISA", "avx512")
+    with pytest.raises(ValueError, match=r"SPECSTOP_ISA=avx512 needs AVX512-BF16 .*AMD EPYC 7B13\) lacks avx512f, "
+                                         r"avx512bw, avx512vl, avx512_bf16 and has AVX2 with FMA: use "
+                                         r"SPECSTOP_ISA=avx2"):
+        cp.bf16_gemm.isa()
+    monkeypatch.setenv("SPECSTOP_ISA", "avx3")
+    with pytest.raises(ValueError, match="SPECSTOP_ISA='avx3': use avx512 or avx2"):
+        cp.resolve_compute_path("auto", "cpu")
+    _fake_cpu(monkeypatch, "Intel Atom", ["avx"])
+    monkeypatch.setenv("SPECSTOP_ISA", "avx2")
+    with pytest.raises(ValueError, match="lacks avx2, fma and has neither kernel ISA: leave it unset"):
+        cp.bf16_gemm.isa()
 
 
 def test_bad_compute_paths_name_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,7 +159,8 @@ def test_bad_compute_paths_name_the_option(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(ValueError, match="--models.compute eager"):
         cp.resolve_compute_path("packed", "cuda:0")
     monkeypatch.setattr(cp, "native_bf16", lambda: False)
-    with pytest.raises(ValueError, match="AVX512-BF16 or AMX-BF16.*--models.compute packed"):
+    monkeypatch.setattr(cp.bf16_gemm, "available", lambda which=None: False)
+    with pytest.raises(ValueError, match="AVX512-BF16, or AVX2 with FMA.*AMX-BF16.*--models.compute packed"):
         cp.resolve_compute_path("packed-bf16", "cpu")
     with pytest.raises(ValueError, match="compute='turbo'"):
         ModelSpec("tiny:1", compute="turbo")
@@ -103,18 +171,26 @@ def test_bad_compute_paths_name_the_option(monkeypatch: pytest.MonkeyPatch) -> N
 def test_cpu_info_names_the_model_and_flags() -> None:
     info = cp.cpu_info()
     assert set(info) >= {"model_name", "simd_flags", "torch_cpu_capability", "threads", "torch", "bf16_chain"}
-    assert info["torch"] == torch.__version__ and info["bf16_chain"] in ("amx", "avx512-bf16", "none")
+    assert info["torch"] == torch.__version__ and info["bf16_chain"] in ("amx", "avx512-bf16", "avx2", "none")
 
 
 def test_without_cpu_flags_the_kernel_names_its_chain(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where /proc/cpuinfo is missing (the flags unknown) the bf16 chain is the kernel's own answer, not 'none'."""
-    monkeypatch.setattr(cp, "cpu_model", lambda: {"model_name": "", "simd_flags": [], "torch_cpu_capability": "",
-                                                  "torch": torch.__version__})
-    monkeypatch.setattr(cp.bf16_gemm, "chain", lambda: "avx512-bf16")
-    assert cp.cpu_info()["bf16_chain"] == "avx512-bf16"
-    monkeypatch.setattr(cp, "cpu_model", lambda: {"model_name": "x", "simd_flags": ["avx2"], "torch_cpu_capability": "",
-                                                  "torch": torch.__version__})
+    _fake_cpu(monkeypatch, "", [])
+    monkeypatch.setattr(cp.bf16_gemm, "chain", lambda which=None: "avx512-bf16")
+    if cp.bf16_gemm.isa() != "none":  # the kernels built and ran here
+        assert cp.cpu_info()["bf16_chain"] == "avx512-bf16"
+    _fake_cpu(monkeypatch, "x", ["avx2"])  # no FMA: neither kernel, and no build to say so
     assert cp.cpu_info()["bf16_chain"] == "none"
+
+
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+def test_the_fingerprint_and_the_machine_name_the_kernels_isa(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    use_isa(monkeypatch, isa)
+    model, tok = load_model(ModelSpec("tiny:1", compute="eager"))
+    cp.apply_compute_path(model, "packed-bf16", min_elements=0)
+    assert model_fingerprint(model, tok)["gemm"] == ("specstop" if isa == "avx512" else "specstop-avx2")
+    assert cp.cpu_info()["bf16_chain"] in (("amx", "avx512-bf16") if isa == "avx512" else ("avx2",))
 
 
 def test_a_predictor_from_data_of_another_precision_is_warned_not_refused(caplog: pytest.LogCaptureFixture) -> None:
@@ -190,6 +266,28 @@ def test_a_data_folder_is_not_resumed_with_another_gemm_kernel_or_weight_type(
     check_same_precision(tmp_path, {role: {**old, key: same}})
 
 
+def test_a_data_folder_is_not_resumed_on_another_kernel_isa(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder labelled on the AVX2 kernel names SPECSTOP_ISA=avx2 to an AVX-512 process, and the other way round;
+    on a CPU without the folder's ISA it says so."""
+    from data_gen.generate import check_same_precision
+
+    fp = {"compute_path": "packed-bf16", "pack_layout": "fused", "gemm": "specstop-avx2"}
+    _fake_cpu(monkeypatch, "AMD EPYC 9B14", ["avx2", "avx512bw", "avx512f", "avx512vl", "avx512_bf16", "fma"])
+    _labelled_folder(tmp_path, {"target": fp})
+    check_same_precision(tmp_path, {"target": fp})
+    with pytest.raises(FileExistsError, match="set SPECSTOP_ISA=avx2 to resume it"):
+        check_same_precision(tmp_path, {"target": {**fp, "gemm": "specstop"}})
+    with pytest.raises(FileExistsError, match="SPECSTOP_ISA=avx2 and pass --models.native_gemm true"):
+        check_same_precision(tmp_path, {"target": {**fp, "gemm": "onednn"}})
+    _labelled_folder(tmp_path, {"target": {**fp, "gemm": "specstop"}})
+    monkeypatch.setenv("SPECSTOP_ISA", "avx2")
+    with pytest.raises(FileExistsError, match="set SPECSTOP_ISA=avx512 to resume it"):
+        check_same_precision(tmp_path, {"target": fp})
+    _fake_cpu(monkeypatch, "AMD EPYC 7B13", ["avx", "avx2", "fma"])
+    with pytest.raises(FileExistsError, match="its AVX512-BF16 kernel does not run on this CPU"):
+        check_same_precision(tmp_path, {"target": fp})
+
+
 def test_unrecorded_kernel_and_weights_read_as_their_paths_defaults() -> None:
     assert cp.precision_diffs({"compute_path": "eager"}, {"compute_path": "eager", "gemm": "eager"}) == {}
     assert cp.precision_diffs({"compute_path": "packed"}, {"compute_path": "packed", "weights": "float32"}) == {}
@@ -197,10 +295,12 @@ def test_unrecorded_kernel_and_weights_read_as_their_paths_defaults() -> None:
         "compute_path": ("eager", "packed")}
 
 
-@pytest.mark.skipif(not cp.bf16_gemm.available(), reason="no AVX512-BF16 (or no compiler)")
-def test_int8_weights_pack_every_linear_of_a_draft_and_stay_close_to_bf16() -> None:
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+def test_int8_weights_pack_every_linear_of_a_draft_and_stay_close_to_bf16(isa: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every packed layer (LM head included with bf16_head) stores int8; logits within the int8 rounding of bf16's;
     a target-side head kept fp32 keeps fp32 weights; the fingerprint records ``weights``."""
+    use_isa(monkeypatch, isa)
     bf16, tok = load_model(ModelSpec("tiny:3:64:2", compute="eager"))
     int8, _ = load_model(ModelSpec("tiny:3:64:2", compute="eager"))
     cp.apply_compute_path(bf16, "packed-bf16", bf16_head=True, min_elements=0)
@@ -233,12 +333,13 @@ def test_a_data_folder_is_not_resumed_with_another_pack_layout(tmp_path) -> None
     check_same_precision(tmp_path, {"draft": {"compute_path": "packed-bf16", "pack_layout": "per-layer"}})
 
 
-@pytest.mark.parametrize("path", ["packed", BF16])
-def test_fused_siblings_compute_the_bits_of_separate_packs(path: str) -> None:
+@pytest.mark.parametrize("path", ["packed", *BF16])
+def test_fused_siblings_compute_the_bits_of_separate_packs(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """q/k/v and gate/up as one GEMM each: same logits, bit for bit, as every linear packed on its own, in a prompt
     forward and in one-token steps over a cache."""
     from transformers import DynamicCache
 
+    path = _on_isa(path, monkeypatch)
     fused, _ = load_model(ModelSpec("tiny:2:32:3", compute="eager"))
     separate, _ = load_model(ModelSpec("tiny:2:32:3", compute="eager"))
     stats = cp.apply_compute_path(fused, path, min_elements=0)
@@ -263,13 +364,14 @@ def test_fused_siblings_compute_the_bits_of_separate_packs(path: str) -> None:
                                separate(step, past_key_values=caches[1]).logits)
 
 
-@pytest.mark.parametrize("path", ["packed", BF16])
+@pytest.mark.parametrize("path", ["packed", *BF16])
 def test_the_gated_mlp_in_row_chunks_computes_the_bits_of_the_models_own_mlp(path: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """silu(gate) * up worked in chunks of a few rows, from the GEMM's own dtype: the same logits, bit for bit, as
     transformers' MLP on the same fused packs, for a prompt that spans several chunks and for one-token steps."""
     from transformers import DynamicCache
 
+    path = _on_isa(path, monkeypatch)
     gated, _ = load_model(ModelSpec("tiny:2:32:3", compute="eager"))
     own, _ = load_model(ModelSpec("tiny:2:32:3", compute="eager"))
     cp.apply_compute_path(gated, path, min_elements=0)
@@ -350,11 +452,12 @@ def _packed_tiny(path: str, spec: str = "tiny:2:32:3"):
     return model
 
 
-@pytest.mark.parametrize("path", ["packed", BF16, BF16_ONEDNN, BF16_INT8])
-def test_a_packed_forward_is_batch_invariant(path: str) -> None:
+@pytest.mark.parametrize("path", ["packed", *BF16, BF16_ONEDNN, *BF16_INT8])
+def test_a_packed_forward_is_batch_invariant(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A position's logits have the same bits in a one-token step, a chunk of L tokens and the prompt."""
     from transformers import DynamicCache
 
+    path = _on_isa(path, monkeypatch)
     model = _packed_tiny(path)
     prompt = torch.tensor([[1, 5, 9, 33, 70, 2, 44, 18]])
     tail = torch.tensor([[7, 99, 3, 250, 12, 61, 8]])
@@ -385,9 +488,11 @@ def test_row_invariant_attention_equals_sdpa_with_left_padding_and_grouped_heads
     torch.testing.assert_close(out[1], ref[1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("path", ["packed", BF16, BF16_ONEDNN, BF16_INT8])
-def test_speculative_decoding_on_a_packed_pair_reproduces_target_only_token_for_token(path: str) -> None:
+@pytest.mark.parametrize("path", ["packed", *BF16, BF16_ONEDNN, *BF16_INT8])
+def test_speculative_decoding_on_a_packed_pair_reproduces_target_only_token_for_token(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With an int8 draft (``+int8``) the target stays bf16, as ``ModelsConfig.spec`` loads them."""
+    path = _on_isa(path, monkeypatch)
     from decoding.engine import SpeculativeDecoder
     from decoding.policies import build_policy
 

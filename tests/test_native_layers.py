@@ -1,4 +1,5 @@
-"""Native decoder layers (compute/native_layers.py): the bits of transformers' layers on the packed-bf16 path."""
+"""Native decoder layers (compute/native_layers.py): the bits of transformers' layers on the packed-bf16 path, every
+test once per kernel ISA this CPU runs (each ISA has its own build of the layer)."""
 from __future__ import annotations
 
 import copy
@@ -9,8 +10,14 @@ import torch
 from compute import compute_path as cp
 from compute import native_layers
 from compute.models import tiny_model
+from tests.kernel_isas import KERNEL_ISAS, use_isa
 
-pytestmark = pytest.mark.skipif(not cp.bf16_gemm.available(), reason="no AVX512-BF16 (or no compiler)")
+
+@pytest.fixture(params=KERNEL_ISAS, autouse=True)
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test of this module runs on each kernel ISA (SPECSTOP_ISA)."""
+    use_isa(monkeypatch, request.param)
+    return request.param
 
 
 def _pair(int8: bool = False, hidden: int = 64, layers: int = 3) -> tuple[torch.nn.Module, torch.nn.Module]:

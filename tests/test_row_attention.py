@@ -1,5 +1,5 @@
 """The native decoding attention (csrc/row_attention.cpp behind compute.compute_path.row_invariant_attention):
-values of SDPA, and each row's bits whatever the number of rows computed with it."""
+values of SDPA, and each row's bits whatever the number of rows computed with it, with and without its AVX-512 path."""
 from __future__ import annotations
 
 import types
@@ -8,8 +8,16 @@ import pytest
 import torch
 
 from compute import compute_path as cp
+from tests.kernel_isas import KERNEL_ISAS, use_isa
 
 pytestmark = pytest.mark.skipif(cp._ATTENTION.module() is None, reason="native build unavailable")
+
+
+@pytest.fixture(params=KERNEL_ISAS, autouse=True)
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test of this module runs as each kernel ISA's process does (SPECSTOP_ISA=avx2: no AVX-512 attention)."""
+    use_isa(monkeypatch, request.param)
+    return request.param
 
 
 def _qkv(b: int, h: int, hkv: int, q: int, t: int, d: int, seed: int = 0):

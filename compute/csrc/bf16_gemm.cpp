@@ -32,6 +32,8 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_pack.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <cpuid.h>
 #include <immintrin.h>
@@ -47,7 +49,7 @@
 
 namespace {
 
-constexpr int64_t kCols = 16;        // output columns per block (one zmm of fp32)
+using bf16_pack::kCols;              // output columns per block (one zmm of fp32)
 constexpr int64_t kTileRows = 16;    // calls of up to this many rows stream the weights once (few_rows)
 constexpr int64_t kPairBlock = 128;  // input pairs per block of the many-row path (256 inputs)
 constexpr int64_t kChunkBytes = 512 * 1024;  // weights per column chunk of the many-row path (half of L2)
@@ -355,57 +357,20 @@ bool available() { return cpu_has_bf16(); }
 // The chain bfloat16 packs run on in this process: "amx" or "avx512-bf16" (int8 packs: always the latter).
 std::string chain() { return cpu_has_amx() ? "amx" : "avx512-bf16"; }
 
-namespace {
-// [N, K] -> [ceil(N / 16), K / 2, 16, 2], zero columns past N: the pair layout both packs share.
-torch::Tensor to_pairs(torch::Tensor w) {
-  const int64_t N = w.size(0), K = w.size(1), nb = (N + kCols - 1) / kCols;
-  if (nb * kCols != N) w = torch::cat({w, torch::zeros({nb * kCols - N, K}, w.options())});
-  return w.view({nb, kCols, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
-}
-
-void check_weight(const torch::Tensor& w, const char* what) {
-  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), what, ": W must be a 2-d CPU tensor [N, K]");
-  TORCH_CHECK(w.size(1) % 2 == 0, what, ": K = ", w.size(1), " must be even");
-}
-}  // namespace
-
 // W [N, K] (float32 or bfloat16) -> [ceil(N / 16), K / 2, 16, 2] bfloat16, zero columns past N; K must be even.
-torch::Tensor pack(torch::Tensor w) {
-  check_weight(w, "bf16_gemm.pack");
-  return to_pairs(w.to(torch::kBFloat16).contiguous());
-}
+torch::Tensor pack(torch::Tensor w) { return bf16_pack::pack_bf16(w); }
 
 // W [N, K] -> (int8 [ceil(N / 16), K / 2, 16, 2], fp32 scales [ceil(N / 16) * 16]): each output row of W rounded to
 // integers in [-127, 127] times its own scale max|w| / 127 (symmetric, per output channel; scale 1 for a zero row or
 // past N).
-std::tuple<torch::Tensor, torch::Tensor> pack_int8(torch::Tensor w) {
-  check_weight(w, "bf16_gemm.pack_int8");
-  auto wf = w.to(torch::kFloat32).contiguous();
-  auto scale = wf.abs().amax(1) / 127.0f;
-  scale = torch::where(scale > 0, scale, torch::ones_like(scale));
-  auto q = torch::round(wf / scale.unsqueeze(1)).clamp(-127, 127).to(torch::kChar);
-  const int64_t N = w.size(0), npad = (N + kCols - 1) / kCols * kCols;
-  if (npad != N) scale = torch::cat({scale, torch::ones({npad - N}, scale.options())});
-  return {to_pairs(q), scale.contiguous()};
-}
+std::tuple<torch::Tensor, torch::Tensor> pack_int8(torch::Tensor w) { return bf16_pack::pack_int8(w); }
 
 // x [M, K] bfloat16 contiguous, a weight of pack() (bfloat16) or pack_int8() (int8, with its scales), N -> [M, N]
 // bfloat16 (fp32_out: float32, the fp32 sums unrounded; the same chain, so the bf16 output is this one rounded).
 torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t N, std::optional<torch::Tensor> scale, bool fp32_out) {
   TORCH_CHECK(cpu_has_bf16(), "bf16_gemm.gemm: this CPU has no AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
-              "bf16_gemm.gemm: x must be a contiguous bfloat16 CPU tensor [M, K]");
-  TORCH_CHECK(wp.dim() == 4 && wp.is_contiguous() && wp.size(2) == kCols && wp.size(3) == 2 &&
-                  wp.size(1) * 2 == x.size(1) && wp.size(0) * kCols >= N && wp.size(0) * kCols < N + kCols,
-              "bf16_gemm.gemm: packed weight of shape [ceil(N/16), K/2, 16, 2] for x's K and N expected");
-  const bool int8 = wp.scalar_type() == torch::kChar;
-  TORCH_CHECK(int8 || wp.scalar_type() == torch::kBFloat16,
-              "bf16_gemm.gemm: the packed weight must be bfloat16 or int8");
+  const bool int8 = bf16_pack::check_gemm(x, wp, N, scale);
   const int64_t M = x.size(0), pairs = wp.size(1), nb = wp.size(0), npad = nb * kCols;
-  TORCH_CHECK(int8 == scale.has_value(), "bf16_gemm.gemm: an int8 weight needs its scales, a bfloat16 one none");
-  if (int8)
-    TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() && scale->numel() == npad,
-                "bf16_gemm.gemm: the scales of pack_int8 (float32, ceil(N/16)*16) expected");
   auto out = torch::empty({M, npad}, x.options().dtype(fp32_out ? torch::kFloat32 : torch::kBFloat16));
 #if SPECSTOP_BF16_KERNEL
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());

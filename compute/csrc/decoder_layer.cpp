@@ -5,8 +5,9 @@
 // ~2,000 Python calls a step (module calls, attribute and config lookups, wrappers): about a third of a 0.5B draft's
 // one-token step (compute/native_layers.py).
 //
-// The GEMM and the attention are the kernels of bf16_gemm.cpp and row_attention.cpp, compiled into this extension
-// (their bindings left out) and called directly.
+// The GEMM and the attention are the kernels of bf16_gemm.cpp (or, built with -DSPECSTOP_GEMM_AVX2 and the AVX2
+// flags, bf16_gemm_avx2.cpp) and row_attention.cpp, compiled into this extension (their bindings left out) and called
+// directly.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -33,7 +34,11 @@
 
 #define SPECSTOP_NO_BINDINGS 1
 namespace kernels_gemm {
+#ifdef SPECSTOP_GEMM_AVX2  // the AVX2 build (compute/native_layers.py): its GEMM, the same source as bf16_gemm's AVX2
+#include "bf16_gemm_avx2.cpp"
+#else
 #include "bf16_gemm.cpp"
+#endif
 }  // namespace kernels_gemm
 namespace kernels_attention {
 #include "row_attention.cpp"
@@ -90,7 +95,7 @@ class NativeLayer {
               std::optional<Tensor> o_scale, std::optional<Tensor> o_bias, int64_t hidden, Tensor gate_up,
               std::optional<Tensor> gate_up_scale, Tensor down, std::optional<Tensor> down_scale,
               int64_t intermediate, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling,
-              int64_t chunk_elements)
+              int64_t chunk_elements, bool attention_avx512)
       : input_norm_(std::move(input_norm)),
         post_norm_(std::move(post_norm)),
         input_eps_(input_eps),
@@ -102,7 +107,8 @@ class NativeLayer {
         kv_heads_(kv_heads),
         head_dim_(head_dim),
         scaling_(scaling),
-        chunk_rows_(std::max<int64_t>(1, chunk_elements / intermediate)) {
+        chunk_rows_(std::max<int64_t>(1, chunk_elements / intermediate)),
+        attention_avx512_(attention_avx512) {
     TORCH_CHECK(heads % kv_heads == 0 && q_out == heads * head_dim && kv_out == kv_heads * head_dim,
                 "NativeLayer: q / kv widths must be heads x head_dim");
     qkv_ = Packed{std::move(qkv), std::move(qkv_scale), std::move(qkv_bias), q_out + 2 * kv_out, false};
@@ -129,7 +135,7 @@ class NativeLayer {
     k = rotary(k, c, s);
     auto all_k = at::cat({keys, k}, -2);
     auto all_v = at::cat({values, v}, -2);
-    auto attn = kernels_attention::row_attention(q, all_k, all_v, mask, scaling_);  // [B, L, heads, D]
+    auto attn = kernels_attention::row_attention(q, all_k, all_v, mask, scaling_, attention_avx512_);  // [B, L, H, D]
     auto o = o_.forward(attn.reshape({B, L, -1}).contiguous().reshape({-1, q_out_})).reshape({B, L, H});
     auto h1 = at::add(h, o);
     // gated MLP (GatedMLP: silu(gate) * up in row chunks, rounded into down's bf16 input)
@@ -154,15 +160,17 @@ class NativeLayer {
   int64_t q_out_, kv_out_, intermediate_, heads_, kv_heads_, head_dim_;
   double scaling_;
   int64_t chunk_rows_;
+  bool attention_avx512_;  // row_attention's allow_avx512 (the Python attention passes the same)
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &kernels_gemm::available, "this CPU runs the bf16 GEMM (AVX512-BF16)");
-  pybind11::class_<NativeLayer>(m, "NativeLayer")
+  m.def("available", &kernels_gemm::available, "this CPU runs the compiled-in bf16 GEMM (AVX512-BF16, or AVX2)");
+  // module_local: the AVX2 build of this file registers its own NativeLayer in the same process
+  pybind11::class_<NativeLayer>(m, "NativeLayer", pybind11::module_local())
       .def(pybind11::init<Tensor, double, Tensor, double, Tensor, std::optional<Tensor>, std::optional<Tensor>,
                           int64_t, int64_t, Tensor, std::optional<Tensor>, std::optional<Tensor>, int64_t, Tensor,
                           std::optional<Tensor>, Tensor, std::optional<Tensor>, int64_t, int64_t, int64_t, int64_t,
-                          double, int64_t>())
+                          double, int64_t, bool>())
       .def("forward", &NativeLayer::forward,
            "(h [B, L, H], cos, sin [B, L, D], mask bool or empty, keys, values) -> (h, keys, values)");
 }

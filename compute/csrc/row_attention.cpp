@@ -169,9 +169,10 @@ AVX512_TARGET void attend_avx512(const float* q, int64_t qh, const float* k, con
 }  // namespace
 
 // query [B, H, q, d], key / value [B, Hkv, T, d] (float32, last dim contiguous), mask [Bm, 1, q, T] bool with Bm in
-// {1, B} or an empty tensor (causal, no padding), scale -> [B, q, H, d] float32.
+// {1, B} or an empty tensor (causal, no padding), scale -> [B, q, H, d] float32. allow_avx512: attend_avx512 may run
+// where the CPU has AVX-512 (false under SPECSTOP_ISA=avx2, so that a forced AVX2 process computes as an AVX2 host).
 torch::Tensor row_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor mask,
-                            double scale) {
+                            double scale, bool allow_avx512) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "row_attention: 4-d query, key and value");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && key.scalar_type() == torch::kFloat32 &&
                   value.scalar_type() == torch::kFloat32 && query.device().is_cpu() && key.device().is_cpu() &&
@@ -203,7 +204,7 @@ torch::Tensor row_attention(torch::Tensor query, torch::Tensor key, torch::Tenso
   const float sc = static_cast<float>(scale);
 #if SPECSTOP_AVX512_ATTENTION
   static const bool avx512 = cpu_has_avx512();
-  const bool fast = avx512 && d % 16 == 0 && d <= 128;
+  const bool fast = allow_avx512 && avx512 && d % 16 == 0 && d <= 128;
 #else
   const bool fast = false;
 #endif
@@ -230,6 +231,8 @@ torch::Tensor row_attention(torch::Tensor query, torch::Tensor key, torch::Tenso
 
 #ifndef SPECSTOP_NO_BINDINGS  // decoder_layer.cpp compiles this file in without its bindings
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("row_attention", &row_attention, "causal attention of q rows over a KV cache, each row as if alone");
+  m.def("row_attention", &row_attention, "causal attention of q rows over a KV cache, each row as if alone",
+        pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("mask"),
+        pybind11::arg("scale"), pybind11::arg("allow_avx512") = true);
 }
 #endif
