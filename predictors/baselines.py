@@ -91,7 +91,7 @@ class MaxConfidence(StopPolicy):
     def update(self, feedback: RoundFeedback) -> None:
         if not self.online_roc or not feedback.draft_probs:
             return
-        from sklearn.metrics import roc_curve
+        from sklearn.metrics import roc_curve  # heavy; only online ROC re-tuning needs it, not decoding
 
         self._probs.extend(feedback.draft_probs)
         self._matches.extend(feedback.accepted[: len(feedback.draft_probs)])

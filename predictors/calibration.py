@@ -142,13 +142,13 @@ def fit_calibrator(scores: np.ndarray, labels: np.ndarray, method: str = "auto",
     if method == "auto":
         method = _cross_validated_method(s, y, cv_folds)
     if method == "isotonic":
-        from sklearn.isotonic import IsotonicRegression
+        from sklearn.isotonic import IsotonicRegression  # heavy; fitting only, not the goodput rule
 
         iso = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip").fit(s, y)
         xs, ys = np.asarray(iso.X_thresholds_, dtype=np.float64), np.asarray(iso.y_thresholds_, dtype=np.float64)
         return Calibrator("isotonic", xs.tolist(), ys.tolist(), n_fit=int(s.size), label=label)
     if method == "platt":
-        from sklearn.linear_model import LogisticRegression
+        from sklearn.linear_model import LogisticRegression  # heavy; fitting only, not the goodput rule
 
         x2 = np.concatenate([s, s])[:, None]
         y2 = np.concatenate([np.ones_like(y), np.zeros_like(y)])

@@ -16,18 +16,17 @@ two splits, single-class labels (the message names the family, lambda and counts
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from data_gen.prompts import fold_splits
+from data_gen.shards import DataPath, read_columns
 from predictors.inputs import FEATURE_KINDS, FeatureSpec, build_features, disco_columns
 from predictors.labels import LABEL_FAMILIES, derive_label, draw_mask, label_draw, label_name
-
-if TYPE_CHECKING:
-    from data_gen.shards import DataPath
 
 __all__ = ["ShardDataModule", "make_spec", "label_columns", "SPLITS"]
 
@@ -142,8 +141,6 @@ class ShardDataModule(pl.LightningDataModule):
             self._require(split)
 
     def _load(self) -> None:
-        from data_gen.shards import read_columns
-
         wanted = [
             "split", "sample_id", *_spec_columns(self.kind, self.feature_options), *label_columns(self.label_family)
         ]
@@ -156,8 +153,6 @@ class ShardDataModule(pl.LightningDataModule):
         self.spec = make_spec(self.kind, cols, **self.feature_options)
         split = cols["split"].astype(str)
         if self.folds is not None:
-            from data_gen.prompts import fold_splits
-
             k, i, *fraction = self.folds
             within = np.isin(split, self.fold_within) if self.fold_within else np.ones(len(split), dtype=bool)
             domain = cols.get("domain")

@@ -22,8 +22,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import load_file, save_file
+
 from compute.compute_path import PRECISION_OPTIONS, precision_diffs
 from predictors.base import StopPolicy
+from predictors.baselines import BASELINES
+from predictors.disco import DiscoNet, DiscoPolicy
+from predictors.inputs import FeatureSpec
+from predictors.sprinter import SprinterNet, SprinterPolicy
+from predictors.sv import SVPolicy, SVTable
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +50,10 @@ class FingerprintMismatch(ValueError):
     """The predictor was trained for another draft model."""
 
 
-def _learned() -> dict[str, tuple[type, type]]:
-    from predictors.disco import DiscoNet, DiscoPolicy
-    from predictors.sprinter import SprinterNet, SprinterPolicy
-    from predictors.sv import SVPolicy, SVTable
-
-    return {"disco": (DiscoNet, DiscoPolicy), "sprinter": (SprinterNet, SprinterPolicy), "sv": (SVTable, SVPolicy)}
-
-
-def _baselines() -> dict[str, type[StopPolicy]]:
-    from predictors.baselines import BASELINES
-
-    return BASELINES
+LEARNED: dict[str, tuple[type, type]] = {
+    "disco": (DiscoNet, DiscoPolicy), "sprinter": (SprinterNet, SprinterPolicy), "sv": (SVTable, SVPolicy),
+}
+"""Learned kinds: kind -> (network class, policy class)."""
 
 
 def _jsonable(x: Any) -> Any:
@@ -99,7 +98,6 @@ def export_predictor(policy: StopPolicy, folder: str | Path, metadata: dict) -> 
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    learned, baselines = _learned(), _baselines()
     meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "kind": policy.kind,
@@ -108,9 +106,7 @@ def export_predictor(policy: StopPolicy, folder: str | Path, metadata: dict) -> 
         "exact": bool(policy.exact),
         "draft_fingerprint": None,
     }
-    if policy.kind in learned:
-        from safetensors.torch import save_file
-
+    if policy.kind in LEARNED:
         net = policy.net  # type: ignore[attr-defined]
         info = dict(getattr(policy, "train_info", {}) or {})
         meta.update({
@@ -129,7 +125,7 @@ def export_predictor(policy: StopPolicy, folder: str | Path, metadata: dict) -> 
         save_file(
             state, str(folder / WEIGHTS_FILE), metadata={"kind": policy.kind, "format_version": str(FORMAT_VERSION)}
         )
-    elif policy.kind in baselines:
+    elif policy.kind in BASELINES:
         meta.update({
             "learned": False,
             "weights": None,
@@ -140,7 +136,7 @@ def export_predictor(policy: StopPolicy, folder: str | Path, metadata: dict) -> 
             "config": {},
         })
     else:
-        raise ValueError(f"cannot export policy kind {policy.kind!r}; known: {sorted(learned) + sorted(baselines)}")
+        raise ValueError(f"cannot export policy kind {policy.kind!r}; known: {sorted(LEARNED) + sorted(BASELINES)}")
     meta.update(metadata or {})
     (folder / METADATA_FILE).write_text(json.dumps(_jsonable(meta), indent=2, sort_keys=True))
     return folder
@@ -210,15 +206,10 @@ def load_predictor(folder: str | Path, draft_fingerprint: dict | None = None, fo
     meta = read_metadata(folder)
     kind = meta.get("kind")
     check_fingerprint(meta.get("draft_fingerprint"), draft_fingerprint, force, where=f"{kind} at {ref}")
-    learned, baselines = _learned(), _baselines()
     if meta.get("learned"):
-        if kind not in learned:
-            raise ValueError(f"{folder}: unknown learned predictor kind {kind!r}; known: {sorted(learned)}")
-        from safetensors.torch import load_file
-
-        from predictors.inputs import FeatureSpec
-
-        net_cls, policy_cls = learned[kind]
+        if kind not in LEARNED:
+            raise ValueError(f"{folder}: unknown learned predictor kind {kind!r}; known: {sorted(LEARNED)}")
+        net_cls, policy_cls = LEARNED[kind]
         net = net_cls(**meta["net"]["config"])
         state = load_file(str(folder / meta.get("weights", WEIGHTS_FILE)))
         net.load_state_dict(state)
@@ -226,10 +217,10 @@ def load_predictor(folder: str | Path, draft_fingerprint: dict | None = None, fo
                             int(meta.get("max_draft_len", 40)))
         policy.train_info = {k: meta.get(k) for k in ("label", "metrics", "config", "checkpoint")}
     else:
-        if kind not in baselines:
-            raise ValueError(f"{folder}: unknown policy kind {kind!r}; known: {sorted(learned) + sorted(baselines)}")
+        if kind not in BASELINES:
+            raise ValueError(f"{folder}: unknown policy kind {kind!r}; known: {sorted(LEARNED) + sorted(BASELINES)}")
         params = dict(meta.get("params", {}))
-        policy = baselines[kind](**params)
+        policy = BASELINES[kind](**params)
         if "threshold" in meta:  # a threshold tuned after export (update_metadata) wins over the constructor's
             policy.threshold = float(meta["threshold"])
             if hasattr(policy, "initial") and isinstance(policy.initial, float):

@@ -14,6 +14,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from sklearn.metrics import roc_auc_score
 from torch import Tensor
 
 from predictors.disco import DiscoNet
@@ -24,8 +25,6 @@ __all__ = ["BinaryPredictorModule", "DiscoModule", "SprinterModule", "SVTableMod
 
 
 def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    from sklearn.metrics import roc_auc_score
-
     if len(np.unique(labels)) < 2:
         return float("nan")
     return float(roc_auc_score(labels, scores))

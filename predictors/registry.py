@@ -32,9 +32,20 @@ import mlflow
 import mlflow.pyfunc
 import numpy as np
 import pandas as pd
+import requests
+from mlflow.exceptions import MlflowException
+from mlflow.models import infer_signature
+from mlflow.tracking import MlflowClient
+from mlflow.tracking._model_registry import utils as reg_utils
+from mlflow.tracking._tracking_service import utils as trk_utils
 
 from predictors.base import StopPolicy
 from predictors.export import REGISTRY_PREFIXES, load_predictor
+
+try:  # MLflow's record of mlflow.set_tracking_uri; its place differs between MLflow versions
+    from mlflow.tracking._tracking_service.utils import is_tracking_uri_set
+except ImportError:  # pragma: no cover - older/newer MLflow layout
+    is_tracking_uri_set = None
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +93,8 @@ def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
         return tracking_uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    try:
-        from mlflow.tracking._tracking_service.utils import is_tracking_uri_set
-
-        if is_tracking_uri_set():
-            return mlflow.get_tracking_uri()
-    except ImportError:  # pragma: no cover - older/newer MLflow layout
-        pass
+    if is_tracking_uri_set is not None and is_tracking_uri_set():
+        return mlflow.get_tracking_uri()
     return DEFAULT_TRACKING_URI
 
 
@@ -98,8 +104,6 @@ def check_reachable(uri: str, timeout: float | None = None) -> None:
         if uri.startswith("sqlite:///"):
             Path(uri.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
         return
-    import requests
-
     timeout = timeout if timeout is not None else float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", 10))
     try:
         requests.get(uri.rstrip("/") + "/health", timeout=timeout)
@@ -110,9 +114,6 @@ def check_reachable(uri: str, timeout: float | None = None) -> None:
 @contextlib.contextmanager
 def _uris(uri: str) -> Iterator[None]:
     """Point MLflow's fluent API at ``uri`` (tracking and registry) and restore the previous setting afterwards."""
-    from mlflow.tracking._model_registry import utils as reg_utils
-    from mlflow.tracking._tracking_service import utils as trk_utils
-
     old_t, old_r = getattr(trk_utils, "_tracking_uri", None), getattr(reg_utils, "_registry_uri", None)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
@@ -210,11 +211,6 @@ def register_predictor(
         TrackingUnreachable: the server does not answer (the folder stays on disk).
         RegistryError: MLflow refused to log / register.
     """
-    from mlflow.exceptions import MlflowException
-    from mlflow.models import infer_signature
-    from mlflow.tracking import MlflowClient
-
-
     folder = Path(folder)
     uri = resolve_tracking_uri(tracking_uri)
     policy = load_predictor(folder)  # validates the folder before anything is logged
@@ -222,46 +218,12 @@ def register_predictor(
     example = example_frame(policy)
     signature = infer_signature(example, policy.score(frame_to_columns(example, policy)).numpy().astype(np.float64))
     try:
-        with _uris(uri):
-            active = mlflow.active_run()
-            if run_id and active is not None and active.info.run_id == run_id:
-                run_ctx = contextlib.nullcontext(active)  # the caller's active run: log into it, leave it open
-            elif run_id:
-                run_ctx = mlflow.start_run(run_id=run_id, nested=active is not None)
-            else:
-                run_ctx = mlflow.start_run(run_name=f"register-{name}", nested=active is not None)
-            with run_ctx as run:
-                info = mlflow.pyfunc.log_model(
-                    name="predictor",
-                    python_model=PredictorModel(),
-                    artifacts={"predictor": str(folder)},
-                    signature=signature,
-                    pip_requirements=["torch", "safetensors", "numpy", "pandas"],
-                    registered_model_name=name,
-                    await_registration_for=120,
-                )
-                used_run = run.info.run_id
+        info, used_run = _log_model(uri, folder, name, signature, run_id)
         client = MlflowClient(tracking_uri=uri, registry_uri=uri)
         version = str(info.registered_model_version)
-        client.set_model_version_tag(name, version, metric_name, repr(float(val_metric)))
-        meta = getattr(policy, "metadata", {}) or {}
-        tags = {"kind": policy.kind, "higher_is_better": str(higher_is_better),
-                "draft": (meta.get("draft_fingerprint") or {}).get("name", ""),
-                "label": (meta.get("label") or {}).get("name", "") if isinstance(meta.get("label"), dict) else ""}
-        for k, v in tags.items():
-            client.set_model_version_tag(name, version, k, str(v))
-        previous: str | None = None
-        old_metric: float | None = None
-        try:
-            champ = client.get_model_version_by_alias(name, CHAMPION)
-            previous = str(champ.version)
-            raw = champ.tags.get(metric_name)
-            old_metric = float(raw) if raw is not None else None
-        except MlflowException:
-            champ = None  # no champion yet
-        promoted = _better(float(val_metric), old_metric, higher_is_better)
-        if promoted:
-            client.set_registered_model_alias(name, CHAMPION, version)
+        for k, v in _version_tags(policy, metric_name, val_metric, higher_is_better).items():
+            client.set_model_version_tag(name, version, k, v)
+        previous, promoted = _maybe_promote(client, name, version, metric_name, float(val_metric), higher_is_better)
     except MlflowException as e:
         raise RegistryError(
             f"MLflow at {uri} failed to register {name!r} from {folder}: {e}; the export stays at {folder}"
@@ -282,11 +244,61 @@ def register_predictor(
     }
 
 
+def _log_model(uri: str, folder: Path, name: str, signature: Any, run_id: str | None) -> tuple[Any, str]:
+    """Log ``folder`` as a pyfunc model registered under ``name``, into run ``run_id`` (the caller's active run is
+    left open; another id is resumed) or a new run; returns (the model info, the run's id)."""
+    with _uris(uri):
+        active = mlflow.active_run()
+        if run_id and active is not None and active.info.run_id == run_id:
+            run_ctx = contextlib.nullcontext(active)  # the caller's active run: log into it, leave it open
+        elif run_id:
+            run_ctx = mlflow.start_run(run_id=run_id, nested=active is not None)
+        else:
+            run_ctx = mlflow.start_run(run_name=f"register-{name}", nested=active is not None)
+        with run_ctx as run:
+            info = mlflow.pyfunc.log_model(
+                name="predictor",
+                python_model=PredictorModel(),
+                artifacts={"predictor": str(folder)},
+                signature=signature,
+                pip_requirements=["torch", "safetensors", "numpy", "pandas"],
+                registered_model_name=name,
+                await_registration_for=120,
+            )
+            return info, run.info.run_id
+
+
+def _version_tags(policy: StopPolicy, metric_name: str, val_metric: float, higher_is_better: bool) -> dict[str, str]:
+    """The model version's tags: its metric (champions are compared on it), the policy's kind, the direction, the
+    draft model and the label."""
+    meta = getattr(policy, "metadata", {}) or {}
+    label = (meta.get("label") or {}).get("name", "") if isinstance(meta.get("label"), dict) else ""
+    return {metric_name: repr(float(val_metric)), "kind": str(policy.kind), "higher_is_better": str(higher_is_better),
+            "draft": str((meta.get("draft_fingerprint") or {}).get("name", "")), "label": str(label)}
+
+
+def _maybe_promote(client: MlflowClient, name: str, version: str, metric_name: str, val_metric: float,
+                   higher_is_better: bool) -> tuple[str | None, bool]:
+    """Move the ``champion`` alias to ``version`` when its metric beats the current champion's (or there is none);
+    returns (the previous champion's version or None, whether the alias moved)."""
+    previous: str | None = None
+    old_metric: float | None = None
+    try:
+        champ = client.get_model_version_by_alias(name, CHAMPION)
+        previous = str(champ.version)
+        raw = champ.tags.get(metric_name)
+        old_metric = float(raw) if raw is not None else None
+    except MlflowException:
+        pass  # no champion yet
+    promoted = _better(val_metric, old_metric, higher_is_better)
+    if promoted:
+        client.set_registered_model_alias(name, CHAMPION, version)
+    return previous, promoted
+
+
 def download_model(ref: str, tracking_uri: str | None = None, dst: str | Path | None = None) -> Path:
     """Download a registered model's artifacts (``models:/<name>@<alias>`` or ``models:/<name>/<version>``) and return
     the export folder inside (the one holding ``predictor.json``)."""
-    from mlflow.exceptions import MlflowException
-
     uri = resolve_tracking_uri(tracking_uri)
     check_reachable(uri)
     dst = Path(dst) if dst else Path(tempfile.mkdtemp(prefix="specstop-model-"))

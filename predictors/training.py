@@ -16,17 +16,25 @@ import json
 import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger
+from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score, roc_auc_score
 
+from data_gen.shards import DataPath
 from predictors.base import StopPolicy
-
-if TYPE_CHECKING:
-    from data_gen.shards import DataPath
+from predictors.datamodule import ShardDataModule
+from predictors.disco import PRIOR_COLUMNS, DiscoPolicy
+from predictors.inputs import DISCO_EXTRAS
 from predictors.labels import LABEL_FAMILIES, label_name
+from predictors.lightning_modules import DiscoModule, SprinterModule, SVTableModule, roc_auc
+from predictors.sprinter import SprinterPolicy
+from predictors.sv import SVPolicy
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +126,6 @@ class TrainConfig:
             raise ValueError(f"num_workers={self.num_workers} must be >= 0")
         if self.monitor not in MONITORS:
             raise ValueError(f"monitor={self.monitor!r}: use one of {tuple(MONITORS)}")
-        from predictors.disco import PRIOR_COLUMNS
-
         if self.prior is not None and self.prior not in PRIOR_COLUMNS:
             raise ValueError(f"prior={self.prior!r}: use one of {PRIOR_COLUMNS} (or null for none)")
 
@@ -166,8 +172,6 @@ class DiscoConfig(TrainConfig):
             raise ValueError(f"top_k={self.top_k} must be > 0")
         if self.position_scale <= 0:
             raise ValueError(f"position_scale={self.position_scale} must be > 0")
-        from predictors.inputs import DISCO_EXTRAS
-
         self.extra_features = tuple(self.extra_features)
         bad = [e for e in self.extra_features if e not in DISCO_EXTRAS]
         if bad:
@@ -260,8 +264,6 @@ CONFIGS: dict[str, type[TrainConfig]] = {"disco": DiscoConfig, "sprinter": Sprin
 
 def binary_metrics(scores: np.ndarray, labels: np.ndarray, threshold: float, prefix: str = "val_") -> dict[str, float]:
     """AUC (scikit-learn), unweighted BCE, accuracy, precision, recall and F1 at ``threshold``."""
-    from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score, roc_auc_score
-
     y = (np.asarray(labels) > 0.5).astype(int)
     s = np.asarray(scores, dtype=np.float64)
     pred = (s >= threshold).astype(int)
@@ -279,8 +281,6 @@ def binary_metrics(scores: np.ndarray, labels: np.ndarray, threshold: float, pre
 def baseline_aucs(raw: dict[str, np.ndarray], labels: np.ndarray, prefix: str = "val_") -> dict[str, float]:
     """AUC of the training-free scores on the same labels: top-1 draft probability (max-confidence) and negative draft
     entropy (SVIP / AdaEDL rank tokens by it), the bars a learned predictor should beat."""
-    from sklearn.metrics import roc_auc_score
-
     y = (np.asarray(labels) > 0.5).astype(int)
     out: dict[str, float] = {}
     if len(np.unique(y)) < 2:
@@ -297,9 +297,6 @@ def baseline_aucs(raw: dict[str, np.ndarray], labels: np.ndarray, prefix: str = 
 def _trainer(
     cfg: TrainConfig, out_dir: Path, logger: Any, callbacks: list, max_epochs: int, n_batches: int, single: bool = False
 ):
-    import pytorch_lightning as pl
-    from pytorch_lightning.loggers import CSVLogger
-
     if logger is None:
         logger = CSVLogger(str(out_dir), name="logs")
     kwargs = cfg.trainer_kwargs()
@@ -318,11 +315,9 @@ def _trainer(
     )
 
 
-def make_datamodule(kind: str, cfg: TrainConfig, data_dir: DataPath, **kwargs: Any) -> Any:
+def make_datamodule(kind: str, cfg: TrainConfig, data_dir: DataPath, **kwargs: Any) -> ShardDataModule:
     """The :class:`~predictors.datamodule.ShardDataModule` a predictor of ``kind`` trains on with ``cfg``; ``kwargs``
     go to the DataModule (e.g. ``folds=(5, 0)``, ``extra_columns=(...)``)."""
-    from predictors.datamodule import ShardDataModule
-
     options: dict[str, Any] = {}
     if isinstance(cfg, DiscoConfig):
         options = {"top_k": cfg.top_k, "position_scale": cfg.position_scale, "extra": cfg.extra_features,
@@ -358,8 +353,6 @@ def fit_predictor(
         ``val_auc_max_prob`` / ``val_auc_neg_entropy`` (the training-free scores' AUC on the same labels); for SV
         also the information gain in bits on train and val.
     """
-    import pytorch_lightning as pl
-
     if kind not in CONFIGS:
         raise ValueError(f"unknown predictor kind {kind!r}; use one of {sorted(CONFIGS)}")
     if not isinstance(cfg, CONFIGS[kind]):
@@ -409,12 +402,6 @@ def _jsonable(x: Any) -> Any:
 
 
 def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[StopPolicy, dict[str, Any]]:
-    from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
-
-    from predictors.disco import DiscoPolicy
-    from predictors.lightning_modules import DiscoModule, SprinterModule
-    from predictors.sprinter import SprinterPolicy
-
     x_tr, y_tr, _ = dm.tensors["train"]
     n_pos = float(y_tr.sum())
     pos_weight = cfg.pos_weight if cfg.pos_weight is not None else (y_tr.numel() - n_pos) / n_pos
@@ -476,17 +463,12 @@ def _val_logits(net: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _val_metric(logits: torch.Tensor, y: torch.Tensor, monitor: str, pos_weight: torch.Tensor) -> float:
     """A monitored metric from validation logits: val_auc, or val_loss (BCE with the training pos_weight)."""
-    from predictors.lightning_modules import roc_auc
-
     if monitor == "val_auc":
         return roc_auc(torch.sigmoid(logits).numpy(), y.numpy())
     return float(F.binary_cross_entropy_with_logits(logits, y, pos_weight=pos_weight))
 
 
 def _fit_sv(cfg: SVTableConfig, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[StopPolicy, dict[str, Any]]:
-    from predictors.lightning_modules import SVTableModule
-    from predictors.sv import SVPolicy
-
     module = SVTableModule(cfg.s_bins, cfg.a_bins, cfg.prior_count)
     # DDP cannot wrap a module without trainable parameters; the one counting pass runs in a single process (under a
     # multi-process launch every rank fits the same table from the same data).
