@@ -15,6 +15,9 @@ Usage::
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -25,7 +28,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from evaluation.replay_scores import missing_columns, policy_scores
 from predictors.base import StopPolicy, as_tensor_dict
+from predictors.baselines import SVIP, AdaEDL, DraftProb, MaxConfidence
 from predictors.calibration import (
     MODES,
     Calibrator,
@@ -36,6 +41,7 @@ from predictors.calibration import (
 )
 from predictors.goodput import GoodputPolicy
 from predictors.labels import label_name
+from predictors.training import fit_predictor, make_datamodule
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +52,11 @@ __all__ = ["CalibrationResult", "calibrated_scores", "fit_maps", "cross_fitted_s
 def calibrated_scores() -> dict[str, StopPolicy]:
     """The training-free scores that get a calibration map (and a ``goodput`` row): top-1 probability, q(x) and the
     entropy through SVIP's and AdaEDL's bounds; each can be exported (``predictors.baselines``)."""
-    from predictors.baselines import SVIP, AdaEDL, DraftProb, MaxConfidence
-
     return {"max-prob": MaxConfidence(threshold=0.4), "draft-prob": DraftProb(threshold=0.4),
             "svip": SVIP(h=0.3, gamma=0.15), "adaedl-bound": AdaEDL(lam=0.6, gamma=0.2, online=False)}
 
 
 def _scores(policy: StopPolicy, columns: Mapping[str, Any]) -> np.ndarray:
-    from evaluation.replay import policy_scores
-
     return policy_scores(policy, as_tensor_dict(columns))
 
 
@@ -91,8 +93,6 @@ def cross_fitted_scores(kind: str, cfg: Any, data_dir: Any, out_dir: str | Path,
     folds score NaN. The scores are kept in ``<out_dir>/<kind>/out-of-fold.npz`` under a digest of the kind, the
     config, the folds and every column given, so a second run on the same data trains nothing.
     """
-    from predictors.training import fit_predictor, make_datamodule
-
     ids = np.asarray(columns["sample_id"]).astype(str)
     cache = Path(out_dir) / kind / "out-of-fold.npz"
     key = _digest(kind, cfg, folds, within, columns)
@@ -120,10 +120,6 @@ def cross_fitted_scores(kind: str, cfg: Any, data_dir: Any, out_dir: str | Path,
 
 def _digest(kind: str, cfg: Any, folds: int, within: Sequence[str], columns: Mapping[str, Any]) -> str:
     """sha256 of what out-of-fold scores depend on: the predictor kind and config, the folds and the rows' columns."""
-    import dataclasses
-    import hashlib
-    import json
-
     h = hashlib.sha256(json.dumps([kind, dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg),
                                    folds, list(within)], sort_keys=True, default=str).encode())
     for name in sorted(columns):
@@ -157,8 +153,6 @@ def calibrate_policies(policies: Mapping[str, StopPolicy | None], fit_columns: M
     ``fit_scores``: policy name -> [rows of fit_columns] scores to fit that policy's maps on instead of its own
     (:func:`cross_fitted_scores`: a learned predictor scores its own training rows too well); rows scoring NaN are
     left out. Policies that miss columns or do not score (oracles, static lengths) are skipped with a note."""
-    from evaluation.replay import missing_columns
-
     res = CalibrationResult()
     rows = []
     for name, pol in policies.items():

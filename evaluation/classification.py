@@ -1,38 +1,30 @@
 """How well each policy's score separates accepted from rejected draft tokens, per label family.
 
-For every scorer (the training-free score columns below, plus any policy passed in) and every label (greedy match, q/p
-<= lambda,
-min(1, p/q)): ROC AUC, PR-AUC (average precision), F1 at the policy's own threshold and at its F1-optimal threshold,
-bootstrap
-confidence intervals over prompts (``sample_id`` groups resampled with replacement), and a per-origin / per-domain
-breakdown.
+For every scorer (the training-free score columns below, plus any policy passed in) and every label (greedy match,
+q/p <= lambda, min(1, p/q)): ROC AUC, PR-AUC (average precision), F1 at the policy's own threshold and at its
+F1-optimal threshold, bootstrap confidence intervals over prompts (``sample_id`` groups resampled with replacement),
+and a per-origin / per-domain breakdown.
 
 Built-in scores (all "higher = more likely accepted"): ``neg-entropy`` (-H(q), no own threshold), ``svip`` (1 -
-sqrt(0.15 H),
-threshold 1 - h = 0.7), ``adaedl-bound`` (1 - sqrt(0.2 H), initial lambda 0.6), ``max-prob`` (top-1 draft probability,
-as
-AdaEDL's Max-Confidence, threshold 0.4), ``draft-prob`` (q(x), the drafted token's probability, as transformers'
-ConfidenceCriteria; equal to ``max-prob`` on greedy draws). Learned policies are scored with ``policy.score`` on
-``predictors.base.as_tensor_dict(columns)``; the SV table is one of them when the companion columns exist.
+sqrt(0.15 H), threshold 1 - h = 0.7), ``adaedl-bound`` (1 - sqrt(0.2 H), initial lambda 0.6), ``max-prob`` (top-1
+draft probability, as AdaEDL's Max-Confidence, threshold 0.4), ``draft-prob`` (q(x), the drafted token's probability,
+as transformers' ConfidenceCriteria; equal to ``max-prob`` on greedy draws). Learned policies are scored with
+``policy.score`` on ``predictors.base.as_tensor_dict(columns)``; the SV table is one of them when the companion
+columns exist.
 
 Soft labels (min(1, p/q)): every token counts as a positive with weight a and as a negative with weight 1 - a (its
-Bernoulli
-expectation). ROC AUC is then the weighted probability that a positive outranks a negative, PR-AUC and F1 are computed
-from the
-expected confusion counts. Hard labels are the special case a in {0, 1}; the same weights carry the bootstrap
-multiplicities.
+Bernoulli expectation). ROC AUC is then the weighted probability that a positive outranks a negative, PR-AUC and F1
+are computed from the expected confusion counts. Hard labels are the special case a in {0, 1}; the same weights carry
+the bootstrap multiplicities.
 
 DISCO's comparison: a static draft length k predicts "accept" for tokens whose ``position`` (tokens the draft produced
-before
-this one in its run) is < k; the best static F1 over k = 1..40 is reported next to each policy's F1.
+before this one in its run) is < k; the best static F1 over k = 1..40 is reported next to each policy's F1.
 
-SPRINTER (:func:`sprinter_table`): measured TPR / FPR of the policy at its threshold against q/p <= lambda, Theorem
-1's TV bound
-eta_FP * mean TV(p, q) and acceptance 1 - (1 - eta_FP) mean TV, and Theorem 2's expected tokens before a target call,
-E[N | r] = sum_{i=1..r} eta_TP^i + eta_TP^r eta_FP / (1 - eta_FP) (equal to the paper's eq. 3,
+SPRINTER (:func:`sprinter_table`): measured TPR / FPR of the policy at its threshold against q/p <= lambda, Theorem 1's
+TV bound eta_FP * mean TV(p, q) and acceptance 1 - (1 - eta_FP) mean TV, and Theorem 2's expected tokens before a
+target call, E[N | r] = sum_{i=1..r} eta_TP^i + eta_TP^r eta_FP / (1 - eta_FP) (equal to the paper's eq. 3,
 (eta_TP - eta_TP^r) / (1 - eta_TP) + eta_TP^r / (1 - eta_FP)), with r the measured run of acceptable tokens of each
-round,
-against the replayed count along the draft's rollouts.
+round, against the replayed count along the draft's rollouts.
 
 Usage::
 
@@ -42,15 +34,20 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
+from sklearn.metrics import auc as sk_auc
+from sklearn.metrics import average_precision_score, f1_score, precision_recall_curve, roc_auc_score, roc_curve
 from torch import Tensor
 
+from evaluation.replay_data import ReplayConfig, ReplayData, prepare_replay_data
+from evaluation.replay_scores import policy_scores
 from predictors.base import StopPolicy, as_tensor_dict
-from predictors.baselines import DraftProb
+from predictors.baselines import SVIP, AdaEDL, DraftProb, MaxConfidence
 from predictors.labels import derive_label, label_name
 
 __all__ = [
@@ -99,8 +96,6 @@ class NegEntropy(StopPolicy):
 
 def builtin_scorers() -> dict[str, StopPolicy]:
     """The training-free score columns, as policies at their published thresholds."""
-    from predictors.baselines import SVIP, AdaEDL, MaxConfidence
-
     return {
         "neg-entropy": NegEntropy(),
         "svip": SVIP(h=0.3, gamma=0.15),
@@ -140,8 +135,7 @@ def weighted_auc(inv: np.ndarray, n_levels: int, wp: np.ndarray, wn: np.ndarray)
     """ROC AUC with positive weights ``wp`` and negative weights ``wn`` per row (ties count one half).
 
     ``inv`` is the ascending score level of each row (from ``np.unique(..., return_inverse=True)``). NaN when either
-    class
-    has zero weight.
+    class has zero weight.
     """
     return _auc_from_levels(np.bincount(inv, wp, n_levels), np.bincount(inv, wn, n_levels))
 
@@ -179,8 +173,6 @@ def f1_optimal(levels: np.ndarray, inv: np.ndarray, wp: np.ndarray, wn: np.ndarr
 def _sk_metrics(scores: np.ndarray, y: np.ndarray, threshold: float) -> dict[str, float]:
     """Point estimates with scikit-learn (soft labels: each row duplicated as positive (weight a) and negative (1 -
     a))."""
-    from sklearn.metrics import average_precision_score, f1_score, precision_recall_curve, roc_auc_score
-
     s2 = np.concatenate([scores, scores])
     y2 = np.concatenate([np.ones_like(y), np.zeros_like(y)])
     w2 = np.concatenate([y, 1.0 - y])
@@ -287,118 +279,156 @@ def score_table(
         scorers.update(builtin_scorers())
     scorers.update(policies)
     feats = as_tensor_dict(columns) if n else {}
-    groups = _group_codes(columns, n)
-    n_groups = int(groups.max()) + 1 if n else 0
-    rng = np.random.default_rng(seed)
-    # [n_boot, G] prompt multiplicities, shared by every scorer and label (paired resamples); row weights on the fly
-    boot_counts = [np.bincount(rng.integers(0, n_groups, n_groups), minlength=n_groups).astype(np.float64)
-                   for _ in range(n_boot)] if n_groups else []
-    labels: dict[tuple[str, float], np.ndarray] = {}
-    label_reason: dict[tuple[str, float], str] = {}
-    for fam, lam in label_specs:
-        try:
-            labels[(fam, lam)] = derive_label(columns, fam, lam).astype(np.float64)
-        except KeyError as e:
-            label_reason[(fam, lam)] = f"label columns missing: {e}"
-    statics = {spec: static_f1(columns, *spec) for spec in labels}
-    lo_q, hi_q = 100 * (1 - ci) / 2, 100 * (1 + ci) / 2
+    data = _TableData.of(columns, n, label_specs, n_boot, seed, ci, breakdown)
     rows: list[dict[str, Any]] = []
     for name, pol in scorers.items():
         base = {"policy": name, "kind": getattr(pol, "kind", ""), "threshold": float(getattr(pol, "threshold", np.nan))}
-        reason = ""
-        scores = None
-        if pol is None:
-            reason = "policy not loaded"
-        else:
-            miss = [c for c in pol.required_columns if c not in columns]
-            if miss:
-                reason = f"missing columns {miss}"
-            elif n == 0:
-                reason = "no tokens"
-            else:
-                try:
-                    scores = _policy_scores(pol, feats)
-                except KeyError as e:
-                    reason = f"missing columns: {e}"
-                if scores is not None and not np.all(np.isfinite(scores)):
-                    reason, scores = f"{int((~np.isfinite(scores)).sum())} non-finite scores", None
+        scores, reason = _scores_or_reason(pol, columns, feats, n)
         levels, inv = score_levels(scores) if scores is not None else (None, None)
         for spec in label_specs:
             fam, lam = spec
             lab = {"label": label_name(fam, lam), "family": fam, "lam": lam}
             row: dict[str, Any] = {"group_by": "all", "group": "all", **base, **lab, "n": n}
-            if spec in label_reason or scores is None:
-                rows.append({**row, "reason": label_reason.get(spec, reason)})
+            if spec in data.label_reason or scores is None:
+                rows.append({**row, "reason": data.label_reason.get(spec, reason)})
                 continue
-            y = labels[spec]
-            thr = base["threshold"]
-            row.update(pos_rate=float(y.mean()), reason=_class_reason(y))
-            row.update(_sk_metrics(scores, y, thr))
-            k, f1s, _ = statics[spec]
-            row.update(static_best_k=k, f1_static_best=f1s, f1_gain_vs_static=row["f1_opt"] - f1s,
-                       f1_own_vs_static=row["f1_own"] - f1s)
-            if boot_counts:
-                pred = scores >= thr if np.isfinite(thr) else None
-                bs = {"auc": [], "pr_auc": [], "f1_own": []}
-                for counts in boot_counts:
-                    w = counts[groups]
-                    wp, wn = w * y, w - w * y
-                    P = np.bincount(inv, wp, len(levels))
-                    N = np.bincount(inv, wn, len(levels))
-                    bs["auc"].append(_auc_from_levels(P, N))
-                    bs["pr_auc"].append(_ap_from_levels(P, N))
-                    bs["f1_own"].append(f1_at(pred, wp, wn) if pred is not None else np.nan)
-                for m, vals in bs.items():
-                    v = np.asarray(vals, dtype=np.float64)
-                    v = v[np.isfinite(v)]
-                    row[f"{m}_lo"] = float(np.percentile(v, lo_q)) if v.size else float("nan")
-                    row[f"{m}_hi"] = float(np.percentile(v, hi_q)) if v.size else float("nan")
-            rows.append(row)
-            for col in breakdown:
-                if col not in columns:
-                    continue
-                vals = np.asarray(columns[col]).astype(str)
-                for g in np.unique(vals):
-                    m = (vals == g).astype(np.float64)
-                    wp, wn = m * y, m * (1.0 - y)
-                    sub_y = y[m > 0]
-                    rows.append({
-                        "group_by": col, "group": g, **base, **lab, "n": int(m.sum()),
-                        "pos_rate": float(sub_y.mean()),
-                        "auc": weighted_auc(inv, len(levels), wp, wn),
-                        "pr_auc": weighted_ap(inv, len(levels), wp, wn),
-                        "f1_own": f1_at(scores >= thr, wp, wn) if np.isfinite(thr) else float("nan"),
-                        "reason": _class_reason(sub_y),
-                    })
-    df = pd.DataFrame(rows)
-    order = [
-        "group_by",
-        "group",
-        "policy",
-        "kind",
-        "label",
-        "family",
-        "lam",
-        "n",
-        "pos_rate",
-        "auc",
-        "auc_lo",
-        "auc_hi",
-        "pr_auc",
-        "pr_auc_lo",
-        "pr_auc_hi",
-        "threshold",
-        "f1_own",
-        "f1_own_lo",
-        "f1_own_hi",
-        "f1_opt",
-        "thr_f1_opt",
-        "static_best_k",
-        "f1_static_best",
-        "f1_gain_vs_static",
-        "f1_own_vs_static",
-        "reason",
-    ]
+            rows.append(_headline_row(row, data, spec, scores, levels, inv))
+            rows += _breakdown_rows(data, {**base, **lab}, data.labels[spec], scores, levels, inv)
+    return _ordered(pd.DataFrame(rows))
+
+
+SCORE_TABLE_COLUMNS = (
+    "group_by", "group", "policy", "kind", "label", "family", "lam", "n", "pos_rate", "auc", "auc_lo", "auc_hi",
+    "pr_auc", "pr_auc_lo", "pr_auc_hi", "threshold", "f1_own", "f1_own_lo", "f1_own_hi", "f1_opt", "thr_f1_opt",
+    "static_best_k", "f1_static_best", "f1_gain_vs_static", "f1_own_vs_static", "reason",
+)
+"""The columns of :func:`score_table`, in order."""
+
+
+@dataclass
+class _TableData:
+    """What every scorer of :func:`score_table` is measured against: labels, prompt groups and their bootstrap
+    resamples, static-length baselines, breakdown columns."""
+
+    columns: Mapping[str, np.ndarray]
+    groups: np.ndarray
+    """Prompt (``sample_id``) index of each row."""
+    boot_counts: list[np.ndarray]
+    """[n_boot] per-prompt multiplicities, shared by every scorer and label (paired resamples)."""
+    labels: dict[tuple[str, float], np.ndarray]
+    label_reason: dict[tuple[str, float], str]
+    """Why a label could not be derived (its columns are missing)."""
+    statics: dict[tuple[str, float], tuple[int, float, np.ndarray]]
+    quantiles: tuple[float, float]
+    """Percentiles of the interval's ends."""
+    breakdown: Sequence[str]
+
+    @classmethod
+    def of(cls, columns: Mapping[str, np.ndarray], n: int, label_specs: Sequence[tuple[str, float]], n_boot: int,
+           seed: int, ci: float, breakdown: Sequence[str]) -> _TableData:
+        groups = _group_codes(columns, n)
+        n_groups = int(groups.max()) + 1 if n else 0
+        rng = np.random.default_rng(seed)
+        boot_counts = [np.bincount(rng.integers(0, n_groups, n_groups), minlength=n_groups).astype(np.float64)
+                       for _ in range(n_boot)] if n_groups else []
+        labels: dict[tuple[str, float], np.ndarray] = {}
+        label_reason: dict[tuple[str, float], str] = {}
+        for fam, lam in label_specs:
+            try:
+                labels[(fam, lam)] = derive_label(columns, fam, lam).astype(np.float64)
+            except KeyError as e:
+                label_reason[(fam, lam)] = f"label columns missing: {e}"
+        statics = {spec: static_f1(columns, *spec) for spec in labels}
+        quantiles = (100 * (1 - ci) / 2, 100 * (1 + ci) / 2)
+        return cls(columns, groups, boot_counts, labels, label_reason, statics, quantiles, breakdown)
+
+
+def _scores_or_reason(pol: StopPolicy | None, columns: Mapping[str, Any], feats: Mapping[str, Tensor],
+                      n: int) -> tuple[np.ndarray | None, str]:
+    """(the policy's finite scores of every row, "") or (None, why it has none)."""
+    if pol is None:
+        return None, "policy not loaded"
+    miss = [c for c in pol.required_columns if c not in columns]
+    if miss:
+        return None, f"missing columns {miss}"
+    if n == 0:
+        return None, "no tokens"
+    scores, reason = None, ""
+    try:
+        scores = _policy_scores(pol, feats)
+    except KeyError as e:
+        reason = f"missing columns: {e}"
+    if scores is not None and not np.all(np.isfinite(scores)):
+        reason, scores = f"{int((~np.isfinite(scores)).sum())} non-finite scores", None
+    return scores, reason
+
+
+def _headline_row(row: dict[str, Any], data: _TableData, spec: tuple[str, float], scores: np.ndarray,
+                  levels: np.ndarray, inv: np.ndarray) -> dict[str, Any]:
+    """``row`` completed with the metrics of ``scores`` on label ``spec`` over all rows, the static-length
+    comparison and the bootstrap intervals."""
+    y = data.labels[spec]
+    thr = row["threshold"]
+    row.update(pos_rate=float(y.mean()), reason=_class_reason(y))
+    row.update(_sk_metrics(scores, y, thr))
+    k, f1s, _ = data.statics[spec]
+    row.update(static_best_k=k, f1_static_best=f1s, f1_gain_vs_static=row["f1_opt"] - f1s,
+               f1_own_vs_static=row["f1_own"] - f1s)
+    if data.boot_counts:
+        row.update(_bootstrap_intervals(data, y, scores, levels, inv, thr))
+    return row
+
+
+def _bootstrap_intervals(data: _TableData, y: np.ndarray, scores: np.ndarray, levels: np.ndarray, inv: np.ndarray,
+                         thr: float) -> dict[str, float]:
+    """``<metric>_lo`` / ``<metric>_hi`` of AUC, PR-AUC and F1 at the own threshold over the prompt resamples."""
+    pred = scores >= thr if np.isfinite(thr) else None
+    bs: dict[str, list[float]] = {"auc": [], "pr_auc": [], "f1_own": []}
+    for counts in data.boot_counts:
+        w = counts[data.groups]
+        wp, wn = w * y, w - w * y
+        P = np.bincount(inv, wp, len(levels))
+        N = np.bincount(inv, wn, len(levels))
+        bs["auc"].append(_auc_from_levels(P, N))
+        bs["pr_auc"].append(_ap_from_levels(P, N))
+        bs["f1_own"].append(f1_at(pred, wp, wn) if pred is not None else np.nan)
+    out: dict[str, float] = {}
+    lo_q, hi_q = data.quantiles
+    for m, vals in bs.items():
+        v = np.asarray(vals, dtype=np.float64)
+        v = v[np.isfinite(v)]
+        out[f"{m}_lo"] = float(np.percentile(v, lo_q)) if v.size else float("nan")
+        out[f"{m}_hi"] = float(np.percentile(v, hi_q)) if v.size else float("nan")
+    return out
+
+
+def _breakdown_rows(data: _TableData, base: dict[str, Any], y: np.ndarray, scores: np.ndarray, levels: np.ndarray,
+                    inv: np.ndarray) -> list[dict[str, Any]]:
+    """One row per value of each breakdown column: n, positive rate, AUC, PR-AUC and F1 at the own threshold."""
+    thr = base["threshold"]
+    rows = []
+    for col in data.breakdown:
+        if col not in data.columns:
+            continue
+        vals = np.asarray(data.columns[col]).astype(str)
+        for g in np.unique(vals):
+            m = (vals == g).astype(np.float64)
+            wp, wn = m * y, m * (1.0 - y)
+            sub_y = y[m > 0]
+            rows.append({
+                "group_by": col, "group": g, **base, "n": int(m.sum()),
+                "pos_rate": float(sub_y.mean()),
+                "auc": weighted_auc(inv, len(levels), wp, wn),
+                "pr_auc": weighted_ap(inv, len(levels), wp, wn),
+                "f1_own": f1_at(scores >= thr, wp, wn) if np.isfinite(thr) else float("nan"),
+                "reason": _class_reason(sub_y),
+            })
+    return rows
+
+
+def _ordered(df: pd.DataFrame) -> pd.DataFrame:
+    """The frame with every :data:`SCORE_TABLE_COLUMNS` column (missing ones empty), in that order, then any other."""
+    order = list(SCORE_TABLE_COLUMNS)
     for c in order:
         if c not in df.columns:
             df[c] = np.nan if c != "reason" else ""
@@ -415,9 +445,6 @@ def roc_points(
 ) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
     """name -> (fpr, tpr, auc) with sklearn's roc_curve (soft labels weighted as in :func:`score_table`); scorers that
     cannot be scored or whose labels have one class are left out."""
-    from sklearn.metrics import auc as sk_auc
-    from sklearn.metrics import roc_curve
-
     y = derive_label(columns, family, lam).astype(np.float64)
     if _class_reason(y):
         return {}
@@ -445,8 +472,7 @@ def roc_points(
 def sprinter_expected_tokens(tpr: float, fpr: float, r: int | np.ndarray) -> np.ndarray:
     """SPRINTER Theorem 2: expected tokens generated before the target is called when the first r tokens are acceptable.
 
-    E[N] = sum_{i=1..r} tpr^i + tpr^r * fpr / (1 - fpr)  ( = (tpr - tpr^r)/(1 - tpr) + tpr^r/(1 - fpr), the paper's
-    eq. 3).
+    E[N] = sum_{i=1..r} tpr^i + tpr^r * fpr / (1 - fpr) (= (tpr - tpr^r)/(1 - tpr) + tpr^r/(1 - fpr), paper's eq. 3).
     """
     r = np.asarray(r, dtype=np.float64)
     if tpr >= 1.0:
@@ -472,18 +498,15 @@ def sprinter_table(
     """SPRINTER's theory checked on the data, per policy (at its own threshold) and lambda.
 
     Replayed tokens before a target call: SPRINTER-style rounds along the draft's rollouts (``rollout == True``
-    sequences
-    when that column exists, else all): from offset s the draft continues while the policy keeps drafting; N = leading
-    tokens the policy lets through (capped at ``max_draft_len``), r = leading acceptable tokens (q/p <= lambda); the
-    next
-    round starts at s + N + 1. Rounds where N or r run into the end of the observed sequence are censored and left out.
+    sequences when that column exists, else all): from offset s the draft continues while the policy keeps drafting;
+    N = leading tokens the policy lets through (capped at ``max_draft_len``), r = leading acceptable tokens (q/p <=
+    lambda); the next round starts at s + N + 1. Rounds where N or r run into the end of the observed sequence are
+    censored and left out.
 
     Returns:
         one row per (policy, lambda): tpr, fpr, mean_tv, tv_bound (Theorem 1: fpr * mean TV), accept_rate_thm1
         (1 - (1 - fpr) mean TV), rounds, censored_rounds, mean_r, e_tokens_theorem2, e_tokens_replayed, reason.
     """
-    from evaluation.replay import ReplayConfig, policy_scores, prepare_replay_data
-
     scorers: dict[str, StopPolicy | None] = {**(builtin_scorers() if builtins else {}), **policies}
     cols = dict(columns)
     if "rollout" in cols and np.asarray(cols["rollout"], dtype=bool).any():
@@ -511,37 +534,50 @@ def sprinter_table(
         keep = policy_scores(pol, data.features) >= pol.threshold
         for lam in lams:
             y = derive_label(sorted_cols, "ratio", lam).astype(bool)
-            row: dict[str, Any] = {**base, "lam": lam}
-            n_pos, n_neg = int(y.sum()), int((~y).sum())
-            tpr = float(keep[y].mean()) if n_pos else float("nan")
-            fpr = float(keep[~y].mean()) if n_neg else float("nan")
-            mean_tv = float(np.mean(sorted_cols["tv"])) if "tv" in sorted_cols else float("nan")
-            row.update(
-                tpr=tpr, fpr=fpr, mean_tv=mean_tv, tv_bound=fpr * mean_tv, accept_rate_thm1=1 - (1 - fpr) * mean_tv
-            )
-            ns, rs, cens, n_rounds = [], [], 0, 0
-            for a, b in zip(data.starts.tolist(), data.ends.tolist()):
-                s = a
-                while s < b:
-                    cap = min(max_draft_len, b - s)
-                    n_tok = _leading_run(keep[s : s + cap])
-                    r = _leading_run(y[s:b])
-                    n_rounds += 1
-                    if (n_tok == b - s) or (r == b - s):
-                        cens += 1
-                    else:
-                        ns.append(n_tok)
-                        rs.append(r)
-                    s += n_tok + 1
-            row.update(rounds=n_rounds, censored_rounds=cens)
-            if ns and np.isfinite(tpr) and np.isfinite(fpr):
-                row.update(
-                    mean_r=float(np.mean(rs)),
-                    e_tokens_theorem2=float(np.mean(sprinter_expected_tokens(tpr, fpr, np.asarray(rs)))),
-                    e_tokens_replayed=float(np.mean(ns)),
-                    reason="",
-                )
-            else:
-                row["reason"] = "one class only or every round censored"
-            rows.append(row)
+            rows.append({**base, "lam": lam, **_sprinter_row(data, sorted_cols, keep, y, max_draft_len)})
     return pd.DataFrame(rows)
+
+
+def _sprinter_row(data: ReplayData, sorted_cols: Mapping[str, np.ndarray], keep: np.ndarray, y: np.ndarray,
+                  max_draft_len: int) -> dict[str, Any]:
+    """One policy's measured rates at one lambda (``y``: q/p <= lambda), Theorem 1's bound and Theorem 2's expected
+    tokens against the replayed rounds."""
+    n_pos, n_neg = int(y.sum()), int((~y).sum())
+    tpr = float(keep[y].mean()) if n_pos else float("nan")
+    fpr = float(keep[~y].mean()) if n_neg else float("nan")
+    mean_tv = float(np.mean(sorted_cols["tv"])) if "tv" in sorted_cols else float("nan")
+    row: dict[str, Any] = dict(
+        tpr=tpr, fpr=fpr, mean_tv=mean_tv, tv_bound=fpr * mean_tv, accept_rate_thm1=1 - (1 - fpr) * mean_tv
+    )
+    ns, rs, cens, n_rounds = _replayed_rounds(data, keep, y, max_draft_len)
+    row.update(rounds=n_rounds, censored_rounds=cens)
+    if ns and np.isfinite(tpr) and np.isfinite(fpr):
+        row.update(
+            mean_r=float(np.mean(rs)),
+            e_tokens_theorem2=float(np.mean(sprinter_expected_tokens(tpr, fpr, np.asarray(rs)))),
+            e_tokens_replayed=float(np.mean(ns)),
+            reason="",
+        )
+    else:
+        row["reason"] = "one class only or every round censored"
+    return row
+
+
+def _replayed_rounds(data: ReplayData, keep: np.ndarray, y: np.ndarray,
+                     max_draft_len: int) -> tuple[list[int], list[int], int, int]:
+    """SPRINTER-style rounds along every sequence: (N of each uncensored round, its r, censored rounds, rounds)."""
+    ns, rs, cens, n_rounds = [], [], 0, 0
+    for a, b in zip(data.starts.tolist(), data.ends.tolist()):
+        s = a
+        while s < b:
+            cap = min(max_draft_len, b - s)
+            n_tok = _leading_run(keep[s : s + cap])
+            r = _leading_run(y[s:b])
+            n_rounds += 1
+            if (n_tok == b - s) or (r == b - s):
+                cens += 1
+            else:
+                ns.append(n_tok)
+                rs.append(r)
+            s += n_tok + 1
+    return ns, rs, cens, n_rounds

@@ -32,7 +32,9 @@ import pandas as pd
 import torch
 
 from evaluation.classification import FREE_SCORES, score_levels, weighted_auc
+from predictors.calibration import MODES, calibration_label, ece_noise_floor, expected_calibration_error, fit_calibrator
 from predictors.labels import label_name
+from predictors.training import fit_predictor, make_datamodule
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,6 @@ def crossvalidate(
         one row per (predictor, test token): predictor, label, draw, train_fraction, n_train (training tokens of the
         fold), fold, sample_id, domain, y (its own label), score (the learned logit) and the training-free scores.
     """
-    from predictors.training import fit_predictor, make_datamodule
-
     parts = []
     t0 = time.perf_counter()
     runs = [(name, i) for name in predictors for i in range(folds)]
@@ -104,8 +104,6 @@ def _calibrated_out_of_fold(val_score: np.ndarray, val_raw: Mapping[str, np.ndar
     """``cal_<mode>[_<free score>]`` columns: the fold's learned score and each training-free score mapped to a decoding
     mode's acceptance by a map fitted on the fold's validation prompts (``predictors.calibration``, method auto),
     applied to its test prompts (NaN on rows of another draw, and for a mode whose draw the fold's rows lack)."""
-    from predictors.calibration import MODES, calibration_label, fit_calibrator
-
     out: dict[str, np.ndarray] = {}
     scorers = {"": (val_score, test_score)}
     scorers.update({f"_{f}": (_free_score(f, val_raw[c]), _free_score(f, test_raw[c]))
@@ -132,8 +130,6 @@ def calibration_summary(oof: pd.DataFrame, n_bins: int = 15) -> pd.DataFrame:
     """Expected calibration error of the out-of-fold calibrated acceptances (every prompt tested once), per predictor
     and training-free score and decoding mode: one row each with n, mean label, ECE and its noise floor (the ECE
     of perfect calibration by chance on as many tokens)."""
-    from predictors.calibration import ece_noise_floor, expected_calibration_error
-
     rows = []
     for name, frame in oof.groupby("predictor", sort=False):
         for col in [c for c in frame.columns if c.startswith("cal_")]:
