@@ -1,0 +1,228 @@
+"""The code's shape, checked on its syntax trees: small functions and modules, no import cycles, few deferred imports.
+
+Over every non-test ``.py`` file of the project's source folders (``SOURCE_DIRS``; tests, ``.venv`` and ``outputs``
+are not scanned):
+
+- a function or method (nested ones too) spans at most ``MAX_FUNCTION_LINES`` lines, from ``def`` to its last line,
+  docstring included (failures name ``file:function:lines``);
+- a module holds at most ``MAX_MODULE_LINES`` lines (``file:lines``);
+- no import cycle among the project's modules, counting every import statement at any depth: inside functions,
+  under ``if TYPE_CHECKING:`` and in ``try`` blocks alike, since a cycle is broken by moving code to the right module,
+  not by deferring the import. ``from pkg import name`` is an edge to the module ``pkg.name`` when that is a module of
+  the project, else to ``pkg``; relative imports resolve against the importing module's package; an import of
+  ``a.b.c`` is an edge to ``a.b.c`` alone (the packages' ``__init__`` files it also runs import nothing). Failures
+  name each cycle as ``a -> b -> a`` with the lines that import;
+- at most ``MAX_DEFERRED_IMPORTS`` import statements inside function bodies over the whole project (they are kept
+  for optional or heavy dependencies only, each with a ``# reason`` comment); a failure prints every one.
+
+pyproject.toml states the cycle rule for import-linter too (``lint-imports``): an ``acyclic_siblings`` contract over
+the root packages, which forbids cycles among the children of each package, subpackages squashed, to any depth. It
+counts imports inside functions as well (grimp reads every import statement), so it is stricter than the module-level
+check here in one way (two subpackages that import each other through different modules form a cycle) and this test
+is the one that names module-level cycles line by line.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE_DIRS = ("compute", "data_gen", "predictors", "evaluation", "decoding", "pipelines", "benchmarks", "scripts")
+SKIPPED_PARTS = {".venv", "outputs", "tests", "__pycache__"}
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 600
+MAX_DEFERRED_IMPORTS = 40
+
+
+@dataclass(frozen=True)
+class SourceModule:
+    """One parsed source file and its dotted module name."""
+
+    path: Path
+    name: str
+    text: str
+    tree: ast.Module
+
+    @property
+    def rel(self) -> str:
+        return self.path.relative_to(ROOT).as_posix()
+
+    @property
+    def is_package(self) -> bool:
+        return self.path.name == "__init__.py"
+
+
+@functools.cache
+def source_modules() -> tuple[SourceModule, ...]:
+    """Every non-test source file of the project, parsed."""
+    out = []
+    for folder in SOURCE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if SKIPPED_PARTS & set(path.relative_to(ROOT).parts):
+                continue
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            text = path.read_text(encoding="utf-8")
+            out.append(SourceModule(path, ".".join(parts), text, ast.parse(text, filename=str(path))))
+    return tuple(out)
+
+
+def functions(tree: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Every function and method of a tree, nested ones included."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def deferred_imports(module: SourceModule) -> list[ast.Import | ast.ImportFrom]:
+    """Import statements inside function bodies (each counted once, however deeply nested)."""
+    found: dict[int, ast.Import | ast.ImportFrom] = {}
+    for fn in functions(module.tree):
+        for node in ast.walk(fn):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found[id(node)] = node
+    return sorted(found.values(), key=lambda n: n.lineno)
+
+
+def imported_modules(module: SourceModule, node: ast.Import | ast.ImportFrom, known: set[str]) -> list[str]:
+    """The project modules an import statement loads (empty for third-party imports)."""
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module.name.split(".") if module.is_package else module.name.split(".")[:-1]
+            anchor = package[: len(package) - (node.level - 1)]
+            base = ".".join([*anchor, base] if base else anchor)
+        targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+    out = []
+    for target in targets:
+        while target and target not in known:  # `import a.b.c` of a non-module attribute path: its module
+            target = target.rpartition(".")[0]
+        if target and target not in out:
+            out.append(target)
+    return out
+
+
+def import_graph() -> dict[str, dict[str, list[str]]]:
+    """module -> imported project module -> the ``file:line`` of each import statement."""
+    mods = source_modules()
+    known = {m.name for m in mods}
+    graph: dict[str, dict[str, list[str]]] = {m.name: {} for m in mods}
+    for m in mods:
+        for node in ast.walk(m.tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in imported_modules(m, node, known):
+                    if target != m.name:
+                        graph[m.name].setdefault(target, []).append(f"{m.rel}:{node.lineno}")
+    return graph
+
+
+def strongly_connected(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """Tarjan's strongly connected components with more than one module (an import cycle each)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def a_cycle(graph: dict[str, dict[str, list[str]]], component: list[str]) -> list[str]:
+    """One shortest cycle through the component's first module, as the list of modules (first repeated last)."""
+    start, members = component[0], set(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v]):
+                if w == start:
+                    return [*paths[v], start]
+                if w in members and w not in paths:
+                    paths[w] = [*paths[v], w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start} in {component}")
+
+
+def test_no_function_over_the_line_limit():
+    too_long = [f"{m.rel}:{fn.name}:{fn.end_lineno - fn.lineno + 1}"
+                for m in source_modules() for fn in functions(m.tree)
+                if fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines (file:function:lines):\n" + "\n".join(too_long)
+
+
+def test_no_module_over_the_line_limit():
+    too_long = [f"{m.rel}:{len(m.text.splitlines())}" for m in source_modules()
+                if len(m.text.splitlines()) > MAX_MODULE_LINES]
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines (file:lines):\n" + "\n".join(too_long)
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    report = []
+    for component in strongly_connected(graph):
+        cycle = a_cycle(graph, component)
+        where = "; ".join(f"{a} -> {b} at {', '.join(graph[a][b])}" for a, b in zip(cycle, cycle[1:]))
+        report.append(f"{' -> '.join(cycle)} (component: {', '.join(component)}): {where}")
+    assert not report, "import cycles among the project's modules:\n" + "\n".join(report)
+
+
+def test_few_imports_inside_functions():
+    found = [f"{m.rel}:{node.lineno}: {m.text.splitlines()[node.lineno - 1].strip()}"
+             for m in source_modules() for node in deferred_imports(m)]
+    print(f"{len(found)} imports inside function bodies:\n" + "\n".join(found))
+    assert len(found) <= MAX_DEFERRED_IMPORTS, (
+        f"{len(found)} imports inside function bodies (at most {MAX_DEFERRED_IMPORTS}: optional or heavy dependencies "
+        "only, each with a `# reason` comment):\n" + "\n".join(found)
+    )
+
+
+def test_the_checks_see_what_they_check():
+    """The scanner resolves relative and submodule imports, finds a planted cycle, and counts nested functions."""
+    def parsed(name: str, text: str, package: bool = False) -> SourceModule:
+        path = ROOT / (name.replace(".", "/") + ("/__init__.py" if package else ".py"))
+        return SourceModule(path, name, text, ast.parse(text))
+
+    a = parsed("pkg.a", "from . import b\nfrom .b import thing\nimport pkg.sub.c\n")
+    known = {"pkg", "pkg.a", "pkg.b", "pkg.sub", "pkg.sub.c"}
+    imports = [n for n in ast.walk(a.tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert [imported_modules(a, n, known) for n in imports] == [["pkg.b"], ["pkg.b"], ["pkg.sub.c"]]
+    init = parsed("pkg.sub", "from . import c\nfrom .. import a\nfrom pkg import missing\n", package=True)
+    imports = [n for n in ast.walk(init.tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert [imported_modules(init, n, known) for n in imports] == [["pkg.sub.c"], ["pkg.a"], ["pkg"]]
+    graph = {"x": {"y": ["x.py:1"]}, "y": {"z": ["y.py:3"]}, "z": {"x": ["z.py:9"]}, "w": {"x": ["w.py:2"]}}
+    (component,) = strongly_connected(graph)
+    assert component == ["x", "y", "z"] and a_cycle(graph, component) == ["x", "y", "z", "x"]
+    nested = parsed("pkg.n", "def f():\n    def g():\n        import os\n    import sys\n")
+    assert [n.lineno for n in deferred_imports(nested)] == [3, 4]
