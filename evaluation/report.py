@@ -2,10 +2,10 @@
 
 Usage::
 
-    from evaluation.report import write_report
-    path = write_report("runs/eval", classification=cls_df, replay=rep_df, sweep=sweep_df, sprinter=spr_df,
-                        cost_model=cm, columns=columns, policies=policies, tracking=True,
-                        command="python -m pipelines.evaluate --data_dir data --out_dir runs/eval")
+    from evaluation.report import ReportInputs, write_report
+    path = write_report("runs/eval", ReportInputs(classification=cls_df, replay=rep_df, sweep=sweep_df,
+                        sprinter=spr_df, cost_model=cm, columns=columns, policies=policies,
+                        command="python -m pipelines.evaluate --data_dir data --out_dir runs/eval"))
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,11 @@ import numpy as np
 import pandas as pd
 
 from compute.timing import CostModel
+from evaluation.classification import roc_points
 from predictors.base import StopPolicy
+from predictors.labels import label_name
 
-__all__ = ["write_report", "markdown_table", "report_metrics"]
+__all__ = ["ReportInputs", "write_report", "markdown_table", "report_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +107,7 @@ def report_metrics(classification: pd.DataFrame | None, replay: pd.DataFrame | N
 
 def _log_mlflow(out_dir: Path, metrics: Mapping[str, float]) -> bool:
     try:
-        import mlflow
+        import mlflow  # optional: the report is written without it
     except ImportError:
         return False
     if mlflow.active_run() is None:
@@ -118,7 +121,7 @@ def _log_mlflow(out_dir: Path, metrics: Mapping[str, float]) -> bool:
 def _calibration_plots(plots: Path, calibration: pd.DataFrame | None,
                        reliability: Mapping[tuple[str, str], Mapping[str, np.ndarray]] | None,
                        round_tokens: Mapping[str, Sequence[tuple[float, float]]] | None) -> dict[str, Path]:
-    from evaluation.plots import plot_expected_vs_measured, plot_reliability
+    from evaluation.plots import plot_expected_vs_measured, plot_reliability  # matplotlib: only to draw
 
     out: dict[str, Path] = {}
     if reliability:
@@ -153,173 +156,208 @@ def _calibration_section(calibration: pd.DataFrame | None) -> list[str]:
     ]
 
 
-def write_report(
-    out_dir: str | Path,
-    *,
-    classification: pd.DataFrame | None = None,
-    replay: pd.DataFrame | None = None,
-    sweep: pd.DataFrame | None = None,
-    sprinter: pd.DataFrame | None = None,
-    cost_model: CostModel | None = None,
-    columns: Mapping[str, Any] | None = None,
-    policies: Mapping[str, StopPolicy | None] | None = None,
-    tracking: bool = True,
-    command: str = "",
-    notes: Sequence[str] = (),
-    tuned: Mapping[str, tuple[float, float]] | None = None,
-    roc_label: tuple[str, float] = ("greedy", 1.0),
-    calibration: pd.DataFrame | None = None,
-    reliability: Mapping[tuple[str, str], Mapping[str, np.ndarray]] | None = None,
-    round_tokens: Mapping[str, Sequence[tuple[float, float]]] | None = None,
-) -> Path:
-    """Write report.md, plots/*.png and the tables as CSV into ``out_dir``; log them to the active MLflow run.
+@dataclass
+class ReportInputs:
+    """What :func:`write_report` writes: the evaluation's tables, the records and policies behind the plots, and the
+    lines of the report's header."""
 
-    Args:
-        out_dir: report folder (created).
-        classification: :func:`evaluation.classification.score_table` output.
-        replay, sweep: :func:`evaluation.replay.replay_table` outputs.
-        sprinter: :func:`evaluation.classification.sprinter_table` output.
-        cost_model: the cost model the speedups use (None: speedups unavailable, said in the report).
-        columns: the evaluated records (for the ROC overlay, the oracle histogram and the entropy plot).
-        policies: the learned / extra policies (added to the ROC overlay next to the built-in scores).
-        tracking: log the folder (``mlflow.log_artifacts``) and metrics when an MLflow run is active.
-        command: the command that reproduces the numbers.
-        notes: extra lines for the report header (data selection, fallbacks).
-        tuned: policy name -> (threshold, val speedup) from ``tune_threshold``.
-        roc_label: (family, lambda) of the ROC overlay.
-        calibration: ``evaluation.calibration.CalibrationResult.table`` (ECE per policy and decoding mode).
-        reliability: (policy, mode) -> reliability bins, for the reliability diagram.
-        round_tokens: cost-aware policy -> (expected, replayed) tokens per round, for the expected-vs-measured plot.
-    Returns:
-        path of report.md.
-    """
-    from evaluation.classification import roc_points
-    from evaluation.plots import plot_accept_vs_entropy, plot_oracle_hist, plot_roc, plot_threshold_speedup
-    from predictors.labels import label_name
+    classification: pd.DataFrame | None = None
+    """:func:`evaluation.classification.score_table` output."""
+    replay: pd.DataFrame | None = None
+    """:func:`evaluation.replay.replay_table`'s table."""
+    sweep: pd.DataFrame | None = None
+    """:func:`evaluation.replay.replay_table`'s threshold sweep."""
+    sprinter: pd.DataFrame | None = None
+    """:func:`evaluation.classification.sprinter_table` output."""
+    cost_model: CostModel | None = None
+    """The cost model the speedups use (None: speedups unavailable, said in the report)."""
+    columns: Mapping[str, Any] | None = None
+    """The evaluated records (for the ROC overlay, the oracle histogram and the entropy plot)."""
+    policies: Mapping[str, StopPolicy | None] | None = None
+    """The learned / extra policies (added to the ROC overlay next to the built-in scores)."""
+    command: str = ""
+    """The command that reproduces the numbers."""
+    notes: Sequence[str] = ()
+    """Extra lines for the report header (data selection, fallbacks)."""
+    tuned: Mapping[str, tuple[float, float]] | None = None
+    """Policy name -> (threshold, val speedup) from ``tune_threshold``."""
+    roc_label: tuple[str, float] = ("greedy", 1.0)
+    """(family, lambda) of the ROC overlay."""
+    calibration: pd.DataFrame | None = None
+    """``evaluation.calibration.CalibrationResult.table`` (ECE per policy and decoding mode)."""
+    reliability: Mapping[tuple[str, str], Mapping[str, np.ndarray]] | None = None
+    """(policy, mode) -> reliability bins, for the reliability diagram."""
+    round_tokens: Mapping[str, Sequence[tuple[float, float]]] | None = None
+    """Cost-aware policy -> (expected, replayed) tokens per round, for the expected-vs-measured plot."""
 
+
+PLOT_TITLES = {"roc": "ROC overlay", "sweep": "threshold vs predicted speedup", "oracle": "oracle draft length",
+               "entropy": "acceptance against draft entropy (SVIP Figure 2)",
+               "reliability": "reliability diagram of the calibrated acceptance (test split)",
+               "expected": "cost-aware policies: expected against measured tokens per round"}
+"""Section titles of the plots in report.md, by plot key."""
+
+
+def write_report(out_dir: str | Path, inputs: ReportInputs, tracking: bool = True) -> Path:
+    """Write report.md, plots/*.png and the tables as CSV into ``out_dir`` (created); with ``tracking``, log the folder
+    (``mlflow.log_artifacts``) and the metrics to the active MLflow run. Returns the path of report.md."""
     out = Path(out_dir)
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
-    for name, df in (("classification", classification), ("replay", replay), ("sweep", sweep), ("sprinter", sprinter),
-                     ("calibration", calibration)):
+    _write_tables(out, inputs)
+    pngs = _draw_plots(plots, inputs)
+    md = _header(inputs)
+    md += _classification_section(inputs.classification)
+    md += _sprinter_section(inputs.sprinter)
+    md += _replay_section(inputs.replay, inputs.cost_model)
+    md += _calibration_section(inputs.calibration)
+    md += _tuned_section(inputs.tuned)
+    md += ["## Plots", ""]
+    for k, p in pngs.items():
+        md += [f"### {PLOT_TITLES[k]}", "", f"![{PLOT_TITLES[k]}](plots/{p.name})", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(md))
+    if tracking:
+        try:
+            _log_mlflow(out, report_metrics(inputs.classification, inputs.replay, inputs.calibration))
+        except Exception as e:  # tracking must not lose the report already written
+            log.warning("could not log the report to MLflow: %s", e)
+    return path
+
+
+def _write_tables(out: Path, r: ReportInputs) -> None:
+    """The tables as CSV and the cost model as JSON."""
+    for name, df in (("classification", r.classification), ("replay", r.replay), ("sweep", r.sweep),
+                     ("sprinter", r.sprinter), ("calibration", r.calibration)):
         if df is not None:
             df.to_csv(out / f"{name}.csv", index=False)
-    if cost_model is not None:
-        cost_model.to_json(out / "cost_model.json")
+    if r.cost_model is not None:
+        r.cost_model.to_json(out / "cost_model.json")
+
+
+def _draw_plots(plots: Path, r: ReportInputs) -> dict[str, Path]:
+    """Plot key -> PNG written: ROC, oracle lengths and entropy (with records), the threshold sweep, calibration."""
+    from evaluation.plots import (  # matplotlib: only to draw
+        plot_accept_vs_entropy,
+        plot_oracle_hist,
+        plot_roc,
+        plot_threshold_speedup,
+    )
 
     pngs: dict[str, Path] = {}
-    if columns is not None:
+    if r.columns is not None:
         try:
-            roc = roc_points(columns, policies or {}, *roc_label)
+            roc = roc_points(r.columns, r.policies or {}, *r.roc_label)
         except KeyError as e:
             roc = {}
             log.warning("ROC overlay skipped: %s", e)
-        pngs["roc"] = plot_roc(roc, plots / "roc.png", f"ROC, label {label_name(*roc_label)}")
-        pngs["oracle"] = plot_oracle_hist(columns, plots / "oracle_len_hist.png")
-        pngs["entropy"] = plot_accept_vs_entropy(columns, plots / "accept_vs_entropy.png")
+        pngs["roc"] = plot_roc(roc, plots / "roc.png", f"ROC, label {label_name(*r.roc_label)}")
+        pngs["oracle"] = plot_oracle_hist(r.columns, plots / "oracle_len_hist.png")
+        pngs["entropy"] = plot_accept_vs_entropy(r.columns, plots / "accept_vs_entropy.png")
+    replay, sweep = r.replay, r.sweep
     ref_rows = replay
     if replay is not None and sweep is not None and len(sweep) and "mode" in sweep and "mode" in replay:
         ref_rows = replay[replay["mode"] == sweep["mode"].iloc[0]]
     sweep_title = f"threshold vs predicted speedup ({sweep['mode'].iloc[0]} replay)" if (
         sweep is not None and len(sweep) and "mode" in sweep) else ""
     pngs["sweep"] = plot_threshold_speedup(sweep, ref_rows, plots / "threshold_speedup.png", sweep_title)
-    pngs.update(_calibration_plots(plots, calibration, reliability, round_tokens))
+    pngs.update(_calibration_plots(plots, r.calibration, r.reliability, r.round_tokens))
+    return pngs
 
+
+def _header(r: ReportInputs) -> list[str]:
+    """Title, the command, the notes, the tokens evaluated and the cost model (or why speedups are missing)."""
     md: list[str] = ["# specstop evaluation report", ""]
-    if command:
-        md += ["Reproduce with:", "", "```", command, "```", ""]
-    for n in notes:
-        md.append(f"- {n}")
-    if columns is not None:
-        n = len(np.asarray(next(iter(columns.values()))))
-        md.append(f"- tokens evaluated: {n}")
-    if cost_model is None:
+    if r.command:
+        md += ["Reproduce with:", "", "```", r.command, "```", ""]
+    md += [f"- {n}" for n in r.notes]
+    if r.columns is not None:
+        md.append(f"- tokens evaluated: {len(np.asarray(next(iter(r.columns.values()))))}")
+    if r.cost_model is None:
         md.append("- **speedups unavailable**: no cost model (cost_model.json) was given; "
                   "replay reports tokens per call only.")
     else:
-        md.append(f"- cost model: {cost_model.describe()}")
-        if cost_model.assumed:
+        md.append(f"- cost model: {r.cost_model.describe()}")
+        if r.cost_model.assumed:
             md.append("- **every speedup below uses an ASSUMED cost model, not a measurement on this machine.**")
-    md.append("")
+    return [*md, ""]
 
-    if classification is not None and len(classification):
-        heads = classification[classification["group_by"] == "all"].copy()
-        md += [
-            "## Classification (test split)",
-            "",
-            "ROC AUC, PR-AUC (average precision) and F1 with 95% bootstrap intervals over prompts; soft labels count "
-            "each token as a positive with weight min(1,p/q) and a negative with the rest. "
-            "`f1_static_best`: DISCO's best static draft length (accept where position < k).",
-            "",
-        ]
-        heads["auc (CI)"] = _ci(heads, "auc")
-        heads["pr_auc (CI)"] = _ci(heads, "pr_auc")
-        heads["f1_own (CI)"] = _ci(heads, "f1_own")
-        for label, g in heads.groupby("label", sort=False):
-            md += [f"### label: {label}", ""]
-            md.append(markdown_table(g, ["policy", "n", "pos_rate", "auc (CI)", "pr_auc (CI)", "threshold",
-                                         "f1_own (CI)", "f1_opt", "thr_f1_opt", "static_best_k", "f1_static_best",
-                                         "f1_gain_vs_static", "f1_own_vs_static", "reason"]))
-        br = classification[classification["group_by"] != "all"]
-        if len(br):
-            md += ["### Breakdown by origin and domain (greedy-match label)", ""]
-            g = br[br["family"] == "greedy"] if (br["family"] == "greedy").any() else br
-            md.append(markdown_table(
-                g, ["group_by", "group", "policy", "n", "pos_rate", "auc", "pr_auc", "f1_own", "reason"]
-            ))
-        md.append("")
 
-    if sprinter is not None and len(sprinter):
-        md += [
-            "## SPRINTER theory against the data",
-            "",
-            "TPR / FPR at each policy's own threshold against q/p <= lambda; "
-            "Theorem 1: TV(p, p_SPRINTER) = FPR x mean TV; "
-            "Theorem 2: expected tokens before a target call with r = measured acceptable run per round, against the "
-            "replayed count along draft rollouts.",
-            "",
-        ]
-        md.append(markdown_table(sprinter, ["policy", "lam", "threshold", "tpr", "fpr", "mean_tv", "tv_bound",
-                                            "accept_rate_thm1", "rounds", "censored_rounds", "mean_r",
-                                            "e_tokens_theorem2", "e_tokens_replayed", "reason"]))
+def _classification_section(classification: pd.DataFrame | None) -> list[str]:
+    if classification is None or not len(classification):
+        return []
+    heads = classification[classification["group_by"] == "all"].copy()
+    md = [
+        "## Classification (test split)",
+        "",
+        "ROC AUC, PR-AUC (average precision) and F1 with 95% bootstrap intervals over prompts; soft labels count "
+        "each token as a positive with weight min(1,p/q) and a negative with the rest. "
+        "`f1_static_best`: DISCO's best static draft length (accept where position < k).",
+        "",
+    ]
+    heads["auc (CI)"] = _ci(heads, "auc")
+    heads["pr_auc (CI)"] = _ci(heads, "pr_auc")
+    heads["f1_own (CI)"] = _ci(heads, "f1_own")
+    for label, g in heads.groupby("label", sort=False):
+        md += [f"### label: {label}", ""]
+        md.append(markdown_table(g, ["policy", "n", "pos_rate", "auc (CI)", "pr_auc (CI)", "threshold",
+                                     "f1_own (CI)", "f1_opt", "thr_f1_opt", "static_best_k", "f1_static_best",
+                                     "f1_gain_vs_static", "f1_own_vs_static", "reason"]))
+    br = classification[classification["group_by"] != "all"]
+    if len(br):
+        md += ["### Breakdown by origin and domain (greedy-match label)", ""]
+        g = br[br["family"] == "greedy"] if (br["family"] == "greedy").any() else br
+        md.append(markdown_table(
+            g, ["group_by", "group", "policy", "n", "pos_rate", "auc", "pr_auc", "f1_own", "reason"]
+        ))
+    return [*md, ""]
 
-    if replay is not None and len(replay):
-        md += [
-            "## Offline replay",
-            "",
-            "Tokens per target call = mean accepted + 1; wasted = drafted but not accepted, per round; speedup = "
-            "predicted over target-only decoding under the cost model. Greedy replays accept up to the first mismatch; "
-            "sampling replays use the expected acceptance.",
-            "",
-        ]
-        cols = ["policy", "kind", "threshold", "verification", "n_rounds", "tokens_per_call", "mean_accepted",
-                "drafted_per_round", "wasted_per_round", "expected_per_round", "speedup", "reason"]
-        if cost_model is None:
-            cols.remove("speedup")
-        groups = replay.groupby("mode", sort=False) if "mode" in replay else [("", replay)]
-        for mode, g in groups:
-            md += [f"### {mode} verification" if mode else "### replay", ""]
-            for col in ("sequences", "exact_accepts"):
-                if col in g and g[col].notna().any():
-                    md.append(f"- {col}: {g[col].dropna().iloc[0]}")
-            md += ["", markdown_table(g, cols)]
-    md += _calibration_section(calibration)
-    if tuned:
-        md += ["### Thresholds tuned for latency on the validation split", ""]
-        md.append(markdown_table(pd.DataFrame([{"policy": k, "threshold": v[0], "val_speedup": v[1]}
-                                               for k, v in tuned.items()])))
-    md += ["## Plots", ""]
-    titles = {"roc": "ROC overlay", "sweep": "threshold vs predicted speedup", "oracle": "oracle draft length",
-              "entropy": "acceptance against draft entropy (SVIP Figure 2)",
-              "reliability": "reliability diagram of the calibrated acceptance (test split)",
-              "expected": "cost-aware policies: expected against measured tokens per round"}
-    for k, p in pngs.items():
-        md += [f"### {titles[k]}", "", f"![{titles[k]}](plots/{p.name})", ""]
-    path = out / "report.md"
-    path.write_text("\n".join(md))
-    if tracking:
-        try:
-            _log_mlflow(out, report_metrics(classification, replay, calibration))
-        except Exception as e:  # tracking must not lose the report already written
-            log.warning("could not log the report to MLflow: %s", e)
-    return path
+
+def _sprinter_section(sprinter: pd.DataFrame | None) -> list[str]:
+    if sprinter is None or not len(sprinter):
+        return []
+    return [
+        "## SPRINTER theory against the data",
+        "",
+        "TPR / FPR at each policy's own threshold against q/p <= lambda; "
+        "Theorem 1: TV(p, p_SPRINTER) = FPR x mean TV; "
+        "Theorem 2: expected tokens before a target call with r = measured acceptable run per round, against the "
+        "replayed count along draft rollouts.",
+        "",
+        markdown_table(sprinter, ["policy", "lam", "threshold", "tpr", "fpr", "mean_tv", "tv_bound",
+                                  "accept_rate_thm1", "rounds", "censored_rounds", "mean_r",
+                                  "e_tokens_theorem2", "e_tokens_replayed", "reason"]),
+    ]
+
+
+def _replay_section(replay: pd.DataFrame | None, cost_model: CostModel | None) -> list[str]:
+    if replay is None or not len(replay):
+        return []
+    md = [
+        "## Offline replay",
+        "",
+        "Tokens per target call = mean accepted + 1; wasted = drafted but not accepted, per round; speedup = "
+        "predicted over target-only decoding under the cost model. Greedy replays accept up to the first mismatch; "
+        "sampling replays use the expected acceptance.",
+        "",
+    ]
+    cols = ["policy", "kind", "threshold", "verification", "n_rounds", "tokens_per_call", "mean_accepted",
+            "drafted_per_round", "wasted_per_round", "expected_per_round", "speedup", "reason"]
+    if cost_model is None:
+        cols.remove("speedup")
+    groups = replay.groupby("mode", sort=False) if "mode" in replay else [("", replay)]
+    for mode, g in groups:
+        md += [f"### {mode} verification" if mode else "### replay", ""]
+        for col in ("sequences", "exact_accepts"):
+            if col in g and g[col].notna().any():
+                md.append(f"- {col}: {g[col].dropna().iloc[0]}")
+        md += ["", markdown_table(g, cols)]
+    return md
+
+
+def _tuned_section(tuned: Mapping[str, tuple[float, float]] | None) -> list[str]:
+    if not tuned:
+        return []
+    return ["### Thresholds tuned for latency on the validation split", "",
+            markdown_table(pd.DataFrame([{"policy": k, "threshold": v[0], "val_speedup": v[1]}
+                                         for k, v in tuned.items()]))]

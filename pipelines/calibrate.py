@@ -21,9 +21,17 @@ from typing import Any
 
 import numpy as np
 
+from decoding.policies import build_policy
+from evaluation.calibration import calibrate_policies
+from evaluation.data import draft_fingerprint, load_columns, subset
+from evaluation.report import markdown_table
+from pipelines.cli import parse_config, setup_logging, user_errors
+from pipelines.tracking import TrackingURI
+from predictors.export import METADATA_FILE, export_predictor, load_predictor, update_metadata
+
 
 @dataclass
-class CalibrateConfig:
+class CalibrateConfig(TrackingURI):
     """Arguments of ``python -m pipelines.calibrate``."""
 
     data_dir: str
@@ -43,8 +51,6 @@ class CalibrateConfig:
     """Split the expected calibration error is reported on."""
     force: bool = False
     """Load a predictor trained for another draft model anyway."""
-    tracking_uri: str | None = None
-    """MLflow URI for models:/ references."""
 
     def __post_init__(self) -> None:
         if self.method not in ("isotonic", "platt", "auto"):
@@ -53,12 +59,6 @@ class CalibrateConfig:
 
 def calibrate_export(cfg: CalibrateConfig) -> dict[str, Any]:
     """Fit, report and store the maps; returns {"folder", "table" (ECE rows), "maps"}."""
-    from decoding.policies import build_policy
-    from evaluation.calibration import calibrate_policies
-    from pipelines.evaluate import draft_fingerprint, load_columns, subset
-    from predictors.export import METADATA_FILE, export_predictor, update_metadata
-    from predictors.registry import download_model
-
     ref = cfg.predictor
     local = Path(ref).expanduser().is_dir() and (Path(ref) / METADATA_FILE).is_file()
     if not local and cfg.out_dir is None:
@@ -66,8 +66,6 @@ def calibrate_export(cfg: CalibrateConfig) -> dict[str, Any]:
     pol = build_policy(ref, max_draft_len=40, force=cfg.force, tracking_uri=cfg.tracking_uri)
     fp = draft_fingerprint(cfg.data_dir)
     if fp is not None and local:
-        from predictors.export import load_predictor
-
         load_predictor(ref, draft_fingerprint=fp, force=cfg.force)  # refuses a predictor made for another draft
     extra = tuple(c for c in pol.required_columns if c == "draft_hidden")
     cols = load_columns([cfg.data_dir, *cfg.extra_data_dirs], [cfg.fit_split, cfg.test_split], extra)
@@ -83,6 +81,8 @@ def calibrate_export(cfg: CalibrateConfig) -> dict[str, Any]:
             folder = Path(cfg.out_dir)
             shutil.copytree(ref, folder, dirs_exist_ok=True)
     elif ref.startswith(("models:/", "runs:/")):
+        from predictors.registry import download_model  # imports mlflow: only for registry references
+
         folder = Path(cfg.out_dir)
         shutil.copytree(download_model(ref, tracking_uri=cfg.tracking_uri), folder, dirs_exist_ok=True)
     else:
@@ -92,9 +92,6 @@ def calibrate_export(cfg: CalibrateConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from evaluation.report import markdown_table
-    from pipelines.cli import parse_config, setup_logging, user_errors
-
     setup_logging()
     with user_errors("python -m pipelines.calibrate"):
         cfg = parse_config(CalibrateConfig, argv, __doc__)

@@ -14,12 +14,15 @@ Usage:
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from compute.timing import CostModel, measure_cost_model
-from data_gen.config import ModelsConfig
+from data_gen.config import GenerateConfig, ModelsConfig
+from data_gen.generate import load_models
 from data_gen.shards import read_data_config
+from pipelines.cli import parse_config, setup_logging, user_errors
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +67,6 @@ def models_of(cfg: MeasureCostsConfig) -> ModelsConfig:
 
 def measure(cfg: MeasureCostsConfig) -> CostModel:
     """Load the models and time them; returns the cost model (not yet written)."""
-    from data_gen.generate import GenerateConfig, load_models
-
     models, _ = load_models(GenerateConfig(models=models_of(cfg)))
     lengths = tuple(range(1, cfg.max_length + 1))
     return measure_cost_model(models.draft, models.target, models.companion, lengths=lengths,
@@ -74,8 +75,6 @@ def measure(cfg: MeasureCostsConfig) -> CostModel:
 
 def main(argv: list[str] | None = None) -> dict:
     """Parse, measure, write the JSON and print the curve; returns the cost model as a dict."""
-    from pipelines.cli import parse_config, setup_logging, user_errors
-
     setup_logging()
     with user_errors("python -m pipelines.measure_costs"):
         cfg = parse_config(MeasureCostsConfig, argv, __doc__)
@@ -88,6 +87,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    import sys
-
     main(sys.argv[1:])

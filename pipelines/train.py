@@ -4,8 +4,9 @@
 2. Train the learned predictors with Lightning (DISCO FFN, SPRINTER verifier, SV bin table), each logged to MLflow
    through MLFlowLogger (params, per-epoch metrics, data fingerprint, model identities, resolved config).
 3. Evaluate them on the test split against the training-free scores (ROC / F1 / replayed speedup) and tune each
-   threshold for predicted speedup on the validation split (``pipelines.evaluate``); the report is logged to MLflow.
-   With ``crossval_folds`` > 0, also cross-validate DISCO and SPRINTER over folds of prompts (``pipelines.crossval``).
+   threshold for predicted speedup on the validation split (``pipelines.jobs.evaluate``); the report is logged to
+   MLflow. With ``crossval_folds`` > 0, also cross-validate DISCO and SPRINTER over folds of prompts
+   (``pipelines.jobs.crossval``).
 4. Export each predictor (safetensors + JSON) with its tuned threshold, register it in the MLflow registry, move the
    ``champion`` alias when it beats the current champion on validation AUC, and print the table: a summary that fits
    100 columns on the console, every column in ``<out_dir>/results.md`` (and ``results.json``).
@@ -22,8 +23,10 @@ Usage:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -32,16 +35,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from data_gen.generate import GenerateConfig
+import predictors.training as training
+from data_gen.config import GenerateConfig
+from data_gen.folders import data_identity, has_columns
+from data_gen.shards import finished_chunks, shard_path
+from evaluation.classification import DEFAULT_LABEL_SPECS, FREE_SCORES
 from pipelines.cli import parse_config, resolve_tracking_uri, setup_logging, user_errors
+from pipelines.jobs.crossval import CrossValConfig, CrossValRun, run_crossval
+from pipelines.jobs.evaluate import EvaluateConfig, run_evaluation
+from pipelines.jobs.evaluate_outputs import cost_aware_rows, store_calibrations
+from pipelines.jobs.generate import ensure_data, generate_config, plural
 from pipelines.progress import ChainProgress, Stage
+from pipelines.tracking import Experiment, TrackingURI
+from pipelines.train_results import RESULTS_MD, SUMMARY_NOTE, fmt, format_summary, results_markdown
+from predictors.export import export_predictor, load_predictor, read_metadata, update_metadata
+from predictors.labels import label_name
 from predictors.training import DiscoConfig, SprinterConfig, SVTableConfig
 
 log = logging.getLogger("pipelines.train")
 
 
 @dataclass
-class TrainJobConfig:
+class TrainJobConfig(Experiment, TrackingURI):
     """Arguments of ``python -m pipelines.train``; configs/default.yaml and configs/smoke.yaml mirror them."""
 
     data: GenerateConfig = field(
@@ -78,10 +93,6 @@ class TrainJobConfig:
     retrain: bool = False
     """Train (and register) every predictor anew, even one whose export in out_dir was made from the same config and
     data (by default such an export is reused, so a stopped job resumes where it stopped)."""
-    tracking_uri: str | None = None
-    """MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db); a remote server works too."""
-    experiment: str = "specstop"
-    """MLflow experiment name."""
 
     def __post_init__(self) -> None:
         bad = [p for p in self.predictors if p not in ("disco", "sprinter", "sv")]
@@ -89,123 +100,6 @@ class TrainJobConfig:
             raise ValueError(f"--predictors has unknown kinds {bad}; use disco, sprinter, sv")
         if self.crossval_folds and self.crossval_folds < 3:
             raise ValueError(f"crossval_folds={self.crossval_folds}: use 0 (off) or at least 3")
-
-
-def _ensure_data(cfg: TrainJobConfig, chain: ChainProgress, st: Stage) -> list[Path]:
-    """The data folders (``data`` first, then ``extra_data``), each generated or resumed when short.
-
-    A folder is left alone, without loading any model, when a generation run of the same config and budget completed
-    it (``data_gen.shards.is_complete``) or when it holds the budget already. Unreadable shards are moved aside
-    (``finished_chunks``), which makes the folder short again. A folder made by another data config is refused."""
-    from data_gen.shards import SHARD_GLOB, config_fingerprint, finished_chunks, is_complete, mark_complete
-    from pipelines.generate import generate
-
-    dirs, todo, have_by_dir = [], [], {}
-    for gen in [cfg.data, *map(_generate_config, cfg.extra_data)]:
-        data_dir = Path(gen.out_dir)
-        have = sum(finished_chunks(data_dir).values()) if data_dir.exists() else 0
-        fp = config_fingerprint(gen.data_config())
-        if cfg.generate_if_missing:
-            _check_same_config(data_dir, gen, fp)
-        done = (have and is_complete(data_dir, fp, gen.max_records)) or (
-            gen.max_records is not None and have >= gen.max_records)
-        if not done and cfg.generate_if_missing:
-            todo.append((gen, fp))
-        elif have == 0:
-            raise FileNotFoundError(
-                f"no shards ({SHARD_GLOB}) in {data_dir}; run python -m pipelines.generate "
-                "or pass --generate_if_missing true"
-            )
-        dirs.append(data_dir)
-        have_by_dir[data_dir] = have
-    before = sum(have_by_dir.values())
-    if not todo:
-        st.reused = True
-        st.summary = f"{before:,} records in {_plural(len(dirs), 'folder')} reused, nothing to generate"
-        return dirs
-    budgets = [gen.max_records for gen, _ in todo]
-    if None in budgets:
-        remaining = None
-    else:
-        remaining = sum(max(0, b - have_by_dir[Path(g.out_dir)]) for (g, _), b in zip(todo, budgets))
-    meter = chain.generation(remaining)
-    for gen, fp in todo:
-        data_dir = Path(gen.out_dir)
-        log.info("data folder %s has %d records (budget %s): generating (resumes finished shards)", data_dir,
-                 have_by_dir[data_dir], "all prompts" if gen.max_records is None else f"{gen.max_records:,}")
-        generate(gen, progress=meter.folder())
-        mark_complete(data_dir, fp, gen.max_records)
-    after = sum(sum(finished_chunks(d).values()) for d in dirs)
-    st.records = after - before
-    st.summary = f"{after - before:,} records" + (f" ({after:,} in {_plural(len(dirs), 'folder')})" if before else "")
-    return dirs
-
-
-def _check_same_config(data_dir: Path, gen: GenerateConfig, fp: str) -> None:
-    """Refuse a data folder whose shards another data config made (unless ``--data.overwrite true``), before any
-    model loads."""
-    from data_gen.shards import CONFIG_FILE, SHARD_GLOB
-
-    f = data_dir / CONFIG_FILE
-    if gen.overwrite or not f.is_file() or not any(data_dir.glob(SHARD_GLOB)):
-        return
-    old = json.loads(f.read_text())
-    if old.get("fingerprint") == fp:
-        return
-    new = json.loads(json.dumps(gen.data_config(), default=str))
-    changed = sorted(k for k in set(old.get("data", {})) | set(new) if old.get("data", {}).get(k) != new.get(k))
-    raise FileExistsError(f"{data_dir} holds shards of a different data config (changed: {changed}). Use another "
-                          f"out_dir for that data, or pass --data.overwrite true to delete them.")
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
-def _generate_config(path: str) -> GenerateConfig:
-    """A generate config from its YAML file (an ``extra_data`` entry)."""
-    from pipelines.cli import parse_config
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(
-            f"extra_data entry {path!r} is not a file (give generate-config YAML paths from {Path.cwd()})"
-        )
-    return parse_config(GenerateConfig, ["--config", path], "generate config")
-
-
-def _data_identity(data_dirs: list[Path]) -> dict[str, Any]:
-    """Fingerprints of the data and of the models that made it (from the generators' config.json / summary.json).
-
-    Several folders must come from the same draft / target / companion; their data fingerprints are joined."""
-    from data_gen.shards import CONFIG_FILE, SUMMARY_FILE, finished_chunks
-
-    def read(d: Path, name: str) -> dict:
-        return json.loads((d / name).read_text()) if (d / name).exists() else {}
-
-    cfgs = [read(d, CONFIG_FILE) for d in data_dirs]
-    fps = cfgs[0].get("resolved", {}).get("fingerprints", {})
-    for d, c in zip(data_dirs[1:], cfgs[1:]):
-        other = c.get("resolved", {}).get("fingerprints", {})
-        if other and fps and other != fps:
-            raise ValueError(f"data folders {data_dirs[0]} and {d} were made by different models ({fps} vs {other}); "
-                             f"a predictor trains on one model pair")
-    summary = read(data_dirs[0], SUMMARY_FILE)
-    prints = [c.get("fingerprint") for c in cfgs]
-    return {
-        "data_fingerprint": prints[0] if len(prints) == 1 else "+".join(str(p) for p in prints),
-        "records": sum(sum(finished_chunks(d).values()) for d in data_dirs),
-        "draft": fps.get("draft"),
-        "target": fps.get("target"),
-        "companion": fps.get("companion"),
-        "acceptance_rate": summary.get("overall", {}).get("acceptance_rate"),
-        "greedy_match_rate": summary.get("overall", {}).get("greedy_match_rate"),
-    }
-
-
-def _has_columns(data_dirs: list[Path], columns: tuple[str, ...]) -> bool:
-    from data_gen.shards import folder_columns
-
-    return all(set(columns) <= names for names in folder_columns(data_dirs).values())
 
 
 def _flat_params(prefix: str, obj: Any) -> dict[str, Any]:
@@ -243,64 +137,77 @@ def train_all(cfg: TrainJobConfig, progress: bool | None = None) -> dict[str, An
     Args:
         progress: show the bar (None: when stderr is a terminal); the per-stage lines are logged either way.
     """
-    from predictors.registry import check_reachable
+    from predictors.registry import check_reachable  # imports mlflow: not before the config parses
 
     uri = resolve_tracking_uri(cfg.tracking_uri)
     check_reachable(uri)  # fail before any work when the tracking server is down
     out = Path(cfg.out_dir)
     with ChainProgress(_planned_stages(cfg), log, disable=None if progress is None else not progress) as chain:
         with chain.stage("generate") as st:
-            data_dirs = _ensure_data(cfg, chain, st)
-        ident = _data_identity(data_dirs)
+            data_dirs = ensure_data([cfg.data, *map(generate_config, cfg.extra_data)], cfg.generate_if_missing,
+                                    chain, st)
+        ident = data_identity(data_dirs)
         out.mkdir(parents=True, exist_ok=True)
         (out / "resolved_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
-        kinds_cfg = {"disco": cfg.disco, "sprinter": cfg.sprinter, "sv": cfg.sv}
-        policies: dict[str, Any] = {}
-        rows: dict[str, dict[str, Any]] = {}
-        exports: dict[str, Path] = {}
-        states: dict[str, dict[str, Any]] = {}
-        for kind in cfg.predictors:
-            with chain.stage(f"train {kind}") as st:
-                got = _train_one(cfg, kind, kinds_cfg[kind], data_dirs, ident, uri, st)
-            if got is None:
-                rows[kind] = {"predictor": kind, "status": st.info["status"]}
-                continue
-            policies[kind], exports[kind], states[kind] = got
-            rows[kind] = dict(states[kind]["row"])
+        job = _train_stages(cfg, chain, data_dirs, ident, uri)
         report = None
-        if cfg.evaluate and policies:
+        if cfg.evaluate and job.policies:
             with chain.stage("evaluate") as st:
-                report = _evaluate(cfg, data_dirs, policies, exports, rows, uri)
-                st.summary = f"{_plural(len(policies), 'predictor')} on the test split"
-        cv_kinds = [k for k in ("disco", "sprinter") if k in policies]
+                report = _evaluate(cfg, data_dirs, job, uri)
+                st.summary = f"{plural(len(job.policies), 'predictor')} on the test split"
+        cv_kinds = [k for k in ("disco", "sprinter") if k in job.policies]
         if cfg.crossval_folds and cv_kinds:
             with chain.stage("crossval") as st:
-                _crossval(cfg, data_dirs, cv_kinds, rows, uri)
+                _crossval(cfg, data_dirs, cv_kinds, job.rows, uri)
                 st.summary = f"{cfg.crossval_folds} folds x {', '.join(cv_kinds)}"
-        if cfg.register and exports:
+        if cfg.register and job.exports:
             with chain.stage("register") as st:
-                st.summary = _register(exports, states, rows, ident, uri)
-        for kind, folder in exports.items():
-            _update_metadata_if_changed(folder, registry=rows[kind].get("registered"))
+                st.summary = _register(job, ident, uri)
+        for kind, folder in job.exports.items():
+            _update_metadata_if_changed(folder, registry=job.rows[kind].get("registered"))
+        rows = job.rows
         times = chain.times()
         result = {"results": list(rows.values()), "report": str(report) if report else None, "data": ident,
                   "seconds": times["total"], "stage_seconds": times, "total_line": chain.total_line()}
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
-    (out / RESULTS_MD).write_text(_results_markdown(cfg, result))
+    (out / RESULTS_MD).write_text(results_markdown(cfg.out_dir, result))
     return result
+
+
+@dataclass
+class Trained:
+    """The predictors the job trained or reused, by kind, and the rows of its table (one per predictor asked for)."""
+
+    policies: dict[str, Any] = field(default_factory=dict)
+    exports: dict[str, Path] = field(default_factory=dict)
+    """Export folders."""
+    states: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """What each ``train_state.json`` holds (:data:`TRAIN_STATE`)."""
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _train_stages(cfg: TrainJobConfig, chain: ChainProgress, data_dirs: list[Path], ident: dict,
+                  uri: str) -> Trained:
+    """One stage per predictor kind: trained (or its export reused); a kind the data cannot train gets a status row."""
+    kinds_cfg = {"disco": cfg.disco, "sprinter": cfg.sprinter, "sv": cfg.sv}
+    job = Trained()
+    for kind in cfg.predictors:
+        with chain.stage(f"train {kind}") as st:
+            got = _train_one(cfg, kind, kinds_cfg[kind], data_dirs, ident, uri, st)
+        if got is None:
+            job.rows[kind] = {"predictor": kind, "status": st.info["status"]}
+            continue
+        job.policies[kind], job.exports[kind], job.states[kind] = got
+        job.rows[kind] = dict(job.states[kind]["row"])
+    return job
 
 
 def _train_one(cfg: TrainJobConfig, kind: str, kcfg: Any, data_dirs: list[Path], ident: dict, uri: str,
                st: Stage) -> tuple[Any, Path, dict[str, Any]] | None:
     """Train and export one predictor, or reuse its export when ``train_state.json`` says it was made from the same
     config and data; returns (policy, export folder, state), or None when the data lacks its columns."""
-    from pytorch_lightning.loggers import MLFlowLogger
-
-    from predictors.export import export_predictor, load_predictor
-    from predictors.training import fit_predictor
-
     needs = {"sprinter": ("draft_hidden",), "sv": ("companion_sim", "companion_accept")}
-    if not _has_columns(data_dirs, needs.get(kind, ())):
+    if not has_columns(data_dirs, needs.get(kind, ())):
         why = f"data has no {needs[kind]} columns (" + (
             "configure data.models.companion" if kind == "sv" else "set data.store_hidden true") + ")"
         log.warning("skipping %s: %s", kind, why)
@@ -322,10 +229,12 @@ def _train_one(cfg: TrainJobConfig, kind: str, kcfg: Any, data_dirs: list[Path],
             st.summary = f"reused export {folder} (same config and data; --retrain true trains it again)"
             return policy, folder, state
     state_file.unlink(missing_ok=True)  # from here until the new state is written, the export is not finished
+    from pytorch_lightning.loggers import MLFlowLogger  # heavy (Lightning, MLflow): only when a predictor trains
+
     logger = MLFlowLogger(experiment_name=cfg.experiment, tracking_uri=uri, run_name=f"train-{kind}")
     logger.log_hyperparams({**_flat_params(kind, kcfg), **_flat_params("data", ident),
                             "data.generate": json.dumps(dataclasses.asdict(cfg.data), default=str)[:6000]})
-    policy, metrics = fit_predictor(kind, kcfg, data_dirs, kdir, logger=logger)
+    policy, metrics = training.fit_predictor(kind, kcfg, data_dirs, kdir, logger=logger)
     export_predictor(policy, folder, {
         "draft_fingerprint": ident["draft"], "target": ident["target"], "companion": ident["companion"],
         "data_fingerprint": ident["data_fingerprint"], "data_dir": ", ".join(map(str, data_dirs)),
@@ -339,18 +248,16 @@ def _train_one(cfg: TrainJobConfig, kind: str, kcfg: Any, data_dirs: list[Path],
         row["info_gain_frac"] = metrics.get("val_information_gain_frac")
     state = {"key": key, "row": row, "run_id": logger.run_id}
     _write_json(state_file, state)
-    epochs = f"{_plural(int(row['epochs']), 'epoch')}, " if row.get("epochs") else ""
-    st.summary = f"{epochs}{row['n_train'] or 0:,.0f} training records, val AUC {_fmt(row['val_auc'])}"
+    epochs = f"{plural(int(row['epochs']), 'epoch')}, " if row.get("epochs") else ""
+    st.summary = f"{epochs}{row['n_train'] or 0:,.0f} training records, val AUC {fmt(row['val_auc'])}"
     return policy, folder, state
 
 
-def _register(exports: dict[str, Path], states: dict[str, dict], rows: dict, ident: dict, uri: str) -> str:
+def _register(job: Trained, ident: dict, uri: str) -> str:
     """Register each export (not again when its state holds a version registered at ``uri``); the stage's summary."""
-    import contextlib
-    import io
+    from predictors.registry import register_predictor, registry_name  # imports mlflow: not before the config parses
 
-    from predictors.registry import register_predictor, registry_name
-
+    exports, states, rows = job.exports, job.states, job.rows
     done = []
     for kind, folder in exports.items():
         reg = states[kind].get("registered")
@@ -375,8 +282,6 @@ def _register(exports: dict[str, Path], states: dict[str, dict], rows: dict, ide
 
 def _train_key(kind: str, kcfg: Any, data_dirs: list[Path], ident: dict) -> str:
     """Hash of what a predictor is trained from: its config, the data config and every shard (name, rows, size)."""
-    from data_gen.shards import finished_chunks, shard_path
-
     shards = [
         [str(d), c, n, shard_path(d, c).stat().st_size]
         for d in data_dirs
@@ -402,37 +307,22 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def _update_metadata_if_changed(folder: Path, **fields: Any) -> None:
     """``predictors.export.update_metadata`` only when a field changes (a reused export's files stay untouched)."""
-    from predictors.export import read_metadata, update_metadata
-
     meta = read_metadata(folder)
     if any(meta.get(k) != v for k, v in fields.items()):
         update_metadata(folder, **fields)
 
 
-def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, exports: dict, rows: dict, uri: str) -> Path:
-    """Test-split evaluation of the trained policies against the baselines; tuned thresholds go into the exports."""
-    import mlflow
-
-    from evaluation.classification import DEFAULT_LABEL_SPECS, FREE_SCORES
-    from pipelines.evaluate import EvaluateConfig, run_evaluation
-
+def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], job: Trained, uri: str) -> Path:
+    """Test-split evaluation of the trained policies against the baselines, in an ``evaluate`` MLflow run; the table's
+    test columns, tuned thresholds into the exports, the calibration maps stored, the cost-aware rows added."""
+    policies, exports, rows = job.policies, job.exports, job.rows
     own = {kind: _own_label(c) for kind, c in (("disco", cfg.disco), ("sprinter", cfg.sprinter), ("sv", cfg.sv))}
     specs = [tuple(spec) for spec in DEFAULT_LABEL_SPECS]
     specs += [spec for kind, (_, spec) in own.items() if kind in policies and spec not in specs]
     ecfg = EvaluateConfig(data_dir=str(data_dirs[0]), extra_data_dirs=[str(d) for d in data_dirs[1:]],
                           out_dir=str(Path(cfg.out_dir) / "report"), tune_thresholds=True, label_specs=specs,
                           n_boot=cfg.n_boot, tracking=True, tracking_uri=uri, experiment=cfg.experiment)
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name(cfg.experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(cfg.experiment)
-    previous_uri = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    try:
-        with mlflow.start_run(run_name="evaluate", experiment_id=exp_id):
-            res = run_evaluation(ecfg, policies, cross_fit={k: (k, getattr(cfg, k)) for k in policies},
-                                 cross_fit_folds=max(3, cfg.crossval_folds or 5))
-    finally:
-        mlflow.set_tracking_uri(previous_uri)
+    res = _evaluation_run(cfg, ecfg, policies, uri)
     table = res.get("classification")
     for kind in policies:
         label = own[kind][0]
@@ -452,18 +342,32 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], policies: dict, export
         if speed is not None:
             rows[kind]["test_speedup"] = speed
             rows[kind]["decoding"] = "exact" if policies[kind].exact else "approximate"
-    from pipelines.evaluate import cost_aware_rows, store_calibrations  # calibration maps, cost-aware (goodput) rows
-
     store_calibrations(res, {k: exports[k] for k in policies if k in exports}, Path(cfg.out_dir) / "calibrated")
     for name, row in cost_aware_rows(res, list(policies)).items():
         rows.setdefault(name, {"predictor": name}).update(row)
     return Path(res["report"])
 
 
+def _evaluation_run(cfg: TrainJobConfig, ecfg: EvaluateConfig, policies: dict[str, Any], uri: str) -> dict[str, Any]:
+    """``run_evaluation`` inside an ``evaluate`` run of the job's experiment at ``uri`` (the process's tracking URI is
+    restored after), the learned policies' calibration maps cross-fitted from their training configs."""
+    import mlflow  # heavy: not before the config parses
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(cfg.experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(cfg.experiment)
+    previous_uri = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        with mlflow.start_run(run_name="evaluate", experiment_id=exp_id):
+            return run_evaluation(ecfg, policies, cross_fit={k: (k, getattr(cfg, k)) for k in policies},
+                                  cross_fit_folds=max(3, cfg.crossval_folds or 5))
+    finally:
+        mlflow.set_tracking_uri(previous_uri)
+
+
 def _crossval(cfg: TrainJobConfig, data_dirs: list[Path], kinds: list[str], rows: dict, uri: str) -> None:
     """Cross-validate the job's DISCO / SPRINTER configs; the cv_* columns of the table (group "all")."""
-    from pipelines.crossval import CrossValConfig, CrossValRun, run_crossval
-
     runs = [CrossValRun(kind, kind, **{kind: getattr(cfg, kind)}) for kind in kinds]
     ccfg = CrossValConfig(data_dir=str(data_dirs[0]), extra_data_dirs=[str(d) for d in data_dirs[1:]],
                           out_dir=str(Path(cfg.out_dir) / "crossval"), runs=runs, folds=cfg.crossval_folds,
@@ -477,8 +381,6 @@ def _crossval(cfg: TrainJobConfig, data_dirs: list[Path], kinds: list[str], rows
 def _own_label(kcfg: Any) -> tuple[str, tuple[str, float]]:
     """(label name, (family, lambda)) a predictor is trained for (the SV table: the label its val AUC is reported
     on)."""
-    from predictors.labels import label_name
-
     family = getattr(kcfg, "auc_label", None) or kcfg.label_family
     return label_name(family, kcfg.lam), (family, float(kcfg.lam))
 
@@ -491,95 +393,6 @@ def _headline_auc(table: Any, policy: str, label: str = "greedy match") -> float
     return float(sel["auc"].iloc[0]) if len(sel) else None
 
 
-RESULTS_MD = "results.md"
-"""The full table (every column) and the stage times, beside ``results.json`` in ``out_dir``."""
-
-FULL_COLUMNS = ["predictor", "status", "label", "val_auc", "val_auc_best_free", "test_auc", "best_free",
-                "test_auc_best_free", "cv_auc", "cv_best_free", "cv_auc_best_free", "cv_diff", "cv_diff_lo",
-                "cv_diff_hi", "threshold", "val_speedup", "test_speedup", "decoding", "ece_greedy", "ece_sampling",
-                "info_gain_bits", "info_gain_frac", "registered", "champion"]
-"""Columns of the full table (``results.md``), in order; a column no row has is left out."""
-
-
-def _fmt(v: Any, spec: str = ".4f") -> str:
-    return format(v, spec) if isinstance(v, float) else ("" if v is None else str(v))
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of the results, every column (:data:`FULL_COLUMNS`)."""
-    cols = [c for c in FULL_COLUMNS if any(c in r for r in rows)]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-SUMMARY_NOTE = (
-    "test AUC: on the predictor's own label and draw, test split; best free: the best training-free score (top-1,\n"
-    "q(x), -entropy) on the same tokens; cv diff: cross-validated AUC difference to it, "
-    "95% paired bootstrap interval;\n"
-    "speedup: replayed on the test split (thresholds tuned on validation; approx.: approximate decoding, SPRINTER's\n"
-    "rounds take their drafts before the last unverified); reg.: MLflow registry version (* champion)."
-)
-
-FREE_SHORT = {"max-prob": "top-1", "draft-prob": "q(x)", "neg-entropy": "-entropy"}
-"""The training-free scores as the console table names them (the README's names)."""
-
-
-def summary_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
-    """The console table's cells: one list per result row (header first). A row that was not trained shows its status
-    in place of the numbers; a label is cut at its first comma. Add a row and it shows on the console; every field
-    also goes to :func:`format_table`."""
-    out = [["predictor", "label", "test AUC", "best free", "cv diff [95% CI]", "speedup", "reg."]]
-    for r in rows:
-        if r.get("status") not in (None, "trained"):
-            out.append([str(r.get("predictor")), str(r["status"])])
-            continue
-        free = r.get("best_free")
-        best = f"{_fmt(r.get('test_auc_best_free'))} {FREE_SHORT.get(free, free or '')}".strip()
-        cv = ""
-        if r.get("cv_diff") is not None:
-            cv = f"{r['cv_diff']:+.4f} [{r['cv_diff_lo']:+.4f},{r['cv_diff_hi']:+.4f}]"
-        speed = f"{r['test_speedup']:.2f}x" if isinstance(r.get("test_speedup"), float) else ""
-        if speed and r.get("decoding") == "approximate":
-            speed += " approx."
-        version = str(r.get("registered") or "").rsplit(" ", 1)[-1] + ("*" if r.get("champion") else "")
-        label = str(r.get("label") or "").split(",")[0]
-        out.append([str(r.get("predictor")), label, _fmt(r.get("test_auc")), best, cv, speed, version])
-    return out
-
-
-def format_summary(rows: list[dict[str, Any]], width: int = 100) -> str:
-    """The console table: predictor, label, test AUC, best training-free score, cross-validated difference with its
-    interval, replayed speedup, registered version; aligned in columns, at most ``width`` characters a line (when the
-    cells are wider, the label and then the predictor column are cut, marked with ``~``)."""
-    cells = summary_rows(rows)
-    n = len(cells[0])
-    full = [c for c in cells if len(c) == n]
-    widths = [max(len(c[i]) for c in full) for i in range(n)]
-    used = [i for i in range(n) if any(c[i] for c in full[1:])] or list(range(n))  # drop columns no row fills
-    right = {2, 5}  # numbers, right-aligned after one space
-
-    def total() -> int:
-        return sum(widths[i] for i in used) + sum(1 if i in right else 2 for i in used[1:])
-
-    for i, floor in ((1, 10), (0, 12)):
-        widths[i] -= max(0, min(total() - width, widths[i] - floor))
-
-    def cell(v: str, i: int) -> str:
-        v = v if len(v) <= widths[i] else v[: widths[i] - 1] + "~"
-        return v.rjust(widths[i]) if i in right else v.ljust(widths[i])
-
-    lines = []
-    for c in cells:
-        if len(c) < n:  # predictor + status across the row
-            line = cell(c[0], 0) + "  " + " ".join(c[1:])
-        else:
-            line = cell(c[used[0]], used[0]) + "".join((" " if i in right else "  ") + cell(c[i], i) for i in used[1:])
-        lines.append(line.rstrip()[:width])
-    lines.insert(1, "-" * min(width, max(len(x) for x in lines)))
-    return "\n".join(lines)
-
-
 def _replayed_speedup(replay: Any, kind: str) -> float | None:
     """Speedup of the val-tuned policy (else the policy as trained) in the first replay mode on the test split."""
     if replay is None or not len(replay) or "speedup" not in replay:
@@ -590,16 +403,6 @@ def _replayed_speedup(replay: Any, kind: str) -> float | None:
         if len(sel) and sel["speedup"].notna().iloc[0]:
             return float(sel["speedup"].iloc[0])
     return None
-
-
-def _results_markdown(cfg: TrainJobConfig, result: dict[str, Any]) -> str:
-    times = result["stage_seconds"]
-    lines = [f"# Main job results ({cfg.out_dir})", "", format_table(result["results"]), "",
-             SUMMARY_NOTE.replace("\n", " "), "",
-             f"Report: {result['report']}" if result["report"] else "No evaluation report (--evaluate false).", "",
-             "## Time by stage", "", "| stage | seconds |", "|---|---|"]
-    lines += [f"| {k} | {v:.1f} |" for k, v in times.items()]
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""Report and ``pipelines.evaluate``: the Markdown report and PNG plots appear, the CLI (YAML config + MLflow logging)
-runs
-on synthetic shards, thresholds are tuned on val, and a predictor for another draft model is refused."""
+"""Report and the evaluation (``pipelines.jobs.evaluate``, ``python -m pipelines.evaluate``): the Markdown report and
+PNG plots appear, the CLI (YAML config + MLflow logging) runs on synthetic shards, thresholds are tuned on val, and a
+predictor for another draft model is refused."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,11 @@ from torch import Tensor
 
 from compute.timing import CostModel
 from evaluation.classification import score_table, sprinter_table
+from evaluation.data import draft_fingerprint, load_columns
 from evaluation.replay import ReplayConfig, replay_table
-from evaluation.report import write_report
-from pipelines.evaluate import EvaluateConfig, draft_fingerprint, load_columns, main, run_evaluation
+from evaluation.report import ReportInputs, write_report
+from pipelines.evaluate import main
+from pipelines.jobs.evaluate import EvaluateConfig, run_evaluation
 from predictors.base import StopPolicy
 from tests.synthetic import make_records, write_shards
 
@@ -47,8 +49,9 @@ def test_write_report(tmp_path):
     cls = score_table(cols, pols, n_boot=5)
     rep, sw = replay_table(cols, pols, cm, ReplayConfig(origins=None))
     sw.insert(1, "mode", "greedy")
-    path = write_report(tmp_path / "r", classification=cls, replay=rep, sweep=sw, sprinter=sprinter_table(cols, pols),
-                        cost_model=cm, columns=cols, policies=pols, tracking=False, command="python -m x")
+    path = write_report(tmp_path / "r", ReportInputs(classification=cls, replay=rep, sweep=sw,
+                                                     sprinter=sprinter_table(cols, pols), cost_model=cm, columns=cols,
+                                                     policies=pols, command="python -m x"), tracking=False)
     text = path.read_text()
     for heading in ("## Classification", "## SPRINTER", "## Offline replay", "## Plots", "python -m x",
                     "label: greedy match"):
@@ -60,7 +63,8 @@ def test_write_report(tmp_path):
     for csv in ("classification.csv", "replay.csv", "sweep.csv", "sprinter.csv", "cost_model.json"):
         assert (tmp_path / "r" / csv).is_file()
     # no cost model: the report says speedups are unavailable
-    text = write_report(tmp_path / "n", classification=cls, cost_model=None, columns=cols, tracking=False).read_text()
+    text = write_report(tmp_path / "n", ReportInputs(classification=cls, cost_model=None, columns=cols),
+                        tracking=False).read_text()
     assert "speedups unavailable" in text
 
 

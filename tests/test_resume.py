@@ -174,10 +174,12 @@ def test_console_table_fits_100_columns():
             "champion": True, "val_auc": 0.6, "threshold": 0.5}
     skipped = {"predictor": "sv", "status": "skipped: data has no ('companion_sim', 'companion_accept') columns "
                "(configure data.models.companion) and a long tail " * 2}
-    text = train.format_summary([long, skipped])
+    from pipelines import train_results
+
+    text = train_results.format_summary([long, skipped])
     assert max(map(len, text.splitlines())) <= 100
     assert "v12*" in text and "-0.0123 [-0.0346,+0.0123]" in text and "1.23x" in text and "skipped: data" in text
-    assert len(train.format_table([long]).splitlines()[0].split("|")) > 12  # the full table keeps every column
+    assert len(train_results.format_table([long]).splitlines()[0].split("|")) > 12  # the full table keeps every column
 
 
 def test_library_noise_filtered_once_and_actionable_warnings_kept():

@@ -1,0 +1,64 @@
+"""The MLflow fields of the entry-point configs, declared once, and the one way an entry point opens its MLflow run.
+
+Each field is a small keyword-only dataclass an entry point's config inherits, so the fields stay flat on the command
+line and in the YAML files (``--tracking``, ``--tracking_uri``, ``--experiment``) and an entry point takes only those
+it uses: :class:`TrackingConfig` (all three: evaluate, crossval, benchmark), :class:`TrackingURI` with
+:class:`Experiment` (the main job, which always tracks), :class:`TrackingURI` with :class:`TrackingSwitch` (the
+replay check, which logs into the benchmark's experiment), :class:`TrackingURI` alone (calibrate, for ``models:/``
+references). An entry point whose default differs restates that default only
+(``experiment: str = field(default="specstop-evaluate", kw_only=True)``).
+
+Usage::
+
+    @dataclass
+    class EvaluateConfig(TrackingConfig):
+        data_dir: str
+
+    with mlflow_run(cfg.tracking_uri, cfg.experiment, "evaluate"):
+        ...
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from pipelines.cli import resolve_tracking_uri
+
+__all__ = ["TrackingSwitch", "TrackingURI", "Experiment", "TrackingConfig", "mlflow_run"]
+
+
+@dataclass(kw_only=True)
+class TrackingSwitch:
+    tracking: bool = True
+    """Log the run's parameters, metrics and files to MLflow (into the active run when a caller started one)."""
+
+
+@dataclass(kw_only=True)
+class TrackingURI:
+    tracking_uri: str | None = None
+    """MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db; a remote server works too); also
+    where ``models:/`` references are read."""
+
+
+@dataclass(kw_only=True)
+class Experiment:
+    experiment: str = "specstop"
+    """MLflow experiment of the runs the entry point starts."""
+
+
+@dataclass(kw_only=True)
+class TrackingConfig(Experiment, TrackingURI, TrackingSwitch):
+    """``tracking``, ``tracking_uri`` and ``experiment``, in that order."""
+
+
+@contextmanager
+def mlflow_run(tracking_uri: str | None, experiment: str, run_name: str) -> Iterator[None]:
+    """Point MLflow at ``tracking_uri`` (resolved by ``pipelines.cli.resolve_tracking_uri``) and ``experiment``, and
+    run the body inside a new run named ``run_name``."""
+    import mlflow  # heavy: only entry points that log import it
+
+    mlflow.set_tracking_uri(resolve_tracking_uri(tracking_uri))
+    mlflow.set_experiment(experiment)
+    with mlflow.start_run(run_name=run_name):
+        yield
