@@ -99,9 +99,9 @@ def attention_for_labelling(models: LabelModels) -> None:
 
 def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
     """Refuse to add shards labelled on another compute path, LM-head dtype, pack layout, GEMM kernel or weight type
-    (int8 drafts) than the folder's (``compute: auto`` resolves per CPU: bf16 weights on an AVX512-BF16 host, fp32 on
-    an AVX2 one), so that no folder mixes two precisions (``compute.compute_path.precision_diffs``: older folders had
-    fp32 heads and per-layer packs)."""
+    (int8 drafts) than the folder's (``compute: auto`` resolves per CPU, so two hosts may label at two precisions), so
+    that no folder mixes two precisions (``compute.compute_path.precision_diffs``; a fingerprint without a field reads
+    as that field's default)."""
     stored = read_data_config(out_dir)
     if stored is None or not any(out_dir.glob("shard-*.parquet")):
         return

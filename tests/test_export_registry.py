@@ -9,14 +9,24 @@ import sys
 import time
 from pathlib import Path
 
+import mlflow
 import numpy as np
 import pytest
+import requests
 import torch
+from mlflow.tracking import MlflowClient
 
 from data_gen.shards import read_columns
 from predictors.baselines import BASELINES
 from predictors.export import FingerprintMismatch, export_predictor, load_predictor, read_metadata, update_metadata
-from predictors.registry import load_reference
+from predictors.registry import (
+    TrackingUnreachable,
+    example_frame,
+    frame_to_columns,
+    load_reference,
+    register_predictor,
+    registry_name,
+)
 from predictors.training import DiscoConfig, SprinterConfig, SVTableConfig, fit_predictor
 from tests.synthetic import make_records, write_shards
 
@@ -113,8 +123,6 @@ def test_baselines_export_and_load(kind, tmp_path):
 
 
 def test_registry_name():
-    from predictors.registry import registry_name
-
     fp = {"name": "packaged:qwen2.5-coder-0.5b-instruct"}
     assert registry_name("disco", fp) == "specstop-disco-qwen2.5-coder-0.5b-instruct"
     assert registry_name("sv", {"name": "Qwen/Qwen2.5 Coder:0.5B"}) == "specstop-sv-qwen2.5-coder-0.5b"
@@ -123,11 +131,6 @@ def test_registry_name():
 
 def _round_trip(trained, uri: str) -> None:
     """Register three versions; champion moves only on improvement; load by alias gives the same predictions."""
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from predictors.registry import example_frame, register_predictor
-
     cols, folders = trained
     name = "specstop-disco-test"
     first = register_predictor(folders["disco"], name, 0.80, tracking_uri=uri)
@@ -152,8 +155,6 @@ def _round_trip(trained, uri: str) -> None:
     try:
         model = mlflow.pyfunc.load_model(f"models:/{name}/1")
         frame = example_frame(folders["disco_policy"], n=4)
-        from predictors.registry import frame_to_columns
-
         expected = folders["disco_policy"].score(frame_to_columns(frame, folders["disco_policy"])).numpy()
         assert np.allclose(np.asarray(model.predict(frame)).reshape(-1), expected, atol=1e-6)
     finally:
@@ -165,10 +166,6 @@ def test_register_and_load_by_alias_sqlite(trained, tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     _round_trip(trained, uri)
     # into an existing run (the main job passes MLFlowLogger.run_id)
-    from mlflow.tracking import MlflowClient
-
-    from predictors.registry import register_predictor
-
     client = MlflowClient(uri)
     run = client.create_run(client.create_experiment("train-job"))
     info = register_predictor(trained[1]["sv"], "specstop-sv-test", 0.5, run_id=run.info.run_id, tracking_uri=uri)
@@ -176,8 +173,6 @@ def test_register_and_load_by_alias_sqlite(trained, tmp_path, monkeypatch):
 
 
 def test_unreachable_tracking_server_keeps_export(trained, monkeypatch):
-    from predictors.registry import TrackingUnreachable, register_predictor
-
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     folder = trained[1]["disco"]
@@ -224,8 +219,6 @@ def _server_process(tmp_path_factory):
 @pytest.fixture
 def mlflow_server(_server_process):
     """The server's URI once it answers on /health; skipped with the reason when it cannot start."""
-    import requests
-
     if _server_process is None:
         pytest.skip("the `mlflow` command is not installed")
     proc, uri, root = _server_process["proc"], _server_process["uri"], _server_process["root"]
@@ -245,8 +238,6 @@ def mlflow_server(_server_process):
 
 @pytest.mark.slow
 def test_register_and_load_against_real_mlflow_server(trained, mlflow_server, tmp_path, monkeypatch):
-    from predictors.registry import register_predictor
-
     monkeypatch.chdir(tmp_path)
     cols, folders = trained
     uri, name = mlflow_server["uri"], "specstop-sprinter-test"

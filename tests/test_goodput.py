@@ -27,6 +27,7 @@ from predictors.calibration import (
 )
 from predictors.export import export_predictor, load_predictor, update_metadata
 from predictors.goodput import GoodputPolicy, MissingCalibration, RoundCost
+from predictors.sv import SVPolicy, SVTable
 from tests.tiny_pairs import make_pair
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 3, 250, 61, 7]])
@@ -302,8 +303,6 @@ def test_goodput_sampling_mode_runs_and_keeps_the_length(pair, tmp_path):
 
 
 def test_sv_export_loads_as_goodput_with_its_maps(tmp_path):
-    from predictors.sv import SVPolicy, SVTable
-
     table = SVTable(s_bins=3, a_bins=3)
     g = torch.Generator().manual_seed(0)
     s, a = torch.rand(100, generator=g), torch.rand(100, generator=g)

@@ -9,12 +9,16 @@ import pytest
 import torch
 from torch import nn
 
+from compute.models import ModelSpec, load_model, share_truncated_layers
 from data_gen.continuations import continue_batch
+from data_gen.features import probs_and_entropy, probs_from_logits, token_features, topk_values
 from data_gen.labelling import (
+    CachedPass,
     LabelModels,
     LabelOptions,
     Segment,
     SequenceSpec,
+    _body_hidden,
     draft_pass,
     label_sequences,
     oracle_lengths,
@@ -144,8 +148,6 @@ def test_batched_equals_unbatched(tiny_pair, tiny_companion):
 
 def test_feature_columns_subset_equals_the_full_computation():
     """A decoder asks only for its policy's columns: those it gets equal the full computation's, bit for bit."""
-    from data_gen.features import token_features
-
     logits = torch.randn(3, 300) * 4
     tok = logits.argmax(-1)
     full = token_features(logits, tok, top_k=5, temperature=0.0)
@@ -161,8 +163,6 @@ def test_feature_columns_subset_equals_the_full_computation():
 def test_entropy_from_logits_matches_float64():
     """probs_and_entropy: probs_from_logits's probabilities bit for bit and their entropy (log max p - sum p (z - m)),
     flat or peaked, equal a float64 reference."""
-    from data_gen.features import probs_and_entropy, probs_from_logits
-
     torch.manual_seed(0)
     for scale, peak in ((2.5, 0.0), (2.5, 25.0), (5.0, 40.0)):
         logits = torch.randn(3, 5000) * scale
@@ -183,8 +183,6 @@ def test_entropy_from_logits_matches_float64():
 def test_token_features_refuse_non_finite_draft_logits_with_or_without_the_entropy(bad, columns):
     """The draft's finiteness check rides on the entropy when it is computed (NaN for NaN, +inf and -inf logits) and
     has its own reduction when it is not: either way a NaN or inf logit raises."""
-    from data_gen.features import token_features
-
     logits = torch.randn(2, 3000)
     logits[1, 17] = bad
     with pytest.raises(FloatingPointError, match="draft logits contain NaN or inf"):
@@ -197,8 +195,6 @@ def test_token_features_refuse_non_finite_draft_logits_with_or_without_the_entro
 def test_topk_values_equal_torch_topk(shape):
     """topk_values (block maxima, then the top-k of the k best blocks) gives torch.topk's values: random, tied,
     padded (V not a multiple of the block), batched and non-contiguous inputs."""
-    from data_gen.features import topk_values
-
     torch.manual_seed(0)
     for scale in (0.5, 3.0, 30.0):
         x = torch.randn(*shape) * scale
@@ -234,8 +230,6 @@ def test_draft_pass_decodes_as_generate_and_its_states_equal_a_full_pass(tiny_pa
     """draft_pass: right-padded prefixes of different lengths, then decoding from that pass's cache, gives each row the
     tokens transformers' generate gives it alone, and hidden states equal to one pass over prefix + new tokens; a row
     stops at an end-of-sequence token (kept) and n_new = 0 only passes the prefix."""
-    from data_gen.labelling import _body_hidden
-
     draft, _, tok = tiny_pair
     prefixes = [tok(t)["input_ids"] for t in ("def f(x):", "import numpy as np\nx = np.zeros(3)", "print(1)", "a")]
     n_new = [8, 0, 5, 12]
@@ -260,8 +254,6 @@ def test_draft_pass_decodes_as_generate_and_its_states_equal_a_full_pass(tiny_pa
 def test_cached_pass_continuation_then_fed_tokens_equal_a_full_pass(tiny_pair):
     """CachedPass: the target's continuation (decode) and then other tokens fed to the same cache (the draft's
     rollout) give the tokens generate gives and the states of one pass over the whole sequence."""
-    from data_gen.labelling import CachedPass, _body_hidden
-
     _, target, tok = tiny_pair
     pad = tok.pad_token_id
     prefixes = [tok(t)["input_ids"] for t in ("def f(x):", "import numpy as np", "a")]
@@ -367,9 +359,6 @@ def test_a_truncated_companion_shares_the_drafts_layers_and_its_states_come_from
     """truncated:N:<draft> as the companion: its N layers become the draft's own (one copy in memory), the draft
     pass's tap gives its final-norm states (equal to a pass of its own), and labels from those states equal the
     labelling pass's; another model, or a truncation of another, is left alone."""
-    from compute.models import ModelSpec, load_model, share_truncated_layers
-    from data_gen.labelling import _body_hidden
-
     draft, tok = load_model(ModelSpec("tiny:1:32:3"))
     target, _ = load_model(ModelSpec("tiny:2:32:3"))
     companion, _ = load_model(ModelSpec("truncated:2:tiny:1:32:3"))

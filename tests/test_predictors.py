@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from compute.draft_stats import native_available
 from predictors.disco import DiscoNet, DiscoPolicy
 from predictors.inputs import FeatureSpec, build_features, topk_entropy
 from predictors.sprinter import SprinterNet, SprinterPolicy
@@ -162,8 +163,6 @@ def test_disco_native_score_equals_the_torch_path(prior_index):
     """DiscoPolicy.score's native call (inputs and network in one: the engine's stop decision) gives the torch path's
     scores to float32 rounding, for the engine's column types (int64 position, float32 extras, log extras), one row
     or many; a NaN input is refused by the torch path's message."""
-    from compute.draft_stats import native_available
-
     if not native_available():
         pytest.skip("native statistics unavailable (no compiler)")
     torch.manual_seed(1)
@@ -193,9 +192,6 @@ def test_sprinter_native_score_equals_the_torch_path(prior):
     """SprinterPolicy.score's native call (the DISCO inputs and the hidden-state term in one, the linear layer with its
     standardisation folded) gives the torch path's scores to float32 rounding, on float16 hidden states as the engine
     passes them, one row or many; the fold follows the weights; a NaN is refused by the torch path's message."""
-    from compute.draft_stats import native_available
-    from predictors.sprinter import SprinterNet, SprinterPolicy
-
     if not native_available():
         pytest.skip("native statistics unavailable (no compiler)")
     torch.manual_seed(2)

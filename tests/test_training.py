@@ -6,10 +6,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from pytorch_lightning.loggers import MLFlowLogger
+from sklearn.metrics import roc_auc_score
 
+from data_gen.shards import read_columns
 from predictors.datamodule import ShardDataModule
+from predictors.export import export_predictor, load_predictor
+from predictors.labels import derive_label
 from predictors.training import DiscoConfig, SprinterConfig, SVTableConfig, fit_predictor
-from tests.synthetic import make_records, write_shards
+from tests.synthetic import make_records, with_sample_draw, write_shards
 
 FAST = dict(batch_size=128, patience=2, max_epochs=6)
 
@@ -61,9 +68,6 @@ def test_sv_table_fitted_through_lightning(shards, tmp_path):
 
 
 def test_mlflow_logger_gets_per_epoch_metrics(shards, tmp_path, monkeypatch):
-    from mlflow.tracking import MlflowClient
-    from pytorch_lightning.loggers import MLFlowLogger
-
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     logger = MLFlowLogger(experiment_name="specstop-test", tracking_uri=uri)
@@ -124,8 +128,6 @@ def test_config_checks_name_the_field():
 
 def test_hybrid_heads_train_export_and_reload(shards, tmp_path):
     """DISCO with the hidden state (hybrid head) and SPRINTER with the DISCO features: widths, learning, round trip."""
-    from predictors.export import export_predictor, load_predictor
-
     disco, m = fit_predictor(
         "disco", DiscoConfig(hidden_size=16, lr=5e-3, hidden_rank=4, **FAST), shards, tmp_path / "d"
     )
@@ -135,8 +137,6 @@ def test_hybrid_heads_train_export_and_reload(shards, tmp_path):
         "sprinter", SprinterConfig(lam=1.2, disco_features=True, **FAST), shards, tmp_path / "s"
     )
     assert sprinter.spec.parts == ("hidden", "disco") and sprinter.spec.width == 16 + 12 + 2 and m["val_auc"] > 0.9
-    from data_gen.shards import read_columns
-
     cols = read_columns(shards, ["draft_topk", "position", "draft_max_prob", "draft_entropy", "draft_hidden"])
     for policy in (disco, sprinter):
         back = load_predictor(export_predictor(policy, tmp_path / f"export-{policy.kind}", {}))
@@ -157,9 +157,6 @@ def test_two_folders_read_as_one(shards, tmp_path):
 
 def test_each_label_family_reads_its_draw(tmp_path):
     """With two draws per position, greedy labels come from the argmax rows, ratio labels from the sampled rows."""
-    from predictors.labels import derive_label
-    from tests.synthetic import with_sample_draw
-
     recs = make_records(n_prompts=20, tokens_per_prompt=20, hidden_size=16)
     both = with_sample_draw(recs)
     write_shards(tmp_path / "two", both)
@@ -180,11 +177,6 @@ def test_each_label_family_reads_its_draw(tmp_path):
 def test_sv_greedy_auc_reads_the_argmax_rows(tmp_path):
     """The SV table is fitted on the sampled draws (min(1, p/q)); its greedy-match val AUC is taken on the argmax rows,
     as the evaluation takes it, and so are the training-free bars beside it."""
-    import torch
-    from sklearn.metrics import roc_auc_score
-
-    from tests.synthetic import with_sample_draw
-
     both = with_sample_draw(make_records(n_prompts=30, tokens_per_prompt=20, hidden_size=0))
     write_shards(tmp_path / "two", both)
     policy, m = fit_predictor("sv", SVTableConfig(s_bins=5, a_bins=5), tmp_path / "two", tmp_path / "sv")
@@ -198,10 +190,6 @@ def test_sv_greedy_auc_reads_the_argmax_rows(tmp_path):
 def test_sv_information_gain_reads_the_sampled_draws(tmp_path):
     """The greedy-match AUC reads the argmax rows, but the information gain pairs the sampled rows' (S, A_c) with
     their own min(1, p/q): swapping in the argmax rows' inputs (the old bug) gives another number."""
-    import torch
-
-    from tests.synthetic import with_sample_draw
-
     both = with_sample_draw(make_records(n_prompts=30, tokens_per_prompt=20, hidden_size=0))
     sampled = both["draw"] == "sample"
     rng = np.random.default_rng(3)
