@@ -27,7 +27,8 @@ from compute.models import load_model
 from compute.timing import CostModel
 from data_gen.config import ModelsConfig
 from decoding.policies import build_decoder
-from pipelines.benchmark import BenchmarkConfig, load_benchmark_prompts
+from pipelines.benchmark.bench import load_benchmark_prompts
+from pipelines.benchmark.config import BenchmarkConfig
 
 VARIANTS = {"native_gemm": {"specstop": {"native_gemm": True, "int8_draft": False},
                              "onednn": {"native_gemm": False, "int8_draft": False}},

@@ -22,6 +22,14 @@ import pandas as pd
 
 from compute.timing import CostModel
 from evaluation.classification import roc_points
+from evaluation.plots import (
+    plot_accept_vs_entropy,
+    plot_expected_vs_measured,
+    plot_oracle_hist,
+    plot_reliability,
+    plot_roc,
+    plot_threshold_speedup,
+)
 from predictors.base import StopPolicy
 from predictors.labels import label_name
 
@@ -121,8 +129,6 @@ def _log_mlflow(out_dir: Path, metrics: Mapping[str, float]) -> bool:
 def _calibration_plots(plots: Path, calibration: pd.DataFrame | None,
                        reliability: Mapping[tuple[str, str], Mapping[str, np.ndarray]] | None,
                        round_tokens: Mapping[str, Sequence[tuple[float, float]]] | None) -> dict[str, Path]:
-    from evaluation.plots import plot_expected_vs_measured, plot_reliability  # matplotlib: only to draw
-
     out: dict[str, Path] = {}
     if reliability:
         ece = {}
@@ -237,13 +243,6 @@ def _write_tables(out: Path, r: ReportInputs) -> None:
 
 def _draw_plots(plots: Path, r: ReportInputs) -> dict[str, Path]:
     """Plot key -> PNG written: ROC, oracle lengths and entropy (with records), the threshold sweep, calibration."""
-    from evaluation.plots import (  # matplotlib: only to draw
-        plot_accept_vs_entropy,
-        plot_oracle_hist,
-        plot_roc,
-        plot_threshold_speedup,
-    )
-
     pngs: dict[str, Path] = {}
     if r.columns is not None:
         try:

@@ -18,18 +18,16 @@ from typing import Any
 
 from pipelines.cli import parse_config, setup_logging, user_errors
 from pipelines.jobs.evaluate import EvaluateConfig, run_evaluation
-from pipelines.tracking import mlflow_run
+from pipelines.tracking import mlflow_api, mlflow_run
 
 
 def run_tracked(cfg: EvaluateConfig) -> dict[str, Any]:
     """:func:`run_evaluation`, inside an MLflow run when ``cfg.tracking`` (and none is active)."""
     if not cfg.tracking:
         return run_evaluation(cfg)
-    import mlflow  # heavy: only a tracked run needs it
-
-    if mlflow.active_run() is not None:
+    if mlflow_api().active_run() is not None:
         return run_evaluation(cfg)
-    with mlflow_run(cfg.tracking_uri, cfg.experiment, "evaluate"):
+    with mlflow_run(cfg.tracking_uri, cfg.experiment, "evaluate") as mlflow:
         mlflow.log_params({k: str(v)[:250] for k, v in asdict(cfg).items()})
         return run_evaluation(cfg)
 

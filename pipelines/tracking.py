@@ -14,18 +14,19 @@ Usage::
     class EvaluateConfig(TrackingConfig):
         data_dir: str
 
-    with mlflow_run(cfg.tracking_uri, cfg.experiment, "evaluate"):
-        ...
+    with mlflow_run(cfg.tracking_uri, cfg.experiment, "evaluate") as mlflow:
+        mlflow.log_metric("x", 1.0)
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import ModuleType
 
 from pipelines.cli import resolve_tracking_uri
 
-__all__ = ["TrackingSwitch", "TrackingURI", "Experiment", "TrackingConfig", "mlflow_run"]
+__all__ = ["TrackingSwitch", "TrackingURI", "Experiment", "TrackingConfig", "mlflow_api", "mlflow_run"]
 
 
 @dataclass(kw_only=True)
@@ -52,13 +53,20 @@ class TrackingConfig(Experiment, TrackingURI, TrackingSwitch):
     """``tracking``, ``tracking_uri`` and ``experiment``, in that order."""
 
 
-@contextmanager
-def mlflow_run(tracking_uri: str | None, experiment: str, run_name: str) -> Iterator[None]:
-    """Point MLflow at ``tracking_uri`` (resolved by ``pipelines.cli.resolve_tracking_uri``) and ``experiment``, and
-    run the body inside a new run named ``run_name``."""
-    import mlflow  # heavy: only entry points that log import it
+def mlflow_api() -> ModuleType:
+    """The ``mlflow`` module, imported on first use: it takes seconds to import, so an entry point that does not log
+    (``--tracking false``, a config error) never pays for it."""
+    import mlflow  # heavy: on first use only
 
+    return mlflow
+
+
+@contextmanager
+def mlflow_run(tracking_uri: str | None, experiment: str, run_name: str) -> Iterator[ModuleType]:
+    """Point MLflow at ``tracking_uri`` (resolved by ``pipelines.cli.resolve_tracking_uri``) and ``experiment``, and
+    run the body inside a new run named ``run_name``; yields the ``mlflow`` module to log with."""
+    mlflow = mlflow_api()
     mlflow.set_tracking_uri(resolve_tracking_uri(tracking_uri))
     mlflow.set_experiment(experiment)
     with mlflow.start_run(run_name=run_name):
-        yield
+        yield mlflow

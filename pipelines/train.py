@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import mlflow
+from pytorch_lightning.loggers import MLFlowLogger
+
 import predictors.training as training
 from data_gen.config import GenerateConfig
 from data_gen.folders import data_identity, has_columns
@@ -50,6 +53,7 @@ from pipelines.tracking import Experiment, TrackingURI
 from pipelines.train_results import RESULTS_MD, SUMMARY_NOTE, fmt, format_summary, results_markdown
 from predictors.export import export_predictor, load_predictor, read_metadata, update_metadata
 from predictors.labels import label_name
+from predictors.registry import check_reachable, register_predictor, registry_name
 from predictors.training import DiscoConfig, SprinterConfig, SVTableConfig
 
 log = logging.getLogger("pipelines.train")
@@ -137,8 +141,6 @@ def train_all(cfg: TrainJobConfig, progress: bool | None = None) -> dict[str, An
     Args:
         progress: show the bar (None: when stderr is a terminal); the per-stage lines are logged either way.
     """
-    from predictors.registry import check_reachable  # imports mlflow: not before the config parses
-
     uri = resolve_tracking_uri(cfg.tracking_uri)
     check_reachable(uri)  # fail before any work when the tracking server is down
     out = Path(cfg.out_dir)
@@ -229,8 +231,6 @@ def _train_one(cfg: TrainJobConfig, kind: str, kcfg: Any, data_dirs: list[Path],
             st.summary = f"reused export {folder} (same config and data; --retrain true trains it again)"
             return policy, folder, state
     state_file.unlink(missing_ok=True)  # from here until the new state is written, the export is not finished
-    from pytorch_lightning.loggers import MLFlowLogger  # heavy (Lightning, MLflow): only when a predictor trains
-
     logger = MLFlowLogger(experiment_name=cfg.experiment, tracking_uri=uri, run_name=f"train-{kind}")
     logger.log_hyperparams({**_flat_params(kind, kcfg), **_flat_params("data", ident),
                             "data.generate": json.dumps(dataclasses.asdict(cfg.data), default=str)[:6000]})
@@ -255,8 +255,6 @@ def _train_one(cfg: TrainJobConfig, kind: str, kcfg: Any, data_dirs: list[Path],
 
 def _register(job: Trained, ident: dict, uri: str) -> str:
     """Register each export (not again when its state holds a version registered at ``uri``); the stage's summary."""
-    from predictors.registry import register_predictor, registry_name  # imports mlflow: not before the config parses
-
     exports, states, rows = job.exports, job.states, job.rows
     done = []
     for kind, folder in exports.items():
@@ -351,8 +349,6 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], job: Trained, uri: str
 def _evaluation_run(cfg: TrainJobConfig, ecfg: EvaluateConfig, policies: dict[str, Any], uri: str) -> dict[str, Any]:
     """``run_evaluation`` inside an ``evaluate`` run of the job's experiment at ``uri`` (the process's tracking URI is
     restored after), the learned policies' calibration maps cross-fitted from their training configs."""
-    import mlflow  # heavy: not before the config parses
-
     client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(cfg.experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(cfg.experiment)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.benchmark import BenchmarkConfig, main
+from pipelines.benchmark.__main__ import main
+from pipelines.benchmark.config import BenchmarkConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,7 +37,8 @@ def test_bad_config(tmp_path):
 
 
 def test_a_missing_tuning_folder_is_named_when_the_run_needs_it(tmp_path):
-    from pipelines.benchmark import Bench, tune_on_validation
+    from pipelines.benchmark.bench import Bench
+    from pipelines.benchmark.tuning import tune_on_validation
 
     cfg = BenchmarkConfig(policies=["static:best"], tune_data_dir=str(tmp_path / "none"))  # parses: may come later
     bench = Bench(cfg, None, None, None, None, [], [], cost_model=object())  # type: ignore[arg-type]
@@ -50,18 +52,17 @@ def test_thresholds_are_tuned_on_one_draw_per_position(tmp_path, monkeypatch, te
     decoding mode makes (both draws replayed as one sequence would read two tokens per position)."""
     import numpy as np
 
-    import evaluation.replay as replay
-    import pipelines.evaluate as evaluate
-    from pipelines.benchmark import Bench, tune_on_validation
+    import pipelines.benchmark.tuning as tuning
+    from pipelines.benchmark.bench import Bench
 
     (tmp_path / "data").mkdir()
     cols = {"draw": np.array(["greedy", "sample"] * 3), "seq_id": np.zeros(6, dtype=np.int64)}
     seen = []
-    monkeypatch.setattr(evaluate, "load_columns", lambda *a, **k: cols)
-    monkeypatch.setattr(replay, "tune_threshold", lambda pol, c, *a, **k: (seen.append(c) or (0.5, 1.0)))
+    monkeypatch.setattr(tuning, "load_columns", lambda *a, **k: cols)
+    monkeypatch.setattr(tuning, "tune_threshold", lambda pol, c, *a, **k: (seen.append(c) or (0.5, 1.0)))
     cfg = BenchmarkConfig(policies=["svip:tuned"], tune_data_dir=str(tmp_path / "data"), temperature=temperature)
     bench = Bench(cfg, None, None, None, None, [], [], cost_model=object())  # type: ignore[arg-type]
-    tune_on_validation(cfg.policies, bench)
+    tuning.tune_on_validation(cfg.policies, bench)
     assert len(seen) == 1 and list(seen[0]["draw"]) == [draw] * 3
 
 
@@ -69,17 +70,16 @@ def test_the_drafted_tokens_probability_is_tuned_like_the_other_baselines(tmp_pa
     """draft_prob:tuned (q(x), transformers' confidence criterion under sampling) is tuned on val as the others are."""
     import numpy as np
 
-    import evaluation.replay as replay
-    import pipelines.evaluate as evaluate
-    from pipelines.benchmark import Bench, tune_on_validation
+    import pipelines.benchmark.tuning as tuning
+    from pipelines.benchmark.bench import Bench
 
     (tmp_path / "data").mkdir()
-    monkeypatch.setattr(evaluate, "load_columns", lambda *a, **k: {"draw": np.array(["sample"] * 2),
+    monkeypatch.setattr(tuning, "load_columns", lambda *a, **k: {"draw": np.array(["sample"] * 2),
                                                                     "seq_id": np.zeros(2, dtype=np.int64)})
-    monkeypatch.setattr(replay, "tune_threshold", lambda pol, c, *a, **k: (0.25, 1.3))
+    monkeypatch.setattr(tuning, "tune_threshold", lambda pol, c, *a, **k: (0.25, 1.3))
     cfg = BenchmarkConfig(policies=["draft_prob:tuned"], tune_data_dir=str(tmp_path / "data"), temperature=1.0)
     bench = Bench(cfg, None, None, None, None, [], [], cost_model=object())  # type: ignore[arg-type]
-    pol, label, rebuild = tune_on_validation(cfg.policies, bench)["draft_prob:tuned"]
+    pol, label, rebuild = tuning.tune_on_validation(cfg.policies, bench)["draft_prob:tuned"]
     assert pol.kind == "draft_prob" and pol.threshold == 0.25 and label == "draft_prob:0.25 (val-tuned)"
     assert rebuild == {"spec": "draft_prob", "threshold": 0.25}
 
@@ -100,7 +100,7 @@ def test_bad_options_through_the_command_line(capsys, tmp_path):
 def test_fewer_prompts_than_asked_are_named(caplog):
     """A config asking for more prompts than its sources hold in the split runs those and says how many."""
     from compute.models import ModelSpec, load_model
-    from pipelines.benchmark import load_benchmark_prompts
+    from pipelines.benchmark.bench import load_benchmark_prompts
 
     _, tok = load_model(ModelSpec("tiny:1"))
     cfg = BenchmarkConfig(prompt_texts=["def f():", "hello"], n_prompts=5, split=None)
@@ -112,21 +112,23 @@ def test_fewer_prompts_than_asked_are_named(caplog):
 def test_paired_bootstrap_interval_brackets_the_ratio():
     import numpy as np
 
-    from pipelines.benchmark import Row, _ratio_ci
+    from pipelines.benchmark.rows import Row, ratio_ci
 
     base = Row("t", "m", seconds=[1.0, 2.0, 1.0, 3.0], outputs=[[0] * 10, [0] * 20, [0] * 10, [0] * 30])
     fast = Row("f", "m", seconds=[0.5, 1.0, 0.6, 1.4], outputs=base.outputs)
     boot = np.random.default_rng(0).integers(0, 4, (500, 4))
-    point, lo, hi = _ratio_ci(fast, base, boot)
+    point, lo, hi = ratio_ci(fast, base, boot)
     assert point == pytest.approx(7.0 / 3.5) and lo <= point <= hi and lo > 1.5
-    same, lo, hi = _ratio_ci(base, base, boot)
+    same, lo, hi = ratio_ci(base, base, boot)
     assert same == lo == hi == pytest.approx(1.0)
 
 
 def test_rows_repeat_in_alternating_order_and_keep_each_prompts_faster_run():
     """repeats = 2: every row twice a prompt, in plan order then reversed; per prompt the faster run is kept, the
     first when the outputs differ; the reference row runs once."""
-    from pipelines.benchmark import Bench, Row, run_rows
+    from pipelines.benchmark.bench import Bench
+    from pipelines.benchmark.plan import run_rows
+    from pipelines.benchmark.rows import Row
 
     calls: list[tuple[int, str]] = []
     times = {("a", 0): [3.0, 1.0], ("a", 1): [1.0, 2.0], ("b", 0): [2.0, 1.0], ("b", 1): [1.0, 1.0]}

@@ -8,8 +8,12 @@ import pytest
 
 from compute.timing import CostModel
 from decoding.engine import DecodeStats
-from pipelines.benchmark import Bench, BenchmarkConfig, Row, main, run_rows
-from pipelines.benchmark_resume import PromptStore, row_from_dict, row_to_dict, run_identity
+from pipelines.benchmark.__main__ import main
+from pipelines.benchmark.bench import Bench
+from pipelines.benchmark.config import BenchmarkConfig
+from pipelines.benchmark.plan import run_rows
+from pipelines.benchmark.resume import PromptStore, row_from_dict, row_to_dict, run_identity
+from pipelines.benchmark.rows import Row
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,7 +17,7 @@ ENTRY_CLASSES = {
     "pipelines.generate": ("data_gen.generate", "GenerateConfig"),
     "pipelines.train": ("pipelines.train", "TrainJobConfig"),
     "pipelines.evaluate": ("pipelines.evaluate", "EvaluateConfig"),
-    "pipelines.benchmark": ("pipelines.benchmark", "BenchmarkConfig"),
+    "pipelines.benchmark": ("pipelines.benchmark.config", "BenchmarkConfig"),
     "pipelines.crossval": ("pipelines.crossval", "CrossValConfig"),
 }
 

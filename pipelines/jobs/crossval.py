@@ -13,7 +13,8 @@ from typing import Any
 import pandas as pd
 
 from evaluation.crossval import calibration_markdown, calibration_summary, crossvalidate, summarise, to_markdown
-from pipelines.tracking import TrackingConfig, mlflow_run
+from evaluation.plots import plot_crossval, plot_learning_curve
+from pipelines.tracking import TrackingConfig, mlflow_api, mlflow_run
 from predictors.training import DiscoConfig, SprinterConfig, TrainConfig
 
 log = logging.getLogger("pipelines.crossval")
@@ -80,8 +81,6 @@ class CrossValConfig(TrackingConfig):
 
 def run_crossval(cfg: CrossValConfig) -> dict[str, Any]:
     """Train every run on every fold, summarise, write and log the results; returns {"table", "markdown", "files"}."""
-    from evaluation.plots import plot_crossval, plot_learning_curve  # matplotlib: only to draw
-
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = [cfg.data_dir, *cfg.extra_data_dirs] if cfg.extra_data_dirs else cfg.data_dir
@@ -117,7 +116,7 @@ def run_crossval(cfg: CrossValConfig) -> dict[str, Any]:
 
 def _log_mlflow(cfg: CrossValConfig, table: Any, files: list[Path]) -> None:
     """The table's metrics and the files, into the active MLflow run, else a new ``crossval`` run with ``tracking``."""
-    import mlflow  # heavy: only when the results are logged
+    mlflow = mlflow_api()
 
     def log_all() -> None:
         for r in table.to_dict("records"):

@@ -1,5 +1,5 @@
-"""A benchmark run kept prompt by prompt on disk, so a stopped run, or one longer than a session, continues where it
-stopped (``pipelines.benchmark`` with ``order: prompt`` and ``resume: true``, the defaults).
+"""A benchmark run kept prompt by prompt on disk, so a stopped run continues where it stopped (``pipelines.benchmark``
+with ``order: prompt`` and ``resume: true``, the defaults).
 
 Rows run side by side: every row decodes prompt j before any decodes prompt j + 1. When prompt j is done, its rows
 (tokens, seconds, the engine's counters) and the curve probed after it are written to
@@ -7,7 +7,7 @@ Rows run side by side: every row decodes prompt j before any decodes prompt j + 
 none). ``run.json`` beside them holds what the run is: the config fields that shape its numbers, the prompts' token
 ids, the rows' names (thresholds tuned on validation included) and the verification curve measured at its start. A
 rerun of the same command reads them back and starts at the first prompt without a file, on that first curve, so its
-tuned thresholds and the cost-aware rules' prices are the first session's.
+tuned thresholds and the cost-aware rules' prices are those of the run's first start.
 
 Resuming is refused, with a ``ValueError`` that names what differs, when the config, the prompts, the rows or the
 machine (CPU model, SIMD flags, bf16 chain, compute path: ``CostModel.mismatch``) differ: one prompt's rows always
@@ -28,12 +28,12 @@ import os
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from compute.timing import CostModel
-
-if TYPE_CHECKING:
-    from pipelines.benchmark import BenchmarkConfig, Row
+from decoding.engine import DecodeStats
+from pipelines.benchmark.config import BenchmarkConfig
+from pipelines.benchmark.rows import Row
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +66,6 @@ def row_to_dict(row: Row) -> dict[str, Any]:
 
 def row_from_dict(d: dict[str, Any]) -> Row:
     """The inverse of :func:`row_to_dict`."""
-    from decoding.engine import DecodeStats
-    from pipelines.benchmark import Row
-
     d = dict(d)
     decode = d.pop("decode", None)
     known = {f.name for f in fields(Row)}
@@ -134,8 +131,8 @@ class PromptStore:
         _write_atomic(self.run_file, json.dumps({"identity": identity, "cost_model": curve.to_dict()}, indent=1))
 
     def check_rows(self, names: list[str]) -> None:
-        """Record the rows' names (tuned thresholds in them) at the first session; later sessions must plan the same
-        rows (tuning is a replay of the validation split under the stored curve, so it should)."""
+        """Record the rows' names (tuned thresholds in them) at the run's first start; a continued run must plan the
+        same rows (tuning is a replay of the validation split under the stored curve, so it should)."""
         stored = json.loads(self.run_file.read_text())
         if "rows" not in stored:
             stored["rows"] = names

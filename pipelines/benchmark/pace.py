@@ -1,9 +1,9 @@
 """Which benchmark runs a slow phase of the host hit: each run's model forwards timed against the verification curve,
-so a row is run again only when it ran slower than the prompt's other rows (``pipelines.benchmark``,
+so a row is run again only when it ran slower than the prompt's other rows (``pipelines.benchmark.plan``,
 ``rerun_slower_than``).
 
-A shared VM here slows down for 10-20 s at a time, by up to 3x; a row's run on one prompt takes 5-12 s, so a slow
-phase covers a few rows of a prompt. Running every row twice and keeping its faster run removes such spikes but
+A shared VM slows down for several seconds at a time, longer than a row's run on one prompt, so a slow phase covers a
+few rows of a prompt. Running every row twice and keeping its faster run removes such spikes but
 doubles the benchmark. Instead, while a row runs, :class:`PaceMeter` times every forward of the target and the draft
 whose length the curve prices (a target pass of L new tokens, L up to the longest measured; a draft step of a few
 tokens; prefills are left out) and adds the curve's time for it. A run's pace per model is its measured over its
@@ -12,9 +12,8 @@ phase covers a minority of rows) is the prompt's normal pace; a run whose forwar
 times what the normal paces predict for them (:func:`excess`) was slowed down, and only such rows run again
 (target-only too: every row is measured alike).
 
-Trade-off, measured (README, eighteenth session): 27% less time in the rows, but a row then keeps a typical run, not
-the faster of two, so on a noisy host its time sits above a curve made of minimum times; the benchmark's default stays
-every row twice.
+Trade-off: less time in the rows, but a row then keeps a typical run, not the faster of two, so on a noisy host its
+time sits above a curve made of minimum times; the benchmark's default stays every row twice.
 
 Usage (inside the benchmark)::
 

@@ -1,0 +1,11 @@
+"""The end-to-end decoding benchmark, one concern per module (``python -m pipelines.benchmark``: ``__main__``).
+
+From the config down: ``config`` (what a run does) -> ``run`` (a run from start to end) -> ``plan`` (which rows, in
+what order; ``pace`` and ``resume`` beside it) -> ``runners`` (one row on the prompts of a ``bench``; ``tuning`` picks
+the tuned rows' thresholds) -> ``rows`` (a row's counters and entry) -> ``report`` (tables; ``plots``) and ``tracking``
+(MLflow); ``curve`` holds the run's verification curve. The replay check, which the run ends with and
+``python -m pipelines.replay_check`` runs alone: ``check_inputs`` (the finished folder) -> ``check_records`` (the
+labelled prompts) -> ``check`` (replay against measurement) -> ``check_report``.
+
+Nothing is imported here, so ``import pipelines.benchmark.config`` loads no model code.
+"""

@@ -1,0 +1,141 @@
+"""What the replay check reads from a finished benchmark's folder (:class:`BenchFolder`: its config, rows, prompts,
+target-only's outputs and the curve it prices with) and every engine row's policy rebuilt from the spec and threshold
+the benchmark recorded (:func:`row_policies`), with why the replay cannot follow a row's trajectory
+(:func:`row_note`)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from compute.timing import CostModel
+from decoding.policies import build_policy
+from evaluation.replay import with_threshold
+from pipelines.benchmark.config import BenchmarkConfig
+from pipelines.benchmark.curve import CURVE_DURING_ROWS
+from pipelines.cli import parse_config
+from predictors.base import HINDSIGHT, StopPolicy
+
+
+@dataclass
+class BenchFolder:
+    """What the check reads from a finished benchmark's folder."""
+
+    path: Path
+    cfg: BenchmarkConfig
+    rows: list[dict[str, Any]]
+    """benchmark.json's rows."""
+    names: list[str]
+    """Prompt ids."""
+    prompts: list[list[int]]
+    """Prompt token ids, as the benchmark decoded them."""
+    continuations: list[list[int]]
+    """target-only's output per prompt."""
+    cost_model: CostModel
+    """The curve the check prices with: the benchmark's probes between its prompts pooled (``cost_model_rows.json``)
+    where it took them, else the curve it measured before the rows (``cost_model.json``)."""
+    cost_model_file: Path | None = None
+    """The file ``cost_model`` was read from."""
+    decision_cost_model: CostModel | None = None
+    """The curve the benchmark's cost-aware policies decided with (``cost_model.json``; None: ``cost_model``)."""
+
+    @property
+    def base(self) -> dict[str, Any]:
+        """The target-only row."""
+        return next(r for r in self.rows if r.get("row") == "target-only")
+
+    @property
+    def mode(self) -> str:
+        return "greedy" if self.cfg.temperature == 0 else "sampling"
+
+
+def read_bench_folder(path: str | Path, cfg: BenchmarkConfig | None = None) -> BenchFolder:
+    """A finished benchmark's folder (``cfg``: its config when the caller holds it, else read from config.yaml);
+    a missing file, or a benchmark.json without target-only's row or its output ids, is named in the error."""
+    path = Path(path)
+    if not path.is_dir():
+        raise NotADirectoryError(f"--bench_dir {path}: no such folder; run the benchmark first (python -m "
+                                 f"pipelines.benchmark --config configs/benchmark.yaml writes outputs/benchmark)")
+    report = read_json(path / "benchmark.json")
+    rows = report.get("rows") or []
+    base = next((r for r in rows if r.get("row") == "target-only"), None)
+    if base is None:
+        raise ValueError(f"{path / 'benchmark.json'} has no 'target-only' row: the replay check labels target-only's "
+                         f"output (the prompts it replays); rerun the benchmark")
+    if "output_ids" not in base or "prompt_ids" not in report:
+        raise ValueError(f"{path / 'benchmark.json'}: the 'target-only' row has no output_ids (written before the "
+                         f"replay check existed); rerun python -m pipelines.benchmark --config {path / 'config.yaml'}")
+    before = path / "cost_model.json"
+    if not before.is_file():
+        raise FileNotFoundError(f"{before}: no such file (the benchmark writes the curve it measured there)")
+    during = path / CURVE_DURING_ROWS  # missing for a benchmark without probes between its prompts
+    decided = CostModel.from_json(before)
+    cm_file, cm = (during, CostModel.from_json(during)) if during.is_file() else (before, decided)
+    return BenchFolder(path, cfg or _read_config(path / "config.yaml"), rows, list(report.get("prompts") or []),
+                       report["prompt_ids"], base["output_ids"], cm, cm_file, decided)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file; run the benchmark into {path.parent} first (python -m "
+                                f"pipelines.benchmark --config configs/benchmark.yaml --out_dir {path.parent})")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _read_config(path: Path) -> BenchmarkConfig:
+    """The benchmark's resolved config (its cost_file is not needed: the folder holds the curve)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (the benchmark writes its resolved config there)")
+    return parse_config(BenchmarkConfig, ["--config", str(path), "--cost_file", "null"], "")
+
+
+def row_policies(folder: BenchFolder, draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+                 ) -> list[tuple[dict[str, Any], StopPolicy | None, str]]:
+    """(row, policy or None, note) for every engine row: its policy rebuilt from the recorded spec and threshold."""
+    cfg = folder.cfg
+    out: list[tuple[dict[str, Any], StopPolicy | None, str]] = []
+    for r in (r for r in folder.rows if r.get("method") == "engine"):
+        if not r.get("spec"):
+            out.append((r, None, "no policy spec in benchmark.json"))
+            continue
+        try:
+            pol = build_policy(r["spec"], draft=draft, draft_tokenizer=tokenizer, max_draft_len=cfg.max_draft_len,
+                               force=cfg.force)
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            out.append((r, None, f"policy not rebuilt: {e}"))
+            continue
+        if r.get("threshold") is not None:
+            pol = with_threshold(pol, float(r["threshold"]))
+        if pol.verification == HINDSIGHT:  # the oracle's rounds as the engine runs them
+            pol.drafts_failing_token = True
+        out.append((r, pol, row_note(pol, cfg, own_output=bool(r.get("output_ids")))))
+    return out
+
+
+def row_note(policy: StopPolicy, cfg: BenchmarkConfig, own_output: bool = False) -> str:
+    """Why the replay cannot follow the engine's trajectory for this row ('' when it can). ``own_output``: the row
+    recorded its output (an approximate policy's in greedy decoding, replayed along it: :func:`own_output_rows`)."""
+    notes = []
+    if policy.verification == HINDSIGHT and cfg.temperature > 0:
+        notes.append("sampling oracle: the replay drafts the expected acceptable run, the engine's time is estimated")
+    elif not policy.exact and not (own_output and cfg.temperature == 0):
+        notes.append("approximate policy: rounds checked at their last token as the engine checks them, along "
+                     "target-only's output, which the engine leaves at a mismatch it takes unverified")
+    if cfg.batch_size > 1:
+        notes.append("engine batched: the replay runs one sequence a round")
+    if cfg.temperature > 0:
+        notes.append("sampling: expected acceptance along target-only's sampled output")
+    return "; ".join(notes)
+
+
+def rollout_length(policies: list[StopPolicy], max_draft_len: int) -> int:
+    """The longest draft a policy can make in the engine (``max_draft_len`` caps every round)."""
+    caps = [p.round_cap(max_draft_len) if type(p).update is StopPolicy.update else min(p.max_draft_len, max_draft_len)
+            for p in policies]
+    return max(caps, default=max_draft_len) or 1

@@ -1,0 +1,157 @@
+"""What ``python -m pipelines.benchmark`` runs: :class:`BenchmarkConfig` (``configs/benchmark*.yaml`` mirror it), and
+which policy specs the benchmark tunes on validation data (:func:`needs_tuning`)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from data_gen.config import ModelsConfig
+from data_gen.prompts import PromptSourceConfig
+from pipelines.tracking import TrackingConfig
+
+ENTROPY_KINDS = ("svip", "adaedl")
+"""Policies the learned ones must beat: the training-free entropy bounds."""
+
+
+TUNABLE_BASELINES = ("svip", "adaedl", "max_confidence", "draft_prob")
+
+
+@dataclass
+class BenchmarkConfig(TrackingConfig):
+    """Everything ``python -m pipelines.benchmark`` does; configs/benchmark*.yaml mirror it."""
+
+    out_dir: str = "outputs/benchmark"
+    """Folder for benchmark.md / .json, speedup.png, cost_model.json and config.yaml (created)."""
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    """Draft / target / companion model names, dtype, device and compute path."""
+    prompts: list[PromptSourceConfig] = field(
+        default_factory=lambda: [PromptSourceConfig("humaneval"), PromptSourceConfig("mtbench")]
+    )
+    """Prompt sources (see data_gen.prompts); prompts are filtered to ``split`` and taken round-robin across sources."""
+    prompt_texts: list[str] | None = None
+    """Plain prompt strings used instead of ``prompts`` (no split filter)."""
+    split: str | None = "test"
+    """Keep only prompts of this split (train / val / test by prompt id; held-out = test); None keeps all."""
+    n_prompts: int = 8
+    """Number of prompts benchmarked."""
+    use_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this are left-truncated."""
+    max_new_tokens: int = 96
+    """New tokens per prompt."""
+    temperature: float = 0.0
+    """0 = greedy (exactness checked against target-only); > 0 = sampling."""
+    top_p: float = 1.0
+    """Nucleus mass for sampling."""
+    max_draft_len: int = 16
+    """Hard cap on draft tokens per round for the engine."""
+    top_k_features: int = 10
+    """Top-k draft probabilities in the features (match the predictors' training data)."""
+    policies: list[str] = field(
+        default_factory=lambda: ["static:5", "heuristic", "max_confidence", "svip:0.3", "adaedl"]
+    )
+    """Engine policies (decoding.policies.build_policy specs, plus static:best and <baseline>:tuned, see above);
+    ``hfp:<spec>`` runs the spec inside transformers' generate."""
+    predictors: list[str] = field(default_factory=list)
+    """Learned predictors for the engine: export folders or models:/<name>@champion."""
+    tune_predictors: bool = True
+    """Tune each thresholded learned predictor on the validation split of ``tune_data_dir`` under this run's curve,
+    as ``<baseline>:tuned`` rows are (the export's threshold was tuned by the main job under its own curve, measured in
+    another run, maybe another phase of the host: thresholded rows then compare unlike with like); false keeps the
+    export's threshold."""
+    hf_rows: list[str] = field(default_factory=lambda: ["static:5", "heuristic", "default"])
+    """transformers assisted-generation rows: static:K, heuristic, default."""
+    reference_compute: str | None = "eager"
+    """Also time target-only with the target loaded on this compute path (eager: fp32 as transformers loads it);
+    null skips the row. Costs one more target in memory while the benchmark runs."""
+    reference_max_new_tokens: int | None = None
+    """New tokens per prompt of the reference row (None: max_new_tokens); fewer keep a slow reference short."""
+    order: str = "prompt"
+    """prompt: every row on one prompt before the next (drift hits all rows alike); row: one row over all prompts."""
+    repeats: int = 2
+    """order prompt: run every row this many times on each prompt, in plan order and then reversed, alternately (so
+    drift and a shared host's slow phases, which last a few rows' worth, fall on early and late rows alike), and keep
+    each row's faster run on that prompt, its output checked equal (the minimum, as ``timeit`` advises: the cost without
+    interference from other processes; target-only thus runs before and after the other rows). 1: each row once, in
+    plan order. The reference row (``reference_compute``) runs once."""
+    rerun_slower_than: float | None = None
+    """order prompt, repeats > 1: after the prompt's first pass, run a row (target-only too) again only when its
+    forwards ran more than this fraction (e.g. 0.05) slower than the prompt's normal pace (its rows' median, per model,
+    against the curve: ``pipelines.benchmark.pace``), i.e. when a slow phase of the host hit it. Fewer runs, but a row
+    then keeps a typical run where every row twice keeps the faster of two (the curve's own convention), so on a noisy
+    host the replay check, priced with minimum times, drifts from the rows. null (default): every row runs ``repeats``
+    times."""
+    batch_size: int = 1
+    """Engine rows decode this many prompts per batch (left padding, per-sequence draft lengths)."""
+    cost_file: str | None = None
+    """Verification curve JSON (pipelines.measure_costs); measured at the start of the run when missing."""
+    tune_data_dir: str | None = None
+    """Labelled data folder whose validation split tunes static:best and <baseline>:tuned (by replay under this run's
+    curve); the main job's is outputs/default/data."""
+    max_static: int = 10
+    """static:best tries lengths 1 .. max_static."""
+    n_boot: int = 1000
+    """Bootstrap resamples of the prompts for the intervals."""
+    replay_check: bool = False
+    """At the end, label the prompts along target-only's output and replay every engine row's policy offline under this
+    run's curve: predicted against measured tokens/s (``pipelines.benchmark.check``)."""
+    curve_probes: bool = True
+    """order prompt: measure the curve again after each prompt's rows (one repeat, a few seconds) and write the mean
+    of their pooled timings as ``cost_model_rows.json``, the host's average speed while the rows ran, which the replay
+    check prices with (the policies themselves use the curve measured before the rows, as a user's would be)."""
+    resume: bool = True
+    """order prompt: keep each finished prompt's rows in ``<out_dir>/prompts`` and continue a stopped run of the same
+    config on the same machine at its first unfinished prompt, on the curve it began with
+    (``pipelines.benchmark.resume``); false: start over (earlier files moved aside)."""
+    force: bool = False
+    """Load predictors trained for another draft model anyway."""
+    warmup: bool = True
+    """Run each path once on a short generation before timing."""
+    seed: int = 0
+    """Sampling seed (per prompt: seed + index)."""
+    experiment: str = field(default="specstop-benchmark", kw_only=True)
+    """MLflow experiment of the run (the field: ``pipelines.tracking``)."""
+
+    def __post_init__(self) -> None:
+        if self.n_prompts < 1:
+            raise ValueError(f"n_prompts={self.n_prompts}: must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size}: must be >= 1")
+        if self.order not in ("prompt", "row"):
+            raise ValueError(f"order={self.order!r}: use prompt (rows side by side per prompt) or row")
+        if self.order == "prompt" and self.batch_size > 1:
+            raise ValueError("order=prompt decodes one prompt at a time: use batch_size 1, or order row for batches")
+        if self.reference_max_new_tokens is not None and self.reference_max_new_tokens < 1:
+            raise ValueError(f"reference_max_new_tokens={self.reference_max_new_tokens}: must be >= 1 (or null)")
+        if self.max_static < 1 or self.n_boot < 1:
+            raise ValueError(f"max_static={self.max_static} and n_boot={self.n_boot} must be >= 1")
+        if self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats}: must be >= 1 (runs of every row per prompt)")
+        if self.rerun_slower_than is not None and self.rerun_slower_than < 0:
+            raise ValueError(f"rerun_slower_than={self.rerun_slower_than}: must be >= 0 (a fraction, e.g. 0.05), or "
+                             "null to run every row `repeats` times")
+        for r in self.hf_rows:
+            if r not in ("heuristic", "default") and not re.fullmatch(r"static:\d+", r):
+                raise ValueError(f"hf_rows: {r!r} is not one of static:K, heuristic, default")
+        if self.prompt_texts is not None and not [t for t in self.prompt_texts if t.strip()]:
+            raise ValueError("prompt_texts: give at least one non-empty prompt (or null to use prompts)")
+        if self.cost_file is not None and not Path(self.cost_file).is_file():
+            raise ValueError(f"--cost_file {self.cost_file}: no such file; measure one with python -m "
+                             f"pipelines.measure_costs --out {self.cost_file}, or leave it unset to measure in the run")
+        tuned = [s for s in self.policies if needs_tuning(s)]
+        if tuned and self.tune_data_dir is None:
+            raise ValueError(f"policies {tuned} are tuned on validation data: set --tune_data_dir (e.g. "
+                             f"outputs/default/data) or name fixed values (static:5, svip:0.3)")
+
+
+def needs_tuning(spec: str) -> bool:
+    """``static:best`` and ``<baseline>:tuned``: specs chosen by replay of the validation split."""
+    return spec == "static:best" or (spec.endswith(":tuned") and spec.split(":")[0] in TUNABLE_BASELINES)

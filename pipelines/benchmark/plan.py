@@ -1,0 +1,169 @@
+"""The plan of a benchmark's rows (:func:`row_plan`: target-only first, transformers' rows, the engine's policies and
+predictors, tuned ones included, the reference) and the order they run in (:func:`run_rows`): ``order: prompt`` runs
+every row on one prompt before the next, up to ``repeats`` times in alternating order keeping each row's faster run
+(with ``rerun_slower_than``, only the rows a slow phase hit run again: ``pipelines.benchmark.pace``), saves each
+finished prompt (``pipelines.benchmark.resume``) and probes the curve after it; ``order: row`` runs each row over all
+prompts in turn."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from compute.timing import CostModel
+from pipelines.benchmark.bench import Bench
+from pipelines.benchmark.config import BenchmarkConfig
+from pipelines.benchmark.curve import measure_curve
+from pipelines.benchmark.pace import Pace, PaceMeter, excess, normal_pace
+from pipelines.benchmark.resume import PromptStore
+from pipelines.benchmark.rows import Row
+from pipelines.benchmark.runners import run_engine, run_hf, run_hf_policy, run_reference, run_target_only
+from pipelines.benchmark.tuning import tune_on_validation, tune_predictors
+
+log = logging.getLogger("pipelines.benchmark")
+
+
+Runner = Callable[[Bench], Row]
+"""Runs one row on the prompts of the bench it is given (all of them, or one in ``order: prompt``)."""
+
+
+def row_plan(cfg: BenchmarkConfig, bench: Bench) -> list[tuple[str, Runner]]:
+    """(name, runner) for every row, in order; target-only first."""
+    tuned = tune_on_validation(cfg.policies, bench)
+    if cfg.tune_predictors and cfg.tune_data_dir is not None:
+        tuned.update(tune_predictors(cfg.predictors, bench))
+    plan: list[tuple[str, Runner]] = [("target-only", lambda b: run_target_only(b))]
+    for kind in cfg.hf_rows:
+        plan.append((f"hf:{kind}", lambda b, k=kind: run_hf(b, k)))
+    for spec in [*cfg.policies, *cfg.predictors]:
+        if spec.startswith("hfp:"):
+            plan.append((spec, lambda b, s=spec[4:]: run_hf_policy(b, s)))
+        elif spec in tuned:
+            pol, label, rebuild = tuned[spec]
+            plan.append((label, lambda b, p=pol, lb=label, rb=rebuild: run_engine(b, p, lb, rb)))
+        else:
+            plan.append((spec, lambda b, s=spec: run_engine(b, s)))
+    if cfg.reference_compute and cfg.reference_compute != cfg.models.compute:
+        plan.append((f"target-only ({cfg.reference_compute})", run_reference))
+    return plan
+
+
+PromptDone = Callable[[list[Row], int], None]
+"""Called with the rows so far (plan order) and how many prompts they cover, after each prompt of ``order: prompt``."""
+
+
+def run_rows(plan: list[tuple[str, Runner]], bench: Bench, store: PromptStore | None = None,
+             on_prompt: PromptDone | None = None) -> list[Row]:
+    """Every row on every prompt, in ``cfg.order``, with progress and an ETA; returns the rows in plan order. With a
+    ``store`` (order prompt), prompts it holds are read back instead of run and each prompt run is saved to it."""
+    t0 = time.perf_counter()
+    if bench.cfg.order == "row":
+        rows: list[Row] = []
+        for i, (name, runner) in enumerate(plan):
+            t_row = time.perf_counter()
+            rows.append(runner(bench))
+            rows[-1].runs = len(rows[-1].seconds)  # once per prompt
+            _log_row(i, len(plan), name, rows, time.perf_counter() - t_row, t0)
+        return rows
+    merged: dict[str, Row] = {}
+    n = len(bench.prompts)
+    stored = set(store.done()) if store is not None else set()
+    ran = 0
+    for j, prompt in enumerate(bench.prompts):
+        if j in stored:
+            assert store is not None
+            rows_j, probe = store.load(j)
+        else:
+            rows_j, probe = run_prompt(plan, replace(bench, prompts=[prompt], offset=j, reference=None), j)
+            if store is not None:
+                store.save(j, rows_j, probe)
+            ran += 1
+        if probe is not None:
+            bench.shared.setdefault("curve_probes", []).append(probe)
+        for name, row in rows_j.items():
+            if name in merged:
+                merged[name].extend(row)
+            else:
+                merged[name] = row
+        done = time.perf_counter() - t0
+        base = merged[plan[0][0]]
+        line = ", ".join(f"{name} x{r.tokens_per_s / base.tokens_per_s:.2f}" for name, r in list(merged.items())[1:6]
+                         if base.tokens_per_s)
+        how = "read back from an earlier run" if j in stored else f"done ({done:.0f}s"
+        eta = "" if j in stored else f", ETA {done / ran * sum(1 for k in range(j + 1, n) if k not in stored):.0f}s)"
+        log.info("prompt %d/%d %s%s: target-only %.3f tokens/s; so far %s ...", j + 1, n, how, eta,
+                 base.tokens_per_s, line)
+        if on_prompt is not None and j not in stored:
+            on_prompt([merged[name] for name, _ in plan], j + 1)
+    return [merged[name] for name, _ in plan]
+
+
+def run_prompt(plan: list[tuple[str, Runner]], view: Bench, j: int) -> tuple[dict[str, Row], CostModel | None]:
+    """Every row of the plan on the one prompt of ``view`` (prompt j of the run), up to ``repeats`` times in
+    alternating order, each row's faster run kept; with ``rerun_slower_than`` set, only the rows a slow phase hit run
+    after the first pass (target-only included: every row is measured alike); then the curve probed once
+    (``curve_probes``, else None)."""
+    cfg = view.cfg
+    tol = cfg.rerun_slower_than if view.cost_model is not None else None
+    rows_j: dict[str, Row] = {}
+    paces: dict[str, Pace | None] = {}
+    normal: dict[str, float] = {}
+    for r in range(cfg.repeats):  # target-only first in the first pass: the greedy oracle's look-ahead
+        if r == 1 and tol is not None:
+            normal = normal_pace([p for p in paces.values() if p is not None])
+        again, spared = [], 0.0
+        for name, runner in plan if r % 2 == 0 else plan[::-1]:
+            if name in rows_j and rows_j[name].reference:
+                continue
+            if name in rows_j and tol is not None and not _was_slowed(paces[name], normal, tol):
+                spared += sum(rows_j[name].seconds)
+                continue
+            row, pace = _run_paced(runner, view) if tol is not None else (runner(view), None)
+            if name not in rows_j:
+                rows_j[name], paces[name] = row, pace
+                continue
+            kept = _faster(rows_j[name], row, j)
+            kept.runs = rows_j[name].runs + 1
+            paces[name] = pace if kept is row else paces[name]
+            rows_j[name] = kept
+            again.append(name)
+        if r >= 1 and tol is not None:
+            log.info("prompt %d pass %d: ran again %d of %d rows (over %.0f%% slower than the prompt's pace: %s), "
+                     "%.0fs of runs spared", j + 1, r + 1, len(again), len(plan), 100 * tol, ", ".join(again), spared)
+    if cfg.repeats > 1 and tol is None:
+        rows_j[plan[0][0]].note = (f"reference; per prompt the faster of {cfg.repeats} runs, before and after the "
+                                   "other rows")
+    probe = measure_curve(view, repeats=1) if cfg.curve_probes else None
+    return rows_j, probe
+
+
+def _run_paced(runner: Runner, view: Bench) -> tuple[Row, Pace]:
+    """One run of a row with its target and draft forwards timed against the curve."""
+    assert view.cost_model is not None
+    with PaceMeter({"target": view.target, "draft": view.draft}, view.cost_model) as meter:
+        row = runner(view)
+    return row, meter.pace
+
+
+def _was_slowed(pace: Pace | None, normal: dict[str, float], tol: float) -> bool:
+    """A run whose priced forwards took more than ``1 + tol`` times the prompt's normal pace (or cannot be judged)."""
+    x = excess(pace, normal)
+    return x is None or x > tol
+
+
+def _faster(first: Row, again: Row, j: int) -> Row:
+    """One row run twice on prompt j: the faster run (a shared VM slows down for several seconds now and then:
+    neither a row nor the denominator of its ratios must carry such a spike), or the first when the outputs differ
+    (then only one run decoded each output; logged)."""
+    if again.outputs != first.outputs:
+        log.warning("%s gave other tokens on prompt %d the second time; keeping the first run", first.name, j + 1)
+        return first
+    return again if sum(again.seconds) < sum(first.seconds) else first
+
+
+def _log_row(i: int, n: int, name: str, rows: list[Row], seconds: float, t0: float) -> None:
+    done = time.perf_counter() - t0
+    base, row = rows[0].tokens_per_s, rows[-1]
+    log.info("row %d/%d %s: %.3f tokens/s (x%.3f), %d tokens in %.0fs; ETA %.0fs", i + 1, n, name, row.tokens_per_s,
+             row.tokens_per_s / base if base else 0.0, row.tokens, seconds, done / (i + 1) * (n - i - 1))

@@ -1,0 +1,189 @@
+"""The benchmark's report: the rows' entries (exactness and ROUGE-L against target-only, ratios to the best entropy and
+the best thresholded row with their intervals: :func:`finish_rows`), ``benchmark.md``, ``benchmark.json`` and
+``speedup.png`` (:func:`write_report`), and the console table within 100 columns (:func:`console_table`)."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from compute.compute_path import compute_path_of, cpu_info
+from pipelines.benchmark.bench import Bench
+from pipelines.benchmark.config import ENTROPY_KINDS, BenchmarkConfig
+from pipelines.benchmark.plots import plot_speedups
+from pipelines.benchmark.resume import PROMPTS_DIR
+from pipelines.benchmark.rows import Row
+
+log = logging.getLogger("pipelines.benchmark")
+
+
+COLUMNS = ("row", "tokens_per_s", "speedup", "vs_best_entropy", "vs_best_thresholded", "mean_accepted",
+           "mean_drafted", "target_calls_per_token", "wasted_per_token", "stop_overhead", "identical_prompts",
+           "rouge_l", "runs", "note")
+
+
+RATIO_COLUMNS = ("speedup", "vs_best_entropy", "vs_best_thresholded")
+"""Columns holding a ratio with its interval (``<c>_lo``, ``<c>_hi``)."""
+
+
+def _cell(r: dict[str, Any], c: str) -> str:
+    v = r.get(c)
+    if c in RATIO_COLUMNS and v is not None and r.get(f"{c}_lo") is not None:
+        return f"{v:.3f} [{r[f'{c}_lo']:.2f}, {r[f'{c}_hi']:.2f}]"
+    return "" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
+
+CONSOLE = (("row", "row"), ("tok/s", "tokens_per_s"), ("vs target-only", "speedup"), ("vs entropy", "vs_best_entropy"),
+           ("vs thresholded", "vs_best_thresholded"), ("accepted", "mean_accepted"), ("same", "identical_prompts"))
+"""The console table's (header, column): the rest is in benchmark.md."""
+
+
+def _short(r: dict[str, Any], c: str, n_prompts: int) -> str:
+    v = r.get(c)
+    if v is None:
+        return ""
+    if c in RATIO_COLUMNS:
+        lo, hi = r.get(f"{c}_lo"), r.get(f"{c}_hi")
+        return f"{v:.2f}" if lo is None else f"{v:.2f} [{lo:.2f},{hi:.2f}]"
+    if c == "identical_prompts":
+        return f"{v}/{n_prompts}"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def console_table(rows: list[dict[str, Any]], n_prompts: int, width: int = 100) -> str:
+    """The rows in aligned columns within ``width`` characters (row names cut with ``~`` when needed; columns no row
+    fills dropped); every column is in benchmark.md."""
+    cells = [[h for h, _ in CONSOLE]] + [[_short(r, c, n_prompts) for _, c in CONSOLE] for r in rows]
+    used = [i for i in range(len(CONSOLE)) if i == 0 or any(c[i] for c in cells[1:])]
+    widths = {i: max(len(c[i]) for c in cells) for i in used}
+    widths[0] = max(12, min(widths[0], width - sum(widths[i] + 2 for i in used[1:])))
+
+    def cell(v: str, i: int) -> str:
+        v = v if len(v) <= widths[i] else v[: widths[i] - 1] + "~"
+        return v.ljust(widths[i]) if i == 0 else v.rjust(widths[i])
+
+    lines = ["  ".join(cell(c[i], i) for i in used).rstrip()[:width] for c in cells]
+    lines.insert(1, "-" * max(len(x) for x in lines))
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cell(r, c) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def rouge_l(outputs: list[list[int]], refs: list[list[int]], tokenizer) -> float:
+    """Mean ROUGE-L F1 of decoded outputs against decoded references."""
+    from rouge_score import rouge_scorer  # slow to import (nltk): only when outputs are compared
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    vals = []
+    for o, r in zip(outputs, refs):
+        a, b = tokenizer.decode(r, skip_special_tokens=True), tokenizer.decode(o, skip_special_tokens=True)
+        if not a.strip() and not b.strip():
+            vals.append(1.0)
+            continue
+        vals.append(scorer.score(a, b)["rougeL"].fmeasure)
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def finish_rows(rows: list[Row], bench: Bench, quiet: bool = False) -> list[dict[str, Any]]:
+    """Exactness and ROUGE-L against target-only, the bootstrap intervals, the best entropy row: the report rows
+    (``quiet``: without logging the cost-aware line)."""
+    ref = rows[0].outputs
+    for r in rows[1:]:
+        if not r.outputs or r.reference:
+            continue
+        if bench.cfg.temperature == 0:
+            r.exact = r.outputs == ref
+            r.identical_prompts = sum(a == b for a, b in zip(r.outputs, ref))
+        r.rouge_l = rouge_l(r.outputs, ref, bench.tokenizer)
+    entropy = [r for r in rows if r.kind in ENTROPY_KINDS and r.method == "engine" and r.outputs]
+    best_entropy = max(entropy, key=lambda r: r.tokens_per_s) if entropy else None
+    thresholded = [r for r in rows if r.thresholded and r.method == "engine" and r.outputs]
+    best_thr = max(thresholded, key=lambda r: r.tokens_per_s) if thresholded else None
+    boot = np.random.default_rng(bench.cfg.seed).integers(0, len(bench.prompts), (bench.cfg.n_boot, len(bench.prompts)))
+    table = [r.metrics(rows[0], best_entropy, boot, best_thr) for r in rows]
+    # target-only's tokens, and in greedy decoding those of every row whose output differs (an approximate policy's):
+    # what pipelines.replay_check labels
+    for t, r in zip(table, rows):
+        if r is rows[0] or (bench.cfg.temperature == 0 and r.exact is False and r.method == "engine"):
+            t["output_ids"] = r.outputs
+    line = cost_aware_line(table, best_thr.name if best_thr else None)
+    if line and not quiet:
+        log.info(line)
+    return table
+
+
+def best_thresholded(table: list[dict[str, Any]]) -> str | None:
+    """The fastest thresholded engine row of a report (learned or training-free; not static, the oracle, goodput)."""
+    rows = [r for r in table if r.get("thresholded")]
+    return max(rows, key=lambda r: r["tokens_per_s"])["row"] if rows else None
+
+
+def cost_aware_line(table: list[dict[str, Any]], best_thresholded: str | None) -> str:
+    """One line: the best cost-aware row against the best thresholded one, the ratio and its interval ('' when either
+    is missing)."""
+    cost_aware = [r for r in table if r.get("vs_best_thresholded") is not None]
+    if not cost_aware or best_thresholded is None:
+        return ""
+    best = max(cost_aware, key=lambda r: r["tokens_per_s"])
+    thr = next(r for r in table if r["row"] == best_thresholded)
+    return (f"cost-aware against thresholded: best cost-aware {best['row']} {best['tokens_per_s']:.3f} tokens/s, "
+            f"best thresholded {thr['row']} {thr['tokens_per_s']:.3f} tokens/s: {best['vs_best_thresholded']:.3f}x "
+            f"[{best['vs_best_thresholded_lo']:.3f}, {best['vs_best_thresholded_hi']:.3f}] (95% paired bootstrap "
+            f"over prompts)")
+
+
+def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], out_dir: Path,
+                 of: int | None = None) -> None:
+    """``benchmark.md``, ``benchmark.json`` and ``speedup.png`` of the rows in ``table`` (``of``: the run's number of
+    prompts when the table covers only the first ones, a report of a run still going or stopped)."""
+    cfg, cm = bench.cfg, bench.cost_model
+    info = cpu_info()
+    entropy = [r for r in table if r["kind"] in ENTROPY_KINDS and r["method"] == "engine"]
+    best_e = max(entropy, key=lambda r: r["tokens_per_s"])["row"] if entropy else "none"
+    best_t = best_thresholded(table)
+    partial = (f"**Partial: the first {len(names)} of {of} prompts.** The run goes on, or was stopped: the same "
+               f"command continues it (`{PROMPTS_DIR}/` keeps every finished prompt).\n") if of else ""
+    md = [
+        "# Decoding benchmark\n",
+        *([partial] if partial else []),
+        f"draft `{cfg.models.draft}`, target `{cfg.models.target}`, companion `{cfg.models.companion}`; "
+        f"{len(names)} prompts ({', '.join(names)}), {cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, "
+        f"device {cfg.models.device}, compute path {compute_path_of(bench.target)} (fp32 activations), batch size "
+        f"{cfg.batch_size}; CPU {info['model_name']} ({info['torch_cpu_capability']}, {torch.get_num_threads()} "
+        f"threads), torch {info['torch']}.\n",
+        "speedup = tokens/s over target-only on the same path; vs_best_entropy = tokens/s over the best entropy "
+        f"policy ({best_e}); vs_best_thresholded (cost-aware rows) = tokens/s over the best thresholded engine policy, "
+        f"learned or training-free ({best_t or 'none'}); [95% paired bootstrap interval over prompts]; mean_accepted / "
+        "mean_drafted = draft tokens accepted / drafted per round; stop_overhead = one stop decision / one draft "
+        "forward; identical_prompts = prompts whose output equals target-only's (greedy); rouge_l against "
+        "target-only's output; runs = the row's timed runs over the prompts, the faster kept per prompt"
+        f"{_runs_rule(cfg)}.\n",
+        markdown_table(table),
+    ]
+    line = cost_aware_line(table, best_t)
+    if line:
+        md += ["", line[0].upper() + line[1:] + "."]
+    if cm is not None:
+        md += ["\n```", cm.curve_table(), "```"]
+    (out_dir / "benchmark.md").write_text("\n".join(md) + "\n")
+    report = {"rows": table, "prompts": names, "prompt_ids": bench.prompts, "cpu": info,
+              "prompts_of_run": of or len(names)}
+    (out_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
+    plot_speedups(table, out_dir / "speedup.png")
+
+
+def _runs_rule(cfg: BenchmarkConfig) -> str:
+    if cfg.order != "prompt" or cfg.repeats == 1:
+        return " (one run per prompt)"
+    if cfg.rerun_slower_than is None:
+        return f" ({cfg.repeats} per prompt)"
+    return (f" (a row again, up to {cfg.repeats} per prompt, only when its forwards ran over "
+            f"{100 * cfg.rerun_slower_than:.0f}% slower than the prompt's pace against the curve)")

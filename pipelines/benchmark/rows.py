@@ -1,0 +1,147 @@
+"""One benchmark row (:class:`Row`): a decoding method's outputs, seconds and round counters over the prompts, and its
+entry of the report (tokens/s, ratios with paired bootstrap intervals over prompts, the engine's realised step
+costs)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from decoding.engine import DecodeStats
+from predictors.base import GOODPUT
+
+
+@dataclass
+class Row:
+    """One benchmark row: per-prompt outputs, tokens and seconds, and the round counters."""
+
+    name: str
+    method: str
+    kind: str = ""
+    """Policy kind (static, svip, disco...) for engine rows; '' for the others."""
+    seconds: list[float] = field(default_factory=list)
+    """Seconds per prompt (estimated for analysis-only rows)."""
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+    rounds: int = 0
+    accepted: int = 0
+    target_calls: int = 0
+    draft_tokens: int = 0
+    exact: bool | None = None
+    exact_by_design: bool = True
+    rouge_l: float | None = None
+    identical_prompts: int | None = None
+    """Prompts whose output equals target-only's (greedy)."""
+    note: str = ""
+    spec: str = ""
+    """Engine rows: the policy spec that rebuilds the row's policy (``decoding.policies.build_policy``)."""
+    threshold: float | None = None
+    """Engine rows tuned here: the threshold set on the spec's policy (``evaluation.replay.with_threshold``)."""
+    verification: str = ""
+    """Engine rows: the policy's verification kind (``predictors.base``)."""
+    thresholded: bool = False
+    """Engine rows: a thresholded policy (``verification == threshold`` with a threshold: learned or entropy)."""
+    reference: bool = False
+    """The reference row (another compute path, maybe fewer tokens): no exactness check."""
+    prefill_seconds: list[float] = field(default_factory=list)
+    """Engine rows: seconds per prompt spent prefilling the prompt (inside ``seconds``)."""
+    runs: int = 1
+    """Runs of the row over its prompts (per prompt 1 up to ``repeats``; the faster one kept)."""
+    decode: DecodeStats | None = field(default=None, repr=False)
+    """Engine rows: the engine's counters and timings over the row's prompts (stop decisions, draft steps,
+    verification passes: the costs the engine realised)."""
+
+    def extend(self, other: Row) -> None:
+        """Append ``other``'s prompts (the same row run on further prompts) and add its counters."""
+        self.seconds += other.seconds
+        self.outputs += other.outputs
+        self.prefill_seconds += other.prefill_seconds
+        self.runs += other.runs
+        for k in ("rounds", "accepted", "target_calls", "draft_tokens"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        if other.decode is not None:
+            self.decode = other.decode if self.decode is None else self.decode + other.decode
+
+    @property
+    def stop_overhead(self) -> float | None:
+        """Engine rows: one stop decision as a fraction of one draft forward (``DecodeStats.stop_overhead``)."""
+        return None if self.decode is None else self.decode.stop_overhead
+
+    def step_costs(self) -> dict[str, Any]:
+        """Engine rows: the draft step and the verification pass the engine realised, in ms, the passes' mean new
+        tokens and how many passes had each length (verified drafts + 1; analysis-only rows have no verification pass
+        of their own)."""
+        d = self.decode
+        passes = d.target_calls - d.prompt_passes if d is not None and d.analysis_time == 0 else 0
+        hist = Counter()  # new tokens (verified drafts + 1) of the passes after the prompts' (those are the prefill's)
+        if passes and d is not None:
+            hist = Counter(k + 1 for k in d.verified_lengths) - Counter(k + 1 for k in d.prompt_pass_lengths)
+        n = sum(hist.values())
+        return {
+            "draft_ms_per_step": round(1000 * d.draft_time / d.draft_forwards, 2) if d and d.draft_forwards else None,
+            "verify_ms_per_pass": round(1000 * d.target_time / passes, 2) if passes else None,
+            "verify_mean_tokens": round(sum(L * c for L, c in hist.items()) / n, 2) if n else None,
+            "verify_lengths": {str(L): hist[L] for L in sorted(hist)} or None,
+        }
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = sum(self.seconds)
+        return self.tokens / total if total > 0 else 0.0
+
+    def metrics(self, base: Row, best_entropy: Row | None, boot: np.ndarray,
+                best_thresholded: Row | None = None) -> dict[str, Any]:
+        """The row's report entry; ``boot`` [n_boot, n_prompts] resampled prompt indices for the intervals."""
+        speed = ratio_ci(self, base, boot)
+        vs_ent = ratio_ci(self, best_entropy, boot) if best_entropy is not None and self.kind else (None, None, None)
+        cost_aware = self.method == "engine" and self.verification == GOODPUT
+        vs_thr = ratio_ci(self, best_thresholded, boot) if cost_aware else (None, None, None)
+        wasted = self.draft_tokens - self.accepted
+        return {
+            "row": self.name, "method": self.method, "kind": self.kind,
+            "spec": self.spec or None, "threshold": self.threshold, "verification": self.verification or None,
+            "thresholded": self.thresholded,
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "speedup": _round(speed[0]), "speedup_lo": _round(speed[1]), "speedup_hi": _round(speed[2]),
+            "vs_best_entropy": _round(vs_ent[0]), "vs_best_entropy_lo": _round(vs_ent[1]),
+            "vs_best_entropy_hi": _round(vs_ent[2]),
+            "vs_best_thresholded": _round(vs_thr[0]), "vs_best_thresholded_lo": _round(vs_thr[1]),
+            "vs_best_thresholded_hi": _round(vs_thr[2]),
+            "rounds": self.rounds, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
+            "mean_accepted": round(self.accepted / self.rounds, 3) if self.rounds else None,
+            "mean_drafted": round(self.draft_tokens / self.rounds, 3) if self.rounds else None,
+            "target_calls_per_token": (round(self.target_calls / self.tokens, 3)
+                                       if self.tokens and self.rounds else None),
+            "wasted_per_token": round(wasted / self.tokens, 3) if self.tokens and self.draft_tokens else None,
+            "stop_overhead": None if self.stop_overhead is None else round(self.stop_overhead, 4),
+            "exact": self.exact, "rouge_l": None if self.rouge_l is None else round(self.rouge_l, 4),
+            "tokens": self.tokens, "seconds": round(sum(self.seconds), 3), "runs": self.runs, "note": self.note,
+            "identical_prompts": self.identical_prompts,
+            "prompt_tokens": [len(o) for o in self.outputs], "prompt_seconds": [round(x, 4) for x in self.seconds],
+            "prefill_seconds": [round(x, 4) for x in self.prefill_seconds] or None,
+            "prompt_passes": self.decode.prompt_passes if self.decode is not None else None,
+            **self.step_costs(),
+        }
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(float(v), 3)
+
+
+def ratio_ci(row: Row, ref: Row | None, boot: np.ndarray) -> tuple[float | None, float | None, float | None]:
+    """tokens/s of ``row`` over ``ref``'s, and its 95% paired bootstrap interval over prompts."""
+    if ref is None or not row.seconds or len(row.seconds) != len(ref.seconds) or ref.tokens_per_s <= 0:
+        return None, None, None
+    tok = np.array([len(o) for o in row.outputs], float)
+    sec = np.array(row.seconds, float)
+    rtok = np.array([len(o) for o in ref.outputs], float)
+    rsec = np.array(ref.seconds, float)
+    point = row.tokens_per_s / ref.tokens_per_s
+    ratios = (tok[boot].sum(1) / sec[boot].sum(1)) / (rtok[boot].sum(1) / rsec[boot].sum(1))
+    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    return point, float(lo), float(hi)

@@ -1,0 +1,107 @@
+"""A benchmark run from start to end (:func:`run_benchmark`): the models, prompts and curve loaded (or a stopped run's
+read back: :func:`load_bench`), a warm-up, the rows planned and run, the report rewritten after each prompt and at the
+end, the curve probed between the prompts, and the replay check (:func:`run_replay_check`)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from compute.compute_path import compute_path_of, cpu_info
+from data_gen.config import GenerateConfig
+from data_gen.generate import load_models
+from pipelines.benchmark.bench import Bench, load_benchmark_prompts, stop_tokens
+from pipelines.benchmark.check import run_check
+from pipelines.benchmark.check_inputs import read_bench_folder
+from pipelines.benchmark.check_report import write_check
+from pipelines.benchmark.config import BenchmarkConfig
+from pipelines.benchmark.curve import load_cost_model, write_curve_during_rows
+from pipelines.benchmark.plan import row_plan, run_rows
+from pipelines.benchmark.report import finish_rows, write_report
+from pipelines.benchmark.resume import PROMPTS_DIR, PromptStore, run_identity
+from pipelines.benchmark.rows import Row
+from pipelines.benchmark.runners import release_reference, warm_up
+
+log = logging.getLogger("pipelines.benchmark")
+
+
+def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Load models and prompts, run every row (progress and ETA per row), write the report; returns (rows, stats)."""
+    t_start = time.perf_counter()
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store = None
+    if cfg.order == "prompt":
+        store = PromptStore(out_dir / PROMPTS_DIR)
+        if not cfg.resume:
+            store.set_aside()
+    bench, names, p_stats = load_bench(cfg, store)
+    assert bench.cost_model is not None
+    bench.cost_model.to_json(out_dir / "cost_model.json")
+    log.info("benchmark: %d prompts x %d new tokens, device %s, compute path %s", len(bench.prompts),
+             cfg.max_new_tokens, cfg.models.device, cfg.models.compute)
+    if cfg.warmup:
+        warm_up(bench)
+    plan = row_plan(cfg, bench)
+    if store is not None:
+        store.check_rows([name for name, _ in plan])
+
+    def report_so_far(rows: list[Row], k: int) -> None:  # a run stopped now leaves the report of its first k prompts
+        if k < len(bench.prompts):
+            view = replace(bench, prompts=bench.prompts[:k])
+            write_report(finish_rows(rows, view, quiet=True), view, names[:k], out_dir, of=len(bench.prompts))
+
+    try:
+        rows = run_rows(plan, bench, store, report_so_far)
+    finally:
+        release_reference(bench)
+    table = finish_rows(rows, bench)
+    write_report(table, bench, names, out_dir)
+    write_curve_during_rows(bench, out_dir)
+    check = run_replay_check(bench, out_dir) if cfg.replay_check else None
+    return table, {"prompts": p_stats, "seconds": time.perf_counter() - t_start, "replay_check": check}
+
+
+def load_bench(cfg: BenchmarkConfig, store: PromptStore | None = None) -> tuple[Bench, list[str], dict]:
+    """Load the models (one compute path for all rows), the prompts and the verification curve: the stored run's when
+    ``store`` holds one to continue (checked to be this config, these prompts and this machine), else ``cost_file``'s
+    or measured now."""
+    models, tok = load_models(GenerateConfig(models=cfg.models))
+    prompts, names, p_stats = load_benchmark_prompts(cfg, tok)
+    bench = Bench(cfg, models.draft, models.target, models.companion, tok, prompts, stop_tokens(tok, models.target))
+    identity = run_identity(cfg, prompts) if store is not None else None
+    if store is not None:
+        bench.cost_model = store.resume(identity, cpu_info(), str(bench.draft.config.name_or_path),
+                                        str(bench.target.config.name_or_path), compute_path_of(bench.target))
+        if bench.cost_model is not None:
+            log.info("benchmark: continuing the run in %s (%d of %d prompts done) on its first curve", store.folder,
+                     len(store.done()), len(prompts))
+            return bench, names, p_stats
+    bench.cost_model = load_cost_model(cfg, bench)
+    if store is not None:
+        store.begin(identity, bench.cost_model)
+    return bench, names, p_stats
+
+
+def run_replay_check(bench: Bench, out_dir: Path) -> dict[str, Any] | None:
+    """``pipelines.replay_check`` on the report just written, with the bench's models (nothing loads again). A check
+    that fails is logged with the command that reruns it and returns None: the measured rows stand and are logged."""
+    log.info("replay check: labelling the %d prompts along target-only's output", len(bench.prompts))
+    try:
+        check = run_check(read_bench_folder(out_dir, bench.cfg), bench.draft, bench.target, bench.tokenizer,
+                          bench.companion)
+        write_check(check, out_dir)
+    except Exception:  # an optional phase after the measurement: keep the benchmark's results
+        log.exception("replay check failed; the benchmark's results are written. Rerun the check alone with: python "
+                      "-m pipelines.replay_check --bench_dir %s", out_dir)
+        return None
+    return check
+
+
+def write_config(cfg: BenchmarkConfig, path: Path) -> None:
+    """The resolved config as YAML, headed by the command that runs it again."""
+    path.write_text("# python -m pipelines.benchmark --config " + str(path) + "\n" + yaml.safe_dump(asdict(cfg)))

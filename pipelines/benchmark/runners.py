@@ -1,0 +1,224 @@
+"""Running one row on the prompts of a bench: target-only (``target.generate``, and on the reference compute path),
+transformers' assisted generation, a stop policy inside transformers' generate, and the engine with one policy. Every
+runner decodes through :func:`timed_prompts` (seeded, timed alone, in inference mode) except the engine, which
+decodes in batches of ``batch_size``."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from compute.models import load_model
+from compute.timing import clock
+from decoding.hf_integration import generate_with_policy
+from decoding.policies import build_decoder, build_policy, policy_label
+from pipelines.benchmark.bench import Bench
+from pipelines.benchmark.rows import Row
+from predictors.base import THRESHOLD
+
+
+def timed_prompts(bench: Bench, row: Row, decode: Callable[[int, torch.Tensor], torch.Tensor]) -> Row:
+    """The one timed loop: ``decode(i, ids [1, T]) -> sequences [1, T + new]`` per prompt, seeded and timed alone."""
+    dev = bench.target.device
+    for i, ids in enumerate(bench.prompts):
+        x = torch.tensor([ids], device=dev)
+        torch.manual_seed(bench.cfg.seed + bench.offset + i)
+        t0 = clock(dev)
+        with torch.inference_mode():  # every row alike: the engine decodes in inference mode (fewer dispatch steps)
+            out = decode(i, x)
+        row.seconds.append(clock(dev) - t0)
+        row.outputs.append(bench.new_tokens(out[0], len(ids)))
+    return row
+
+
+def run_target_only(bench: Bench, name: str = "target-only", target: PreTrainedModel | None = None) -> Row:
+    """``target.generate``: one target forward per token (``target`` defaults to the bench's)."""
+    model = target if target is not None else bench.target
+    kw = bench.generate_kwargs()
+    row = timed_prompts(bench, Row(name, "target.generate", note="reference"),
+                        lambda i, x: model.generate(x, attention_mask=torch.ones_like(x), **kw))
+    row.target_calls = row.tokens
+    if target is None:
+        bench.reference = row.outputs
+        row.prefill_seconds = [prefill_seconds(model, ids) for ids in bench.prompts]
+    return row
+
+
+@torch.inference_mode()
+def prefill_seconds(model: PreTrainedModel, ids: list[int]) -> float:
+    """Seconds of one forward of a prompt into a fresh cache (target-only's prefill, timed after its row: the replay
+    check adds each row's prefill to the curve's decoding time)."""
+    x = torch.tensor([ids], device=model.device)
+    t0 = clock(model.device)
+    model(input_ids=x, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+    return clock(model.device) - t0
+
+
+class ForwardCounter:
+    """Counts a model's forward calls through a hook on that model object only (no library class is patched)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls = 0
+        self._handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.calls += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+HF_SETTINGS: dict[str, dict[str, Any]] = {
+    "heuristic": {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic",
+                  "assistant_confidence_threshold": 0.0},
+    "default": {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
+                "assistant_confidence_threshold": 0.4},
+}
+
+
+def run_hf(bench: Bench, kind: str) -> Row:
+    """transformers assisted generation with the draft's generation_config set for ``kind`` (restored afterwards).
+
+    Rounds are the target's forward calls after the prefill (one per prompt), drafted tokens the draft's forward
+    calls (each proposes one token), accepted tokens = emitted tokens - rounds.
+    """
+    gc = bench.draft.generation_config
+    if kind.startswith("static:"):
+        settings = {"num_assistant_tokens": int(kind.split(":")[1]), "num_assistant_tokens_schedule": "constant",
+                    "assistant_confidence_threshold": 0.0}
+    else:
+        settings = HF_SETTINGS[kind]
+    saved = {k: getattr(gc, k, None) for k in settings}
+    kw = bench.generate_kwargs()
+    t_calls, d_calls = ForwardCounter(bench.target), ForwardCounter(bench.draft)
+
+    def decode(i: int, x: torch.Tensor) -> torch.Tensor:
+        for k, v in settings.items():  # the heuristic schedule adapts num_assistant_tokens: reset per prompt
+            setattr(gc, k, v)
+        return bench.target.generate(x, attention_mask=torch.ones_like(x), assistant_model=bench.draft, **kw)
+
+    try:
+        row = timed_prompts(bench, Row(f"hf:{kind}", "transformers assisted"), decode)
+    finally:
+        t_calls.close()
+        d_calls.close()
+        for k, v in saved.items():
+            setattr(gc, k, v)
+    row.rounds = row.target_calls = t_calls.calls - len(bench.prompts)
+    row.draft_tokens = d_calls.calls
+    row.accepted = row.tokens - row.rounds
+    return row
+
+
+def run_hf_policy(bench: Bench, spec: str) -> Row:
+    """A stop policy inside transformers' generate (decoding.hf_integration)."""
+    policy = build_policy(spec, draft=bench.draft, draft_tokenizer=bench.tokenizer,
+                          max_draft_len=bench.cfg.max_draft_len, force=bench.cfg.force)
+    kw = bench.generate_kwargs()
+    per_prompt: list[dict] = []
+
+    def decode(i: int, x: torch.Tensor) -> torch.Tensor:
+        out, st = generate_with_policy(bench.target, bench.draft, x, policy, bench.cfg.top_k_features,
+                                       attention_mask=torch.ones_like(x), **kw)
+        per_prompt.append(st)
+        return out
+
+    row = timed_prompts(bench, Row(f"hfp:{spec}", "transformers + policy", kind=policy.kind), decode)
+    for st in per_prompt:
+        rounds = [(d, a) for d, a in zip(st["draft_lengths"], st["accepted_lengths"]) if d > 0]
+        row.rounds += len(rounds)
+        row.target_calls += len(st["accepted_lengths"])
+        row.draft_tokens += sum(d for d, _ in rounds)
+        row.accepted += sum(a for _, a in rounds)
+    row.note = f"stop time {sum(st['stop_time'] for st in per_prompt):.3f}s"
+    return row
+
+
+def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild: dict[str, Any] | None = None) -> Row:
+    """The engine with one policy (a spec or a ready policy), prompts in batches of ``cfg.batch_size``; ``rebuild``
+    ({"spec", "threshold"}) records how a ready policy is built again (default: the spec itself)."""
+    cfg = bench.cfg
+    dec = build_decoder(
+        bench.draft, bench.target, spec, draft_tokenizer=bench.tokenizer, target_tokenizer=bench.tokenizer,
+        companion=bench.companion, force=cfg.force, temperature=cfg.temperature, top_p=cfg.top_p,
+        max_draft_len=cfg.max_draft_len, top_k_features=cfg.top_k_features, cost_model=bench.cost_model,
+    )
+    pol = dec.policy
+    row = Row(label or policy_label(spec, pol), "engine", kind=pol.kind, exact_by_design=pol.exact,
+              verification=pol.verification, thresholded=pol.verification == THRESHOLD and pol.has_threshold)
+    info = rebuild or {"spec": spec if isinstance(spec, str) else ""}
+    row.spec, row.threshold = info.get("spec", ""), info.get("threshold")
+    total = None
+    pad = bench.tokenizer.pad_token_id if bench.tokenizer.pad_token_id is not None else bench.eos[0]
+    for start in range(0, len(bench.prompts), cfg.batch_size):
+        chunk = bench.prompts[start : start + cfg.batch_size]
+        width = max(len(p) for p in chunk)
+        x = torch.full((len(chunk), width), pad, dtype=torch.long)  # [B, T] left-padded
+        m = torch.zeros_like(x)
+        for b, p in enumerate(chunk):
+            x[b, width - len(p) :] = torch.tensor(p)
+            m[b, width - len(p) :] = 1
+        look_ahead = None
+        if pol.needs_target and cfg.temperature == 0 and bench.reference is not None:
+            look_ahead = bench.reference[start : start + len(chunk)]  # the greedy oracle: no target steps
+        out, st = dec.generate(x, m, cfg.max_new_tokens, bench.eos, cfg.seed + bench.offset + start,
+                               reference=look_ahead)
+        total = st if total is None else total + st
+        seconds = st.wall_time
+        row.prefill_seconds += [st.prefill_time / len(chunk)] * len(chunk)
+        if st.analysis_time > 0:  # sampling oracle: the look-ahead replaced by one priced verification per round
+            assert bench.cost_model is not None
+            seconds = st.wall_time - st.analysis_time - st.target_time
+            seconds += sum(bench.cost_model.target_time(k + 1) for k in st.draft_lengths)
+        for b in range(len(chunk)):  # a batch's time is shared by its prompts in proportion to their tokens
+            row.outputs.append(bench.new_tokens(out[b], width))
+        n_new = [len(o) for o in row.outputs[-len(chunk):]]
+        row.seconds += [seconds * n / max(sum(n_new), 1) for n in n_new]
+    assert total is not None
+    row.rounds, row.accepted = total.rounds, total.accepted
+    row.target_calls = total.target_calls - total.prompt_passes  # target passes after each prompt's (the prefill's)
+    row.draft_tokens, row.decode = total.drafted, total
+    if total.analysis_time > 0:
+        row.note = "analysis only: time estimated (look-ahead replaced by the measured verification curve)"
+    elif pol.needs_target:
+        row.note = "look-ahead read from target-only's output (greedy); time measured"
+    if not dec.policy.exact:
+        row.note = "approximate (sequential verification)"
+    return row
+
+
+def run_reference(bench: Bench) -> Row:
+    """Target-only on the target loaded again on ``cfg.reference_compute`` (loaded once per run, ``release_reference``
+    frees it), ``reference_max_new_tokens`` per prompt."""
+    cfg = bench.cfg
+    target = bench.shared.get("reference_target")
+    if target is None:
+        mc = replace(cfg.models, compute=cfg.reference_compute)
+        target, _ = load_model(mc.spec(mc.target))
+        bench.shared["reference_target"] = target
+        if cfg.warmup:
+            kw = {**bench.generate_kwargs(), "max_new_tokens": 4}
+            x = torch.tensor([bench.prompts[0]], device=target.device)
+            target.generate(x, attention_mask=torch.ones_like(x), **kw)
+    n_new = cfg.reference_max_new_tokens or cfg.max_new_tokens
+    short = replace(bench, cfg=replace(cfg, max_new_tokens=n_new))
+    row = run_target_only(short, f"target-only ({cfg.reference_compute})", target)
+    row.reference = True
+    row.note = f"reference: target loaded with --models.compute {cfg.reference_compute}, {n_new} new tokens a prompt"
+    return row
+
+
+def release_reference(bench: Bench) -> None:
+    """Free the reference target (if one was loaded)."""
+    bench.shared.pop("reference_target", None)
+
+
+def warm_up(bench: Bench) -> None:
+    """Each path once on a 4-token generation of the first prompt (kernels, caches, oneDNN primitives)."""
+    short = replace(bench, cfg=replace(bench.cfg, max_new_tokens=4), prompts=bench.prompts[:1])
+    run_target_only(short)
+    run_hf(short, "static:3")
+    run_engine(short, "static:3")
