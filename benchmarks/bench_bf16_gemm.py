@@ -1,32 +1,45 @@
-"""specstop's bf16 GEMM against oneDNN's, side by side in one run, at the linear shapes of a model and its whole
-forward.
+"""specstop's bf16 GEMM (each kernel ISA this CPU runs) against oneDNN's, side by side in one run, at the linear shapes
+of a model and its whole forward, each figure beside its memory floor (the bytes it reads over the read bandwidth
+measured in the same run).
 
-Part 1 (warm kernels): each linear shape of the model's layers (q/k/v fused, o, gate/up fused, down) with random
-weights, both kernels at M = 1, 2, 4, 6, 8, 12, 16, 64 rows (the minimum of ``--repeats`` calls), then the sum over
-the model's layers. Part 2 (the real model, weights streamed from memory as in decoding): the model loaded twice,
-``--models.native_gemm`` true and false, a forward of L = 1, 2, 4, 8, 16 new tokens over a cached 300-token prefix,
-interleaved per repeat, with the ratio to L = 1 (the verification curve of ``pipelines.measure_costs``).
+Part 1 (kernels): each linear shape of the model's layers (q/k/v fused, o, gate/up fused, down) with random weights,
+every kernel at M = 1, 2, 4, 6, 8, 12, 16, 64 rows (the minimum of ``--repeats`` calls), the weights of ``--copies``
+layers in turn so that they stream from memory as in a forward, then the sum over the model's layers. Part 2 (the real
+model): the model loaded once per variant, a forward of L = 1, 2, 4, 8, 16 new tokens over a cached 300-token prefix,
+interleaved per repeat, with the ratio to L = 1 (the verification curve of ``pipelines.measure_costs``) and to the
+floor.
+
+Variants (``--variants``): ``specstop`` (the process's kernel ISA, ``SPECSTOP_ISA``), ``specstop-avx512`` /
+``specstop-avx2`` (that ISA's kernel), ``onednn-bf16`` (oneDNN's bf16 kernels, where it has them) and ``packed``
+(oneDNN fp32). To time an AVX2 host's options on an AVX-512 one, run with ``ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2``.
 
 Usage:
     python benchmarks/bench_bf16_gemm.py                        # the 1.5B target's shapes and forward
     python benchmarks/bench_bf16_gemm.py --model packaged:qwen2.5-coder-0.5b-instruct --skip_model
+    python benchmarks/bench_bf16_gemm.py --variants specstop-avx2,specstop-avx512,packed
 """
 from __future__ import annotations
 
 import argparse
-import functools
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from compute import bf16_gemm
-from compute.compute_path import cpu_info
+from compute.compute_path import cpu_info, native_bf16
 from compute.models import ModelSpec, load_model
-from compute.timing import _crop, _prefill
+from compute.packaged import ensure_packaged
+from compute.timing import crop, forward_bytes, prefill, read_bandwidth
+
+VARIANTS = ("specstop", "specstop-avx512", "specstop-avx2", "onednn-bf16", "packed")
 
 
-def _best(fn, repeats: int) -> float:
+def _best(fn: Callable[[], object], repeats: int) -> float:
     """Minimum wall time of ``fn()`` in ms."""
     times = []
     for _ in range(repeats):
@@ -45,70 +58,137 @@ def layer_shapes(config) -> dict[str, tuple[int, int]]:
             "gate_up": (2 * i, h), "down": (h, i)}
 
 
-def kernels(shapes: dict[str, tuple[int, int]], layers: int, rows: list[int], repeats: int) -> None:
-    """Part 1: both kernels per shape and row count, and the sum over the layers."""
-    total = {"specstop": dict.fromkeys(rows, 0.0), "onednn": dict.fromkeys(rows, 0.0)}
+def _isa_of(variant: str) -> str | None:
+    """The kernel ISA a specstop variant names (the process's for plain ``specstop``), None for oneDNN's."""
+    if not variant.startswith("specstop"):
+        return None
+    return variant.partition("-")[2] or bf16_gemm.isa()
+
+
+def _kernel_calls(variant: str, w: torch.Tensor) -> tuple[Callable[[torch.Tensor], object], int]:
+    """(x -> the variant's GEMM of x with w, bytes of its pack)."""
+    n = w.shape[0]
+    isa = _isa_of(variant)
+    if isa is not None:
+        wp = bf16_gemm.pack(w, isa)
+        return (lambda x: bf16_gemm.gemm(x, wp, n, which=isa)), wp.numel() * wp.element_size()
+    dtype = torch.bfloat16 if variant == "onednn-bf16" else torch.float32
+    wp = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
+
+    def call(x: torch.Tensor) -> object:
+        xd = torch.zeros(max(x.shape[0], 4), x.shape[1], dtype=dtype)  # padded as PackedLinear pads it
+        xd[: x.shape[0]] = x
+        return torch.ops.mkldnn._linear_pointwise(xd, wp, None, "none", [], "")
+
+    return call, w.numel() * dtype.itemsize
+
+
+def kernels(shapes: dict[str, tuple[int, int]], layers: int, rows: list[int], variants: list[str], repeats: int,
+            copies: int, bandwidth: float) -> None:
+    """Part 1: every variant per shape and row count (``copies`` weights in turn), beside the floor, and the sum
+    over the layers."""
+    total = {v: dict.fromkeys(rows, 0.0) for v in variants}
+    floor_total = dict.fromkeys(variants, 0.0)
     with torch.inference_mode():
         for name, (n, k) in shapes.items():
-            w = torch.randn(n, k).to(torch.bfloat16)
-            ours, theirs = bf16_gemm.pack(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
+            calls = {v: [_kernel_calls(v, torch.randn(n, k).to(torch.bfloat16)) for _ in range(copies)]
+                     for v in variants}
+            floors = {v: calls[v][0][1] / bandwidth * 1e3 for v in variants}
+            for v in variants:
+                floor_total[v] += floors[v] * layers
             for m in rows:
                 x = torch.randn(m, k).to(torch.bfloat16)
-                xd = torch.zeros(max(m, 4), k, dtype=torch.bfloat16)  # oneDNN padded as PackedLinear pads it
-                xd[:m] = x
-                a = _best(functools.partial(bf16_gemm.gemm, x, ours, n), repeats)
-                b = _best(functools.partial(torch.ops.mkldnn._linear_pointwise, xd, theirs, None, "none", [], ""),
-                          repeats)
-                total["specstop"][m] += a * layers
-                total["onednn"][m] += b * layers
-                print(f"{name:8s} {n:6d} x {k:5d}  M={m:3d}  specstop {a:7.3f} ms  onednn {b:7.3f} ms  "
-                      f"ratio {a / b:.2f}", flush=True)
-    for kernel, t in total.items():
-        print(f"{layers} layers, {kernel:8s}: " + "  ".join(f"M={m} {v:.1f} ms" for m, v in t.items()))
+                ms = {v: _best(lambda fns=calls[v], x=x: [call(x) for call, _ in fns], repeats) / copies
+                      for v in variants}
+                for v in variants:
+                    total[v][m] += ms[v] * layers
+                print(f"{name:8s} {n:6d} x {k:5d}  M={m:3d}  " + "  ".join(
+                    f"{v} {ms[v]:7.3f} ms ({ms[v] / floors[v]:.2f}x floor)" for v in variants), flush=True)
+    for v, t in total.items():
+        print(f"{layers} layers, {v:16s} (floor {floor_total[v]:.1f} ms): "
+              + "  ".join(f"M={m} {ms:.1f} ms ({ms / floor_total[v]:.2f}x)" for m, ms in t.items()))
 
 
-def forward_curve(name: str, lengths: list[int], repeats: int) -> None:
-    """Part 2: the real model on both kernels, a forward of L new tokens over a cached prefix."""
-    models = {k: load_model(ModelSpec(name, native_gemm=(k == "specstop")))[0] for k in ("specstop", "onednn")}
+def _load(name: str, variant: str) -> torch.nn.Module:
+    """The model on a variant's path (a specstop variant packs on its ISA's kernel: SPECSTOP_ISA while it loads)."""
+    isa, before = _isa_of(variant), os.environ.get("SPECSTOP_ISA")
+    if isa is not None:
+        os.environ["SPECSTOP_ISA"] = isa
+    try:
+        compute = "packed" if variant == "packed" else "packed-bf16"
+        return load_model(ModelSpec(name, compute=compute, native_gemm=isa is not None))[0]
+    finally:
+        if before is None:
+            os.environ.pop("SPECSTOP_ISA", None)
+        else:
+            os.environ["SPECSTOP_ISA"] = before
+
+
+def forward_curve(name: str, variants: list[str], lengths: list[int], repeats: int) -> None:
+    """Part 2: the real model on every variant, a forward of L new tokens over a cached prefix, beside its floor."""
+    models = {v: _load(name, v) for v in variants}
+    bandwidth = read_bandwidth()
+    floors = {v: forward_bytes(m) / bandwidth * 1e3 for v, m in models.items()}
     prefix = torch.randint(0, 1000, (1, 300))
-    caches = {k: _prefill(m, prefix) for k, m in models.items()}
-    times = {k: {L: [] for L in lengths} for k in models}
+    caches = {v: prefill(m, prefix) for v, m in models.items()}
+    times = {v: {L: [] for L in lengths} for v in models}
     for _ in range(repeats):  # interleaved: the host's speed drifts within minutes
         for L in lengths:
             x = torch.randint(0, 1000, (1, L))
-            for k, m in models.items():
+            for v, m in models.items():
                 t0 = time.perf_counter()
                 with torch.inference_mode():
-                    m(input_ids=x, past_key_values=caches[k], use_cache=True)
-                times[k][L].append(time.perf_counter() - t0)
-                _crop(caches[k], prefix.shape[1])
-    for k, t in times.items():
-        best = {L: min(v) * 1e3 for L, v in t.items()}
-        print(f"{name} forward, {k:8s}: " + "  ".join(f"L={L} {v:.1f} ms ({v / best[1]:.2f}x)"
-                                                        for L, v in best.items()))
+                    m(input_ids=x, past_key_values=caches[v], use_cache=True)
+                times[v][L].append(time.perf_counter() - t0)
+                crop(caches[v], prefix.shape[1])
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (measured after loading)")
+    for v, t in times.items():
+        best = {L: min(ts) * 1e3 for L, ts in t.items()}
+        print(f"{name} forward, {v:16s} (floor {floors[v]:.1f} ms): "
+              + "  ".join(f"L={L} {ms:.1f} ms ({ms / best[1]:.2f}x L=1, {ms / floors[v]:.2f}x floor)"
+                          for L, ms in best.items()))
+
+
+def _variants(arg: str) -> list[str]:
+    """The variants asked for that run here (each one left out is said why)."""
+    out = []
+    for v in arg.split(","):
+        if v not in VARIANTS:
+            raise SystemExit(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
+        isa = _isa_of(v)
+        if isa is not None and not bf16_gemm.available(isa):
+            print(f"{v} left out: {bf16_gemm.unavailable_reason(isa)}")
+        elif v == "onednn-bf16" and not native_bf16():
+            print(f"{v} left out: oneDNN has no bf16 kernels on this CPU")
+        else:
+            out.append(v)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="packaged:qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--variants", default="specstop,onednn-bf16", help=f"comma-separated: {', '.join(VARIANTS)}")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--copies", type=int, default=4, help="weights per shape taken in turn (part 1)")
     ap.add_argument("--skip_model", action="store_true", help="only part 1 (no real model loaded)")
     args = ap.parse_args()
-    if not bf16_gemm.available():
-        raise SystemExit("specstop's bf16 GEMM is unavailable here (no AVX512-BF16, no compiler or SPECSTOP_NATIVE=0)")
+    variants = _variants(args.variants)
+    if not variants:
+        raise SystemExit("no variant runs here")
     info = cpu_info()
-    print(f"CPU {info['model_name']!r}, torch {info['torch']}, {info['threads']} threads, "
-          f"{', '.join(f for f in info['simd_flags'] if 'bf16' in f or f == 'avx512f')}")
-    from transformers import AutoConfig
-
-    from compute.packaged import ensure_packaged
-
+    flags = [f for f in info["simd_flags"] if "bf16" in f or f in ("avx2", "avx512f")]
+    print(f"CPU {info['model_name']!r}, torch {info['torch']}, {info['threads']} threads, bf16 chain "
+          f"{info['bf16_chain']}, {', '.join(flags)}")
     path = (ensure_packaged(args.model.removeprefix("packaged:"), Path("~/.cache/specstop").expanduser())
             if args.model.startswith("packaged:") else args.model)
     config = AutoConfig.from_pretrained(path)
-    kernels(layer_shapes(config), config.num_hidden_layers, [1, 2, 4, 6, 8, 12, 16, 64], args.repeats)
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    kernels(layer_shapes(config), config.num_hidden_layers, [1, 2, 4, 6, 8, 12, 16, 64], variants, args.repeats,
+            args.copies, bandwidth)
     if not args.skip_model:
-        forward_curve(args.model, [1, 2, 4, 8, 16], args.repeats)
+        forward_curve(args.model, variants, [1, 2, 4, 8, 16], args.repeats)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers import models as tokenizer_models
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from compute.compute_path import (
     COMPUTE_PATHS,
@@ -39,6 +49,7 @@ from compute.compute_path import (
     resolve_compute_path,
     weights_of,
 )
+from compute.packaged import PACKAGED_MODELS, ensure_packaged
 
 log = logging.getLogger(__name__)
 
@@ -95,18 +106,13 @@ class ModelSpec:
 
 
 def accepted_forms() -> str:
-    from compute.packaged import PACKAGED_MODELS
-
     return ACCEPTED_FORMS.format(packaged=", ".join(sorted(PACKAGED_MODELS)))
 
 
 def byte_tokenizer() -> PreTrainedTokenizerBase:
     """A byte-level BPE tokenizer without merges (259 tokens) with ChatML specials, for tiny models."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk = Tokenizer(tokenizer_models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk)
@@ -126,8 +132,6 @@ def tiny_model(seed: int, hidden: int = 32, layers: int = 2, vocab_size: int = 2
     tokens, as a real pair does; seed-specific noise on the head (``head_noise``) and the transformer layers (scaled
     by ``mix``) make them differ: tiny:1 and tiny:2:32:3 greedy-match on roughly 70% of tokens.
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     cfg = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -213,8 +217,6 @@ def _load_eager(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
         model = tiny_model(seed, *dims, vocab_size=len(tok))
         model.config.name_or_path = name
     elif name.startswith("packaged:"):
-        from compute.packaged import ensure_packaged
-
         path = ensure_packaged(name.removeprefix("packaged:"), Path(spec.cache_dir).expanduser())
         model = AutoModelForCausalLM.from_pretrained(path, dtype=spec.torch_dtype)
         tok = AutoTokenizer.from_pretrained(path)

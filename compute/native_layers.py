@@ -1,13 +1,13 @@
 """Decoder layers of a packed model as one native call each (``csrc/decoder_layer.cpp``): the same operations as
 transformers' eager layer on specstop's compute path, so the same bits, without the Python around them.
 
-Why: on the packed-bf16 path a 0.5B draft's one-token step spent 8.7 ms in its GEMMs and 5.5 ms around them (14.3 ms
-in all, AMD EPYC Zen 5, 2 threads): ~2,000 Python calls a step (module calls, attribute and config lookups, the
-packed layers' wrappers, the cache update) and ~1,200 ATen operations dispatched from Python. The native layer runs
-the same ATen operations from C++ and calls the GEMM and the attention kernels directly.
+Why: on the packed-bf16 path a small draft's one-token step spends a large share of its time around its GEMMs: ~2,000
+Python calls a step (module calls, attribute and config lookups, the packed layers' wrappers, the cache update) and
+~1,200 ATen operations dispatched from Python. The native layer runs the same ATen operations from C++ and calls the
+GEMM and the attention kernels directly.
 
 Where it applies (:func:`install`, called by ``compute_path.apply_compute_path``): Qwen2 / Llama decoder layers whose q,
-k, v are one fused pack and whose MLP is a :class:`~compute.compute_path.GatedMLP`, every pack on specstop's bf16 GEMM
+k, v are one fused pack and whose MLP is a :class:`~compute.packed_layers.GatedMLP`, every pack on specstop's bf16 GEMM
 (of either ISA: one build per ISA, ``_EXTS``), attention on the row-invariant kernel. A call falls back to transformers'
 own forward whenever it could differ: training, a cache other than a plain ``DynamicCache`` layer (or none), a mask the
 native attention does not take, another dtype or device. Forward hooks on the layers (hidden-state capture,
@@ -28,9 +28,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 
 from compute.cpu import avx512_allowed
 from compute.native import AVX2_CFLAGS, NativeExtension
+from compute.packed_layers import FusedLinears, GatedMLP, PackedLinear, PackedSlice
+from compute.row_attention import ROW_INVARIANT_ATTENTION
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +60,8 @@ def install(model: nn.Module) -> int:
     """Make every qualifying decoder layer of a packed model run as one native call; returns how many.
 
     The native layers hold the model's own tensors (no copies): install once the weights no longer view the
-    safetensors file (``compute_path._detach_from_file``), or a norm's view keeps the whole mapped file resident (the
-    1.5B target's RSS 6.3 -> 15.8 GB when installed before)."""
-    from compute.compute_path import ROW_INVARIANT_ATTENTION
-
+    safetensors file (``compute_path._detach_from_file``), or a norm's view keeps the whole mapped file resident
+    (several times the model's packed size)."""
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "_attn_implementation", None) != ROW_INVARIANT_ATTENTION:
         return 0
@@ -103,8 +104,6 @@ def uninstall(model: nn.Module) -> None:
 def _layer_spec(layer: nn.Module) -> tuple[Any, ...] | None:
     """The NativeLayer constructor's arguments for one layer but the attention's ISA flag, then its packs' GEMM ISA;
     None when its structure is not the one reproduced."""
-    from compute.compute_path import FusedLinears, GatedMLP, PackedLinear, PackedSlice
-
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     n_in, n_post = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
     if attn is None or not isinstance(mlp, GatedMLP) or hasattr(attn, "q_norm"):
@@ -174,8 +173,6 @@ def _native_inputs(layer: nn.Module, h: torch.Tensor, position_embeddings: Any) 
 
 def _cache_layer(cache: Any, idx: int) -> Any:
     """The plain ``DynamicLayer`` of layer ``idx`` (the native layer concatenates as it does), else None."""
-    from transformers.cache_utils import DynamicLayer
-
     layers = getattr(cache, "layers", None)
     if layers is None or idx >= len(layers) or getattr(cache, "offloading", False):
         return None

@@ -29,8 +29,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from torch import nn
+from transformers import DynamicCache
 
-__all__ = ["CostModel", "measure_cost_model", "pool_cost_models", "assumed_cost_model", "clock", "STATISTICS"]
+from compute.models import shared_depth
+from compute.path_choice import cpu_info
+from compute.precision import compute_path_of
+
+__all__ = ["CostModel", "measure_cost_model", "pool_cost_models", "assumed_cost_model", "clock", "STATISTICS",
+           "forward_bytes", "read_bandwidth", "prefill", "crop"]
 
 
 @dataclass
@@ -112,17 +120,38 @@ class CostModel:
         """Seconds per output token of target-only decoding (target_s at L = 1)."""
         return self.target_time(1)
 
-    def curve_table(self) -> str:
-        """The verification curve as text: L, milliseconds, ratio to L = 1 (one line per measured length)."""
+    def curve_table(self, floor: bool = False) -> str:
+        """The verification curve as text: L, milliseconds, ratio to L = 1 (one line per measured length); with
+        ``floor`` and a measurement that has them, the memory floor beside each figure (:meth:`floors`): its
+        milliseconds and the figure's ratio to it."""
         base = self.target_time(1)
-        lines = [f"{'L':>3} {'ms':>9} {'x L=1':>7}"]
-        lines += [f"{L:>3} {t * 1e3:>9.1f} {t / base:>7.2f}" for L, t in sorted(self.target_s.items())]
+        floors = self.floors() if floor else None
+        lines = [f"{'L':>3} {'ms':>9} {'x L=1':>7}" + (f" {'floor ms':>9} {'x floor':>8}" if floors else "")]
+        for L, t in sorted(self.target_s.items()):
+            line = f"{L:>3} {t * 1e3:>9.1f} {t / base:>7.2f}"
+            if floors:
+                line += f" {floors['target_s'] * 1e3:>9.1f} {t / floors['target_s']:>8.2f}"
+            lines.append(line)
         head = (f"target verification curve ({self.target_name or '?'}, {self.compute_path}, {self.dtype}, "
                 f"{self.machine.get('model_name', '?')}, {self.machine.get('threads', '?')} threads); draft "
                 f"{self.draft_s_per_token * 1e3:.1f} ms/token")
+        if floors:
+            head += (f" (floor {floors['draft_s'] * 1e3:.1f} ms, {self.draft_s_per_token / floors['draft_s']:.2f}x)"
+                     f"; floor = bytes a one-token forward reads ({self.extra['draft_bytes'] / 1e9:.2f} GB draft, "
+                     f"{self.extra['target_bytes'] / 1e9:.2f} GB target) / read bandwidth measured in this run "
+                     f"({self.extra['read_bandwidth'] / 1e9:.1f} GB/s)")
         if self.companion_s_per_token:
             head += f", companion {self.companion_s_per_token * 1e3:.1f} ms/token"
         return head + "\n" + "\n".join(lines)
+
+    def floors(self) -> dict[str, float] | None:
+        """The memory floor of a draft step and of a target forward (seconds: the bytes a one-token forward reads over
+        the read bandwidth measured in the same run, :func:`measure_cost_model`), None when not measured. A forward
+        of L tokens reads the same weights once, so the floor holds for every L."""
+        if not all(self.extra.get(k) for k in ("draft_bytes", "target_bytes", "read_bandwidth")):
+            return None
+        bw = float(self.extra["read_bandwidth"])
+        return {"draft_s": self.extra["draft_bytes"] / bw, "target_s": self.extra["target_bytes"] / bw}
 
     def mismatch(self, draft_name: str, target_name: str, compute_path: str | None = None,
                  machine: dict[str, Any] | None = None) -> list[str]:
@@ -245,22 +274,19 @@ def assumed_cost_model() -> CostModel:
 def clock(device: Any) -> float:
     """perf_counter after the device finished its queued work (CUDA kernels are asynchronous): the one timer of the
     cost model, the engine and the benchmark."""
-    import torch
-
     if getattr(device, "type", str(device)).startswith("cuda"):
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
 
-def _prefill(model: Any, ids: Any) -> Any:
-    from transformers import DynamicCache
-
+def prefill(model: Any, ids: Any) -> Any:
+    """A DynamicCache holding ``model``'s keys and values over ``ids`` (one forward)."""
     cache = DynamicCache()
     model(input_ids=ids, past_key_values=cache, use_cache=True)
     return cache
 
 
-def _crop(cache: Any, length: int) -> None:
+def crop(cache: Any, length: int) -> None:
     """Cut a DynamicCache back to ``length`` tokens (a negative argument removes tokens in old and new transformers)."""
     extra = int(cache.get_seq_length()) - length
     if extra > 0:
@@ -300,8 +326,6 @@ def _curve(raw: dict[int, list[float]], statistic: str) -> dict[int, float]:
 def _time_head(model: Any, repeats: int, statistic: str) -> tuple[float, list[float]]:
     """Seconds of a model's final norm and LM head on one hidden state: the per-token cost of a companion whose layers
     are the draft's (the engine reads its states from the draft's step)."""
-    import torch
-
     p = next(model.parameters())
     h = torch.randn(1, 1, int(model.config.hidden_size), generator=torch.Generator().manual_seed(0)).to(p.device)
     norm, head = model.get_decoder().norm, model.get_output_embeddings()
@@ -317,13 +341,11 @@ def _time_head(model: Any, repeats: int, statistic: str) -> tuple[float, list[fl
 
 def _time_decode(model: Any, prompt: Any, steps: int, repeats: int, statistic: str) -> tuple[float, list[float]]:
     """Seconds of one single-token decode step over a KV cache of the prompt (min or median over all steps)."""
-    import torch
-
     dev = prompt.device
     vocab = int(model.config.vocab_size)
     times: list[float] = []
     for _ in range(repeats):
-        cache = _prefill(model, prompt)
+        cache = prefill(model, prompt)
         tok = torch.randint(0, vocab, (1, 1), device=dev)
         model(input_ids=tok, past_key_values=cache, use_cache=True)  # warm-up step
         for _ in range(steps):
@@ -346,7 +368,8 @@ def measure_cost_model(
     statistic: str = "min",
 ) -> CostModel:
     """Time the draft decode step and the target verification pass on the models' own device, in inference mode (as
-    the decoding engine runs them).
+    the decoding engine runs them), and on the CPU the memory floor beside them (the bytes a one-token forward of each
+    model reads, :func:`forward_bytes`, and the read bandwidth measured in the same run, :func:`read_bandwidth`).
 
     Args:
         draft, target, companion: causal LMs (transformers ``PreTrainedModel``), already on their device / dtype.
@@ -358,12 +381,8 @@ def measure_cost_model(
             machine) or 'median' of the timed repetitions. Verification times are then made non-decreasing in L
             (lower monotone envelope, see :func:`_monotone`); the raw timings stay in ``extra``.
     Returns:
-        the :class:`CostModel` (raw timings in ``extra``).
+        the :class:`CostModel` (raw timings, bytes and bandwidth in ``extra``).
     """
-    import torch
-
-    from compute.models import shared_depth
-
     if not lengths or min(lengths) < 1:
         raise ValueError(f"lengths must be non-empty and >= 1, got {lengths}")
     if statistic not in ("min", "median"):
@@ -377,43 +396,19 @@ def measure_cost_model(
     prompt = torch.randint(0, vocab, (1, prompt_len), generator=g).to(dev)
     extra: dict[str, Any] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "statistic": statistic}
     with torch.inference_mode():
-        draft_s, raw = _time_decode(draft, prompt.to(next(draft.parameters()).device), decode_steps, repeats, statistic)
-        extra["draft_raw_s"] = raw
-        comp_s = 0.0
-        if companion is not None and shared_depth(companion, draft):  # its states come from the draft's step
-            comp_s, raw = _time_head(companion, repeats, statistic)
-            extra["companion_raw_s"], extra["companion_shares_draft_layers"] = raw, True
-        elif companion is not None:
-            comp_s, raw = _time_decode(
-                companion, prompt.to(next(companion.parameters()).device), decode_steps, repeats, statistic
-            )
-            extra["companion_raw_s"] = raw
-        cache = _prefill(target, prompt)
-        ls = sorted(set(int(x) for x in lengths))
-        new = {L: torch.randint(0, vocab, (1, L), generator=g).to(dev) for L in ls}
-        raw_t: dict[int, list[float]] = {L: [] for L in ls}
-        for r in range(repeats + 1):  # the first sweep is a warm-up; lengths interleaved so load spikes spread out
-            for L in ls:
-                _crop(cache, prompt_len)
-                t0 = clock(dev)
-                target(input_ids=new[L], past_key_values=cache, use_cache=True)
-                t1 = clock(dev)
-                if r:
-                    raw_t[L].append(t1 - t0)
-        for L in ls:
-            extra[f"target_raw_s_L{L}"] = raw_t[L]
-        target_s = _curve(raw_t, statistic)
-
-    def _name(m: Any) -> str:
-        return "" if m is None else str(getattr(m.config, "name_or_path", "") or type(m).__name__)
-
-    from compute.compute_path import compute_path_of, cpu_info
-
+        draft_s, extra["draft_raw_s"] = _time_decode(draft, prompt.to(next(draft.parameters()).device), decode_steps,
+                                                     repeats, statistic)
+        comp_s = _time_companion(companion, draft, prompt, decode_steps, repeats, statistic, extra)
+        raw_t = _time_target(target, prompt, sorted(set(int(x) for x in lengths)), repeats, vocab, g)
+    extra.update({f"target_raw_s_L{L}": t for L, t in raw_t.items()})
+    if dev.type == "cpu":
+        extra.update(draft_bytes=forward_bytes(draft), target_bytes=forward_bytes(target),
+                     read_bandwidth=read_bandwidth())
     return CostModel(
         compute_path=compute_path_of(target),
         machine=cpu_info(),
         draft_s_per_token=float(draft_s),
-        target_s=target_s,
+        target_s=_curve(raw_t, statistic),
         companion_s_per_token=float(comp_s),
         device=str(dev),
         dtype=str(param.dtype).removeprefix("torch."),
@@ -425,3 +420,71 @@ def measure_cost_model(
                f"monotone envelope in L; prefix of {prompt_len} random tokens"),
         extra=extra,
     )
+
+
+def _name(model: Any) -> str:
+    return "" if model is None else str(getattr(model.config, "name_or_path", "") or type(model).__name__)
+
+
+def _time_companion(companion: Any, draft: Any, prompt: Any, steps: int, repeats: int, statistic: str,
+                    extra: dict[str, Any]) -> float:
+    """Seconds of a companion's step (its raw timings into ``extra``): its norm and head alone when it shares the
+    draft's layers (its states come from the draft's step), else a decode step of its own; 0 without one."""
+    if companion is None:
+        return 0.0
+    if shared_depth(companion, draft):
+        comp_s, extra["companion_raw_s"] = _time_head(companion, repeats, statistic)
+        extra["companion_shares_draft_layers"] = True
+        return comp_s
+    comp_s, extra["companion_raw_s"] = _time_decode(companion, prompt.to(next(companion.parameters()).device), steps,
+                                                    repeats, statistic)
+    return comp_s
+
+
+def _time_target(target: Any, prompt: Any, lengths: list[int], repeats: int, vocab: int, g: torch.Generator
+                 ) -> dict[int, list[float]]:
+    """Raw seconds of a target forward of L new tokens (random ids below ``vocab``) over the cached prompt, by L:
+    ``repeats`` sweeps after a warm-up, the lengths interleaved so that load spikes spread over all of them."""
+    dev = prompt.device
+    cache = prefill(target, prompt)
+    prompt_len = prompt.shape[1]
+    new = {L: torch.randint(0, vocab, (1, L), generator=g).to(dev) for L in lengths}
+    raw_t: dict[int, list[float]] = {L: [] for L in lengths}
+    for r in range(repeats + 1):  # the first sweep is a warm-up
+        for L in lengths:
+            crop(cache, prompt_len)
+            t0 = clock(dev)
+            target(input_ids=new[L], past_key_values=cache, use_cache=True)
+            t1 = clock(dev)
+            if r:
+                raw_t[L].append(t1 - t0)
+    return raw_t
+
+
+def forward_bytes(model: nn.Module) -> int:
+    """Bytes of weights a one-token forward of ``model`` reads: every parameter and buffer once (packed weights, their
+    scales, norms, an LM head), but the input embedding's, of which a lookup reads one row (unless the head reads the
+    same tensor). The KV cache is left out."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    lookup = {id(t) for t in emb.parameters()} if emb is not None else set()
+    lookup -= {id(t) for t in head.parameters()} if head is not None else set()
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen or id(t) in lookup or t.device.type == "meta":
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Bytes per second torch reads from memory on the CPU, with its threads as set: the fastest sum of a ``mib`` MiB
+    float32 tensor (far larger than any cache)."""
+    x = torch.ones(mib * 2**18)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best

@@ -1,6 +1,7 @@
 """Measure the verification curve of a model pair on this machine: draft step, companion step, target forward of
 L = 1..16 new tokens over a cached prefix, with the CPU model and flags, torch version, threads and compute path in the
-JSON.
+JSON, and on the CPU the memory floor printed beside each figure (the bytes a one-token forward reads over the read
+bandwidth measured in the same run).
 
 The one timing model (``compute.timing.CostModel``) that the replay, Speculative Verification and the benchmark read.
 Timings taken while other processes load the machine overstate costs: measure on a quiet machine (the minimum over
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         out = Path(cfg.out or (Path(cfg.data_dir) / "cost_model.json" if cfg.data_dir else "outputs/cost_model.json"))
         cm = measure(cfg)
     cm.to_json(out)
-    print(cm.curve_table())
+    print(cm.curve_table(floor=True))
     print(f"written to {out}")
     return cm.to_dict()
 

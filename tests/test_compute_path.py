@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from compute import compute_path as cp
-from compute import cpu
+from compute import cpu, path_choice
 from compute.models import ModelSpec, load_model, model_fingerprint
 from tests.kernel_isas import KERNEL_ISAS, use_isa
 
@@ -95,10 +95,10 @@ def test_auto_picks_the_fastest_path_this_cpu_runs(monkeypatch: pytest.MonkeyPat
     assert cp.resolve_compute_path("auto", "cpu") == "packed-bf16"
     monkeypatch.setattr(cp.bf16_gemm, "available", lambda which=None: False)
     monkeypatch.setattr(cp.bf16_gemm, "unavailable_reason", lambda which=None: "no compiler")
-    monkeypatch.setattr(cp, "native_bf16", lambda: True)
-    with caplog.at_level("INFO", logger="compute.compute_path"):
+    monkeypatch.setattr(path_choice, "native_bf16", lambda: True)
+    with caplog.at_level("INFO", logger="compute.path_choice"):
         assert cp.resolve_compute_path("auto", "cpu") == "packed-bf16"
-        monkeypatch.setattr(cp, "native_bf16", lambda: False)
+        monkeypatch.setattr(path_choice, "native_bf16", lambda: False)
         assert cp.resolve_compute_path("auto", "cpu") == "packed"
         assert cp.resolve_compute_path("auto", "cpu") == "packed"
     said = [r.getMessage() for r in caplog.records]
@@ -123,9 +123,9 @@ def test_a_cpu_with_neither_kernel_gets_a_path_that_exists(monkeypatch: pytest.M
     """An aarch64 CPU (no x86 flags, no kernel): auto says packed in one line, packed-bf16 is refused naming packed,
     SPECSTOP_ISA is refused naming what the CPU is."""
     _fake_cpu(monkeypatch, "Neoverse-N1", [], x86=False)
-    monkeypatch.setattr(cp, "native_bf16", lambda: False)
+    monkeypatch.setattr(path_choice, "native_bf16", lambda: False)
     assert cp.bf16_gemm.isa() == "none" and not cp.bf16_gemm.available() and cp.bf16_gemm.chain() == "none"
-    with caplog.at_level("INFO", logger="compute.compute_path"):
+    with caplog.at_level("INFO", logger="compute.path_choice"):
         assert cp.resolve_compute_path("auto", "cpu") == "packed"
     assert "compute path auto: packed (oneDNN fp32: Neoverse-N1 is not x86-64)" in caplog.text
     assert cp.cpu_info()["bf16_chain"] == "none"
@@ -158,7 +158,7 @@ def test_bad_compute_paths_name_the_option(monkeypatch: pytest.MonkeyPatch) -> N
         cp.resolve_compute_path("fast", "cpu")
     with pytest.raises(ValueError, match="--models.compute eager"):
         cp.resolve_compute_path("packed", "cuda:0")
-    monkeypatch.setattr(cp, "native_bf16", lambda: False)
+    monkeypatch.setattr(path_choice, "native_bf16", lambda: False)
     monkeypatch.setattr(cp.bf16_gemm, "available", lambda which=None: False)
     with pytest.raises(ValueError, match="AVX512-BF16, or AVX2 with FMA.*AMX-BF16.*--models.compute packed"):
         cp.resolve_compute_path("packed-bf16", "cpu")

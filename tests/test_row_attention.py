@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from compute import compute_path as cp
+from compute.row_attention import ATTENTION
 from tests.kernel_isas import KERNEL_ISAS, use_isa
 
-pytestmark = pytest.mark.skipif(cp._ATTENTION.module() is None, reason="native build unavailable")
+pytestmark = pytest.mark.skipif(ATTENTION.module() is None, reason="native build unavailable")
 
 
 @pytest.fixture(params=KERNEL_ISAS, autouse=True)

@@ -3,8 +3,8 @@
 // torch.utils.cpp_extension.load; runs where the CPU has AVX512-BF16 (elsewhere available() is false and the caller
 // keeps oneDNN), and bfloat16 packs on AMX-BF16 tiles where the CPU has those too (amx_rows, below).
 //
-// Layout: pack() stores W [N, K] as [ceil(N / 16)][K / 2][16][2] bf16 ("VNNI" pairs: for 16 output columns, the weights
-// of inputs 2p and 2p + 1 side by side), the operand order of vdpbf16ps. One 64-byte load feeds 16 columns; each
+// Layout (bf16_pack.h, shared with the AVX2 kernel): pack() stores W [N, K] as [ceil(N / 16)][K / 2][16][2] bf16 ("VNNI"
+// pairs: for 16 output columns, the weights of inputs 2p and 2p + 1 side by side), the operand order of vdpbf16ps. One 64-byte load feeds 16 columns; each
 // row's input pair is broadcast to the 16 lanes, so a lane holds one output and no horizontal sum is needed.
 // pack_int8() stores the same layout in int8 with one fp32 scale per output column (symmetric, max|w| / 127): half the
 // bytes, for draft-side models whose steps are bound by reading their weights. The kernel widens each 32 integers to
@@ -12,15 +12,13 @@
 //
 // Batch invariance: every output element is the same chain of vdpbf16ps over p = 0 .. K/2 - 1 in order, into an fp32
 // lane that starts at zero, then rounded to bf16 (round to nearest even; an LM head asks for the fp32 sums as they are,
-// its logits). Row and column tiling, threads and the
-// fp32 spills of long-K tiles change which instructions run together, never the chain, so a row has the same bits
-// alone, in a verification forward of L rows or inside a prompt (tested against a one-row call).
+// its logits). Row and column tiling, threads and the fp32 spills of long-K tiles change which instructions run
+// together, never the chain, so a row has the same bits alone, in a verification forward of L rows or inside a prompt
+// (tested against a one-row call).
 //
-// Speed: up to 16 rows the weights stream from memory once (see few_rows). The 1.5B target's 28 layers of linears,
-// warm, AMD EPYC Zen 5, 2 threads: 13.8 / 16.5 / 23.4 / 41.7 ms at 1 / 4 / 8 / 16 rows against oneDNN's 22.2 / 22.8 /
-// 31.9 / 47.4 (its bf16 kernels slow down past 6 rows; figures of an earlier layout for 5-16 rows, see few_rows).
-// More rows run as 8-row tiles over L2-sized column chunks and 256-input blocks, 3-9% slower than oneDNN. OpenMP must be
-// on in the build (compute/native.py): at::parallel_for runs on one thread without it.
+// Speed: up to 16 rows the weights stream from memory once (see few_rows), where oneDNN's bf16 kernels read them again
+// past ~6 rows. More rows run as 8-row tiles over L2-sized column chunks and 256-input blocks, a little slower than
+// oneDNN. OpenMP must be on in the build (compute/native.py): at::parallel_for runs on one thread without it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -54,15 +52,9 @@ constexpr int64_t kTileRows = 16;    // calls of up to this many rows stream the
 constexpr int64_t kPairBlock = 128;  // input pairs per block of the many-row path (256 inputs)
 constexpr int64_t kChunkBytes = 512 * 1024;  // weights per column chunk of the many-row path (half of L2)
 // Software prefetch distance (input pairs = 64-byte lines per column block) for a call of R rows: their extra compute
-// per byte leaves the hardware prefetcher behind from 3 rows on. Measured on weights streamed from memory (6 x 55 MB
-// gate/up matrices in turn, AMD EPYC Zen 5, 2 threads), ms per call at 1 / 2 / 4 / 8 / 16 rows: no prefetch 0.62 /
-// 0.66 / 0.74 / 0.87 / 1.27; 32 pairs 0.67 / 0.69 / 0.70 / 0.76 / 1.16; 64 pairs 0.70 / 0.73 / 0.75 / 0.73 / 1.11;
-// 128 pairs or prefetching to L2 only was slower at every count. With 5-16 rows a pass over one column block (few_rows)
-// 128 pairs: the real target's forward of 6 / 8 tokens, paired ratios against 64 pairs 0.95 / 0.91; at 12-16 rows 256
-// pairs was no faster.
-// int8 weights: 64 pairs (2 KB ahead per column block) at every row count. Measured the same way on the 0.5B draft's
-// gate/up, down and LM head: at 1-4 rows 32 / 64 / 128 / 256 pairs took 0.49-0.71 / 0.49-0.61 / 0.50-0.64 /
-// 0.52-0.78 of the bf16 pack's time; at 6-16 rows none / 64 / 128 / 256 0.51-1.18 / 0.34-0.90 / 0.35-0.91 / 0.41-0.98.
+// per byte leaves the hardware prefetcher behind from 3 rows on. The distances are the fastest of those timed on weights
+// streamed from memory (none, 32, 64, 128, 256 pairs, to L1 or to L2 only): none for 1-2 rows, 32 pairs for 3-4, 128
+// for 5-16 (a pass over one column block, few_rows); int8 weights 64 pairs (2 KB ahead) at every row count.
 template <typename WT>
 constexpr int64_t prefetch_pairs(int rows) {
   if constexpr (std::is_same_v<WT, int8_t>) return 64;
@@ -195,12 +187,9 @@ struct Tables {
 // Up to 16 rows, column blocks [b0, b1), over all of K; `scale`: the int8 pack's column scales (else unused).
 // bf16 pack (bound by reading the weights): every weight read once, from memory, by all the rows. Up to 4 rows a pass
 // covers four column blocks (4-16 chains of vdpbf16ps hide its latency); from 5 rows one block, one accumulator per
-// row. Before, rows 9-16 ran as a second 8-row chunk re-reading each group of blocks from L2 while memory idled: the
-// 1.5B target's forward of L new tokens over a 300-token cache, both layouts interleaved in one process (AMD EPYC Zen 5,
-// 2 threads), paired ratios new / old at L = 6 / 8 / 12 / 16: 0.96 / 0.95 / 0.83 / 0.89 (with the prefetch distance
-// of 128 pairs from 5 rows), L = 1-4 unchanged.
+// row, so that memory never idles while rows 9-16 re-read a group of blocks from L2.
 // int8 pack (half the bytes, its widening makes more rows compute-bound): groups of 3-4 column blocks that rows 1-8 and
-// 9-16 read in turn, the second time from L2 (one block a pass was 1.14x slower at 8 rows in the 0.5B draft).
+// 9-16 read in turn, the second time from L2 (faster there than one block a pass).
 template <typename WT, typename OT>
 void few_rows(const uint16_t* x, int64_t M, int64_t ldx, const WT* wp, const float* scale, int64_t pairs, int64_t b0,
               int64_t b1, OT* out, int64_t ldo) {

@@ -17,8 +17,8 @@
 // vdpbf16ps' chain: a process runs one kernel for all its packs (compute/bf16_gemm.py).
 //
 // Speed: a bfloat16 weight costs one FMA lane per row, so a few rows are bound by reading the weights and many by the
-// two FMA pipes. Up to 6 rows run in one register tile over all of K, the weights streamed from memory once (1 row:
-// four column blocks a pass, 2 rows: two, for 8 independent accumulators). More rows run as tiles of up to 6 rows over
+// two FMA pipes. Up to 5 rows run in one register tile over all of K, the weights streamed from memory once (1 row:
+// four column blocks a pass, 2 rows: two, for 8 independent accumulators). More rows run as tiles of up to 5 rows over
 // chunks of kPairBlock input pairs: the chunk, read from memory by the first tile, stays in L1 for the others, the
 // accumulators go to a small buffer between chunks, and the weights stream once, in order, whatever the rows.
 #include <torch/extension.h>
@@ -45,7 +45,7 @@
 namespace {
 
 using bf16_pack::kCols;
-constexpr int kMaxTile = 6;          // rows of a register tile: 12 accumulators, 2 weights and 2 inputs in 16 ymm
+constexpr int kMaxTile = 5;          // rows of a register tile: 10 accumulators, 4 weights and 2 inputs in 16 ymm
 constexpr int64_t kPairBlock = 64;   // input pairs per chunk of the many-row path (4 KB of a bfloat16 column block)
 constexpr int64_t kPrefetch = 16;    // software prefetch distance of the one-tile path, in input pairs
 
@@ -118,13 +118,15 @@ void micro(const float* x, int64_t ldx, const WT* w, int64_t wstride, int64_t p0
     for (int b = 0; b < NB; ++b) {
       const WT* wp = w + b * wstride + p * 2 * kCols;
       if constexpr (kPf) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch * 2 * kCols), _MM_HINT_T0);
-      for (int h = 0; h < 2; ++h) {
-        __m256 even, odd;
-        load_half(wp, h, even, odd);
-        for (int r = 0; r < R; ++r) {
-          c[r][b][h] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(x + r * ldx + 2 * p), c[r][b][h]);
-          c[r][b][h] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(x + r * ldx + 2 * p + 1), c[r][b][h]);
-        }
+      __m256 e0, o0, e1, o1;  // both halves' weights held, so that each row's two broadcasts feed four FMAs
+      load_half(wp, 0, e0, o0);
+      load_half(wp, 1, e1, o1);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xe = _mm256_broadcast_ss(x + r * ldx + 2 * p), xo = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
+        c[r][b][0] = _mm256_fmadd_ps(e0, xe, c[r][b][0]);
+        c[r][b][1] = _mm256_fmadd_ps(e1, xe, c[r][b][1]);
+        c[r][b][0] = _mm256_fmadd_ps(o0, xo, c[r][b][0]);
+        c[r][b][1] = _mm256_fmadd_ps(o1, xo, c[r][b][1]);
       }
     }
   }

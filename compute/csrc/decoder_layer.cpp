@@ -2,7 +2,7 @@
 // order and on the same values, as transformers' eager layer on specstop's compute path (RMSNorm, the fused q/k/v
 // GEMM and its bias, rotary embedding, the KV cache's concatenation, the row-invariant attention, o_proj, the gated
 // MLP in row chunks, the residual adds), so a layer returns the same bits as the Python one (tested), without its
-// ~2,000 Python calls a step (module calls, attribute and config lookups, wrappers): about a third of a 0.5B draft's
+// ~2,000 Python calls a step (module calls, attribute and config lookups, wrappers): a large share of a small draft's
 // one-token step (compute/native_layers.py).
 //
 // The GEMM and the attention are the kernels of bf16_gemm.cpp (or, built with -DSPECSTOP_GEMM_AVX2 and the AVX2

@@ -8,15 +8,13 @@
 // of every sum is fixed by the task alone, so a row has the same bits in a one-token step, a verification forward of
 // L rows or a prompt (tested), which transformers' SDPA path does not give (its kernels and blockings depend on q).
 //
-// Why: one SDPA call per row and layer cost ~40 us each plus the slicing around it, ~10 ms of a target forward of 8
-// new tokens (28 layers) against ~1.4 ms for one; here all rows of a layer are one call, its tasks spread over
-// torch's threads.
+// Why: one SDPA call per row and layer costs a call and its slicing per row, a large share of a verification forward
+// of several new tokens; here all rows of a layer are one call, its tasks spread over torch's threads.
 //
 // On AVX-512 hosts, heads of 16k <= 128 dims run attend_avx512: each key's dims held in registers for the G heads'
 // dot products (independent chains instead of one reduction per dot) and the weighted values summed in registers for
-// two heads at a time. The 1.5B target's layer (12 heads over 2 key heads, d = 128) over 300 cached keys, 2 threads,
-// AMD EPYC Zen 5: 23 / 176 / 356 us at 1 / 8 / 16 rows with the portable loops, 12 / 84 / 167 us with these (the
-// target's forward of 8 rows 2.6 ms shorter; 600 cached keys: 47 / 346 / 688 against 22 / 168 / 332 us).
+// two heads at a time, about twice as fast as the portable loops. A process under SPECSTOP_ISA=avx2 passes
+// allow_avx512 = false and runs the portable loops, as an AVX2 host does.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
