@@ -79,11 +79,13 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def update(self, done: float, total: float | None = None, note: str = "") -> None:
+    def update(self, done: float, total: float | None = None, note: str = "", unit: str | None = None) -> None:
         """Record progress: ``done`` units of ``total`` (kept from before when None); ``note`` ends the line."""
         self.done = done
         if total is not None:
             self.total = total
+        if unit is not None:
+            self.unit = unit
         self.note = note
 
     def line(self) -> str:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,6 +181,26 @@ def summarize_benchmark(out_dir: str | Path, command: str, config_name: str = "b
         "duration_s": duration_s, "rows": [_pick(r, ROW_FIELDS) for r in bench["rows"]],
         "replay_check": replay.get("summary"),
     }
+
+
+def invocation(module: str, argv: list[str] | None) -> tuple[str, str]:
+    """(the command that ran, the config's name): ``python -m <module> <argv>`` without ``--results_dir``, and the
+    stem of its ``--config`` file (``custom`` without one)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    kept, name, skip = [], "custom", False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a == "--results_dir" or a.startswith("--results_dir="):
+            skip = a == "--results_dir"
+            continue
+        if a == "--config" and i + 1 < len(args):
+            name = Path(args[i + 1]).stem
+        elif a.startswith("--config="):
+            name = Path(a.split("=", 1)[1]).stem
+        kept.append(a)
+    return shlex.join(["python", "-m", module, *kept]), name
 
 
 def summary_name(summary: dict[str, Any]) -> str:

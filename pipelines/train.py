@@ -49,6 +49,7 @@ from pipelines.jobs.evaluate import EvaluateConfig, run_evaluation
 from pipelines.jobs.evaluate_outputs import cost_aware_rows, store_calibrations
 from pipelines.jobs.generate import ensure_data, generate_config, plural
 from pipelines.progress import ChainProgress, Stage
+from pipelines.result_store import invocation, summarize_main_job, write_summary
 from pipelines.tracking import Experiment, TrackingURI
 from pipelines.train_results import RESULTS_MD, SUMMARY_NOTE, fmt, format_summary, results_markdown
 from predictors.export import export_predictor, load_predictor, read_metadata, update_metadata
@@ -97,6 +98,8 @@ class TrainJobConfig(Experiment, TrackingURI):
     retrain: bool = False
     """Train (and register) every predictor anew, even one whose export in out_dir was made from the same config and
     data (by default such an export is reused, so a stopped job resumes where it stopped)."""
+    results_dir: str | None = None
+    """Also store the run's summary in this folder (e.g. results), which ``python -m pipelines.results`` renders."""
 
     def __post_init__(self) -> None:
         bad = [p for p in self.predictors if p not in ("disco", "sprinter", "sv")]
@@ -234,7 +237,9 @@ def _train_one(cfg: TrainJobConfig, kind: str, kcfg: Any, data_dirs: list[Path],
     logger = MLFlowLogger(experiment_name=cfg.experiment, tracking_uri=uri, run_name=f"train-{kind}")
     logger.log_hyperparams({**_flat_params(kind, kcfg), **_flat_params("data", ident),
                             "data.generate": json.dumps(dataclasses.asdict(cfg.data), default=str)[:6000]})
-    policy, metrics = training.fit_predictor(kind, kcfg, data_dirs, kdir, logger=logger)
+    beat = st.heartbeat
+    on_epoch = None if beat is None else lambda done, n: beat.update(done, n, unit="epochs")
+    policy, metrics = training.fit_predictor(kind, kcfg, data_dirs, kdir, logger=logger, on_epoch=on_epoch)
     export_predictor(policy, folder, {
         "draft_fingerprint": ident["draft"], "target": ident["target"], "companion": ident["companion"],
         "data_fingerprint": ident["data_fingerprint"], "data_dir": ", ".join(map(str, data_dirs)),
@@ -413,6 +418,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if result["report"]:
         print(f"report: {result['report']}")
     print(result["total_line"])
+    if cfg.results_dir:
+        command, name = invocation("pipelines.train", argv)
+        with user_errors("python -m pipelines.train"):
+            summary = summarize_main_job(cfg.out_dir, command, name, result["seconds"])
+            print(f"results summary: {write_summary(summary, cfg.results_dir)}")
     return result
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -333,6 +334,7 @@ def make_datamodule(kind: str, cfg: TrainConfig, data_dir: DataPath, **kwargs: A
 
 def fit_predictor(
     kind: str, cfg: TrainConfig, data_dir: DataPath, out_dir: str | Path, logger: Any = None, datamodule: Any = None,
+    on_epoch: Callable[[int, int], None] | None = None,
 ) -> tuple[StopPolicy, dict[str, float]]:
     """Train one predictor on the shards under ``data_dir``; checkpoints and logs go to ``out_dir``.
 
@@ -345,6 +347,7 @@ def fit_predictor(
             metrics and the summary metrics (prefixed ``final_``); None logs to CSV under ``out_dir``. Use one logger
             (one MLflow run) per predictor: MLflow refuses to change a param's value within a run, and the metric
             names (val_loss, val_auc...) are the same for every kind.
+        on_epoch: called after each training epoch with (epochs done, max epochs), e.g. to move a progress line.
     Returns:
         (policy, metrics): the policy carries the best-val-loss weights, ``cfg.threshold`` and ``policy.train_info``
         (resolved config, label, metrics, checkpoint path; exported by ``predictors.export``). metrics include
@@ -374,7 +377,7 @@ def fit_predictor(
     if kind == "sv":
         policy, m = _fit_sv(cfg, dm, out_dir, logger, n_batches, ckpt_dir)  # type: ignore[arg-type]
     else:
-        policy, m = _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir)
+        policy, m = _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir, on_epoch)
     checkpoint = str(m.pop("_checkpoint", ""))
     metrics.update(m)
     policy.train_info = {
@@ -401,7 +404,18 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[StopPolicy, dict[str, Any]]:
+class EpochProgress(pl.Callback):
+    """Calls ``on_epoch(epochs done, max epochs)`` at the end of every training epoch."""
+
+    def __init__(self, on_epoch: Callable[[int, int], None], max_epochs: int) -> None:
+        self.on_epoch, self.max_epochs = on_epoch, max_epochs
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.on_epoch(trainer.current_epoch + 1, self.max_epochs)
+
+
+def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir,
+                on_epoch: Callable[[int, int], None] | None = None) -> tuple[StopPolicy, dict[str, Any]]:
     x_tr, y_tr, _ = dm.tensors["train"]
     n_pos = float(y_tr.sum())
     pos_weight = cfg.pos_weight if cfg.pos_weight is not None else (y_tr.numel() - n_pos) / n_pos
@@ -422,7 +436,8 @@ def _fit_binary(kind, cfg, dm, out_dir, logger, n_batches, ckpt_dir) -> tuple[St
     ckpt = ModelCheckpoint(dirpath=str(ckpt_dir), filename=f"{kind}-best", monitor=cfg.monitor, mode=mode,
                            save_top_k=1, enable_version_counter=False)
     stop = EarlyStopping(monitor=cfg.monitor, mode=mode, patience=cfg.patience)
-    trainer = _trainer(cfg, out_dir, logger, [ckpt, stop], cfg.max_epochs, n_batches)
+    extra = [EpochProgress(on_epoch, cfg.max_epochs)] if on_epoch is not None else []
+    trainer = _trainer(cfg, out_dir, logger, [ckpt, stop, *extra], cfg.max_epochs, n_batches)
     trainer.fit(module, datamodule=dm)
     best = ckpt.best_model_path
     best_epoch = trainer.current_epoch - 1

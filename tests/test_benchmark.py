@@ -178,8 +178,14 @@ def test_smoke_run(tmp_path, tiny_pair):
         "--tune_data_dir", str(tmp_path / "data"), "--max_static", "4",
         "--predictors", json.dumps([str(tmp_path / "sprinter"), str(tmp_path / "svip-export")]),
         "--hf_rows", '["static:3"]',
+        "--results_dir", str(tmp_path / "results"),
     ]
     result = main(argv)
+    from pipelines.result_store import load_summaries  # the run's summary, as pipelines.results renders it
+
+    (stored,) = load_summaries(tmp_path / "results")
+    assert stored.kind == "benchmark" and stored.data["n_prompts"] == 2 and len(stored.data["rows"]) == len(
+        result["rows"])
     names = [r["row"] for r in result["rows"]]
     assert names[:2] == ["target-only", "hf:static:3"] and names[-1] == "target-only (eager)"
     assert {"static:3", "svip:0.3", "oracle", "hfp:svip:0.3"} <= set(names)

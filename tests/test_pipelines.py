@@ -50,8 +50,13 @@ def test_smoke_main_job_end_to_end(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     result = main(["--config", str(ROOT / "configs/smoke.yaml"), "--data.out_dir", str(tmp_path / "data"),
                    "--out_dir", str(tmp_path / "train"), "--tracking_uri", uri, "--data.max_records", "1800",
-                   "--n_boot", "5"])
+                   "--n_boot", "5", "--results_dir", str(tmp_path / "results")])
     rows = {r["predictor"]: r for r in result["results"]}
+    from pipelines.result_store import load_summaries  # the run's summary, as pipelines.results renders it
+
+    (stored,) = load_summaries(tmp_path / "results")
+    assert stored.kind == "main_job" and stored.data["config"] == "smoke" and "--results_dir" not in stored.data[
+        "command"] and {p["predictor"] for p in stored.data["predictors"]} >= {"disco", "sprinter", "sv"}
     kinds = ("disco", "sprinter", "sv")
     assert set(kinds) <= set(rows)  # the cost-aware (goodput) rows come beside them
     labels = (rows["disco"]["label"], rows["sprinter"]["label"], rows["sv"]["label"])

@@ -63,6 +63,7 @@ from pipelines.benchmark.report import best_thresholded, console_table, cost_awa
 from pipelines.benchmark.run import run_benchmark, write_config
 from pipelines.benchmark.tracking import log_to_mlflow
 from pipelines.cli import parse_config, setup_logging, user_errors
+from pipelines.result_store import invocation, summarize_benchmark, write_summary
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -83,6 +84,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         lines.append(summary_line(stats["replay_check"]["summary"]))
     for x in [x for x in lines if x] + [f"full table: {out_dir / 'benchmark.md'}"]:
         print(textwrap.fill(x, 100, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False))
+    if cfg.results_dir:
+        command, name = invocation("pipelines.benchmark", argv)
+        with user_errors("python -m pipelines.benchmark"):
+            summary = summarize_benchmark(out_dir, command, name, stats["seconds"])
+            print(f"results summary: {write_summary(summary, cfg.results_dir)}")
     return {"rows": rows, "stats": stats, "out_dir": str(out_dir)}
 
 

@@ -111,6 +111,8 @@ class BenchmarkConfig(TrackingConfig):
     """Run each path once on a short generation before timing."""
     seed: int = 0
     """Sampling seed (per prompt: seed + index)."""
+    results_dir: str | None = None
+    """Also store the run's summary in this folder (e.g. results), which ``python -m pipelines.results`` renders."""
     experiment: str = field(default="specstop-benchmark", kw_only=True)
     """MLflow experiment of the run (the field: ``pipelines.tracking``)."""
 

@@ -20,6 +20,7 @@ from pipelines.benchmark.resume import PromptStore
 from pipelines.benchmark.rows import Row
 from pipelines.benchmark.runners import run_engine, run_hf, run_hf_policy, run_reference, run_target_only
 from pipelines.benchmark.tuning import tune_on_validation, tune_predictors
+from pipelines.progress import Heartbeat
 
 log = logging.getLogger("pipelines.benchmark")
 
@@ -54,13 +55,16 @@ PromptDone = Callable[[list[Row], int], None]
 
 
 def run_rows(plan: list[tuple[str, Runner]], bench: Bench, store: PromptStore | None = None,
-             on_prompt: PromptDone | None = None) -> list[Row]:
+             on_prompt: PromptDone | None = None, beat: Heartbeat | None = None) -> list[Row]:
     """Every row on every prompt, in ``cfg.order``, with progress and an ETA; returns the rows in plan order. With a
-    ``store`` (order prompt), prompts it holds are read back instead of run and each prompt run is saved to it."""
+    ``store`` (order prompt), prompts it holds are read back instead of run and each prompt run is saved to it.
+    ``beat`` (a heartbeat, when stderr is not a terminal) is told the prompts (or rows) done and the row running."""
     t0 = time.perf_counter()
     if bench.cfg.order == "row":
         rows: list[Row] = []
         for i, (name, runner) in enumerate(plan):
+            if beat is not None:
+                beat.update(i, len(plan), note=f"row {name}", unit="rows")
             t_row = time.perf_counter()
             rows.append(runner(bench))
             rows[-1].runs = len(rows[-1].seconds)  # once per prompt
@@ -75,7 +79,7 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench, store: PromptStore | 
             assert store is not None
             rows_j, probe = store.load(j)
         else:
-            rows_j, probe = run_prompt(plan, replace(bench, prompts=[prompt], offset=j, reference=None), j)
+            rows_j, probe = run_prompt(plan, replace(bench, prompts=[prompt], offset=j, reference=None), j, beat)
             if store is not None:
                 store.save(j, rows_j, probe)
             ran += 1
@@ -96,10 +100,13 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench, store: PromptStore | 
                  base.tokens_per_s, line)
         if on_prompt is not None and j not in stored:
             on_prompt([merged[name] for name, _ in plan], j + 1)
+        if beat is not None:
+            beat.update(j + 1, n, unit="prompts")
     return [merged[name] for name, _ in plan]
 
 
-def run_prompt(plan: list[tuple[str, Runner]], view: Bench, j: int) -> tuple[dict[str, Row], CostModel | None]:
+def run_prompt(plan: list[tuple[str, Runner]], view: Bench, j: int,
+               beat: Heartbeat | None = None) -> tuple[dict[str, Row], CostModel | None]:
     """Every row of the plan on the one prompt of ``view`` (prompt j of the run), up to ``repeats`` times in
     alternating order, each row's faster run kept; with ``rerun_slower_than`` set, only the rows a slow phase hit run
     after the first pass (target-only included: every row is measured alike); then the curve probed once
@@ -116,6 +123,8 @@ def run_prompt(plan: list[tuple[str, Runner]], view: Bench, j: int) -> tuple[dic
         for name, runner in plan if r % 2 == 0 else plan[::-1]:
             if name in rows_j and rows_j[name].reference:
                 continue
+            if beat is not None:
+                beat.note = f"prompt {j + 1}, pass {r + 1}, row {name}"
             if name in rows_j and tol is not None and not _was_slowed(paces[name], normal, tol):
                 spared += sum(rows_j[name].seconds)
                 continue

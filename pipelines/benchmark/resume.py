@@ -42,7 +42,8 @@ __all__ = ["PromptStore", "run_identity"]
 PROMPTS_DIR = "prompts"
 """The folder under ``out_dir`` with ``run.json`` and one ``prompt-NNNN.json`` per finished prompt."""
 
-NOT_IDENTITY = ("out_dir", "resume", "replay_check", "n_boot", "tracking", "tracking_uri", "experiment", "n_prompts")
+NOT_IDENTITY = ("out_dir", "resume", "replay_check", "n_boot", "tracking", "tracking_uri", "experiment", "n_prompts",
+                "results_dir")
 """Config fields that do not change a prompt's measured rows (``n_prompts``: the prompts' own ids are compared, so a
 run may be extended to more prompts)."""
 

@@ -25,6 +25,7 @@ from pipelines.benchmark.report import finish_rows, write_report
 from pipelines.benchmark.resume import PROMPTS_DIR, PromptStore, run_identity
 from pipelines.benchmark.rows import Row
 from pipelines.benchmark.runners import release_reference, warm_up
+from pipelines.progress import Heartbeat
 
 log = logging.getLogger("pipelines.benchmark")
 
@@ -44,9 +45,10 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
     bench.cost_model.to_json(out_dir / "cost_model.json")
     log.info("benchmark: %d prompts x %d new tokens, device %s, compute path %s", len(bench.prompts),
              cfg.max_new_tokens, cfg.models.device, cfg.models.compute)
-    if cfg.warmup:
-        warm_up(bench)
-    plan = row_plan(cfg, bench)
+    with Heartbeat(log, "benchmark set-up (warm-up, thresholds tuned on validation)"):
+        if cfg.warmup:
+            warm_up(bench)
+        plan = row_plan(cfg, bench)
     if store is not None:
         store.check_rows([name for name, _ in plan])
 
@@ -56,13 +58,15 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
             write_report(finish_rows(rows, view, quiet=True), view, names[:k], out_dir, of=len(bench.prompts))
 
     try:
-        rows = run_rows(plan, bench, store, report_so_far)
+        with Heartbeat(log, "benchmark", total=len(bench.prompts), unit="prompts") as beat:
+            rows = run_rows(plan, bench, store, report_so_far, beat)
     finally:
         release_reference(bench)
     table = finish_rows(rows, bench)
     write_report(table, bench, names, out_dir)
     write_curve_during_rows(bench, out_dir)
-    check = run_replay_check(bench, out_dir) if cfg.replay_check else None
+    with Heartbeat(log, "benchmark replay check"):
+        check = run_replay_check(bench, out_dir) if cfg.replay_check else None
     return table, {"prompts": p_stats, "seconds": time.perf_counter() - t_start, "replay_check": check}
 
 
