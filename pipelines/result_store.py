@@ -143,6 +143,15 @@ def _today() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
 
 
+def _data_records(out: Path, data_dir: str | None) -> int | None:
+    """Records of the main job's data folder (its summary.json): the configured folder, else ``<out>/../data``."""
+    for folder in ([Path(data_dir)] if data_dir else []) + [out.parent / "data"]:
+        path = folder / "summary.json"
+        if path.is_file():
+            return _read_json(path).get("overall", {}).get("records")
+    return None
+
+
 def summarize_main_job(out_dir: str | Path, command: str, config_name: str = "default",
                        duration_s: float | None = None) -> dict[str, Any]:
     """The summary of a finished main job in ``out_dir`` (its results.json, resolved config and cost model)."""
@@ -152,11 +161,12 @@ def summarize_main_job(out_dir: str | Path, command: str, config_name: str = "de
     models = resolved.get("data", {}).get("models", {})
     machine, path = _cost_facts(out / "report" / "cost_model.json")
     rows = [_pick(r, PREDICTOR_FIELDS) for r in results.get("results", []) if "test_auc" in r or "test_speedup" in r]
+    records = results.get("records") or _data_records(out, resolved.get("data", {}).get("out_dir"))
     return {
         "schema": SCHEMA, "kind": "main_job", "config": config_name, "command": command, "date": _today(),
         "config_hash": config_hash(resolved), "machine": machine, "compute_path": path,
         "pair": {"draft": models.get("draft", "?"), "target": models.get("target", "?")},
-        "records": results.get("records"), "duration_s": duration_s, "predictors": rows,
+        "records": records, "duration_s": duration_s, "predictors": rows,
     }
 
 
