@@ -121,7 +121,8 @@ def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
                 elif key == "gemm" and gemm_resume_hint(was, now):  # another ISA of specstop's kernel
                     fix = str(gemm_resume_hint(was, now))
                 else:
-                    fix = f"pass {precision_option(key, role)} {value[key](was)} to resume it"
+                    opt = precision_option(key, role)
+                    fix = f"pass {opt} {value[key](was)} (in the main job: --data.{opt[2:]}) to resume it"
                 raise FileExistsError(
                     f"{out_dir} was labelled with the {role} at {key} {was!r}, this run computes it at {now!r}: {fix}, "
                     f"or use another out_dir"

@@ -76,7 +76,8 @@ def prepare_out_dir(out_dir: Path, data_config: dict, resolved: dict, overwrite:
                 )
                 raise FileExistsError(
                     f"{out_dir} holds {len(shards)} shards of a different data config (changed: {changed}). "
-                    f"Use another out_dir, or pass --overwrite true to delete them."
+                    "Use another out_dir, or pass --overwrite true (in the main job: --data.overwrite true) to delete "
+                    "them."
                 )
             log.warning("overwrite: deleting %d shards of a different config in %s", len(shards), out_dir)
             for p in shards:
@@ -85,7 +86,8 @@ def prepare_out_dir(out_dir: Path, data_config: dict, resolved: dict, overwrite:
             (out_dir / SUMMARY_FILE).unlink(missing_ok=True)
     elif shards and not overwrite:
         raise FileExistsError(
-            f"{out_dir} holds shards but no {CONFIG_FILE}; pass --overwrite true or use another out_dir"
+            f"{out_dir} holds shards but no {CONFIG_FILE}; pass --overwrite true (in the main job: "
+            "--data.overwrite true) or use another out_dir"
         )
     tmp = cfg_file.with_suffix(".tmp")
     tmp.write_text(json.dumps({"fingerprint": fp, "data": data_config, "resolved": resolved}, indent=2, default=str))

@@ -90,7 +90,7 @@ def _check_models(draft: PreTrainedModel, target: PreTrainedModel, policy: StopP
         cols = [c for c in policy.required_columns if c in COMPANION_COLUMNS]
         raise ValueError(
             f"policy {policy.kind!r} needs a companion model (columns {cols}); none is configured "
-            f"(pass companion=... / --companion)"
+            f"(pass companion=... to SpeculativeDecoder, or --models.companion on the command line)"
         )
 
 

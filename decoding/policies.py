@@ -193,5 +193,6 @@ def build_decoder(
         force=force,
     )
     if pol.needs_companion and companion is None:
-        raise ValueError(f"policy {pol.kind!r} needs a companion model; none is configured (set companion)")
+        raise ValueError(f"policy {pol.kind!r} needs a companion model; none is configured (set --models.companion, "
+                         "e.g. truncated:12:<draft>)")
     return SpeculativeDecoder(draft, target, pol, companion=companion, **decoder_kwargs)

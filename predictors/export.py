@@ -24,7 +24,7 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from compute.compute_path import PRECISION_OPTIONS, precision_diffs
+from compute.precision import PRECISION_OPTIONS, precision_diffs
 from predictors.base import StopPolicy
 from predictors.baselines import BASELINES
 from predictors.disco import DiscoNet, DiscoPolicy
@@ -187,7 +187,7 @@ def check_fingerprint(stored: Mapping | None, current: Mapping | None, force: bo
     if force:
         log.warning("%s; loading anyway (force=True)", msg)
         return
-    raise FingerprintMismatch(msg + "; pass force=True to load it anyway")
+    raise FingerprintMismatch(msg + "; pass force=True (on the command line: --force true) to load it anyway")
 
 
 def load_predictor(folder: str | Path, draft_fingerprint: dict | None = None, force: bool = False) -> StopPolicy:
