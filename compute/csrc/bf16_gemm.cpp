@@ -3,12 +3,13 @@
 // torch.utils.cpp_extension.load; runs where the CPU has AVX512-BF16 (elsewhere available() is false and the caller
 // keeps oneDNN), and bfloat16 packs on AMX-BF16 tiles where the CPU has those too (amx_rows, below).
 //
-// Layout (bf16_pack.h, shared with the AVX2 kernel): pack() stores W [N, K] as [ceil(N / 16)][K / 2][16][2] bf16 ("VNNI"
-// pairs: for 16 output columns, the weights of inputs 2p and 2p + 1 side by side), the operand order of vdpbf16ps. One 64-byte load feeds 16 columns; each
-// row's input pair is broadcast to the 16 lanes, so a lane holds one output and no horizontal sum is needed.
-// pack_int8() stores the same layout in int8 with one fp32 scale per output column (symmetric, max|w| / 127): half the
-// bytes, for draft-side models whose steps are bound by reading their weights. The kernel widens each 32 integers to
-// bf16 (exact) and multiplies the column's fp32 sum by its scale before rounding, so the chain below is unchanged.
+// Layout (bf16_pack.h, shared with the AVX2 kernel): pack() stores W [N, K] as [ceil(N / 16)][K / 2][16][2] bf16
+// ("VNNI" pairs: for 16 output columns, the weights of inputs 2p and 2p + 1 side by side), the operand order of
+// vdpbf16ps. One 64-byte load feeds 16 columns; each row's input pair is broadcast to the 16 lanes, so a lane holds one
+// output and no horizontal sum is needed. pack_int8() stores the same layout in int8 with one fp32 scale per output
+// column (symmetric, max|w| / 127): half the bytes, for draft-side models whose steps are bound by reading their
+// weights. The kernel widens each 32 integers to bf16 (exact) and multiplies the column's fp32 sum by its scale before
+// rounding, so the chain below is unchanged.
 //
 // Batch invariance: every output element is the same chain of vdpbf16ps over p = 0 .. K/2 - 1 in order, into an fp32
 // lane that starts at zero, then rounded to bf16 (round to nearest even; an LM head asks for the fp32 sums as they are,
@@ -52,9 +53,9 @@ constexpr int64_t kTileRows = 16;    // calls of up to this many rows stream the
 constexpr int64_t kPairBlock = 128;  // input pairs per block of the many-row path (256 inputs)
 constexpr int64_t kChunkBytes = 512 * 1024;  // weights per column chunk of the many-row path (half of L2)
 // Software prefetch distance (input pairs = 64-byte lines per column block) for a call of R rows: their extra compute
-// per byte leaves the hardware prefetcher behind from 3 rows on. The distances are the fastest of those timed on weights
-// streamed from memory (none, 32, 64, 128, 256 pairs, to L1 or to L2 only): none for 1-2 rows, 32 pairs for 3-4, 128
-// for 5-16 (a pass over one column block, few_rows); int8 weights 64 pairs (2 KB ahead) at every row count.
+// per byte leaves the hardware prefetcher behind from 3 rows on. The distances are the fastest of those timed on
+// weights streamed from memory (none, 32, 64, 128, 256 pairs, to L1 or to L2 only): none for 1-2 rows, 32 pairs for
+// 3-4, 128 for 5-16 (a pass over one column block, few_rows); int8 weights 64 pairs (2 KB ahead) at every row count.
 template <typename WT>
 constexpr int64_t prefetch_pairs(int rows) {
   if constexpr (std::is_same_v<WT, int8_t>) return 64;
@@ -124,8 +125,8 @@ BF16_TARGET inline void store_out(OT* out, __m512 c, const float* scale) {
 
 // R rows x NB column blocks over input pairs [p0, p1). kSpill: the fp32 accumulators start from and go back to `acc`
 // ([R][ldc] fp32, column offset of block 0); otherwise they start at zero and leave through store_out into `out`
-// ([R][ldo]), scaled by `scale` (the blocks' column scales) for an int8 pack. Each row's input pair is broadcast from memory (a
-// load, not a shuffle: the shuffle port would cap the kernel at one vdpbf16ps per cycle).
+// ([R][ldo]), scaled by `scale` (the blocks' column scales) for an int8 pack. Each row's input pair is broadcast from
+// memory (a load, not a shuffle: the shuffle port would cap the kernel at one vdpbf16ps per cycle).
 template <typename WT, typename OT, int R, int NB, bool kSpill>
 BF16_TARGET inline void micro(const uint16_t* x, int64_t ldx, const WT* w, int64_t wstride, int64_t p0, int64_t p1,
                               float* acc, int64_t ldc, OT* out, int64_t ldo, const float* scale) {

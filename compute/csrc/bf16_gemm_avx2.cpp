@@ -47,7 +47,11 @@ namespace {
 using bf16_pack::kCols;
 constexpr int kMaxTile = 5;          // rows of a register tile: 10 accumulators, 4 weights and 2 inputs in 16 ymm
 constexpr int64_t kPairBlock = 64;   // input pairs per chunk of the many-row path (4 KB of a bfloat16 column block)
-constexpr int64_t kPrefetch = 16;    // software prefetch distance of the one-tile path, in input pairs
+// Software prefetch of the weights read from memory (the one-tile path, and the first tile of each chunk of the
+// many-row path), into L2, this many input pairs ahead (8 KB of a bfloat16 column block): the fastest of the distances
+// and hints timed on weights streamed from memory (16-256 pairs, to L1 or L2); without it rows 2-16 cost up to
+// 1.3-1.5x.
+constexpr int64_t kPrefetch = 128;
 
 bool cpu_has_avx2() {
 #if SPECSTOP_AVX2_KERNEL
@@ -106,7 +110,7 @@ struct TileIO {
 };
 
 // R rows x NB column blocks over input pairs [p0, p1): x [R][ldx] fp32 (bfloat16 values), w the first block's pack at
-// pair 0 (blocks wstride apart). kPf: prefetch the weights kPrefetch pairs ahead (the one-tile path, from memory).
+// pair 0 (blocks wstride apart). kPf: prefetch the weights kPrefetch pairs ahead (those read from memory).
 template <typename WT, typename OT, int R, int NB, bool kPf>
 void micro(const float* x, int64_t ldx, const WT* w, int64_t wstride, int64_t p0, int64_t p1, const TileIO& io) {
   __m256 c[R][NB][2];
@@ -117,7 +121,7 @@ void micro(const float* x, int64_t ldx, const WT* w, int64_t wstride, int64_t p0
   for (int64_t p = p0; p < p1; ++p) {
     for (int b = 0; b < NB; ++b) {
       const WT* wp = w + b * wstride + p * 2 * kCols;
-      if constexpr (kPf) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch * 2 * kCols), _MM_HINT_T0);
+      if constexpr (kPf) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch * 2 * kCols), _MM_HINT_T1);
       __m256 e0, o0, e1, o1;  // both halves' weights held, so that each row's two broadcasts feed four FMAs
       load_half(wp, 0, e0, o0);
       load_half(wp, 1, e1, o1);
@@ -145,8 +149,8 @@ void micro(const float* x, int64_t ldx, const WT* w, int64_t wstride, int64_t p0
 template <typename WT, typename OT>
 using MicroFn = void (*)(const float*, int64_t, const WT*, int64_t, int64_t, int64_t, const TileIO&);
 
-// The micro-kernels by row count, [R - 1]: one block a pass with (streamed) and without (from L1) prefetch, and the
-// one-tile path's wider passes for 1 and 2 rows.
+// The micro-kernels by row count, [R - 1]: one block a pass with (weights from memory) and without (from L1) prefetch,
+// and the one-tile path's wider passes for 1 and 2 rows.
 template <typename WT, typename OT>
 struct Tables {
   template <int NB, bool kPf, int... Rs>
@@ -165,7 +169,9 @@ void one_tile(const float* x, int64_t M, int64_t K, const WT* wp, const float* s
               int64_t b1, OT* out, int64_t ldo) {
   using T = Tables<WT, OT>;
   const int64_t wstride = pairs * 2 * kCols;
-  auto io = [&](int64_t b) { return TileIO{nullptr, 0, false, true, out + b * kCols, ldo, scale ? scale + b * kCols : nullptr}; };
+  auto io = [&](int64_t b) {
+    return TileIO{nullptr, 0, false, true, out + b * kCols, ldo, scale ? scale + b * kCols : nullptr};
+  };
   int64_t b = b0;
   if (M == 1)
     for (; b + 4 <= b1; b += 4) T::one_row_four_blocks(x, K, wp + b * wstride, wstride, 0, pairs, io(b));
@@ -179,7 +185,8 @@ void one_tile(const float* x, int64_t M, int64_t K, const WT* wp, const float* s
 template <typename WT, typename OT>
 void tiled(const float* x, int64_t M, int64_t K, const WT* wp, const float* scale, int64_t pairs, int64_t b0,
            int64_t b1, OT* out, int64_t ldo) {
-  const auto& cached = Tables<WT, OT>::cached;
+  const auto& streamed = Tables<WT, OT>::streamed;  // the first tile reads the chunk from memory
+  const auto& cached = Tables<WT, OT>::cached;      // the others from L1
   const int64_t wstride = pairs * 2 * kCols;
   const int64_t tiles = (M + kMaxTile - 1) / kMaxTile;
   std::vector<float> acc(M * kCols);
@@ -190,7 +197,7 @@ void tiled(const float* x, int64_t M, int64_t K, const WT* wp, const float* scal
         const int r = static_cast<int>((M - m0) / (tiles - t));  // the rows left, spread over the tiles left
         const TileIO io{acc.data() + m0 * kCols, kCols, p0 > 0, p1 == pairs, out + m0 * ldo + b * kCols, ldo,
                         scale ? scale + b * kCols : nullptr};
-        cached[r - 1](x + m0 * K, K, wp + b * wstride, wstride, p0, p1, io);
+        (t == 0 ? streamed : cached)[r - 1](x + m0 * K, K, wp + b * wstride, wstride, p0, p1, io);
         m0 += r;
       }
     }
