@@ -79,7 +79,9 @@ def gemm_resume_hint(was: str, now: str) -> str | None:
     if flags and wanted not in cpu.isas_of(flags):
         model = cpu.cpu_model()["model_name"] or "unknown"
         return f"its {cpu.ISA_NAMES[wanted]} kernel does not run on this CPU ({model}): label it on a CPU that has it"
-    also = " and pass --models.native_gemm true" if now == "onednn" else ""
+    also = ""
+    if now == "onednn":
+        also = " and pass --models.native_gemm true (in the main job: --data.models.native_gemm true)"
     return f"set SPECSTOP_ISA={wanted}{also} to resume it"
 
 
