@@ -187,7 +187,8 @@ def summarize_benchmark(out_dir: str | Path, command: str, config_name: str = "b
         "config_hash": config_hash(config), "machine": machine, "compute_path": path,
         "pair": {"draft": config["models"]["draft"], "target": config["models"]["target"]},
         "n_prompts": len(bench.get("prompt_ids") or []), "max_new_tokens": config["max_new_tokens"],
-        "temperature": config["temperature"], "partial": bool(bench.get("partial", False)),
+        "temperature": config["temperature"], "prompts_of_run": bench.get("prompts_of_run"),
+        "partial": (bench.get("prompts_of_run") or 0) > len(bench.get("prompt_ids") or []),
         "duration_s": duration_s, "rows": [_pick(r, ROW_FIELDS) for r in bench["rows"]],
         "replay_check": replay.get("summary"),
     }

@@ -110,7 +110,9 @@ def verdict(s: Summary) -> str:
 def _benchmark_heading(s: Summary) -> str:
     d = s.data
     mode = "greedy" if d["temperature"] == 0 else f"sampling at temperature {d['temperature']}"
-    partial = " (partial: a stopped run)" if d.get("partial") else ""
+    partial = ""
+    if d.get("partial"):
+        partial = f" (partial: the first {d['n_prompts']} of the run's {d.get('prompts_of_run')})"
     return f"{d['n_prompts']} prompts x {d['max_new_tokens']} new tokens, {mode}{partial}"
 
 
