@@ -102,3 +102,18 @@ def test_summary_name_and_fill_errors(tmp_path):
     assert summary_name(bench_summary()) == "benchmark-benchmark-full-zen-4-avx-512-bf16-2026-11-25.json"
     with pytest.raises(ValueError, match="no <!-- results:readme -->"):
         fill("no markers", "readme", "x", tmp_path / "README.md")
+
+
+def test_readme_and_docs_links_resolve():
+    """Every relative link of the README and docs/ names a file of the repository."""
+    import re
+
+    docs = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for doc in docs:
+        for m in re.finditer(r"\]\(([^)#\s]+)(#[^)]*)?\)", doc.read_text()):
+            target = m.group(1)
+            if not target.startswith(("http://", "https://")) and not (doc.parent / target).exists():
+                broken.append(f"{doc.name}: {target}")
+    assert not broken, broken
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
