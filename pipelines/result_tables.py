@@ -99,6 +99,8 @@ def verdict(s: Summary) -> str:
     mid, lo, hi = best["vs_best_entropy"], best.get("vs_best_entropy_lo"), best.get("vs_best_entropy_hi")
     head = (f"The best exact learned stopper ({row_name(best)}) ran {_interval(mid, lo, hi)} the best entropy bound "
             f"({row_name(entropy[0])}) over {s.data['n_prompts']} prompts")
+    if lo is not None and hi is not None:
+        head += f" (an interval {100 * (hi - lo) / 2:.0f}% wide each way: smaller differences are not decided by it)"
     if lo is not None and lo > 1.0:
         return head + ": a learned stopper is measurably faster on this pair and machine."
     if hi is not None and hi < 1.0:
