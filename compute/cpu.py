@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ISA_FLAGS", "ISA_NAMES", "avx512_allowed", "cpu_model", "is_x86", "isas_of", "requested_isa"]
+__all__ = ["ISA_FLAGS", "ISA_NAMES", "avx512_allowed", "cpu_model", "cpuinfo_fields", "is_x86", "isas_of",
+           "requested_isa"]
 
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
@@ -34,19 +35,24 @@ ISA_NAMES = {"avx512": "AVX512-BF16", "avx2": "AVX2 with FMA"}
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_model() -> dict[str, Any]:
-    """Model name and the SIMD flags that decide the compute path (from /proc/cpuinfo where it exists; no flags where
-    it does not, and the kernels then say what they run on)."""
-    model, flags = "", set()
+def cpuinfo_fields() -> dict[str, str]:
+    """The first CPU's fields of /proc/cpuinfo (``model name``, ``flags``, ``vendor_id``, ``cpu family``, ``model``,
+    ...); empty where the file does not exist."""
+    fields: dict[str, str] = {}
     path = Path("/proc/cpuinfo")
     if path.is_file():
         for line in path.read_text().splitlines():
             key, _, val = line.partition(":")
-            key = key.strip()
-            if key == "model name" and not model:
-                model = val.strip()
-            elif key == "flags" and not flags:
-                flags = set(val.split())
+            fields.setdefault(key.strip(), val.strip())
+    return fields
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> dict[str, Any]:
+    """Model name and the SIMD flags that decide the compute path (from /proc/cpuinfo where it exists; no flags where
+    it does not, and the kernels then say what they run on)."""
+    info = cpuinfo_fields()
+    model, flags = info.get("model name", ""), set(info.get("flags", "").split())
     simd = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
     return {
         "model_name": model,

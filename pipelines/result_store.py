@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from compute.cpu import cpuinfo_fields
+
 SCHEMA = "specstop-results/1"
 KINDS = ("main_job", "benchmark")
 REQUIRED = {
@@ -60,25 +62,9 @@ class Summary:
         return pair, self.data["compute_path"], cpu_label(self.data["machine"])
 
 
-def _proc_cpu_ids() -> dict[str, str]:
-    """Vendor, family and model number of this CPU (empty where /proc/cpuinfo is missing)."""
-    out: dict[str, str] = {}
-    path = Path("/proc/cpuinfo")
-    if not path.is_file():
-        return out
-    for line in path.read_text().splitlines():
-        key, _, val = line.partition(":")
-        key = key.strip()
-        if key in ("vendor_id", "cpu family", "model") and key not in out:
-            out[key] = val.strip()
-        if not line.strip() and out:
-            break
-    return out
-
-
 def machine_facts(machine: dict[str, Any]) -> dict[str, Any]:
     """The run's machine record (from its cost model) plus this CPU's vendor, family and model number."""
-    ids = _proc_cpu_ids()
+    ids = cpuinfo_fields()
     return {**machine, "vendor": ids.get("vendor_id", ""), "family": ids.get("cpu family", ""),
             "model": ids.get("model", "")}
 
