@@ -16,9 +16,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pipelines.benchmark.config import ENTROPY_KINDS
 from pipelines.result_store import Summary, cpu_label
 
-ENTROPY_KINDS = ("svip", "adaedl")
 LEARNED_KINDS = ("disco", "sprinter", "sv")
 HEADLINE_BENCHMARKS = ("benchmark-full", "benchmark")
 FREE_NAMES = {"max-prob": "top-1 probability", "draft-prob": "q(x)", "neg-entropy": "-entropy"}
