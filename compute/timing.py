@@ -67,6 +67,10 @@ class CostModel:
     """Cached prefix length the timings were taken at."""
     compute_path: str = "eager"
     """Compute path of the target during the timings (``compute.compute_path``)."""
+    runtime: str = "specstop"
+    """The runtime whose forward passes were timed: ``specstop`` (its engine, and transformers' ``generate`` over the
+    same loaded models), ``llamacpp`` (llama.cpp through llama-cpp-python), or another a user measured; a
+    recommendation for one runtime priced with another's curve warns (:meth:`runtime_mismatch`)."""
     machine: dict[str, Any] = field(default_factory=dict)
     """Where it was measured: CPU model name, SIMD flags, torch version and CPU capability, threads."""
     assumed: bool = False
@@ -173,6 +177,16 @@ class CostModel:
                         mine, theirs = " ".join(mine), " ".join(theirs)
                     out.append(f"CPU {key}: measured on {mine!r}, run on {theirs!r}")
         return out
+
+    def runtime_mismatch(self, runtime: str) -> str | None:
+        """A one-line warning when this curve was measured on another runtime than ``runtime`` (None: it fits).
+        transformers' ``generate`` drives the models specstop loads, so a ``specstop`` curve prices it too."""
+        fits = {self.runtime} | ({"transformers"} if self.runtime == "specstop" else set())
+        if runtime in fits:
+            return None
+        return (f"the cost file was measured on runtime {self.runtime!r}, not {runtime!r}: the {runtime} settings are "
+                f"priced with {self.runtime}'s curve; measure {runtime}'s own (python -m pipelines.measure_costs "
+                f"--runtime {runtime}) where it can run")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

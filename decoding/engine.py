@@ -52,7 +52,7 @@ from decoding.stats import DecodeStats
 from decoding.streams import Stream
 from decoding.verification import Verifier
 from predictors import goodput
-from predictors.base import GOODPUT, SEQUENTIAL, StopPolicy
+from predictors.base import GOODPUT, PREFIX, SEQUENTIAL, StopPolicy
 from predictors.calibration import mode_of
 
 __all__ = ["DecodeStats", "SpeculativeDecoder"]
@@ -150,6 +150,7 @@ class SpeculativeDecoder:
         self.analysis = policy.needs_target
         self.sequential = policy.verification == SEQUENTIAL
         self.goodput = policy.verification == GOODPUT
+        self.prefix = policy.verification == PREFIX
         self.verifier = Verifier(self.sampler, policy, self.sequential)
         policy.use_mode(mode_of(self.temperature))  # a goodput policy picks its calibration map (or names the fix)
         self._cost: goodput.RoundCost | None = None
@@ -359,6 +360,9 @@ class SpeculativeDecoder:
     def _decide(self, feats: dict[str, Tensor], rnd: DraftRound) -> tuple[list[bool], list[float] | None]:
         """[B] draft another token after this one; goodput policies also return their [B] calibrated acceptances and
         decide by the goodput rule alone (``predictors.goodput.keep_drafting``, as the replay does)."""
+        if self.prefix:  # llama.cpp's rule: the scores decide which drafted tokens are sent (_verification_lengths)
+            sc = self.policy.score_list(feats)
+            return [s >= self.policy.threshold for s in sc], sc
         if not self.goodput:
             return self.policy.keep_drafting(feats).tolist(), None
         sc = self.policy.score_list(feats)
@@ -371,6 +375,8 @@ class SpeculativeDecoder:
     def _verification_lengths(self, st: Decoding, rnd: DraftRound) -> list[int]:
         """[B] drafted tokens sent to the target: all of them, or the goodput rule's best prefix (across a batch
         sharing one target pass, ``predictors.goodput.batch_lengths``)."""
+        if self.prefix:  # the token that scored below the threshold is dropped; a round under the minimum sends none
+            return [self.policy.prefix_round(rnd.scores[b][: len(rnd.drafted[b])])[1] for b in range(st.batch)]
         if not self.goodput:
             return [len(d) for d in rnd.drafted]
         cost = self._round_cost()

@@ -35,7 +35,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 
 from data_gen.features import COMPANION_COLUMNS, TARGET_COLUMNS, token_features
 from predictors import goodput
-from predictors.base import GOODPUT, RoundFeedback, StopPolicy
+from predictors.base import GOODPUT, PREFIX, RoundFeedback, StopPolicy
 from predictors.calibration import mode_of
 
 __all__ = ["PolicyCandidateGenerator", "generate_with_policy", "check_hf_policy"]
@@ -53,6 +53,11 @@ def check_hf_policy(policy: StopPolicy, cost_model: Any = None) -> None:
     if policy.verification == GOODPUT and cost_model is None:
         raise ValueError(f"policy {policy.kind!r} is cost-aware: pass cost_model= (a compute.timing.CostModel, "
                          f"python -m pipelines.measure_costs)")
+    if policy.verification == PREFIX:
+        raise ValueError(f"policy {policy.kind!r} drops the drafted token that scored below its threshold "
+                         f"(llama.cpp's rule), which transformers' candidate generator cannot do; use "
+                         f"decoding.engine.SpeculativeDecoder, or transformers' own settings (python -m "
+                         f"pipelines.recommend --runtime transformers)")
     if not policy.exact:
         raise ValueError(
             f"policy {policy.kind!r} is approximate (sequential verification); transformers verifies exactly, use "

@@ -5,6 +5,8 @@ Specs (``build_policy``):
   (transformers-style online ROC re-tuning, cost fpr + 3 fnr; ``max_confidence_fixed[:T]`` keeps T fixed),
   ``draft_prob[:T]`` (q(x), the drafted token's probability),
   ``svip[:H]``, ``adaedl[:LAMBDA]``, ``oracle`` (analysis only: the engine runs the target on every drafted token);
+- a runtime's own rule (``predictors.runtime_rules``): ``llamacpp[:N_MAX,N_MIN,P_MIN]`` (llama.cpp's draft-simple),
+  ``transformers[:N,SCHEDULE,THRESHOLD]`` (assisted generation), ``vllm[:K]``; omitted values take its defaults;
 - a dict ``{"kind": "svip", "h": 0.4}`` (constructor parameters of ``predictors.baselines``);
 - a learned predictor: an export folder or ``models:/<name>@champion`` (``predictors.registry.load_reference``), checked
   against the draft model's fingerprint (refused for another draft model unless ``force``);
@@ -33,6 +35,7 @@ from decoding.engine import SpeculativeDecoder
 from predictors.base import StopPolicy
 from predictors.baselines import BASELINES, SVIP, AdaEDL, DraftProb, HFHeuristic, MaxConfidence, Oracle, StaticLength
 from predictors.goodput import MissingCalibration, goodput_policy
+from predictors.runtime_rules import RUNTIMES, runtime_rule
 
 __all__ = ["build_policy", "build_decoder", "policy_label", "needs_companion", "GOODPUT_PREFIX"]
 
@@ -114,6 +117,8 @@ def build_policy(
             f"policy spec {spec!r}: give a name like static:5, a dict, an export folder or models:/name@alias"
         )
     kind, _, arg = spec.partition(":")
+    if kind in RUNTIMES:  # a runtime's own rule, capped by its own maximum
+        return runtime_rule(kind, arg or None, max(max_draft_len, 64))
     if kind in _NAMED and not spec.startswith("models:/"):
         return _named(kind, arg or None, max_draft_len)
     if spec.startswith(("models:/", "runs:/")) or Path(spec).expanduser().is_dir():

@@ -14,7 +14,7 @@ from evaluation.replay_oracle import OracleSchedule, oracle_schedule, sampling_o
 from evaluation.replay_result import ReplayResult
 from evaluation.replay_scores import missing_columns, overrides, scores_for, window_features
 from predictors import goodput
-from predictors.base import GOODPUT, HINDSIGHT, SEQUENTIAL, RoundFeedback, StopPolicy, drafted_length
+from predictors.base import GOODPUT, HINDSIGHT, PREFIX, SEQUENTIAL, RoundFeedback, StopPolicy, drafted_length
 
 __all__ = ["replay_policy"]
 
@@ -205,6 +205,9 @@ def _draft_round(rp: _Replay, s: int, rows: np.ndarray, rem: int, plan: dict[int
     w = _window_scores(rp, rows)  # [cap] or None
     if rp.goodput is not None:
         return goodput.draft_round(_round_acceptance(rp, rows, w), rp.goodput, cap)
+    if rp.policy.verification == PREFIX:  # llama.cpp's rule: steps paid and tokens sent differ
+        sc = w if w is not None else rp.policy.score(window_features(rp.data.features, rows)).numpy()
+        return rp.policy.prefix_round(np.asarray(sc, dtype=np.float64).tolist())
     if w is None:
         keep = rp.policy.keep_drafting(window_features(rp.data.features, rows)).cpu().numpy().astype(bool)
     else:

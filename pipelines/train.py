@@ -48,6 +48,7 @@ from pipelines.jobs.crossval import CrossValConfig, CrossValRun, run_crossval
 from pipelines.jobs.evaluate import EvaluateConfig, run_evaluation
 from pipelines.jobs.evaluate_outputs import cost_aware_rows, store_calibrations
 from pipelines.jobs.generate import ensure_data, generate_config, plural
+from pipelines.jobs.recommend import RecommendConfig, draft_name, recommend_runtimes, write_recommendations
 from pipelines.progress import ChainProgress, Stage
 from pipelines.result_store import invocation, summarize_main_job, write_summary
 from pipelines.tracking import Experiment, TrackingURI
@@ -93,6 +94,10 @@ class TrainJobConfig(Experiment, TrackingURI):
     (``pipelines.crossval``):
     every prompt tested once, AUC against the best training-free score with a paired bootstrap interval (the table's
     cv_* columns; the report under ``<out_dir>/crossval``)."""
+    recommend: bool = True
+    """Tune the speculative settings of every runtime whose curve the data folder holds (transformers' and vLLM's from
+    its own curve, llama.cpp's from ``cost_model.llamacpp.json``; ``pipelines.recommend``) after the evaluation, and
+    print what to paste."""
     register: bool = True
     """Register every trained predictor in the MLflow model registry (champion alias on improvement)."""
     retrain: bool = False
@@ -132,6 +137,8 @@ def _planned_stages(cfg: TrainJobConfig) -> list[str]:
         stages.append("evaluate")
     if cfg.crossval_folds and {"disco", "sprinter"} & set(cfg.predictors):
         stages.append("crossval")
+    if cfg.evaluate and cfg.recommend:
+        stages.append("recommend")
     if cfg.register:
         stages.append("register")
     return stages
@@ -165,6 +172,11 @@ def train_all(cfg: TrainJobConfig, progress: bool | None = None) -> dict[str, An
             with chain.stage("crossval") as st:
                 _crossval(cfg, data_dirs, cv_kinds, job.rows, uri)
                 st.summary = f"{cfg.crossval_folds} folds x {', '.join(cv_kinds)}"
+        recommendations: dict[str, list[str]] = {}
+        if cfg.evaluate and cfg.recommend:
+            with chain.stage("recommend") as st:
+                recommendations = _recommend(cfg, data_dirs[0])
+                st.summary = ", ".join(recommendations) or "no runtime curve"
         if cfg.register and job.exports:
             with chain.stage("register") as st:
                 st.summary = _register(job, ident, uri)
@@ -173,7 +185,8 @@ def train_all(cfg: TrainJobConfig, progress: bool | None = None) -> dict[str, An
         rows = job.rows
         times = chain.times()
         result = {"results": list(rows.values()), "report": str(report) if report else None, "data": ident,
-                  "seconds": times["total"], "stage_seconds": times, "total_line": chain.total_line()}
+                  "seconds": times["total"], "stage_seconds": times, "total_line": chain.total_line(),
+                  "recommendations": recommendations}
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
     (out / RESULTS_MD).write_text(results_markdown(cfg.out_dir, result))
     return result
@@ -379,6 +392,16 @@ def _crossval(cfg: TrainJobConfig, data_dirs: list[Path], kinds: list[str], rows
         rows[r["predictor"]].update({f"cv_{k}": r.get(k) for k in keys})
 
 
+def _recommend(cfg: TrainJobConfig, data_dir: Path) -> dict[str, list[str]]:
+    """Each runtime's tuned settings (those whose curve the data folder holds) as the lines to print, also written
+    to ``<out_dir>/recommend.json``."""
+    rcfg = RecommendConfig(data_dir=str(data_dir), train_dir=cfg.out_dir)
+    recs = recommend_runtimes(rcfg)
+    if recs:
+        write_recommendations(recs, Path(cfg.out_dir) / "recommend.json")
+    return {rt: rec.lines(draft_name(rcfg)) for rt, rec in recs.items()}
+
+
 def _own_label(kcfg: Any) -> tuple[str, tuple[str, float]]:
     """(label name, (family, lambda)) a predictor is trained for (the SV table: the label its val AUC is reported
     on)."""
@@ -417,6 +440,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"full table: {out / RESULTS_MD}")
     if result["report"]:
         print(f"report: {result['report']}")
+    for lines in result.get("recommendations", {}).values():
+        print("\n".join(lines))
     print(result["total_line"])
     if cfg.results_dir:
         command, name = invocation("pipelines.train", argv)

@@ -27,7 +27,11 @@ HINDSIGHT = "hindsight"
 SEQUENTIAL = "sequential"
 """Verification kind (SPRINTER): drafted tokens before the last are taken unverified, the target checks the last one;
 approximate."""
-VERIFICATIONS = (THRESHOLD, GOODPUT, HINDSIGHT, SEQUENTIAL)
+PREFIX = "prefix"
+"""Verification kind (llama.cpp's draft rule, ``predictors.runtime_rules``): a token is sent only while its own score
+is ``>= threshold``; the draft step that scored the first token below it is paid and its token dropped; a round of
+fewer than a minimum sends nothing (:meth:`StopPolicy.prefix_round`)."""
+VERIFICATIONS = (THRESHOLD, GOODPUT, HINDSIGHT, SEQUENTIAL, PREFIX)
 
 
 @dataclass
@@ -85,7 +89,7 @@ class StopPolicy:
     def tunable(self) -> bool:
         """A threshold a sweep can tune: thresholded, not SV's goodput rule, not re-tuned online by the policy
         itself."""
-        return (self.has_threshold and self.verification in (THRESHOLD, SEQUENTIAL)
+        return (self.has_threshold and self.verification in (THRESHOLD, SEQUENTIAL, PREFIX)
                 and not getattr(self, "online_roc", False))
 
     def __init__(self, threshold: float = 0.5, max_draft_len: int = 40) -> None:
@@ -113,6 +117,15 @@ class StopPolicy:
         """Most tokens the next round may draft: ``draft_cap()`` under the given limits (None: no limit), >= 0.
         The engine and the replay both cap their rounds with it."""
         return max(0, min([int(self.draft_cap()), *(int(x) for x in limits if x is not None)]))
+
+    def prefix_round(self, scores: Sequence[float]) -> tuple[int, int]:
+        """(draft steps paid, tokens sent) of a ``PREFIX`` round whose candidate tokens score ``scores`` in draft
+        order (already capped): tokens are taken while their score is ``>= threshold``; the step that scored the
+        first one below it is paid. Policies of that kind override it to add their minimum."""
+        for j, s in enumerate(scores):
+            if s < self.threshold:
+                return j + 1, j
+        return len(scores), len(scores)
 
     def use_mode(self, mode: str) -> None:
         """Decoding mode of the coming rounds, ``greedy`` or ``sampling`` (the engine, the replay and transformers'

@@ -62,7 +62,9 @@ class BenchmarkConfig(TrackingConfig):
     another run, maybe another phase of the host: thresholded rows then compare unlike with like); false keeps the
     export's threshold."""
     hf_rows: list[str] = field(default_factory=lambda: ["static:5", "heuristic", "default"])
-    """transformers assisted-generation rows: static:K, heuristic, default."""
+    """transformers assisted-generation rows: static:K, heuristic, default (its defaults: 20 tokens, confidence 0.4
+    re-tuned online), recommended (its settings tuned on the validation split of ``tune_data_dir`` under this run's
+    curve, as ``pipelines.recommend --runtime transformers`` tunes them)."""
     reference_compute: str | None = "eager"
     """Also time target-only with the target loaded on this compute path (eager: fp32 as transformers loads it);
     null skips the row. Costs one more target in memory while the benchmark runs."""
@@ -141,14 +143,14 @@ class BenchmarkConfig(TrackingConfig):
             raise ValueError(f"rerun_slower_than={self.rerun_slower_than}: must be >= 0 (a fraction, e.g. 0.05), or "
                              "null to run every row `repeats` times")
         for r in self.hf_rows:
-            if r not in ("heuristic", "default") and not re.fullmatch(r"static:\d+", r):
-                raise ValueError(f"hf_rows: {r!r} is not one of static:K, heuristic, default")
+            if r not in ("heuristic", "default", "recommended") and not re.fullmatch(r"static:\d+", r):
+                raise ValueError(f"hf_rows: {r!r} is not one of static:K, heuristic, default, recommended")
         if self.prompt_texts is not None and not [t for t in self.prompt_texts if t.strip()]:
             raise ValueError("prompt_texts: give at least one non-empty prompt (or null to use prompts)")
         if self.cost_file is not None and not Path(self.cost_file).is_file():
             raise ValueError(f"--cost_file {self.cost_file}: no such file; measure one with python -m "
                              f"pipelines.measure_costs --out {self.cost_file}, or leave it unset to measure in the run")
-        tuned = [s for s in self.policies if needs_tuning(s)]
+        tuned = [s for s in self.policies if needs_tuning(s)] + [f"hf:{r}" for r in self.hf_rows if r == "recommended"]
         if tuned and self.tune_data_dir is None:
             raise ValueError(f"policies {tuned} are tuned on validation data: set --tune_data_dir (e.g. "
                              f"outputs/default/data) or name fixed values (static:5, svip:0.3)")

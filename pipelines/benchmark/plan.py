@@ -19,7 +19,7 @@ from pipelines.benchmark.pace import Pace, PaceMeter, excess, normal_pace
 from pipelines.benchmark.resume import PromptStore
 from pipelines.benchmark.rows import Row
 from pipelines.benchmark.runners import run_engine, run_hf, run_hf_policy, run_reference, run_target_only
-from pipelines.benchmark.tuning import tune_on_validation, tune_predictors
+from pipelines.benchmark.tuning import tune_on_validation, tune_predictors, tune_runtime
 from pipelines.progress import Heartbeat
 
 log = logging.getLogger("pipelines.benchmark")
@@ -36,7 +36,8 @@ def row_plan(cfg: BenchmarkConfig, bench: Bench) -> list[tuple[str, Runner]]:
         tuned.update(tune_predictors(cfg.predictors, bench))
     plan: list[tuple[str, Runner]] = [("target-only", lambda b: run_target_only(b))]
     for kind in cfg.hf_rows:
-        plan.append((f"hf:{kind}", lambda b, k=kind: run_hf(b, k)))
+        settings = tune_runtime("transformers", bench).settings() if kind == "recommended" else None
+        plan.append((f"hf:{kind}", lambda b, k=kind, s=settings: run_hf(b, k, s)))
     for spec in [*cfg.policies, *cfg.predictors]:
         if spec.startswith("hfp:"):
             plan.append((spec, lambda b, s=spec[4:]: run_hf_policy(b, s)))

@@ -79,14 +79,17 @@ HF_SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def run_hf(bench: Bench, kind: str) -> Row:
-    """transformers assisted generation with the draft's generation_config set for ``kind`` (restored afterwards).
+def run_hf(bench: Bench, kind: str, settings: dict[str, Any] | None = None) -> Row:
+    """transformers assisted generation with the draft's generation_config set for ``kind`` (restored afterwards), or
+    to ``settings`` (the ``recommended`` row's tuned ones).
 
     Rounds are the target's forward calls after the prefill (one per prompt), drafted tokens the draft's forward
     calls (each proposes one token), accepted tokens = emitted tokens - rounds.
     """
     gc = bench.draft.generation_config
-    if kind.startswith("static:"):
+    if settings is not None:
+        settings = dict(settings)
+    elif kind.startswith("static:"):
         settings = {"num_assistant_tokens": int(kind.split(":")[1]), "num_assistant_tokens_schedule": "constant",
                     "assistant_confidence_threshold": 0.0}
     else:
@@ -102,6 +105,7 @@ def run_hf(bench: Bench, kind: str) -> Row:
 
     try:
         row = timed_prompts(bench, Row(f"hf:{kind}", "transformers assisted"), decode)
+        row.note = ", ".join(f"{k}={v}" for k, v in settings.items())
     finally:
         t_calls.close()
         d_calls.close()

@@ -12,6 +12,7 @@ import numpy as np
 
 from decoding.policies import build_policy, policy_label
 from evaluation.data import load_columns, subset
+from evaluation.recommend import tune_rule
 from evaluation.replay import (
     ReplayConfig,
     missing_columns,
@@ -24,6 +25,7 @@ from pipelines.benchmark.bench import Bench
 from pipelines.benchmark.config import needs_tuning
 from predictors.base import SEQUENTIAL, THRESHOLD
 from predictors.labels import draw_mask
+from predictors.runtime_rules import RuntimeRule
 
 log = logging.getLogger("pipelines.benchmark")
 
@@ -62,6 +64,18 @@ def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[An
         param = tuned.h if kind == "svip" else thr
         out[spec] = (tuned, f"{kind}:{param:.3g} (val-tuned)", {"spec": kind, "threshold": thr})
     return out
+
+
+def tune_runtime(runtime: str, bench: Bench) -> RuntimeRule:
+    """``runtime``'s own rule at the setting that replays fastest on the validation split of ``cfg.tune_data_dir``
+    under the bench's cost model (``evaluation.recommend.tune_rule``)."""
+    cm = bench.cost_model
+    assert cm is not None
+    mode, cols = _validation_columns(bench)
+    data = prepare_replay_data(cols, ReplayConfig(mode=mode, origins=("target",)))
+    rule, speed, _ = tune_rule(runtime, data, cm, mode)
+    log.info("%s recommended on val: %s (replayed speedup %.2f)", runtime, rule.spec(), speed)
+    return rule
 
 
 def _validation_columns(bench: Bench, extra: tuple[str, ...] = ()) -> tuple[str, dict[str, np.ndarray]]:
