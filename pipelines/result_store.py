@@ -153,7 +153,25 @@ def summarize_main_job(out_dir: str | Path, command: str, config_name: str = "de
         "config_hash": config_hash(resolved), "machine": machine, "compute_path": path,
         "pair": {"draft": models.get("draft", "?"), "target": models.get("target", "?")},
         "records": records, "duration_s": duration_s, "predictors": rows,
+        "recommendations": _recommendations(out / "recommend.json"),
     }
+
+
+def _recommendations(path: Path) -> list[dict[str, Any]]:
+    """Each runtime's recommendation of a main job (``recommend.json``, ``pipelines.recommend``): the setting, its
+    replayed test speedup beside the runtime's defaults', the best learned policy's and the oracle's, the curve's
+    runtime when it was another's; [] when the job made none."""
+    if not path.is_file():
+        return []
+    out = []
+    for runtime, r in _read_json(path).items():
+        best = max(r.get("compare", {}).items(), key=lambda kv: kv[1]["speedup"], default=None)
+        out.append({"runtime": runtime, "speculate": r["speculate"], "paste": r["paste"], "spec": r["spec"],
+                    "speedup": r["speedup"], "val_speedup": r["val_speedup"], "default_spec": r["default"]["spec"],
+                    "default_speedup": r["default"]["speedup"], "best_learned": best[0] if best else None,
+                    "best_learned_speedup": best[1]["speedup"] if best else None,
+                    "oracle_speedup": (r.get("oracle") or {}).get("speedup"), "warnings": r.get("warnings", [])})
+    return out
 
 
 def summarize_benchmark(out_dir: str | Path, command: str, config_name: str = "benchmark",

@@ -68,6 +68,24 @@ def predictor_table(s: Summary) -> str:
     return "\n".join(lines)
 
 
+def recommendation_table(s: Summary) -> str:
+    """Each runtime's tuned setting (what to paste) and its replayed speedup over target-only on the test split,
+    beside the runtime's defaults, the best learned policy and the oracle, under the curve the job had ("" when the
+    job made no recommendation)."""
+    recs = s.data.get("recommendations") or []
+    if not recs:
+        return ""
+    lines = ["| runtime | set | replayed speedup | its defaults | best learned policy | oracle |",
+             "|---|---|---|---|---|---|"]
+    for r in recs:
+        what = f"`{r['paste']}`" if r["speculate"] else "do not speculate (target alone)"
+        curve = " (priced with another runtime's curve)" if r.get("warnings") else ""
+        learned = f"{r['best_learned_speedup']:.2f}x ({r['best_learned']})" if r.get("best_learned") else ""
+        lines.append(f"| {r['runtime']}{curve} | {what} | {r['speedup']:.2f}x | {r['default_speedup']:.2f}x "
+                     f"(`{r['default_spec']}`) | {learned} | {_f(r.get('oracle_speedup'), '.2f')}x |")
+    return "\n".join(lines)
+
+
 def row_name(row: dict[str, Any]) -> str:
     """A readable row name: the engine's policy label, or the transformers / target-only reference."""
     return ROW_NAMES.get(row["row"], row["row"])
@@ -157,6 +175,10 @@ def render_readme(summaries: list[Summary]) -> str:
         records = f", {main.data['records']:,} labelled records" if main.data.get("records") else ""
         parts += [f"Learned predictors against the best training-free score (main job{records}; {caption(main)}):",
                   "", predictor_table(main), ""]
+        recs = recommendation_table(main)
+        if recs:
+            parts += ["What to set in each runtime, tuned on the validation split and replayed on the test split "
+                      "(`python -m pipelines.recommend`, same run):", "", recs, ""]
     if bench is not None:
         parts += [f"End to end, {_benchmark_heading(bench)} ({caption(bench)}):", "", benchmark_table(bench), "",
                   verdict(bench)]
@@ -180,6 +202,8 @@ def render_docs(summaries: list[Summary]) -> str:
         for s in reversed(runs):
             if s.kind == "main_job":
                 parts += [f"**Main job, config `{s.data['config']}`** ({caption(s)}):", "", predictor_table(s), ""]
+                recs = recommendation_table(s)
+                parts += [recs, ""] if recs else []
             else:
                 parts += [f"**Benchmark `{s.data['config']}`, {_benchmark_heading(s)}** ({caption(s)}):", "",
                           benchmark_table(s), "", verdict(s), ""]
