@@ -74,14 +74,19 @@ class Heartbeat:
         self.enabled = heartbeat_default() if enabled is None else enabled
         self.interval = interval or float(os.environ.get("SPECSTOP_HEARTBEAT_S", HEARTBEAT_S))
         self.done: float | None = None
+        self.resumed = 0.0
         self.note = ""
         self.t0 = time.perf_counter()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def update(self, done: float, total: float | None = None, note: str = "", unit: str | None = None) -> None:
-        """Record progress: ``done`` units of ``total`` (kept from before when None); ``note`` ends the line."""
+    def update(self, done: float, total: float | None = None, note: str = "", unit: str | None = None,
+               resumed: float | None = None) -> None:
+        """Record progress: ``done`` units of ``total`` (kept from before when None); ``note`` ends the line;
+        ``resumed``: how many of ``done`` an earlier run did (read back, not worked on: left out of the rate)."""
         self.done = done
+        if resumed is not None:
+            self.resumed = resumed
         if total is not None:
             self.total = total
         if unit is not None:
@@ -93,7 +98,7 @@ class Heartbeat:
         elapsed = time.perf_counter() - self.t0
         if self.done is None:
             return f"{self.name}: running for {fmt_duration(elapsed)}" + (f"; {self.note}" if self.note else "")
-        rate = self.done / elapsed if elapsed > 0 else 0.0
+        rate = (self.done - self.resumed) / elapsed if elapsed > 0 else 0.0
         of = f"/{self.total:,.0f}" if self.total else ""
         eta = ""
         if self.total and rate > 0:

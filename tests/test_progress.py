@@ -20,6 +20,13 @@ def test_heartbeat_lines_with_rate_and_eta(caplog, monkeypatch):
     assert any("2/8 prompts" in x and "prompts/s, ETA" in x for x in lines)
 
 
+def test_a_resumed_run_leaves_the_read_back_units_out_of_its_rate():
+    hb = Heartbeat(logging.getLogger("x"), "benchmark", total=23, unit="prompts", enabled=False)
+    hb.t0 -= 100.0  # 100 s of work
+    hb.update(12, resumed=11)  # 11 prompts read back from an earlier run, 1 run now
+    assert "12/23 prompts" in hb.line() and "(0.01 prompts/s, ETA 18 min" in hb.line()
+
+
 def test_disabled_heartbeat_starts_no_thread():
     with Heartbeat(logging.getLogger("x"), "quiet", enabled=False) as hb:
         assert hb._thread is None

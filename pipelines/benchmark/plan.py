@@ -102,7 +102,7 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench, store: PromptStore | 
         if on_prompt is not None and j not in stored:
             on_prompt([merged[name] for name, _ in plan], j + 1)
         if beat is not None:
-            beat.update(j + 1, n, unit="prompts")
+            beat.update(j + 1, n, unit="prompts", resumed=sum(1 for k in stored if k <= j))
     return [merged[name] for name, _ in plan]
 
 
