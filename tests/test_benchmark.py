@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_configs_parse():
     from pipelines.cli import parse_config
 
-    for name in ("benchmark.yaml", "benchmark-smoke.yaml"):
+    for name in ("benchmark.yaml", "benchmark-smoke.yaml", "benchmark-full.yaml", "benchmark-transformers.yaml"):
         cfg = parse_config(BenchmarkConfig, ["--config", str(ROOT / "configs" / name)], "")
         assert cfg.max_new_tokens > 0
 
@@ -32,6 +32,8 @@ def test_bad_config(tmp_path):
         BenchmarkConfig(n_prompts=0)
     with pytest.raises(ValueError, match="--tune_data_dir"):
         BenchmarkConfig(policies=["svip:tuned"])
+    with pytest.raises(ValueError, match="--tune_data_dir"):
+        BenchmarkConfig(hf_rows=["recommended"])  # transformers' settings are tuned on validation data
     with pytest.raises(ValueError, match="pipelines.measure_costs --out"):
         BenchmarkConfig(cost_file=str(tmp_path / "nope.json"))
 
@@ -152,6 +154,14 @@ def test_rows_repeat_in_alternating_order_and_keep_each_prompts_faster_run():
     assert "faster of 2 runs" in rows["target-only"].note
 
 
+def rows_exact(result: dict, name: str) -> bool:
+    return next(r for r in result["rows"] if r["row"] == name)["exact"] is True
+
+
+def rows_note(result: dict, name: str) -> str:
+    return next(r for r in result["rows"] if r["row"] == name)["note"]
+
+
 def test_smoke_run(tmp_path, tiny_pair):
     from compute.models import model_fingerprint
     from predictors.baselines import SVIP
@@ -177,7 +187,7 @@ def test_smoke_run(tmp_path, tiny_pair):
         "--policies", '["static:3", "svip:0.3", "oracle", "hfp:svip:0.3", "static:best", "adaedl:tuned", "svip:tuned"]',
         "--tune_data_dir", str(tmp_path / "data"), "--max_static", "4",
         "--predictors", json.dumps([str(tmp_path / "sprinter"), str(tmp_path / "svip-export")]),
-        "--hf_rows", '["static:3"]',
+        "--hf_rows", '["static:3", "recommended"]',
         "--results_dir", str(tmp_path / "results"),
     ]
     result = main(argv)
@@ -187,7 +197,8 @@ def test_smoke_run(tmp_path, tiny_pair):
     assert stored.kind == "benchmark" and stored.data["n_prompts"] == 2 and len(stored.data["rows"]) == len(
         result["rows"])
     names = [r["row"] for r in result["rows"]]
-    assert names[:2] == ["target-only", "hf:static:3"] and names[-1] == "target-only (eager)"
+    assert names[:3] == ["target-only", "hf:static:3", "hf:recommended"] and names[-1] == "target-only (eager)"
+    assert rows_exact(result, "hf:recommended") and "num_assistant_tokens=" in rows_note(result, "hf:recommended")
     assert {"static:3", "svip:0.3", "oracle", "hfp:svip:0.3"} <= set(names)
     tuned = [n for n in names if n.endswith(("(val-best)", "(val-tuned)"))]
     assert len(tuned) == 3 and tuned[0].startswith("static:") and tuned[1].startswith("adaedl:"), names

@@ -16,7 +16,7 @@ from pipelines.benchmark.bench import Bench
 from pipelines.benchmark.config import ENTROPY_KINDS, BenchmarkConfig
 from pipelines.benchmark.plots import plot_speedups
 from pipelines.benchmark.resume import PROMPTS_DIR
-from pipelines.benchmark.rows import Row
+from pipelines.benchmark.rows import Row, ratio_ci
 
 log = logging.getLogger("pipelines.benchmark")
 
@@ -117,7 +117,24 @@ def finish_rows(rows: list[Row], bench: Bench, quiet: bool = False) -> list[dict
     line = cost_aware_line(table, best_thr.name if best_thr else None)
     if line and not quiet:
         log.info(line)
+    _against_defaults(rows, table, boot, quiet)
     return table
+
+
+def _against_defaults(rows: list[Row], table: list[dict[str, Any]], boot: np.ndarray, quiet: bool) -> None:
+    """The ``hf:recommended`` row against ``hf:default`` (tokens/s ratio and its paired interval, in its report entry
+    as ``vs_defaults``), logged in one line."""
+    by_name = {r.name: (r, t) for r, t in zip(rows, table)}
+    if "hf:recommended" not in by_name or "hf:default" not in by_name:
+        return
+    (rec, entry), (default, _) = by_name["hf:recommended"], by_name["hf:default"]
+    mid, lo, hi = ratio_ci(rec, default, boot)
+    if mid is None:
+        return
+    entry.update(vs_defaults=round(mid, 3), vs_defaults_lo=round(lo, 3), vs_defaults_hi=round(hi, 3))
+    if not quiet:
+        log.info("transformers at the recommended settings (%s) against its defaults: %.3fx [%.3f, %.3f] (95%% paired "
+                 "bootstrap over prompts)", rec.note, mid, lo, hi)
 
 
 def best_thresholded(table: list[dict[str, Any]]) -> str | None:

@@ -154,11 +154,15 @@ class PromptStore:
         return ({name: row_from_dict(r) for name, r in d["rows"].items()},
                 None if probe is None else CostModel.from_dict(probe))
 
-    def save(self, j: int, rows: dict[str, Row], probe: CostModel | None) -> None:
-        """Prompt j's rows and probe, whole or not at all."""
+    def save(self, j: int, rows: dict[str, Row], probe: CostModel | None, wall_s: float | None = None) -> None:
+        """Prompt j's rows and probe, and the wall seconds the prompt took, whole or not at all."""
         d = {"rows": {name: row_to_dict(r) for name, r in rows.items()},
-             "probe": None if probe is None else probe.to_dict()}
+             "probe": None if probe is None else probe.to_dict(), "wall_s": wall_s}
         _write_atomic(self.prompt_file(j), json.dumps(d))
+
+    def wall_seconds(self, j: int) -> float | None:
+        """The wall seconds prompt j took in the run that saved it (None: not recorded)."""
+        return json.loads(self.prompt_file(j).read_text()).get("wall_s")
 
 
 def _differences(stored: dict[str, Any], now: dict[str, Any]) -> list[str]:

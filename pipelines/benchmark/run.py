@@ -20,7 +20,7 @@ from pipelines.benchmark.check_inputs import read_bench_folder
 from pipelines.benchmark.check_report import write_check
 from pipelines.benchmark.config import BenchmarkConfig
 from pipelines.benchmark.curve import load_cost_model, write_curve_during_rows
-from pipelines.benchmark.plan import row_plan, run_rows
+from pipelines.benchmark.plan import READ_BACK_WALL, row_plan, run_rows
 from pipelines.benchmark.report import finish_rows, write_report
 from pipelines.benchmark.resume import PROMPTS_DIR, PromptStore, run_identity
 from pipelines.benchmark.rows import Row
@@ -67,7 +67,9 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
     write_curve_during_rows(bench, out_dir)
     with Heartbeat(log, "benchmark replay check"):
         check = run_replay_check(bench, out_dir) if cfg.replay_check else None
-    return table, {"prompts": p_stats, "seconds": time.perf_counter() - t_start, "replay_check": check}
+    read_back = bench.shared.get(READ_BACK_WALL, 0.0)  # a resumed run: the earlier run's prompts' wall time
+    seconds = None if read_back is None else time.perf_counter() - t_start + read_back
+    return table, {"prompts": p_stats, "seconds": seconds, "replay_check": check}
 
 
 def load_bench(cfg: BenchmarkConfig, store: PromptStore | None = None) -> tuple[Bench, list[str], dict]:
