@@ -42,6 +42,10 @@ __all__ = ["CostModel", "measure_cost_model", "pool_cost_models", "assumed_cost_
            "forward_bytes", "read_bandwidth", "prefill", "crop"]
 
 
+MEASURED_RUNTIMES = ("specstop", "llamacpp")
+"""The runtimes ``pipelines.measure_costs --runtime`` times on this machine."""
+
+
 @dataclass
 class CostModel:
     """Seconds per draft token and per target verification pass, by verification length."""
@@ -184,9 +188,10 @@ class CostModel:
         fits = {self.runtime} | ({"transformers"} if self.runtime == "specstop" else set())
         if runtime in fits:
             return None
+        how = (f"python -m pipelines.measure_costs --runtime {runtime}" if runtime in MEASURED_RUNTIMES
+               else "specstop measures specstop's and llama.cpp's; time the runtime's own steps where it runs")
         return (f"the cost file was measured on runtime {self.runtime!r}, not {runtime!r}: the {runtime} settings are "
-                f"priced with {self.runtime}'s curve; measure {runtime}'s own (python -m pipelines.measure_costs "
-                f"--runtime {runtime}) where it can run")
+                f"priced with {self.runtime}'s curve; measure {runtime}'s own ({how})")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

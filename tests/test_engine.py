@@ -194,7 +194,7 @@ def disco_policy(threshold: float = 0.5) -> StopPolicy:
     return DiscoPolicy(DiscoNet(spec.width, 16), spec, threshold=threshold, max_draft_len=8)
 
 
-@pytest.mark.parametrize("spec", ["static:3", "svip:0.3", "disco"])
+@pytest.mark.parametrize("spec", ["static:3", "svip:0.3", "disco", "llamacpp:4,1,0.5"])
 def test_batch_equals_per_sequence(pair, spec):
     draft, target = pair
     policy = disco_policy() if spec == "disco" else build_policy(spec)
