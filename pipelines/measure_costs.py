@@ -1,7 +1,9 @@
 """Measure the verification curve of a model pair on this machine: draft step, companion step, target forward of
 L = 1..16 new tokens over a cached prefix, with the CPU model and flags, torch version, threads and compute path in the
 JSON, and on the CPU the memory floor printed beside each figure (the bytes a one-token forward reads over the read
-bandwidth measured in the same run).
+bandwidth measured in the same run). With ``--runtime llamacpp`` it times llama.cpp's own forwards instead (through
+llama-cpp-python, on the pair's GGUF files: ``compute.llamacpp.measure_llamacpp_curve``), written as
+``cost_model.llamacpp.json`` with ``runtime: llamacpp``.
 
 The one timing model (``compute.timing.CostModel``) that the replay, Speculative Verification and the benchmark read.
 Timings taken while other processes load the machine overstate costs: measure on a quiet machine (the minimum over
@@ -11,6 +13,8 @@ Usage:
     python -m pipelines.measure_costs --data_dir outputs/default/data  # that folder's pair -> its cost_model.json
     python -m pipelines.measure_costs --models.draft packaged:qwen2.5-coder-0.5b-instruct \\
         --models.target packaged:qwen2.5-coder-1.5b-instruct --out outputs/costs.json [--models.compute eager]
+    python -m pipelines.measure_costs --runtime llamacpp --models.draft packaged:qwen2.5-coder-0.5b-instruct \\
+        --models.target packaged:qwen2.5-coder-1.5b-instruct [--threads 2]  # or .gguf paths; or --data_dir
 """
 from __future__ import annotations
 
@@ -19,6 +23,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from compute.gguf_files import ensure_gguf
+from compute.llamacpp import load_pair, measure_llamacpp_curve
 from compute.timing import CostModel, measure_cost_model
 from data_gen.config import GenerateConfig, ModelsConfig
 from data_gen.generate import load_models
@@ -26,6 +34,9 @@ from data_gen.shards import read_data_config
 from pipelines.cli import parse_config, setup_logging, user_errors
 
 log = logging.getLogger(__name__)
+
+RUNTIMES = ("specstop", "llamacpp")
+"""Runtimes whose forwards can be timed: specstop's loaded models, or llama.cpp on the pair's GGUF files."""
 
 
 @dataclass
@@ -38,15 +49,26 @@ class MeasureCostsConfig:
     models: ModelsConfig = field(default_factory=ModelsConfig)
     """Draft / target / companion, dtype, device and compute path (used as given when data_dir is not set)."""
     out: str | None = None
-    """JSON file to write (default: <data_dir>/cost_model.json, else outputs/cost_model.json)."""
+    """JSON file to write (default: <data_dir>/cost_model.json, else outputs/cost_model.json; with runtime llamacpp
+    cost_model.llamacpp.json in either folder)."""
     max_length: int = 16
     """Verification lengths L = 1 .. max_length are all timed."""
     repeats: int = 5
     """Timing repeats per length; the minimum is kept."""
     prompt_len: int = 128
     """Cached prefix length (random tokens)."""
+    runtime: str = "specstop"
+    """specstop (the models as specstop loads them, on models.compute) or llamacpp (llama.cpp through
+    llama-cpp-python, on the GGUF files of models.draft / models.target: packaged:<name> or .gguf paths; the
+    companion is not timed)."""
+    threads: int | None = None
+    """runtime llamacpp: llama.cpp's threads (default: torch's thread count)."""
 
     def __post_init__(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime={self.runtime!r}: use one of {', '.join(RUNTIMES)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads}: must be >= 1")
         if self.max_length < 2:
             raise ValueError(f"max_length={self.max_length}: the curve needs at least L = 1 and 2")
         if self.repeats < 1 or self.prompt_len < 1:
@@ -68,10 +90,28 @@ def models_of(cfg: MeasureCostsConfig) -> ModelsConfig:
 
 def measure(cfg: MeasureCostsConfig) -> CostModel:
     """Load the models and time them; returns the cost model (not yet written)."""
+    if cfg.runtime == "llamacpp":
+        return measure_llamacpp(cfg)
     models, _ = load_models(GenerateConfig(models=models_of(cfg)))
     lengths = tuple(range(1, cfg.max_length + 1))
     return measure_cost_model(models.draft, models.target, models.companion, lengths=lengths,
                               prompt_len=cfg.prompt_len, repeats=cfg.repeats)
+
+
+def measure_llamacpp(cfg: MeasureCostsConfig) -> CostModel:
+    """llama.cpp's curve of the pair's GGUF files (joined once from the packaged parts, or the user's own)."""
+    m = models_of(cfg)
+    draft, target = ensure_gguf(m.draft, m.cache_dir), ensure_gguf(m.target, m.cache_dir)
+    threads = cfg.threads or torch.get_num_threads()
+    d, t = load_pair(draft, target, threads, n_ctx=max(512, cfg.prompt_len + cfg.max_length + 32))
+    return measure_llamacpp_curve(d, t, tuple(range(1, cfg.max_length + 1)), prompt_len=cfg.prompt_len,
+                                  repeats=cfg.repeats, n_threads=threads, draft_name=m.draft, target_name=m.target)
+
+
+def default_out(cfg: MeasureCostsConfig) -> Path:
+    """Where the cost file goes without ``--out``: beside the data folder's shards, else in outputs/."""
+    name = "cost_model.llamacpp.json" if cfg.runtime == "llamacpp" else "cost_model.json"
+    return Path(cfg.data_dir) / name if cfg.data_dir else Path("outputs") / name
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -79,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     setup_logging()
     with user_errors("python -m pipelines.measure_costs"):
         cfg = parse_config(MeasureCostsConfig, argv, __doc__)
-        out = Path(cfg.out or (Path(cfg.data_dir) / "cost_model.json" if cfg.data_dir else "outputs/cost_model.json"))
+        out = Path(cfg.out) if cfg.out else default_out(cfg)
         cm = measure(cfg)
     cm.to_json(out)
     print(cm.curve_table(floor=True))

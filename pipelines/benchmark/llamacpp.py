@@ -1,0 +1,308 @@
+"""The benchmark's llama.cpp rows (``python -m pipelines.llamacpp_bench``): side by side on the same prompts, greedy,
+on the pair's GGUF files through llama-cpp-python:
+
+- ``llama.cpp target-only``: ``Llama.generate`` with no draft model (the reference output and speed);
+- ``llamacpp:3,0,0.0 (default)``: llama.cpp's speculative decoding at its defaults, its draft-simple rule
+  (``predictors.runtime_rules.LlamaCppRule``) in the draft hook (``decoding.llamacpp_draft``);
+- every ``settings`` entry (``llamacpp:N_MAX,N_MIN,P_MIN``, e.g. what ``pipelines.recommend --runtime llamacpp``
+  prints);
+- every ``policies`` entry: a specstop policy (``decoding.policies.build_policy`` specs: ``adaedl:0.6``, an export
+  folder, ``goodput:<export>``) stopping the same hook's drafts.
+
+Every speculative row keeps llama.cpp's own verification. The prompts are rendered by the pair's transformers
+tokenizer (``data_gen.prompts``, as ``pipelines.benchmark`` does) and handed to llama.cpp as token ids, so both
+runtimes read the same ids. The rows run through the benchmark's own loop (``pipelines.benchmark.plan.run_rows``:
+``order: prompt``, each row ``repeats`` times a prompt in alternating order, the faster run kept, the outputs checked
+equal), and are reported with its rows, intervals and tables (``pipelines.benchmark.rows``, ``report``): tokens/s,
+speedup over target-only with its paired bootstrap interval, identical outputs, rounds and acceptance, the hook's
+stop-decision cost; then each row against llama.cpp's defaults and each policy against the best ``settings`` row.
+
+Models loaded: the draft, the target with ``logits_all`` (llama-cpp-python's verification reads every position's
+logits) and the target again without it for target-only (its one-token steps, as llama.cpp decodes alone); the GGUF
+weights are memory-mapped once. torch runs the hook's per-token feature work on one thread, leaving the cores to
+llama.cpp's threads.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from compute.cpu import cpuinfo_fields
+from compute.gguf_files import ensure_gguf, gguf_stop_ids, gguf_tokenizer
+from compute.llamacpp import file_type, generate_greedy, load_llama, load_pair, measure_llamacpp_curve
+from compute.timing import CostModel
+from data_gen.config import ModelsConfig
+from data_gen.prompts import PromptSourceConfig
+from decoding.llamacpp_draft import SpecstopDraftModel, check_policy
+from decoding.policies import build_policy, policy_label
+from pipelines.benchmark.bench import Bench, load_benchmark_prompts
+from pipelines.benchmark.config import BenchmarkConfig
+from pipelines.benchmark.plan import Runner, run_rows
+from pipelines.benchmark.report import finish_rows, markdown_table
+from pipelines.benchmark.rows import Row, ratio_ci
+from predictors.base import StopPolicy
+from predictors.runtime_rules import LlamaCppRule
+
+log = logging.getLogger("pipelines.benchmark")
+
+STATE = "llamacpp"
+"""Key of the loaded llama.cpp models in ``Bench.shared`` (every per-prompt view of the bench shares them)."""
+TARGET_ONLY = "llama.cpp target-only"
+DEFAULT_SPEC = LlamaCppRule().spec()
+"""llama.cpp's default draft-simple settings as a spec (n_max 3, n_min 0, p_min 0.0)."""
+
+
+@dataclass
+class LlamaCppBenchConfig:
+    """What ``python -m pipelines.llamacpp_bench`` runs; configs/benchmark-llamacpp.yaml mirrors it."""
+
+    out_dir: str = "outputs/benchmark-llamacpp"
+    """Folder for benchmark.md / .json, cost_model.llamacpp.json and config.yaml (created)."""
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    """models.draft / models.target: packaged:<name> (joined once into <cache_dir>/gguf) or .gguf paths; the
+    tokenizer is the target's (transformers). The other fields are not used."""
+    prompts: list[PromptSourceConfig] = field(
+        default_factory=lambda: [PromptSourceConfig("humaneval"), PromptSourceConfig("mtbench")])
+    """Prompt sources (data_gen.prompts), filtered to ``split`` and taken round-robin, as pipelines.benchmark does."""
+    prompt_texts: list[str] | None = None
+    """Plain prompt strings used instead of ``prompts``."""
+    split: str | None = "test"
+    """Keep only prompts of this split; None keeps all."""
+    n_prompts: int = 8
+    use_chat_template: bool = True
+    max_prompt_tokens: int = 512
+    """Prompts longer than this are left-truncated."""
+    max_new_tokens: int = 128
+    """New tokens per prompt (fewer when the target ends the answer)."""
+    settings: list[str] = field(default_factory=list)
+    """llama.cpp draft-simple settings to run beside its defaults: ``llamacpp:N_MAX,N_MIN,P_MIN`` (e.g. the
+    recommended ones)."""
+    policies: list[str] = field(default_factory=lambda: ["adaedl:0.6"])
+    """specstop policies stopping the draft inside llama.cpp (decoding.policies specs; threshold, goodput and prefix
+    kinds; goodput ones price rounds with llama.cpp's curve)."""
+    calibration_dir: str | None = None
+    """Folder of calibrated training-free exports for ``goodput:<score name>`` (the main job's
+    <out_dir>/train/calibrated)."""
+    cost_file: str | None = None
+    """llama.cpp's curve (python -m pipelines.measure_costs --runtime llamacpp); measured at the start when unset."""
+    max_draft_len: int = 16
+    """Cap on one round's drafts for the specstop policies (a llamacpp:N_MAX row drafts up to N_MAX)."""
+    top_k_features: int = 10
+    """Top-k draft probabilities in the features (match the predictors' training data)."""
+    threads: int | None = None
+    """llama.cpp's threads (default: torch's thread count)."""
+    n_ctx: int = 0
+    """Context of the llama.cpp models; 0: the longest prompt + max_new_tokens + drafts, at least 512."""
+    repeats: int = 2
+    """Runs of every row per prompt, in plan order and then reversed, the faster kept (outputs checked equal)."""
+    order: str = "prompt"
+    """prompt: every row on one prompt before the next (drift hits all rows alike); row: one row over all prompts."""
+    n_boot: int = 1000
+    """Bootstrap resamples of the prompts for the intervals."""
+    warmup: bool = True
+    """Decode a few tokens with every model before timing."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for spec in self.settings:
+            if not spec.startswith("llamacpp:"):
+                raise ValueError(f"settings: {spec!r} is not llamacpp:N_MAX,N_MIN,P_MIN (specstop policies go to "
+                                 "policies)")
+        if self.max_draft_len < 1 or self.n_ctx < 0:
+            raise ValueError(f"max_draft_len={self.max_draft_len} must be >= 1 and n_ctx={self.n_ctx} >= 0")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads}: must be >= 1")
+        self.benchmark_config()  # the shared checks (prompts, repeats, order, cost_file...)
+
+    def benchmark_config(self) -> BenchmarkConfig:
+        """The benchmark config its shared code reads (prompts, repeats, order, intervals): greedy, no torch rows."""
+        return BenchmarkConfig(
+            out_dir=self.out_dir, models=self.models, prompts=self.prompts, prompt_texts=self.prompt_texts,
+            split=self.split, n_prompts=self.n_prompts, use_chat_template=self.use_chat_template,
+            max_prompt_tokens=self.max_prompt_tokens, max_new_tokens=self.max_new_tokens, temperature=0.0,
+            max_draft_len=self.max_draft_len, top_k_features=self.top_k_features, policies=[], hf_rows=[],
+            reference_compute=None, order=self.order, repeats=self.repeats, cost_file=self.cost_file,
+            n_boot=self.n_boot, curve_probes=False, resume=False, warmup=self.warmup, seed=self.seed, tracking=False)
+
+
+@dataclass
+class LlamaModels:
+    """The loaded llama.cpp models and the hooks of the speculative rows (``Bench.shared[STATE]``)."""
+
+    draft: Any
+    target: Any
+    """The target with ``logits_all`` (speculative rows)."""
+    plain: Any
+    """The target without it (target-only)."""
+    paths: dict[str, Path]
+    threads: int
+    hooks: dict[str, SpecstopDraftModel] = field(default_factory=dict)
+    specs: dict[str, str] = field(default_factory=dict)
+
+
+def row_policies(cfg: LlamaCppBenchConfig) -> list[tuple[str, str, StopPolicy]]:
+    """(row name, spec, policy) of every speculative row, built and checked before any model loads."""
+    out = []
+    for spec in [DEFAULT_SPEC, *cfg.settings, *cfg.policies]:
+        pol = build_policy(spec, max_draft_len=cfg.max_draft_len, calibration_dir=cfg.calibration_dir)
+        check_policy(pol)
+        name = spec if spec.startswith("llamacpp:") else policy_label(spec, pol)
+        name = f"{name} (default)" if spec == DEFAULT_SPEC else name
+        if name in [n for n, _, _ in out]:
+            raise ValueError(f"row {name!r} is given twice (settings / policies)")
+        out.append((name, spec, pol))
+    return out
+
+
+def load_llamacpp_bench(cfg: LlamaCppBenchConfig) -> tuple[Bench, list[str]]:
+    """The prompts (the target's tokenizer), the llama.cpp models, the curve and one hook per speculative row."""
+    rows = row_policies(cfg)
+    tok = gguf_tokenizer(cfg.models.target, cfg.models.cache_dir)
+    inner = cfg.benchmark_config()
+    prompts, names, _ = load_benchmark_prompts(inner, tok)
+    paths = {role: ensure_gguf(getattr(cfg.models, role), cfg.models.cache_dir) for role in ("draft", "target")}
+    threads = cfg.threads or torch.get_num_threads()
+    n_ctx = cfg.n_ctx or max(512, max(len(p) for p in prompts) + cfg.max_new_tokens + 2 * cfg.max_draft_len + 16)
+    draft, target = load_pair(paths["draft"], paths["target"], threads, n_ctx)
+    models = LlamaModels(draft, target, load_llama(paths["target"], threads, n_ctx), paths, threads)
+    torch.set_num_threads(1)  # the hook's per-token feature work: one thread, the cores left to llama.cpp
+    if cfg.cost_file:
+        cost = CostModel.from_json(cfg.cost_file)
+    else:
+        log.info("measuring llama.cpp's curve (no cost_file given)")
+        cost = measure_llamacpp_curve(draft, target, repeats=3, n_threads=threads, draft_name=cfg.models.draft,
+                                      target_name=cfg.models.target)
+    for name, spec, pol in rows:
+        models.hooks[name] = SpecstopDraftModel(draft, pol, cost_model=cost, max_draft_len=cfg.max_draft_len,
+                                                top_k=cfg.top_k_features)
+        models.specs[name] = spec
+    eos = sorted(set(gguf_stop_ids(cfg.models.target, cfg.models.cache_dir, tok)) | {int(target.token_eos())})
+    bench = Bench(inner, None, None, None, tok, prompts, eos, cost_model=cost,  # type: ignore[arg-type]
+                  shared={STATE: models})  # no torch models: the rows hold llama.cpp's in ``shared``
+    return bench, names
+
+
+def run_target_only(view: Bench) -> Row:
+    """``Llama.generate`` with no draft model on the view's prompts."""
+    m: LlamaModels = view.shared[STATE]
+    row = Row(TARGET_ONLY, "llamacpp", note="reference")
+    for ids in view.prompts:
+        t0 = time.perf_counter()
+        out = generate_greedy(m.plain, ids, view.cfg.max_new_tokens, view.eos)
+        row.seconds.append(time.perf_counter() - t0)
+        row.outputs.append(out)
+    row.target_calls = row.tokens
+    return row
+
+
+def run_hooked(view: Bench, name: str) -> Row:
+    """``Llama.generate`` of the logits_all target with row ``name``'s draft hook."""
+    m: LlamaModels = view.shared[STATE]
+    hook = m.hooks[name]
+    pol = hook.policy
+    row = Row(name, "llamacpp", kind=pol.kind, spec=m.specs[name], verification=pol.verification)
+    m.target.draft_model = hook
+    try:
+        for ids in view.prompts:
+            hook.begin(end=len(ids) + view.cfg.max_new_tokens)
+            t0 = time.perf_counter()
+            out = generate_greedy(m.target, ids, view.cfg.max_new_tokens, view.eos)
+            wall = time.perf_counter() - t0
+            hook.finish([*ids, *out])
+            st = hook.decode_stats(t0, wall, len(out))
+            row.decode = st if row.decode is None else row.decode + st
+            row.seconds.append(wall)
+            row.outputs.append(out)
+            row.prefill_seconds.append(st.prefill_time)
+    finally:
+        m.target.draft_model = None
+    assert row.decode is not None
+    d = row.decode
+    row.rounds, row.accepted, row.target_calls = d.rounds, int(d.accepted), d.target_calls
+    row.draft_tokens = int(d.drafted)
+    return row
+
+
+def row_plan(bench: Bench) -> list[tuple[str, Runner]]:
+    """Target-only first, then llama.cpp's defaults, the settings and the specstop policies, in config order."""
+    m: LlamaModels = bench.shared[STATE]
+    return [(TARGET_ONLY, run_target_only), *[(name, lambda b, n=name: run_hooked(b, n)) for name in m.hooks]]
+
+
+def warm_up(bench: Bench) -> None:
+    """A few tokens of the first prompt through every model (llama.cpp's first calls allocate its buffers)."""
+    m: LlamaModels = bench.shared[STATE]
+    short = replace(bench, prompts=[bench.prompts[0]], cfg=replace(bench.cfg, max_new_tokens=8))
+    run_target_only(short)
+    run_hooked(short, next(iter(m.hooks)))
+
+
+def comparisons(rows: list[Row], boot: np.ndarray) -> list[dict[str, Any]]:
+    """Each speculative row against llama.cpp's defaults, and each specstop policy against the best settings row (the
+    fastest ``llamacpp:`` row but the default; the default itself when none ran): ratio of tokens/s, 95% interval."""
+    default = next(r for r in rows if r.name.endswith("(default)"))
+    settings = [r for r in rows if r.spec.startswith("llamacpp:") and r is not default]
+    best = max(settings, key=lambda r: r.tokens_per_s) if settings else default
+    out = []
+    for r in rows:
+        refs = [default] if r.spec.startswith("llamacpp:") or best is default else [default, best]
+        for ref in refs:
+            if r is not ref and r.name != TARGET_ONLY:
+                point, lo, hi = ratio_ci(r, ref, boot)
+                out.append({"row": r.name, "against": ref.name, "ratio": point, "lo": lo, "hi": hi})
+    return out
+
+
+def comparison_lines(comps: list[dict[str, Any]]) -> list[str]:
+    return [f"{c['row']} against {c['against']}: {c['ratio']:.3f}x [{c['lo']:.3f}, {c['hi']:.3f}]" for c in comps
+            if c["ratio"] is not None]
+
+
+def write_llamacpp_report(table: list[dict[str, Any]], comps: list[dict[str, Any]], bench: Bench, names: list[str],
+                          out_dir: Path) -> None:
+    """``benchmark.md`` and ``benchmark.json`` of the llama.cpp rows."""
+    cfg, cm, m = bench.cfg, bench.cost_model, bench.shared[STATE]
+    cpu = cpuinfo_fields()
+    where = (f"CPU {cpu.get('model name', '?')} (family {cpu.get('cpu family', '?')}, model {cpu.get('model', '?')}), "
+             f"{m.threads} llama.cpp threads")
+    lib = {"draft": f"{m.paths['draft'].name} ({file_type(m.draft)})",
+           "target": f"{m.paths['target'].name} ({file_type(m.target)})"}
+    md = ["# llama.cpp benchmark\n",
+          f"draft {lib['draft']}, target {lib['target']}; {len(names)} prompts ({', '.join(names)}), "
+          f"{cfg.max_new_tokens} new tokens, greedy; {where}; measured {time.strftime('%Y-%m-%d')}.\n",
+          "speedup = tokens/s over llama.cpp target-only [95% paired bootstrap interval over prompts]; "
+          "identical_prompts = prompts whose output equals target-only's; mean_accepted / mean_drafted per round "
+          "(one round per draft hook call); stop_overhead = one stop decision / one draft forward.\n",
+          markdown_table(table), "", *[f"- {x}" for x in comparison_lines(comps)]]
+    if cm is not None:
+        md += ["\n```", cm.curve_table(), "```"]
+    (out_dir / "benchmark.md").write_text("\n".join(md) + "\n")
+    report = {"rows": table, "comparisons": comps, "prompts": names, "prompt_ids": bench.prompts, "cpu": cpu,
+              "models": {k: str(v) for k, v in m.paths.items()}}
+    (out_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
+
+
+def run_llamacpp_benchmark(cfg: LlamaCppBenchConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Load, warm up, run every row on every prompt, write the report; returns (report rows, comparisons)."""
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bench, names = load_llamacpp_bench(cfg)
+    assert bench.cost_model is not None
+    bench.cost_model.to_json(out_dir / "cost_model.llamacpp.json")
+    if cfg.warmup:
+        warm_up(bench)
+    log.info("llama.cpp benchmark: %d prompts x %d new tokens, %d rows", len(bench.prompts), cfg.max_new_tokens,
+             len(row_plan(bench)))
+    rows = run_rows(row_plan(bench), bench)
+    table = finish_rows(rows, bench)
+    boot = np.random.default_rng(cfg.seed).integers(0, len(bench.prompts), (cfg.n_boot, len(bench.prompts)))
+    comps = comparisons(rows, boot)
+    write_llamacpp_report(table, comps, bench, names, out_dir)
+    return table, comps
