@@ -42,7 +42,7 @@ __all__ = ["CostModel", "measure_cost_model", "pool_cost_models", "assumed_cost_
            "forward_bytes", "read_bandwidth", "prefill", "crop"]
 
 
-MEASURED_RUNTIMES = ("specstop", "llamacpp")
+MEASURED_RUNTIMES = ("specstop", "llamacpp", "transformers")
 """The runtimes ``pipelines.measure_costs --runtime`` times on this machine."""
 
 
@@ -189,7 +189,7 @@ class CostModel:
         if runtime in fits:
             return None
         how = (f"python -m pipelines.measure_costs --runtime {runtime}" if runtime in MEASURED_RUNTIMES
-               else "specstop measures specstop's and llama.cpp's; time the runtime's own steps where it runs")
+               else "specstop times specstop, transformers and llama.cpp; time the runtime's own steps where it runs")
         return (f"the cost file was measured on runtime {self.runtime!r}, not {runtime!r}: the {runtime} settings are "
                 f"priced with {self.runtime}'s curve; measure {runtime}'s own ({how})")
 

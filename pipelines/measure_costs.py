@@ -3,7 +3,9 @@ L = 1..16 new tokens over a cached prefix, with the CPU model and flags, torch v
 JSON, and on the CPU the memory floor printed beside each figure (the bytes a one-token forward reads over the read
 bandwidth measured in the same run). With ``--runtime llamacpp`` it times llama.cpp's own forwards instead (through
 llama-cpp-python, on the pair's GGUF files: ``compute.llamacpp.measure_llamacpp_curve``), written as
-``cost_model.llamacpp.json`` with ``runtime: llamacpp``.
+``cost_model.llamacpp.json`` with ``runtime: llamacpp``; with ``--runtime transformers`` it also times transformers'
+assisted generation (its forwards as ``generate`` runs them and the work around them:
+``compute.transformers_costs``), written as ``cost_model.transformers.json``.
 
 The one timing model (``compute.timing.CostModel``) that the replay, Speculative Verification and the benchmark read.
 Timings taken while other processes load the machine overstate costs: measure on a quiet machine (the minimum over
@@ -28,6 +30,7 @@ import torch
 from compute.gguf_files import ensure_gguf
 from compute.llamacpp import load_pair, measure_llamacpp_curve
 from compute.timing import CostModel, measure_cost_model
+from compute.transformers_costs import measure_transformers_costs
 from data_gen.config import GenerateConfig, ModelsConfig
 from data_gen.generate import load_models
 from data_gen.shards import read_data_config
@@ -35,8 +38,9 @@ from pipelines.cli import parse_config, setup_logging, user_errors
 
 log = logging.getLogger(__name__)
 
-RUNTIMES = ("specstop", "llamacpp")
-"""Runtimes whose forwards can be timed: specstop's loaded models, or llama.cpp on the pair's GGUF files."""
+RUNTIMES = ("specstop", "llamacpp", "transformers")
+"""Runtimes whose forwards can be timed: specstop's loaded models, llama.cpp on the pair's GGUF files, or
+transformers' assisted generation over specstop's loaded models (``compute.transformers_costs``)."""
 
 
 @dataclass
@@ -58,9 +62,9 @@ class MeasureCostsConfig:
     prompt_len: int = 128
     """Cached prefix length (random tokens)."""
     runtime: str = "specstop"
-    """specstop (the models as specstop loads them, on models.compute) or llamacpp (llama.cpp through
-    llama-cpp-python, on the GGUF files of models.draft / models.target: packaged:<name> or .gguf paths; the
-    companion is not timed)."""
+    """specstop (the models as specstop loads them, on models.compute), transformers (the same models inside
+    transformers' assisted generation) or llamacpp (llama.cpp through llama-cpp-python, on the GGUF files of
+    models.draft / models.target: packaged:<name> or .gguf paths; the companion is not timed)."""
     threads: int | None = None
     """runtime llamacpp: llama.cpp's threads (default: torch's thread count)."""
 
@@ -94,8 +98,12 @@ def measure(cfg: MeasureCostsConfig) -> CostModel:
         return measure_llamacpp(cfg)
     models, _ = load_models(GenerateConfig(models=models_of(cfg)))
     lengths = tuple(range(1, cfg.max_length + 1))
-    return measure_cost_model(models.draft, models.target, models.companion, lengths=lengths,
+    base = measure_cost_model(models.draft, models.target, models.companion, lengths=lengths,
                               prompt_len=cfg.prompt_len, repeats=cfg.repeats)
+    if cfg.runtime == "transformers":  # generate's own forwards and overheads, names and machine from the base
+        return measure_transformers_costs(models.draft, models.target, prompt_len=cfg.prompt_len,
+                                          repeats=max(2, cfg.repeats // 2), base=base)
+    return base
 
 
 def measure_llamacpp(cfg: MeasureCostsConfig) -> CostModel:
@@ -110,7 +118,7 @@ def measure_llamacpp(cfg: MeasureCostsConfig) -> CostModel:
 
 def default_out(cfg: MeasureCostsConfig) -> Path:
     """Where the cost file goes without ``--out``: beside the data folder's shards, else in outputs/."""
-    name = "cost_model.llamacpp.json" if cfg.runtime == "llamacpp" else "cost_model.json"
+    name = "cost_model.json" if cfg.runtime == "specstop" else f"cost_model.{cfg.runtime}.json"
     return Path(cfg.data_dir) / name if cfg.data_dir else Path("outputs") / name
 
 

@@ -24,8 +24,8 @@ def main(argv: list[str] | None = None) -> dict:
     with user_errors("python -m pipelines.recommend"):
         cfg = parse_config(RecommendConfig, argv, __doc__)
         recs = recommend_runtimes(cfg)
-    for rec in recs.values():
-        print("\n".join(rec.lines(draft_name(cfg))))
+    for rt, rec in recs.items():
+        print("\n".join(rec.lines(draft_name(cfg, rt))))
     if cfg.out:
         print(f"written to {write_recommendations(recs, cfg.out)}")
     return {rt: r.to_dict() for rt, r in recs.items()}

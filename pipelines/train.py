@@ -399,7 +399,7 @@ def _recommend(cfg: TrainJobConfig, data_dir: Path) -> dict[str, list[str]]:
     recs = recommend_runtimes(rcfg)
     if recs:
         write_recommendations(recs, Path(cfg.out_dir) / "recommend.json")
-    return {rt: rec.lines(draft_name(rcfg)) for rt, rec in recs.items()}
+    return {rt: rec.lines(draft_name(rcfg, rt)) for rt, rec in recs.items()}
 
 
 def _own_label(kcfg: Any) -> tuple[str, tuple[str, float]]:

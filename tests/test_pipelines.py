@@ -19,6 +19,7 @@ ENTRY_CLASSES = {
     "pipelines.evaluate": ("pipelines.evaluate", "EvaluateConfig"),
     "pipelines.benchmark": ("pipelines.benchmark.config", "BenchmarkConfig"),
     "pipelines.crossval": ("pipelines.crossval", "CrossValConfig"),
+    "pipelines.llamacpp_bench": ("pipelines.benchmark.llamacpp", "LlamaCppBenchConfig"),
 }
 
 
@@ -74,6 +75,17 @@ def test_smoke_main_job_end_to_end(tmp_path, monkeypatch):
         assert meta["draft_fingerprint"]["name"] == "tiny:1"
     assert (tmp_path / "data" / "summary.json").exists() and (tmp_path / "data" / "cost_model.json").exists()
     assert (tmp_path / "train" / "resolved_config.json").exists()
+    # transformers' and vLLM's settings tuned on the data's own curve (no llama.cpp curve in it), stored and summarised
+    recs = result["recommendations"]
+    assert set(recs) == {"transformers", "vllm"} and recs["transformers"][0].startswith("transformers: ")
+    assert any("the runtime's defaults (transformers:20,constant,0.4)" in line for line in recs["transformers"])
+    assert {r["runtime"] for r in stored.data["recommendations"]} == {"transformers", "vllm"}
+    assert (tmp_path / "train" / "recommend.json").exists()
+    from pipelines.recommend import main as recommend_main  # the same tuning from the command line, llama.cpp refused
+
+    assert set(recommend_main(["--data_dir", str(tmp_path / "data"), "--runtime", "vllm"])) == {"vllm"}
+    with pytest.raises(SystemExit):
+        recommend_main(["--data_dir", str(tmp_path / "data"), "--runtime", "llamacpp"])
     report = Path(result["report"])
     assert report.exists() and list(report.parent.rglob("*.png"))
 

@@ -160,3 +160,24 @@ def test_replay_config_is_unchanged_by_rules():
     base = replay_policy(build_policy("static:3"), data, CONST)
     same = replay_policy(build_policy("vllm:3"), data, CONST)
     assert (base.tokens, base.time_s) == (same.tokens, same.time_s)  # vLLM's rule is a static length
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_transformers_costs_time_generate_own_forwards_and_overheads():
+    from compute.timing import measure_cost_model
+    from compute.transformers_costs import measure_transformers_costs
+
+    draft, target = make_pair()
+    base = measure_cost_model(draft, target, lengths=(1, 2), prompt_len=16, repeats=1)
+    cm = measure_transformers_costs(draft, target, lengths=(1, 4), new_tokens=12, prompt_len=16, repeats=1, base=base)
+    assert cm.runtime == "transformers" and cm.runtime_mismatch("transformers") is None
+    assert cm.target_name == base.target_name and cm.machine == base.machine
+    assert {1, 2, 5} <= set(cm.target_s)  # target-only steps, and rounds of 1 and 4 drafts (+ the bonus token)
+    times = [cm.target_s[L] for L in sorted(cm.target_s)]
+    assert times == sorted(times) and cm.draft_s_per_token > 0
+    a, b = cm.extra["transformers_per_round_s"], cm.extra["transformers_per_draft_s"]
+    assert a >= 0 and b >= 0
+    runs = {r["k"]: r for r in cm.extra["transformers_runs"]}
+    assert set(runs) == {0, 1, 4} and runs[0]["drafted"] == 0 and runs[4]["drafted"] > runs[1]["drafted"] > 0
+    with pytest.raises(ValueError, match="two draft lengths"):
+        measure_transformers_costs(draft, target, lengths=(4,))

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compute.gguf_files import GGUF_SUBDIR, PACKAGED_PREFIX
+from compute.packaged import get_packaged
 from compute.timing import CostModel
 from data_gen.shards import read_data_config
 from decoding.policies import GOODPUT_PREFIX, build_policy
@@ -24,8 +26,11 @@ from predictors.runtime_rules import RUNTIMES
 
 log = logging.getLogger("pipelines.recommend")
 
-LLAMACPP_COST_FILE = "cost_model.llamacpp.json"
-"""Where ``pipelines.measure_costs --runtime llamacpp --data_dir D`` writes llama.cpp's curve, beside the data."""
+RUNTIME_COST_FILES = {"llamacpp": ("cost_model.llamacpp.json",),
+                      "transformers": ("cost_model.transformers.json", "cost_model.json")}
+"""The curves beside a data folder a runtime's recommendation is priced with, first found first: its own
+(``pipelines.measure_costs --runtime R --data_dir D`` writes ``cost_model.R.json``), else the data's own specstop
+curve (transformers' forward passes without its overheads; any other runtime: with a warning)."""
 
 
 @dataclass
@@ -63,13 +68,15 @@ class RecommendConfig:
 
 
 def cost_file_for(cfg: RecommendConfig, runtime: str) -> Path | None:
-    """The curve a runtime's recommendation is priced with: the one given, the runtime's own beside the data, or
-    the data's own curve (a specstop curve: a llama.cpp recommendation needs llama.cpp's)."""
+    """The curve a runtime's recommendation is priced with: the one given, else the first of
+    :data:`RUNTIME_COST_FILES` beside the data (a llama.cpp recommendation needs llama.cpp's own)."""
     if cfg.cost_file is not None:
         return Path(cfg.cost_file)
     data = Path(cfg.data_dir)
-    own = data / (LLAMACPP_COST_FILE if runtime == "llamacpp" else "cost_model.json")
-    return own if own.is_file() else None
+    for name in RUNTIME_COST_FILES.get(runtime, ("cost_model.json",)):
+        if (data / name).is_file():
+            return data / name
+    return None
 
 
 def compare_policies(cfg: RecommendConfig) -> dict[str, StopPolicy]:
@@ -120,12 +127,20 @@ def recommend_runtimes(cfg: RecommendConfig, runtimes: Iterable[str] | None = No
     return out
 
 
-def draft_name(cfg: RecommendConfig) -> str:
-    """The draft as the printed settings name it: ``cfg.draft``, else the data folder's draft model."""
+def draft_name(cfg: RecommendConfig, runtime: str = "transformers") -> str:
+    """The draft as the printed settings name it: ``cfg.draft``, else the data folder's draft model (for llama.cpp a
+    packaged draft's joined GGUF file, ``compute.gguf_files``)."""
     if cfg.draft:
         return cfg.draft
     models = (read_data_config(cfg.data_dir) or {}).get("resolved", {}).get("models", {})
-    return str(models.get("draft") or "DRAFT")
+    draft = str(models.get("draft") or "DRAFT")
+    if not draft.startswith(PACKAGED_PREFIX):
+        return draft
+    name = draft.removeprefix(PACKAGED_PREFIX)
+    if runtime == "llamacpp":
+        cache = Path(str(models.get("cache_dir") or "~/.cache/specstop"))
+        return str(cache / GGUF_SUBDIR / f"{name}.gguf")
+    return get_packaged(name).upstream if runtime == "vllm" else draft  # vLLM loads the hub's model
 
 
 def write_recommendations(recs: dict[str, Recommendation], path: str | Path) -> Path:
