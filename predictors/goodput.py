@@ -134,6 +134,15 @@ def _scan(acc: Sequence[float], cost: RoundCost, drafted: int) -> tuple[int, flo
     return best_n, best, 1.0 + cum, surv
 
 
+def can_pay(cost: RoundCost, cap: int) -> bool:
+    """Whether any round of at most ``cap`` drafts could beat a target-only step even if every draft were accepted:
+    some n in 1..cap with (n + 1) / (n d + t(n + 1)) > 1 / t(1). When none can (a draft step dear against a curve
+    that rises steeply, as llama.cpp's on a CPU), the rule drafts nothing: not even the first token, whose step would
+    be paid before its acceptance is known."""
+    verify, d = cost._verify_list(cap), cost.per_draft
+    return any((n + 1) / (n * d + verify[n]) > 1.0 / verify[0] for n in range(1, cap + 1))
+
+
 def keep_drafting(acc: Sequence[float], cost: RoundCost, cap: int) -> bool:
     """Draft another token after these k (see the module docstring): a reachable length n in k+1..cap, with the
     not-yet-drafted acceptances forecast by the last one, promises more expected tokens/s than stopping now."""
@@ -158,6 +167,8 @@ def draft_round(acc: Sequence[float], cost: RoundCost, cap: int) -> tuple[int, i
     while :func:`keep_drafting`, then verify :func:`best_prefix`. ``acc`` holds at least ``cap`` values (or all
     left)."""
     cap = min(cap, len(acc))
+    if not can_pay(cost, cap):
+        return 0, 0
     n = 0
     while n < cap:
         n += 1

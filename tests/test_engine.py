@@ -3,7 +3,7 @@ input."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -418,7 +418,9 @@ def test_a_companion_sharing_the_drafts_layers_reads_its_states_from_the_draft_s
         pol = Spy(_sv_table(), threshold=0.1, max_draft_len=6)
         pol.tag = tag
         lat = measure_cost_model(draft, target, comp, prompt_len=8, lengths=(1, 3, 7), repeats=1)
-        dec = SpeculativeDecoder(draft, target, pol, companion=comp, cost_model=lat)
+        # rounds priced with a curve on which drafting pays (tiny models' draft steps cost about a target step)
+        priced = replace(lat, draft_s_per_token=1e-3, companion_s_per_token=1e-3, target_s={1: 1.0, 3: 1.0, 7: 1.2})
+        dec = SpeculativeDecoder(draft, target, pol, companion=comp, cost_model=priced)
         assert (dec.companion_depth == 2) == (tag == "shared")
         runs[tag] = (dec.generate(PROMPT, None, 24, None, 0)[0], lat)
     ref = target.generate(PROMPT, do_sample=False, max_new_tokens=24, pad_token_id=256)

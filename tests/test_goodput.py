@@ -315,3 +315,20 @@ def test_sv_export_loads_as_goodput_with_its_maps(tmp_path):
     pol = build_policy(f"goodput:{folder}")
     pol.use_mode("sampling")
     assert pol.needs_companion and load_predictor(folder).verification == pol.verification
+
+
+STEEP = {1: 1.0, 2: 1.8, 4: 3.4, 8: 6.6}
+"""Verifying n tokens costs nearly n one-token steps (llama.cpp's curve on a CPU): no round can pay."""
+
+
+def test_no_round_is_drafted_where_no_round_could_pay(pair):
+    assert goodput.can_pay(cost(STEP4), 8) and not goodput.can_pay(cost(STEEP, draft=0.3), 8)
+    assert goodput.draft_round([1.0] * 8, cost(STEEP, draft=0.3), 8) == (0, 0)  # not even the first draft step
+    assert goodput.draft_round([1.0] * 8, cost(STEP4), 8)[0] > 0
+    draft, target = pair
+    cm = CostModel(draft_s_per_token=0.3, target_s=STEEP)
+    cal = {"greedy": Calibrator("isotonic", [0.0, 1.0], [0.99, 0.99])}
+    out, stats = SpeculativeDecoder(draft, target, GoodputPolicy(MaxConfidence(0.4, max_draft_len=8), cal),
+                                    cost_model=cm, max_draft_len=8).generate(PROMPT, None, 12, None, 0)
+    ref = target.generate(PROMPT, do_sample=False, max_new_tokens=12, pad_token_id=256)
+    assert out.tolist() == ref.tolist() and stats.drafted == 0 and stats.rounds == 12
