@@ -35,7 +35,7 @@ from compute.timing import CostModel
 log = logging.getLogger(__name__)
 
 __all__ = ["INSTALL_COMMAND", "LlamaCppMissing", "llama_cpp_module", "llama_cpp_available",
-           "check_same_vocab", "GGUFVocab", "load_llama", "load_pair", "generate_greedy", "file_type",
+           "check_same_vocab", "GGUFVocab", "load_llama", "load_pair", "prefill", "generate_greedy", "file_type",
            "measure_llamacpp_curve"]
 
 INSTALL_COMMAND = "bash scripts/setup.sh --llamacpp"
@@ -53,14 +53,16 @@ def llama_cpp_available() -> bool:
 
 
 def llama_cpp_module() -> ModuleType:
-    """The ``llama_cpp`` module, imported on first use with llama.cpp's own log lines silenced (errors still show);
+    """The ``llama_cpp`` module, imported on first use with llama.cpp's own log lines silenced (failures raise);
     :class:`LlamaCppMissing` naming :data:`INSTALL_COMMAND` when it is absent."""
     try:
         import llama_cpp  # optional dependency (the llamacpp extra): loads llama.cpp's native library
     except ImportError as e:
         raise LlamaCppMissing(f"llama-cpp-python is not installed ({e}); install it (built from source for this CPU) "
                               f"with: {INSTALL_COMMAND}") from e
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # its log callback prints below this level
+    # its log callback prints what it maps at or above this level, and maps llama.cpp's warnings to ERROR;
+    # Llama(verbose=False) sets ERROR again but silences its own loading: this quiets the vocabulary-only loads
+    logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL)
     return llama_cpp
 
 
@@ -133,10 +135,26 @@ def load_pair(draft: Path, target: Path, n_threads: int, n_ctx: int) -> tuple[An
     return load_llama(draft, n_threads, n_ctx), load_llama(target, n_threads, n_ctx, logits_all=True)
 
 
-def generate_greedy(llm: Any, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> list[int]:
-    """Greedy decoding with ``Llama.generate`` from a reset state (with the llm's ``draft_model``, if set): the new
-    tokens up to ``max_new_tokens``, cut after the first of ``stop_ids`` (included)."""
+def prefill(llm: Any, prompt: Sequence[int]) -> None:
+    """Read all but the last prompt token into a reset ``llm`` without logits. A ``logits_all`` target (a speculative
+    one) would compute and copy the logits of every prompt position, which nothing reads and llama.cpp's own
+    speculative decoding does not compute; ``Llama.generate`` then reuses this cached prefix and reads the last token
+    itself."""
     llm.reset()
+    if len(prompt) < 2 or not getattr(llm, "_logits_all", False):
+        return
+    llm._logits_all = False  # llama-cpp-python's switch (no public one): eval's batches ask for their last logits only
+    try:
+        llm.eval(list(prompt[:-1]))
+    finally:
+        llm._logits_all = True
+
+
+def generate_greedy(llm: Any, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> list[int]:
+    """Greedy decoding with ``Llama.generate`` from a reset state (with the llm's ``draft_model``, if set; the prompt
+    read as :func:`prefill` does): the new tokens up to ``max_new_tokens``, cut after the first of ``stop_ids``
+    (included)."""
+    prefill(llm, prompt)
     stop, out = set(int(t) for t in stop_ids), []
     for tok in llm.generate(list(prompt), temp=0.0, reset=True):
         out.append(int(tok))

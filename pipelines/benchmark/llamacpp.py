@@ -260,6 +260,12 @@ def comparisons(rows: list[Row], boot: np.ndarray) -> list[dict[str, Any]]:
     return out
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ (the shorter one's length when one is a prefix), None if equal."""
+    j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return j if j is not None or len(a) == len(b) else min(len(a), len(b))
+
+
 def comparison_lines(comps: list[dict[str, Any]]) -> list[str]:
     return [f"{c['row']} against {c['against']}: {c['ratio']:.3f}x [{c['lo']:.3f}, {c['hi']:.3f}]" for c in comps
             if c["ratio"] is not None]
@@ -302,6 +308,12 @@ def run_llamacpp_benchmark(cfg: LlamaCppBenchConfig) -> tuple[list[dict[str, Any
              len(row_plan(bench)))
     rows = run_rows(row_plan(bench), bench)
     table = finish_rows(rows, bench)
+    # where each output leaves target-only's: llama.cpp's forward of several tokens is not its one-token forward bit for
+    # bit, so a near-tie of the target's top two tokens can flip under speculative decoding
+    for t, r in zip(table[1:], rows[1:]):
+        t["first_difference"] = [first_difference(a, b) for a, b in zip(r.outputs, rows[0].outputs)]
+        if r.outputs != rows[0].outputs:
+            t["output_ids"] = r.outputs
     boot = np.random.default_rng(cfg.seed).integers(0, len(bench.prompts), (cfg.n_boot, len(bench.prompts)))
     comps = comparisons(rows, boot)
     write_llamacpp_report(table, comps, bench, names, out_dir)
