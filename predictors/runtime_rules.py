@@ -22,10 +22,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from predictors.base import PREFIX, THRESHOLD, RoundFeedback, StopPolicy
+from predictors.baselines import StaticLength
 
 __all__ = ["RUNTIMES", "RuntimeRule", "LlamaCppRule", "TransformersRule", "VllmRule", "runtime_rule", "roc_threshold"]
 
@@ -175,28 +175,18 @@ def roc_threshold(probs: Sequence[float], matches: Sequence[int]) -> float | Non
     return float(min(thresholds[int(np.argmin(fpr + 3 * (1 - tpr)))], 1.0))
 
 
-class VllmRule(RuntimeRule):
-    """vLLM's draft-model speculation: ``num_speculative_tokens`` every round."""
+class VllmRule(StaticLength, RuntimeRule):
+    """vLLM's draft-model speculation: ``num_speculative_tokens`` every round (a static length)."""
 
     kind = "vllm"
     runtime = "vllm"
-    verification = THRESHOLD
-    has_threshold = False
     DEFAULTS = {"num_speculative_tokens": 5}
     """vLLM has no default (the config requires it); 5 is the value its documentation's examples use."""
 
     def __init__(self, num_speculative_tokens: int = 5, max_draft_len: int = 64) -> None:
         if num_speculative_tokens < 1:
             raise ValueError(f"vllm:{num_speculative_tokens}: num_speculative_tokens must be >= 1")
-        super().__init__(threshold=0.0, max_draft_len=max_draft_len)
-        self.k = int(num_speculative_tokens)
-
-    def score(self, features: Mapping[str, Tensor]) -> Tensor:
-        n = next(iter(features.values())).shape[0] if features else 1
-        return torch.ones(n)
-
-    def draft_cap(self) -> int:
-        return min(self.k, self.max_draft_len)
+        super().__init__(num_speculative_tokens, max_draft_len=max_draft_len)
 
     def settings(self) -> dict[str, Any]:
         return {"num_speculative_tokens": self.k}
