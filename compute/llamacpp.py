@@ -136,16 +136,16 @@ def load_pair(draft: Path, target: Path, n_threads: int, n_ctx: int) -> tuple[An
 
 
 def prefill(llm: Any, prompt: Sequence[int]) -> None:
-    """Read all but the last prompt token into a reset ``llm`` without logits. A ``logits_all`` target (a speculative
-    one) would compute and copy the logits of every prompt position, which nothing reads and llama.cpp's own
-    speculative decoding does not compute; ``Llama.generate`` then reuses this cached prefix and reads the last token
-    itself."""
+    """Read the prompt into a reset ``logits_all`` ``llm`` (a speculative target) with the last position's logits
+    only: ``Llama.generate`` would compute and copy every prompt position's, which nothing reads and llama.cpp's own
+    speculative decoding does not compute. ``generate`` then samples from the cached prompt; the prompt is read in
+    one pass, as target-only's ``generate`` reads it (the same numbers: a pass split elsewhere can flip a near-tie)."""
     llm.reset()
-    if len(prompt) < 2 or not getattr(llm, "_logits_all", False):
+    if not prompt or not getattr(llm, "_logits_all", False):
         return
     llm._logits_all = False  # llama-cpp-python's switch (no public one): eval's batches ask for their last logits only
     try:
-        llm.eval(list(prompt[:-1]))
+        llm.eval(list(prompt))
     finally:
         llm._logits_all = True
 
