@@ -154,14 +154,6 @@ def test_rows_repeat_in_alternating_order_and_keep_each_prompts_faster_run():
     assert "faster of 2 runs" in rows["target-only"].note
 
 
-def rows_exact(result: dict, name: str) -> bool:
-    return next(r for r in result["rows"] if r["row"] == name)["exact"] is True
-
-
-def rows_note(result: dict, name: str) -> str:
-    return next(r for r in result["rows"] if r["row"] == name)["note"]
-
-
 def test_smoke_run(tmp_path, tiny_pair):
     from compute.models import model_fingerprint
     from predictors.baselines import SVIP
@@ -198,12 +190,12 @@ def test_smoke_run(tmp_path, tiny_pair):
         result["rows"])
     names = [r["row"] for r in result["rows"]]
     assert names[:3] == ["target-only", "hf:static:3", "hf:recommended"] and names[-1] == "target-only (eager)"
-    assert rows_exact(result, "hf:recommended") and "num_assistant_tokens=" in rows_note(result, "hf:recommended")
     assert {"static:3", "svip:0.3", "oracle", "hfp:svip:0.3"} <= set(names)
     tuned = [n for n in names if n.endswith(("(val-best)", "(val-tuned)"))]
     assert len(tuned) == 3 and tuned[0].startswith("static:") and tuned[1].startswith("adaedl:"), names
     assert tuned[2].startswith("svip:"), names
     rows = {r["row"]: r for r in result["rows"]}
+    assert rows["hf:recommended"]["exact"] is True and "num_assistant_tokens=" in rows["hf:recommended"]["note"]
     from decoding.policies import build_policy
 
     for name in tuned[1:]:  # a tuned row's label is the spec that builds it again (svip's takes h = 1 - threshold)

@@ -65,6 +65,9 @@ def test_a_stopped_run_continues_at_its_first_unfinished_prompt(tmp_path):
     assert rows["a"].seconds == [1.0, 2.0, 3.0] and rows["a"].outputs == [[0, 7], [1, 7], [2, 7]]
     assert rows["a"].rounds == 3 and rows["a"].decode is not None and rows["a"].decode.tokens == 6
     assert store.done() == [0, 1, 2]
+    assert store.wall_seconds() is not None and store.wall_seconds() >= 0  # each saved prompt records its wall time
+    store.save(2, rows, None)  # a prompt saved without one (an older run): the whole run's wall time is unknown
+    assert store.wall_seconds() is None
 
 
 def test_another_config_prompts_or_machine_is_refused_with_what_differs(tmp_path):

@@ -55,16 +55,6 @@ PromptDone = Callable[[list[Row], int], None]
 """Called with the rows so far (plan order) and how many prompts they cover, after each prompt of ``order: prompt``."""
 
 
-READ_BACK_WALL = "read_back_wall_s"
-"""``Bench.shared`` key: the wall seconds the prompts read back from an earlier run took there (None once one of them
-has no record), which a resumed run adds to its own to give the whole run's wall time."""
-
-
-def _add_read_back_wall(bench: Bench, wall_s: float | None) -> None:
-    total = bench.shared.get(READ_BACK_WALL, 0.0)
-    bench.shared[READ_BACK_WALL] = None if total is None or wall_s is None else total + wall_s
-
-
 def run_rows(plan: list[tuple[str, Runner]], bench: Bench, store: PromptStore | None = None,
              on_prompt: PromptDone | None = None, beat: Heartbeat | None = None) -> list[Row]:
     """Every row on every prompt, in ``cfg.order``, with progress and an ETA; returns the rows in plan order. With a
@@ -89,7 +79,6 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench, store: PromptStore | 
         if j in stored:
             assert store is not None
             rows_j, probe = store.load(j)
-            _add_read_back_wall(bench, store.wall_seconds(j))
         else:
             t_prompt = time.perf_counter()
             rows_j, probe = run_prompt(plan, replace(bench, prompts=[prompt], offset=j, reference=None), j, beat)

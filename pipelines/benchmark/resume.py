@@ -160,9 +160,11 @@ class PromptStore:
              "probe": None if probe is None else probe.to_dict(), "wall_s": wall_s}
         _write_atomic(self.prompt_file(j), json.dumps(d))
 
-    def wall_seconds(self, j: int) -> float | None:
-        """The wall seconds prompt j took in the run that saved it (None: not recorded)."""
-        return json.loads(self.prompt_file(j).read_text()).get("wall_s")
+    def wall_seconds(self) -> float | None:
+        """The wall seconds the saved prompts took in the runs that saved them (None when one has no record): what a
+        resumed run adds to its own to give the whole run's wall time."""
+        walls = [json.loads(self.prompt_file(j).read_text()).get("wall_s") for j in self.done()]
+        return None if None in walls else float(sum(walls))
 
 
 def _differences(stored: dict[str, Any], now: dict[str, Any]) -> list[str]:

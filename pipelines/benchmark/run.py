@@ -20,7 +20,7 @@ from pipelines.benchmark.check_inputs import read_bench_folder
 from pipelines.benchmark.check_report import write_check
 from pipelines.benchmark.config import BenchmarkConfig
 from pipelines.benchmark.curve import load_cost_model, write_curve_during_rows
-from pipelines.benchmark.plan import READ_BACK_WALL, row_plan, run_rows
+from pipelines.benchmark.plan import row_plan, run_rows
 from pipelines.benchmark.report import finish_rows, write_report
 from pipelines.benchmark.resume import PROMPTS_DIR, PromptStore, run_identity
 from pipelines.benchmark.rows import Row
@@ -57,6 +57,7 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
             view = replace(bench, prompts=bench.prompts[:k])
             write_report(finish_rows(rows, view, quiet=True), view, names[:k], out_dir, of=len(bench.prompts))
 
+    read_back = store.wall_seconds() if store is not None else 0.0  # a resumed run: the earlier prompts' wall time
     try:
         with Heartbeat(log, "benchmark", total=len(bench.prompts), unit="prompts") as beat:
             rows = run_rows(plan, bench, store, report_so_far, beat)
@@ -67,7 +68,6 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
     write_curve_during_rows(bench, out_dir)
     with Heartbeat(log, "benchmark replay check"):
         check = run_replay_check(bench, out_dir) if cfg.replay_check else None
-    read_back = bench.shared.get(READ_BACK_WALL, 0.0)  # a resumed run: the earlier run's prompts' wall time
     seconds = None if read_back is None else time.perf_counter() - t_start + read_back
     return table, {"prompts": p_stats, "seconds": seconds, "replay_check": check}
 
