@@ -150,13 +150,17 @@ def prefill(llm: Any, prompt: Sequence[int]) -> None:
         llm._logits_all = True
 
 
-def generate_greedy(llm: Any, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> list[int]:
+def generate_greedy(llm: Any, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int],
+                    first_token_at: list[float] | None = None) -> list[int]:
     """Greedy decoding with ``Llama.generate`` from a reset state (with the llm's ``draft_model``, if set; the prompt
     read as :func:`prefill` does): the new tokens up to ``max_new_tokens``, cut after the first of ``stop_ids``
-    (included)."""
+    (included). ``first_token_at`` gets the ``time.perf_counter()`` of the first new token (the prompt's pass ends
+    there)."""
     prefill(llm, prompt)
     stop, out = set(int(t) for t in stop_ids), []
     for tok in llm.generate(list(prompt), temp=0.0, reset=True):
+        if not out and first_token_at is not None:
+            first_token_at.append(time.perf_counter())
         out.append(int(tok))
         if out[-1] in stop or len(out) >= max_new_tokens:
             break

@@ -3,8 +3,13 @@ specstop's stop policies inside llama.cpp's speculative loop, side by side on th
 checked against target-only's (``pipelines.benchmark.llamacpp``). Needs llama-cpp-python
 (``bash scripts/setup.sh --llamacpp``).
 
-Writes ``benchmark.md``, ``benchmark.json`` (rows, the comparisons with their intervals, the prompts' token ids),
-``cost_model.llamacpp.json`` (the curve the goodput policies priced rounds with) and ``config.yaml`` to ``out_dir``.
+With ``recommend_data`` (the main job's data folder) llama.cpp's settings are tuned under this run's curve and the
+recommendation runs as a row (target-only when it is not to speculate); with ``replay_check`` the prompts are then
+labelled with llama.cpp's logits and every row's replayed tokens/s is set beside the measured one.
+
+Writes ``benchmark.md``, ``benchmark.json`` (rows, the comparisons with their intervals, the recommendation, the
+replay check, the prompts' token ids), ``cost_model.llamacpp.json`` (the curve the goodput policies priced rounds
+with and the recommendation was tuned under), ``llamacpp_replay_records.npz`` and ``config.yaml`` to ``out_dir``.
 
 Usage:
     python -m pipelines.llamacpp_bench --config configs/benchmark-llamacpp.yaml
@@ -20,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from pipelines.benchmark.check import summary_line
 from pipelines.benchmark.llamacpp import LlamaCppBenchConfig, comparison_lines, run_llamacpp_benchmark
 from pipelines.benchmark.report import console_table
 from pipelines.cli import parse_config, setup_logging, user_errors
@@ -37,11 +43,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(f"# {PROG} --config {out_dir / 'config.yaml'}\n"
                                              + yaml.safe_dump(asdict(cfg)))
-        rows, comps = run_llamacpp_benchmark(cfg)
-    print(console_table(rows, len(rows[0]["prompt_tokens"])))
-    for line in [*comparison_lines(comps), f"full table: {out_dir / 'benchmark.md'}"]:
+        rep = run_llamacpp_benchmark(cfg)
+    print(console_table(rep.table, len(rep.table[0]["prompt_tokens"])))
+    check = [summary_line(rep.replay_check["summary"])] if rep.replay_check else []
+    for line in [*comparison_lines(rep.comparisons), *rep.recommendation, *check,
+                 f"full table: {out_dir / 'benchmark.md'}"]:
         print(textwrap.fill(line, 100, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False))
-    return {"rows": rows, "comparisons": comps, "out_dir": str(out_dir)}
+    return {"rows": rep.table, "comparisons": rep.comparisons, "replay_check": rep.replay_check,
+            "out_dir": str(out_dir)}
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from compute.llamacpp import (
 from compute.timing import CostModel
 from decoding.llamacpp_draft import SpecstopDraftModel, check_policy, draft_round, step_features
 from decoding.policies import build_policy
-from pipelines.benchmark.llamacpp import LlamaCppBenchConfig, comparisons
+from pipelines.benchmark.llamacpp import LlamaCppBenchConfig, comparisons, load_llamacpp_bench
 from pipelines.benchmark.rows import Row
 from predictors import goodput
 from predictors.base import GOODPUT, StopPolicy
@@ -245,7 +245,8 @@ def test_bench_config_and_comparisons():
             row("llamacpp:8,0,0.7", "llamacpp:8,0,0.7", [0.8, 0.8]), row("adaedl:0.6", "adaedl:0.6", [0.4, 0.4])]
     boot = np.random.default_rng(0).integers(0, 2, (50, 2))
     got = {(c["row"], c["against"]): c["ratio"] for c in comparisons(rows, boot)}
-    assert got == pytest.approx({("llamacpp:8,0,0.7", "llamacpp:3,0,0.0 (default)"): 1.25,
+    assert got == pytest.approx({("llama.cpp target-only", "llamacpp:3,0,0.0 (default)"): 0.5,
+                                 ("llamacpp:8,0,0.7", "llamacpp:3,0,0.0 (default)"): 1.25,
                                  ("adaedl:0.6", "llamacpp:3,0,0.0 (default)"): 2.5,
                                  ("adaedl:0.6", "llamacpp:8,0,0.7"): 2.0})
 
@@ -293,3 +294,68 @@ def test_curve_is_a_valid_cost_model(real_pair, tmp_path):
     assert ts == sorted(ts)
     cm.to_json(tmp_path / "c.json")
     assert CostModel.from_json(tmp_path / "c.json").target_s == cm.target_s
+
+
+class ScriptedLlama:
+    """A ``logits_all`` llama.cpp model of scripted logits: each position's argmax is ``nxt(token there)``; counts the
+    tokens it evaluates."""
+
+    def __init__(self, nxt, n_ctx: int = 256) -> None:
+        self._logits_all, self.model_path, self.nxt = True, "fake.gguf", nxt
+        self.input_ids = np.zeros(n_ctx, dtype=np.intc)
+        self.scores = np.zeros((n_ctx, V), dtype=np.float32)
+        self.n_tokens = self.evaluated = 0
+
+    def n_vocab(self) -> int:
+        return V
+
+    def eval(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.scores[self.n_tokens] = -5.0
+            self.scores[self.n_tokens, self.nxt(t)] = 5.0
+            self.input_ids[self.n_tokens] = t
+            self.n_tokens += 1
+            self.evaluated += 1
+
+
+def test_llama_causal_lm_labels_with_llama_logits_and_reuses_its_cache():
+    from compute.llamacpp_causal_lm import LlamaCausalLM
+    from data_gen.continuation_labels import label_continuation
+    from data_gen.labelling import LabelModels, LabelOptions
+
+    target = ScriptedLlama(lambda t: (t + 1) % V)
+    draft = ScriptedLlama(lambda t: (t + 2) % V if t % 5 == 0 else (t + 1) % V)  # leaves the target after a 5, 10, ...
+    prompt, cont = [1, 2, 3], list(range(4, 24))  # the target's greedy continuation
+    models = LabelModels(LlamaCausalLM(draft), LlamaCausalLM(target))  # type: ignore[arg-type]
+    opts = LabelOptions(top_k=4, store_hidden=False, min_shared_prefix=0)
+    recs, st = label_continuation(models, prompt, cont, opts, sample_id="p", rollout_len=4, gen_batch_size=1,
+                                  label_batch_tokens=1)
+    main = [(o, d, m) for o, d, m, r in zip(recs["offset"], recs["draft_token"], recs["greedy_match"],
+                                            recs["rollout"]) if not r]
+    assert [d for _, d, _ in main] == [draft.nxt(t) for t in [3, *cont[:-1]]]
+    assert [m for _, _, m in main] == [t % 5 != 0 for t in [3, *cont[:-1]]]
+    assert st.rollouts == 4 + 1  # after the 5, 10, 15, 20 and at the end
+    rolled = [d for d, r in zip(recs["draft_token"], recs["rollout"]) if r]
+    assert rolled[:4] == [7, 8, 9, 10]  # the first rollout: the draft's own from [..., 4, 5], where it drafts 7 for 6
+    # each rollout read on top of the cached prefix: the output once (23 tokens), then per rollout the output's tokens
+    # since the previous branch point and its own 4
+    assert target.evaluated == 23 + (0 + 4) + (5 + 4) + (5 + 4) + (5 + 4) + (3 + 4)
+    with pytest.raises(ValueError, match="logits_all"):
+        fake = ScriptedLlama(lambda t: t)
+        fake._logits_all = False
+        LlamaCausalLM(fake)
+
+
+def test_bench_comparisons_against_the_recommended_row():
+    def row(name: str, spec: str, secs: list[float]) -> Row:
+        return Row(name, "llamacpp", spec=spec, seconds=secs, outputs=[[0] * 10 for _ in secs])
+
+    rows = [row("llama.cpp target-only", "", [1.0, 1.0]),
+            row("llamacpp:3,0,0.0 (default)", "llamacpp:3,0,0.0", [1.5, 1.5]), row("goodput:adaedl", "x", [0.9, 1.1])]
+    boot = np.random.default_rng(0).integers(0, 2, (50, 2))
+    got = {(c["row"], c["against"]): c["ratio"] for c in comparisons(rows, boot, "llama.cpp target-only")}
+    assert got == pytest.approx({("llama.cpp target-only (recommended)", "llamacpp:3,0,0.0 (default)"): 1.5,
+                                 ("goodput:adaedl", "llamacpp:3,0,0.0 (default)"): 1.5,
+                                 ("goodput:adaedl", "llama.cpp target-only (recommended)"): 1.0})
+    with pytest.raises(ValueError, match="recommend_data"):  # before any model loads
+        load_llamacpp_bench(LlamaCppBenchConfig(recommend_data="/nonexistent", prompt_texts=["x"], policies=[]))

@@ -24,6 +24,7 @@ llama.cpp's threads.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -40,13 +41,16 @@ from compute.llamacpp import file_type, generate_greedy, load_llama, load_pair, 
 from compute.timing import CostModel
 from data_gen.config import ModelsConfig
 from data_gen.prompts import PromptSourceConfig
+from data_gen.shards import read_data_config
 from decoding.llamacpp_draft import SpecstopDraftModel, check_policy
 from decoding.policies import build_policy, policy_label
 from pipelines.benchmark.bench import Bench, load_benchmark_prompts
 from pipelines.benchmark.config import BenchmarkConfig
+from pipelines.benchmark.llamacpp_check import check_lines, run_llamacpp_check
 from pipelines.benchmark.plan import Runner, run_rows
 from pipelines.benchmark.report import finish_rows, markdown_table
 from pipelines.benchmark.rows import Row, ratio_ci
+from pipelines.jobs.recommend import RecommendConfig, recommend_runtimes
 from predictors.base import StopPolicy
 from predictors.runtime_rules import LlamaCppRule
 
@@ -82,8 +86,14 @@ class LlamaCppBenchConfig:
     max_new_tokens: int = 128
     """New tokens per prompt (fewer when the target ends the answer)."""
     settings: list[str] = field(default_factory=list)
-    """llama.cpp draft-simple settings to run beside its defaults: ``llamacpp:N_MAX,N_MIN,P_MIN`` (e.g. the
-    recommended ones)."""
+    """llama.cpp draft-simple settings to run beside its defaults: ``llamacpp:N_MAX,N_MIN,P_MIN``."""
+    recommend_data: str | None = None
+    """A data folder written by pipelines.generate (the main job's <out_dir>/data): llama.cpp's settings are tuned on
+    its validation split under this run's curve (``pipelines.recommend --runtime llamacpp``) and the recommendation
+    runs as a row; when it is not to speculate, target-only is the recommended row. None: no recommendation."""
+    replay_check: bool = True
+    """After the rows: label the prompts with llama.cpp's logits and set each row's replayed tokens/s beside the
+    measured one (``pipelines.benchmark.llamacpp_check``)."""
     policies: list[str] = field(default_factory=lambda: ["adaedl:0.6"])
     """specstop policies stopping the draft inside llama.cpp (decoding.policies specs; threshold, goodput and prefix
     kinds; goodput ones price rounds with llama.cpp's curve)."""
@@ -145,6 +155,12 @@ class LlamaModels:
     threads: int
     hooks: dict[str, SpecstopDraftModel] = field(default_factory=dict)
     specs: dict[str, str] = field(default_factory=dict)
+    recommended: str | None = None
+    """The row that runs the recommended settings (target-only's when the verdict is not to speculate)."""
+    recommendation: list[str] = field(default_factory=list)
+    """The recommendation's lines, as pipelines.recommend prints them."""
+    policies: dict[str, StopPolicy] = field(default_factory=dict)
+    """Each speculative row's policy as built, before its hook ran (the replay check replays these)."""
 
 
 def row_policies(cfg: LlamaCppBenchConfig) -> list[tuple[str, str, StopPolicy]]:
@@ -164,6 +180,9 @@ def row_policies(cfg: LlamaCppBenchConfig) -> list[tuple[str, str, StopPolicy]]:
 def load_llamacpp_bench(cfg: LlamaCppBenchConfig) -> tuple[Bench, list[str]]:
     """The prompts (the target's tokenizer), the llama.cpp models, the curve and one hook per speculative row."""
     rows = row_policies(cfg)
+    if cfg.recommend_data is not None and read_data_config(cfg.recommend_data) is None:
+        raise ValueError(f"recommend_data: {cfg.recommend_data} has no config.json; give the main job's data folder "
+                         f"(python -m pipelines.train writes <out_dir>/data) or set recommend_data: null")
     tok = gguf_tokenizer(cfg.models.target, cfg.models.cache_dir)
     inner = cfg.benchmark_config()
     prompts, names, _ = load_benchmark_prompts(inner, tok)
@@ -179,7 +198,10 @@ def load_llamacpp_bench(cfg: LlamaCppBenchConfig) -> tuple[Bench, list[str]]:
         log.info("measuring llama.cpp's curve (no cost_file given)")
         cost = measure_llamacpp_curve(draft, target, repeats=3, n_threads=threads, draft_name=cfg.models.draft,
                                       target_name=cfg.models.target)
+    if cfg.recommend_data:
+        rows += recommended_row(cfg, cost, models, rows)
     for name, spec, pol in rows:
+        models.policies[name] = copy.deepcopy(pol)
         models.hooks[name] = SpecstopDraftModel(draft, pol, cost_model=cost, max_draft_len=cfg.max_draft_len,
                                                 top_k=cfg.top_k_features)
         models.specs[name] = spec
@@ -189,14 +211,40 @@ def load_llamacpp_bench(cfg: LlamaCppBenchConfig) -> tuple[Bench, list[str]]:
     return bench, names
 
 
+def recommended_row(cfg: LlamaCppBenchConfig, cost: CostModel, models: LlamaModels,
+                    rows: list[tuple[str, str, StopPolicy]]) -> list[tuple[str, str, StopPolicy]]:
+    """llama.cpp's settings tuned on ``cfg.recommend_data``'s validation split under this run's curve (written to
+    ``out_dir`` first, as ``pipelines.recommend --cost_file`` reads it): the row to add for the tuned setting (none
+    when a row given runs it), which runs also when the verdict is not to speculate so that the verdict is measured;
+    ``models.recommended`` names the recommended row: the tuned one, or target-only."""
+    path = Path(cfg.out_dir) / "cost_model.llamacpp.json"
+    cost.to_json(path)
+    assert cfg.recommend_data is not None
+    rcfg = RecommendConfig(data_dir=cfg.recommend_data, runtime="llamacpp", cost_file=str(path),
+                           draft=str(models.paths["draft"]))
+    rec = recommend_runtimes(rcfg)["llamacpp"]
+    models.recommendation = rec.lines(str(models.paths["draft"]))
+    for line in models.recommendation:
+        log.info(line)
+    spec = rec.rule.spec()
+    given = next((name for name, s, _ in rows if s == spec), None)
+    name = given or f"{spec} (tuned)"
+    models.recommended = name if rec.speculate else TARGET_ONLY
+    if given:
+        return []
+    return [(name, spec, build_policy(spec, max_draft_len=cfg.max_draft_len))]  # measured even when not recommended
+
+
 def run_target_only(view: Bench) -> Row:
     """``Llama.generate`` with no draft model on the view's prompts."""
     m: LlamaModels = view.shared[STATE]
     row = Row(TARGET_ONLY, "llamacpp", note="reference")
     for ids in view.prompts:
+        first: list[float] = []
         t0 = time.perf_counter()
-        out = generate_greedy(m.plain, ids, view.cfg.max_new_tokens, view.eos)
+        out = generate_greedy(m.plain, ids, view.cfg.max_new_tokens, view.eos, first_token_at=first)
         row.seconds.append(time.perf_counter() - t0)
+        row.prefill_seconds.append(first[0] - t0 if first else 0.0)  # the prompt's pass, which gives the first token
         row.outputs.append(out)
     row.target_calls = row.tokens
     return row
@@ -244,19 +292,28 @@ def warm_up(bench: Bench) -> None:
     run_hooked(short, next(iter(m.hooks)))
 
 
-def comparisons(rows: list[Row], boot: np.ndarray) -> list[dict[str, Any]]:
-    """Each speculative row against llama.cpp's defaults, and each specstop policy against the best settings row (the
-    fastest ``llamacpp:`` row but the default; the default itself when none ran): ratio of tokens/s, 95% interval."""
+def comparisons(rows: list[Row], boot: np.ndarray, recommended: str | None = None) -> list[dict[str, Any]]:
+    """Every row against llama.cpp's defaults (target-only too), and each specstop policy against the recommended row
+    (``recommended``, its name; None: the fastest ``llamacpp:`` row but the default, the default itself when none
+    ran): ratio of tokens/s, 95% paired interval. The recommended row is named so (``(recommended)``)."""
     default = next(r for r in rows if r.name.endswith("(default)"))
-    settings = [r for r in rows if r.spec.startswith("llamacpp:") and r is not default]
-    best = max(settings, key=lambda r: r.tokens_per_s) if settings else default
+    if recommended is not None:
+        ref = next(r for r in rows if r.name == recommended)
+    else:
+        settings = [r for r in rows if r.spec.startswith("llamacpp:") and r is not default]
+        ref = max(settings, key=lambda r: r.tokens_per_s) if settings else default
+
+    def label(r: Row) -> str:
+        return f"{r.name} (recommended)" if r.name == recommended and "(recommended)" not in r.name else r.name
+
     out = []
     for r in rows:
-        refs = [default] if r.spec.startswith("llamacpp:") or best is default else [default, best]
-        for ref in refs:
-            if r is not ref and r.name != TARGET_ONLY:
-                point, lo, hi = ratio_ci(r, ref, boot)
-                out.append({"row": r.name, "against": ref.name, "ratio": point, "lo": lo, "hi": hi})
+        alone = r.spec.startswith("llamacpp:") or r.name == TARGET_ONLY or ref is default
+        refs = [default] if alone else [default, ref]
+        for x in refs:
+            if r is not x:
+                point, lo, hi = ratio_ci(r, x, boot)
+                out.append({"row": label(r), "against": label(x), "ratio": point, "lo": lo, "hi": hi})
     return out
 
 
@@ -271,8 +328,18 @@ def comparison_lines(comps: list[dict[str, Any]]) -> list[str]:
             if c["ratio"] is not None]
 
 
-def write_llamacpp_report(table: list[dict[str, Any]], comps: list[dict[str, Any]], bench: Bench, names: list[str],
-                          out_dir: Path) -> None:
+@dataclass
+class LlamaCppReport:
+    """What the llama.cpp report holds beside the prompts and the models."""
+
+    table: list[dict[str, Any]]
+    """The rows' report entries (``pipelines.benchmark.rows.Row.metrics`` and ``first_difference``)."""
+    comparisons: list[dict[str, Any]]
+    recommendation: list[str] = field(default_factory=list)
+    replay_check: dict[str, Any] | None = None
+
+
+def write_llamacpp_report(rep: LlamaCppReport, bench: Bench, names: list[str], out_dir: Path) -> None:
     """``benchmark.md`` and ``benchmark.json`` of the llama.cpp rows."""
     cfg, cm, m = bench.cfg, bench.cost_model, bench.shared[STATE]
     cpu = cpuinfo_fields()
@@ -286,17 +353,22 @@ def write_llamacpp_report(table: list[dict[str, Any]], comps: list[dict[str, Any
           "speedup = tokens/s over llama.cpp target-only [95% paired bootstrap interval over prompts]; "
           "identical_prompts = prompts whose output equals target-only's; mean_accepted / mean_drafted per round "
           "(one round per draft hook call); stop_overhead = one stop decision / one draft forward.\n",
-          markdown_table(table), "", *[f"- {x}" for x in comparison_lines(comps)]]
+          markdown_table(rep.table), "", *[f"- {x}" for x in comparison_lines(rep.comparisons)]]
+    if rep.recommendation:
+        md += ["\n## Recommendation under this run's curve\n", *[f"- {x}" for x in rep.recommendation]]
+    if rep.replay_check is not None:
+        md += check_lines(rep.replay_check)
     if cm is not None:
         md += ["\n```", cm.curve_table(), "```"]
     (out_dir / "benchmark.md").write_text("\n".join(md) + "\n")
-    report = {"rows": table, "comparisons": comps, "prompts": names, "prompt_ids": bench.prompts, "cpu": cpu,
-              "models": {k: str(v) for k, v in m.paths.items()}}
+    report = {"rows": rep.table, "comparisons": rep.comparisons, "recommended": m.recommended,
+              "recommendation": rep.recommendation, "replay_check": rep.replay_check, "prompts": names,
+              "prompt_ids": bench.prompts, "cpu": cpu, "models": {k: str(v) for k, v in m.paths.items()}}
     (out_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
 
 
-def run_llamacpp_benchmark(cfg: LlamaCppBenchConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Load, warm up, run every row on every prompt, write the report; returns (report rows, comparisons)."""
+def run_llamacpp_benchmark(cfg: LlamaCppBenchConfig) -> LlamaCppReport:
+    """Load, warm up, run every row on every prompt, check the replay against them, write the report; returns it."""
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     bench, names = load_llamacpp_bench(cfg)
@@ -315,6 +387,10 @@ def run_llamacpp_benchmark(cfg: LlamaCppBenchConfig) -> tuple[list[dict[str, Any
         if r.outputs != rows[0].outputs:
             t["output_ids"] = r.outputs
     boot = np.random.default_rng(cfg.seed).integers(0, len(bench.prompts), (cfg.n_boot, len(bench.prompts)))
-    comps = comparisons(rows, boot)
-    write_llamacpp_report(table, comps, bench, names, out_dir)
-    return table, comps
+    m: LlamaModels = bench.shared[STATE]
+    rep = LlamaCppReport(table, comparisons(rows, boot, m.recommended), m.recommendation)
+    write_llamacpp_report(rep, bench, names, out_dir)  # the rows are kept before the check runs
+    if cfg.replay_check:
+        rep.replay_check = run_llamacpp_check(bench, table, m.policies, rows[0].outputs, names, out_dir)
+        write_llamacpp_report(rep, bench, names, out_dir)
+    return rep
