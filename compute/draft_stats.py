@@ -1,6 +1,7 @@
 """The draft statistics of a stop decision in one native call: entropy, q(token) and the top-k probabilities of
-softmax(z / T) for each row of logits, without materialising the probabilities (``csrc/draft_stats.cpp``); and DISCO's
-inputs and network on them in another (:func:`disco_score`).
+softmax(z / T) for each row of logits, without materialising the probabilities (``csrc/draft_stats.cpp``, its row
+kernels in ``csrc/softmax_rows.h`` and ``csrc/pair_rows.h``); and DISCO's inputs and network on them in another
+(:func:`disco_score`).
 
 After a draft forward that streamed its weights through the caches, every small torch op of the stop decision costs
 several times its warm cost (code and dispatcher state come back from memory); the torch version of these statistics

@@ -5,7 +5,8 @@ are not scanned):
 
 - a function or method (nested ones too) spans at most ``MAX_FUNCTION_LINES`` lines, from ``def`` to its last line,
   docstring included (failures name ``file:function:lines``);
-- a module holds at most ``MAX_MODULE_LINES`` lines (``file:lines``);
+- a module holds at most ``MAX_MODULE_LINES`` lines (``file:lines``), and so does each C/C++ source of the native
+  kernels (``NATIVE_SOURCES``: ``compute/csrc/*.cpp`` and ``*.h``);
 - no import cycle among the project's modules, counting every import statement at any depth: inside functions,
   under ``if TYPE_CHECKING:`` and in ``try`` blocks alike, since a cycle is broken by moving code to the right module,
   not by deferring the import. ``from pkg import name`` is an edge to the module ``pkg.name`` when that is a module of
@@ -32,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("compute", "data_gen", "predictors", "evaluation", "decoding", "pipelines", "benchmarks", "scripts")
 SKIPPED_PARTS = {".venv", "outputs", "tests", "__pycache__"}
+NATIVE_SOURCES = ("compute/csrc/*.cpp", "compute/csrc/*.h")
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 600
 MAX_DEFERRED_IMPORTS = 40
@@ -182,9 +184,16 @@ def test_no_function_over_the_line_limit():
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines (file:function:lines):\n" + "\n".join(too_long)
 
 
+def native_sources() -> list[Path]:
+    """The native kernels' C/C++ sources and headers (``NATIVE_SOURCES``)."""
+    return sorted(path for pattern in NATIVE_SOURCES for path in ROOT.glob(pattern))
+
+
 def test_no_module_over_the_line_limit():
-    too_long = [f"{m.rel}:{len(m.text.splitlines())}" for m in source_modules()
-                if len(m.text.splitlines()) > MAX_MODULE_LINES]
+    sizes = [(m.rel, len(m.text.splitlines())) for m in source_modules()]
+    sizes += [(p.relative_to(ROOT).as_posix(), len(p.read_text(encoding="utf-8").splitlines()))
+              for p in native_sources()]
+    too_long = [f"{rel}:{lines}" for rel, lines in sizes if lines > MAX_MODULE_LINES]
     assert not too_long, f"modules over {MAX_MODULE_LINES} lines (file:lines):\n" + "\n".join(too_long)
 
 
@@ -224,5 +233,8 @@ def test_the_checks_see_what_they_check():
     graph = {"x": {"y": ["x.py:1"]}, "y": {"z": ["y.py:3"]}, "z": {"x": ["z.py:9"]}, "w": {"x": ["w.py:2"]}}
     (component,) = strongly_connected(graph)
     assert component == ["x", "y", "z"] and a_cycle(graph, component) == ["x", "y", "z", "x"]
+    scanned = {m.rel.split("/")[0] for m in source_modules()}
+    assert {"benchmarks", "scripts", "pipelines"} <= scanned, scanned
+    assert {"draft_stats.cpp", "fast_math.h"} <= {p.name for p in native_sources()}
     nested = parsed("pkg.n", "def f():\n    def g():\n        import os\n    import sys\n")
     assert [n.lineno for n in deferred_imports(nested)] == [3, 4]
