@@ -5,9 +5,9 @@ verification curve of llama.cpp's own forward passes (:func:`measure_llamacpp_cu
 :class:`compute.timing.CostModel` with ``runtime="llamacpp"``.
 
 The curve times what a speculative round costs in llama.cpp: the draft's one-token step over a KV cache, and the
-target's forward of L = 1..16 new tokens over a cached prefix of random tokens (``Llama.eval`` of L tokens, then the
-cache rolled back by setting ``Llama.n_tokens``: ``eval`` begins by removing every cached position from ``n_tokens``
-on). The target is loaded with ``logits_all=True``, as llama-cpp-python's speculative decoding needs (the logits of
+target's forward of L = 1..17 new tokens (a round of 16 drafts verifies 17) over a cached prefix of random tokens
+(``Llama.eval`` of L tokens, then the cache rolled back by setting ``Llama.n_tokens``: ``eval`` begins by removing
+every cached position from ``n_tokens`` on). The target is loaded with ``logits_all=True``, as llama-cpp-python's speculative decoding needs (the logits of
 every verified position), so each forward also copies its L rows of logits, as verification does.
 
 Usage::
@@ -215,7 +215,7 @@ def _time_target(llm: Any, prompt: list[int], lengths: list[int], repeats: int, 
 
 
 def measure_llamacpp_curve(
-    draft: Any, target: Any, lengths: Sequence[int] = tuple(range(1, 17)), prompt_len: int = 128, repeats: int = 5,
+    draft: Any, target: Any, lengths: Sequence[int] = tuple(range(1, 18)), prompt_len: int = 128, repeats: int = 5,
     decode_steps: int = 8, n_threads: int = 0, draft_name: str = "", target_name: str = "",
 ) -> CostModel:
     """The verification curve of llama.cpp on this machine: the draft's step and the target's forward of each L in

@@ -109,7 +109,10 @@ class CostModel:
             return float(ts[0] * max(length, 1.0) / ls[0]) if length > ls[0] else float(ts[0])
         if length <= ls[-1]:
             return float(np.interp(length, ls, ts))
-        slope = max((ts[-1] - ts[-2]) / (ls[-1] - ls[-2]), 0.0)
+        # the slope over the curve's upper half, not its last step: a lower envelope (``with_statistic``) or a kernel's
+        # tile size can leave the last steps flat, and a flat tail would price every longer forward as free
+        j = min(int(np.searchsorted(ls, ls[-1] / 2)), len(ls) - 2)
+        slope = max((ts[-1] - ts[j]) / (ls[-1] - ls[j]), 0.0)
         return float(ts[-1] + slope * (length - ls[-1]))
 
     def round_time(self, n_draft: int, n_verify: int | None = None, companion: bool = False) -> float:

@@ -180,10 +180,14 @@ def recommend(runtime: str, columns: Mapping[str, object], cm: CostModel, *,
     rule, val_speedup, tried = tune_rule(runtime, val, cm, mode, progress)
     default = runtime_rule(runtime)
 
-    def on_test(policy: StopPolicy) -> ReplayResult:
-        return replay_policy(copy.deepcopy(policy), test, cm, mode)
+    def on_test(policy: StopPolicy, cap: int | None = None) -> ReplayResult:
+        return replay_policy(copy.deepcopy(policy), test, cm, mode, max_draft_len=cap)
 
-    compared = {name: on_test(p) for name, p in (compare or {}).items()}
+    # the learned policies and the oracle draft no longer than the curve was measured for (a verification of L tokens
+    # verifies L - 1 drafts): past it the curve is extrapolated, and a flat tail would make any long round look cheap
+    cap = max(1, max(int(length) for length in cm.target_s) - 1)
+    compared = {name: on_test(p, cap) for name, p in (compare or {}).items()}
     return Recommendation(runtime=runtime, rule=rule, val_speedup=val_speedup, test=on_test(rule), default=default,
                           default_test=on_test(default), compare=compared,
-                          oracle=on_test(Oracle()) if mode == "greedy" else None, warnings=warnings, tried=tried)
+                          oracle=on_test(Oracle(), cap) if mode == "greedy" else None, warnings=warnings,
+                          tried=tried)

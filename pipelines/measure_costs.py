@@ -1,5 +1,5 @@
 """Measure the verification curve of a model pair on this machine: draft step, companion step, target forward of
-L = 1..16 new tokens over a cached prefix, with the CPU model and flags, torch version, threads and compute path in the
+L = 1..17 new tokens over a cached prefix, with the CPU model and flags, torch version, threads and compute path in the
 JSON, and on the CPU the memory floor printed beside each figure (the bytes a one-token forward reads over the read
 bandwidth measured in the same run). With ``--runtime llamacpp`` it times llama.cpp's own forwards instead (through
 llama-cpp-python, on the pair's GGUF files: ``compute.llamacpp.measure_llamacpp_curve``), written as
@@ -55,8 +55,9 @@ class MeasureCostsConfig:
     out: str | None = None
     """JSON file to write (default: <data_dir>/cost_model.json, else outputs/cost_model.json; with runtime llamacpp
     cost_model.llamacpp.json in either folder)."""
-    max_length: int = 16
-    """Verification lengths L = 1 .. max_length are all timed."""
+    max_length: int = 17
+    """Verification lengths L = 1 .. max_length are all timed (17: a round of 16 drafts, the usual cap, verifies 17
+    tokens; longer ones are extrapolated)."""
     repeats: int = 5
     """Timing repeats per length; the minimum is kept."""
     prompt_len: int = 128

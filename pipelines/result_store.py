@@ -37,7 +37,11 @@ PREDICTOR_FIELDS = ("predictor", "label", "test_auc", "best_free", "test_auc_bes
                     "cv_diff_hi", "test_speedup", "decoding", "ece_greedy", "ece_sampling")
 ROW_FIELDS = ("row", "method", "kind", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "vs_best_entropy",
               "vs_best_entropy_lo", "vs_best_entropy_hi", "exact", "identical_prompts", "mean_accepted",
-              "mean_drafted", "thresholded", "verification")
+              "mean_drafted", "thresholded", "verification", "spec", "note", "vs_defaults", "vs_defaults_lo",
+              "vs_defaults_hi")
+CHECK_FIELDS = ("row", "measured_tokens_per_s", "predicted_tokens_per_s", "ratio", "measured_mean_accepted",
+                "predicted_mean_accepted", "note")
+"""What a summary keeps of each row of a benchmark's replay check."""
 
 
 class SummaryError(ValueError):
@@ -176,14 +180,17 @@ def _recommendations(path: Path) -> list[dict[str, Any]]:
 
 def summarize_benchmark(out_dir: str | Path, command: str, config_name: str = "benchmark",
                         duration_s: float | None = None) -> dict[str, Any]:
-    """The summary of a finished benchmark in ``out_dir`` (benchmark.json, config.yaml, cost_model.json)."""
+    """The summary of a finished benchmark in ``out_dir`` (benchmark.json, config.yaml and its curve: cost_model.json,
+    or cost_model.llamacpp.json for ``pipelines.llamacpp_bench``'s runs, whose ``compute_path`` is ``llamacpp``)."""
     out = Path(out_dir)
     bench = _read_json(out / "benchmark.json")
     try:
         config = yaml.safe_load((out / "config.yaml").read_text())
     except FileNotFoundError as e:
         raise SummaryError(f"{out / 'config.yaml'}: missing (is the run finished?)") from e
-    machine, path = _cost_facts(out / "cost_model.json")
+    curve = next((out / n for n in ("cost_model.json", "cost_model.llamacpp.json") if (out / n).is_file()),
+                 out / "cost_model.json")
+    machine, path = _cost_facts(curve)
     machine = {**(bench.get("cpu") or {}), **machine}
     replay = bench.get("replay_check") or {}
     return {
@@ -191,10 +198,13 @@ def summarize_benchmark(out_dir: str | Path, command: str, config_name: str = "b
         "config_hash": config_hash(config), "machine": machine, "compute_path": path,
         "pair": {"draft": config["models"]["draft"], "target": config["models"]["target"]},
         "n_prompts": len(bench.get("prompt_ids") or []), "max_new_tokens": config["max_new_tokens"],
-        "temperature": config["temperature"], "prompts_of_run": bench.get("prompts_of_run"),
+        "temperature": config.get("temperature", 0.0), "prompts_of_run": bench.get("prompts_of_run"),
         "partial": (bench.get("prompts_of_run") or 0) > len(bench.get("prompt_ids") or []),
         "duration_s": duration_s, "rows": [_pick(r, ROW_FIELDS) for r in bench["rows"]],
         "replay_check": replay.get("summary"),
+        "replay_rows": [_pick(r, CHECK_FIELDS) for r in replay.get("rows") or []],
+        "comparisons": bench.get("comparisons") or [], "recommended": bench.get("recommended"),
+        "recommendation": bench.get("recommendation") or [],
     }
 
 

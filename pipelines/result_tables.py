@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.benchmark.config import ENTROPY_KINDS
+from pipelines.result_runtimes import RUNTIME_CONFIGS, runtime_block, runtime_section
 from pipelines.result_store import Summary, cpu_label
 
 LEARNED_KINDS = ("disco", "sprinter", "sv")
@@ -204,6 +205,8 @@ def render_docs(summaries: list[Summary]) -> str:
                 parts += [f"**Main job, config `{s.data['config']}`** ({caption(s)}):", "", predictor_table(s), ""]
                 recs = recommendation_table(s)
                 parts += [recs, ""] if recs else []
+            elif s.data["config"] in RUNTIME_CONFIGS.values():
+                parts += [f"**Runtime benchmark `{s.data['config']}`**", "", runtime_section(s), ""]
             else:
                 parts += [f"**Benchmark `{s.data['config']}`, {_benchmark_heading(s)}** ({caption(s)}):", "",
                           benchmark_table(s), "", verdict(s), ""]
@@ -212,7 +215,8 @@ def render_docs(summaries: list[Summary]) -> str:
 
 def render_blocks(summaries: list[Summary]) -> dict[str, str]:
     """Every block the docs hold, by name."""
-    return {"readme": render_readme(summaries), "docs": render_docs(summaries)}
+    runtimes = {name: runtime_block(summaries, config) for name, config in RUNTIME_CONFIGS.items()}
+    return {"readme": render_readme(summaries), "docs": render_docs(summaries), **runtimes}
 
 
 def block_pattern(name: str) -> re.Pattern[str]:

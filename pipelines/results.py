@@ -23,7 +23,8 @@ from pipelines.result_tables import fill, render_blocks
 
 log = logging.getLogger(__name__)
 
-DOCUMENTS = {"readme": "README.md", "docs": "docs/results.md"}
+DOCUMENTS = {"readme": "README.md", "docs": "docs/results.md", "llamacpp": "docs/llamacpp.md",
+             "transformers": "docs/runtimes.md"}
 """Block name -> the file (from the repository root) that holds it."""
 
 
@@ -58,7 +59,8 @@ def store_runs(cfg: ResultsConfig) -> None:
         log.info("stored %s", write_summary(summary, cfg.results_dir))
     if cfg.benchmark:
         name = cfg.config_name or "benchmark"
-        cmd = cfg.command or f"python -m pipelines.benchmark --config configs/{name}.yaml"
+        entry = "pipelines.llamacpp_bench" if name.startswith("benchmark-llamacpp") else "pipelines.benchmark"
+        cmd = cfg.command or f"python -m {entry} --config configs/{name}.yaml"
         summary = summarize_benchmark(cfg.benchmark, cmd, name, cfg.duration_s)
         log.info("stored %s", write_summary(summary, cfg.results_dir))
 

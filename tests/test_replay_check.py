@@ -61,7 +61,7 @@ def bench_run(tmp_path_factory, tiny_pair):
         "--n_prompts", "3", "--max_new_tokens", "24", "--max_draft_len", "8", "--hf_rows", '["static:3"]',
         "--policies", json.dumps(policies), "--tune_data_dir", str(tmp / "data"),
         "--predictors", json.dumps([random_sprinter(tmp / "sprinter", tiny_pair)]),
-        "--tracking_uri", f"sqlite:///{tmp / 'mlflow.db'}", "--replay_check", "true",
+        "--tracking_uri", f"sqlite:///{tmp / 'mlflow.db'}", "--replay_check", "true", "--hf_curve", "true",
     ]
     return tmp, benchmark_main(argv)
 
@@ -73,10 +73,10 @@ def test_replay_follows_the_engine_for_static_thresholded_and_cost_aware_policie
     check = report["replay_check"]
     rows = {r["row"]: r for r in check["rows"]}
     engine = [r["row"] for r in report["rows"] if r["method"] == "engine"]
-    assert sorted(rows) == sorted(engine) and "hf:static:3" not in rows and "target-only" not in rows
-    assert check["mode"] == "greedy" and check["rollouts"] > 0 and check["rollout_len"] == 8
+    assert sorted(rows) == sorted([*engine, "hf:static:3"]) and "target-only" not in rows
+    assert check["mode"] == "greedy" and check["rollouts"] > 0 and check["rollout_len"] == 32  # transformers' cap
     followed = [name for name, r in rows.items() if not r["note"]]
-    assert len(followed) == 8 and any(n.endswith("(val-tuned)") for n in followed) and "oracle" in followed
+    assert len(followed) == 9 and any(n.endswith("(val-tuned)") for n in followed) and "oracle" in followed
     assert any(n.startswith("goodput") for n in followed)
     for name in followed:  # the same trajectory: same rounds, drafted and accepted tokens
         r = rows[name]
@@ -84,8 +84,12 @@ def test_replay_follows_the_engine_for_static_thresholded_and_cost_aware_policie
             assert r[f"predicted_{k}"] == pytest.approx(r[f"measured_{k}"], abs=1e-3), (name, k)
         assert r["ratio"] == pytest.approx(r["predicted_tokens_per_s"] / r["measured_tokens_per_s"], rel=1e-2)
         assert r["predicted_tokens_per_s"] > 0 and r["curve_tokens_per_s"] > 0
-    # priced with the curve probed between the prompts (one probe a prompt), not the one measured before the rows
+    # priced with the curve probed between the prompts (one probe a prompt), not the one measured before the rows;
+    # the transformers row with transformers' own curve, measured before the rows
     assert check["cost_model"] == str(out / "cost_model_rows.json")
+    hf = json.loads((out / "cost_model.transformers.json").read_text())
+    assert check["hf_cost_model"] == str(out / "cost_model.transformers.json") and hf["runtime"] == "transformers"
+    assert next(r for r in report["rows"] if r["row"] == "hf:static:3")["spec"] == "transformers:3,constant,0.0"
     pooled = json.loads((out / "cost_model_rows.json").read_text())
     assert pooled["extra"]["pooled_measurements"] == 3 and pooled["extra"]["statistic"] == "mean"
     assert len({rows[n]["measured_mean_drafted"] for n in followed}) > 2  # policies that draft differently

@@ -28,6 +28,8 @@ class Bench:
     prompts: list[list[int]]
     eos: list[int]
     cost_model: CostModel | None = None
+    hf_cost_model: CostModel | None = None
+    """transformers' own curve (``hf_curve``), None when not measured."""
     offset: int = 0
     """Index of ``prompts[0]`` in the run (seeds are ``cfg.seed + offset + i``)."""
     reference: list[list[int]] | None = None

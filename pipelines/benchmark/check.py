@@ -1,4 +1,5 @@
-"""Does the offline replay predict the engine? Every engine row's policy replayed on the labelled prompts under the
+"""Does the offline replay predict the engine? Every engine row's policy (and each transformers row's rule, under
+transformers' own curve when the run measured it: ``hf_curve``) replayed on the labelled prompts under the
 benchmark's curve, compared with what the engine measured (:func:`run_check`; ``python -m pipelines.replay_check``
 says what it reports)."""
 from __future__ import annotations
@@ -17,6 +18,8 @@ from evaluation.replay import ReplayConfig, ReplayResult, prepare_replay_data, r
 from pipelines.benchmark.check_inputs import BenchFolder, rollout_length, row_policies
 from pipelines.benchmark.check_records import labelled_records, load_companion, own_output_rows
 from pipelines.benchmark.config import ENTROPY_KINDS
+from pipelines.benchmark.curve import HF_CURVE
+from pipelines.benchmark.rows import HF_METHOD
 from predictors.base import StopPolicy
 
 log = logging.getLogger("pipelines.replay_check")
@@ -64,6 +67,7 @@ def run_check(folder: BenchFolder, draft: PreTrainedModel, target: PreTrainedMod
     return {"mode": folder.mode, "rows": rows, "summary": summary, "data": note, "records": len(columns["offset"]),
             "rollouts": rollouts, "rollout_len": rollout_len,
             "cost_model": str(folder.cost_model_file or folder.path / "cost_model.json"),
+            "hf_cost_model": str(folder.path / HF_CURVE) if folder.hf_cost_model is not None else None,
             "statistic": folder.cost_model.extra.get("statistic", "min"),
             "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -71,7 +75,8 @@ def run_check(folder: BenchFolder, draft: PreTrainedModel, target: PreTrainedMod
 def replay_rows(folder: BenchFolder, policies: list[tuple[dict[str, Any], StopPolicy | None, str]],
                 columns: dict[str, np.ndarray], own: dict[str, dict[str, np.ndarray]] | None = None
                 ) -> tuple[list[dict[str, Any]], str]:
-    """Every engine row replayed on the labelled prompts under the benchmark's curve; returns (rows, data note).
+    """Every engine row replayed on the labelled prompts under the benchmark's curve, each transformers row under
+    transformers' (its rounds capped by its own rule only); returns (rows, data note).
 
     ``own``: row name -> records along that row's own output (:func:`own_output_rows`), replayed instead."""
     cfg = folder.cfg
@@ -81,14 +86,17 @@ def replay_rows(folder: BenchFolder, policies: list[tuple[dict[str, Any], StopPo
     out = []
     for row, pol, note in policies:
         res = None
+        hf = row.get("method") == HF_METHOD  # transformers' rule under transformers' curve, its rounds uncapped
+        cm = folder.hf_cost_model if hf and folder.hf_cost_model is not None else folder.cost_model
         if pol is not None:
             try:
                 rows_data = data if row["row"] not in (own or {}) else prepare_replay_data(own[row["row"]], rc)
-                res = replay_policy(copy.deepcopy(pol), rows_data, folder.cost_model, folder.mode,
-                                    max_draft_len=cfg.max_draft_len, decision_cost_model=folder.decision_cost_model)
+                res = replay_policy(copy.deepcopy(pol), rows_data, cm, folder.mode,
+                                    max_draft_len=None if hf else cfg.max_draft_len,
+                                    decision_cost_model=None if hf else folder.decision_cost_model)
             except (ValueError, KeyError) as e:  # a goodput policy without a map for the mode, missing columns
                 note = f"not replayed: {e}"
-        out.append(compare_row(row, res, note, folder.cost_model))
+        out.append(compare_row(row, res, note, cm))
     return out, data.note
 
 
@@ -121,7 +129,11 @@ def compare_row(row: dict[str, Any], res: ReplayResult | None, note: str,
                    curve_verify_ms=round(1000 * curve_pass_seconds(row, cost_model), 2))
     if res is None or not res.time_s > 0:
         return out
-    merged = res.first_verify_s if row.get("prompt_passes") else 0.0  # verified inside the measured prefill
+    hf = row.get("method") == HF_METHOD  # transformers verifies the first drafts in the prompt's pass, and its draft's
+    # first step reads the prompt: both inside the row's measured prefill (the target's and the draft's prompt passes)
+    merged = res.first_verify_s if row.get("prompt_passes") or hf else 0.0  # verified inside the measured prefill
+    if hf and cost_model is not None:
+        merged += len(row.get("prefill_seconds") or []) * cost_model.draft_s_per_token
     predicted = predicted_tokens_per_s(row, (res.time_s - merged) / res.tokens)
     measured = row.get("tokens_per_s") or 0.0
     out.update(predicted_tokens_per_s=round(predicted, 3), predicted_speedup=round(res.speedup, 4),

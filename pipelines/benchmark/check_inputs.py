@@ -15,9 +15,15 @@ from compute.timing import CostModel
 from decoding.policies import build_policy
 from evaluation.replay import with_threshold
 from pipelines.benchmark.config import BenchmarkConfig
-from pipelines.benchmark.curve import CURVE_DURING_ROWS
+from pipelines.benchmark.curve import CURVE_DURING_ROWS, HF_CURVE
+from pipelines.benchmark.rows import HF_METHOD
 from pipelines.cli import parse_config
 from predictors.base import HINDSIGHT, StopPolicy
+from predictors.runtime_rules import TransformersRule
+
+HF_DRAFT_CAP = 32
+"""The longest round the replay follows for a transformers row: transformers caps a round only by the tokens left;
+its defaults draft 20, and a heuristic schedule grows past 32 only after many fully accepted rounds in a row."""
 
 
 @dataclass
@@ -41,6 +47,9 @@ class BenchFolder:
     """The file ``cost_model`` was read from."""
     decision_cost_model: CostModel | None = None
     """The curve the benchmark's cost-aware policies decided with (``cost_model.json``; None: ``cost_model``)."""
+    hf_cost_model: CostModel | None = None
+    """transformers' own curve (``cost_model.transformers.json``, ``hf_curve``): the hf rows are priced with it, and
+    not replayed without it."""
 
     @property
     def base(self) -> dict[str, Any]:
@@ -74,8 +83,9 @@ def read_bench_folder(path: str | Path, cfg: BenchmarkConfig | None = None) -> B
     during = path / CURVE_DURING_ROWS  # missing for a benchmark without probes between its prompts
     decided = CostModel.from_json(before)
     cm_file, cm = (during, CostModel.from_json(during)) if during.is_file() else (before, decided)
+    hf = CostModel.from_json(path / HF_CURVE) if (path / HF_CURVE).is_file() else None
     return BenchFolder(path, cfg or _read_config(path / "config.yaml"), rows, list(report.get("prompts") or []),
-                       report["prompt_ids"], base["output_ids"], cm, cm_file, decided)
+                       report["prompt_ids"], base["output_ids"], cm, cm_file, decided, hf)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -97,9 +107,13 @@ def _read_config(path: Path) -> BenchmarkConfig:
 
 def row_policies(folder: BenchFolder, draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
                  ) -> list[tuple[dict[str, Any], StopPolicy | None, str]]:
-    """(row, policy or None, note) for every engine row: its policy rebuilt from the recorded spec and threshold."""
+    """(row, policy or None, note) for every engine row: its policy rebuilt from the recorded spec and threshold; and
+    for every transformers row (``hf:``) its rule, when the folder holds transformers' curve to price it with."""
     cfg = folder.cfg
     out: list[tuple[dict[str, Any], StopPolicy | None, str]] = []
+    if folder.hf_cost_model is not None:
+        out += [(r, build_policy(r["spec"], max_draft_len=HF_DRAFT_CAP), "") for r in folder.rows
+                if r.get("method") == HF_METHOD and str(r.get("spec") or "").startswith("transformers:")]
     for r in (r for r in folder.rows if r.get("method") == "engine"):
         if not r.get("spec"):
             out.append((r, None, "no policy spec in benchmark.json"))
@@ -135,7 +149,8 @@ def row_note(policy: StopPolicy, cfg: BenchmarkConfig, own_output: bool = False)
 
 
 def rollout_length(policies: list[StopPolicy], max_draft_len: int) -> int:
-    """The longest draft a policy can make in the engine (``max_draft_len`` caps every round)."""
-    caps = [p.round_cap(max_draft_len) if type(p).update is StopPolicy.update else min(p.max_draft_len, max_draft_len)
-            for p in policies]
+    """The longest draft a policy can make in the engine (``max_draft_len`` caps every round), or in transformers (a
+    transformers rule: :data:`HF_DRAFT_CAP`)."""
+    caps = [HF_DRAFT_CAP if isinstance(p, TransformersRule) else p.round_cap(max_draft_len)
+            if type(p).update is StopPolicy.update else min(p.max_draft_len, max_draft_len) for p in policies]
     return max(caps, default=max_draft_len) or 1

@@ -98,7 +98,12 @@ class BenchmarkConfig(TrackingConfig):
     """Bootstrap resamples of the prompts for the intervals."""
     replay_check: bool = False
     """At the end, label the prompts along target-only's output and replay every engine row's policy offline under this
-    run's curve: predicted against measured tokens/s (``pipelines.benchmark.check``)."""
+    run's curve (and each hf row's transformers rule under transformers' curve, with ``hf_curve``): predicted against
+    measured tokens/s (``pipelines.benchmark.check``)."""
+    hf_curve: bool = False
+    """Measure transformers' own curve before the rows (``compute.transformers_costs``: generate's forward passes as
+    it runs them plus its time around them), written to cost_model.transformers.json: the hf:recommended row is tuned
+    under it, and the replay check prices the hf rows with it (specstop's curve prices generate too cheaply)."""
     curve_probes: bool = True
     """order prompt: measure the curve again after each prompt's rows (one repeat, a few seconds) and write the mean
     of their pooled timings as ``cost_model_rows.json``, the host's average speed while the rows ran, which the replay

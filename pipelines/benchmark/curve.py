@@ -9,6 +9,7 @@ from pathlib import Path
 
 from compute.compute_path import compute_path_of, cpu_info
 from compute.timing import CostModel, measure_cost_model, pool_cost_models
+from compute.transformers_costs import measure_transformers_costs
 from pipelines.benchmark.bench import Bench
 from pipelines.benchmark.config import BenchmarkConfig
 
@@ -16,6 +17,8 @@ log = logging.getLogger("pipelines.benchmark")
 
 
 CURVE_DURING_ROWS = "cost_model_rows.json"
+HF_CURVE = "cost_model.transformers.json"
+"""transformers' own curve (``hf_curve``), beside the run's."""
 """The curve pooled from probes between the prompts (``curve_probes``), beside the one measured before the rows."""
 
 
@@ -30,6 +33,19 @@ def load_cost_model(cfg: BenchmarkConfig, bench: Bench) -> CostModel:
     t0 = time.perf_counter()
     cm = measure_curve(bench, repeats=3)
     log.info("verification curve measured in %.0fs:\n%s", time.perf_counter() - t0, cm.curve_table())
+    return cm
+
+
+def load_hf_curve(bench: Bench, out_dir: Path) -> CostModel:
+    """transformers' curve of the pair: the one in ``out_dir`` when a resumed run measured it, else measured now
+    (``compute.transformers_costs``) and written there, beside the run's own."""
+    path = out_dir / HF_CURVE
+    if bench.cfg.resume and path.is_file():
+        return CostModel.from_json(path)
+    t0 = time.perf_counter()
+    cm = measure_transformers_costs(bench.draft, bench.target, base=bench.cost_model)
+    cm.to_json(path)
+    log.info("transformers' curve measured in %.0fs:\n%s", time.perf_counter() - t0, cm.curve_table())
     return cm
 
 

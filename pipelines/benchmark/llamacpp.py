@@ -196,8 +196,8 @@ def load_llamacpp_bench(cfg: LlamaCppBenchConfig) -> tuple[Bench, list[str]]:
         cost = CostModel.from_json(cfg.cost_file)
     else:
         log.info("measuring llama.cpp's curve (no cost_file given)")
-        cost = measure_llamacpp_curve(draft, target, repeats=3, n_threads=threads, draft_name=cfg.models.draft,
-                                      target_name=cfg.models.target)
+        cost = measure_llamacpp_curve(draft, target, lengths=range(1, cfg.max_draft_len + 2), repeats=3,
+                                      n_threads=threads, draft_name=cfg.models.draft, target_name=cfg.models.target)
     if cfg.recommend_data:
         rows += recommended_row(cfg, cost, models, rows)
     for name, spec, pol in rows:

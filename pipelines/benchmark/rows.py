@@ -12,6 +12,9 @@ import numpy as np
 from decoding.engine import DecodeStats
 from predictors.base import GOODPUT
 
+HF_METHOD = "transformers assisted"
+"""The ``method`` of the rows that run transformers' assisted generation (``hf:``)."""
+
 
 @dataclass
 class Row:

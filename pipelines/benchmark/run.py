@@ -19,7 +19,7 @@ from pipelines.benchmark.check import run_check
 from pipelines.benchmark.check_inputs import read_bench_folder
 from pipelines.benchmark.check_report import write_check
 from pipelines.benchmark.config import BenchmarkConfig
-from pipelines.benchmark.curve import load_cost_model, write_curve_during_rows
+from pipelines.benchmark.curve import load_cost_model, load_hf_curve, write_curve_during_rows
 from pipelines.benchmark.plan import row_plan, run_rows
 from pipelines.benchmark.report import finish_rows, write_report
 from pipelines.benchmark.resume import PROMPTS_DIR, PromptStore, run_identity
@@ -43,6 +43,8 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
     bench, names, p_stats = load_bench(cfg, store)
     assert bench.cost_model is not None
     bench.cost_model.to_json(out_dir / "cost_model.json")
+    if cfg.hf_curve:
+        bench.hf_cost_model = load_hf_curve(bench, out_dir)
     log.info("benchmark: %d prompts x %d new tokens, device %s, compute path %s", len(bench.prompts),
              cfg.max_new_tokens, cfg.models.device, cfg.models.compute)
     with Heartbeat(log, "benchmark set-up (warm-up, thresholds tuned on validation)"):

@@ -16,8 +16,9 @@ from compute.timing import clock
 from decoding.hf_integration import generate_with_policy
 from decoding.policies import build_decoder, build_policy, policy_label
 from pipelines.benchmark.bench import Bench
-from pipelines.benchmark.rows import Row
+from pipelines.benchmark.rows import HF_METHOD, Row
 from predictors.base import THRESHOLD
+from predictors.runtime_rules import TransformersRule
 
 
 def timed_prompts(bench: Bench, row: Row, decode: Callable[[int, torch.Tensor], torch.Tensor]) -> Row:
@@ -83,8 +84,9 @@ def run_hf(bench: Bench, kind: str, settings: dict[str, Any] | None = None) -> R
     """transformers assisted generation with the draft's generation_config set for ``kind`` (restored afterwards), or
     to ``settings`` (the ``recommended`` row's tuned ones).
 
-    Rounds are the target's forward calls after the prefill (one per prompt), drafted tokens the draft's forward
-    calls (each proposes one token), accepted tokens = emitted tokens - rounds.
+    Rounds are the target's forward calls (its first reads the prompt and verifies the first round's drafts in one
+    pass: assisted generation has no separate prefill), drafted tokens the draft's forward calls (each proposes one
+    token), accepted tokens = emitted tokens - rounds.
     """
     gc = bench.draft.generation_config
     if settings is not None:
@@ -104,16 +106,20 @@ def run_hf(bench: Bench, kind: str, settings: dict[str, Any] | None = None) -> R
         return bench.target.generate(x, attention_mask=torch.ones_like(x), assistant_model=bench.draft, **kw)
 
     try:
-        row = timed_prompts(bench, Row(f"hf:{kind}", "transformers assisted"), decode)
+        row = timed_prompts(bench, Row(f"hf:{kind}", HF_METHOD), decode)
         row.note = ", ".join(f"{k}={v}" for k, v in settings.items())
     finally:
         t_calls.close()
         d_calls.close()
         for k, v in saved.items():
             setattr(gc, k, v)
-    row.rounds = row.target_calls = t_calls.calls - len(bench.prompts)
+    row.rounds = row.target_calls = t_calls.calls
     row.draft_tokens = d_calls.calls
     row.accepted = row.tokens - row.rounds
+    row.spec = TransformersRule(**settings).spec()  # the rule the replay check replays for this row
+    # both models' prompt passes (after the row, as target-only's): the replay check adds them to the curve's time
+    row.prefill_seconds = [prefill_seconds(bench.target, ids) + prefill_seconds(bench.draft, ids)
+                           for ids in bench.prompts]
     return row
 
 

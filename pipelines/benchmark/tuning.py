@@ -68,8 +68,9 @@ def tune_on_validation(specs: Sequence[str], bench: Bench) -> dict[str, tuple[An
 
 def tune_runtime(runtime: str, bench: Bench) -> RuntimeRule:
     """``runtime``'s own rule at the setting that replays fastest on the validation split of ``cfg.tune_data_dir``
-    under the bench's cost model (``evaluation.recommend.tune_rule``)."""
-    cm = bench.cost_model
+    under the bench's cost model, transformers' own for transformers when measured (``hf_curve``; the replay:
+    ``evaluation.recommend.tune_rule``)."""
+    cm = bench.hf_cost_model if runtime == "transformers" and bench.hf_cost_model is not None else bench.cost_model
     assert cm is not None
     mode, cols = _validation_columns(bench)
     data = prepare_replay_data(cols, ReplayConfig(mode=mode, origins=("target",)))
