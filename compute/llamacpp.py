@@ -7,8 +7,9 @@ verification curve of llama.cpp's own forward passes (:func:`measure_llamacpp_cu
 The curve times what a speculative round costs in llama.cpp: the draft's one-token step over a KV cache, and the
 target's forward of L = 1..17 new tokens (a round of 16 drafts verifies 17) over a cached prefix of random tokens
 (``Llama.eval`` of L tokens, then the cache rolled back by setting ``Llama.n_tokens``: ``eval`` begins by removing
-every cached position from ``n_tokens`` on). The target is loaded with ``logits_all=True``, as llama-cpp-python's speculative decoding needs (the logits of
-every verified position), so each forward also copies its L rows of logits, as verification does.
+every cached position from ``n_tokens`` on). The target is loaded with ``logits_all=True``, as llama-cpp-python's
+speculative decoding needs (the logits of every verified position), so each forward also copies its L rows of
+logits, as verification does.
 
 Usage::
 
