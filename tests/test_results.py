@@ -117,3 +117,28 @@ def test_readme_and_docs_links_resolve():
                 broken.append(f"{doc.name}: {target}")
     assert not broken, broken
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def test_a_runtime_benchmark_renders_its_comparisons_and_replay_check():
+    from pipelines.result_runtimes import runtime_block
+    from pipelines.result_store import Summary
+
+    rows = [{"row": "llama.cpp target-only", "tokens_per_s": 20.0, "speedup": 1.0},
+            {"row": "llamacpp:3,0,0.0 (default)", "tokens_per_s": 13.0, "speedup": 0.65, "speedup_lo": 0.6,
+             "speedup_hi": 0.7, "mean_accepted": 1.8, "mean_drafted": 2.9, "identical_prompts": 3},
+            {"row": "goodput:adaedl", "tokens_per_s": 20.2, "speedup": 1.01, "speedup_lo": 0.99, "speedup_hi": 1.03,
+             "mean_accepted": 0.0, "mean_drafted": 0.0, "identical_prompts": 4}]
+    data = bench_summary(config="benchmark-llamacpp", compute_path="llamacpp", rows=rows,
+                         recommended="llama.cpp target-only", recommendation=["llamacpp: do not speculate"],
+                         comparisons=[{"row": "llama.cpp target-only (recommended)",
+                                       "against": "llamacpp:3,0,0.0 (default)", "ratio": 1.54, "lo": 1.5, "hi": 1.6}],
+                         replay_rows=[{"row": "goodput:adaedl", "measured_tokens_per_s": 20.2,
+                                       "predicted_tokens_per_s": 20.0, "ratio": 0.99}],
+                         replay_check={"worst_row": "goodput:adaedl", "worst_error": 0.01, "within_band": 1,
+                                       "rows_scored": 1, "band": 0.1})
+    text = runtime_block([Summary(Path("x.json"), data)], "benchmark-llamacpp")
+    assert "`llama.cpp target-only (recommended)` | 20.00" in text and "drafts nothing" in text
+    assert "against `llamacpp:3,0,0.0 (default)`: 1.54x [1.50, 1.60]" in text
+    assert "| `goodput:adaedl` | 20.20 | 20.00 | 0.990 |" in text and "1 of 1 rows within 10%" in text
+    assert "do not speculate" in text and "3/4" in text
+    assert "No stored run yet" in runtime_block([], "benchmark-transformers")
