@@ -289,7 +289,8 @@ class SpeculativeDecoder:
             if not st.done[b]:
                 caps[b] = self.policy.round_cap(self.max_draft_len, st.max_new_tokens - len(st.outputs[b]) - 1)
         if self.goodput:  # no round could pay on this curve: draft nothing
-            caps = [c if goodput.can_pay(self._round_cost(), c) else 0 for c in caps]
+            top = getattr(self.policy, "acceptance_ceiling", 1.0)
+            caps = [c if goodput.can_pay(self._round_cost(), c, top) else 0 for c in caps]
         rnd = DraftRound.start(caps)
         step = 0
         while any(rnd.active):

@@ -231,7 +231,8 @@ class SpecstopDraftModel(LlamaDraftModel):
         if self.end is not None:
             limits.append(self.end - len(ids) - 1)  # the round's drafts and the target's token fit before the end
         cap = self.policy.round_cap(*limits)
-        if self.cost is not None and not goodput.can_pay(self.cost, cap):  # no round could pay: draft nothing
+        top = getattr(self.policy, "acceptance_ceiling", 1.0)
+        if self.cost is not None and not goodput.can_pay(self.cost, cap, top):  # no round could pay: draft nothing
             cap = 0
         rnd = DraftedRound()
         if cap > 0:

@@ -82,6 +82,11 @@ class Calibrator:
             return 1.0 / (1.0 + np.exp(-(self.a * s + self.b)))
         return np.clip(np.interp(s, self._x, self._y), 0.0, 1.0)
 
+    @property
+    def ceiling(self) -> float:
+        """The highest acceptance the map gives any score: an isotonic map's top breakpoint; a sigmoid's supremum, 1."""
+        return 1.0 if self.method == "platt" else min(max(float(self._y.max()), 0.0), 1.0)
+
     def apply_one(self, score: float) -> float:
         """:meth:`apply` of one score in Python floats (np.interp's rule: clipped outside the breakpoints, else
         slope * (x - x_j) + y_j on the segment x_j <= x < x_j+1): a per-token decision calls it with no numpy call."""

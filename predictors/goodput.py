@@ -134,13 +134,20 @@ def _scan(acc: Sequence[float], cost: RoundCost, drafted: int) -> tuple[int, flo
     return best_n, best, 1.0 + cum, surv
 
 
-def can_pay(cost: RoundCost, cap: int) -> bool:
-    """Whether any round of at most ``cap`` drafts could beat a target-only step even if every draft were accepted:
-    some n in 1..cap with (n + 1) / (n d + t(n + 1)) > 1 / t(1). When none can (a draft step dear against a curve
-    that rises steeply, as llama.cpp's on a CPU), the rule drafts nothing: not even the first token, whose step would
-    be paid before its acceptance is known."""
+def can_pay(cost: RoundCost, cap: int, ceiling: float = 1.0) -> bool:
+    """Whether any round of at most ``cap`` drafts could beat a target-only step in expectation even if every draft
+    scored the highest acceptance the calibration gives (``ceiling``; 1: every draft accepted): some n in 1..cap with
+    (1 + c + ... + c^n) / (n d + t(n + 1)) > 1 / t(1). When none can (a draft step dear against a curve that rises
+    steeply, as llama.cpp's on a CPU), the rule drafts nothing: not even the first token, whose step would be paid
+    before its acceptance is known. The ceiling matters where a round pays only if nearly every draft is accepted."""
     verify, d = cost._verify_list(cap), cost.per_draft
-    return any((n + 1) / (n * d + verify[n]) > 1.0 / verify[0] for n in range(1, cap + 1))
+    c = min(max(float(ceiling), 0.0), 1.0)
+    expected = 1.0
+    for n in range(1, cap + 1):
+        expected += c ** n
+        if expected / (n * d + verify[n]) > 1.0 / verify[0]:
+            return True
+    return False
 
 
 def keep_drafting(acc: Sequence[float], cost: RoundCost, cap: int) -> bool:
@@ -162,12 +169,12 @@ def keep_drafting(acc: Sequence[float], cost: RoundCost, cap: int) -> bool:
     return False
 
 
-def draft_round(acc: Sequence[float], cost: RoundCost, cap: int) -> tuple[int, int]:
+def draft_round(acc: Sequence[float], cost: RoundCost, cap: int, ceiling: float = 1.0) -> tuple[int, int]:
     """(drafted, verified) of a round whose tokens' acceptances are known in advance (the replay): draft token by token
     while :func:`keep_drafting`, then verify :func:`best_prefix`. ``acc`` holds at least ``cap`` values (or all
-    left)."""
+    left); ``ceiling``: the calibration's highest acceptance (:func:`can_pay`)."""
     cap = min(cap, len(acc))
-    if not can_pay(cost, cap):
+    if not can_pay(cost, cap, ceiling):
         return 0, 0
     n = 0
     while n < cap:
@@ -244,6 +251,11 @@ class GoodputPolicy(StopPolicy):
 
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
         return self.calibrator(self.inner.score(features))
+
+    @property
+    def acceptance_ceiling(self) -> float:
+        """The highest acceptance this policy's calibration gives (:func:`can_pay` prices a round with it)."""
+        return self.calibrator.ceiling
 
     def score_list(self, features: Mapping[str, Tensor]) -> list[float]:
         cal = self.calibrator

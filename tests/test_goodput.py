@@ -332,3 +332,17 @@ def test_no_round_is_drafted_where_no_round_could_pay(pair):
                                     cost_model=cm, max_draft_len=8).generate(PROMPT, None, 12, None, 0)
     ref = target.generate(PROMPT, do_sample=False, max_new_tokens=12, pad_token_id=256)
     assert out.tolist() == ref.tolist() and stats.drafted == 0 and stats.rounds == 12
+
+
+def test_a_round_that_pays_only_if_every_draft_is_accepted_is_not_drafted_below_certainty():
+    """t(L) = L up to 8 tokens and t(9) = 8 (a kernel's tile: llama.cpp's curve has such flat steps), a draft step of
+    0.1: only a round of 8 drafts all accepted pays (9 tokens in 8.8 steps). Priced with the calibration's ceiling c
+    instead of certainty, 1 + c + ... + c^8 expected tokens, it no longer pays even at c = 0.99."""
+    tile = {**{L: float(L) for L in range(1, 9)}, 9: 8.0}
+    assert goodput.can_pay(cost(tile, draft=0.1), 8) and not goodput.can_pay(cost(tile, draft=0.1), 7)
+    assert not goodput.can_pay(cost(tile, draft=0.1), 8, ceiling=0.99)
+    assert goodput.draft_round([0.99] * 8, cost(tile, draft=0.1), 8, ceiling=0.99) == (0, 0)
+    assert goodput.can_pay(cost(STEP4), 8, ceiling=0.5)  # where rounds pay easily the ceiling changes nothing
+    iso = Calibrator("isotonic", [0.0, 0.5, 1.0], [0.1, 0.5, 0.93])
+    assert iso.ceiling == pytest.approx(0.93) and Calibrator("platt", a=2.0, b=0.0).ceiling == 1.0
+    assert GoodputPolicy(MaxConfidence(0.4), {"greedy": iso}).acceptance_ceiling == pytest.approx(0.93)
