@@ -4,8 +4,9 @@ on the pair's GGUF files through llama-cpp-python:
 - ``llama.cpp target-only``: ``Llama.generate`` with no draft model (the reference output and speed);
 - ``llamacpp:3,0,0.0 (default)``: llama.cpp's speculative decoding at its defaults, its draft-simple rule
   (``predictors.runtime_rules.LlamaCppRule``) in the draft hook (``decoding.llamacpp_draft``);
-- every ``settings`` entry (``llamacpp:N_MAX,N_MIN,P_MIN``, e.g. what ``pipelines.recommend --runtime llamacpp``
-  prints);
+- with ``recommend_data``, the setting ``pipelines.recommend --runtime llamacpp`` tunes under this run's curve
+  (``... (tuned)``); the recommended row is it, or target-only when it cannot beat target-only;
+- every ``settings`` entry (``llamacpp:N_MAX,N_MIN,P_MIN``);
 - every ``policies`` entry: a specstop policy (``decoding.policies.build_policy`` specs: ``adaedl:0.6``, an export
   folder, ``goodput:<export>``) stopping the same hook's drafts.
 
@@ -15,7 +16,8 @@ runtimes read the same ids. The rows run through the benchmark's own loop (``pip
 ``order: prompt``, each row ``repeats`` times a prompt in alternating order, the faster run kept, the outputs checked
 equal), and are reported with its rows, intervals and tables (``pipelines.benchmark.rows``, ``report``): tokens/s,
 speedup over target-only with its paired bootstrap interval, identical outputs, rounds and acceptance, the hook's
-stop-decision cost; then each row against llama.cpp's defaults and each policy against the best ``settings`` row.
+stop-decision cost; then each row against llama.cpp's defaults and each policy against the recommended row. The
+replay check (``replay_check``, ``pipelines.benchmark.llamacpp_check``) sets each row's replayed tokens/s beside it.
 
 Models loaded: the draft, the target with ``logits_all`` (llama-cpp-python's verification reads every position's
 logits) and the target again without it for target-only (its one-token steps, as llama.cpp decodes alone); the GGUF
