@@ -1,7 +1,7 @@
 """Walk the benchmark's config through the code from its entry point, statically, and count the walk's stops.
 
-The measure of issue 35's goal ("walking the benchmark's config from its entry point: fewer than half of the stops and
-climbs"): how far a reader who follows the ``BenchmarkConfig`` object has to travel, and how often back up. Stdlib
+How far a reader who follows the ``BenchmarkConfig`` object from the benchmark's entry point has to travel through
+the code, and how often back up a layer. Stdlib
 only (``ast``; the index of the source in ``scripts/static_index.py``), deterministic, nothing imported from the
 project::
 

