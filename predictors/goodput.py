@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from predictors.base import GOODPUT, StopPolicy
+from predictors.base import GOODPUT, RoundFeedback, StopPolicy
 from predictors.calibration import FIT_COMMAND, MODES, Calibrator
 
 log = logging.getLogger(__name__)
@@ -237,6 +237,7 @@ class GoodputPolicy(StopPolicy):
         self.kind = f"goodput-{inner.kind}"  # type: ignore[misc]  # instance-level, per wrapped policy
         self.required_columns = tuple(inner.required_columns)  # type: ignore[misc]
         self.mode = "greedy" if "greedy" in self.calibrations else next(iter(self.calibrations))
+        self._accepted, self._tried = 0, 0
 
     @property
     def calibrator(self) -> Calibrator:
@@ -254,8 +255,18 @@ class GoodputPolicy(StopPolicy):
 
     @property
     def acceptance_ceiling(self) -> float:
-        """The highest acceptance this policy's calibration gives (:func:`can_pay` prices a round with it)."""
-        return self.calibrator.ceiling
+        """What :func:`can_pay` prices a round's drafts with, before the first one is drafted and scored: the
+        acceptance a draft has shown in this sequence's rounds so far (accepted over tried, a token tried until the
+        first rejection; one accepted token as the prior, so a sequence's first round prices drafts as certain), at
+        most the calibration's highest value. The first draft step of a round is paid before its acceptance is known:
+        where a round pays only when nearly every draft is accepted, it would be paid every round and lost."""
+        seen = (self._accepted + 1.0) / (self._tried + 1.0)
+        return min(self.calibrator.ceiling, seen)
+
+    def update(self, feedback: RoundFeedback) -> None:
+        """Count the round's drafts tried (up to the first rejection) and accepted."""
+        self._accepted += feedback.n_accepted
+        self._tried += min(feedback.n_accepted + 1, feedback.n_drafted)
 
     def score_list(self, features: Mapping[str, Tensor]) -> list[float]:
         cal = self.calibrator
@@ -263,6 +274,7 @@ class GoodputPolicy(StopPolicy):
 
     def reset(self) -> None:
         self.inner.reset()
+        self._accepted, self._tried = 0, 0
 
 
 def _missing_message(source: str, mode: str) -> str:

@@ -346,3 +346,19 @@ def test_a_round_that_pays_only_if_every_draft_is_accepted_is_not_drafted_below_
     iso = Calibrator("isotonic", [0.0, 0.5, 1.0], [0.1, 0.5, 0.93])
     assert iso.ceiling == pytest.approx(0.93) and Calibrator("platt", a=2.0, b=0.0).ceiling == 1.0
     assert GoodputPolicy(MaxConfidence(0.4), {"greedy": iso}).acceptance_ceiling == pytest.approx(0.93)
+
+
+def test_the_first_draft_is_priced_with_the_acceptance_seen_so_far():
+    """A sequence's first round prices drafts as certain; then a draft's acceptance is what the rounds showed (tokens
+    accepted over tokens tried up to the first rejection, one accepted as the prior), capped by the calibration."""
+    from predictors.base import RoundFeedback
+
+    pol = GoodputPolicy(MaxConfidence(0.4), {"greedy": Calibrator("isotonic", [0.0, 1.0], [0.0, 0.97])})
+    assert pol.acceptance_ceiling == pytest.approx(0.97)
+    pol.update(RoundFeedback.leading(4, 1, [0.5] * 4))  # 1 accepted, the 2nd rejected: 2 tried
+    pol.update(RoundFeedback.leading(3, 3, [0.5] * 3))  # 3 of 3
+    assert pol.acceptance_ceiling == pytest.approx((4 + 1) / (5 + 1))
+    tile = {**{L: float(L) for L in range(1, 9)}, 9: 8.0}
+    assert not goodput.can_pay(cost(tile, draft=0.1), 8, pol.acceptance_ceiling)
+    pol.reset()
+    assert pol.acceptance_ceiling == pytest.approx(0.97)
