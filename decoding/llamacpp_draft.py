@@ -223,6 +223,19 @@ class SpecstopDraftModel(LlamaDraftModel):
         self.policy.reset()
         self.calls, self._prev, self._sent, self._sent_q, self.end = [], None, [], [], end
 
+    def drafts_nothing(self, prompt_len: int) -> bool:
+        """After :meth:`begin`: whether no round of the sequence can draft, decided at its start. A cost-aware policy
+        whose first round could not pay at the sequence's widest cap and the acceptance it starts from drafts nothing
+        for the whole sequence (its caps only shrink towards the end, its acceptance estimate never exceeds that start):
+        the caller may then run the target alone, without the speculative path's per-token hook call."""
+        if self.cost is None:
+            return False
+        limits = [self.max_draft_len, self.draft.n_ctx() - prompt_len - 1]
+        if self.end is not None:
+            limits.append(self.end - prompt_len - 1)
+        cap = self.policy.round_cap(*limits)
+        return not goodput.can_pay(self.cost, cap, getattr(self.policy, "acceptance_ceiling", 1.0))
+
     def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
         call = DraftCall(started=time.perf_counter())
         ids = np.array(input_ids, dtype=np.intc)  # a copy: the target's buffer changes under us

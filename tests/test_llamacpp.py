@@ -359,3 +359,23 @@ def test_bench_comparisons_against_the_recommended_row():
                                  ("goodput:adaedl", "llama.cpp target-only (recommended)"): 1.0})
     with pytest.raises(ValueError, match="recommend_data"):  # before any model loads
         load_llamacpp_bench(LlamaCppBenchConfig(recommend_data="/nonexistent", prompt_texts=["x"], policies=[]))
+
+
+def test_a_cost_aware_hook_that_no_round_can_pay_says_so_before_the_sequence():
+    """On a curve where no round can pay even at certainty the cost-aware hook drafts nothing from the first call, so
+    the caller may run the target alone; a cheap curve, or a thresholded policy, drafts."""
+    from predictors.calibration import Calibrator
+    from predictors.goodput import GoodputPolicy
+
+    steep = CostModel(draft_s_per_token=0.03, target_s={1: 0.035, 2: 0.065, 4: 0.11, 8: 0.24, 17: 0.5})
+    cheap = CostModel(draft_s_per_token=0.005, target_s={1: 0.05, 2: 0.052, 4: 0.056, 8: 0.2, 17: 0.4})
+    cal = {"greedy": Calibrator("isotonic", [0.0, 1.0], [0.0, 1.0])}
+    for cm, expect in ((steep, True), (cheap, False)):
+        hook = SpecstopDraftModel(FakeLlama(), GoodputPolicy(Calibrated(), cal), cost_model=cm, max_draft_len=16)
+        hook.begin(end=40)
+        assert hook.drafts_nothing(prompt_len=8) is expect
+        if expect:  # and indeed it drafts nothing when called
+            assert len(hook(np.arange(1, 9, dtype=np.intc))) == 0 and hook.draft.evals == []
+    plain = SpecstopDraftModel(FakeLlama(), build_policy("adaedl:0.6"), max_draft_len=16)
+    plain.begin(end=40)
+    assert plain.drafts_nothing(prompt_len=8) is False

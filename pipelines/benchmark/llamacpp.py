@@ -46,6 +46,7 @@ from data_gen.prompts import PromptSourceConfig
 from data_gen.shards import read_data_config
 from decoding.llamacpp_draft import SpecstopDraftModel, check_policy
 from decoding.policies import build_policy, policy_label
+from decoding.stats import DecodeStats
 from pipelines.benchmark.bench import Bench, load_benchmark_prompts
 from pipelines.benchmark.config import BenchmarkConfig
 from pipelines.benchmark.llamacpp_check import check_lines, run_llamacpp_check
@@ -253,7 +254,8 @@ def run_target_only(view: Bench) -> Row:
 
 
 def run_hooked(view: Bench, name: str) -> Row:
-    """``Llama.generate`` of the logits_all target with row ``name``'s draft hook."""
+    """``Llama.generate`` of the logits_all target with row ``name``'s draft hook; a prompt on which the hook drafts
+    nothing from the start (a cost-aware policy that no round can pay) runs the target alone, as its user would."""
     m: LlamaModels = view.shared[STATE]
     hook = m.hooks[name]
     pol = hook.policy
@@ -262,11 +264,18 @@ def run_hooked(view: Bench, name: str) -> Row:
     try:
         for ids in view.prompts:
             hook.begin(end=len(ids) + view.cfg.max_new_tokens)
+            alone = hook.drafts_nothing(len(ids))
+            first: list[float] = []
             t0 = time.perf_counter()
-            out = generate_greedy(m.target, ids, view.cfg.max_new_tokens, view.eos)
+            out = generate_greedy(m.plain if alone else m.target, ids, view.cfg.max_new_tokens, view.eos,
+                                  first_token_at=first)
             wall = time.perf_counter() - t0
             hook.finish([*ids, *out])
             st = hook.decode_stats(t0, wall, len(out))
+            if alone:  # one target step a token, the prompt's pass to the first token
+                pre = first[0] - t0 if first else 0.0
+                st = DecodeStats(rounds=len(out), tokens=len(out), wall_time=wall, target_calls=len(out),
+                                 prefill_time=pre, target_time=wall - pre)
             row.decode = st if row.decode is None else row.decode + st
             row.seconds.append(wall)
             row.outputs.append(out)
