@@ -17,9 +17,9 @@ log = logging.getLogger("pipelines.benchmark")
 
 
 CURVE_DURING_ROWS = "cost_model_rows.json"
+"""The curve pooled from probes between the prompts (``curve_probes``), beside the one measured before the rows."""
 HF_CURVE = "cost_model.transformers.json"
 """transformers' own curve (``hf_curve``), beside the run's."""
-"""The curve pooled from probes between the prompts (``curve_probes``), beside the one measured before the rows."""
 
 
 def load_cost_model(cfg: BenchmarkConfig, bench: Bench) -> CostModel:
