@@ -257,10 +257,11 @@ class GoodputPolicy(StopPolicy):
     def acceptance_ceiling(self) -> float:
         """What :func:`can_pay` prices a round's drafts with, before the first one is drafted and scored: the
         acceptance a draft has shown in this sequence's rounds so far (accepted over tried, a token tried until the
-        first rejection; one accepted token as the prior, so a sequence's first round prices drafts as certain), at
-        most the calibration's highest value. The first draft step of a round is paid before its acceptance is known:
-        where a round pays only when nearly every draft is accepted, it would be paid every round and lost."""
-        seen = (self._accepted + 1.0) / (self._tried + 1.0)
+        first rejection), under a uniform prior (one accepted and one rejected: 1/2 before any round), at most the
+        calibration's highest value. The first draft step of a round is paid before its acceptance is known: where a
+        round pays only when nearly every draft is accepted, it would be paid every round and lost; where rounds pay,
+        they pay at this acceptance too."""
+        seen = (self._accepted + 1.0) / (self._tried + 2.0)
         return min(self.calibrator.ceiling, seen)
 
     def update(self, feedback: RoundFeedback) -> None:

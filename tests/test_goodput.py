@@ -345,20 +345,23 @@ def test_a_round_that_pays_only_if_every_draft_is_accepted_is_not_drafted_below_
     assert goodput.can_pay(cost(STEP4), 8, ceiling=0.5)  # where rounds pay easily the ceiling changes nothing
     iso = Calibrator("isotonic", [0.0, 0.5, 1.0], [0.1, 0.5, 0.93])
     assert iso.ceiling == pytest.approx(0.93) and Calibrator("platt", a=2.0, b=0.0).ceiling == 1.0
-    assert GoodputPolicy(MaxConfidence(0.4), {"greedy": iso}).acceptance_ceiling == pytest.approx(0.93)
+    assert GoodputPolicy(MaxConfidence(0.4), {"greedy": iso}).calibrator.ceiling == pytest.approx(0.93)
 
 
 def test_the_first_draft_is_priced_with_the_acceptance_seen_so_far():
-    """A sequence's first round prices drafts as certain; then a draft's acceptance is what the rounds showed (tokens
-    accepted over tokens tried up to the first rejection, one accepted as the prior), capped by the calibration."""
+    """A draft's acceptance before a round is what the sequence's rounds showed (tokens accepted over tokens tried up
+    to the first rejection, under a uniform prior: 1/2 before any round), capped by the calibration."""
     from predictors.base import RoundFeedback
 
     pol = GoodputPolicy(MaxConfidence(0.4), {"greedy": Calibrator("isotonic", [0.0, 1.0], [0.0, 0.97])})
-    assert pol.acceptance_ceiling == pytest.approx(0.97)
+    assert pol.acceptance_ceiling == pytest.approx(0.5)
     pol.update(RoundFeedback.leading(4, 1, [0.5] * 4))  # 1 accepted, the 2nd rejected: 2 tried
     pol.update(RoundFeedback.leading(3, 3, [0.5] * 3))  # 3 of 3
-    assert pol.acceptance_ceiling == pytest.approx((4 + 1) / (5 + 1))
+    assert pol.acceptance_ceiling == pytest.approx((4 + 1) / (5 + 2))
+    for _ in range(50):  # rounds all accepted: the estimate nears 1 but the calibration caps it
+        pol.update(RoundFeedback.leading(4, 4, [0.9] * 4))
+    assert pol.acceptance_ceiling == pytest.approx(0.97)
     tile = {**{L: float(L) for L in range(1, 9)}, 9: 8.0}
     assert not goodput.can_pay(cost(tile, draft=0.1), 8, pol.acceptance_ceiling)
     pol.reset()
-    assert pol.acceptance_ceiling == pytest.approx(0.97)
+    assert pol.acceptance_ceiling == pytest.approx(0.5)
