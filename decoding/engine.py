@@ -289,7 +289,7 @@ class SpeculativeDecoder:
             if not st.done[b]:
                 caps[b] = self.policy.round_cap(self.max_draft_len, st.max_new_tokens - len(st.outputs[b]) - 1)
         if self.goodput:  # no round could pay on this curve: draft nothing
-            top = getattr(self.policy, "acceptance_ceiling", 1.0)
+            top = self.policy.acceptance_ceiling
             caps = [c if goodput.can_pay(self._round_cost(), c, top) else 0 for c in caps]
         rnd = DraftRound.start(caps)
         step = 0

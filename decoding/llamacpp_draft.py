@@ -228,25 +228,25 @@ class SpecstopDraftModel(LlamaDraftModel):
         whose first round could not pay at the sequence's widest cap and the acceptance it starts from drafts nothing
         for the whole sequence (its caps only shrink towards the end, its acceptance estimate never exceeds that start):
         the caller may then run the target alone, without the speculative path's per-token hook call."""
-        if self.cost is None:
-            return False
-        limits = [self.max_draft_len, self.draft.n_ctx() - prompt_len - 1]
+        return self.cost is not None and self._round_cap(prompt_len) == 0
+
+    def _round_cap(self, length: int) -> int:
+        """The drafts a round may make after ``length`` tokens: the policy's cap within the context and the sequence's
+        end (the round's drafts and the target's token fit before it), 0 when a cost-aware policy's round cannot pay
+        there."""
+        limits = [self.max_draft_len, self.draft.n_ctx() - length - 1]
         if self.end is not None:
-            limits.append(self.end - prompt_len - 1)
+            limits.append(self.end - length - 1)
         cap = self.policy.round_cap(*limits)
-        return not goodput.can_pay(self.cost, cap, getattr(self.policy, "acceptance_ceiling", 1.0))
+        if self.cost is not None and not goodput.can_pay(self.cost, cap, self.policy.acceptance_ceiling):
+            return 0
+        return cap
 
     def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
         call = DraftCall(started=time.perf_counter())
         ids = np.array(input_ids, dtype=np.intc)  # a copy: the target's buffer changes under us
         self._feedback(ids)
-        limits = [self.max_draft_len, self.draft.n_ctx() - len(ids) - 1]
-        if self.end is not None:
-            limits.append(self.end - len(ids) - 1)  # the round's drafts and the target's token fit before the end
-        cap = self.policy.round_cap(*limits)
-        top = getattr(self.policy, "acceptance_ceiling", 1.0)
-        if self.cost is not None and not goodput.can_pay(self.cost, cap, top):  # no round could pay: draft nothing
-            cap = 0
+        cap = self._round_cap(len(ids))
         rnd = DraftedRound()
         if cap > 0:
             t0 = time.perf_counter()

@@ -204,8 +204,7 @@ def _draft_round(rp: _Replay, s: int, rows: np.ndarray, rem: int, plan: dict[int
         return 0, 0
     w = _window_scores(rp, rows)  # [cap] or None
     if rp.goodput is not None:
-        return goodput.draft_round(_round_acceptance(rp, rows, w), rp.goodput, cap,
-                                   getattr(rp.policy, "acceptance_ceiling", 1.0))
+        return goodput.draft_round(_round_acceptance(rp, rows, w), rp.goodput, cap, rp.policy.acceptance_ceiling)
     if rp.policy.verification == PREFIX:  # llama.cpp's rule: steps paid and tokens sent differ
         sc = w if w is not None else rp.policy.score(window_features(rp.data.features, rows)).numpy()
         return rp.policy.prefix_round(np.asarray(sc, dtype=np.float64).tolist())

@@ -86,6 +86,12 @@ class StopPolicy:
         return any(c in TARGET_COLUMNS for c in self.required_columns)
 
     @property
+    def acceptance_ceiling(self) -> float:
+        """The acceptance the goodput rule prices a round's drafts with before the first is drafted
+        (``predictors.goodput.can_pay``): certainty here; a cost-aware policy's estimate in ``GoodputPolicy``."""
+        return 1.0
+
+    @property
     def tunable(self) -> bool:
         """A threshold a sweep can tune: thresholded, not SV's goodput rule, not re-tuned online by the policy
         itself."""

@@ -62,6 +62,8 @@ log = logging.getLogger("pipelines.benchmark")
 STATE = "llamacpp"
 """Key of the loaded llama.cpp models in ``Bench.shared`` (every per-prompt view of the bench shares them)."""
 TARGET_ONLY = "llama.cpp target-only"
+COST_FILE = "cost_model.llamacpp.json"
+"""llama.cpp's curve in ``out_dir`` (the rows, the recommendation and the replay check are priced with it)."""
 DEFAULT_SPEC = LlamaCppRule().spec()
 """llama.cpp's default draft-simple settings as a spec (n_max 3, n_min 0, p_min 0.0)."""
 
@@ -201,8 +203,10 @@ def load_llamacpp_bench(cfg: LlamaCppBenchConfig) -> tuple[Bench, list[str]]:
         log.info("measuring llama.cpp's curve (no cost_file given)")
         cost = measure_llamacpp_curve(draft, target, lengths=range(1, cfg.max_draft_len + 2), repeats=3,
                                       n_threads=threads, draft_name=cfg.models.draft, target_name=cfg.models.target)
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    cost.to_json(Path(cfg.out_dir) / COST_FILE)  # the curve the rows and the recommendation are priced with
     if cfg.recommend_data:
-        rows += recommended_row(cfg, cost, models, rows)
+        rows += recommended_row(cfg, models, rows)
     for name, spec, pol in rows:
         models.policies[name] = copy.deepcopy(pol)
         models.hooks[name] = SpecstopDraftModel(draft, pol, cost_model=cost, max_draft_len=cfg.max_draft_len,
@@ -214,17 +218,15 @@ def load_llamacpp_bench(cfg: LlamaCppBenchConfig) -> tuple[Bench, list[str]]:
     return bench, names
 
 
-def recommended_row(cfg: LlamaCppBenchConfig, cost: CostModel, models: LlamaModels,
+def recommended_row(cfg: LlamaCppBenchConfig, models: LlamaModels,
                     rows: list[tuple[str, str, StopPolicy]]) -> list[tuple[str, str, StopPolicy]]:
-    """llama.cpp's settings tuned on ``cfg.recommend_data``'s validation split under this run's curve (written to
-    ``out_dir`` first, as ``pipelines.recommend --cost_file`` reads it): the row to add for the tuned setting (none
-    when a row given runs it), which runs also when the verdict is not to speculate so that the verdict is measured;
-    ``models.recommended`` names the recommended row: the tuned one, or target-only."""
-    path = Path(cfg.out_dir) / "cost_model.llamacpp.json"
-    cost.to_json(path)
+    """llama.cpp's settings tuned on ``cfg.recommend_data``'s validation split under this run's curve (the
+    ``out_dir``'s cost file, as ``pipelines.recommend --cost_file`` reads it): the row to add for the tuned setting
+    (none when a row given runs it), which runs also when the verdict is not to speculate so that the verdict is
+    measured; ``models.recommended`` names the recommended row: the tuned one, or target-only."""
     assert cfg.recommend_data is not None
-    rcfg = RecommendConfig(data_dir=cfg.recommend_data, runtime="llamacpp", cost_file=str(path),
-                           draft=str(models.paths["draft"]))
+    rcfg = RecommendConfig(data_dir=cfg.recommend_data, runtime="llamacpp",
+                           cost_file=str(Path(cfg.out_dir) / COST_FILE), draft=str(models.paths["draft"]))
     rec = recommend_runtimes(rcfg)["llamacpp"]
     models.recommendation = rec.lines(str(models.paths["draft"]))
     for line in models.recommendation:
@@ -270,12 +272,13 @@ def run_hooked(view: Bench, name: str) -> Row:
             out = generate_greedy(m.plain if alone else m.target, ids, view.cfg.max_new_tokens, view.eos,
                                   first_token_at=first)
             wall = time.perf_counter() - t0
-            hook.finish([*ids, *out])
-            st = hook.decode_stats(t0, wall, len(out))
             if alone:  # one target step a token, the prompt's pass to the first token
                 pre = first[0] - t0 if first else 0.0
                 st = DecodeStats(rounds=len(out), tokens=len(out), wall_time=wall, target_calls=len(out),
                                  prefill_time=pre, target_time=wall - pre)
+            else:
+                hook.finish([*ids, *out])
+                st = hook.decode_stats(t0, wall, len(out))
             row.decode = st if row.decode is None else row.decode + st
             row.seconds.append(wall)
             row.outputs.append(out)
@@ -383,8 +386,6 @@ def run_llamacpp_benchmark(cfg: LlamaCppBenchConfig) -> LlamaCppReport:
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     bench, names = load_llamacpp_bench(cfg)
-    assert bench.cost_model is not None
-    bench.cost_model.to_json(out_dir / "cost_model.llamacpp.json")
     if cfg.warmup:
         warm_up(bench)
     log.info("llama.cpp benchmark: %d prompts x %d new tokens, %d rows", len(bench.prompts), cfg.max_new_tokens,
@@ -402,6 +403,7 @@ def run_llamacpp_benchmark(cfg: LlamaCppBenchConfig) -> LlamaCppReport:
     rep = LlamaCppReport(table, comparisons(rows, boot, m.recommended), m.recommendation)
     write_llamacpp_report(rep, bench, names, out_dir)  # the rows are kept before the check runs
     if cfg.replay_check:
-        rep.replay_check = run_llamacpp_check(bench, table, m.policies, rows[0].outputs, names, out_dir)
+        check = run_llamacpp_check(bench, table, m.policies, rows[0].outputs, names, out_dir)
+        rep.replay_check = {**check, "cost_model": str(out_dir / COST_FILE)}
         write_llamacpp_report(rep, bench, names, out_dir)
     return rep

@@ -33,18 +33,18 @@ RECORDS = "llamacpp_replay_records.npz"
 
 def target_only_check(row: dict[str, Any], folder: BenchFolder) -> dict[str, Any]:
     """The target-only row against the curve: a target step t(1) per token plus its measured prompt pass."""
-    out = compare_row(row, None, "no draft: one target step a token", folder.cost_model)
+    out = compare_row(row, None, "", folder.cost_model)
     measured = row.get("tokens_per_s") or 0.0
     predicted = predicted_tokens_per_s(row, folder.cost_model.target_time(1))
     out.update(predicted_tokens_per_s=round(predicted, 3), predicted_speedup=1.0,
-               ratio=round(predicted / measured, 4) if measured > 0 else None, note="")
+               ratio=round(predicted / measured, 4) if measured > 0 else None)
     return out
 
 
 def run_llamacpp_check(bench: Bench, table: list[dict[str, Any]], policies: dict[str, StopPolicy],
                        continuations: list[list[int]], names: list[str], out_dir: Path) -> dict[str, Any]:
     """Label the prompts with llama.cpp, replay each row of ``table`` whose policy ``policies`` holds (by row name),
-    compare; returns the ``replay_check`` section (rows, summary, records, seconds)."""
+    compare; returns the ``replay_check`` section (rows, summary, records, seconds; the caller names its curve)."""
     t0 = time.perf_counter()
     m, cfg, cm = bench.shared["llamacpp"], bench.cfg, bench.cost_model
     assert cm is not None
@@ -64,8 +64,7 @@ def run_llamacpp_check(bench: Bench, table: list[dict[str, Any]], policies: dict
     summary = summarize(rows)
     log.info(summary_line(summary))
     return {"mode": "greedy", "rows": rows, "summary": summary, "data": note, "records": len(columns["offset"]),
-            "rollouts": rollouts, "rollout_len": rollout_len, "cost_model": str(out_dir / "cost_model.llamacpp.json"),
-            "seconds": round(time.perf_counter() - t0, 1)}
+            "rollouts": rollouts, "rollout_len": rollout_len, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def check_lines(check: dict[str, Any]) -> list[str]:
