@@ -12,18 +12,10 @@ Usage::
 """
 from __future__ import annotations
 
-from typing import Any
-
-from pipelines.result_store import Summary, cpu_label
+from pipelines.result_store import Summary, cpu_label, interval_text
 
 RUNTIME_CONFIGS = {"llamacpp": "benchmark-llamacpp", "transformers": "benchmark-transformers"}
 """Block name -> the config name of the runs it renders (the newest one)."""
-
-
-def _x(mid: Any, lo: Any = None, hi: Any = None) -> str:
-    if mid is None:
-        return ""
-    return f"{mid:.2f}x" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else "")
 
 
 def runtime_caption(s: Summary) -> str:
@@ -46,7 +38,7 @@ def rows_table(s: Summary) -> str:
         acc = "" if not r.get("mean_drafted") else f"{r['mean_accepted']:.2f} of {r['mean_drafted']:.2f}"
         if r.get("mean_drafted") == 0:
             acc = "drafts nothing"
-        speed = _x(r.get("speedup"), r.get("speedup_lo"), r.get("speedup_hi"))
+        speed = interval_text(r.get("speedup"), r.get("speedup_lo"), r.get("speedup_hi"))
         lines.append(f"| `{name}` | {r['tokens_per_s']:.2f} | {speed} | {acc} | {same} |")
     return "\n".join(lines)
 
@@ -54,12 +46,12 @@ def rows_table(s: Summary) -> str:
 def comparison_lines(s: Summary) -> list[str]:
     """The ratios between rows the run computed, each with its interval (the recommended settings against the
     defaults, each policy against the recommended row; transformers' tuned row against its defaults)."""
-    out = [f"- `{c['row']}` against `{c['against']}`: {_x(c['ratio'], c.get('lo'), c.get('hi'))}"
+    out = [f"- `{c['row']}` against `{c['against']}`: {interval_text(c['ratio'], c.get('lo'), c.get('hi'))}"
            for c in s.data.get("comparisons") or [] if c.get("ratio") is not None]
     for r in s.data["rows"]:
         if r.get("vs_defaults") is not None:
             out.append(f"- `{r['row']}` ({r.get('note') or r.get('spec')}) against `hf:default`: "
-                       f"{_x(r['vs_defaults'], r.get('vs_defaults_lo'), r.get('vs_defaults_hi'))}")
+                       f"{interval_text(r['vs_defaults'], r.get('vs_defaults_lo'), r.get('vs_defaults_hi'))}")
     return out
 
 

@@ -106,6 +106,16 @@ def cpu_label(machine: dict[str, Any]) -> str:
     return f"{machine.get('model_name') or 'unknown CPU'} ({inner})"
 
 
+def interval_text(mid: Any, lo: Any = None, hi: Any = None, spec: str = ".2f", suffix: str = "x") -> str:
+    """``1.52x [1.41, 1.63]``: a figure with its interval as the rendered tables write it ('' without a figure, the
+    figure alone without both bounds)."""
+    if mid is None:
+        return ""
+    if lo is None or hi is None:
+        return f"{mid:{spec}}{suffix}"
+    return f"{mid:{spec}}{suffix} [{lo:{spec}}, {hi:{spec}}]"
+
+
 def config_hash(config: dict[str, Any]) -> str:
     """A short, stable hash of a resolved config (sorted JSON)."""
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]

@@ -18,7 +18,7 @@ from typing import Any
 
 from pipelines.benchmark.config import ENTROPY_KINDS
 from pipelines.result_runtimes import RUNTIME_CONFIGS, runtime_block, runtime_section
-from pipelines.result_store import Summary, cpu_label
+from pipelines.result_store import Summary, cpu_label, interval_text
 
 LEARNED_KINDS = ("disco", "sprinter", "sv")
 HEADLINE_BENCHMARKS = ("benchmark-full", "benchmark")
@@ -28,14 +28,6 @@ ROW_NAMES = {"target-only": "target-only", "hf:default": "transformers assisted 
 
 def _f(x: Any, spec: str) -> str:
     return "" if x is None else format(x, spec)
-
-
-def _interval(mid: Any, lo: Any, hi: Any, spec: str = ".2f", suffix: str = "x") -> str:
-    if mid is None:
-        return ""
-    if lo is None or hi is None:
-        return f"{mid:{spec}}{suffix}"
-    return f"{mid:{spec}}{suffix} [{lo:{spec}}, {hi:{spec}}]"
 
 
 def _is_learned(row: dict[str, Any]) -> bool:
@@ -62,7 +54,7 @@ def predictor_table(s: Summary) -> str:
         if p.get("test_auc") is None:
             continue
         free = FREE_NAMES.get(p.get("best_free", ""), p.get("best_free", ""))
-        cv = _interval(p.get("cv_diff"), p.get("cv_diff_lo"), p.get("cv_diff_hi"), "+.4f", "")
+        cv = interval_text(p.get("cv_diff"), p.get("cv_diff_lo"), p.get("cv_diff_hi"), "+.4f", "")
         speed = _f(p.get("test_speedup"), ".2f") + ("x" if p.get("test_speedup") is not None else "")
         lines.append(f"| {p['predictor']} | {p.get('label', '')} | {_f(p['test_auc'], '.4f')} | "
                      f"{free} {_f(p.get('test_auc_best_free'), '.4f')} | {cv} | {speed} |")
@@ -100,10 +92,9 @@ def benchmark_table(s: Summary) -> str:
     n = s.data["n_prompts"]
     for r in s.data["rows"]:
         same = "" if r.get("identical_prompts") is None else f"{r['identical_prompts']}/{n}"
-        lines.append(f"| {row_name(r)} | {r['tokens_per_s']:.2f} | "
-                     f"{_interval(r.get('speedup'), r.get('speedup_lo'), r.get('speedup_hi'))} | "
-                     f"{_interval(r.get('vs_best_entropy'), r.get('vs_best_entropy_lo'), r.get('vs_best_entropy_hi'))}"
-                     f" | {same} |")
+        speed = interval_text(r.get("speedup"), r.get("speedup_lo"), r.get("speedup_hi"))
+        vs = interval_text(r.get("vs_best_entropy"), r.get("vs_best_entropy_lo"), r.get("vs_best_entropy_hi"))
+        lines.append(f"| {row_name(r)} | {r['tokens_per_s']:.2f} | {speed} | {vs} | {same} |")
     return "\n".join(lines)
 
 
@@ -116,8 +107,8 @@ def verdict(s: Summary) -> str:
         return "This run has no exact learned row and entropy bound to compare."
     best = max(learned, key=lambda r: r["vs_best_entropy"])
     mid, lo, hi = best["vs_best_entropy"], best.get("vs_best_entropy_lo"), best.get("vs_best_entropy_hi")
-    head = (f"The best exact learned stopper ({row_name(best)}) ran {_interval(mid, lo, hi)} the best entropy bound "
-            f"({row_name(entropy[0])}) over {s.data['n_prompts']} prompts")
+    head = (f"The best exact learned stopper ({row_name(best)}) ran {interval_text(mid, lo, hi)} the best entropy "
+            f"bound ({row_name(entropy[0])}) over {s.data['n_prompts']} prompts")
     if lo is not None and hi is not None:
         head += f" (an interval {100 * (hi - lo) / 2:.0f}% wide each way: smaller differences are not decided by it)"
     if lo is not None and lo > 1.0:
