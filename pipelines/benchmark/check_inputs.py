@@ -151,6 +151,10 @@ def row_note(policy: StopPolicy, cfg: BenchmarkConfig, own_output: bool = False)
 def rollout_length(policies: list[StopPolicy], max_draft_len: int) -> int:
     """The longest draft a policy can make in the engine (``max_draft_len`` caps every round), or in transformers (a
     transformers rule: :data:`HF_DRAFT_CAP`)."""
-    caps = [HF_DRAFT_CAP if isinstance(p, TransformersRule) else p.round_cap(max_draft_len)
-            if type(p).update is StopPolicy.update else min(p.max_draft_len, max_draft_len) for p in policies]
-    return max(caps, default=max_draft_len) or 1
+    def cap(p: StopPolicy) -> int:
+        if isinstance(p, TransformersRule):
+            return HF_DRAFT_CAP
+        online = type(p).update is not StopPolicy.update  # its cap may move between rounds: the widest
+        return min(p.max_draft_len, max_draft_len) if online else p.round_cap(max_draft_len)
+
+    return max((cap(p) for p in policies), default=max_draft_len) or 1
