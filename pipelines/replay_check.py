@@ -40,12 +40,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from compute.timing import STATISTICS
-from data_gen.config import GenerateConfig
+from data_gen.config import GenerateConfig, ModelsConfig
 from data_gen.generate import load_models
 from pipelines.benchmark.check import run_check, summary_line
-from pipelines.benchmark.check_inputs import BenchFolder, read_bench_folder
+from pipelines.benchmark.check_inputs import BenchFolder, read_bench_config, read_bench_folder
 from pipelines.benchmark.check_report import PLOT, console_table, write_check
-from pipelines.benchmark.config import BenchmarkConfig
 from pipelines.benchmark.tracking import check_metrics
 from pipelines.cli import parse_config, setup_logging, user_errors
 from pipelines.tracking import TrackingSwitch, TrackingURI, mlflow_run
@@ -75,15 +74,17 @@ class ReplayCheckConfig(TrackingURI, TrackingSwitch):
                              "must be >= 1")
 
 
-def load_pair(cfg: BenchmarkConfig) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
+def load_pair(models: ModelsConfig) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
     """The benchmark's draft and target, on its compute path (the companion loads only when a row reads it)."""
-    models, tok = load_models(GenerateConfig(models=replace(cfg.models, companion=None)))
-    return models.draft, models.target, tok
+    loaded, tok = load_models(GenerateConfig(models=replace(models, companion=None)))
+    return loaded.draft, loaded.target, tok
 
 
 def log_check(result: dict[str, Any], folder: BenchFolder, tracking_uri: str | None) -> None:
-    """One MLflow run in the benchmark's experiment: the check's metrics, benchmark.json / .md and the plot."""
-    with mlflow_run(tracking_uri or folder.cfg.tracking_uri, folder.cfg.experiment, "replay-check") as mlflow:
+    """One MLflow run in the benchmark's experiment (its config's, as its tracking URI unless ``tracking_uri`` is
+    given): the check's metrics, benchmark.json / .md and the plot."""
+    bench_cfg = read_bench_config(folder.path)
+    with mlflow_run(tracking_uri or bench_cfg.tracking_uri, bench_cfg.experiment, "replay-check") as mlflow:
         mlflow.log_params({"bench_dir": str(folder.path), "mode": result["mode"], "rollout_len": result["rollout_len"]})
         mlflow.log_metrics(check_metrics(result))
         for name in ("benchmark.json", "benchmark.md", PLOT):
@@ -98,8 +99,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         folder = read_bench_folder(cc.bench_dir)
         if cc.statistic:
             folder.cost_model = folder.cost_model.with_statistic(cc.statistic)
-        torch.manual_seed(folder.cfg.seed)
-        draft, target, tok = load_pair(folder.cfg)
+        torch.manual_seed(folder.decoding.seed)
+        draft, target, tok = load_pair(folder.models)
         result = run_check(folder, draft, target, tok, gen_batch_size=cc.gen_batch_size,
                            label_batch_tokens=cc.label_batch_tokens)
         write_check(result, folder.path)

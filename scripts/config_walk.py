@@ -15,8 +15,9 @@ evaluation order (a call's callee and arguments before the call, statements in s
   step); a parameter bound to an argument that is the config; a name assigned the config, ``replace(cfg, ...)``, a
   project object constructed with it, or a project function's result whose return annotation names a config class
   (element-wise for a returned tuple); a project class nested in it (``cfg.models``, the elements of ``cfg.prompts``).
-  A *carrier*, a project class with a field annotated with a config class (``Bench.cfg``), holds the config in those
-  fields only: ``bench.cfg`` is the config, ``bench.draft`` (a model) is not; calling its methods passes the config;
+  A *carrier*, a project class with a field annotated with a config class (``run.cfg: BenchmarkConfig``), holds the
+  config in those fields only: ``run.cfg`` is the config, ``run.draft`` (a model) is not; calling its methods passes
+  the config;
 - *a value read off it*: an attribute of the config that is not a project class (``cfg.max_new_tokens``), and what
   operators, non-project callables and loops make of it (``Path(cfg.out_dir)``);
 - a *step* is a call of a project function, method or class given the config or a value read off it (as an argument

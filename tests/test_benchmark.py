@@ -39,13 +39,13 @@ def test_bad_config(tmp_path):
 
 
 def test_a_missing_tuning_folder_is_named_when_the_run_needs_it(tmp_path):
-    from pipelines.benchmark.bench import Bench
+    from pipelines.benchmark.bench import Bench, DecodeSettings
     from pipelines.benchmark.tuning import tune_on_validation
 
     cfg = BenchmarkConfig(policies=["static:best"], tune_data_dir=str(tmp_path / "none"))  # parses: may come later
-    bench = Bench(cfg, None, None, None, None, [], [], cost_model=object())  # type: ignore[arg-type]
+    bench = Bench(DecodeSettings.of(cfg), None, None, None, None, [], [], cost_model=object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="run the main job first"):
-        tune_on_validation(cfg.policies, bench)
+        tune_on_validation(cfg.policies, bench, cfg.tune_data_dir)
 
 
 @pytest.mark.parametrize("temperature, draw", [(0.0, "greedy"), (0.8, "sample")])
@@ -55,7 +55,7 @@ def test_thresholds_are_tuned_on_one_draw_per_position(tmp_path, monkeypatch, te
     import numpy as np
 
     import pipelines.benchmark.tuning as tuning
-    from pipelines.benchmark.bench import Bench
+    from pipelines.benchmark.bench import Bench, DecodeSettings
 
     (tmp_path / "data").mkdir()
     cols = {"draw": np.array(["greedy", "sample"] * 3), "seq_id": np.zeros(6, dtype=np.int64)}
@@ -63,8 +63,8 @@ def test_thresholds_are_tuned_on_one_draw_per_position(tmp_path, monkeypatch, te
     monkeypatch.setattr(tuning, "load_columns", lambda *a, **k: cols)
     monkeypatch.setattr(tuning, "tune_threshold", lambda pol, c, *a, **k: (seen.append(c) or (0.5, 1.0)))
     cfg = BenchmarkConfig(policies=["svip:tuned"], tune_data_dir=str(tmp_path / "data"), temperature=temperature)
-    bench = Bench(cfg, None, None, None, None, [], [], cost_model=object())  # type: ignore[arg-type]
-    tuning.tune_on_validation(cfg.policies, bench)
+    bench = Bench(DecodeSettings.of(cfg), None, None, None, None, [], [], cost_model=object())  # type: ignore[arg-type]
+    tuning.tune_on_validation(cfg.policies, bench, cfg.tune_data_dir)
     assert len(seen) == 1 and list(seen[0]["draw"]) == [draw] * 3
 
 
@@ -73,15 +73,15 @@ def test_the_drafted_tokens_probability_is_tuned_like_the_other_baselines(tmp_pa
     import numpy as np
 
     import pipelines.benchmark.tuning as tuning
-    from pipelines.benchmark.bench import Bench
+    from pipelines.benchmark.bench import Bench, DecodeSettings
 
     (tmp_path / "data").mkdir()
     monkeypatch.setattr(tuning, "load_columns", lambda *a, **k: {"draw": np.array(["sample"] * 2),
                                                                     "seq_id": np.zeros(2, dtype=np.int64)})
     monkeypatch.setattr(tuning, "tune_threshold", lambda pol, c, *a, **k: (0.25, 1.3))
     cfg = BenchmarkConfig(policies=["draft_prob:tuned"], tune_data_dir=str(tmp_path / "data"), temperature=1.0)
-    bench = Bench(cfg, None, None, None, None, [], [], cost_model=object())  # type: ignore[arg-type]
-    pol, label, rebuild = tuning.tune_on_validation(cfg.policies, bench)["draft_prob:tuned"]
+    bench = Bench(DecodeSettings.of(cfg), None, None, None, None, [], [], cost_model=object())  # type: ignore[arg-type]
+    pol, label, rebuild = tuning.tune_on_validation(cfg.policies, bench, cfg.tune_data_dir)["draft_prob:tuned"]
     assert pol.kind == "draft_prob" and pol.threshold == 0.25 and label == "draft_prob:0.25 (val-tuned)"
     assert rebuild == {"spec": "draft_prob", "threshold": 0.25}
 
@@ -128,7 +128,7 @@ def test_paired_bootstrap_interval_brackets_the_ratio():
 def test_rows_repeat_in_alternating_order_and_keep_each_prompts_faster_run():
     """repeats = 2: every row twice a prompt, in plan order then reversed; per prompt the faster run is kept, the
     first when the outputs differ; the reference row runs once."""
-    from pipelines.benchmark.bench import Bench
+    from pipelines.benchmark.bench import Bench, DecodeSettings, RunOrder
     from pipelines.benchmark.plan import run_rows
     from pipelines.benchmark.rows import Row
 
@@ -146,8 +146,8 @@ def test_rows_repeat_in_alternating_order_and_keep_each_prompts_faster_run():
     plan = [("target-only", runner("target-only")), ("a", runner("a")),
             ("b", runner("b", outputs=lambda k: [k])), ("ref", runner("ref", reference=True))]
     cfg = BenchmarkConfig(repeats=2, curve_probes=False, n_prompts=2)
-    bench = Bench(cfg, None, None, None, None, prompts=[[1], [2]], eos=[0])  # type: ignore[arg-type]
-    rows = {r.name: r for r in run_rows(plan, bench)}
+    bench = Bench(DecodeSettings.of(cfg), None, None, None, None, prompts=[[1], [2]], eos=[0])  # type: ignore[arg-type]
+    rows = {r.name: r for r in run_rows(plan, bench, RunOrder.of(cfg))}
     assert calls[:7] == [(0, "target-only"), (0, "a"), (0, "b"), (0, "ref"), (0, "b"), (0, "a"), (0, "target-only")]
     assert rows["a"].seconds == [1.0, 1.0] and rows["ref"].seconds == [1.0, 1.0]  # the faster of each prompt's runs
     assert rows["b"].seconds == [2.0, 1.0] and rows["b"].outputs == [[0], [0]]  # outputs differ: the first run kept

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from compute.timing import CostModel
-from pipelines.benchmark.bench import Bench
+from pipelines.benchmark.bench import Bench, DecodeSettings, RunOrder
 from pipelines.benchmark.config import BenchmarkConfig
 from pipelines.benchmark.pace import Pace, PaceMeter, excess, normal_pace
 from pipelines.benchmark.plan import run_rows
@@ -87,17 +87,18 @@ def test_only_target_only_and_the_rows_a_slow_phase_hit_run_again(monkeypatch):
     monkeypatch.setattr(bm, "_run_paced", paced)
     plan = [(n, runner(n)) for n in ("target-only", "a", "b", "c", "d")] + [("ref", runner("ref", reference=True))]
     cfg = BenchmarkConfig(repeats=2, curve_probes=False, n_prompts=1, rerun_slower_than=0.05)
-    bench = Bench(cfg, None, None, None, None, prompts=[[1]], eos=[0], cost_model=CURVE)  # type: ignore[arg-type]
-    rows = {r.name: r for r in run_rows(plan, bench)}
+    bench = Bench(DecodeSettings.of(cfg), None, None, None, None, prompts=[[1]], eos=[0],  # type: ignore[arg-type]
+                  cost_model=CURVE)
+    rows = {r.name: r for r in run_rows(plan, bench, RunOrder.of(cfg))}
     assert [n for _, n in calls] == ["target-only", "a", "b", "c", "d", "ref", "d", "b"]
     assert {n: r.runs for n, r in rows.items()} == {"target-only": 1, "a": 1, "b": 2, "c": 1, "d": 2, "ref": 1}
     assert rows["b"].seconds == [1.0]  # the faster run kept
 
     assert "faster of 2" not in rows["target-only"].note
     calls.clear()  # null: every row twice, as before
-    bench = Bench(BenchmarkConfig(repeats=2, curve_probes=False, n_prompts=1, rerun_slower_than=None), None, None,
-                  None, None, prompts=[[1]], eos=[0], cost_model=CURVE)  # type: ignore[arg-type]
-    run_rows(plan, bench)
+    bench = Bench(DecodeSettings(), None, None, None, None, prompts=[[1]], eos=[0],  # type: ignore[arg-type]
+                  cost_model=CURVE)
+    run_rows(plan, bench, RunOrder(repeats=2, curve_probes=False, rerun_slower_than=None))
     assert len(calls) == 11
 
 
@@ -132,7 +133,8 @@ def test_rows_are_paced_through_hooks_on_the_bench_models():
 
     plan = [("target-only", runner("target-only", True)), ("a", runner("a", True)), ("b", runner("b", False))]
     cfg = BenchmarkConfig(repeats=2, curve_probes=False, n_prompts=1, rerun_slower_than=10.0)
-    bench = Bench(cfg, draft, target, None, None, prompts=[[1]], eos=[0], cost_model=CURVE)  # type: ignore[arg-type]
-    rows = {r.name: r for r in run_rows(plan, bench)}
+    bench = Bench(DecodeSettings.of(cfg), draft, target, None, None, prompts=[[1]], eos=[0],  # type: ignore[arg-type]
+                  cost_model=CURVE)
+    rows = {r.name: r for r in run_rows(plan, bench, RunOrder.of(cfg))}
     assert calls == ["target-only", "a", "b", "b"] and rows["b"].runs == 2 and rows["a"].runs == 1
     assert target._forward_pre_hooks == {} and target._forward_hooks == {}  # hooks removed after each run

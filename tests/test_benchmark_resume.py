@@ -9,7 +9,7 @@ import pytest
 from compute.timing import CostModel
 from decoding.engine import DecodeStats
 from pipelines.benchmark.__main__ import main
-from pipelines.benchmark.bench import Bench
+from pipelines.benchmark.bench import Bench, DecodeSettings, RunOrder
 from pipelines.benchmark.config import BenchmarkConfig
 from pipelines.benchmark.plan import run_rows
 from pipelines.benchmark.resume import PromptStore, row_from_dict, row_to_dict, run_identity
@@ -50,17 +50,17 @@ def test_a_row_survives_the_round_trip_through_json():
 
 def test_a_stopped_run_continues_at_its_first_unfinished_prompt(tmp_path):
     cfg = BenchmarkConfig(repeats=1, curve_probes=False, n_prompts=3)
-    bench = Bench(cfg, None, None, None, None, prompts=[[1], [2], [3]], eos=[0])  # type: ignore[arg-type]
+    bench = Bench(DecodeSettings.of(cfg), None, None, None, None, prompts=[[1], [2], [3]], eos=[0])  # type: ignore[arg-type]
     store = PromptStore(tmp_path / "prompts")
     store.begin(run_identity(cfg, bench.prompts), _curve())
     first: list[tuple[int, str]] = []
     reports: list[int] = []
     with pytest.raises(KeyboardInterrupt):
-        run_rows(_plan(first, fail_at=2), bench, store, lambda rows, k: reports.append(k))
+        run_rows(_plan(first, fail_at=2), bench, RunOrder.of(cfg), store, lambda rows, k: reports.append(k))
     assert store.done() == [0, 1] and reports == [1, 2]  # whole prompts saved, a report after each
     assert not list((tmp_path / "prompts").glob("*.tmp"))
     again: list[tuple[int, str]] = []
-    rows = {r.name: r for r in run_rows(_plan(again), bench, store)}
+    rows = {r.name: r for r in run_rows(_plan(again), bench, RunOrder.of(cfg), store)}
     assert again == [(2, "target-only"), (2, "a")]  # only the unfinished prompt runs
     assert rows["a"].seconds == [1.0, 2.0, 3.0] and rows["a"].outputs == [[0, 7], [1, 7], [2, 7]]
     assert rows["a"].rounds == 3 and rows["a"].decode is not None and rows["a"].decode.tokens == 6

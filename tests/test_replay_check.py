@@ -249,10 +249,9 @@ def test_bad_bench_dir_is_named(tmp_path, capsys):
 
 def test_a_failing_check_keeps_the_benchmarks_results(tmp_path, caplog):
     """Inside the benchmark the check is a last, optional phase: a failure is logged with the command that reruns it."""
-    from pipelines.benchmark.bench import Bench
-    from pipelines.benchmark.config import BenchmarkConfig
+    from pipelines.benchmark.bench import Bench, DecodeSettings
     from pipelines.benchmark.run import run_replay_check
 
-    bench = Bench(BenchmarkConfig(), None, None, None, None, [[1, 2]], [0])  # type: ignore[arg-type]
+    bench = Bench(DecodeSettings(), None, None, None, None, [[1, 2]], [0])  # type: ignore[arg-type]
     assert run_replay_check(bench, tmp_path) is None
     assert f"python -m pipelines.replay_check --bench_dir {tmp_path}" in caplog.text

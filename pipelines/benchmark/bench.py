@@ -1,12 +1,15 @@
 """What every row of a benchmark shares (:class:`Bench`: the models, the prompts as token ids, the stop tokens, the
-curve), and the prompts it decodes (:func:`load_benchmark_prompts`)."""
+curve, and how a row decodes: :class:`DecodeSettings`), and the prompts it decodes (:func:`load_benchmark_prompts`).
+
+The runners, the report and the replay check read :class:`DecodeSettings`, not the benchmark's whole config: the
+config is read in one place (``pipelines.benchmark.run``), and the llama.cpp benchmark shares the runners' loop with
+its own config."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from compute.timing import CostModel
@@ -16,11 +19,60 @@ from pipelines.benchmark.config import BenchmarkConfig
 log = logging.getLogger("pipelines.benchmark")
 
 
+def same_named_fields(cls: type, cfg: Any) -> dict[str, Any]:
+    """The values of a config's fields named as the dataclass ``cls``'s (the ones it has): the settings a part of the
+    benchmark reads, taken from the one config the run was given."""
+    return {f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)}
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How every row decodes a prompt: the fields of the benchmark's config that a row's tokens and counts depend on
+    (each named as in ``BenchmarkConfig``, which documents it)."""
+
+    max_new_tokens: int = 96
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    """Per prompt: ``seed + index`` (sampling)."""
+    max_draft_len: int = 16
+    top_k_features: int = 10
+    batch_size: int = 1
+    force: bool = False
+
+    @classmethod
+    def of(cls, cfg: Any) -> DecodeSettings:
+        """The settings of a config with fields of the same names (``BenchmarkConfig``, the llama.cpp benchmark's);
+        a field the config lacks keeps its default (the llama.cpp benchmark decodes greedily, one prompt at a time)."""
+        return cls(**same_named_fields(cls, cfg))
+
+    @property
+    def mode(self) -> str:
+        """``greedy`` (temperature 0) or ``sampling``."""
+        return "greedy" if self.temperature == 0 else "sampling"
+
+
+@dataclass(frozen=True)
+class RunOrder:
+    """How the rows take turns on the prompts: the fields of the benchmark's config of the same names (documented
+    there); the defaults run each row once over all prompts, one prompt at a time."""
+
+    order: str = "prompt"
+    repeats: int = 1
+    rerun_slower_than: float | None = None
+    curve_probes: bool = False
+
+    @classmethod
+    def of(cls, cfg: Any) -> RunOrder:
+        """The order a config with fields of the same names asks for."""
+        return cls(**same_named_fields(cls, cfg))
+
+
 @dataclass
 class Bench:
-    """What every runner shares: the models, the prompts as token ids, the stop tokens and the config."""
+    """What every runner shares: the models, the prompts as token ids, the stop tokens and how a row decodes."""
 
-    cfg: BenchmarkConfig
+    decoding: DecodeSettings
     draft: PreTrainedModel
     target: PreTrainedModel
     companion: PreTrainedModel | None
@@ -31,29 +83,16 @@ class Bench:
     hf_cost_model: CostModel | None = None
     """transformers' own curve (``hf_curve``), None when not measured."""
     offset: int = 0
-    """Index of ``prompts[0]`` in the run (seeds are ``cfg.seed + offset + i``)."""
+    """Index of ``prompts[0]`` in the run (seeds are ``decoding.seed + offset + i``)."""
     reference: list[list[int]] | None = None
     """Target-only's outputs of ``prompts`` once its row ran (the greedy oracle's look-ahead)."""
     shared: dict[str, Any] = field(default_factory=dict)
     """State every per-prompt view of the bench shares (the reference target, loaded once)."""
 
-    def generate_kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = {"max_new_tokens": self.cfg.max_new_tokens, "eos_token_id": self.eos,
-                              "pad_token_id": self.tokenizer.pad_token_id}
-        if self.cfg.temperature > 0:
-            kw.update(do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=None)
-        else:
-            kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        return kw
-
-    def new_tokens(self, seq: torch.Tensor, prompt_len: int) -> list[int]:
-        """The generated part of ``seq``, cut after the first stop token."""
-        new = seq[prompt_len:].tolist()
-        for j, t in enumerate(new):
-            if t in self.eos:
-                return new[: j + 1]
-        return new
-
+    def with_new_tokens(self, n: int, prompts: int | None = None) -> Bench:
+        """A view of the bench that decodes ``n`` new tokens a prompt (of its first ``prompts`` prompts: all by
+        default): the warm-up's short runs, the reference row's shorter ones."""
+        return replace(self, decoding=replace(self.decoding, max_new_tokens=n), prompts=self.prompts[:prompts])
 
 def load_benchmark_prompts(cfg: BenchmarkConfig, tokenizer) -> tuple[list[list[int]], list[str], dict]:
     """Token ids of the benchmark prompts, their ids, and stats."""

@@ -51,8 +51,8 @@ def run_check(folder: BenchFolder, draft: PreTrainedModel, target: PreTrainedMod
         raise ValueError(f"{folder.path / 'benchmark.json'} has no engine row to replay")
     needs_companion = any(p.needs_companion for p in ready)
     if needs_companion and companion is None:
-        companion = load_companion(folder.cfg)
-    cfg = folder.cfg
+        companion = load_companion(folder.models)
+    cfg = folder.decoding
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     opts = LabelOptions(top_k=cfg.top_k_features, store_hidden=any("draft_hidden" in p.required_columns for p in ready),
                         temperature=cfg.temperature, top_p=cfg.top_p, pad_token_id=int(pad or 0))
@@ -79,7 +79,7 @@ def replay_rows(folder: BenchFolder, policies: list[tuple[dict[str, Any], StopPo
     transformers' (its rounds capped by its own rule only); returns (rows, data note).
 
     ``own``: row name -> records along that row's own output (:func:`own_output_rows`), replayed instead."""
-    cfg = folder.cfg
+    cfg = folder.decoding
     rc = ReplayConfig(mode=folder.mode, origins=("target",), branch_rollouts=folder.mode == "greedy",
                       max_new_tokens=cfg.max_new_tokens, fallback_to_all=False)
     data = prepare_replay_data(columns, rc)

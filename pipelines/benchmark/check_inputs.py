@@ -12,8 +12,10 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from compute.timing import CostModel
+from data_gen.config import ModelsConfig
 from decoding.policies import build_policy
 from evaluation.replay import with_threshold
+from pipelines.benchmark.bench import DecodeSettings
 from pipelines.benchmark.config import BenchmarkConfig
 from pipelines.benchmark.curve import CURVE_DURING_ROWS, HF_CURVE
 from pipelines.benchmark.rows import HF_METHOD
@@ -31,7 +33,10 @@ class BenchFolder:
     """What the check reads from a finished benchmark's folder."""
 
     path: Path
-    cfg: BenchmarkConfig
+    decoding: DecodeSettings
+    """How the benchmark decoded (its config's fields of these names)."""
+    models: ModelsConfig
+    """The models the benchmark loaded (the companion loads from it when a row's policy reads one)."""
     rows: list[dict[str, Any]]
     """benchmark.json's rows."""
     names: list[str]
@@ -58,12 +63,13 @@ class BenchFolder:
 
     @property
     def mode(self) -> str:
-        return "greedy" if self.cfg.temperature == 0 else "sampling"
+        return self.decoding.mode
 
 
 def read_bench_folder(path: str | Path, cfg: BenchmarkConfig | None = None) -> BenchFolder:
-    """A finished benchmark's folder (``cfg``: its config when the caller holds it, else read from config.yaml);
-    a missing file, or a benchmark.json without target-only's row or its output ids, is named in the error."""
+    """A finished benchmark's folder (``cfg``: its config when the caller holds it, else read from config.yaml:
+    :func:`read_bench_config`); a missing file, or a benchmark.json without target-only's row or its output ids, is
+    named in the error."""
     path = Path(path)
     if not path.is_dir():
         raise NotADirectoryError(f"--bench_dir {path}: no such folder; run the benchmark first (python -m "
@@ -84,7 +90,8 @@ def read_bench_folder(path: str | Path, cfg: BenchmarkConfig | None = None) -> B
     decided = CostModel.from_json(before)
     cm_file, cm = (during, CostModel.from_json(during)) if during.is_file() else (before, decided)
     hf = CostModel.from_json(path / HF_CURVE) if (path / HF_CURVE).is_file() else None
-    return BenchFolder(path, cfg or _read_config(path / "config.yaml"), rows, list(report.get("prompts") or []),
+    cfg = cfg or read_bench_config(path)
+    return BenchFolder(path, DecodeSettings.of(cfg), cfg.models, rows, list(report.get("prompts") or []),
                        report["prompt_ids"], base["output_ids"], cm, cm_file, decided, hf)
 
 
@@ -98,8 +105,10 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
-def _read_config(path: Path) -> BenchmarkConfig:
-    """The benchmark's resolved config (its cost_file is not needed: the folder holds the curve)."""
+def read_bench_config(folder: Path) -> BenchmarkConfig:
+    """The benchmark's resolved config, ``config.yaml`` in its folder (its cost_file is not needed: the folder holds
+    the curve)."""
+    path = folder / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (the benchmark writes its resolved config there)")
     return parse_config(BenchmarkConfig, ["--config", str(path), "--cost_file", "null"], "")
@@ -109,7 +118,7 @@ def row_policies(folder: BenchFolder, draft: PreTrainedModel, tokenizer: PreTrai
                  ) -> list[tuple[dict[str, Any], StopPolicy | None, str]]:
     """(row, policy or None, note) for every engine row: its policy rebuilt from the recorded spec and threshold; and
     for every transformers row (``hf:``) its rule, when the folder holds transformers' curve to price it with."""
-    cfg = folder.cfg
+    d = folder.decoding
     out: list[tuple[dict[str, Any], StopPolicy | None, str]] = []
     if folder.hf_cost_model is not None:
         out += [(r, build_policy(r["spec"], max_draft_len=HF_DRAFT_CAP), "") for r in folder.rows
@@ -119,8 +128,8 @@ def row_policies(folder: BenchFolder, draft: PreTrainedModel, tokenizer: PreTrai
             out.append((r, None, "no policy spec in benchmark.json"))
             continue
         try:
-            pol = build_policy(r["spec"], draft=draft, draft_tokenizer=tokenizer, max_draft_len=cfg.max_draft_len,
-                               force=cfg.force)
+            pol = build_policy(r["spec"], draft=draft, draft_tokenizer=tokenizer, max_draft_len=d.max_draft_len,
+                               force=d.force)
         except (ValueError, KeyError, FileNotFoundError) as e:
             out.append((r, None, f"policy not rebuilt: {e}"))
             continue
@@ -128,11 +137,11 @@ def row_policies(folder: BenchFolder, draft: PreTrainedModel, tokenizer: PreTrai
             pol = with_threshold(pol, float(r["threshold"]))
         if pol.verification == HINDSIGHT:  # the oracle's rounds as the engine runs them
             pol.drafts_failing_token = True
-        out.append((r, pol, row_note(pol, cfg, own_output=bool(r.get("output_ids")))))
+        out.append((r, pol, row_note(pol, d, own_output=bool(r.get("output_ids")))))
     return out
 
 
-def row_note(policy: StopPolicy, cfg: BenchmarkConfig, own_output: bool = False) -> str:
+def row_note(policy: StopPolicy, cfg: DecodeSettings, own_output: bool = False) -> str:
     """Why the replay cannot follow the engine's trajectory for this row ('' when it can). ``own_output``: the row
     recorded its output (an approximate policy's in greedy decoding, replayed along it: :func:`own_output_rows`)."""
     notes = []

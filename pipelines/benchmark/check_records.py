@@ -17,10 +17,10 @@ import torch
 from transformers import PreTrainedModel
 
 from compute.models import load_model
+from data_gen.config import ModelsConfig
 from data_gen.continuation_labels import label_continuation
 from data_gen.labelling import LabelModels, LabelOptions
 from pipelines.benchmark.check_inputs import BenchFolder
-from pipelines.benchmark.config import BenchmarkConfig
 from predictors.base import StopPolicy
 
 log = logging.getLogger("pipelines.replay_check")
@@ -40,7 +40,7 @@ def label_prompts(folder: BenchFolder, models: LabelModels, opts: LabelOptions, 
     outputs = folder.continuations if outputs is None else outputs
     todo = [(i, ids, c) for i, (ids, c) in enumerate(zip(folder.prompts, outputs)) if c]
     total, done_tokens, rollouts = sum(len(c) for _, _, c in todo), 0, 0
-    gen = torch.Generator().manual_seed(folder.cfg.seed)
+    gen = torch.Generator().manual_seed(folder.decoding.seed)
     parts: list[dict[str, list]] = []
     t0 = time.perf_counter()
     for k, (i, ids, cont) in enumerate(todo):
@@ -136,8 +136,8 @@ def _store_records(folder: BenchFolder, opts: LabelOptions, rollout_len: int, mo
     tmp.replace(folder.path / name)  # nothing half-written
 
 
-def load_companion(cfg: BenchmarkConfig) -> PreTrainedModel | None:
+def load_companion(models: ModelsConfig) -> PreTrainedModel | None:
     """The benchmark's companion model (None when it names none)."""
-    if not cfg.models.companion:
+    if not models.companion:
         return None  # the engine refused such rows too: they are reported as not replayed
-    return load_model(cfg.models.spec(cfg.models.companion, "companion"))[0]
+    return load_model(models.spec(models.companion, "companion"))[0]

@@ -11,7 +11,6 @@ from compute.compute_path import compute_path_of, cpu_info
 from compute.timing import CostModel, measure_cost_model, pool_cost_models
 from compute.transformers_costs import measure_transformers_costs
 from pipelines.benchmark.bench import Bench
-from pipelines.benchmark.config import BenchmarkConfig
 
 log = logging.getLogger("pipelines.benchmark")
 
@@ -22,13 +21,13 @@ HF_CURVE = "cost_model.transformers.json"
 """transformers' own curve (``hf_curve``), beside the run's."""
 
 
-def load_cost_model(cfg: BenchmarkConfig, bench: Bench) -> CostModel:
+def load_cost_model(cost_file: str | None, bench: Bench) -> CostModel:
     """``cost_file`` (warned when measured for another pair, path or CPU) or a measurement of L = 1..16 now."""
-    if cfg.cost_file:
-        cm = CostModel.from_json(cfg.cost_file)
+    if cost_file:
+        cm = CostModel.from_json(cost_file)
         for diff in cm.mismatch(str(bench.draft.config.name_or_path), str(bench.target.config.name_or_path),
                                 compute_path_of(bench.target), cpu_info()):
-            log.warning("cost file %s does not match this run: %s", cfg.cost_file, diff)
+            log.warning("cost file %s does not match this run: %s", cost_file, diff)
         return cm
     t0 = time.perf_counter()
     cm = measure_curve(bench, repeats=3)
@@ -36,11 +35,11 @@ def load_cost_model(cfg: BenchmarkConfig, bench: Bench) -> CostModel:
     return cm
 
 
-def load_hf_curve(bench: Bench, out_dir: Path) -> CostModel:
-    """transformers' curve of the pair: the one in ``out_dir`` when a resumed run measured it, else measured now
-    (``compute.transformers_costs``) and written there, beside the run's own."""
+def load_hf_curve(bench: Bench, out_dir: Path, resume: bool) -> CostModel:
+    """transformers' curve of the pair: the one in ``out_dir`` when a resumed run (``resume``) measured it, else
+    measured now (``compute.transformers_costs``) and written there, beside the run's own."""
     path = out_dir / HF_CURVE
-    if bench.cfg.resume and path.is_file():
+    if resume and path.is_file():
         return CostModel.from_json(path)
     t0 = time.perf_counter()
     cm = measure_transformers_costs(bench.draft, bench.target, base=bench.cost_model)
@@ -52,7 +51,7 @@ def load_hf_curve(bench: Bench, out_dir: Path) -> CostModel:
 def measure_curve(bench: Bench, repeats: int) -> CostModel:
     """The pair's curve at every verification length 1..16, 24 and one past the draft cap."""
     return measure_cost_model(bench.draft, bench.target, bench.companion,
-                              lengths=(*range(1, 17), 24, bench.cfg.max_draft_len + 1), repeats=repeats)
+                              lengths=(*range(1, 17), 24, bench.decoding.max_draft_len + 1), repeats=repeats)
 
 
 def write_curve_during_rows(bench: Bench, out_dir: Path) -> None:

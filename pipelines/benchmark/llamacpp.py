@@ -30,7 +30,7 @@ import copy
 import json
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from data_gen.shards import read_data_config
 from decoding.llamacpp_draft import SpecstopDraftModel, check_policy
 from decoding.policies import build_policy, policy_label
 from decoding.stats import DecodeStats
-from pipelines.benchmark.bench import Bench, load_benchmark_prompts
+from pipelines.benchmark.bench import Bench, DecodeSettings, RunOrder, load_benchmark_prompts
 from pipelines.benchmark.config import BenchmarkConfig
 from pipelines.benchmark.llamacpp_check import check_lines, run_llamacpp_check
 from pipelines.benchmark.plan import Runner, run_rows
@@ -213,8 +213,9 @@ def load_llamacpp_bench(cfg: LlamaCppBenchConfig) -> tuple[Bench, list[str]]:
                                                 top_k=cfg.top_k_features)
         models.specs[name] = spec
     eos = sorted(set(gguf_stop_ids(cfg.models.target, cfg.models.cache_dir, tok)) | {int(target.token_eos())})
-    bench = Bench(inner, None, None, None, tok, prompts, eos, cost_model=cost,  # type: ignore[arg-type]
-                  shared={STATE: models})  # no torch models: the rows hold llama.cpp's in ``shared``
+    # no torch models: the rows hold llama.cpp's in ``shared``
+    bench = Bench(DecodeSettings.of(inner), None, None, None, tok, prompts, eos, cost_model=cost,  # type: ignore[arg-type]
+                  shared={STATE: models})
     return bench, names
 
 
@@ -247,7 +248,7 @@ def run_target_only(view: Bench) -> Row:
     for ids in view.prompts:
         first: list[float] = []
         t0 = time.perf_counter()
-        out = generate_greedy(m.plain, ids, view.cfg.max_new_tokens, view.eos, first_token_at=first)
+        out = generate_greedy(m.plain, ids, view.decoding.max_new_tokens, view.eos, first_token_at=first)
         row.seconds.append(time.perf_counter() - t0)
         row.prefill_seconds.append(first[0] - t0 if first else 0.0)  # the prompt's pass, which gives the first token
         row.outputs.append(out)
@@ -265,11 +266,11 @@ def run_hooked(view: Bench, name: str) -> Row:
     m.target.draft_model = hook
     try:
         for ids in view.prompts:
-            hook.begin(end=len(ids) + view.cfg.max_new_tokens)
+            hook.begin(end=len(ids) + view.decoding.max_new_tokens)
             alone = hook.drafts_nothing(len(ids))
             first: list[float] = []
             t0 = time.perf_counter()
-            out = generate_greedy(m.plain if alone else m.target, ids, view.cfg.max_new_tokens, view.eos,
+            out = generate_greedy(m.plain if alone else m.target, ids, view.decoding.max_new_tokens, view.eos,
                                   first_token_at=first)
             wall = time.perf_counter() - t0
             if alone:  # one target step a token, the prompt's pass to the first token
@@ -301,7 +302,7 @@ def row_plan(bench: Bench) -> list[tuple[str, Runner]]:
 def warm_up(bench: Bench) -> None:
     """A few tokens of the first prompt through every model (llama.cpp's first calls allocate its buffers)."""
     m: LlamaModels = bench.shared[STATE]
-    short = replace(bench, prompts=[bench.prompts[0]], cfg=replace(bench.cfg, max_new_tokens=8))
+    short = bench.with_new_tokens(8, prompts=1)
     run_target_only(short)
     run_hooked(short, next(iter(m.hooks)))
 
@@ -355,7 +356,7 @@ class LlamaCppReport:
 
 def write_llamacpp_report(rep: LlamaCppReport, bench: Bench, names: list[str], out_dir: Path) -> None:
     """``benchmark.md`` and ``benchmark.json`` of the llama.cpp rows."""
-    cfg, cm, m = bench.cfg, bench.cost_model, bench.shared[STATE]
+    d, cm, m = bench.decoding, bench.cost_model, bench.shared[STATE]
     cpu = cpuinfo_fields()
     where = (f"CPU {cpu.get('model name', '?')} (family {cpu.get('cpu family', '?')}, model {cpu.get('model', '?')}), "
              f"{m.threads} llama.cpp threads")
@@ -363,7 +364,7 @@ def write_llamacpp_report(rep: LlamaCppReport, bench: Bench, names: list[str], o
            "target": f"{m.paths['target'].name} ({file_type(m.target)})"}
     md = ["# llama.cpp benchmark\n",
           f"draft {lib['draft']}, target {lib['target']}; {len(names)} prompts ({', '.join(names)}), "
-          f"{cfg.max_new_tokens} new tokens, greedy; {where}; measured {time.strftime('%Y-%m-%d')}.\n",
+          f"{d.max_new_tokens} new tokens, greedy; {where}; measured {time.strftime('%Y-%m-%d')}.\n",
           "speedup = tokens/s over llama.cpp target-only [95% paired bootstrap interval over prompts]; "
           "identical_prompts = prompts whose output equals target-only's; mean_accepted / mean_drafted per round "
           "(one round per draft hook call); stop_overhead = one stop decision / one draft forward.\n",
@@ -390,8 +391,8 @@ def run_llamacpp_benchmark(cfg: LlamaCppBenchConfig) -> LlamaCppReport:
         warm_up(bench)
     log.info("llama.cpp benchmark: %d prompts x %d new tokens, %d rows", len(bench.prompts), cfg.max_new_tokens,
              len(row_plan(bench)))
-    rows = run_rows(row_plan(bench), bench)
-    table = finish_rows(rows, bench)
+    rows = run_rows(row_plan(bench), bench, RunOrder.of(cfg))
+    table = finish_rows(rows, bench, cfg.n_boot)
     # where each output leaves target-only's: llama.cpp's forward of several tokens is not its one-token forward bit for
     # bit, so a near-tie of the target's top two tokens can flip under speculative decoding
     for t, r in zip(table[1:], rows[1:]):
@@ -403,7 +404,7 @@ def run_llamacpp_benchmark(cfg: LlamaCppBenchConfig) -> LlamaCppReport:
     rep = LlamaCppReport(table, comparisons(rows, boot, m.recommended), m.recommendation)
     write_llamacpp_report(rep, bench, names, out_dir)  # the rows are kept before the check runs
     if cfg.replay_check:
-        check = run_llamacpp_check(bench, table, m.policies, rows[0].outputs, names, out_dir)
+        check = run_llamacpp_check(bench, cfg.models, table, m.policies, rows[0].outputs, names, out_dir)
         rep.replay_check = {**check, "cost_model": str(out_dir / COST_FILE)}
         write_llamacpp_report(rep, bench, names, out_dir)
     return rep

@@ -18,6 +18,7 @@ from typing import Any
 
 from compute.llamacpp import load_llama
 from compute.llamacpp_causal_lm import LlamaCausalLM
+from data_gen.config import ModelsConfig
 from data_gen.labelling import LabelModels, LabelOptions
 from pipelines.benchmark.bench import Bench
 from pipelines.benchmark.check import compare_row, predicted_tokens_per_s, replay_rows, summarize, summary_line
@@ -41,14 +42,16 @@ def target_only_check(row: dict[str, Any], folder: BenchFolder) -> dict[str, Any
     return out
 
 
-def run_llamacpp_check(bench: Bench, table: list[dict[str, Any]], policies: dict[str, StopPolicy],
-                       continuations: list[list[int]], names: list[str], out_dir: Path) -> dict[str, Any]:
-    """Label the prompts with llama.cpp, replay each row of ``table`` whose policy ``policies`` holds (by row name),
-    compare; returns the ``replay_check`` section (rows, summary, records, seconds; the caller names its curve)."""
+def run_llamacpp_check(bench: Bench, models_cfg: ModelsConfig, table: list[dict[str, Any]],
+                       policies: dict[str, StopPolicy], continuations: list[list[int]], names: list[str],
+                       out_dir: Path) -> dict[str, Any]:
+    """Label the prompts with llama.cpp (``models_cfg``: the benchmark's models), replay each row of ``table`` whose
+    policy ``policies`` holds (by row name), compare; returns the ``replay_check`` section (rows, summary, records,
+    seconds; the caller names its curve)."""
     t0 = time.perf_counter()
-    m, cfg, cm = bench.shared["llamacpp"], bench.cfg, bench.cost_model
+    m, cfg, cm = bench.shared["llamacpp"], bench.decoding, bench.cost_model
     assert cm is not None
-    folder = BenchFolder(out_dir, cfg, table, names, bench.prompts, continuations, cm)
+    folder = BenchFolder(out_dir, cfg, models_cfg, table, names, bench.prompts, continuations, cm)
     draft = load_llama(m.paths["draft"], m.threads, int(m.target.n_ctx()), logits_all=True)
     models = LabelModels(LlamaCausalLM(draft), LlamaCausalLM(m.target))  # type: ignore[arg-type]
     pad = bench.tokenizer.pad_token_id if bench.tokenizer.pad_token_id is not None else bench.tokenizer.eos_token_id

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from compute.timing import CostModel
-from pipelines.benchmark.bench import Bench
+from pipelines.benchmark.bench import Bench, RunOrder
 from pipelines.benchmark.config import BenchmarkConfig
 from pipelines.benchmark.curve import measure_curve
 from pipelines.benchmark.pace import Pace, PaceMeter, excess, normal_pace
@@ -30,13 +30,16 @@ Runner = Callable[[Bench], Row]
 
 
 def row_plan(cfg: BenchmarkConfig, bench: Bench) -> list[tuple[str, Runner]]:
-    """(name, runner) for every row, in order; target-only first."""
-    tuned = tune_on_validation(cfg.policies, bench)
+    """(name, runner) for every row, in order; target-only first. What is tuned on validation is tuned first."""
+    tuned = tune_on_validation(cfg.policies, bench, cfg.tune_data_dir, cfg.max_static)
     if cfg.tune_predictors and cfg.tune_data_dir is not None:
-        tuned.update(tune_predictors(cfg.predictors, bench))
+        tuned.update(tune_predictors(cfg.predictors, bench, cfg.tune_data_dir))
+    hf_settings = {}  # hf row kind -> its tuned settings (the recommended row's)
+    if "recommended" in cfg.hf_rows:
+        hf_settings["recommended"] = tune_runtime("transformers", bench, cfg.tune_data_dir).settings()
     plan: list[tuple[str, Runner]] = [("target-only", lambda b: run_target_only(b))]
     for kind in cfg.hf_rows:
-        settings = tune_runtime("transformers", bench).settings() if kind == "recommended" else None
+        settings = hf_settings.get(kind)
         plan.append((f"hf:{kind}", lambda b, k=kind, s=settings: run_hf(b, k, s)))
     for spec in [*cfg.policies, *cfg.predictors]:
         if spec.startswith("hfp:"):
@@ -47,7 +50,10 @@ def row_plan(cfg: BenchmarkConfig, bench: Bench) -> list[tuple[str, Runner]]:
         else:
             plan.append((spec, lambda b, s=spec: run_engine(b, s)))
     if cfg.reference_compute and cfg.reference_compute != cfg.models.compute:
-        plan.append((f"target-only ({cfg.reference_compute})", run_reference))
+        models = replace(cfg.models, compute=cfg.reference_compute)
+        n_new = cfg.reference_max_new_tokens or cfg.max_new_tokens
+        warm = cfg.warmup
+        plan.append((f"target-only ({cfg.reference_compute})", lambda b: run_reference(b, models, n_new, warm)))
     return plan
 
 
@@ -55,13 +61,16 @@ PromptDone = Callable[[list[Row], int], None]
 """Called with the rows so far (plan order) and how many prompts they cover, after each prompt of ``order: prompt``."""
 
 
-def run_rows(plan: list[tuple[str, Runner]], bench: Bench, store: PromptStore | None = None,
-             on_prompt: PromptDone | None = None, beat: Heartbeat | None = None) -> list[Row]:
-    """Every row on every prompt, in ``cfg.order``, with progress and an ETA; returns the rows in plan order. With a
-    ``store`` (order prompt), prompts it holds are read back instead of run and each prompt run is saved to it.
-    ``beat`` (a heartbeat, when stderr is not a terminal) is told the prompts (or rows) done and the row running."""
+def run_rows(plan: list[tuple[str, Runner]], bench: Bench, how: RunOrder | None = None,
+             store: PromptStore | None = None, on_prompt: PromptDone | None = None,
+             beat: Heartbeat | None = None) -> list[Row]:
+    """Every row on every prompt, in the order ``how`` says (None: ``RunOrder()``), with progress and an ETA; returns
+    the rows in plan order. With a ``store`` (order prompt), prompts it holds are read back instead of run and each
+    prompt run is saved to it. ``beat`` (a heartbeat, when stderr is not a terminal) is told the prompts (or rows)
+    done and the row running."""
     t0 = time.perf_counter()
-    if bench.cfg.order == "row":
+    how = how or RunOrder()
+    if how.order == "row":
         rows: list[Row] = []
         for i, (name, runner) in enumerate(plan):
             if beat is not None:
@@ -81,7 +90,8 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench, store: PromptStore | 
             rows_j, probe = store.load(j)
         else:
             t_prompt = time.perf_counter()
-            rows_j, probe = run_prompt(plan, replace(bench, prompts=[prompt], offset=j, reference=None), j, beat)
+            view = replace(bench, prompts=[prompt], offset=j, reference=None)
+            rows_j, probe = run_prompt(plan, view, j, how, beat)
             if store is not None:
                 store.save(j, rows_j, probe, time.perf_counter() - t_prompt)
             ran += 1
@@ -96,9 +106,9 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench, store: PromptStore | 
         base = merged[plan[0][0]]
         line = ", ".join(f"{name} x{r.tokens_per_s / base.tokens_per_s:.2f}" for name, r in list(merged.items())[1:6]
                          if base.tokens_per_s)
-        how = "read back from an earlier run" if j in stored else f"done ({done:.0f}s"
+        status = "read back from an earlier run" if j in stored else f"done ({done:.0f}s"
         eta = "" if j in stored else f", ETA {done / ran * sum(1 for k in range(j + 1, n) if k not in stored):.0f}s)"
-        log.info("prompt %d/%d %s%s: target-only %.3f tokens/s; so far %s ...", j + 1, n, how, eta,
+        log.info("prompt %d/%d %s%s: target-only %.3f tokens/s; so far %s ...", j + 1, n, status, eta,
                  base.tokens_per_s, line)
         if on_prompt is not None and j not in stored:
             on_prompt([merged[name] for name, _ in plan], j + 1)
@@ -107,18 +117,17 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench, store: PromptStore | 
     return [merged[name] for name, _ in plan]
 
 
-def run_prompt(plan: list[tuple[str, Runner]], view: Bench, j: int,
+def run_prompt(plan: list[tuple[str, Runner]], view: Bench, j: int, how: RunOrder,
                beat: Heartbeat | None = None) -> tuple[dict[str, Row], CostModel | None]:
     """Every row of the plan on the one prompt of ``view`` (prompt j of the run), up to ``repeats`` times in
     alternating order, each row's faster run kept; with ``rerun_slower_than`` set, only the rows a slow phase hit run
     after the first pass (target-only included: every row is measured alike); then the curve probed once
     (``curve_probes``, else None)."""
-    cfg = view.cfg
-    tol = cfg.rerun_slower_than if view.cost_model is not None else None
+    tol = how.rerun_slower_than if view.cost_model is not None else None
     rows_j: dict[str, Row] = {}
     paces: dict[str, Pace | None] = {}
     normal: dict[str, float] = {}
-    for r in range(cfg.repeats):  # target-only first in the first pass: the greedy oracle's look-ahead
+    for r in range(how.repeats):  # target-only first in the first pass: the greedy oracle's look-ahead
         if r == 1 and tol is not None:
             normal = normal_pace([p for p in paces.values() if p is not None])
         again, spared = [], 0.0
@@ -142,10 +151,10 @@ def run_prompt(plan: list[tuple[str, Runner]], view: Bench, j: int,
         if r >= 1 and tol is not None:
             log.info("prompt %d pass %d: ran again %d of %d rows (over %.0f%% slower than the prompt's pace: %s), "
                      "%.0fs of runs spared", j + 1, r + 1, len(again), len(plan), 100 * tol, ", ".join(again), spared)
-    if cfg.repeats > 1 and tol is None:
-        rows_j[plan[0][0]].note = (f"reference; per prompt the faster of {cfg.repeats} runs, before and after the "
+    if how.repeats > 1 and tol is None:
+        rows_j[plan[0][0]].note = (f"reference; per prompt the faster of {how.repeats} runs, before and after the "
                                    "other rows")
-    probe = measure_curve(view, repeats=1) if cfg.curve_probes else None
+    probe = measure_curve(view, repeats=1) if how.curve_probes else None
     return rows_j, probe
 
 

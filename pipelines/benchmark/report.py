@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from compute.compute_path import compute_path_of, cpu_info
-from pipelines.benchmark.bench import Bench
-from pipelines.benchmark.config import ENTROPY_KINDS, BenchmarkConfig
+from data_gen.config import ModelsConfig
+from pipelines.benchmark.bench import Bench, RunOrder
+from pipelines.benchmark.config import ENTROPY_KINDS
 from pipelines.benchmark.plots import plot_speedups
 from pipelines.benchmark.resume import PROMPTS_DIR
 from pipelines.benchmark.rows import Row, ratio_ci
@@ -92,14 +93,15 @@ def rouge_l(outputs: list[list[int]], refs: list[list[int]], tokenizer) -> float
     return sum(vals) / len(vals) if vals else 0.0
 
 
-def finish_rows(rows: list[Row], bench: Bench, quiet: bool = False) -> list[dict[str, Any]]:
-    """Exactness and ROUGE-L against target-only, the bootstrap intervals, the best entropy row: the report rows
-    (``quiet``: without logging the cost-aware line)."""
+def finish_rows(rows: list[Row], bench: Bench, n_boot: int = 1000, quiet: bool = False) -> list[dict[str, Any]]:
+    """Exactness and ROUGE-L against target-only, the bootstrap intervals (``n_boot`` resamples of the prompts), the
+    best entropy row: the report rows (``quiet``: without logging the cost-aware line)."""
+    greedy = bench.decoding.temperature == 0
     ref = rows[0].outputs
     for r in rows[1:]:
         if not r.outputs or r.reference:
             continue
-        if bench.cfg.temperature == 0:
+        if greedy:
             r.exact = r.outputs == ref
             r.identical_prompts = sum(a == b for a, b in zip(r.outputs, ref))
         r.rouge_l = rouge_l(r.outputs, ref, bench.tokenizer)
@@ -107,12 +109,12 @@ def finish_rows(rows: list[Row], bench: Bench, quiet: bool = False) -> list[dict
     best_entropy = max(entropy, key=lambda r: r.tokens_per_s) if entropy else None
     thresholded = [r for r in rows if r.thresholded and r.method == "engine" and r.outputs]
     best_thr = max(thresholded, key=lambda r: r.tokens_per_s) if thresholded else None
-    boot = np.random.default_rng(bench.cfg.seed).integers(0, len(bench.prompts), (bench.cfg.n_boot, len(bench.prompts)))
+    boot = np.random.default_rng(bench.decoding.seed).integers(0, len(bench.prompts), (n_boot, len(bench.prompts)))
     table = [r.metrics(rows[0], best_entropy, boot, best_thr) for r in rows]
     # target-only's tokens, and in greedy decoding those of every row whose output differs (an approximate policy's):
     # what pipelines.replay_check labels
     for t, r in zip(table, rows):
-        if r is rows[0] or (bench.cfg.temperature == 0 and r.exact is False and r.method == "engine"):
+        if r is rows[0] or (greedy and r.exact is False and r.method == "engine"):
             t["output_ids"] = r.outputs
     line = cost_aware_line(table, best_thr.name if best_thr else None)
     if line and not quiet:
@@ -157,11 +159,12 @@ def cost_aware_line(table: list[dict[str, Any]], best_thresholded: str | None) -
             f"over prompts)")
 
 
-def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], out_dir: Path,
-                 of: int | None = None) -> None:
-    """``benchmark.md``, ``benchmark.json`` and ``speedup.png`` of the rows in ``table`` (``of``: the run's number of
-    prompts when the table covers only the first ones, a report of a run still going or stopped)."""
-    cfg, cm = bench.cfg, bench.cost_model
+def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], out_dir: Path, models: ModelsConfig,
+                 how: RunOrder, of: int | None = None) -> None:
+    """``benchmark.md``, ``benchmark.json`` and ``speedup.png`` of the rows in ``table`` (``models``: the models the
+    run loaded; ``how``: the order the rows ran in; ``of``: the run's number of prompts when the table covers only the
+    first ones, a report of a run still going or stopped)."""
+    d, cm = bench.decoding, bench.cost_model
     info = cpu_info()
     entropy = [r for r in table if r["kind"] in ENTROPY_KINDS and r["method"] == "engine"]
     best_e = max(entropy, key=lambda r: r["tokens_per_s"])["row"] if entropy else "none"
@@ -171,10 +174,10 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
     md = [
         "# Decoding benchmark\n",
         *([partial] if partial else []),
-        f"draft `{cfg.models.draft}`, target `{cfg.models.target}`, companion `{cfg.models.companion}`; "
-        f"{len(names)} prompts ({', '.join(names)}), {cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, "
-        f"device {cfg.models.device}, compute path {compute_path_of(bench.target)} (fp32 activations), batch size "
-        f"{cfg.batch_size}; CPU {info['model_name']} ({info['torch_cpu_capability']}, {torch.get_num_threads()} "
+        f"draft `{models.draft}`, target `{models.target}`, companion `{models.companion}`; "
+        f"{len(names)} prompts ({', '.join(names)}), {d.max_new_tokens} new tokens, temperature {d.temperature}, "
+        f"device {models.device}, compute path {compute_path_of(bench.target)} (fp32 activations), batch size "
+        f"{d.batch_size}; CPU {info['model_name']} ({info['torch_cpu_capability']}, {torch.get_num_threads()} "
         f"threads), torch {info['torch']}.\n",
         "speedup = tokens/s over target-only on the same path; vs_best_entropy = tokens/s over the best entropy "
         f"policy ({best_e}); vs_best_thresholded (cost-aware rows) = tokens/s over the best thresholded engine policy, "
@@ -182,7 +185,7 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
         "mean_drafted = draft tokens accepted / drafted per round; stop_overhead = one stop decision / one draft "
         "forward; identical_prompts = prompts whose output equals target-only's (greedy); rouge_l against "
         "target-only's output; runs = the row's timed runs over the prompts, the faster kept per prompt"
-        f"{_runs_rule(cfg)}.\n",
+        f"{_runs_rule(how)}.\n",
         markdown_table(table),
     ]
     line = cost_aware_line(table, best_t)
@@ -197,10 +200,10 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
     plot_speedups(table, out_dir / "speedup.png")
 
 
-def _runs_rule(cfg: BenchmarkConfig) -> str:
-    if cfg.order != "prompt" or cfg.repeats == 1:
+def _runs_rule(how: RunOrder) -> str:
+    if how.order != "prompt" or how.repeats == 1:
         return " (one run per prompt)"
-    if cfg.rerun_slower_than is None:
-        return f" ({cfg.repeats} per prompt)"
-    return (f" (a row again, up to {cfg.repeats} per prompt, only when its forwards ran over "
-            f"{100 * cfg.rerun_slower_than:.0f}% slower than the prompt's pace against the curve)")
+    if how.rerun_slower_than is None:
+        return f" ({how.repeats} per prompt)"
+    return (f" (a row again, up to {how.repeats} per prompt, only when its forwards ran over "
+            f"{100 * how.rerun_slower_than:.0f}% slower than the prompt's pace against the curve)")

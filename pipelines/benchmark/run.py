@@ -1,6 +1,9 @@
 """A benchmark run from start to end (:func:`run_benchmark`): the models, prompts and curve loaded (or a stopped run's
 read back: :func:`load_bench`), a warm-up, the rows planned and run, the report rewritten after each prompt and at the
-end, the curve probed between the prompts, and the replay check (:func:`run_replay_check`)."""
+end, the curve probed between the prompts, and the replay check (:func:`run_replay_check`).
+
+This is where the benchmark's config is read: the parts below it take the settings they use (``DecodeSettings``,
+``RunOrder``, a folder, a file), so what a field changes is found from here."""
 from __future__ import annotations
 
 import logging
@@ -14,7 +17,7 @@ import yaml
 from compute.compute_path import compute_path_of, cpu_info
 from data_gen.config import GenerateConfig
 from data_gen.generate import load_models
-from pipelines.benchmark.bench import Bench, load_benchmark_prompts, stop_tokens
+from pipelines.benchmark.bench import Bench, DecodeSettings, RunOrder, load_benchmark_prompts, stop_tokens
 from pipelines.benchmark.check import run_check
 from pipelines.benchmark.check_inputs import read_bench_folder
 from pipelines.benchmark.check_report import write_check
@@ -33,6 +36,7 @@ log = logging.getLogger("pipelines.benchmark")
 def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Load models and prompts, run every row (progress and ETA per row), write the report; returns (rows, stats)."""
     t_start = time.perf_counter()
+    how = RunOrder.of(cfg)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     store = None
@@ -44,29 +48,31 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
     assert bench.cost_model is not None
     bench.cost_model.to_json(out_dir / "cost_model.json")
     if cfg.hf_curve:
-        bench.hf_cost_model = load_hf_curve(bench, out_dir)
+        bench.hf_cost_model = load_hf_curve(bench, out_dir, cfg.resume)
     log.info("benchmark: %d prompts x %d new tokens, device %s, compute path %s", len(bench.prompts),
              cfg.max_new_tokens, cfg.models.device, cfg.models.compute)
     with Heartbeat(log, "benchmark set-up (warm-up, thresholds tuned on validation)"):
         if cfg.warmup:
             warm_up(bench)
         plan = row_plan(cfg, bench)
+    read_back: float | None = 0.0  # a resumed run: the earlier prompts' wall time (None: not recorded)
     if store is not None:
         store.check_rows([name for name, _ in plan])
+        read_back = store.wall_seconds()
 
     def report_so_far(rows: list[Row], k: int) -> None:  # a run stopped now leaves the report of its first k prompts
         if k < len(bench.prompts):
             view = replace(bench, prompts=bench.prompts[:k])
-            write_report(finish_rows(rows, view, quiet=True), view, names[:k], out_dir, of=len(bench.prompts))
+            write_report(finish_rows(rows, view, cfg.n_boot, quiet=True), view, names[:k], out_dir, cfg.models, how,
+                         of=len(bench.prompts))
 
-    read_back = store.wall_seconds() if store is not None else 0.0  # a resumed run: the earlier prompts' wall time
     try:
         with Heartbeat(log, "benchmark", total=len(bench.prompts), unit="prompts") as beat:
-            rows = run_rows(plan, bench, store, report_so_far, beat)
+            rows = run_rows(plan, bench, how, store, report_so_far, beat)
     finally:
         release_reference(bench)
-    table = finish_rows(rows, bench)
-    write_report(table, bench, names, out_dir)
+    table = finish_rows(rows, bench, cfg.n_boot)
+    write_report(table, bench, names, out_dir, cfg.models, how)
     write_curve_during_rows(bench, out_dir)
     with Heartbeat(log, "benchmark replay check"):
         check = run_replay_check(bench, out_dir) if cfg.replay_check else None
@@ -80,7 +86,8 @@ def load_bench(cfg: BenchmarkConfig, store: PromptStore | None = None) -> tuple[
     or measured now."""
     models, tok = load_models(GenerateConfig(models=cfg.models))
     prompts, names, p_stats = load_benchmark_prompts(cfg, tok)
-    bench = Bench(cfg, models.draft, models.target, models.companion, tok, prompts, stop_tokens(tok, models.target))
+    bench = Bench(DecodeSettings.of(cfg), models.draft, models.target, models.companion, tok, prompts,
+                  stop_tokens(tok, models.target))
     identity = run_identity(cfg, prompts) if store is not None else None
     if store is not None:
         bench.cost_model = store.resume(identity, cpu_info(), str(bench.draft.config.name_or_path),
@@ -89,18 +96,19 @@ def load_bench(cfg: BenchmarkConfig, store: PromptStore | None = None) -> tuple[
             log.info("benchmark: continuing the run in %s (%d of %d prompts done) on its first curve", store.folder,
                      len(store.done()), len(prompts))
             return bench, names, p_stats
-    bench.cost_model = load_cost_model(cfg, bench)
+    bench.cost_model = load_cost_model(cfg.cost_file, bench)
     if store is not None:
         store.begin(identity, bench.cost_model)
     return bench, names, p_stats
 
 
 def run_replay_check(bench: Bench, out_dir: Path) -> dict[str, Any] | None:
-    """``pipelines.replay_check`` on the report just written, with the bench's models (nothing loads again). A check
-    that fails is logged with the command that reruns it and returns None: the measured rows stand and are logged."""
+    """``pipelines.replay_check`` on the folder just written (its report and config.yaml, as the command reads them),
+    with the bench's models (nothing loads again). A check that fails is logged with the command that reruns it and
+    returns None: the measured rows stand and are logged."""
     log.info("replay check: labelling the %d prompts along target-only's output", len(bench.prompts))
     try:
-        check = run_check(read_bench_folder(out_dir, bench.cfg), bench.draft, bench.target, bench.tokenizer,
+        check = run_check(read_bench_folder(out_dir), bench.draft, bench.target, bench.tokenizer,
                           bench.companion)
         write_check(check, out_dir)
     except Exception:  # an optional phase after the measurement: keep the benchmark's results

@@ -5,7 +5,6 @@ decodes in batches of ``batch_size``."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,6 +12,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from compute.models import load_model
 from compute.timing import clock
+from data_gen.config import ModelsConfig
 from decoding.hf_integration import generate_with_policy
 from decoding.policies import build_decoder, build_policy, policy_label
 from pipelines.benchmark.bench import Bench
@@ -21,24 +21,45 @@ from predictors.base import THRESHOLD
 from predictors.runtime_rules import TransformersRule
 
 
+def generate_kwargs(bench: Bench) -> dict[str, Any]:
+    """The keyword arguments of ``generate`` for the bench's decoding: its length and stop tokens, greedy or sampled."""
+    d = bench.decoding
+    kw: dict[str, Any] = {"max_new_tokens": d.max_new_tokens, "eos_token_id": bench.eos,
+                          "pad_token_id": bench.tokenizer.pad_token_id}
+    if d.temperature > 0:
+        kw.update(do_sample=True, temperature=d.temperature, top_p=d.top_p, top_k=None)
+    else:
+        kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    return kw
+
+
+def new_tokens(bench: Bench, seq: torch.Tensor, prompt_len: int) -> list[int]:
+    """The generated part of ``seq``, cut after the first of the bench's stop tokens."""
+    new = seq[prompt_len:].tolist()
+    for j, t in enumerate(new):
+        if t in bench.eos:
+            return new[: j + 1]
+    return new
+
+
 def timed_prompts(bench: Bench, row: Row, decode: Callable[[int, torch.Tensor], torch.Tensor]) -> Row:
     """The one timed loop: ``decode(i, ids [1, T]) -> sequences [1, T + new]`` per prompt, seeded and timed alone."""
     dev = bench.target.device
     for i, ids in enumerate(bench.prompts):
         x = torch.tensor([ids], device=dev)
-        torch.manual_seed(bench.cfg.seed + bench.offset + i)
+        torch.manual_seed(bench.decoding.seed + bench.offset + i)
         t0 = clock(dev)
         with torch.inference_mode():  # every row alike: the engine decodes in inference mode (fewer dispatch steps)
             out = decode(i, x)
         row.seconds.append(clock(dev) - t0)
-        row.outputs.append(bench.new_tokens(out[0], len(ids)))
+        row.outputs.append(new_tokens(bench, out[0], len(ids)))
     return row
 
 
 def run_target_only(bench: Bench, name: str = "target-only", target: PreTrainedModel | None = None) -> Row:
     """``target.generate``: one target forward per token (``target`` defaults to the bench's)."""
     model = target if target is not None else bench.target
-    kw = bench.generate_kwargs()
+    kw = generate_kwargs(bench)
     row = timed_prompts(bench, Row(name, "target.generate", note="reference"),
                         lambda i, x: model.generate(x, attention_mask=torch.ones_like(x), **kw))
     row.target_calls = row.tokens
@@ -97,7 +118,7 @@ def run_hf(bench: Bench, kind: str, settings: dict[str, Any] | None = None) -> R
     else:
         settings = HF_SETTINGS[kind]
     saved = {k: getattr(gc, k, None) for k in settings}
-    kw = bench.generate_kwargs()
+    kw = generate_kwargs(bench)
     t_calls, d_calls = ForwardCounter(bench.target), ForwardCounter(bench.draft)
 
     def decode(i: int, x: torch.Tensor) -> torch.Tensor:
@@ -126,12 +147,12 @@ def run_hf(bench: Bench, kind: str, settings: dict[str, Any] | None = None) -> R
 def run_hf_policy(bench: Bench, spec: str) -> Row:
     """A stop policy inside transformers' generate (decoding.hf_integration)."""
     policy = build_policy(spec, draft=bench.draft, draft_tokenizer=bench.tokenizer,
-                          max_draft_len=bench.cfg.max_draft_len, force=bench.cfg.force)
-    kw = bench.generate_kwargs()
+                          max_draft_len=bench.decoding.max_draft_len, force=bench.decoding.force)
+    kw = generate_kwargs(bench)
     per_prompt: list[dict] = []
 
     def decode(i: int, x: torch.Tensor) -> torch.Tensor:
-        out, st = generate_with_policy(bench.target, bench.draft, x, policy, bench.cfg.top_k_features,
+        out, st = generate_with_policy(bench.target, bench.draft, x, policy, bench.decoding.top_k_features,
                                        attention_mask=torch.ones_like(x), **kw)
         per_prompt.append(st)
         return out
@@ -148,13 +169,13 @@ def run_hf_policy(bench: Bench, spec: str) -> Row:
 
 
 def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild: dict[str, Any] | None = None) -> Row:
-    """The engine with one policy (a spec or a ready policy), prompts in batches of ``cfg.batch_size``; ``rebuild``
+    """The engine with one policy (a spec or a ready policy), prompts in batches of ``batch_size``; ``rebuild``
     ({"spec", "threshold"}) records how a ready policy is built again (default: the spec itself)."""
-    cfg = bench.cfg
+    d = bench.decoding
     dec = build_decoder(
         bench.draft, bench.target, spec, draft_tokenizer=bench.tokenizer, target_tokenizer=bench.tokenizer,
-        companion=bench.companion, force=cfg.force, temperature=cfg.temperature, top_p=cfg.top_p,
-        max_draft_len=cfg.max_draft_len, top_k_features=cfg.top_k_features, cost_model=bench.cost_model,
+        companion=bench.companion, force=d.force, temperature=d.temperature, top_p=d.top_p,
+        max_draft_len=d.max_draft_len, top_k_features=d.top_k_features, cost_model=bench.cost_model,
     )
     pol = dec.policy
     row = Row(label or policy_label(spec, pol), "engine", kind=pol.kind, exact_by_design=pol.exact,
@@ -163,8 +184,8 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
     row.spec, row.threshold = info.get("spec", ""), info.get("threshold")
     total = None
     pad = bench.tokenizer.pad_token_id if bench.tokenizer.pad_token_id is not None else bench.eos[0]
-    for start in range(0, len(bench.prompts), cfg.batch_size):
-        chunk = bench.prompts[start : start + cfg.batch_size]
+    for start in range(0, len(bench.prompts), d.batch_size):
+        chunk = bench.prompts[start : start + d.batch_size]
         width = max(len(p) for p in chunk)
         x = torch.full((len(chunk), width), pad, dtype=torch.long)  # [B, T] left-padded
         m = torch.zeros_like(x)
@@ -172,9 +193,9 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
             x[b, width - len(p) :] = torch.tensor(p)
             m[b, width - len(p) :] = 1
         look_ahead = None
-        if pol.needs_target and cfg.temperature == 0 and bench.reference is not None:
+        if pol.needs_target and d.temperature == 0 and bench.reference is not None:
             look_ahead = bench.reference[start : start + len(chunk)]  # the greedy oracle: no target steps
-        out, st = dec.generate(x, m, cfg.max_new_tokens, bench.eos, cfg.seed + bench.offset + start,
+        out, st = dec.generate(x, m, d.max_new_tokens, bench.eos, d.seed + bench.offset + start,
                                reference=look_ahead)
         total = st if total is None else total + st
         seconds = st.wall_time
@@ -184,7 +205,7 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
             seconds = st.wall_time - st.analysis_time - st.target_time
             seconds += sum(bench.cost_model.target_time(k + 1) for k in st.draft_lengths)
         for b in range(len(chunk)):  # a batch's time is shared by its prompts in proportion to their tokens
-            row.outputs.append(bench.new_tokens(out[b], width))
+            row.outputs.append(new_tokens(bench, out[b], width))
         n_new = [len(o) for o in row.outputs[-len(chunk):]]
         row.seconds += [seconds * n / max(sum(n_new), 1) for n in n_new]
     assert total is not None
@@ -200,24 +221,22 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
     return row
 
 
-def run_reference(bench: Bench) -> Row:
-    """Target-only on the target loaded again on ``cfg.reference_compute`` (loaded once per run, ``release_reference``
-    frees it), ``reference_max_new_tokens`` per prompt."""
-    cfg = bench.cfg
+def run_reference(bench: Bench, models: ModelsConfig, max_new_tokens: int, warmup: bool = True) -> Row:
+    """Target-only on the target loaded again as ``models`` says (another compute path: ``reference_compute``; loaded
+    once per run, ``release_reference`` frees it), ``max_new_tokens`` per prompt (``warmup``: a short generation
+    first)."""
     target = bench.shared.get("reference_target")
     if target is None:
-        mc = replace(cfg.models, compute=cfg.reference_compute)
-        target, _ = load_model(mc.spec(mc.target))
+        target, _ = load_model(models.spec(models.target))
         bench.shared["reference_target"] = target
-        if cfg.warmup:
-            kw = {**bench.generate_kwargs(), "max_new_tokens": 4}
+        if warmup:
+            kw = generate_kwargs(bench.with_new_tokens(4))
             x = torch.tensor([bench.prompts[0]], device=target.device)
             target.generate(x, attention_mask=torch.ones_like(x), **kw)
-    n_new = cfg.reference_max_new_tokens or cfg.max_new_tokens
-    short = replace(bench, cfg=replace(cfg, max_new_tokens=n_new))
-    row = run_target_only(short, f"target-only ({cfg.reference_compute})", target)
+    row = run_target_only(bench.with_new_tokens(max_new_tokens), f"target-only ({models.compute})", target)
     row.reference = True
-    row.note = f"reference: target loaded with --models.compute {cfg.reference_compute}, {n_new} new tokens a prompt"
+    row.note = (f"reference: target loaded with --models.compute {models.compute}, {max_new_tokens} new tokens a "
+                "prompt")
     return row
 
 
@@ -228,7 +247,7 @@ def release_reference(bench: Bench) -> None:
 
 def warm_up(bench: Bench) -> None:
     """Each path once on a 4-token generation of the first prompt (kernels, caches, oneDNN primitives)."""
-    short = replace(bench, cfg=replace(bench.cfg, max_new_tokens=4), prompts=bench.prompts[:1])
+    short = bench.with_new_tokens(4, prompts=1)
     run_target_only(short)
     run_hf(short, "static:3")
     run_engine(short, "static:3")
