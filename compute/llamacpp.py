@@ -219,7 +219,8 @@ def measure_llamacpp_curve(
     draft: Any, target: Any, lengths: Sequence[int] = tuple(range(1, 18)), prompt_len: int = 128, repeats: int = 5,
     decode_steps: int = 8, n_threads: int = 0, draft_name: str = "", target_name: str = "",
 ) -> CostModel:
-    """The verification curve of llama.cpp on this machine: the draft's step and the target's forward of each L in
+    """The verification curve of llama.cpp on this machine: the draft's step, the draft's forward of two tokens over
+    one of one (its catch-up after a fully accepted round: ``draft_catchup_s``) and the target's forward of each L in
     ``lengths`` over a cached prefix of ``prompt_len`` random tokens, the minimum of ``repeats`` kept and the curve
     made non-decreasing in L (:meth:`CostModel.with_statistic`), the raw timings in ``extra``.
 
@@ -243,6 +244,8 @@ def measure_llamacpp_curve(
     prompt = rng.integers(0, vocab, prompt_len).tolist()
     extra: dict[str, Any] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runtime": "llamacpp",
                              "draft_raw_s": _time_draft(draft, prompt, decode_steps, repeats, rng, vocab)}
+    # the draft's forward of one and of two tokens over the same cache: the catch-up after a fully accepted round
+    extra.update({f"draft_raw_s_L{L}": t for L, t in _time_target(draft, prompt, [1, 2], repeats, rng, vocab).items()})
     draft.reset()
     raw = _time_target(target, prompt, lengths, repeats, rng, vocab)
     extra.update({f"target_raw_s_L{L}": t for L, t in raw.items()})

@@ -3,7 +3,10 @@
 One round drafts ``n`` tokens (``n`` draft decode steps, plus ``n`` companion steps when a companion runs) and verifies
 them with one target forward over ``n + 1`` new tokens (the last emitted token, not yet in the target's cache, plus the
 ``n`` drafts). Target-only decoding is the round with ``n = 0``: one target forward of one new token per output token.
-The draft's catch-up on the bonus token after a fully accepted round is ignored (one extra draft step at most).
+After a round whose drafts were all accepted the draft has not read its own last draft (it was the last step's
+output), so the next round's first draft forward reads two tokens, that draft and the target's bonus token:
+``draft_catchup_s`` prices the second where it was measured (llama.cpp's curve, whose forward of two tokens runs other
+kernels than one of one); elsewhere it is 0 and the catch-up costs one step.
 
 One length convention everywhere: ``target_s[L]`` is a target forward of ``L`` new tokens (L = drafts + 1). The
 generator writes this model beside its shards, ``pipelines.measure_costs`` measures it for any pair, and the replay,
@@ -57,6 +60,9 @@ class CostModel:
     measured lengths and extrapolated linearly beyond the last two."""
     companion_s_per_token: float = 0.0
     """Seconds of one companion decode step (0 when no companion was measured)."""
+    draft_catchup_s: float = 0.0
+    """Seconds a draft forward of two new tokens takes over one of one token: the catch-up after a round whose drafts
+    were all accepted (:meth:`catchup_time`); 0 when not measured."""
     device: str = "cpu"
     """Device the timings were taken on."""
     dtype: str = "float32"
@@ -90,8 +96,9 @@ class CostModel:
             raise ValueError("CostModel.target_s is empty: measure at least one verification length")
         if min(self.target_s) < 1:
             raise ValueError(f"CostModel.target_s lengths must be >= 1, got {sorted(self.target_s)}")
-        if self.draft_s_per_token < 0 or self.companion_s_per_token < 0 or min(self.target_s.values()) <= 0:
-            raise ValueError("CostModel times must be positive (draft/companion >= 0, target > 0)")
+        if min(self.draft_s_per_token, self.companion_s_per_token, self.draft_catchup_s) < 0 or \
+                min(self.target_s.values()) <= 0:
+            raise ValueError("CostModel times must be positive (draft, companion and catch-up >= 0, target > 0)")
         self._ls = np.array(sorted(self.target_s), dtype=np.float64)
         self._ts = np.array([self.target_s[int(k)] for k in self._ls], dtype=np.float64)
         self._cache: dict[float, float] = {}
@@ -127,6 +134,12 @@ class CostModel:
         per_draft = self.draft_s_per_token + (self.companion_s_per_token if companion else 0.0)
         return n_draft * per_draft + self.target_time(n_verify + 1)
 
+    def catchup_time(self, pending: int) -> float:
+        """Seconds a round's first draft forward takes over one draft step when it reads ``pending`` tokens (1: the
+        target's last token alone; 2 after a round whose drafts were all accepted; more after rounds that drafted
+        nothing), each token past the first at ``draft_catchup_s``."""
+        return max(pending - 1, 0) * self.draft_catchup_s
+
     @property
     def target_only_s_per_token(self) -> float:
         """Seconds per output token of target-only decoding (target_s at L = 1)."""
@@ -154,6 +167,8 @@ class CostModel:
                      f"({self.extra['read_bandwidth'] / 1e9:.1f} GB/s)")
         if self.companion_s_per_token:
             head += f", companion {self.companion_s_per_token * 1e3:.1f} ms/token"
+        if self.draft_catchup_s:
+            head += f", draft catch-up (a second token read) +{self.draft_catchup_s * 1e3:.1f} ms"
         return head + "\n" + "\n".join(lines)
 
     def floors(self) -> dict[str, float] | None:
@@ -236,9 +251,12 @@ class CostModel:
         if not self.extra.get("draft_raw_s") or len(raw_t) < len(self.target_s):
             raise ValueError("this cost model keeps no raw timings (measure it again with pipelines.measure_costs)")
         comp = self.extra.get("companion_raw_s")
+        one, two = self.extra.get("draft_raw_s_L1"), self.extra.get("draft_raw_s_L2")
+        catchup = max(_stat(two, statistic) - _stat(one, statistic), 0.0) if one and two else self.draft_catchup_s
         return replace(
             self, draft_s_per_token=_stat(self.extra["draft_raw_s"], statistic),
             companion_s_per_token=_stat(comp, statistic) if comp else self.companion_s_per_token,
+            draft_catchup_s=catchup,
             target_s=_curve(raw_t, statistic),
             extra={**self.extra, "statistic": statistic},
         )

@@ -39,6 +39,9 @@ class _Replay:
     res: ReplayResult
     sequential: bool = False
     """Take a round's drafts before its last unverified, as the engine runs an approximate policy."""
+    pending: int = 1
+    """Tokens the draft reads at the next round's first forward (:func:`_pending_after`; priced by
+    ``CostModel.catchup_time``)."""
 
 
 def replay_policy(
@@ -98,6 +101,7 @@ def replay_policy(
 def _replay_sequence(rp: _Replay, a0: int, b0: int) -> None:
     """Rounds over rows [a0, b0) of one stored sequence, each starting where the previous one's emitted tokens end."""
     rp.policy.reset()
+    rp.pending = 1
     plan = None
     if isinstance(rp.policy, OracleSchedule) and rp.mode == "greedy":
         top = rp.policy.round_cap(rp.max_draft_len)
@@ -130,7 +134,8 @@ def _replay_round(rp: _Replay, a0: int, s: int, b0: int, plan: dict[int, int] | 
     n, nv = _draft_round(rp, s, rows, rem, plan)  # drafted, verified
     v = rows[:nv]
     acc, a_int = _accepted(rp, v)
-    t = n * rp.per_draft + rp.cm.target_time(nv + 1)
+    t = n * rp.per_draft + rp.cm.target_time(nv + 1) + (rp.cm.catchup_time(rp.pending) if n else 0.0)
+    rp.pending = _pending_after(n, a_int, rp.pending)
     if s == a0:
         rp.res.first_verify_s += rp.cm.target_time(nv + 1)
     # tokens past the stored end are not counted
@@ -142,6 +147,16 @@ def _replay_round(rp: _Replay, a0: int, s: int, b0: int, plan: dict[int, int] | 
         q = rp.data.q[v].tolist()
         rp.policy.update(RoundFeedback.leading(n_drafted=nv, n_accepted=a_int, draft_probs=q))
     return s + a_int + 1
+
+
+def _pending_after(drafted: int, accepted: int, pending: int) -> int:
+    """Tokens the draft reads at the next round's first forward, after a round that drafted ``drafted`` tokens (it
+    read each but the last) of which the target accepted ``accepted``: the target's token, and the round's last draft
+    too when every draft was accepted (the draft's cache keeps the accepted ones it read); a round that drafted
+    nothing leaves the draft behind by the tokens it emitted."""
+    if drafted == 0:
+        return pending + accepted + 1
+    return 2 if accepted >= drafted else 1
 
 
 def _accepted(rp: _Replay, verified: np.ndarray) -> tuple[float, int]:

@@ -290,6 +290,7 @@ def test_curve_is_a_valid_cost_model(real_pair, tmp_path):
                                 n_threads=2, draft_name=DRAFT, target_name=TARGET)
     assert cm.runtime == "llamacpp" and cm.compute_path == "llamacpp" and cm.extra["runtime"] == "llamacpp"
     assert sorted(cm.target_s) == [1, 2, 4] and cm.draft_s_per_token > 0 and cm.dtype
+    assert len(cm.extra["draft_raw_s_L2"]) == 1 and cm.draft_catchup_s >= 0  # the draft's two-token forward, timed
     ts = [cm.target_s[L] for L in (1, 2, 4)]
     assert ts == sorted(ts)
     cm.to_json(tmp_path / "c.json")

@@ -268,6 +268,34 @@ def test_builtin_policies_run():
         assert r.speedup == pytest.approx(r.tokens * CONST.target_only_s_per_token / r.time_s)
 
 
+def test_the_draft_catch_up_after_a_fully_accepted_round_is_priced():
+    """After a round whose drafts were all accepted the draft reads its last draft and the bonus token in one forward:
+    the next round pays ``draft_catchup_s`` once; after a round with a rejected draft it does not."""
+    from dataclasses import replace
+
+    cm = replace(CONST, draft_catchup_s=0.5)
+    data = prepare_replay_data(hand_rollout())
+    # static-2: round 0 accepts both drafts, so round 3 reads two tokens first (12 s + 0.5 s)
+    assert replay_policy(StaticLength(2), data, cm, "greedy").time_s == pytest.approx(12.5)
+    # static-3: round 0 accepts 2 of 3 (the draft read the two it accepted): round 3 reads one token (14 s)
+    assert replay_policy(StaticLength(3), data, cm, "greedy").time_s == pytest.approx(14.0)
+    assert replay_policy(StaticLength(2), data, CONST, "greedy").time_s == pytest.approx(12.0)  # not measured: 0
+    assert (cm.catchup_time(1), cm.catchup_time(2), cm.catchup_time(4)) == (0.0, 0.5, 1.5)
+
+
+def test_the_catch_up_is_read_from_the_raw_timings_of_one_and_two_token_draft_forwards(tmp_path):
+    raw = {"draft_raw_s": [0.010, 0.012], "target_raw_s_L1": [0.1], "target_raw_s_L2": [0.12],
+           "draft_raw_s_L1": [0.011, 0.013], "draft_raw_s_L2": [0.016, 0.015]}
+    cm = CostModel(0.01, {1: 0.1, 2: 0.12}, extra=raw).with_statistic("min")
+    assert cm.draft_catchup_s == pytest.approx(0.004) and "catch-up" in cm.curve_table()
+    cm.to_json(tmp_path / "cm.json")
+    assert CostModel.from_json(tmp_path / "cm.json").draft_catchup_s == pytest.approx(0.004)
+    old = {k: v for k, v in cm.to_dict().items() if k != "draft_catchup_s"}  # a file written before the field
+    assert CostModel.from_dict(old).draft_catchup_s == 0.0
+    with pytest.raises(ValueError, match="catch-up"):
+        CostModel(0.01, {1: 0.1}, draft_catchup_s=-1.0)
+
+
 def test_cost_model_json_and_interpolation(tmp_path):
     cm = CostModel(draft_s_per_token=0.01, target_s={1: 0.1, 4: 0.13, 8: 0.2}, companion_s_per_token=0.005)
     assert cm.target_time(2) == pytest.approx(0.11)
