@@ -73,9 +73,21 @@ def replay_table(s: Summary) -> str:
     return "\n".join(lines)
 
 
+def curve_line(s: Summary) -> str:
+    """The run's curve in one sentence ("" for a summary stored without it)."""
+    c = s.data.get("curve")
+    if not c:
+        return ""
+    catchup = (f"; a draft forward that reads a second token (the catch-up after a round whose drafts were all "
+               f"accepted) {c['catchup_ms']:.1f} ms more") if c.get("catchup_ms") else ""
+    return (f"The run's curve: a target forward of one new token {c['target_ms_L1']:.1f} ms, of two "
+            f"{c['target_ms_L2']:.1f} ms; a draft step {c['draft_ms']:.1f} ms{catchup}.")
+
+
 def runtime_section(s: Summary) -> str:
-    """One stored runtime benchmark as markdown: caption, rows, comparisons, recommendation, replay check."""
-    parts = [f"Measured ({runtime_caption(s)}):", "", rows_table(s), ""]
+    """One stored runtime benchmark as markdown: caption, curve, rows, comparisons, recommendation, replay check."""
+    curve = curve_line(s)
+    parts = [f"Measured ({runtime_caption(s)}):", "", *([curve, ""] if curve else []), rows_table(s), ""]
     comps = comparison_lines(s)
     parts += [*comps, ""] if comps else []
     if s.data.get("recommendation"):

@@ -139,6 +139,20 @@ def _cost_facts(cost_file: Path) -> tuple[dict[str, Any], str]:
     return machine_facts(cost.get("machine") or {}), cost.get("compute_path", "unknown")
 
 
+def curve_facts(cost_file: Path) -> dict[str, float] | None:
+    """A run's curve in milliseconds (None without one): a draft step, the draft's catch-up (a second token read at
+    once, 0 when not measured), and the target's forward of one and of two new tokens."""
+    if not cost_file.is_file():
+        return None
+    cost = _read_json(cost_file)  # the file's fields (compute.timing.CostModel), read without loading torch
+    target = cost.get("target_s") or {}
+    if "1" not in target or "2" not in target:
+        return None
+    return {"draft_ms": round(1e3 * cost["draft_s_per_token"], 2),
+            "catchup_ms": round(1e3 * cost.get("draft_catchup_s", 0.0), 2),
+            "target_ms_L1": round(1e3 * target["1"], 2), "target_ms_L2": round(1e3 * target["2"], 2)}
+
+
 def _today() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
 
@@ -214,7 +228,7 @@ def summarize_benchmark(out_dir: str | Path, command: str, config_name: str = "b
         "replay_check": replay.get("summary"),
         "replay_rows": [_pick(r, CHECK_FIELDS) for r in replay.get("rows") or []],
         "comparisons": bench.get("comparisons") or [], "recommended": bench.get("recommended"),
-        "recommendation": bench.get("recommendation") or [],
+        "recommendation": bench.get("recommendation") or [], "curve": curve_facts(curve),
     }
 
 

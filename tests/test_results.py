@@ -140,5 +140,19 @@ def test_a_runtime_benchmark_renders_its_comparisons_and_replay_check():
     assert "`llama.cpp target-only (recommended)` | 20.00" in text and "drafts nothing" in text
     assert "against `llamacpp:3,0,0.0 (default)`: 1.54x [1.50, 1.60]" in text
     assert "| `goodput:adaedl` | 20.20 | 20.00 | 0.990 |" in text and "1 of 1 rows within 10%" in text
-    assert "do not speculate" in text and "3/4" in text
+    assert "do not speculate" in text and "3/4" in text and "The run's curve" not in text  # stored without it
     assert "No stored run yet" in runtime_block([], "benchmark-transformers")
+    data["curve"] = {"draft_ms": 21.9, "catchup_ms": 13.1, "target_ms_L1": 36.5, "target_ms_L2": 65.5}
+    text = runtime_block([Summary(Path("x.json"), data)], "benchmark-llamacpp")
+    assert "one new token 36.5 ms, of two 65.5 ms; a draft step 21.9 ms" in text and "13.1 ms more" in text
+
+
+def test_a_summary_reads_the_runs_curve(tmp_path):
+    from pipelines.result_store import curve_facts
+
+    cm = tmp_path / "cost_model.llamacpp.json"
+    cm.write_text(json.dumps({"draft_s_per_token": 0.022, "draft_catchup_s": 0.013,
+                              "target_s": {"1": 0.0365, "2": 0.0655, "4": 0.098}}))
+    assert curve_facts(cm) == {"draft_ms": 22.0, "catchup_ms": 13.0, "target_ms_L1": 36.5, "target_ms_L2": 65.5}
+    cm.write_text(json.dumps({"draft_s_per_token": 0.022, "target_s": {"1": 0.0365, "2": 0.0655}}))  # no catch-up
+    assert curve_facts(cm)["catchup_ms"] == 0.0 and curve_facts(tmp_path / "none.json") is None
