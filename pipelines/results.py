@@ -6,7 +6,7 @@ give (the unit suite runs it). ``--main_job DIR`` / ``--benchmark DIR`` first st
 
 Usage:
     python -m pipelines.results                      # rewrite the README's and docs/results.md's blocks
-    python -m pipelines.results --check              # exit 1 when they differ from results/
+    python -m pipelines.results --check true         # exit 1 when they differ from results/
     python -m pipelines.results --benchmark outputs/benchmark-full --config_name benchmark-full \\
         --command "python -m pipelines.benchmark --config configs/benchmark-full.yaml"
 """

@@ -43,7 +43,7 @@ def main_summary(**over) -> dict:
 
 
 def test_readme_and_docs_match_the_stored_results():
-    """What CI checks: python -m pipelines.results --check on the repository exits 0."""
+    """What CI checks: python -m pipelines.results --check true on the repository exits 0."""
     assert results_cli.main(["--check", "true", "--root", str(ROOT)]) == 0
 
 
