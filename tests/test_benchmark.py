@@ -226,3 +226,18 @@ def test_smoke_run(tmp_path, tiny_pair):
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["specstop-benchmark"])
     assert len(runs) == 1 and "metrics.static_3/speedup" in runs.columns
+
+
+def test_the_settings_read_the_configs_fields_of_their_names():
+    """DecodeSettings and RunOrder take the benchmark config's fields of the same names (a field the config lacks
+    keeps its default, for the llama.cpp benchmark's config): the benchmark's config has every one of them."""
+    from dataclasses import fields
+
+    from pipelines.benchmark.bench import DecodeSettings, RunOrder
+
+    cfg = BenchmarkConfig(max_new_tokens=7, temperature=0.5, top_p=0.9, seed=3, max_draft_len=5, top_k_features=4,
+                          batch_size=2, order="row", force=True, repeats=3, rerun_slower_than=0.1, curve_probes=False)
+    for cls in (DecodeSettings, RunOrder):
+        missing = [f.name for f in fields(cls) if f.name not in BenchmarkConfig.__dataclass_fields__]
+        assert not missing, f"{cls.__name__} reads {missing}, which BenchmarkConfig does not have"
+        assert all(getattr(cls.of(cfg), f.name) == getattr(cfg, f.name) for f in fields(cls))
