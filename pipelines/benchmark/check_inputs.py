@@ -1,6 +1,6 @@
-"""What the replay check reads from a finished benchmark's folder (:class:`BenchFolder`: its config, rows, prompts,
-target-only's outputs and the curve it prices with) and every engine row's policy rebuilt from the spec and threshold
-the benchmark recorded (:func:`row_policies`), with why the replay cannot follow a row's trajectory
+"""What the replay check reads from a finished benchmark's folder (:class:`BenchFolder`: how it decoded, its models,
+rows, prompts, target-only's outputs and the curve it prices with) and every engine row's policy rebuilt from the spec
+and threshold the benchmark recorded (:func:`row_policies`), with why the replay cannot follow a row's trajectory
 (:func:`row_note`)."""
 from __future__ import annotations
 
@@ -141,18 +141,18 @@ def row_policies(folder: BenchFolder, draft: PreTrainedModel, tokenizer: PreTrai
     return out
 
 
-def row_note(policy: StopPolicy, cfg: DecodeSettings, own_output: bool = False) -> str:
+def row_note(policy: StopPolicy, decoding: DecodeSettings, own_output: bool = False) -> str:
     """Why the replay cannot follow the engine's trajectory for this row ('' when it can). ``own_output``: the row
     recorded its output (an approximate policy's in greedy decoding, replayed along it: :func:`own_output_rows`)."""
     notes = []
-    if policy.verification == HINDSIGHT and cfg.temperature > 0:
+    if policy.verification == HINDSIGHT and decoding.temperature > 0:
         notes.append("sampling oracle: the replay drafts the expected acceptable run, the engine's time is estimated")
-    elif not policy.exact and not (own_output and cfg.temperature == 0):
+    elif not policy.exact and not (own_output and decoding.temperature == 0):
         notes.append("approximate policy: rounds checked at their last token as the engine checks them, along "
                      "target-only's output, which the engine leaves at a mismatch it takes unverified")
-    if cfg.batch_size > 1:
+    if decoding.batch_size > 1:
         notes.append("engine batched: the replay runs one sequence a round")
-    if cfg.temperature > 0:
+    if decoding.temperature > 0:
         notes.append("sampling: expected acceptance along target-only's sampled output")
     return "; ".join(notes)
 
