@@ -5,8 +5,9 @@ them with one target forward over ``n + 1`` new tokens (the last emitted token, 
 ``n`` drafts). Target-only decoding is the round with ``n = 0``: one target forward of one new token per output token.
 After a round whose drafts were all accepted the draft has not read its own last draft (it was the last step's
 output), so the next round's first draft forward reads two tokens, that draft and the target's bonus token:
-``draft_catchup_s`` prices the second where it was measured (llama.cpp's curve, whose forward of two tokens runs other
-kernels than one of one); elsewhere it is 0 and the catch-up costs one step.
+``draft_catchup_s`` prices the second (both curves time it: on llama.cpp a forward of two tokens runs other kernels
+than one of one and costs much more than a step; on specstop's engine little more); a file measured without it
+holds 0, and the catch-up costs one step.
 
 One length convention everywhere: ``target_s[L]`` is a target forward of ``L`` new tokens (L = drafts + 1). The
 generator writes this model beside its shards, ``pipelines.measure_costs`` measures it for any pair, and the replay,
@@ -62,7 +63,7 @@ class CostModel:
     """Seconds of one companion decode step (0 when no companion was measured)."""
     draft_catchup_s: float = 0.0
     """Seconds a draft forward of two new tokens takes over one of one token: the catch-up after a round whose drafts
-    were all accepted (:meth:`catchup_time`); 0 when not measured."""
+    were all accepted (:meth:`catchup_time`); 0 in files measured without it."""
     device: str = "cpu"
     """Device the timings were taken on."""
     dtype: str = "float32"
@@ -438,8 +439,11 @@ def measure_cost_model(
     extra: dict[str, Any] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "statistic": statistic}
     bandwidths = [read_bandwidth()] if dev.type == "cpu" else []  # before and after: the host's bandwidth drifts
     with torch.inference_mode():
-        draft_s, extra["draft_raw_s"] = _time_decode(draft, prompt.to(next(draft.parameters()).device), decode_steps,
-                                                     repeats, statistic)
+        draft_prompt = prompt.to(next(draft.parameters()).device)
+        draft_s, extra["draft_raw_s"] = _time_decode(draft, draft_prompt, decode_steps, repeats, statistic)
+        # the draft's forward of one and of two tokens over one cache: its catch-up after a fully accepted round
+        pair = _time_target(draft, draft_prompt, [1, 2], repeats, vocab, g)
+        extra.update({f"draft_raw_s_L{L}": t for L, t in pair.items()})
         comp_s = _time_companion(companion, draft, prompt, decode_steps, repeats, statistic, extra)
         raw_t = _time_target(target, prompt, sorted(set(int(x) for x in lengths)), repeats, vocab, g)
     extra.update({f"target_raw_s_L{L}": t for L, t in raw_t.items()})
@@ -451,6 +455,7 @@ def measure_cost_model(
         compute_path=compute_path_of(target),
         machine=cpu_info(),
         draft_s_per_token=float(draft_s),
+        draft_catchup_s=max(_stat(pair[2], statistic) - _stat(pair[1], statistic), 0.0),
         target_s=_curve(raw_t, statistic),
         companion_s_per_token=float(comp_s),
         device=str(dev),

@@ -322,6 +322,7 @@ def test_measure_cost_model_tiny():
     ts = [cm.target_s[k] for k in sorted(cm.target_s)]
     assert all(a <= b for a, b in zip(ts, ts[1:]))  # made non-decreasing in L
     assert len(cm.extra["target_raw_s_L4"]) == 2
+    assert len(cm.extra["draft_raw_s_L2"]) == 2 and cm.draft_catchup_s >= 0  # the draft's two-token forward, timed
     assert cm.round_time(4) > cm.round_time(0) > 0
     assert not cm.assumed and cm.prompt_len == 16
 
