@@ -212,6 +212,11 @@ def batch_lengths(acc: list[list[float]], latency: Callable[[int], float]) -> li
         lengths[b] += 1
 
 
+FORGET = 0.9
+"""The weight a round's acceptance counts keep at the next round (:attr:`GoodputPolicy.acceptance_ceiling`): the
+estimate follows about the last ten rounds, and drifts back to the prior while rounds draft nothing."""
+
+
 class GoodputPolicy(StopPolicy):
     """Any stop policy made cost-aware: its score through the calibration map of the decoding mode is the acceptance
     the goodput rule prices (``verification == GOODPUT``).
@@ -256,18 +261,21 @@ class GoodputPolicy(StopPolicy):
     @property
     def acceptance_ceiling(self) -> float:
         """What :func:`can_pay` prices a round's drafts with, before the first one is drafted and scored: the
-        acceptance a draft has shown in this sequence's rounds so far (accepted over tried, a token tried until the
-        first rejection), under a uniform prior (one accepted and one rejected: 1/2 before any round), at most the
-        calibration's highest value. The first draft step of a round is paid before its acceptance is known: where a
-        round pays only when nearly every draft is accepted, it would be paid every round and lost; where rounds pay,
-        they pay at this acceptance too."""
+        acceptance a draft has shown in this sequence's recent rounds (accepted over tried, a token tried until the
+        first rejection, each round's counts weighing :data:`FORGET` of the next one's), under a uniform prior (one
+        accepted and one rejected: 1/2 before any round), at most the calibration's highest value. The first draft
+        step of a round is paid before its acceptance is known: where a round pays only when nearly every draft is
+        accepted, it would be paid every round and lost; where rounds pay, they pay at this acceptance too. Rounds
+        that draft nothing add no evidence and let the estimate return towards the prior, so a run of rejections does
+        not stop drafting for the rest of the sequence."""
         seen = (self._accepted + 1.0) / (self._tried + 2.0)
         return min(self.calibrator.ceiling, seen)
 
     def update(self, feedback: RoundFeedback) -> None:
-        """Count the round's drafts tried (up to the first rejection) and accepted."""
-        self._accepted += feedback.n_accepted
-        self._tried += min(feedback.n_accepted + 1, feedback.n_drafted)
+        """Count the round's drafts tried (up to the first rejection) and accepted, the earlier rounds' counts
+        weighed down by :data:`FORGET`."""
+        self._accepted = FORGET * self._accepted + feedback.n_accepted
+        self._tried = FORGET * self._tried + min(feedback.n_accepted + 1, feedback.n_drafted)
 
     def score_list(self, features: Mapping[str, Tensor]) -> list[float]:
         cal = self.calibrator

@@ -349,15 +349,17 @@ def test_a_round_that_pays_only_if_every_draft_is_accepted_is_not_drafted_below_
 
 
 def test_the_first_draft_is_priced_with_the_acceptance_seen_so_far():
-    """A draft's acceptance before a round is what the sequence's rounds showed (tokens accepted over tokens tried up
-    to the first rejection, under a uniform prior: 1/2 before any round), capped by the calibration."""
+    """A draft's acceptance before a round is what the sequence's recent rounds showed (tokens accepted over tokens
+    tried up to the first rejection, earlier rounds weighed down, under a uniform prior: 1/2 before any round), capped
+    by the calibration."""
     from predictors.base import RoundFeedback
 
     pol = GoodputPolicy(MaxConfidence(0.4), {"greedy": Calibrator("isotonic", [0.0, 1.0], [0.0, 0.97])})
     assert pol.acceptance_ceiling == pytest.approx(0.5)
     pol.update(RoundFeedback.leading(4, 1, [0.5] * 4))  # 1 accepted, the 2nd rejected: 2 tried
     pol.update(RoundFeedback.leading(3, 3, [0.5] * 3))  # 3 of 3
-    assert pol.acceptance_ceiling == pytest.approx((4 + 1) / (5 + 2))
+    f = goodput.FORGET
+    assert pol.acceptance_ceiling == pytest.approx((f * 1 + 3 + 1) / (f * 2 + 3 + 2))
     for _ in range(50):  # rounds all accepted: the estimate nears 1 but the calibration caps it
         pol.update(RoundFeedback.leading(4, 4, [0.9] * 4))
     assert pol.acceptance_ceiling == pytest.approx(0.97)
@@ -365,3 +367,23 @@ def test_the_first_draft_is_priced_with_the_acceptance_seen_so_far():
     assert not goodput.can_pay(cost(tile, draft=0.1), 8, pol.acceptance_ceiling)
     pol.reset()
     assert pol.acceptance_ceiling == pytest.approx(0.5)
+
+
+def test_a_run_of_rejections_does_not_stop_drafting_for_the_rest_of_the_sequence():
+    """Rounds whose first draft is rejected bring the estimate below what a round needs to pay; the rounds that then
+    draft nothing add no evidence, and the estimate returns towards the prior until rounds pay again (it never sticks
+    where it fell)."""
+    from predictors.base import RoundFeedback
+
+    pol = GoodputPolicy(MaxConfidence(0.4), {"greedy": Calibrator("isotonic", [0.0, 1.0], [0.0, 0.97])})
+    steep = cost({1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 5: 1.8}, draft=0.2)  # a round pays above an acceptance of 0.4
+    assert goodput.can_pay(steep, 4, pol.acceptance_ceiling)
+    for _ in range(6):
+        pol.update(RoundFeedback.leading(1, 0, [0.5]))  # one draft tried, rejected
+    assert not goodput.can_pay(steep, 4, pol.acceptance_ceiling)
+    waited = 0
+    while not goodput.can_pay(steep, 4, pol.acceptance_ceiling):
+        pol.update(RoundFeedback.leading(0, 0, []))  # a round that drafted nothing
+        waited += 1
+        assert waited < 30, pol.acceptance_ceiling
+    assert pol.acceptance_ceiling < 0.5
