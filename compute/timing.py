@@ -253,7 +253,7 @@ class CostModel:
             raise ValueError("this cost model keeps no raw timings (measure it again with pipelines.measure_costs)")
         comp = self.extra.get("companion_raw_s")
         one, two = self.extra.get("draft_raw_s_L1"), self.extra.get("draft_raw_s_L2")
-        catchup = max(_stat(two, statistic) - _stat(one, statistic), 0.0) if one and two else self.draft_catchup_s
+        catchup = _catchup(one, two, statistic) if one and two else self.draft_catchup_s
         return replace(
             self, draft_s_per_token=_stat(self.extra["draft_raw_s"], statistic),
             companion_s_per_token=_stat(comp, statistic) if comp else self.companion_s_per_token,
@@ -343,6 +343,12 @@ def _stat(times: list[float], statistic: str) -> float:
     if statistic == "mean":
         return statistics.fmean(times)
     return min(times) if statistic == "min" else statistics.median(times)
+
+
+def _catchup(one: list[float], two: list[float], statistic: str) -> float:
+    """``CostModel.draft_catchup_s`` from raw seconds of the draft's forward of one and of two tokens over one cache:
+    the second token's cost, at least 0."""
+    return max(_stat(two, statistic) - _stat(one, statistic), 0.0)
 
 
 def _monotone(lengths: list[int], times: list[float]) -> list[float]:
@@ -455,7 +461,7 @@ def measure_cost_model(
         compute_path=compute_path_of(target),
         machine=cpu_info(),
         draft_s_per_token=float(draft_s),
-        draft_catchup_s=max(_stat(pair[2], statistic) - _stat(pair[1], statistic), 0.0),
+        draft_catchup_s=_catchup(pair[1], pair[2], statistic),
         target_s=_curve(raw_t, statistic),
         companion_s_per_token=float(comp_s),
         device=str(dev),
