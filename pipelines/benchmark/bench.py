@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Self
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -19,14 +19,19 @@ from pipelines.benchmark.config import BenchmarkConfig
 log = logging.getLogger("pipelines.benchmark")
 
 
-def same_named_fields(cls: type, cfg: Any) -> dict[str, Any]:
-    """The values of a config's fields named as the dataclass ``cls``'s (the ones it has): the settings a part of the
-    benchmark reads, taken from the one config the run was given."""
-    return {f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)}
+class SettingsOf:
+    """A dataclass of settings a part of the benchmark reads, taken by :meth:`of` from the one config the run was
+    given: its fields of the same names (``BenchmarkConfig``'s, the llama.cpp benchmark's); a field the config lacks
+    keeps its default (the llama.cpp benchmark decodes greedily, one prompt at a time, without probes)."""
+
+    @classmethod
+    def of(cls, cfg: Any) -> Self:
+        """The settings ``cfg`` holds under these fields' names."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
-class DecodeSettings:
+class DecodeSettings(SettingsOf):
     """How every row decodes a prompt: the fields of the benchmark's config that a row's tokens and counts depend on
     (each named as in ``BenchmarkConfig``, which documents it)."""
 
@@ -40,12 +45,6 @@ class DecodeSettings:
     batch_size: int = 1
     force: bool = False
 
-    @classmethod
-    def of(cls, cfg: Any) -> DecodeSettings:
-        """The settings of a config with fields of the same names (``BenchmarkConfig``, the llama.cpp benchmark's);
-        a field the config lacks keeps its default (the llama.cpp benchmark decodes greedily, one prompt at a time)."""
-        return cls(**same_named_fields(cls, cfg))
-
     @property
     def mode(self) -> str:
         """``greedy`` (temperature 0) or ``sampling``."""
@@ -53,7 +52,7 @@ class DecodeSettings:
 
 
 @dataclass(frozen=True)
-class RunOrder:
+class RunOrder(SettingsOf):
     """How the rows take turns on the prompts: the fields of the benchmark's config of the same names (documented
     there); the defaults run each row once over all prompts, one prompt at a time."""
 
@@ -61,11 +60,6 @@ class RunOrder:
     repeats: int = 1
     rerun_slower_than: float | None = None
     curve_probes: bool = False
-
-    @classmethod
-    def of(cls, cfg: Any) -> RunOrder:
-        """The order a config with fields of the same names asks for."""
-        return cls(**same_named_fields(cls, cfg))
 
 
 @dataclass
@@ -93,6 +87,7 @@ class Bench:
         """A view of the bench that decodes ``n`` new tokens a prompt (of its first ``prompts`` prompts: all by
         default): the warm-up's short runs, the reference row's shorter ones."""
         return replace(self, decoding=replace(self.decoding, max_new_tokens=n), prompts=self.prompts[:prompts])
+
 
 def load_benchmark_prompts(cfg: BenchmarkConfig, tokenizer) -> tuple[list[list[int]], list[str], dict]:
     """Token ids of the benchmark prompts, their ids, and stats."""
