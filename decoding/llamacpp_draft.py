@@ -39,20 +39,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from compute.draft_stats import greedy_draft_stats
 from compute.llamacpp import llama_cpp_module
 from compute.timing import CostModel
-from data_gen.features import token_features
+from decoding.draft_steps import DraftedRound, sent_count, step_features, take_candidate
+from decoding.draft_steps import check_policy as check_runtime_policy
 from decoding.stats import DecodeStats
 from predictors import goodput
-from predictors.base import GOODPUT, PREFIX, THRESHOLD, RoundFeedback, StopPolicy
+from predictors.base import GOODPUT, RoundFeedback, StopPolicy
 
 try:  # optional dependency (the llamacpp extra): the hook's base class; the drafting loop runs without it
     from llama_cpp.llama_speculative import LlamaDraftModel
@@ -65,28 +65,6 @@ __all__ = ["DraftCall", "DraftedRound", "SpecstopDraftModel", "check_policy", "d
 
 Feed = Callable[[int], Tensor]
 """Reads one drafted token into the draft and returns the [1, V] logits of the next position."""
-
-
-@dataclass
-class DraftedRound:
-    """One round of drafting (:func:`draft_round`)."""
-
-    tokens: list[int] = field(default_factory=list)
-    """Tokens drafted (taken), in order."""
-    sent: int = 0
-    """How many of them go to the target (a prefix)."""
-    scores: list[float] = field(default_factory=list)
-    """Per stop decision, the policy's score (goodput and prefix rules; the dropped candidate's too)."""
-    q: list[float] = field(default_factory=list)
-    """q(x) of each drafted token."""
-    steps: int = 0
-    """Stop decisions taken (candidates scored)."""
-    draft_s: float = 0.0
-    """Seconds in the draft's forwards of drafted tokens."""
-    draft_evals: int = 0
-    """Those forwards."""
-    stop_s: float = 0.0
-    """Seconds computing features and decisions (the drafted token's argmax included)."""
 
 
 @dataclass
@@ -110,45 +88,8 @@ class DraftCall:
 
 
 def check_policy(policy: StopPolicy) -> None:
-    """ValueError when ``policy`` cannot run in the hook: a verification other than threshold / goodput / prefix
-    (llama.cpp verifies every sent token exactly), or inputs the hook does not compute."""
-    if policy.verification not in (THRESHOLD, GOODPUT, PREFIX):
-        raise ValueError(f"policy {policy.kind}: its verification ({policy.verification}) cannot run inside llama.cpp, "
-                         "which verifies every sent token exactly (threshold, goodput and prefix policies can)")
-    if "draft_hidden" in policy.required_columns or policy.needs_companion or policy.needs_target:
-        raise ValueError(f"policy {policy.kind} reads {list(policy.required_columns)}: inside llama.cpp the hook "
-                         "computes the draft's own columns only (top-k, entropy, probabilities, position)")
-
-
-def step_features(logits: Tensor, policy: StopPolicy, top_k: int, position: int) -> tuple[int, dict[str, Tensor]]:
-    """The greedy token of [1, V] draft ``logits`` and its features (``token_features`` with the policy's columns,
-    plus ``position``), as the engine's greedy draft step computes them."""
-    fused = greedy_draft_stats(logits, max(1, top_k))
-    tok, stats = fused if fused is not None else (logits.argmax(-1), None)
-    feats = token_features(logits, tok, top_k=top_k, temperature=0.0, columns=policy.required_columns, stats=stats)
-    feats["position"] = torch.tensor([position], dtype=torch.long)
-    return int(tok[0]), feats
-
-
-def _decide(policy: StopPolicy, tok: int, feats: dict[str, Tensor], rnd: DraftedRound, cap: int,
-            cost: goodput.RoundCost | None) -> bool:
-    """Take the candidate or not (into ``rnd``) and say whether to draft another."""
-    q = float(feats["q"][0])
-    if policy.verification == PREFIX:
-        score = policy.score_list(feats)[0]
-        rnd.scores.append(score)
-        if score < policy.threshold:  # llama.cpp: a candidate below p_min ends the round and is not taken
-            return False
-        rnd.tokens.append(tok)
-        rnd.q.append(q)
-        return True
-    rnd.tokens.append(tok)
-    rnd.q.append(q)
-    if policy.verification == GOODPUT:
-        assert cost is not None
-        rnd.scores.append(policy.score_list(feats)[0])
-        return goodput.keep_drafting(rnd.scores, cost, cap)
-    return bool(policy.keep_drafting(feats)[0])
+    """ValueError when ``policy`` cannot run in the hook (``decoding.draft_steps.check_policy``)."""
+    check_runtime_policy(policy, "llama.cpp")
 
 
 def draft_round(logits: Tensor, feed: Feed, policy: StopPolicy, cap: int, cost: goodput.RoundCost | None = None,
@@ -159,7 +100,7 @@ def draft_round(logits: Tensor, feed: Feed, policy: StopPolicy, cap: int, cost: 
     while len(rnd.tokens) < cap:
         t0 = time.perf_counter()
         tok, feats = step_features(logits, policy, top_k, len(rnd.tokens))
-        more = _decide(policy, tok, feats, rnd, cap, cost)
+        more = take_candidate(policy, tok, feats, rnd, cap, cost)
         rnd.stop_s += time.perf_counter() - t0
         rnd.steps += 1
         if not more or len(rnd.tokens) >= cap:
@@ -168,13 +109,7 @@ def draft_round(logits: Tensor, feed: Feed, policy: StopPolicy, cap: int, cost: 
         logits = feed(tok)
         rnd.draft_s += time.perf_counter() - t0
         rnd.draft_evals += 1
-    if policy.verification == PREFIX:
-        rnd.sent = policy.prefix_round(rnd.scores)[1]
-    elif policy.verification == GOODPUT:
-        assert cost is not None
-        rnd.sent = goodput.best_prefix(rnd.scores, cost)[0] if rnd.tokens else 0
-    else:
-        rnd.sent = len(rnd.tokens)
+    rnd.sent = sent_count(rnd, policy, cost)
     return rnd
 
 

@@ -1,0 +1,115 @@
+"""One drafted token at a time, stopped by a specstop policy: the steps that the runtimes' draft hooks share.
+
+A runtime that drafts token by token itself (llama.cpp's draft-model hook, ``decoding.llamacpp_draft``; vLLM's draft
+proposer, ``decoding.vllm_proposer``) hands each step's draft logits here: :func:`step_features` picks the greedy token
+and computes its features with ``data_gen.features.token_features`` (the one feature function of data generation and
+the engine, plus ``position``), :func:`take_candidate` takes it or not into the round (:class:`DraftedRound`) and says
+whether to draft another, as the policy declares (``StopPolicy.verification``):
+
+- ``threshold`` (DISCO, SVIP, AdaEDL, max confidence, static...): the token is drafted, then drafting stops when
+  ``keep_drafting`` says no (the token is kept) or at the round's cap; every drafted token is sent;
+- ``goodput`` (``goodput:<spec>``): drafting goes on while ``predictors.goodput.keep_drafting`` says the expected
+  tokens/s still improves, priced by the runtime's own curve, and the best prefix is sent;
+- ``prefix`` (llama.cpp's draft-simple rule): a candidate whose score is below the threshold stops the round and is
+  not taken; the rule's own ``prefix_round`` says how many are sent.
+
+:func:`sent_count` is how many of a finished round's tokens go to the target.
+
+Usage::
+
+    rnd = DraftedRound()
+    tok, feats = step_features(logits, policy, top_k=10, position=len(rnd.tokens))
+    more = take_candidate(policy, tok, feats, rnd, cap, cost)
+    ...
+    rnd.sent = sent_count(rnd, policy, cost)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from compute.draft_stats import greedy_draft_stats
+from data_gen.features import token_features
+from predictors import goodput
+from predictors.base import GOODPUT, PREFIX, THRESHOLD, StopPolicy
+
+__all__ = ["DraftedRound", "check_policy", "step_features", "take_candidate", "sent_count"]
+
+
+@dataclass
+class DraftedRound:
+    """One round of drafting."""
+
+    tokens: list[int] = field(default_factory=list)
+    """Tokens drafted (taken), in order."""
+    sent: int = 0
+    """How many of them go to the target (a prefix)."""
+    scores: list[float] = field(default_factory=list)
+    """Per stop decision, the policy's score (goodput and prefix rules; the dropped candidate's too)."""
+    q: list[float] = field(default_factory=list)
+    """q(x) of each drafted token."""
+    steps: int = 0
+    """Stop decisions taken (candidates scored)."""
+    draft_s: float = 0.0
+    """Seconds in the draft's forwards of drafted tokens."""
+    draft_evals: int = 0
+    """Those forwards."""
+    stop_s: float = 0.0
+    """Seconds computing features and decisions (the drafted token's argmax included)."""
+    done: bool = False
+    """The policy (or the cap) ended the round."""
+
+
+def check_policy(policy: StopPolicy, runtime: str) -> None:
+    """ValueError when ``policy`` cannot run inside ``runtime``'s drafting loop: a verification other than threshold /
+    goodput / prefix (the runtime verifies every sent token exactly), or inputs a hook does not compute."""
+    if policy.verification not in (THRESHOLD, GOODPUT, PREFIX):
+        raise ValueError(f"policy {policy.kind}: its verification ({policy.verification}) cannot run inside {runtime}, "
+                         "which verifies every sent token exactly (threshold, goodput and prefix policies can)")
+    if "draft_hidden" in policy.required_columns or policy.needs_companion or policy.needs_target:
+        raise ValueError(f"policy {policy.kind} reads {list(policy.required_columns)}: inside {runtime} the hook "
+                         "computes the draft's own columns only (top-k, entropy, probabilities, position)")
+
+
+def step_features(logits: Tensor, policy: StopPolicy, top_k: int, position: int) -> tuple[int, dict[str, Tensor]]:
+    """The greedy token of [1, V] draft ``logits`` and its features (``token_features`` with the policy's columns,
+    plus ``position``), as the engine's greedy draft step computes them."""
+    fused = greedy_draft_stats(logits, max(1, top_k))
+    tok, stats = fused if fused is not None else (logits.argmax(-1), None)
+    feats = token_features(logits, tok, top_k=top_k, temperature=0.0, columns=policy.required_columns, stats=stats)
+    feats["position"] = torch.tensor([position], dtype=torch.long)
+    return int(tok[0]), feats
+
+
+def take_candidate(policy: StopPolicy, tok: int, feats: dict[str, Tensor], rnd: DraftedRound, cap: int,
+                   cost: goodput.RoundCost | None) -> bool:
+    """Take the candidate or not (into ``rnd``) and say whether to draft another (see the module docstring)."""
+    q = float(feats["q"][0])
+    if policy.verification == PREFIX:
+        score = policy.score_list(feats)[0]
+        rnd.scores.append(score)
+        if score < policy.threshold:  # llama.cpp: a candidate below p_min ends the round and is not taken
+            return False
+        rnd.tokens.append(tok)
+        rnd.q.append(q)
+        return True
+    rnd.tokens.append(tok)
+    rnd.q.append(q)
+    if policy.verification == GOODPUT:
+        assert cost is not None
+        rnd.scores.append(policy.score_list(feats)[0])
+        return goodput.keep_drafting(rnd.scores, cost, cap)
+    return bool(policy.keep_drafting(feats)[0])
+
+
+def sent_count(rnd: DraftedRound, policy: StopPolicy, cost: goodput.RoundCost | None) -> int:
+    """How many of the round's drafted tokens go to the target: the prefix rule's count, the goodput rule's best
+    prefix, else all of them."""
+    if policy.verification == PREFIX:
+        return policy.prefix_round(rnd.scores)[1]
+    if policy.verification == GOODPUT:
+        assert cost is not None
+        return goodput.best_prefix(rnd.scores, cost)[0] if rnd.tokens else 0
+    return len(rnd.tokens)
