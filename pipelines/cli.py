@@ -17,10 +17,13 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
 import sys
+import types
+import typing
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,12 +44,12 @@ def parse_config(cls: type[T], argv: list[str] | None, description: str) -> T:
     """Parse ``--config file.yaml`` plus flag overrides into an instance of the dataclass ``cls``.
 
     A check of the dataclass (``__post_init__``) that refuses a value exits like a parse error: ``error: <message>``
-    on stderr, exit code 2.
+    on stderr, exit code 2. A list-of-strings field also takes one bare value (``--predictors REF``).
     """
     parser = ArgumentParser(description=description, default_config_files=[])
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file mirroring the dataclass fields")
     parser.add_class_arguments(cls, as_group=False)
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(one_item_lists(cls, sys.argv[1:] if argv is None else argv))
     ns.pop("config", None)
     try:
         init = parser.instantiate_classes(ns)
@@ -59,6 +62,40 @@ def parse_config(cls: type[T], argv: list[str] | None, description: str) -> T:
     except (ValueError, TypeError) as e:
         parser.error(_one_line(e))
         raise  # parser.error exits; unreachable
+
+
+def one_item_lists(cls: type, argv: list[str]) -> list[str]:
+    """``argv`` with a bare value after a flag of a list-of-strings field of ``cls`` (``--predictors REF``,
+    ``--predictors=REF``) written as the one-item list ``["REF"]``: jsonargparse takes a list only in brackets (or one
+    item at a time through ``--predictors+ REF``). Values in brackets, ``null`` and other flags pass unchanged."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):
+        return list(argv)
+    flags = {f"--{name}" for name, tp in hints.items() if _is_str_list(tp)}
+
+    def bare(value: str) -> bool:
+        return not value.lstrip().startswith(("[", "--")) and value not in ("null", "None")
+
+    out, i = [], 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in flags and eq and bare(value):
+            out.append(f"{flag}={json.dumps([value])}")
+        elif flag in flags and not eq and i + 1 < len(argv) and bare(argv[i + 1]):
+            out += [flag, json.dumps([argv[i + 1]])]
+            i += 1
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
+
+
+def _is_str_list(tp: object) -> bool:
+    """``list[str]``, alone or in a union (``list[str] | None``)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_is_str_list(t) for t in typing.get_args(tp))
+    return typing.get_origin(tp) is list and typing.get_args(tp) == (str,)
 
 
 @contextmanager
