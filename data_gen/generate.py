@@ -32,10 +32,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import datasets
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from compute.compute_path import (
     gemm_resume_hint,
@@ -47,7 +48,7 @@ from compute.draft_stats import native_available
 from compute.models import check_same_tokenizer, load_model, model_fingerprint, share_truncated_layers
 from compute.timing import measure_cost_model
 from data_gen.chunk import ChunkStats, cut_to_budget, origin_cost, produce_chunk
-from data_gen.config import GenerateConfig
+from data_gen.config import GenerateConfig, ModelsConfig
 from data_gen.labelling import LabelModels
 from data_gen.planning import rng_for
 from data_gen.prompts import load_prompts, render_prompt
@@ -86,6 +87,29 @@ def load_models(cfg: GenerateConfig, device: str | None = None) -> tuple[LabelMo
     if next(draft.parameters()).device.type == "cpu":
         native_available()  # build / load the native statistics with the models, not inside the first shard's timing
     return LabelModels(draft, target, companion), tok
+
+
+def load_pair(draft: str, target: str, **settings: Any) -> tuple[PreTrainedModel, PreTrainedModel,
+                                                                  PreTrainedTokenizerBase]:
+    """Draft, target and their tokenizer, loaded exactly as the main job loads them (:class:`ModelsConfig`'s
+    defaults: on packed-bf16 the draft's weights in int8 and both LM heads in bf16, on the CPU's compute path), so an
+    exported predictor runs on the draft precision it was trained on.
+
+    Usage: ``draft, target, tok = load_pair("packaged:qwen2.5-coder-0.5b-instruct",
+    "packaged:qwen2.5-coder-1.5b-instruct")``
+
+    Args:
+        draft, target: model sources (``compute.models.ModelSpec.name`` forms); they must share a tokenizer.
+        settings: any other :class:`ModelsConfig` field, e.g. ``device="cuda"`` or ``compute="eager"``.
+    """
+    fields = {f.name for f in dataclasses.fields(ModelsConfig)} - {"draft", "target", "companion"}
+    unknown = sorted(set(settings) - fields)
+    if unknown:
+        raise ValueError(f"load_pair: unknown setting {', '.join(unknown)}; use ModelsConfig fields: "
+                         f"{', '.join(sorted(fields))}")
+    models = ModelsConfig(draft=draft, target=target, **settings)
+    loaded, tok = load_models(GenerateConfig(models=models))
+    return loaded.draft, loaded.target, tok
 
 
 def attention_for_labelling(models: LabelModels) -> None:
