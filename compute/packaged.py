@@ -8,9 +8,10 @@ checks the joined sha256, loads it with transformers' GGUF support, saves a safe
 atomically (temporary folder, then rename, with a marker file) and deletes the joined GGUF. Later calls return the
 cached folder at once.
 
-The weights are saved as the GGUF loader gives them, dequantised to float32: the GGUFs hold Q8_0 / Q6_K blocks (8- or
-6-bit integers times an fp16 scale), whose values bfloat16 cannot hold, so a bfloat16 copy would change every fp32
-path's bits and the int8 draft's scales (only the target's bf16 packs would come out the same).
+The weights are saved as the GGUF loader gives them, dequantised to float32: the GGUFs are Q4_K_M files (Q4_K,
+Q6_K, Q5_0 and Q8_0 blocks: small integers times fp16 scales; docs/packaged-models.md), whose values bfloat16 cannot
+hold, so a bfloat16 copy would change every fp32 path's bits and the int8 draft's scales (only the target's bf16 packs
+would come out the same).
 
 Usage: ``python -m compute.packaged [NAME ...] [--cache-dir ~/.cache/specstop]`` (converts; prints the folders), or
 in code ``folder = ensure_packaged("qwen2.5-coder-0.5b-instruct", Path("~/.cache/specstop").expanduser())``.
