@@ -21,6 +21,10 @@ for arg in "$@"; do
 done
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
+  if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo "scripts/setup.sh: specstop needs Python >= 3.11; $PY is $("$PY" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo 'not a Python'): set PYTHON=python3.11 (or newer)" >&2
+    exit 2
+  fi
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
