@@ -12,7 +12,7 @@ Usage::
 """
 from __future__ import annotations
 
-from pipelines.result_store import Summary, cpu_label, interval_text
+from pipelines.result_store import Summary, cpu_label, dated, interval_text
 
 RUNTIME_CONFIGS = {"llamacpp": "benchmark-llamacpp", "transformers": "benchmark-transformers"}
 """Block name -> the config name of the runs it renders (the newest one)."""
@@ -23,7 +23,7 @@ def runtime_caption(s: Summary) -> str:
     m = d["machine"]
     threads = f", {m['threads']} threads" if m.get("threads") else ""
     return (f"{d['n_prompts']} test prompts x {d['max_new_tokens']} new tokens, greedy, each row twice a prompt; "
-            f"{cpu_label(m)}{threads}; {d['date']}; `{d['command']}`")
+            f"{cpu_label(m)}{threads}; {dated(d)}; `{d['command']}`")
 
 
 def rows_table(s: Summary) -> str:

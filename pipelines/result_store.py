@@ -1,6 +1,7 @@
 """Small summaries of finished runs, kept in ``results/`` and rendered into the README and docs/results.md.
 
-A summary is one JSON file: what was run (kind, config, command, config hash, date), where (CPU model, family and
+A summary is one JSON file: what was run (kind, config, command, config hash, date, the git commit and whether the
+tree had uncommitted changes: ``compute.code_version``), where (CPU model, family and
 model number, SIMD flags, torch, threads, compute path) and the figures the docs quote: for the main job each
 predictor's test AUC on its own label beside the best training-free score and the cross-validated difference with
 its interval; for the benchmark each row's tokens/s and speedups with their intervals over prompts. The docs never
@@ -16,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import logging
 import shlex
 import sys
 from dataclasses import dataclass
@@ -24,7 +26,10 @@ from typing import Any
 
 import yaml
 
+from compute.code_version import code_version, in_history
 from compute.cpu import cpuinfo_fields
+
+log = logging.getLogger(__name__)
 
 SCHEMA = "specstop-results/1"
 KINDS = ("main_job", "benchmark")
@@ -154,7 +159,26 @@ def curve_facts(cost_file: Path) -> dict[str, float] | None:
 
 
 def _today() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+
+
+def dated(data: dict[str, Any]) -> str:
+    """``2026-11-26, commit 429b58c``: a run's date and the code it ran (``+ uncommitted changes`` when the tree was
+    dirty, ``inferred`` when the commit was read from git history afterwards); ``commit unknown`` for a run stored
+    without one. A commit that is not in this checkout's history is rendered with a warning (and logged)."""
+    commit = data.get("commit")
+    if not commit:
+        return f"{data['date']}, commit unknown"
+    text = f"commit {str(commit)[:7]}"
+    if data.get("dirty"):
+        text += " + uncommitted changes"
+    if data.get("commit_source"):
+        text += " (inferred)"
+    if in_history(str(commit)) is False:
+        log.warning("stored run of %s (%s %s): commit %s is not in this checkout's history", data["date"],
+                    data.get("kind"), data.get("config"), commit)
+        text += " (warning: not in this checkout's history)"
+    return f"{data['date']}, {text}"
 
 
 def _data_records(out: Path, data_dir: str | None) -> int | None:
@@ -178,7 +202,7 @@ def summarize_main_job(out_dir: str | Path, command: str, config_name: str = "de
     records = results.get("records") or _data_records(out, resolved.get("data", {}).get("out_dir"))
     return {
         "schema": SCHEMA, "kind": "main_job", "config": config_name, "command": command, "date": _today(),
-        "config_hash": config_hash(resolved), "machine": machine, "compute_path": path,
+        **code_version(), "config_hash": config_hash(resolved), "machine": machine, "compute_path": path,
         "pair": {"draft": models.get("draft", "?"), "target": models.get("target", "?")},
         "records": records, "duration_s": duration_s, "predictors": rows,
         "recommendations": _recommendations(out / "recommend.json"),
@@ -219,7 +243,7 @@ def summarize_benchmark(out_dir: str | Path, command: str, config_name: str = "b
     replay = bench.get("replay_check") or {}
     return {
         "schema": SCHEMA, "kind": "benchmark", "config": config_name, "command": command, "date": _today(),
-        "config_hash": config_hash(config), "machine": machine, "compute_path": path,
+        **code_version(), "config_hash": config_hash(config), "machine": machine, "compute_path": path,
         "pair": {"draft": config["models"]["draft"], "target": config["models"]["target"]},
         "n_prompts": len(bench.get("prompt_ids") or []), "max_new_tokens": config["max_new_tokens"],
         "temperature": config.get("temperature", 0.0), "prompts_of_run": bench.get("prompts_of_run"),

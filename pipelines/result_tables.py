@@ -18,7 +18,7 @@ from typing import Any
 
 from pipelines.benchmark.config import ENTROPY_KINDS
 from pipelines.result_runtimes import RUNTIME_CONFIGS, runtime_block, runtime_section
-from pipelines.result_store import Summary, cpu_label, interval_text
+from pipelines.result_store import Summary, cpu_label, dated, interval_text
 
 LEARNED_KINDS = ("disco", "sprinter", "sv")
 HEADLINE_BENCHMARKS = ("benchmark-full", "benchmark")
@@ -36,12 +36,12 @@ def _is_learned(row: dict[str, Any]) -> bool:
 
 
 def caption(s: Summary) -> str:
-    """Where and when a run was made, and the command that reproduces it."""
+    """Where and when a run was made, on which commit, and the command that reproduces it."""
     d = s.data
     m = d["machine"]
     threads = f", {m['threads']} threads" if m.get("threads") else ""
     torch = f", torch {m['torch']}" if m.get("torch") else ""
-    return (f"{cpu_label(m)}{threads}{torch}, compute path `{d['compute_path']}`; {d['date']}; "
+    return (f"{cpu_label(m)}{threads}{torch}, compute path `{d['compute_path']}`; {dated(d)}; "
             f"`{d['command']}`")
 
 
@@ -152,10 +152,10 @@ def times_table(summaries: list[Summary]) -> str:
             latest[(cpu_label(s.data["machine"]), s.data["compute_path"], s.kind + s.data["config"])] = s
     if not latest:
         return ""
-    lines = ["| CPU | compute path | run | wall time | date |", "|---|---|---|---|---|"]
+    lines = ["| CPU | compute path | run | wall time | date, code |", "|---|---|---|---|---|"]
     for (cpu, path, _), s in sorted(latest.items()):
         what = "main job (`configs/default.yaml`)" if s.kind == "main_job" else f"benchmark `{s.data['config']}`"
-        lines.append(f"| {cpu} | `{path}` | {what} | {_minutes(s.data['duration_s'])} | {s.data['date']} |")
+        lines.append(f"| {cpu} | `{path}` | {what} | {_minutes(s.data['duration_s'])} | {dated(s.data)} |")
     return "\n".join(lines)
 
 

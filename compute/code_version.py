@@ -1,0 +1,65 @@
+"""Which code a measurement ran on: the git commit of specstop's checkout and whether its tracked files had
+uncommitted changes, so a stored result names the code that measured it.
+
+Outside a git checkout of specstop (an installed wheel, no ``git`` on the PATH) both are ``None``: recording never
+fails. Untracked files do not count as changes (outputs, virtual environments and scratch folders would mark every run
+dirty); a new module that the code imports shows up as a change to the tracked file that imports it.
+
+Usage: ``code_version()`` -> ``{"commit": "429b58c...", "dirty": False}``; ``in_history("429b58c")`` -> True when that
+commit is HEAD or one of its ancestors.
+"""
+from __future__ import annotations
+
+import functools
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The folder holding specstop's packages: a git checkout's top level when run from one."""
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess[str] | None:
+    """``git -C root args`` (None when git cannot run)."""
+    try:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30,
+                              check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _checkout(root: Path) -> bool:
+    """Whether ``root`` is the top level of a git checkout (not a folder inside another repository, e.g. a
+    site-packages under a checkout's virtual environment)."""
+    top = _git(root, "rev-parse", "--show-toplevel")
+    return top is not None and top.returncode == 0 and Path(top.stdout.strip()).resolve() == root.resolve()
+
+
+def code_version(root: Path = ROOT) -> dict[str, str | bool | None]:
+    """``{"commit": HEAD's full hash, "dirty": uncommitted changes to tracked files}``; None for each outside a git
+    checkout, ``dirty`` None when git status cannot tell."""
+    if not _checkout(root):
+        return {"commit": None, "dirty": None}
+    head = _git(root, "rev-parse", "HEAD")
+    if head is None or head.returncode != 0:
+        return {"commit": None, "dirty": None}
+    status = _git(root, "status", "--porcelain", "--untracked-files=no")
+    dirty = None if status is None or status.returncode != 0 else bool(status.stdout.strip())
+    return {"commit": head.stdout.strip(), "dirty": dirty}
+
+
+@functools.lru_cache(maxsize=64)
+def in_history(commit: str, root: Path = ROOT) -> bool | None:
+    """True when ``commit`` is HEAD or an ancestor of HEAD, False when it is not (or this repository does not know
+    it), None when that cannot be told: outside a git checkout, or in a shallow clone that lacks the commit."""
+    if not _checkout(root):
+        return None
+    known = _git(root, "cat-file", "-e", f"{commit}^{{commit}}")
+    if known is None:
+        return None
+    if known.returncode != 0:
+        shallow = _git(root, "rev-parse", "--is-shallow-repository")
+        return None if shallow is None or shallow.stdout.strip() == "true" else False
+    found = _git(root, "merge-base", "--is-ancestor", commit, "HEAD")
+    if found is None or found.returncode not in (0, 1):
+        return None
+    return found.returncode == 0

@@ -1,0 +1,110 @@
+"""Stored results name their code: a new summary records the git commit and whether the tracked tree was dirty (None
+outside a checkout, never an error), the renderer prints the short commit beside the date, an older summary without
+one renders "commit unknown", and a commit outside this checkout's history renders with a warning."""
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from compute.code_version import code_version, in_history
+from pipelines import result_store
+from pipelines.result_store import Summary, dated, summarize_main_job
+from pipelines.result_tables import render_docs, render_readme
+from tests.test_results import main_summary
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path) -> Path:
+    """A git checkout with one commit on main and one on a side branch (checked out: main)."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    git(root, "init", "-q", "-b", "main")
+    git(root, "config", "user.email", "t@example.com")
+    git(root, "config", "user.name", "t")
+    (root / "a.py").write_text("x = 1\n")
+    git(root, "add", "a.py")
+    git(root, "commit", "-q", "-m", "one")
+    git(root, "checkout", "-q", "-b", "side")
+    (root / "b.py").write_text("y = 2\n")
+    git(root, "add", "b.py")
+    git(root, "commit", "-q", "-m", "side")
+    git(root, "checkout", "-q", "main")
+    return root
+
+
+def test_code_version_records_commit_and_dirty(repo, tmp_path):
+    head = git(repo, "rev-parse", "HEAD")
+    assert code_version(repo) == {"commit": head, "dirty": False}
+    (repo / "scratch.txt").write_text("untracked files do not count\n")
+    assert code_version(repo)["dirty"] is False
+    (repo / "a.py").write_text("x = 2\n")
+    assert code_version(repo) == {"commit": head, "dirty": True}
+    outside = tmp_path / "not-a-checkout"
+    outside.mkdir()
+    assert code_version(outside) == {"commit": None, "dirty": None}
+    inner = repo / "sub"
+    inner.mkdir()
+    assert code_version(inner) == {"commit": None, "dirty": None}  # a folder inside another checkout is not one
+
+
+def test_in_history_tells_ancestors_from_other_branches(repo, tmp_path):
+    head, side = git(repo, "rev-parse", "HEAD"), git(repo, "rev-parse", "side")
+    assert in_history(head, repo) is True and in_history(head[:7], repo) is True
+    assert in_history(side, repo) is False
+    assert in_history("0" * 40, repo) is False
+    (tmp_path / "plain").mkdir()
+    assert in_history(head, tmp_path / "plain") is None
+
+
+def test_a_main_job_summary_records_the_commit(tmp_path):
+    out = tmp_path / "train"
+    (out / "report").mkdir(parents=True)
+    (out / "results.json").write_text(json.dumps({"records": 10, "results": [{"predictor": "disco", "test_auc": 0.8}]}))
+    (out / "resolved_config.json").write_text(json.dumps({"data": {"models": {"draft": "tiny:1", "target": "t"}}}))
+    (out / "report" / "cost_model.json").write_text(json.dumps({"machine": {}, "compute_path": "eager"}))
+    summary = summarize_main_job(out, command="python -m pipelines.train")
+    assert summary["commit"] == code_version()["commit"] and summary["dirty"] == code_version()["dirty"]
+    keys = list(summary)
+    assert keys.index("commit") == keys.index("date") + 1
+
+
+def test_commit_rendered_beside_the_date():
+    head = code_version()["commit"]
+    if head is None:
+        pytest.skip("not a git checkout")
+    assert dated({"date": "2026-11-27", "commit": head, "dirty": False}) == f"2026-11-27, commit {head[:7]}"
+    assert dated({"date": "2026-11-27", "commit": head, "dirty": True}).endswith(" + uncommitted changes")
+    text = render_readme([Summary(Path("m.json"), main_summary(commit=head, dirty=False))])
+    assert f"2026-11-25, commit {head[:7]};" in text
+
+
+def test_a_summary_without_commit_renders_commit_unknown():
+    old = main_summary()
+    assert "commit" not in old
+    for text in (render_readme([Summary(Path("m.json"), old)]), render_docs([Summary(Path("m.json"), old)])):
+        assert "2026-11-25, commit unknown;" in text
+
+
+def test_a_commit_outside_the_history_renders_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(result_store, "in_history", lambda commit: False)
+    data = main_summary(commit="f" * 40, dirty=False)
+    with caplog.at_level(logging.WARNING, logger="pipelines.result_store"):
+        text = render_readme([Summary(Path("m.json"), data)])
+    assert "commit fffffff (warning: not in this checkout's history)" in text
+    assert any("not in this checkout's history" in r.getMessage() for r in caplog.records)
+
+
+def test_every_stored_result_names_its_commit():
+    for path in sorted((ROOT / "results").glob("*.json")):
+        data = json.loads(path.read_text())
+        assert "commit" in data and "dirty" in data, path.name
