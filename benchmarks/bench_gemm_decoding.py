@@ -22,13 +22,13 @@ import time
 
 import torch
 
+from benchmark.bench import load_benchmark_prompts
+from benchmark.config import BenchmarkConfig
 from compute.compute_path import cpu_info
 from compute.models import load_model
 from compute.timing import CostModel
 from data_gen.config import ModelsConfig
 from decoding.policies import build_decoder
-from pipelines.benchmark.bench import load_benchmark_prompts
-from pipelines.benchmark.config import BenchmarkConfig
 
 VARIANTS = {"native_gemm": {"specstop": {"native_gemm": True, "int8_draft": False},
                              "onednn": {"native_gemm": False, "int8_draft": False}},

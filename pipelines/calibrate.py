@@ -26,8 +26,8 @@ from evaluation.calibration import calibrate_policies
 from evaluation.data import draft_fingerprint, load_columns, subset
 from evaluation.report import markdown_table
 from pipelines.cli import parse_config, setup_logging, user_errors
-from pipelines.tracking import TrackingURI
 from predictors.export import METADATA_FILE, export_predictor, load_predictor, update_metadata
+from predictors.tracking import TrackingURI
 
 
 @dataclass

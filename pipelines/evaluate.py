@@ -18,7 +18,7 @@ from typing import Any
 
 from pipelines.cli import parse_config, setup_logging, user_errors
 from pipelines.jobs.evaluate import EvaluateConfig, run_evaluation
-from pipelines.tracking import mlflow_api, mlflow_run
+from predictors.tracking import mlflow_api, mlflow_run
 
 
 def run_tracked(cfg: EvaluateConfig) -> dict[str, Any]:

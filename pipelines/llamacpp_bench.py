@@ -1,6 +1,6 @@
 """llama.cpp benchmark: target-only, llama.cpp's speculative decoding at its defaults and at given settings, and
 specstop's stop policies inside llama.cpp's speculative loop, side by side on the same prompts, greedy, each output
-checked against target-only's (``pipelines.benchmark.llamacpp``). Needs llama-cpp-python
+checked against target-only's (``benchmark.llamacpp``). Needs llama-cpp-python
 (``bash scripts/setup.sh --llamacpp``).
 
 With ``recommend_data`` (the main job's data folder) llama.cpp's settings are tuned under this run's curve and the
@@ -25,9 +25,9 @@ from typing import Any
 
 import yaml
 
-from pipelines.benchmark.check import summary_line
-from pipelines.benchmark.llamacpp import LlamaCppBenchConfig, comparison_lines, run_llamacpp_benchmark
-from pipelines.benchmark.report import console_table
+from benchmark.check import summary_line
+from benchmark.llamacpp import LlamaCppBenchConfig, comparison_lines, run_llamacpp_benchmark
+from benchmark.report import console_table
 from pipelines.cli import parse_config, setup_logging, user_errors
 
 PROG = "python -m pipelines.llamacpp_bench"

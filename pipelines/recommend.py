@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import sys
 
+from main_job.recommend import RecommendConfig, draft_name, recommend_runtimes, write_recommendations
 from pipelines.cli import parse_config, setup_logging, user_errors
-from pipelines.jobs.recommend import RecommendConfig, draft_name, recommend_runtimes, write_recommendations
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -31,64 +31,29 @@ Usage:
 """
 from __future__ import annotations
 
+import functools
 import sys
 import textwrap
-from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from compute.timing import STATISTICS
-from data_gen.config import GenerateConfig, ModelsConfig
-from data_gen.generate import load_models
-from pipelines.benchmark.check import run_check, summary_line
-from pipelines.benchmark.check_inputs import BenchFolder, read_bench_config, read_bench_folder
-from pipelines.benchmark.check_report import PLOT, console_table, write_check
-from pipelines.benchmark.tracking import check_metrics
+from benchmark.check import run_check, summary_line
+from benchmark.check_inputs import ReplayCheckConfig, load_pair, read_bench_folder
+from benchmark.check_report import console_table, write_check
+from benchmark.config import BenchmarkConfig
+from benchmark.tracking import log_check
 from pipelines.cli import parse_config, setup_logging, user_errors
-from pipelines.tracking import TrackingSwitch, TrackingURI, mlflow_run
 
 
-@dataclass
-class ReplayCheckConfig(TrackingURI, TrackingSwitch):
-    """Everything ``python -m pipelines.replay_check`` does; ``tracking`` logs the check in one run of the benchmark's
-    experiment, at ``tracking_uri`` (default: the benchmark's)."""
-
-    bench_dir: str = "outputs/benchmark"
-    """A finished benchmark's out_dir: benchmark.json, config.yaml and cost_model.json."""
-    gen_batch_size: int = 8
-    """Draft rollouts generated per batch."""
-    label_batch_tokens: int = 4096
-    """Memory budget of one labelling pass: padded tokens (batch x longest) per forward."""
-    statistic: str | None = None
-    """min, median or mean: summarise the benchmark's curve from its raw timings by this statistic (None: as written;
-    min is the uncontended cost, median what a step typically costs on a shared machine, mean what it costs on average,
-    the expectation of a row's total time; the curve probed during the rows is pooled by the mean)."""
-
-    def __post_init__(self) -> None:
-        if self.statistic is not None and self.statistic not in STATISTICS:
-            raise ValueError(f"--statistic {self.statistic!r}: use {', '.join(STATISTICS)} (or leave it unset)")
-        if self.gen_batch_size < 1 or self.label_batch_tokens < 1:
-            raise ValueError(f"gen_batch_size={self.gen_batch_size} and label_batch_tokens={self.label_batch_tokens} "
-                             "must be >= 1")
-
-
-def load_pair(models: ModelsConfig) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
-    """The benchmark's draft and target, on its compute path (the companion loads only when a row reads it)."""
-    loaded, tok = load_models(GenerateConfig(models=replace(models, companion=None)))
-    return loaded.draft, loaded.target, tok
-
-
-def log_check(result: dict[str, Any], folder: BenchFolder, tracking_uri: str | None) -> None:
-    """One MLflow run in the benchmark's experiment (its config's, as its tracking URI unless ``tracking_uri`` is
-    given): the check's metrics, benchmark.json / .md and the plot."""
-    bench_cfg = read_bench_config(folder.path)
-    with mlflow_run(tracking_uri or bench_cfg.tracking_uri, bench_cfg.experiment, "replay-check") as mlflow:
-        mlflow.log_params({"bench_dir": str(folder.path), "mode": result["mode"], "rollout_len": result["rollout_len"]})
-        mlflow.log_metrics(check_metrics(result))
-        for name in ("benchmark.json", "benchmark.md", PLOT):
-            mlflow.log_artifact(str(folder.path / name))
+def read_bench_config(folder: Path) -> BenchmarkConfig:
+    """The benchmark's resolved config, ``config.yaml`` in its folder (its cost_file is not needed: the folder holds
+    the curve)."""
+    path = folder / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (the benchmark writes its resolved config there)")
+    return parse_config(BenchmarkConfig, ["--config", str(path), "--cost_file", "null"], "")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -96,7 +61,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup_logging()
     with user_errors("python -m pipelines.replay_check"):
         cc = parse_config(ReplayCheckConfig, argv, __doc__)
-        folder = read_bench_folder(cc.bench_dir)
+        read_config = functools.cache(read_bench_config)  # read once, for the folder and for MLflow
+        folder = read_bench_folder(cc.bench_dir, read_config)
+        bench_cfg = read_config(folder.path)
         if cc.statistic:
             folder.cost_model = folder.cost_model.with_statistic(cc.statistic)
         torch.manual_seed(folder.decoding.seed)
@@ -105,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            label_batch_tokens=cc.label_batch_tokens)
         write_check(result, folder.path)
     if cc.tracking:
-        log_check(result, folder, cc.tracking_uri)
+        log_check(result, folder, bench_cfg, cc.tracking_uri)
     print(console_table(result))
     print(textwrap.fill(summary_line(result["summary"]), 100, subsequent_indent="  ", break_long_words=False,
                         break_on_hyphens=False))

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipelines.benchmark.config import ENTROPY_KINDS
+from benchmark.config import ENTROPY_KINDS
 from pipelines.result_runtimes import RUNTIME_CONFIGS, runtime_block, runtime_section
 from pipelines.result_store import Summary, cpu_label, dated, interval_text
 

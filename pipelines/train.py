@@ -11,7 +11,7 @@
    ``champion`` alias when it beats the current champion on validation AUC, and print the table: a summary that fits
    100 columns on the console, every column in ``<out_dir>/results.md`` (and ``results.json``).
 
-One progress view (``pipelines.progress``): a bar over the stages, records/s and an ETA while generating, one line per
+One progress view (``data_gen.progress``): a bar over the stages, records/s and an ETA while generating, one line per
 stage with its time and a total. A stopped job resumes: finished shards are kept (``data_gen.shards``; a shard that no
 longer reads is moved aside and generated again), a data folder that a generation run completed is not reopened, and a
 predictor whose export matches its config and the data (``<out_dir>/<kind>/train_state.json``) is not trained or
@@ -41,21 +41,21 @@ from pytorch_lightning.loggers import MLFlowLogger
 import predictors.training as training
 from data_gen.config import GenerateConfig
 from data_gen.folders import data_identity, has_columns
+from data_gen.progress import ChainProgress, Stage
 from data_gen.shards import finished_chunks, shard_path
 from evaluation.classification import DEFAULT_LABEL_SPECS, FREE_SCORES
+from main_job.recommend import RecommendConfig, draft_name, recommend_runtimes, write_recommendations
 from pipelines.cli import parse_config, resolve_tracking_uri, setup_logging, user_errors
 from pipelines.jobs.crossval import CrossValConfig, CrossValRun, run_crossval
 from pipelines.jobs.evaluate import EvaluateConfig, run_evaluation
 from pipelines.jobs.evaluate_outputs import cost_aware_rows, store_calibrations
 from pipelines.jobs.generate import ensure_data, generate_config, plural
-from pipelines.jobs.recommend import RecommendConfig, draft_name, recommend_runtimes, write_recommendations
-from pipelines.progress import ChainProgress, Stage
 from pipelines.result_store import invocation, summarize_main_job, write_summary
-from pipelines.tracking import Experiment, TrackingURI
 from pipelines.train_results import RESULTS_MD, SUMMARY_NOTE, fmt, format_summary, results_markdown
 from predictors.export import export_predictor, load_predictor, read_metadata, update_metadata
 from predictors.labels import label_name
 from predictors.registry import check_reachable, register_predictor, registry_name
+from predictors.tracking import Experiment, TrackingURI
 from predictors.training import DiscoConfig, SprinterConfig, SVTableConfig
 
 log = logging.getLogger("pipelines.train")

@@ -8,7 +8,7 @@ project::
     python scripts/config_walk.py [--root DIR] [--trace] [--reads leaf|follow] [--repeats] [--back]
 
 The walk is a depth-first walk of the static call graph from the entry point's ``main()``
-(``pipelines/benchmark/__main__.py``, or ``pipelines/benchmark.py`` where the benchmark was one module), in
+(``pipelines/benchmark.py``, or ``pipelines/benchmark.py`` where the benchmark was one module), in
 evaluation order (a call's callee and arguments before the call, statements in source order), that follows the config:
 
 - *the config*: ``main``'s variable assigned from a call given the ``BenchmarkConfig`` class (that call is the first
@@ -48,7 +48,7 @@ from pathlib import Path
 from static_index import Module, Project, Target  # scripts/static_index.py (this script's folder is on sys.path)
 
 CONFIG_CLASS = "BenchmarkConfig"
-ENTRY_FILES = ("pipelines/benchmark/__main__.py", "pipelines/benchmark.py")
+ENTRY_FILES = ("pipelines/benchmark.py", "pipelines/benchmark.py")
 CONFIG = "config"
 """The kind of a value that is the config (with ``Rules.reads == "follow"``, also a value read from it)."""
 READ = "read"

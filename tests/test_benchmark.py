@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.benchmark.__main__ import main
-from pipelines.benchmark.config import BenchmarkConfig
+from benchmark.config import BenchmarkConfig
+from pipelines.benchmark import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,8 +39,8 @@ def test_bad_config(tmp_path):
 
 
 def test_a_missing_tuning_folder_is_named_when_the_run_needs_it(tmp_path):
-    from pipelines.benchmark.bench import Bench, DecodeSettings
-    from pipelines.benchmark.tuning import tune_on_validation
+    from benchmark.bench import Bench, DecodeSettings
+    from benchmark.tuning import tune_on_validation
 
     cfg = BenchmarkConfig(policies=["static:best"], tune_data_dir=str(tmp_path / "none"))  # parses: may come later
     bench = Bench(DecodeSettings.of(cfg), None, None, None, None, [], [], cost_model=object())  # type: ignore[arg-type]
@@ -54,8 +54,8 @@ def test_thresholds_are_tuned_on_one_draw_per_position(tmp_path, monkeypatch, te
     decoding mode makes (both draws replayed as one sequence would read two tokens per position)."""
     import numpy as np
 
-    import pipelines.benchmark.tuning as tuning
-    from pipelines.benchmark.bench import Bench, DecodeSettings
+    import benchmark.tuning as tuning
+    from benchmark.bench import Bench, DecodeSettings
 
     (tmp_path / "data").mkdir()
     cols = {"draw": np.array(["greedy", "sample"] * 3), "seq_id": np.zeros(6, dtype=np.int64)}
@@ -72,8 +72,8 @@ def test_the_drafted_tokens_probability_is_tuned_like_the_other_baselines(tmp_pa
     """draft_prob:tuned (q(x), transformers' confidence criterion under sampling) is tuned on val as the others are."""
     import numpy as np
 
-    import pipelines.benchmark.tuning as tuning
-    from pipelines.benchmark.bench import Bench, DecodeSettings
+    import benchmark.tuning as tuning
+    from benchmark.bench import Bench, DecodeSettings
 
     (tmp_path / "data").mkdir()
     monkeypatch.setattr(tuning, "load_columns", lambda *a, **k: {"draw": np.array(["sample"] * 2),
@@ -101,8 +101,8 @@ def test_bad_options_through_the_command_line(capsys, tmp_path):
 
 def test_fewer_prompts_than_asked_are_named(caplog):
     """A config asking for more prompts than its sources hold in the split runs those and says how many."""
+    from benchmark.bench import load_benchmark_prompts
     from compute.models import ModelSpec, load_model
-    from pipelines.benchmark.bench import load_benchmark_prompts
 
     _, tok = load_model(ModelSpec("tiny:1"))
     cfg = BenchmarkConfig(prompt_texts=["def f():", "hello"], n_prompts=5, split=None)
@@ -114,7 +114,7 @@ def test_fewer_prompts_than_asked_are_named(caplog):
 def test_paired_bootstrap_interval_brackets_the_ratio():
     import numpy as np
 
-    from pipelines.benchmark.rows import Row, ratio_ci
+    from benchmark.rows import Row, ratio_ci
 
     base = Row("t", "m", seconds=[1.0, 2.0, 1.0, 3.0], outputs=[[0] * 10, [0] * 20, [0] * 10, [0] * 30])
     fast = Row("f", "m", seconds=[0.5, 1.0, 0.6, 1.4], outputs=base.outputs)
@@ -128,9 +128,9 @@ def test_paired_bootstrap_interval_brackets_the_ratio():
 def test_rows_repeat_in_alternating_order_and_keep_each_prompts_faster_run():
     """repeats = 2: every row twice a prompt, in plan order then reversed; per prompt the faster run is kept, the
     first when the outputs differ; the reference row runs once."""
-    from pipelines.benchmark.bench import Bench, DecodeSettings, RunOrder
-    from pipelines.benchmark.plan import run_rows
-    from pipelines.benchmark.rows import Row
+    from benchmark.bench import Bench, DecodeSettings, RunOrder
+    from benchmark.plan import run_rows
+    from benchmark.rows import Row
 
     calls: list[tuple[int, str]] = []
     times = {("a", 0): [3.0, 1.0], ("a", 1): [1.0, 2.0], ("b", 0): [2.0, 1.0], ("b", 1): [1.0, 1.0]}
@@ -233,7 +233,7 @@ def test_the_settings_read_the_configs_fields_of_their_names():
     keeps its default, for the llama.cpp benchmark's config): the benchmark's config has every one of them."""
     from dataclasses import fields
 
-    from pipelines.benchmark.bench import DecodeSettings, RunOrder
+    from benchmark.bench import DecodeSettings, RunOrder
 
     cfg = BenchmarkConfig(max_new_tokens=7, temperature=0.5, top_p=0.9, seed=3, max_draft_len=5, top_k_features=4,
                           batch_size=2, order="row", force=True, repeats=3, rerun_slower_than=0.1, curve_probes=False)

@@ -1,16 +1,16 @@
-"""A row runs again only when a slow phase hit it: forwards timed against the curve (``pipelines.benchmark.pace``),
+"""A row runs again only when a slow phase hit it: forwards timed against the curve (``benchmark.pace``),
 the prompt's median pace as the norm, target-only measured as every row, the reference row once."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from benchmark.bench import Bench, DecodeSettings, RunOrder
+from benchmark.config import BenchmarkConfig
+from benchmark.pace import Pace, PaceMeter, excess, normal_pace
+from benchmark.plan import run_rows
+from benchmark.rows import Row
 from compute.timing import CostModel
-from pipelines.benchmark.bench import Bench, DecodeSettings, RunOrder
-from pipelines.benchmark.config import BenchmarkConfig
-from pipelines.benchmark.pace import Pace, PaceMeter, excess, normal_pace
-from pipelines.benchmark.plan import run_rows
-from pipelines.benchmark.rows import Row
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,7 +61,7 @@ def test_only_target_only_and_the_rows_a_slow_phase_hit_run_again(monkeypatch):
     """Pass 1 in plan order; pass 2 reversed with only the row whose forwards ran slow and the row that cannot be
     judged (target-only is measured as every row is); the others and the reference row once. Runs are counted, the
     faster run kept."""
-    import pipelines.benchmark.plan as bm
+    import benchmark.plan as bm
 
     calls: list[tuple[int, str]] = []
     slow_first = {"b"}  # b's first run fell in a slow phase
@@ -108,7 +108,7 @@ def test_a_negative_tolerance_is_refused():
 
 
 def test_a_run_stored_before_the_option_resumes_as_every_row_twice():
-    from pipelines.benchmark.resume import _differences, run_identity
+    from benchmark.resume import _differences, run_identity
 
     now = run_identity(BenchmarkConfig(rerun_slower_than=None), [[1]])
     stored = {"config": {k: v for k, v in now["config"].items() if k != "rerun_slower_than"}, "prompts": now["prompts"]}

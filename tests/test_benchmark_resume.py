@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from benchmark.bench import Bench, DecodeSettings, RunOrder
+from benchmark.config import BenchmarkConfig
+from benchmark.plan import run_rows
+from benchmark.resume import PromptStore, row_from_dict, row_to_dict, run_identity
+from benchmark.rows import Row
 from compute.timing import CostModel
 from decoding.engine import DecodeStats
-from pipelines.benchmark.__main__ import main
-from pipelines.benchmark.bench import Bench, DecodeSettings, RunOrder
-from pipelines.benchmark.config import BenchmarkConfig
-from pipelines.benchmark.plan import run_rows
-from pipelines.benchmark.resume import PromptStore, row_from_dict, row_to_dict, run_identity
-from pipelines.benchmark.rows import Row
+from pipelines.benchmark import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

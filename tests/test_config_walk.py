@@ -2,7 +2,7 @@
 on this one.
 
 On this repository the walk is held to bounds that keep the config read where the run is put together
-(``pipelines/benchmark/run.py``): fewer than 6 climbs back up a layer (half of the 12 it made when the benchmark was
+(``benchmark/run.py``): fewer than 6 climbs back up a layer (half of the 12 it made when the benchmark was
 one module, fd1b1be, under the same definition) and at most 40 stops (44 then). A part that takes the whole config
 instead of the settings it uses adds its internals to the walk and breaks the bounds.
 """
@@ -102,10 +102,10 @@ def test_the_walk_counts_a_planted_project(tmp_path):
 def test_the_walk_runs_on_this_repository():
     result = config_walk.walk_config(ROOT)
     print(result.summary())
-    assert result.entry == "pipelines/benchmark/__main__.py" and result.trail[0] == result.entry
+    assert result.entry == "pipelines/benchmark.py" and result.trail[0] == result.entry
     assert result.stops == result.files + result.returns == sum(result.visits.values())
     assert 0 < result.climbs < result.stops and result.files <= result.steps
     layers = {rel.split("/")[0] for rel in result.visits}
     assert {"pipelines", "compute", "data_gen", "decoding"} <= layers
-    assert ("pipelines/benchmark/run.py", "run_benchmark") in result.step_list
+    assert ("benchmark/run.py", "run_benchmark") in result.step_list
     assert result.climbs < 6 and result.stops <= 40, result.summary()

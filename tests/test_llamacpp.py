@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from benchmark.llamacpp import LlamaCppBenchConfig, comparisons, load_llamacpp_bench
+from benchmark.rows import Row
 from compute.gguf_files import check_gguf_file, ensure_gguf, gguf_stop_ids, gguf_tokenizer
 from compute.llamacpp import (
     INSTALL_COMMAND,
@@ -25,8 +27,6 @@ from compute.llamacpp import (
 from compute.timing import CostModel
 from decoding.llamacpp_draft import SpecstopDraftModel, check_policy, draft_round, step_features
 from decoding.policies import build_policy
-from pipelines.benchmark.llamacpp import LlamaCppBenchConfig, comparisons, load_llamacpp_bench
-from pipelines.benchmark.rows import Row
 from predictors import goodput
 from predictors.base import GOODPUT, StopPolicy
 from predictors.baselines import StaticLength

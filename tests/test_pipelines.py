@@ -17,9 +17,9 @@ ENTRY_CLASSES = {
     "pipelines.generate": ("data_gen.generate", "GenerateConfig"),
     "pipelines.train": ("pipelines.train", "TrainJobConfig"),
     "pipelines.evaluate": ("pipelines.evaluate", "EvaluateConfig"),
-    "pipelines.benchmark": ("pipelines.benchmark.config", "BenchmarkConfig"),
+    "pipelines.benchmark": ("benchmark.config", "BenchmarkConfig"),
     "pipelines.crossval": ("pipelines.crossval", "CrossValConfig"),
-    "pipelines.llamacpp_bench": ("pipelines.benchmark.llamacpp", "LlamaCppBenchConfig"),
+    "pipelines.llamacpp_bench": ("benchmark.llamacpp", "LlamaCppBenchConfig"),
 }
 
 

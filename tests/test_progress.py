@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pipelines.progress import ChainProgress, Heartbeat
+from data_gen.progress import ChainProgress, Heartbeat
 
 
 def test_heartbeat_lines_with_rate_and_eta(caplog, monkeypatch):

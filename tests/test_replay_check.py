@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.benchmark.__main__ import main as benchmark_main
-from pipelines.benchmark.tracking import metric_key
+from benchmark.tracking import metric_key
+from pipelines.benchmark import main as benchmark_main
 from pipelines.replay_check import main as check_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -147,7 +147,7 @@ def test_cost_aware_rows_get_the_interval_against_the_best_thresholded_row(bench
 
 
 def test_prediction_adds_each_rows_prefill_to_the_curves_decoding_time():
-    from pipelines.benchmark.check import predicted_tokens_per_s
+    from benchmark.check import predicted_tokens_per_s
 
     row = {"tokens": 100, "prefill_seconds": [1.5, 1.5]}
     # 100 tokens at 0.05 s each under the curve -> 5 s, plus the row's 3 s of prefill
@@ -156,8 +156,8 @@ def test_prediction_adds_each_rows_prefill_to_the_curves_decoding_time():
 
 
 def test_the_check_sets_realised_step_costs_beside_the_curve():
+    from benchmark.check import compare_row
     from compute.timing import CostModel
-    from pipelines.benchmark.check import compare_row
 
     cm = CostModel(draft_s_per_token=0.05, target_s={1: 0.1, 8: 0.2})
     row = {"row": "static:5", "rounds": 10, "accepted": 30, "draft_tokens": 50, "tokens_per_s": 5.0,
@@ -169,7 +169,7 @@ def test_the_check_sets_realised_step_costs_beside_the_curve():
 
 
 def test_console_table_fits_100_columns():
-    from pipelines.benchmark.report import console_table
+    from benchmark.report import console_table
 
     row = {"row": "goodput-disco (a very long export folder name, calibrated)", "tokens_per_s": 8.317,
            "identical_prompts": 8}
@@ -249,9 +249,10 @@ def test_bad_bench_dir_is_named(tmp_path, capsys):
 
 def test_a_failing_check_keeps_the_benchmarks_results(tmp_path, caplog):
     """Inside the benchmark the check is a last, optional phase: a failure is logged with the command that reruns it."""
-    from pipelines.benchmark.bench import Bench, DecodeSettings
-    from pipelines.benchmark.run import run_replay_check
+    from benchmark.bench import Bench, DecodeSettings
+    from benchmark.config import BenchmarkConfig
+    from benchmark.run import run_replay_check
 
     bench = Bench(DecodeSettings(), None, None, None, None, [[1, 2]], [0])  # type: ignore[arg-type]
-    assert run_replay_check(bench, tmp_path) is None
+    assert run_replay_check(bench, tmp_path, BenchmarkConfig()) is None
     assert f"python -m pipelines.replay_check --bench_dir {tmp_path}" in caplog.text

@@ -34,22 +34,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = ("compute", "data_gen", "predictors", "evaluation", "decoding", "pipelines", "benchmarks", "scripts")
+SOURCE_DIRS = ("compute", "data_gen", "predictors", "evaluation", "decoding", "main_job", "benchmark", "pipelines",
+               "benchmarks", "scripts")
 SKIPPED_PARTS = {".venv", "outputs", "tests", "__pycache__"}
 NATIVE_SOURCES = ("compute/csrc/*.cpp", "compute/csrc/*.h")
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 600
 MAX_DEFERRED_IMPORTS = 40
 CONFIG_READERS = {
-    "pipelines.benchmark.config": "defines it",
-    "pipelines.benchmark.__main__": "the entry point: parses it",
-    "pipelines.benchmark.run": "puts the run together from it",
-    "pipelines.benchmark.plan": "the rows it asks for",
-    "pipelines.benchmark.bench": "the prompts it names",
-    "pipelines.benchmark.resume": "a stored run's identity: its fields that shape the rows",
-    "pipelines.benchmark.tracking": "its fields as MLflow parameters",
-    "pipelines.benchmark.check_inputs": "a finished run's config.yaml",
-    "pipelines.benchmark.llamacpp": "the llama.cpp benchmark's prompts, through the same selection",
+    "benchmark.config": "defines it",
+    "pipelines.benchmark": "the entry point: parses it",
+    "benchmark.run": "puts the run together from it",
+    "benchmark.plan": "the rows it asks for",
+    "benchmark.bench": "the prompts it names",
+    "benchmark.resume": "a stored run's identity: its fields that shape the rows",
+    "benchmark.tracking": "its fields as MLflow parameters",
+    "benchmark.check_inputs": "a finished run's folder, with the config it ran with",
+    "pipelines.replay_check": "a finished run's config.yaml",
+    "benchmark.llamacpp": "the llama.cpp benchmark's prompts, through the same selection",
     "benchmarks.bench_gemm_decoding": "the benchmark's default prompts",
 }
 """The modules that may import ``BenchmarkConfig``, and why."""
@@ -236,7 +238,7 @@ def test_few_imports_inside_functions():
 def test_the_benchmark_config_is_read_where_a_run_is_put_together():
     readers = sorted(m.name for m in source_modules() for node in ast.walk(m.tree)
                      if isinstance(node, ast.ImportFrom) and any(a.name == "BenchmarkConfig" for a in node.names))
-    readers += [m.name for m in source_modules() if m.name == "pipelines.benchmark.config"]
+    readers += [m.name for m in source_modules() if m.name == "benchmark.config"]
     others = sorted(set(readers) - set(CONFIG_READERS))
     assert not others, (f"{others} import BenchmarkConfig: pass the settings they use instead (DecodeSettings, "
                         "RunOrder, a folder, a value), or add the module to CONFIG_READERS with its reason")

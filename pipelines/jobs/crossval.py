@@ -14,7 +14,7 @@ import pandas as pd
 
 from evaluation.crossval import calibration_markdown, calibration_summary, crossvalidate, summarise, to_markdown
 from evaluation.plots import plot_crossval, plot_learning_curve
-from pipelines.tracking import TrackingConfig, mlflow_api, mlflow_run
+from predictors.tracking import TrackingConfig, mlflow_api, mlflow_run
 from predictors.training import DiscoConfig, SprinterConfig, TrainConfig
 
 log = logging.getLogger("pipelines.crossval")
@@ -66,7 +66,7 @@ class CrossValConfig(TrackingConfig):
     seed: int = 0
     """Bootstrap seed (the fold assignment uses each run's training seed)."""
     tracking: bool = field(default=False, kw_only=True)
-    """Log to MLflow in a new ``crossval`` run when none is active (the field: ``pipelines.tracking``)."""
+    """Log to MLflow in a new ``crossval`` run when none is active (the field: ``predictors.tracking``)."""
 
     def __post_init__(self) -> None:
         if self.folds < 3:

@@ -36,10 +36,10 @@ from evaluation.data import (
 )
 from evaluation.replay import ReplayConfig, replay_table, tune_threshold, with_threshold
 from evaluation.report import ReportInputs, report_metrics, write_report
-from pipelines.tracking import TrackingConfig
 from predictors.base import StopPolicy
 from predictors.export import update_metadata
 from predictors.labels import draw_mask, label_name
+from predictors.tracking import TrackingConfig
 
 __all__ = ["EvaluateConfig", "run_evaluation", "load_policies", "load_cost_model"]
 
@@ -105,7 +105,7 @@ class EvaluateConfig(TrackingConfig):
     skip_refused: bool = False
     """A predictor that cannot be loaded (refused, missing) is listed in the report instead of stopping the run."""
     experiment: str = field(default="specstop-evaluate", kw_only=True)
-    """MLflow experiment of the run the command line starts (the field: ``pipelines.tracking``)."""
+    """MLflow experiment of the run the command line starts (the field: ``predictors.tracking``)."""
 
     def __post_init__(self) -> None:
         bad = [m for m in self.replay_modes if m not in ("greedy", "sampling")]

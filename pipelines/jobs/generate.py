@@ -17,9 +17,9 @@ from pathlib import Path
 from data_gen.config import GenerateConfig
 from data_gen.folders import check_same_config
 from data_gen.generate import run_generation
+from data_gen.progress import ChainProgress, Stage
 from data_gen.shards import SHARD_GLOB, config_fingerprint, finished_chunks, is_complete, mark_complete
 from pipelines.cli import parse_config
-from pipelines.progress import ChainProgress, Stage
 
 __all__ = ["generate", "generate_config", "ensure_data", "plural"]
 

@@ -1,32 +1,63 @@
-"""What the replay check reads from a finished benchmark's folder (:class:`BenchFolder`: how it decoded, its models,
-rows, prompts, target-only's outputs and the curve it prices with) and every engine row's policy rebuilt from the spec
-and threshold the benchmark recorded (:func:`row_policies`), with why the replay cannot follow a row's trajectory
-(:func:`row_note`)."""
+"""What ``python -m pipelines.replay_check`` is asked (:class:`ReplayCheckConfig`) and what the replay check reads from
+a finished benchmark's folder (:class:`BenchFolder`: how it decoded, its models, rows, prompts, target-only's outputs
+and the curve it prices with) and every engine row's policy rebuilt from the spec and threshold the benchmark
+recorded (:func:`row_policies`), with why the replay cannot follow a row's trajectory (:func:`row_note`)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from compute.timing import CostModel
-from data_gen.config import ModelsConfig
+from benchmark.bench import DecodeSettings
+from benchmark.config import BenchmarkConfig
+from benchmark.curve import CURVE_DURING_ROWS, HF_CURVE
+from benchmark.rows import HF_METHOD
+from compute.timing import STATISTICS, CostModel
+from data_gen.config import GenerateConfig, ModelsConfig
+from data_gen.generate import load_models
 from decoding.policies import build_policy
 from evaluation.replay import with_threshold
-from pipelines.benchmark.bench import DecodeSettings
-from pipelines.benchmark.config import BenchmarkConfig
-from pipelines.benchmark.curve import CURVE_DURING_ROWS, HF_CURVE
-from pipelines.benchmark.rows import HF_METHOD
-from pipelines.cli import parse_config
 from predictors.base import HINDSIGHT, StopPolicy
 from predictors.runtime_rules import TransformersRule
+from predictors.tracking import TrackingSwitch, TrackingURI
 
 HF_DRAFT_CAP = 32
 """The longest round the replay follows for a transformers row: transformers caps a round only by the tokens left;
 its defaults draft 20, and a heuristic schedule grows past 32 only after many fully accepted rounds in a row."""
 
+
+@dataclass
+class ReplayCheckConfig(TrackingURI, TrackingSwitch):
+    """Everything ``python -m pipelines.replay_check`` does; ``tracking`` logs the check in one run of the benchmark's
+    experiment, at ``tracking_uri`` (default: the benchmark's)."""
+
+    bench_dir: str = "outputs/benchmark"
+    """A finished benchmark's out_dir: benchmark.json, config.yaml and cost_model.json."""
+    gen_batch_size: int = 8
+    """Draft rollouts generated per batch."""
+    label_batch_tokens: int = 4096
+    """Memory budget of one labelling pass: padded tokens (batch x longest) per forward."""
+    statistic: str | None = None
+    """min, median or mean: summarise the benchmark's curve from its raw timings by this statistic (None: as written;
+    min is the uncontended cost, median what a step typically costs on a shared machine, mean what it costs on average,
+    the expectation of a row's total time; the curve probed during the rows is pooled by the mean)."""
+
+    def __post_init__(self) -> None:
+        if self.statistic is not None and self.statistic not in STATISTICS:
+            raise ValueError(f"--statistic {self.statistic!r}: use {', '.join(STATISTICS)} (or leave it unset)")
+        if self.gen_batch_size < 1 or self.label_batch_tokens < 1:
+            raise ValueError(f"gen_batch_size={self.gen_batch_size} and label_batch_tokens={self.label_batch_tokens} "
+                             "must be >= 1")
+
+
+def load_pair(models: ModelsConfig) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
+    """The benchmark's draft and target, on its compute path (the companion loads only when a row reads it)."""
+    loaded, tok = load_models(GenerateConfig(models=replace(models, companion=None)))
+    return loaded.draft, loaded.target, tok
 
 @dataclass
 class BenchFolder:
@@ -66,10 +97,10 @@ class BenchFolder:
         return self.decoding.mode
 
 
-def read_bench_folder(path: str | Path, cfg: BenchmarkConfig | None = None) -> BenchFolder:
-    """A finished benchmark's folder (``cfg``: its config when the caller holds it, else read from config.yaml:
-    :func:`read_bench_config`); a missing file, or a benchmark.json without target-only's row or its output ids, is
-    named in the error."""
+def read_bench_folder(path: str | Path, read_config: Callable[[Path], BenchmarkConfig]) -> BenchFolder:
+    """A finished benchmark's folder; ``read_config`` gives the config it ran with, once its files are found (the
+    run's own, or its ``config.yaml`` read back by ``python -m pipelines.replay_check``); a missing file, or a
+    benchmark.json without target-only's row or its output ids, is named in the error."""
     path = Path(path)
     if not path.is_dir():
         raise NotADirectoryError(f"--bench_dir {path}: no such folder; run the benchmark first (python -m "
@@ -90,7 +121,7 @@ def read_bench_folder(path: str | Path, cfg: BenchmarkConfig | None = None) -> B
     decided = CostModel.from_json(before)
     cm_file, cm = (during, CostModel.from_json(during)) if during.is_file() else (before, decided)
     hf = CostModel.from_json(path / HF_CURVE) if (path / HF_CURVE).is_file() else None
-    cfg = cfg or read_bench_config(path)
+    cfg = read_config(path)
     return BenchFolder(path, DecodeSettings.of(cfg), cfg.models, rows, list(report.get("prompts") or []),
                        report["prompt_ids"], base["output_ids"], cm, cm_file, decided, hf)
 
@@ -103,15 +134,6 @@ def read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
-
-
-def read_bench_config(folder: Path) -> BenchmarkConfig:
-    """The benchmark's resolved config, ``config.yaml`` in its folder (its cost_file is not needed: the folder holds
-    the curve)."""
-    path = folder / "config.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (the benchmark writes its resolved config there)")
-    return parse_config(BenchmarkConfig, ["--config", str(path), "--cost_file", "null"], "")
 
 
 def row_policies(folder: BenchFolder, draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipelines.benchmark.check import summary_line
-from pipelines.benchmark.check_inputs import read_json
-from pipelines.benchmark.plots import plot_check
+from benchmark.check import summary_line
+from benchmark.check_inputs import read_json
+from benchmark.plots import plot_check
 
 SECTION = "## Replay check"
 """The heading of the check's section in benchmark.md (replaced when the check runs again)."""

@@ -1,8 +1,8 @@
 """The plan of a benchmark's rows (:func:`row_plan`: target-only first, transformers' rows, the engine's policies and
 predictors, tuned ones included, the reference) and the order they run in (:func:`run_rows`): ``order: prompt`` runs
 every row on one prompt before the next, up to ``repeats`` times in alternating order keeping each row's faster run
-(with ``rerun_slower_than``, only the rows a slow phase hit run again: ``pipelines.benchmark.pace``), saves each
-finished prompt (``pipelines.benchmark.resume``) and probes the curve after it; ``order: row`` runs each row over all
+(with ``rerun_slower_than``, only the rows a slow phase hit run again: ``benchmark.pace``), saves each
+finished prompt (``benchmark.resume``) and probes the curve after it; ``order: row`` runs each row over all
 prompts in turn."""
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from benchmark.bench import Bench, RunOrder
+from benchmark.config import BenchmarkConfig
+from benchmark.curve import measure_curve
+from benchmark.pace import Pace, PaceMeter, excess, normal_pace
+from benchmark.resume import PromptStore
+from benchmark.rows import Row
+from benchmark.runners import run_engine, run_hf, run_hf_policy, run_reference, run_target_only
+from benchmark.tuning import tune_on_validation, tune_predictors, tune_runtime
 from compute.timing import CostModel
-from pipelines.benchmark.bench import Bench, RunOrder
-from pipelines.benchmark.config import BenchmarkConfig
-from pipelines.benchmark.curve import measure_curve
-from pipelines.benchmark.pace import Pace, PaceMeter, excess, normal_pace
-from pipelines.benchmark.resume import PromptStore
-from pipelines.benchmark.rows import Row
-from pipelines.benchmark.runners import run_engine, run_hf, run_hf_policy, run_reference, run_target_only
-from pipelines.benchmark.tuning import tune_on_validation, tune_predictors, tune_runtime
-from pipelines.progress import Heartbeat
+from data_gen.progress import Heartbeat
 
 log = logging.getLogger("pipelines.benchmark")
 

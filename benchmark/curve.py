@@ -7,10 +7,10 @@ import logging
 import time
 from pathlib import Path
 
+from benchmark.bench import Bench
 from compute.compute_path import compute_path_of, cpu_info
 from compute.timing import CostModel, measure_cost_model, pool_cost_models
 from compute.transformers_costs import measure_transformers_costs
-from pipelines.benchmark.bench import Bench
 
 log = logging.getLogger("pipelines.benchmark")
 

@@ -37,10 +37,10 @@ to ``out_dir``; logs them to MLflow. The console shows a table within 100 column
 
 A stopped run continues: with ``order: prompt`` every finished prompt's rows are kept in ``<out_dir>/prompts`` and the
 report is rewritten after each prompt (marked partial); the same command on the same machine reads them back and
-goes on at the first unfinished prompt, on the curve the run began with (``pipelines.benchmark.resume``; ``--resume
+goes on at the first unfinished prompt, on the curve the run began with (``benchmark.resume``; ``--resume
 false`` starts over).
 
-With ``replay_check`` the run ends with the replay check (``pipelines.benchmark.check``; on a finished run:
+With ``replay_check`` the run ends with the replay check (``benchmark.check``; on a finished run:
 ``python -m pipelines.replay_check``): the benchmark's prompts labelled along target-only's output, every engine row's
 policy replayed offline under this run's curve, predicted against measured tokens/s (``replay_check`` in
 benchmark.json and benchmark.md, ``replay_check.png``).
@@ -57,11 +57,11 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from pipelines.benchmark.check import summary_line
-from pipelines.benchmark.config import BenchmarkConfig
-from pipelines.benchmark.report import best_thresholded, console_table, cost_aware_line
-from pipelines.benchmark.run import run_benchmark, write_config
-from pipelines.benchmark.tracking import log_to_mlflow
+from benchmark.check import summary_line
+from benchmark.config import BenchmarkConfig
+from benchmark.report import best_thresholded, console_table, cost_aware_line
+from benchmark.run import run_benchmark, write_config
+from benchmark.tracking import log_to_mlflow
 from pipelines.cli import parse_config, setup_logging, user_errors
 from pipelines.result_store import invocation, summarize_benchmark, write_summary
 

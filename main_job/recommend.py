@@ -16,11 +16,11 @@ from typing import Any
 from compute.gguf_files import GGUF_SUBDIR, PACKAGED_PREFIX
 from compute.packaged import get_packaged
 from compute.timing import CostModel
+from data_gen.progress import Heartbeat
 from data_gen.shards import read_data_config
 from decoding.policies import GOODPUT_PREFIX, build_policy
 from evaluation.data import load_columns
 from evaluation.recommend import Recommendation, recommend
-from pipelines.progress import Heartbeat
 from predictors.base import StopPolicy
 from predictors.runtime_rules import RUNTIMES
 

@@ -14,21 +14,21 @@ from typing import Any
 
 import yaml
 
+from benchmark.bench import Bench, DecodeSettings, RunOrder, load_benchmark_prompts, stop_tokens
+from benchmark.check import run_check
+from benchmark.check_inputs import read_bench_folder
+from benchmark.check_report import write_check
+from benchmark.config import BenchmarkConfig
+from benchmark.curve import load_cost_model, load_hf_curve, write_curve_during_rows
+from benchmark.plan import row_plan, run_rows
+from benchmark.report import finish_rows, write_report
+from benchmark.resume import PROMPTS_DIR, PromptStore, run_identity
+from benchmark.rows import Row
+from benchmark.runners import release_reference, warm_up
 from compute.compute_path import compute_path_of, cpu_info
 from data_gen.config import GenerateConfig
 from data_gen.generate import load_models
-from pipelines.benchmark.bench import Bench, DecodeSettings, RunOrder, load_benchmark_prompts, stop_tokens
-from pipelines.benchmark.check import run_check
-from pipelines.benchmark.check_inputs import read_bench_folder
-from pipelines.benchmark.check_report import write_check
-from pipelines.benchmark.config import BenchmarkConfig
-from pipelines.benchmark.curve import load_cost_model, load_hf_curve, write_curve_during_rows
-from pipelines.benchmark.plan import row_plan, run_rows
-from pipelines.benchmark.report import finish_rows, write_report
-from pipelines.benchmark.resume import PROMPTS_DIR, PromptStore, run_identity
-from pipelines.benchmark.rows import Row
-from pipelines.benchmark.runners import release_reference, warm_up
-from pipelines.progress import Heartbeat
+from data_gen.progress import Heartbeat
 
 log = logging.getLogger("pipelines.benchmark")
 
@@ -75,7 +75,7 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
     write_report(table, bench, names, out_dir, cfg.models, how)
     write_curve_during_rows(bench, out_dir)
     with Heartbeat(log, "benchmark replay check"):
-        check = run_replay_check(bench, out_dir) if cfg.replay_check else None
+        check = run_replay_check(bench, out_dir, cfg) if cfg.replay_check else None
     seconds = None if read_back is None else time.perf_counter() - t_start + read_back
     return table, {"prompts": p_stats, "seconds": seconds, "replay_check": check}
 
@@ -102,13 +102,13 @@ def load_bench(cfg: BenchmarkConfig, store: PromptStore | None = None) -> tuple[
     return bench, names, p_stats
 
 
-def run_replay_check(bench: Bench, out_dir: Path) -> dict[str, Any] | None:
-    """``pipelines.replay_check`` on the folder just written (its report and config.yaml, as the command reads them),
-    with the bench's models (nothing loads again). A check that fails is logged with the command that reruns it and
-    returns None: the measured rows stand and are logged."""
+def run_replay_check(bench: Bench, out_dir: Path, cfg: BenchmarkConfig) -> dict[str, Any] | None:
+    """``pipelines.replay_check`` on the folder just written (its report, as the command reads it, and the run's
+    config, which its config.yaml holds), with the bench's models (nothing loads again). A check that fails is logged
+    with the command that reruns it and returns None: the measured rows stand and are logged."""
     log.info("replay check: labelling the %d prompts along target-only's output", len(bench.prompts))
     try:
-        check = run_check(read_bench_folder(out_dir), bench.draft, bench.target, bench.tokenizer,
+        check = run_check(read_bench_folder(out_dir, lambda _: cfg), bench.draft, bench.target, bench.tokenizer,
                           bench.companion)
         write_check(check, out_dir)
     except Exception:  # an optional phase after the measurement: keep the benchmark's results

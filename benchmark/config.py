@@ -8,7 +8,7 @@ from pathlib import Path
 
 from data_gen.config import ModelsConfig
 from data_gen.prompts import PromptSourceConfig
-from pipelines.tracking import TrackingConfig
+from predictors.tracking import TrackingConfig
 
 ENTROPY_KINDS = ("svip", "adaedl")
 """Policies the learned ones must beat: the training-free entropy bounds."""
@@ -81,7 +81,7 @@ class BenchmarkConfig(TrackingConfig):
     rerun_slower_than: float | None = None
     """order prompt, repeats > 1: after the prompt's first pass, run a row (target-only too) again only when its
     forwards ran more than this fraction (e.g. 0.05) slower than the prompt's normal pace (its rows' median, per model,
-    against the curve: ``pipelines.benchmark.pace``), i.e. when a slow phase of the host hit it. Fewer runs, but a row
+    against the curve: ``benchmark.pace``), i.e. when a slow phase of the host hit it. Fewer runs, but a row
     then keeps a typical run where every row twice keeps the faster of two (the curve's own convention), so on a noisy
     host the replay check, priced with minimum times, drifts from the rows. null (default): every row runs ``repeats``
     times."""
@@ -99,7 +99,7 @@ class BenchmarkConfig(TrackingConfig):
     replay_check: bool = False
     """At the end, label the prompts along target-only's output and replay every engine row's policy offline under this
     run's curve (and each hf row's transformers rule under transformers' curve, with ``hf_curve``): predicted against
-    measured tokens/s (``pipelines.benchmark.check``)."""
+    measured tokens/s (``benchmark.check``)."""
     hf_curve: bool = False
     """Measure transformers' own curve before the rows (``compute.transformers_costs``: generate's forward passes as
     it runs them plus its time around them), written to cost_model.transformers.json: the hf:recommended row is tuned
@@ -111,7 +111,7 @@ class BenchmarkConfig(TrackingConfig):
     resume: bool = True
     """order prompt: keep each finished prompt's rows in ``<out_dir>/prompts`` and continue a stopped run of the same
     config on the same machine at its first unfinished prompt, on the curve it began with
-    (``pipelines.benchmark.resume``); false: start over (earlier files moved aside)."""
+    (``benchmark.resume``); false: start over (earlier files moved aside)."""
     force: bool = False
     """Load predictors trained for another draft model anyway."""
     warmup: bool = True
@@ -121,7 +121,7 @@ class BenchmarkConfig(TrackingConfig):
     results_dir: str | None = None
     """Also store the run's summary in this folder (e.g. results), which ``python -m pipelines.results`` renders."""
     experiment: str = field(default="specstop-benchmark", kw_only=True)
-    """MLflow experiment of the run (the field: ``pipelines.tracking``)."""
+    """MLflow experiment of the run (the field: ``predictors.tracking``)."""
 
     def __post_init__(self) -> None:
         if self.n_prompts < 1:

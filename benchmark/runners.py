@@ -10,13 +10,13 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from benchmark.bench import Bench
+from benchmark.rows import HF_METHOD, Row
 from compute.models import load_model
 from compute.timing import clock
 from data_gen.config import ModelsConfig
 from decoding.hf_integration import generate_with_policy
 from decoding.policies import build_decoder, build_policy, policy_label
-from pipelines.benchmark.bench import Bench
-from pipelines.benchmark.rows import HF_METHOD, Row
 from predictors.base import THRESHOLD
 from predictors.runtime_rules import TransformersRule
 

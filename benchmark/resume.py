@@ -30,10 +30,10 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
+from benchmark.config import BenchmarkConfig
+from benchmark.rows import Row
 from compute.timing import CostModel
 from decoding.engine import DecodeStats
-from pipelines.benchmark.config import BenchmarkConfig
-from pipelines.benchmark.rows import Row
 
 log = logging.getLogger(__name__)
 

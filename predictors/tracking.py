@@ -24,8 +24,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 
-from pipelines.cli import resolve_tracking_uri
-
 __all__ = ["TrackingSwitch", "TrackingURI", "Experiment", "TrackingConfig", "mlflow_api", "mlflow_run"]
 
 
@@ -63,8 +61,10 @@ def mlflow_api() -> ModuleType:
 
 @contextmanager
 def mlflow_run(tracking_uri: str | None, experiment: str, run_name: str) -> Iterator[ModuleType]:
-    """Point MLflow at ``tracking_uri`` (resolved by ``pipelines.cli.resolve_tracking_uri``) and ``experiment``, and
-    run the body inside a new run named ``run_name``; yields the ``mlflow`` module to log with."""
+    """Point MLflow at ``tracking_uri`` (resolved by ``predictors.registry.resolve_tracking_uri``) and ``experiment``,
+    and run the body inside a new run named ``run_name``; yields the ``mlflow`` module to log with."""
+    from predictors.registry import resolve_tracking_uri  # imports mlflow: only when a run is logged
+
     mlflow = mlflow_api()
     mlflow.set_tracking_uri(resolve_tracking_uri(tracking_uri))
     mlflow.set_experiment(experiment)

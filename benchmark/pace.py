@@ -1,5 +1,5 @@
 """Which benchmark runs a slow phase of the host hit: each run's model forwards timed against the verification curve,
-so a row is run again only when it ran slower than the prompt's other rows (``pipelines.benchmark.plan``,
+so a row is run again only when it ran slower than the prompt's other rows (``benchmark.plan``,
 ``rerun_slower_than``).
 
 A shared VM slows down for several seconds at a time, longer than a row's run on one prompt, so a slow phase covers a

@@ -12,14 +12,14 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from benchmark.check_inputs import BenchFolder, rollout_length, row_policies
+from benchmark.check_records import labelled_records, load_companion, own_output_rows
+from benchmark.config import ENTROPY_KINDS
+from benchmark.curve import HF_CURVE
+from benchmark.rows import HF_METHOD
 from compute.timing import CostModel
 from data_gen.labelling import LabelModels, LabelOptions
 from evaluation.replay import ReplayConfig, ReplayResult, prepare_replay_data, replay_policy
-from pipelines.benchmark.check_inputs import BenchFolder, rollout_length, row_policies
-from pipelines.benchmark.check_records import labelled_records, load_companion, own_output_rows
-from pipelines.benchmark.config import ENTROPY_KINDS
-from pipelines.benchmark.curve import HF_CURVE
-from pipelines.benchmark.rows import HF_METHOD
 from predictors.base import StopPolicy
 
 log = logging.getLogger("pipelines.replay_check")

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmark.bench import Bench
+from benchmark.config import needs_tuning
 from decoding.policies import build_policy, policy_label
 from evaluation.data import load_columns, subset
 from evaluation.recommend import tune_rule
@@ -21,8 +23,6 @@ from evaluation.replay import (
     tune_threshold,
     with_threshold,
 )
-from pipelines.benchmark.bench import Bench
-from pipelines.benchmark.config import needs_tuning
 from predictors.base import SEQUENTIAL, THRESHOLD
 from predictors.labels import draw_mask
 from predictors.runtime_rules import RuntimeRule

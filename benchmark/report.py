@@ -11,13 +11,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmark.bench import Bench, RunOrder
+from benchmark.config import ENTROPY_KINDS
+from benchmark.plots import plot_speedups
+from benchmark.resume import PROMPTS_DIR
+from benchmark.rows import Row, ratio_ci
 from compute.compute_path import compute_path_of, cpu_info
 from data_gen.config import ModelsConfig
-from pipelines.benchmark.bench import Bench, RunOrder
-from pipelines.benchmark.config import ENTROPY_KINDS
-from pipelines.benchmark.plots import plot_speedups
-from pipelines.benchmark.resume import PROMPTS_DIR
-from pipelines.benchmark.rows import Row, ratio_ci
 
 log = logging.getLogger("pipelines.benchmark")
 

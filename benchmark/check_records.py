@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from benchmark.check_inputs import BenchFolder
 from compute.models import load_model
 from data_gen.config import ModelsConfig
 from data_gen.continuation_labels import label_continuation
 from data_gen.labelling import LabelModels, LabelOptions
-from pipelines.benchmark.check_inputs import BenchFolder
 from predictors.base import StopPolicy
 
 log = logging.getLogger("pipelines.replay_check")

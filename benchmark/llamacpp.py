@@ -12,12 +12,12 @@ on the pair's GGUF files through llama-cpp-python:
 
 Every speculative row keeps llama.cpp's own verification. The prompts are rendered by the pair's transformers
 tokenizer (``data_gen.prompts``, as ``pipelines.benchmark`` does) and handed to llama.cpp as token ids, so both
-runtimes read the same ids. The rows run through the benchmark's own loop (``pipelines.benchmark.plan.run_rows``:
+runtimes read the same ids. The rows run through the benchmark's own loop (``benchmark.plan.run_rows``:
 ``order: prompt``, each row ``repeats`` times a prompt in alternating order, the faster run kept, the outputs checked
-equal), and are reported with its rows, intervals and tables (``pipelines.benchmark.rows``, ``report``): tokens/s,
+equal), and are reported with its rows, intervals and tables (``benchmark.rows``, ``report``): tokens/s,
 speedup over target-only with its paired bootstrap interval, identical outputs, rounds and acceptance, the hook's
 stop-decision cost; then each row against llama.cpp's defaults and each policy against the recommended row. The
-replay check (``replay_check``, ``pipelines.benchmark.llamacpp_check``) sets each row's replayed tokens/s beside it.
+replay check (``replay_check``, ``benchmark.llamacpp_check``) sets each row's replayed tokens/s beside it.
 
 Models loaded: the draft, the target with ``logits_all`` (llama-cpp-python's verification reads every position's
 logits) and the target again without it for target-only (its one-token steps, as llama.cpp decodes alone); the GGUF
@@ -37,6 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmark.bench import Bench, DecodeSettings, RunOrder, load_benchmark_prompts
+from benchmark.config import BenchmarkConfig
+from benchmark.llamacpp_check import check_lines, run_llamacpp_check
+from benchmark.plan import Runner, run_rows
+from benchmark.report import finish_rows, markdown_table
+from benchmark.rows import Row, ratio_ci
 from compute.cpu import cpuinfo_fields
 from compute.gguf_files import ensure_gguf, gguf_stop_ids, gguf_tokenizer
 from compute.llamacpp import file_type, generate_greedy, load_llama, load_pair, measure_llamacpp_curve
@@ -47,13 +53,7 @@ from data_gen.shards import read_data_config
 from decoding.llamacpp_draft import SpecstopDraftModel, check_policy
 from decoding.policies import build_policy, policy_label
 from decoding.stats import DecodeStats
-from pipelines.benchmark.bench import Bench, DecodeSettings, RunOrder, load_benchmark_prompts
-from pipelines.benchmark.config import BenchmarkConfig
-from pipelines.benchmark.llamacpp_check import check_lines, run_llamacpp_check
-from pipelines.benchmark.plan import Runner, run_rows
-from pipelines.benchmark.report import finish_rows, markdown_table
-from pipelines.benchmark.rows import Row, ratio_ci
-from pipelines.jobs.recommend import RecommendConfig, recommend_runtimes
+from main_job.recommend import RecommendConfig, recommend_runtimes
 from predictors.base import StopPolicy
 from predictors.runtime_rules import LlamaCppRule
 
@@ -98,7 +98,7 @@ class LlamaCppBenchConfig:
     runs as a row; when it is not to speculate, target-only is the recommended row. None: no recommendation."""
     replay_check: bool = True
     """After the rows: label the prompts with llama.cpp's logits and set each row's replayed tokens/s beside the
-    measured one (``pipelines.benchmark.llamacpp_check``)."""
+    measured one (``benchmark.llamacpp_check``)."""
     policies: list[str] = field(default_factory=lambda: ["adaedl:0.6"])
     """specstop policies stopping the draft inside llama.cpp (decoding.policies specs; threshold, goodput and prefix
     kinds; goodput ones price rounds with llama.cpp's curve)."""
@@ -348,7 +348,7 @@ class LlamaCppReport:
     """What the llama.cpp report holds beside the prompts and the models."""
 
     table: list[dict[str, Any]]
-    """The rows' report entries (``pipelines.benchmark.rows.Row.metrics`` and ``first_difference``)."""
+    """The rows' report entries (``benchmark.rows.Row.metrics`` and ``first_difference``)."""
     comparisons: list[dict[str, Any]]
     recommendation: list[str] = field(default_factory=list)
     replay_check: dict[str, Any] | None = None

@@ -1,6 +1,6 @@
 """A finished benchmark in MLflow: one run with its parameters, each row's metrics (``<row>/<metric>``), the replay
 check's metrics (:func:`check_metrics`, also logged by ``python -m pipelines.replay_check``) and the folder's
-files."""
+files; the check run alone in the benchmark's experiment (:func:`log_check`)."""
 from __future__ import annotations
 
 import re
@@ -8,8 +8,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pipelines.benchmark.config import BenchmarkConfig
-from pipelines.tracking import mlflow_run
+from benchmark.check_inputs import BenchFolder
+from benchmark.check_report import PLOT
+from benchmark.config import BenchmarkConfig
+from predictors.tracking import mlflow_run
 
 
 def metric_key(row: str) -> str:
@@ -49,3 +51,14 @@ def check_metrics(result: dict[str, Any]) -> dict[str, float]:
     if result["summary"]["worst_error"] is not None:
         out["replay_check/worst_error"] = float(result["summary"]["worst_error"])
     return out
+
+
+def log_check(result: dict[str, Any], folder: BenchFolder, bench_cfg: BenchmarkConfig,
+              tracking_uri: str | None) -> None:
+    """One MLflow run in the benchmark's experiment (its config's, as its tracking URI unless ``tracking_uri`` is
+    given): the check's metrics, benchmark.json / .md and the plot."""
+    with mlflow_run(tracking_uri or bench_cfg.tracking_uri, bench_cfg.experiment, "replay-check") as mlflow:
+        mlflow.log_params({"bench_dir": str(folder.path), "mode": result["mode"], "rollout_len": result["rollout_len"]})
+        mlflow.log_metrics(check_metrics(result))
+        for name in ("benchmark.json", "benchmark.md", PLOT):
+            mlflow.log_artifact(str(folder.path / name))

@@ -2,7 +2,7 @@
 curve, and how a row decodes: :class:`DecodeSettings`), and the prompts it decodes (:func:`load_benchmark_prompts`).
 
 The runners, the report and the replay check read :class:`DecodeSettings`, not the benchmark's whole config: the
-config is read in one place (``pipelines.benchmark.run``), and the llama.cpp benchmark shares the runners' loop with
+config is read in one place (``benchmark.run``), and the llama.cpp benchmark shares the runners' loop with
 its own config."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any, Self
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from benchmark.config import BenchmarkConfig
 from compute.timing import CostModel
 from data_gen.prompts import Prompt, load_prompts, render_prompt, split_of
-from pipelines.benchmark.config import BenchmarkConfig
 
 log = logging.getLogger("pipelines.benchmark")
 
