@@ -15,6 +15,7 @@ Usage:
     python -m pipelines.measure_costs --data_dir outputs/default/data  # that folder's pair -> its cost_model.json
     python -m pipelines.measure_costs --models.draft packaged:qwen2.5-coder-0.5b-instruct \\
         --models.target packaged:qwen2.5-coder-1.5b-instruct --out outputs/costs.json [--models.compute eager]
+    .venv-vllm/bin/python -m pipelines.measure_costs --runtime vllm --data_dir outputs/default/data  # per batch size
     python -m pipelines.measure_costs --runtime llamacpp --models.draft packaged:qwen2.5-coder-0.5b-instruct \\
         --models.target packaged:qwen2.5-coder-1.5b-instruct [--threads 2]  # or .gguf paths; or --data_dir
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from benchmark.vllm_engine import reexec_with_iomp
 from compute.gguf_files import ensure_gguf
 from compute.llamacpp import load_pair, measure_llamacpp_curve
 from compute.timing import CostModel, measure_cost_model
@@ -38,9 +40,10 @@ from pipelines.cli import parse_config, setup_logging, user_errors
 
 log = logging.getLogger(__name__)
 
-RUNTIMES = ("specstop", "llamacpp", "transformers")
-"""Runtimes whose forwards can be timed: specstop's loaded models, llama.cpp on the pair's GGUF files, or
-transformers' assisted generation over specstop's loaded models (``compute.transformers_costs``)."""
+RUNTIMES = ("specstop", "llamacpp", "transformers", "vllm")
+"""Runtimes whose forwards can be timed: specstop's loaded models, llama.cpp on the pair's GGUF files,
+transformers' assisted generation over specstop's loaded models (``compute.transformers_costs``), or vLLM's own
+engine steps per batch size (``benchmark.vllm_curve``, in ``.venv-vllm``)."""
 
 
 @dataclass
@@ -54,10 +57,12 @@ class MeasureCostsConfig:
     """Draft / target / companion, dtype, device and compute path (used as given when data_dir is not set)."""
     out: str | None = None
     """JSON file to write (default: <data_dir>/cost_model.json, else outputs/cost_model.json; with runtime llamacpp
-    cost_model.llamacpp.json in either folder)."""
-    max_length: int = 17
-    """Verification lengths L = 1 .. max_length are all timed (17: a round of 16 drafts, the usual cap, verifies 17
-    tokens; longer ones are extrapolated)."""
+    cost_model.llamacpp.json in either folder, and likewise cost_model.vllm.json)."""
+    max_length: int | None = None
+    """Verification lengths L = 1 .. max_length are all timed; longer ones are extrapolated. Default 17 (a round of 16
+    drafts, the usual cap, verifies 17 tokens); 9 for vLLM, whose every length is timed at every batch size."""
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    """runtime vllm: the batch sizes (concurrent requests) whose curve is timed."""
     repeats: int = 5
     """Timing repeats per length; the minimum is kept."""
     prompt_len: int = 128
@@ -65,7 +70,9 @@ class MeasureCostsConfig:
     runtime: str = "specstop"
     """specstop (the models as specstop loads them, on models.compute), transformers (the same models inside
     transformers' assisted generation) or llamacpp (llama.cpp through llama-cpp-python, on the GGUF files of
-    models.draft / models.target: packaged:<name> or .gguf paths; the companion is not timed)."""
+    models.draft / models.target: packaged:<name> or .gguf paths; the companion is not timed) or vllm (vLLM's own
+    engine steps at each of batch_sizes, on the pair's Hugging Face folders; run it with .venv-vllm/bin/python,
+    installed by bash scripts/setup.sh --vllm)."""
     threads: int | None = None
     """runtime llamacpp: llama.cpp's threads (default: torch's thread count)."""
 
@@ -74,6 +81,8 @@ class MeasureCostsConfig:
             raise ValueError(f"runtime={self.runtime!r}: use one of {', '.join(RUNTIMES)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads={self.threads}: must be >= 1")
+        if self.max_length is None:
+            self.max_length = 9 if self.runtime == "vllm" else 17
         if self.max_length < 2:
             raise ValueError(f"max_length={self.max_length}: the curve needs at least L = 1 and 2")
         if self.repeats < 1 or self.prompt_len < 1:
@@ -97,6 +106,8 @@ def measure(cfg: MeasureCostsConfig) -> CostModel:
     """Load the models and time them; returns the cost model (not yet written)."""
     if cfg.runtime == "llamacpp":
         return measure_llamacpp(cfg)
+    if cfg.runtime == "vllm":
+        return measure_vllm(cfg)
     models, _ = load_models(GenerateConfig(models=models_of(cfg)))
     lengths = tuple(range(1, cfg.max_length + 1))
     base = measure_cost_model(models.draft, models.target, models.companion, lengths=lengths,
@@ -117,6 +128,21 @@ def measure_llamacpp(cfg: MeasureCostsConfig) -> CostModel:
                                   repeats=cfg.repeats, n_threads=threads, draft_name=m.draft, target_name=m.target)
 
 
+def measure_vllm(cfg: MeasureCostsConfig) -> CostModel:
+    """vLLM's curve per batch size on the pair's Hugging Face folders (``benchmark.vllm_curve``)."""
+    from benchmark.vllm_curve import VllmCurveSettings, measure_vllm_curve
+    from benchmark.vllm_engine import hf_folder, prepare_env
+    from decoding.vllm_proposer import check_vllm
+
+    check_vllm()
+    m = models_of(cfg)
+    prepare_env(2, cfg.threads, m.device)
+    return measure_vllm_curve(VllmCurveSettings(
+        target=hf_folder(m.target, m.cache_dir), draft=hf_folder(m.draft, m.cache_dir),
+        batches=tuple(cfg.batch_sizes), max_length=cfg.max_length, steps=max(cfg.repeats, 8) + 4,
+        prompt_len=cfg.prompt_len, device=m.device, target_name=m.target, draft_name=m.draft))
+
+
 def default_out(cfg: MeasureCostsConfig) -> Path:
     """Where the cost file goes without ``--out``: beside the data folder's shards, else in outputs/."""
     name = "cost_model.json" if cfg.runtime == "specstop" else f"cost_model.{cfg.runtime}.json"
@@ -128,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     setup_logging()
     with user_errors("python -m pipelines.measure_costs"):
         cfg = parse_config(MeasureCostsConfig, argv, __doc__)
+        if cfg.runtime == "vllm":
+            reexec_with_iomp(["-m", "pipelines.measure_costs", *(sys.argv[1:] if argv is None else argv)])
         out = Path(cfg.out) if cfg.out else default_out(cfg)
         cm = measure(cfg)
     cm.to_json(out)

@@ -1,0 +1,193 @@
+"""The vLLM benchmark (``python -m pipelines.vllm_bench``): vLLM itself on the pair, side by side on the same test
+prompts, greedy, at each batch size (1: one request at a time; B: B requests sent together):
+
+- ``vLLM target alone`` (no ``speculative_config``): the reference output and speed;
+- ``vllm:K`` for each ``static_k``: vLLM's own draft-model proposer at ``num_speculative_tokens = K``; vLLM 0.32.0
+  has no default K for a draft model (the config requires one), so ``default_k`` (5, its documentation's example)
+  stands for "vLLM's defaults";
+- ``vllm:K (recommended)``: the static K that ``recommend_data``'s validation split picks under vLLM's curve at
+  batch 1 (``benchmark.vllm_recommend``), and ``vllm per-batch (recommended)``: one engine with
+  ``num_speculative_tokens_per_batch_size`` from the per-batch picks (K = 0, no drafting, where speculation does
+  not pay);
+- each ``policies`` entry inside vLLM: specstop's proposer (``decoding.vllm_proposer``) at
+  ``num_speculative_tokens = policy_k``, each request's drafting stopped by its own copy of the policy.
+
+One engine per configuration (an engine's speculative config is fixed when it loads); each engine runs its rows on
+every prompt ``repeats`` times in a row, the faster run kept; the engines load in ``order`` and the target-alone
+engine runs first and again last, so that drift of the machine's speed shows (``drift`` in the report). Each output is
+checked against target-alone's at the same batch size. vLLM's metrics count drafts and accepted tokens; every engine
+step is timed (``benchmark.vllm_engine.StepClock``) so that ``benchmark.vllm_check`` can price the row's own steps
+with vLLM's curve (the replay check).
+
+Writes ``benchmark.json`` / ``benchmark.md``, ``cost_model.vllm.json`` (measured at the start when ``cost_file`` is
+null) and ``config.yaml`` to ``out_dir``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmark.vllm_engine import EngineSpec, StepClock, StepLog, build_engine, generate, release, spec_counters
+from data_gen.config import ModelsConfig
+from data_gen.prompts import PromptSourceConfig
+
+log = logging.getLogger("pipelines.vllm_bench")
+
+__all__ = ["VllmBenchConfig", "EngineRows", "RowRun", "run_engine", "TARGET_ALONE"]
+
+TARGET_ALONE = "vLLM target alone"
+
+
+@dataclass
+class VllmBenchConfig:
+    """What ``python -m pipelines.vllm_bench`` runs; configs/benchmark-vllm.yaml mirrors it."""
+
+    out_dir: str = "outputs/benchmark-vllm"
+    """Folder for benchmark.md / .json, cost_model.vllm.json and config.yaml (created)."""
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    """models.draft / models.target: packaged:<name> (converted once to Hugging Face folders) or folders; device."""
+    prompts: list[PromptSourceConfig] = field(
+        default_factory=lambda: [PromptSourceConfig(name="humaneval"), PromptSourceConfig(name="mtbench")])
+    """Prompt sources (as the benchmark's)."""
+    split: str | None = "test"
+    """Only prompts of this split (the main job's held-out prompts)."""
+    n_prompts: int = 8
+    use_chat_template: bool = True
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 128
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4])
+    """Concurrent requests: 1 runs the prompts one by one; B sends B prompts together (n_prompts / B groups)."""
+    static_k: list[int] = field(default_factory=lambda: [1, 3, 5])
+    """vLLM's own static num_speculative_tokens rows."""
+    default_k: int = 5
+    """The K standing for vLLM's defaults (0.32.0 has none for a draft model; 5 is its documentation's example)."""
+    recommend_data: str | None = "outputs/default/data"
+    """The main job's data folder: K per batch size tuned on its validation split under vLLM's curve (null: no
+    recommended rows)."""
+    policies: list[str] = field(default_factory=list)
+    """specstop policies inside vLLM (decoding.policies.build_policy specs)."""
+    calibration_dir: str | None = "outputs/default/train/calibrated"
+    """Calibrated training-free exports for goodput:<score> policies."""
+    policy_k: int = 8
+    """num_speculative_tokens of the engine the policies run in (the cap of a round)."""
+    cost_file: str | None = None
+    """vLLM's curve (python -m pipelines.measure_costs --runtime vllm); measured at the start when null."""
+    curve_batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    """Batch sizes of the curve measured at the start."""
+    repeats: int = 2
+    """Runs of each row on each prompt (group); the faster is kept."""
+    kv_cache_gb: int = 2
+    """vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE on the CPU, a whole number)."""
+    n_boot: int = 1000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"--batch_sizes {self.batch_sizes}: give batch sizes >= 1")
+        if any(self.n_prompts % b for b in self.batch_sizes):
+            raise ValueError(f"--n_prompts {self.n_prompts} must be a multiple of every batch size {self.batch_sizes}")
+        if min(self.static_k, default=1) < 1 or self.default_k < 1 or self.policy_k < 1:
+            raise ValueError("static_k, default_k and policy_k must be >= 1 (K = 0 is the target-alone row)")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats {self.repeats}: must be >= 1")
+
+
+@dataclass
+class RowRun:
+    """One row at one batch size: per unit (a prompt at batch 1, a group of B prompts at batch B) its outputs and
+    the faster run's seconds and steps."""
+
+    name: str
+    batch: int
+    spec: str
+    """``target``, ``vllm:K``, ``vllm-per-batch:...`` or a policy spec."""
+    outputs: list[list[list[int]]] = field(default_factory=list)
+    """Per unit, each prompt's output token ids."""
+    seconds: list[float] = field(default_factory=list)
+    steps: list[list[StepLog]] = field(default_factory=list)
+    """Per unit, the faster run's engine steps."""
+    counters: dict[str, float] = field(default_factory=dict)
+    """vLLM's speculative-decoding counters summed over the kept runs (drafts, draft_tokens, accepted)."""
+    rounds: list[list[tuple[int, int, float]]] = field(default_factory=list)
+    """Policy rows: per unit, the proposer's rounds (requests, draft positions, mean verified length)."""
+    idle_rows: int = 0
+    draft_rows: int = 0
+    """Policy rows: draft-forward rows computed for requests that had stopped, of all rows computed."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for unit in self.outputs for o in unit)
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = sum(self.seconds)
+        return self.tokens / total if total else 0.0
+
+
+@dataclass
+class EngineRows:
+    """The rows one engine runs: ``rows`` maps a row name to the policy spec set in specstop's proposer before it
+    (None for vLLM's own proposer or the target alone)."""
+
+    engine: EngineSpec
+    rows: dict[str, str | None]
+    plugin: bool = False
+
+
+def _unit(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]], max_new: int,
+          ) -> tuple[list[list[int]], float, list[StepLog], dict[str, float], list, tuple[int, int]]:
+    before = spec_counters(llm)
+    n_rounds = len(proposer.stopper.counts.steps) if proposer is not None else 0
+    idle0 = (proposer.stopper.counts.idle_rows, proposer.stopper.counts.draft_steps) if proposer is not None else (0, 0)
+    clock.take()
+    outs, wall = generate(llm, prompts, max_new)
+    after = spec_counters(llm)
+    rounds, idle = [], (0, 0)
+    if proposer is not None:
+        c = proposer.stopper.counts
+        rounds = c.steps[n_rounds:]
+        idle = (c.idle_rows - idle0[0], sum(b * max(1, pos) for b, pos, _ in rounds))
+    return outs, wall, clock.take(), {k: after[k] - before[k] for k in after}, rounds, idle
+
+
+def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: VllmBenchConfig,
+               settings_of: Any) -> list[RowRun]:
+    """Load ``group``'s engine, run each of its rows on every unit of every batch size ``repeats`` times (the faster
+    kept), release the engine. ``settings_of(spec)`` gives the proposer's ``PolicySettings`` for a policy row."""
+    from decoding.vllm_proposer import active
+
+    t0 = time.perf_counter()
+    llm = build_engine(group.engine)
+    log.info("engine %s loaded in %.0f s", group.engine.speculative_config() or "target alone",
+             time.perf_counter() - t0)
+    clock = StepClock(llm)
+    proposer = active() if group.plugin else None
+    generate(llm, [units[min(units)][0][0]], 8)  # warm-up: vLLM's first step runs slower
+    out = []
+    for name, spec in group.rows.items():
+        for batch, batch_units in units.items():
+            row = RowRun(name=name, batch=batch, spec=spec or name)
+            for prompts in batch_units:
+                best = None
+                for _ in range(cfg.repeats):
+                    if proposer is not None:
+                        proposer.set_policy(settings_of(spec))
+                    run = _unit(llm, clock, proposer, prompts, cfg.max_new_tokens)
+                    if best is None or run[1] < best[1]:
+                        best = run
+                outs, wall, steps, counters, rounds, idle = best
+                row.outputs.append(outs)
+                row.seconds.append(wall)
+                row.steps.append(steps)
+                row.rounds.append(rounds)
+                row.idle_rows += idle[0]
+                row.draft_rows += idle[1]
+                for k, v in counters.items():
+                    row.counters[k] = row.counters.get(k, 0.0) + v
+            log.info("%s at batch %d: %.2f tokens/s", name, batch, row.tokens_per_s)
+            out.append(row)
+    del clock, proposer
+    release(llm)
+    return out

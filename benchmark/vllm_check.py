@@ -1,0 +1,73 @@
+"""The vLLM benchmark's replay check: each row's own steps priced with vLLM's curve, beside its measured time.
+
+A row's unit (a prompt at batch 1, a group at batch B) ran a sequence of engine steps (``StepClock``): its prefill
+steps are taken as measured (the curve prices decoding, not prefill), and each decode step is priced at the batch
+size it ran at (``decoding.vllm_stopper.curve_for_batch``):
+
+- the target alone: ``target(1)``;
+- vLLM's static K (or the per-batch schedule's K at that batch): ``K * draft + target(K + 1)``;
+- a specstop policy: its rounds as the proposer logged them (requests, draft positions computed, mean tokens a
+  request verified), each ``max(1, positions) * draft + target(mean verified)``, averaged and charged per decode step
+  (the first draft forward runs even when every request stops at once).
+
+What it leaves out: requests of a batch finishing at different steps share the last steps with fewer rows than the
+curve's batch (priced at the curve of the batch size the step had), and a policy round's mixed lengths are priced at
+their mean length.
+
+Usage::
+
+    predicted = predicted_seconds(row, curves, k_of=lambda b: 3)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from benchmark.vllm_bench import RowRun
+from benchmark.vllm_engine import StepLog
+from compute.timing import CostModel
+from decoding.vllm_stopper import curve_for_batch
+
+__all__ = ["predicted_seconds", "step_price", "check_rows"]
+
+
+def step_price(cm: CostModel, k: int) -> float:
+    """Seconds of a decode step with ``k`` drafts a request at ``cm``'s batch size (k = 0: the target alone)."""
+    return cm.target_time(1) if k == 0 else k * cm.draft_s_per_token + cm.target_time(k + 1)
+
+
+def _policy_step(rounds: list[tuple[int, int, float]], curves: dict[int, CostModel]) -> float | None:
+    if not rounds:
+        return None
+    total = 0.0
+    for batch, positions, mean_len in rounds:
+        cm = curve_for_batch(curves, batch)
+        total += max(1, positions) * cm.draft_s_per_token + cm.target_time(mean_len)
+    return total / len(rounds)
+
+
+def predicted_seconds(row: RowRun, curves: dict[int, CostModel], k_of: Callable[[int], int] | None) -> list[float]:
+    """Per unit of ``row``, the seconds its steps cost under ``curves`` (``k_of(batch)``: vLLM's K at a batch size;
+    None for a policy row, priced by its logged rounds)."""
+    out = []
+    for steps, rounds in zip(row.steps, row.rounds or [[] for _ in row.steps]):
+        prefill = sum(s.wall_s for s in steps if not s.decode)
+        decode: list[StepLog] = [s for s in steps if s.decode]
+        if k_of is None:
+            per = _policy_step(rounds, curves)
+            out.append(prefill + (per or 0.0) * len(decode))
+        else:
+            out.append(prefill + sum(step_price(curve_for_batch(curves, s.batch), k_of(s.batch)) for s in decode))
+    return out
+
+
+def check_rows(rows: list[RowRun], curves: dict[int, CostModel], k_of: dict[str, Callable[[int], int] | None],
+               ) -> list[dict]:
+    """Per row and batch size: measured and replayed tokens/s and their ratio (replayed / measured)."""
+    out = []
+    for row in rows:
+        pred = sum(predicted_seconds(row, curves, k_of.get(row.name)))
+        meas = sum(row.seconds)
+        out.append({"row": row.name, "batch": row.batch, "measured_tokens_per_s": round(row.tokens_per_s, 3),
+                    "replayed_tokens_per_s": round(row.tokens / pred, 3) if pred else None,
+                    "ratio": round(meas / pred, 4) if pred else None})
+    return out

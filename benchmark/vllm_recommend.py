@@ -1,0 +1,93 @@
+"""What to set in vLLM for a pair on this machine, per batch size: ``num_speculative_tokens`` at batch 1 and
+``num_speculative_tokens_per_batch_size`` (vLLM's batch-size Dynamic SD), each K tuned on a data folder's validation
+split under vLLM's own curve at that batch size (``benchmark.vllm_curve``), K = 0 (no drafting) wherever no K beats
+the target alone.
+
+At B concurrent requests every request runs the same K each step and a step costs ``K * draft + target(K + 1)`` at
+batch B; each request's rounds are replayed over the labelled draft tokens (``main_job.recommend.recommend``, the
+replay of every runtime's rule), so a batch's tokens/s is B times a sequence's and the speedup over the target alone
+is the sequence's (the ragged end of a batch, where requests finish at different steps, is left out).
+
+Usage::
+
+    picks = batch_picks("outputs/default/data", load_curves("outputs/default/data/cost_model.vllm.json"))
+    print("\\n".join(paste_lines(picks, "DRAFT", max_num_seqs=8)))
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from compute.timing import CostModel
+from evaluation.data import load_columns
+from main_job.recommend import recommend
+
+__all__ = ["BatchPick", "batch_picks", "schedule_ranges", "paste_lines"]
+
+
+@dataclass(frozen=True)
+class BatchPick:
+    """The K tuned at one batch size."""
+
+    batch: int
+    k: int
+    """num_speculative_tokens (0: do not speculate at this batch size)."""
+    val_speedup: float
+    """The tuned K's replayed speedup over the target alone on the validation split (at this batch's curve)."""
+    test_speedup: float
+    """The same K on the test split (1.0 for K = 0)."""
+    best_k: int
+    """The fastest K on validation, even where it does not beat the target alone."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def batch_picks(data_dir: str, curves: dict[int, CostModel]) -> list[BatchPick]:
+    """The tuned K at each batch size of ``curves`` (see the module docstring)."""
+    cols = load_columns(data_dir, ["val", "test"])
+    picks = []
+    for b in sorted(curves):
+        rec = recommend("vllm", cols, curves[b])
+        k = rec.rule.draft_cap() if rec.speculate else 0
+        picks.append(BatchPick(b, k, round(rec.val_speedup, 4), round(rec.test.speedup if k else 1.0, 4),
+                               rec.rule.draft_cap()))
+    return picks
+
+
+def schedule_ranges(picks: list[BatchPick], max_num_seqs: int) -> tuple[tuple[int, int, int], ...]:
+    """``num_speculative_tokens_per_batch_size``: each measured batch size's K from it up to the next one's (the
+    last up to ``max_num_seqs``), neighbours with the same K merged; the first range starts at 1."""
+    ranges: list[list[int]] = []
+    ordered = sorted(picks, key=lambda p: p.batch)
+    for i, p in enumerate(ordered):
+        start = 1 if i == 0 else p.batch
+        end = ordered[i + 1].batch - 1 if i + 1 < len(ordered) else max(max_num_seqs, p.batch)
+        if ranges and ranges[-1][2] == p.k:
+            ranges[-1][1] = end
+        else:
+            ranges.append([start, end, p.k])
+    return tuple(tuple(r) for r in ranges)  # type: ignore[return-value]
+
+
+def paste_lines(picks: list[BatchPick], draft: str, max_num_seqs: int) -> list[str]:
+    """The settings to paste: offline ``speculative_config`` and ``vllm serve`` flags, batch 1's K and the schedule."""
+    one = next((p for p in picks if p.batch == 1), picks[0])
+    ranges = schedule_ranges(picks, max_num_seqs)
+    top = max(r[2] for r in ranges)
+    lines = []
+    if one.k:
+        cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": one.k}
+        lines.append(f"batch 1: speculative_config={json.dumps(cfg)} (replayed {one.test_speedup:.2f}x the target "
+                     "alone on the test split)")
+    else:
+        lines.append(f"batch 1: do not speculate (the best K, {one.best_k}, replays {one.val_speedup:.2f}x the "
+                     "target alone on the validation split)")
+    if top == 0:
+        lines.append("every batch size measured: do not speculate (no speculative_config)")
+        return lines
+    cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": top,
+           "num_speculative_tokens_per_batch_size": [list(r) for r in ranges]}
+    lines.append(f"by batch size: speculative_config={json.dumps(cfg)}")
+    lines.append(f"vllm serve TARGET --max-num-seqs {max_num_seqs} --speculative-config '{json.dumps(cfg)}'")
+    return lines

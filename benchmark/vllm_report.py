@@ -1,0 +1,146 @@
+"""The vLLM benchmark's report: per batch size each row's tokens/s, its speedup over vLLM's target alone with a 95%
+paired bootstrap interval over units (prompts at batch 1, groups at batch B), identical outputs, vLLM's acceptance
+counters, the replay check, and for policy rows the share of draft rows that stopped requests rode; then the
+issue's checks (``goals``): the recommendation against the fastest static K, the per-batch setting against one
+fixed K, the best policy against the recommended static K, exact outputs, replay agreement.
+
+Writes ``benchmark.json`` and ``benchmark.md`` to the run's folder.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmark.rows import Row, ratio_ci
+from benchmark.vllm_bench import TARGET_ALONE, RowRun, VllmBenchConfig
+from benchmark.vllm_recommend import BatchPick
+from compute.timing import CostModel
+
+__all__ = ["VllmReport", "build_report", "markdown"]
+
+
+@dataclass
+class VllmReport:
+    """What ``python -m pipelines.vllm_bench`` returns and writes."""
+
+    table: list[dict[str, Any]]
+    goals: dict[str, Any]
+    recommendation: list[str]
+    picks: list[dict[str, Any]]
+    replay_check: list[dict[str, Any]]
+    curves: dict[str, dict[str, Any]] = field(default_factory=dict)
+    prompts: list[str] = field(default_factory=list)
+
+
+def _as_row(r: RowRun) -> Row:
+    return Row(name=r.name, method="vllm", seconds=list(r.seconds),
+               outputs=[[t for o in unit for t in o] for unit in r.outputs])
+
+
+def _entry(r: RowRun, ref: RowRun, boot: np.ndarray, check: dict[str, Any]) -> dict[str, Any]:
+    sp, lo, hi = ratio_ci(_as_row(r), _as_row(ref), boot)
+    same = sum(a == b for u, v in zip(r.outputs, ref.outputs) for a, b in zip(u, v))
+    c = r.counters
+    return {"row": r.name, "batch": r.batch, "spec": r.spec, "tokens_per_s": round(r.tokens_per_s, 3),
+            "speedup": None if sp is None else round(sp, 4), "speedup_lo": None if lo is None else round(lo, 4),
+            "speedup_hi": None if hi is None else round(hi, 4), "identical": same,
+            "prompts": sum(len(u) for u in r.outputs), "tokens": r.tokens, "seconds": round(sum(r.seconds), 3),
+            "draft_tokens": int(c.get("draft_tokens", 0)), "accepted": int(c.get("accepted", 0)),
+            "acceptance": round(c["accepted"] / c["draft_tokens"], 4) if c.get("draft_tokens") else None,
+            "idle_share": round(r.idle_rows / r.draft_rows, 4) if r.draft_rows else None,
+            "replayed_tokens_per_s": check.get("replayed_tokens_per_s"), "replay_ratio": check.get("ratio"),
+            "unit_seconds": [round(s, 4) for s in r.seconds]}
+
+
+def _rec_row(table: list[dict], batch: int, picks: list[BatchPick]) -> dict | None:
+    """The recommended setting's row at ``batch``: the per-batch engine's, else the static K picked there (the
+    target alone for K = 0)."""
+    rows = [t for t in table if t["batch"] == batch]
+    per = next((t for t in rows if t["row"].startswith("vllm per-batch")), None)
+    if per is not None:
+        return per
+    k = next((p.k for p in sorted(picks, key=lambda p: p.batch) if p.batch >= batch), None)
+    if k is None and picks:
+        k = max(picks, key=lambda p: p.batch).k
+    if k == 0:
+        return next((t for t in rows if t["row"] == TARGET_ALONE), None)
+    return next((t for t in rows if t["row"].split(" ")[0] == f"vllm:{k}"), None)
+
+
+def _goals(table: list[dict], picks: list[BatchPick], cfg: VllmBenchConfig) -> dict[str, Any]:
+    goals: dict[str, Any] = {}
+    ratios = []
+    for b in cfg.batch_sizes:
+        rows = [t for t in table if t["batch"] == b]
+        fixed = [t for t in rows if t["row"] == TARGET_ALONE or (t["row"].startswith("vllm:"))]
+        fastest = max(fixed, key=lambda t: t["tokens_per_s"])
+        rec = _rec_row(table, b, picks)
+        default = next((t for t in rows if "(defaults)" in t["row"]), None)
+        alone = next(t for t in rows if t["row"] == TARGET_ALONE)
+        g = {"fastest_fixed": fastest["row"], "recommended_row": rec and rec["row"]}
+        if rec is not None:
+            g["recommended_vs_fastest"] = round(rec["tokens_per_s"] / fastest["tokens_per_s"], 4)
+            g["recommended_vs_target_alone"] = round(rec["tokens_per_s"] / alone["tokens_per_s"], 4)
+            if default is not None:
+                g["recommended_vs_defaults"] = round(rec["tokens_per_s"] / default["tokens_per_s"], 4)
+                ratios.append(g["recommended_vs_defaults"])
+        policies = [t for t in rows if t["row"] in cfg.policies]
+        if policies and rec is not None:
+            best = max(policies, key=lambda t: t["tokens_per_s"])
+            g["best_policy"] = best["row"]
+            g["best_policy_vs_recommended"] = round(best["tokens_per_s"] / rec["tokens_per_s"], 4)
+            g["policy_idle_share"] = {t["row"]: t["idle_share"] for t in policies}
+        goals[f"batch_{b}"] = g
+    if ratios:
+        goals["per_batch_vs_defaults_geomean"] = round(math.exp(sum(map(math.log, ratios)) / len(ratios)), 4)
+    ident = [t["identical"] / t["prompts"] for t in table if t["prompts"]]
+    goals["identical_share_min"] = round(min(ident), 4) if ident else None
+    ratios_r = [abs(t["replay_ratio"] - 1) for t in table if t["replay_ratio"] is not None]
+    goals["replay_worst_abs_error"] = round(max(ratios_r), 4) if ratios_r else None
+    return goals
+
+
+def build_report(cfg: VllmBenchConfig, rows: list[RowRun], names: list[str], picks: list[BatchPick],
+                 check: list[dict], curves: dict[int, CostModel], recommendation: list[str]) -> VllmReport:
+    """The report of a finished run, written to ``cfg.out_dir``."""
+    table = []
+    rng = np.random.default_rng(cfg.seed)
+    for b in cfg.batch_sizes:
+        at_b = [r for r in rows if r.batch == b]
+        ref = next(r for r in at_b if r.name == TARGET_ALONE)
+        boot = rng.integers(0, len(ref.seconds), size=(cfg.n_boot, len(ref.seconds)))
+        for r in at_b:
+            c = next((x for x in check if x["row"] == r.name and x["batch"] == b), {})
+            table.append(_entry(r, ref, boot, c))
+    rep = VllmReport(table=table, goals=_goals(table, picks, cfg), recommendation=recommendation,
+                     picks=[p.to_dict() for p in picks], replay_check=check,
+                     curves={str(b): cm.to_dict() for b, cm in curves.items()}, prompts=names)
+    out = Path(cfg.out_dir)
+    (out / "benchmark.json").write_text(json.dumps({**asdict(rep), "config": asdict(cfg)}, indent=1, default=str))
+    (out / "benchmark.md").write_text(markdown(rep))
+    return rep
+
+
+def markdown(rep: VllmReport) -> str:
+    """The report as Markdown: one table per batch size, then the recommendation and the checks."""
+    lines = []
+    for b in sorted({t["batch"] for t in rep.table}):
+        lines += [f"### {b} concurrent request{'s' if b > 1 else ''}", "",
+                  "| row | tokens/s | vs target alone [95% CI] | output = target alone | acceptance | replayed / "
+                  "measured | stopped rows ridden |", "|---|---|---|---|---|---|---|"]
+        for t in (t for t in rep.table if t["batch"] == b):
+            ci = f"{t['speedup']:.2f}x [{t['speedup_lo']:.2f}, {t['speedup_hi']:.2f}]" if t["speedup"] else ""
+            acc = f"{t['acceptance']:.2f}" if t["acceptance"] is not None else ""
+            rr = f"{t['replay_ratio']:.3f}" if t["replay_ratio"] is not None else ""
+            idle = f"{t['idle_share']:.0%}" if t["idle_share"] is not None else ""
+            lines.append(f"| {t['row']} | {t['tokens_per_s']:.2f} | {ci} | {t['identical']}/{t['prompts']} | {acc} "
+                         f"| {rr} | {idle} |")
+        lines.append("")
+    lines += ["Recommended:", "", *[f"- {x}" for x in rep.recommendation], "", "Checks:", "",
+              "```json", json.dumps(rep.goals, indent=1), "```", ""]
+    return "\n".join(lines)

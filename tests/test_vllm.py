@@ -1,0 +1,146 @@
+"""specstop inside vLLM, the parts that need no vLLM: per-request stopping over a batched draft loop (hand-made
+logits make each request's stop known), the per-batch schedule and its pasteable settings, the replay check's
+pricing, and the one-line refusals. The proposer itself runs in ``.venv-vllm`` (tests/test_vllm_engine.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmark.vllm_bench import RowRun, VllmBenchConfig
+from benchmark.vllm_check import predicted_seconds, step_price
+from benchmark.vllm_engine import StepLog
+from benchmark.vllm_recommend import BatchPick, paste_lines, schedule_ranges
+from compute.timing import CostModel
+from decoding.policies import build_policy
+from decoding.vllm_proposer import PolicySettings, build_stopper, check_vllm, load_curves
+from decoding.vllm_stopper import RequestStopper, curve_for_batch
+
+V = 32
+
+
+def logits(rows: list[float]) -> torch.Tensor:
+    """[B, V] logits whose argmax is token 3 with top-1 probability about ``p`` per row."""
+    out = torch.zeros(len(rows), V)
+    for i, p in enumerate(rows):
+        out[i, 3] = torch.log(torch.tensor(p * (V - 1) / (1 - p)))
+    return out
+
+
+def curve(draft: float = 0.01, per_token: float = 0.002, base: float = 0.1) -> CostModel:
+    return CostModel(draft_s_per_token=draft, target_s={L: base + per_token * (L - 1) for L in range(1, 10)},
+                     runtime="vllm")
+
+
+def test_each_request_stops_by_its_own_policy() -> None:
+    stopper = RequestStopper(build_policy("svip:0.5"))  # SVIP stops where the draft's entropy bound is crossed
+    stopper.begin_round(["a", "b"], None, num_speculative_tokens=5)
+    sure, unsure = 0.99, 0.2
+    _, done = stopper.step(logits([sure, unsure]))
+    assert not done  # b stopped, a goes on
+    for _ in range(4):
+        if done:
+            break
+        _, done = stopper.step(logits([sure, unsure]))
+    a, b = stopper.proposals()
+    assert len(a) == 5 and a == [3] * 5  # the greedy token, drafted to the cap
+    assert len(b) == 1  # b's unsure token was drafted, then its round stopped
+    assert stopper.counts.idle_rows == 4  # b's rows rode the four later draft positions
+    assert stopper.counts.steps[-1] == (2, 5, (6 + 2) / 2)
+
+
+def test_static_policy_drafts_exactly_k_and_stops_the_loop() -> None:
+    stopper = RequestStopper(build_policy("static:2"))
+    stopper.begin_round(["a"], None, num_speculative_tokens=8)
+    assert stopper.step(logits([0.5]))[1] is False
+    assert stopper.step(logits([0.5]))[1] is True  # every request done: the proposer ends vLLM's loop
+    assert stopper.proposals() == [[3, 3]]
+
+
+def test_feedback_accepts_sent_minus_rejected_and_new_requests_start_fresh() -> None:
+    stopper = RequestStopper(build_policy("static:3"))
+    stopper.begin_round(["a", "b"], None, 3)
+    for _ in range(3):
+        stopper.step(logits([0.9, 0.9]))
+    stopper.proposals()
+    stopper.begin_round(["a", "c"], rejected=[1, 0], num_speculative_tokens=3)  # b finished, c is new
+    assert stopper.counts.accepted == 2
+    assert set(stopper._policies) == {"a", "c"}  # noqa: SLF001 - the per-request copies
+
+
+def test_goodput_needs_a_curve_and_drafts_nothing_where_no_round_pays() -> None:
+    from predictors.calibration import Calibrator
+    from predictors.goodput import GoodputPolicy
+
+    half = Calibrator("isotonic", x=[0.0, 1.0], y=[0.5, 0.5])  # every draft accepted with probability 1/2
+    policy = GoodputPolicy(build_policy("adaedl:0.5"), {"greedy": half})
+    with pytest.raises(ValueError, match="measure_costs --runtime vllm"):
+        RequestStopper(policy)
+    costly = {1: curve(draft=1.0)}  # a draft step costs ten target forwards: no round can pay
+    stopper = RequestStopper(policy, costly)
+    stopper.begin_round(["a"], None, 5)
+    assert stopper.all_stopped() and stopper.proposals() == [[]]
+    cheap = RequestStopper(policy, {1: curve(draft=0.001, per_token=0.0005)})
+    cheap.begin_round(["a"], None, 5)
+    assert not cheap.all_stopped()
+
+
+def test_curve_for_batch_takes_the_next_measured_size() -> None:
+    curves = {1: curve(base=0.1), 4: curve(base=0.2), 8: curve(base=0.3)}
+    assert curve_for_batch(curves, 1) is curves[1]
+    assert curve_for_batch(curves, 3) is curves[4]
+    assert curve_for_batch(curves, 16) is curves[8]
+
+
+def test_schedule_merges_equal_neighbours_and_starts_at_one() -> None:
+    picks = [BatchPick(1, 3, 1.4, 1.3, 3), BatchPick(2, 3, 1.2, 1.1, 3), BatchPick(4, 0, 0.97, 1.0, 1),
+             BatchPick(8, 0, 0.9, 1.0, 1)]
+    assert schedule_ranges(picks, 8) == ((1, 3, 3), (4, 8, 0))
+    lines = paste_lines(picks, "D", 8)
+    assert '"num_speculative_tokens": 3' in lines[0]
+    assert '"num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 8, 0]]' in lines[1]
+    assert "vllm serve" in lines[2]
+    none = [BatchPick(1, 0, 0.95, 1.0, 2)]
+    assert "do not speculate" in paste_lines(none, "D", 4)[0]
+
+
+def test_replay_check_prices_decode_steps_and_takes_prefill_as_measured() -> None:
+    cm = curve()
+    assert step_price(cm, 0) == pytest.approx(0.1)
+    assert step_price(cm, 3) == pytest.approx(3 * 0.01 + 0.1 + 0.006)
+    steps = [StepLog(0.5, 1, False), StepLog(0.2, 1, True), StepLog(0.2, 1, True)]
+    row = RowRun(name="vllm:3", batch=1, spec="vllm:3", outputs=[[[1] * 8]], seconds=[0.9], steps=[steps])
+    assert predicted_seconds(row, {1: cm}, lambda b: 3) == [pytest.approx(0.5 + 2 * step_price(cm, 3))]
+    pol = RowRun(name="p", batch=1, spec="p", outputs=[[[1] * 8]], seconds=[0.9], steps=[steps],
+                 rounds=[[(1, 2, 3.0), (1, 0, 1.0)]])
+    per = ((2 * 0.01 + cm.target_time(3.0)) + (1 * 0.01 + cm.target_time(1.0))) / 2
+    assert predicted_seconds(pol, {1: cm}, None) == [pytest.approx(0.5 + 2 * per)]
+
+
+def test_curve_file_of_another_runtime_is_refused(tmp_path) -> None:
+    path = tmp_path / "cm.json"
+    CostModel(draft_s_per_token=0.01, target_s={1: 0.1, 2: 0.11}, runtime="llamacpp").to_json(path)
+    with pytest.raises(ValueError, match="not vLLM's"):
+        load_curves(path)
+    c = curve()
+    c.extra["batch_curves"] = {"1": curve().to_dict(), "4": curve(base=0.3).to_dict()}
+    c.to_json(path)
+    assert sorted(load_curves(path)) == [1, 4]
+
+
+def test_bad_input_is_one_line() -> None:
+    with pytest.raises(ValueError, match="multiple of every batch size"):
+        VllmBenchConfig(n_prompts=6, batch_sizes=[1, 4])
+    with pytest.raises(ValueError, match="K = 0 is the target-alone row"):
+        VllmBenchConfig(static_k=[0])
+    with pytest.raises(ValueError, match="unknown policy"):
+        build_stopper(PolicySettings(spec="nonsense:1"))
+
+
+def test_missing_vllm_names_the_setup_command() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="scripts/setup.sh --vllm"):
+            check_vllm()
+    else:
+        pytest.skip("vLLM is installed here")
