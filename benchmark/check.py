@@ -14,13 +14,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from benchmark.check_inputs import BenchFolder, rollout_length, row_policies
 from benchmark.check_records import labelled_records, load_companion, own_output_rows
-from benchmark.config import ENTROPY_KINDS
 from benchmark.curve import HF_CURVE
 from benchmark.rows import HF_METHOD
 from compute.timing import CostModel
 from data_gen.labelling import LabelModels, LabelOptions
 from evaluation.replay import ReplayConfig, ReplayResult, prepare_replay_data, replay_policy
 from predictors.base import StopPolicy
+from predictors.baselines import ENTROPY_KINDS
 
 log = logging.getLogger("pipelines.replay_check")
 

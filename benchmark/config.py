@@ -10,10 +10,6 @@ from data_gen.config import ModelsConfig
 from data_gen.prompts import PromptSourceConfig
 from predictors.tracking import TrackingConfig
 
-ENTROPY_KINDS = ("svip", "adaedl")
-"""Policies the learned ones must beat: the training-free entropy bounds."""
-
-
 TUNABLE_BASELINES = ("svip", "adaedl", "max_confidence", "draft_prob")
 
 

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmark.config import ENTROPY_KINDS  # noqa: E402
+from predictors.baselines import ENTROPY_KINDS  # noqa: E402
 
 
 def plot_speedups(rows: list[dict[str, Any]], path: Path) -> None:

@@ -12,12 +12,12 @@ import numpy as np
 import torch
 
 from benchmark.bench import Bench, RunOrder
-from benchmark.config import ENTROPY_KINDS
 from benchmark.plots import plot_speedups
 from benchmark.resume import PROMPTS_DIR
 from benchmark.rows import Row, ratio_ci
 from compute.compute_path import compute_path_of, cpu_info
 from data_gen.config import ModelsConfig
+from predictors.baselines import ENTROPY_KINDS
 
 log = logging.getLogger("pipelines.benchmark")
 

@@ -14,7 +14,6 @@ from benchmark.bench import Bench
 from benchmark.config import needs_tuning
 from decoding.policies import build_policy, policy_label
 from evaluation.data import load_columns, subset
-from evaluation.recommend import tune_rule
 from evaluation.replay import (
     ReplayConfig,
     missing_columns,
@@ -23,6 +22,7 @@ from evaluation.replay import (
     tune_threshold,
     with_threshold,
 )
+from main_job.recommend import tune_rule
 from predictors.base import SEQUENTIAL, THRESHOLD
 from predictors.labels import draw_mask
 from predictors.runtime_rules import RuntimeRule
@@ -70,7 +70,7 @@ def tune_on_validation(specs: Sequence[str], bench: Bench, data_dir: str | None,
 def tune_runtime(runtime: str, bench: Bench, data_dir: str | None) -> RuntimeRule:
     """``runtime``'s own rule at the setting that replays fastest on the validation split of ``data_dir``
     under the bench's cost model, transformers' own for transformers when measured (``hf_curve``; the replay:
-    ``evaluation.recommend.tune_rule``)."""
+    ``main_job.recommend.tune_rule``)."""
     cm = bench.hf_cost_model if runtime == "transformers" and bench.hf_cost_model is not None else bench.cost_model
     assert cm is not None
     mode, cols = _validation_columns(bench, data_dir)

@@ -42,6 +42,11 @@ def fmt_duration(seconds: float) -> str:
     return f"{int(minutes // 60)} h {int(minutes % 60):02d} min"
 
 
+def plural(n: int, word: str) -> str:
+    """``1 folder``, ``2 folders``."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 HEARTBEAT_S = 45.0
 """Seconds between two heartbeat lines (``SPECSTOP_HEARTBEAT_S`` overrides it): under a minute with a margin for a
 thread that waits on the interpreter lock."""

@@ -1,17 +1,32 @@
-"""The recommendation job as a library: each runtime's speculative settings tuned on a data folder's validation split
-under a measured curve (``evaluation.recommend``), beside the learned policies of a training folder.
+"""A runtime's speculative settings tuned for a model pair and a machine: each runtime's own rule
+(``predictors.runtime_rules``) replayed exactly over the labelled draft tokens under a measured curve, the fastest
+setting on the validation split chosen, and that setting, the runtime's defaults, the learned policies given and the
+oracle scored on the test split.
 
-``python -m pipelines.recommend`` runs it from the command line; the main job (``pipelines.train``) calls
-:func:`recommend_runtimes` for the runtimes whose curve its data folder holds.
+The job (:class:`RecommendConfig`, :func:`recommend_runtimes`): each runtime's settings tuned on a data folder's
+validation split under the curve found beside it, beside the learned policies of a training folder; ``python -m
+pipelines.recommend`` runs it from the command line, the main job (``pipelines.train``) for the runtimes whose curve
+its data folder holds, and the llama.cpp benchmark under its own curve.
+
+Usage::
+
+    cols = load_columns("outputs/default/data", splits=["val", "test"])
+    rec = recommend("llamacpp", cols, CostModel.from_json("outputs/default/data/cost_model.llamacpp.json"),
+                    compare={"goodput DISCO": goodput_disco})
+    print("\\n".join(rec.lines("qwen2.5-coder-0.5b-instruct.gguf")))
 """
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from compute.gguf_files import GGUF_SUBDIR, PACKAGED_PREFIX
 from compute.packaged import get_packaged
@@ -20,11 +35,180 @@ from data_gen.progress import Heartbeat
 from data_gen.shards import read_data_config
 from decoding.policies import GOODPUT_PREFIX, build_policy
 from evaluation.data import load_columns
-from evaluation.recommend import Recommendation, recommend
+from evaluation.replay_data import ReplayConfig, ReplayData, prepare_replay_data
+from evaluation.replay_result import ReplayResult
+from evaluation.replay_rounds import replay_policy
+from evaluation.replay_scores import scores_for
 from predictors.base import StopPolicy
-from predictors.runtime_rules import RUNTIMES
+from predictors.baselines import Oracle
+from predictors.runtime_rules import RUNTIMES, LlamaCppRule, RuntimeRule, TransformersRule, VllmRule, runtime_rule
 
 log = logging.getLogger("pipelines.recommend")
+
+__all__ = ["Recommendation", "recommend", "tune_rule", "coarse_rules", "SPECULATE_MIN", "RecommendConfig",
+           "recommend_runtimes", "draft_name", "write_recommendations"]
+
+SPECULATE_MIN = 1.0
+"""A setting is recommended only when its replayed speedup over target-only on the validation split exceeds this;
+otherwise the recommendation is target-only (do not speculate)."""
+
+Progress = Callable[[int, int], None]
+"""Called with (settings replayed, settings to replay) while tuning."""
+
+
+def coarse_rules(runtime: str) -> list[RuntimeRule]:
+    """The first grid of a runtime's settings (the runtime's defaults included)."""
+    if runtime == "llamacpp":
+        rules: list[RuntimeRule] = [LlamaCppRule(n, 0, p) for n, p in itertools.product(
+            (1, 2, 3, 4, 5, 6, 8, 10, 12, 16), (0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95))]
+    elif runtime == "transformers":
+        rules = [TransformersRule(n, s, t) for n, s, t in itertools.product(
+            (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20), ("constant", "heuristic"), (0.0, 0.2, 0.4, 0.6, 0.8))]
+    elif runtime == "vllm":
+        rules = [VllmRule(k) for k in range(1, 17)]
+    else:
+        raise ValueError(f"runtime={runtime!r}: use one of {', '.join(RUNTIMES)}")
+    default = runtime_rule(runtime)
+    if all(r.settings() != default.settings() for r in rules):
+        rules.append(default)
+    return rules
+
+
+def fine_rules(best: RuntimeRule) -> list[RuntimeRule]:
+    """Settings around the best coarse one: llama.cpp's minimum draft and a finer probability floor; transformers'
+    length one either side; none for vLLM (its grid is complete)."""
+    if isinstance(best, LlamaCppRule):
+        ps = sorted({round(min(max(best.p_min + d, 0.0), 0.99), 3) for d in (-0.05, -0.025, 0.0, 0.025, 0.05)})
+        return [LlamaCppRule(best.n_max, m, p) for m, p in itertools.product(range(0, min(best.n_max, 3) + 1), ps)]
+    if isinstance(best, TransformersRule):
+        s = best.settings()
+        return [TransformersRule(n, s["num_assistant_tokens_schedule"], s["assistant_confidence_threshold"])
+                for n in (best.initial_tokens - 1, best.initial_tokens + 1) if n >= 1]
+    return []
+
+
+def tune_rule(runtime: str, data: ReplayData, cm: CostModel, mode: str = "greedy",
+              progress: Progress | None = None) -> tuple[RuntimeRule, float, list[dict[str, Any]]]:
+    """(the fastest setting, its replayed speedup, one row per setting tried) of ``runtime`` over ``data``: a coarse
+    grid, then a finer one around its best."""
+    rows: list[dict[str, Any]] = []
+    scores: dict[str, np.ndarray | None] = {}
+
+    def run(rules: list[RuntimeRule]) -> None:
+        total = len(rows) + len(rules)
+        for rule in rules:
+            if rule.kind not in scores:  # a rule's score does not depend on its settings: computed once
+                scores[rule.kind] = scores_for(rule, data, None)
+            r = replay_policy(copy.deepcopy(rule), data, cm, mode, scores=scores[rule.kind])
+            rows.append({"rule": rule, "spec": rule.spec(), **rule.settings(), **r.as_row()})
+            if progress is not None:
+                progress(len(rows), total)
+
+    run(coarse_rules(runtime))
+    best = max(rows, key=lambda r: r["speedup"])["rule"]
+    tried = {r["spec"] for r in rows}
+    run([r for r in fine_rules(best) if r.spec() not in tried])
+    top = max(rows, key=lambda r: r["speedup"])
+    return top["rule"], float(top["speedup"]), rows
+
+
+@dataclass
+class Recommendation:
+    """A runtime's tuned setting and what it is worth on the test split, beside its defaults, the learned policies
+    and the oracle (speedups over target-only replayed under one curve)."""
+
+    runtime: str
+    rule: RuntimeRule
+    """The fastest setting on the validation split."""
+    val_speedup: float
+    test: ReplayResult
+    default: RuntimeRule
+    default_test: ReplayResult
+    compare: dict[str, ReplayResult] = field(default_factory=dict)
+    """Learned (and cost-aware) policies replayed on the test split under the same curve, by name."""
+    oracle: ReplayResult | None = None
+    warnings: list[str] = field(default_factory=list)
+    tried: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def speculate(self) -> bool:
+        """The tuned setting beats target-only on the validation split."""
+        return self.val_speedup > SPECULATE_MIN
+
+    def best_compare(self) -> tuple[str, ReplayResult] | None:
+        if not self.compare:
+            return None
+        return max(self.compare.items(), key=lambda kv: kv[1].speedup)
+
+    def lines(self, draft: str = "DRAFT") -> list[str]:
+        """What to paste and what it is worth, one fact a line."""
+        out = [f"warning: {w}" for w in self.warnings]
+        head = f"{self.runtime}:"
+        if not self.speculate:
+            out.append(f"{head} do not speculate on this pair and machine: the best setting "
+                       f"({self.rule.spec()}) replays at {self.val_speedup:.2f}x target-only on the validation "
+                       f"split; run the target alone" + (" (no -md)" if self.runtime == "llamacpp" else ""))
+        else:
+            out.append(f"{head} {self.rule.paste(draft)}")
+        mine = self.speedup
+        what = "the recommendation (target-only)" if not self.speculate else "the tuned setting"
+        out.append(f"{head} replayed on the test split: {what} {mine:.2f}x target-only; the runtime's defaults "
+                   f"({self.default.spec()}) {self.default_test.speedup:.2f}x, so {what} is "
+                   f"{mine / self.default_test.speedup:.2f}x the defaults")
+        best = self.best_compare()
+        if best is not None:
+            out.append(f"{head} {best[0]} (the best learned policy given) {best[1].speedup:.2f}x: {what} is "
+                       f"{mine / best[1].speedup:.2f}x of it")
+        if self.oracle is not None:
+            out.append(f"{head} the oracle {self.oracle.speedup:.2f}x: {what} is {mine / self.oracle.speedup:.2f}x "
+                       f"of it")
+        return out
+
+    @property
+    def speedup(self) -> float:
+        """Replayed speedup of what is recommended on the test split (1.0 when that is target-only)."""
+        return self.test.speedup if self.speculate else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "runtime": self.runtime, "speculate": self.speculate, "speedup": self.speedup,
+            "settings": self.rule.settings(),
+            "spec": self.rule.spec(), "paste": self.rule.paste(), "val_speedup": self.val_speedup,
+            "test": self.test.as_row(), "default": {"spec": self.default.spec(), **self.default_test.as_row()},
+            "compare": {k: v.as_row() for k, v in self.compare.items()},
+            "oracle": self.oracle.as_row() if self.oracle is not None else None, "warnings": self.warnings,
+            "tried": [{k: v for k, v in r.items() if k != "rule"} for r in self.tried],
+        }
+
+
+def recommend(runtime: str, columns: Mapping[str, object], cm: CostModel, *,
+              compare: Mapping[str, StopPolicy] | None = None, mode: str = "greedy",
+              progress: Progress | None = None) -> Recommendation:
+    """Tune ``runtime``'s setting on the ``val`` rows of ``columns`` under ``cm`` and score it, the runtime's
+    defaults, the ``compare`` policies and the oracle on the ``test`` rows (ValueError when a split is missing)."""
+    splits = set(np.asarray(columns.get("split", np.array([]))).astype(str).tolist())
+    missing = [s for s in ("val", "test") if s not in splits]
+    if missing:
+        raise ValueError(f"the data has no {' or '.join(missing)} rows to tune and score on; generate the data with "
+                         f"pipelines.generate (it splits prompts into train / val / test)")
+    val = prepare_replay_data(columns, ReplayConfig(mode=mode, split="val"))
+    test = prepare_replay_data(columns, ReplayConfig(mode=mode, split="test"))
+    warnings = [w for w in (cm.runtime_mismatch(runtime),) if w]
+    rule, val_speedup, tried = tune_rule(runtime, val, cm, mode, progress)
+    default = runtime_rule(runtime)
+
+    def on_test(policy: StopPolicy, cap: int | None = None) -> ReplayResult:
+        return replay_policy(copy.deepcopy(policy), test, cm, mode, max_draft_len=cap)
+
+    # the learned policies and the oracle draft no longer than the curve was measured for (a verification of L tokens
+    # verifies L - 1 drafts): past it the curve is extrapolated, and a flat tail would make any long round look cheap
+    cap = max(1, max(int(length) for length in cm.target_s) - 1)
+    compared = {name: on_test(p, cap) for name, p in (compare or {}).items()}
+    return Recommendation(runtime=runtime, rule=rule, val_speedup=val_speedup, test=on_test(rule), default=default,
+                          default_test=on_test(default), compare=compared,
+                          oracle=on_test(Oracle(), cap) if mode == "greedy" else None, warnings=warnings,
+                          tried=tried)
+
 
 RUNTIME_COST_FILES = {"llamacpp": ("cost_model.llamacpp.json",),
                       "transformers": ("cost_model.transformers.json", "cost_model.json")}

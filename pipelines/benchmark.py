@@ -63,7 +63,7 @@ from benchmark.report import best_thresholded, console_table, cost_aware_line
 from benchmark.run import run_benchmark, write_config
 from benchmark.tracking import log_to_mlflow
 from pipelines.cli import parse_config, setup_logging, user_errors
-from pipelines.result_store import invocation, summarize_benchmark, write_summary
+from rendering.result_store import invocation, summarize_benchmark, write_summary
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ Usage:
     python -m pipelines.crossval --config configs/crossval.yaml --folds 10 --n_boot 500
     python -m pipelines.crossval --config configs/crossval.yaml --train_fractions '[0.25,0.5,1.0]'   # learning curve
 
-The work is ``pipelines.jobs.crossval`` (the main job runs it with ``crossval_folds`` > 0). Writes ``crossval.md``,
+The work is ``evaluation.crossval`` (the main job runs it with ``crossval_folds`` > 0). Writes ``crossval.md``,
 ``crossval.csv``, ``calibration.csv``, the out-of-fold scores (``oof.parquet``), ``crossval.png`` (the differences
 with their intervals) and, with several ``train_fractions``, ``learning_curve.png`` to ``out_dir``, and logs them to
 the active MLflow run (or a new ``crossval`` run with ``tracking``).
@@ -22,8 +22,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from evaluation.crossval import CrossValConfig, run_crossval
 from pipelines.cli import parse_config, setup_logging, user_errors
-from pipelines.jobs.crossval import CrossValConfig, run_crossval
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Evaluate stop policies on held-out labelled draft tokens: classification tables, offline replay, report.
 
-The evaluation itself is ``pipelines.jobs.evaluate`` (the main job runs it too); this entry point parses its config
+The evaluation itself is ``evaluation.evaluate`` (the main job runs it too); this entry point parses its config
 and runs it inside an MLflow run.
 
 Usage:
@@ -16,8 +16,8 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from evaluation.evaluate import EvaluateConfig, run_evaluation
 from pipelines.cli import parse_config, setup_logging, user_errors
-from pipelines.jobs.evaluate import EvaluateConfig, run_evaluation
 from predictors.tracking import mlflow_api, mlflow_run
 
 

@@ -1,6 +1,6 @@
 """Generate labelled draft tokens into Parquet shards (resumable; multi-process through Lightning Fabric).
 
-The work is ``pipelines.jobs.generate.generate`` (the main job runs it too).
+The work is ``data_gen.generate.generate`` (the main job runs it too).
 
 Usage:
     python -m pipelines.generate --config configs/smoke.yaml
@@ -12,8 +12,8 @@ import json
 import sys
 
 from data_gen.config import GenerateConfig
+from data_gen.generate import generate
 from pipelines.cli import parse_config, setup_logging, user_errors
-from pipelines.jobs.generate import generate
 
 
 def main(argv: list[str] | None = None) -> dict:

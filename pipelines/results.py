@@ -1,6 +1,6 @@
 """Render the README's results table and docs/results.md from the run summaries stored in ``results/``.
 
-Every figure the README and docs/results.md quote comes from a summary file (``pipelines.result_store``), never typed by
+Every figure the README and docs/results.md quote comes from a summary file (``rendering.result_store``), never typed by
 hand. ``--check`` renders in memory and exits 1, naming the file, when a document differs from what the summaries
 give (the unit suite runs it). ``--main_job DIR`` / ``--benchmark DIR`` first store the summary of a finished run.
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines.cli import parse_config, setup_logging, user_errors
-from pipelines.result_store import SummaryError, load_summaries, summarize_benchmark, summarize_main_job, write_summary
-from pipelines.result_tables import fill, render_blocks
+from rendering.result_store import SummaryError, load_summaries, summarize_benchmark, summarize_main_job, write_summary
+from rendering.result_tables import fill, render_blocks
 
 log = logging.getLogger(__name__)
 

@@ -208,3 +208,8 @@ class Oracle(StopPolicy):
 BASELINES: dict[str, type[StopPolicy]] = {
     c.kind: c for c in (StaticLength, HFHeuristic, MaxConfidence, DraftProb, SVIP, AdaEDL, Oracle)
 }
+
+
+ENTROPY_KINDS = ("svip", "adaedl")
+"""Policies the learned ones must beat: the training-free entropy bounds (the benchmark's and the rendered tables'
+``vs best entropy`` column)."""

@@ -183,7 +183,7 @@ def test_smoke_run(tmp_path, tiny_pair):
         "--results_dir", str(tmp_path / "results"),
     ]
     result = main(argv)
-    from pipelines.result_store import load_summaries  # the run's summary, as pipelines.results renders it
+    from rendering.result_store import load_summaries  # the run's summary, as pipelines.results renders it
 
     (stored,) = load_summaries(tmp_path / "results")
     assert stored.kind == "benchmark" and stored.data["n_prompts"] == 2 and len(stored.data["rows"]) == len(

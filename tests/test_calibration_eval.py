@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from decoding.policies import build_policy
+from evaluation.evaluate import EvaluateConfig, cost_aware_rows, run_evaluation, store_calibrations
 from pipelines.calibrate import main as calibrate_main
-from pipelines.jobs.evaluate import EvaluateConfig, run_evaluation
-from pipelines.jobs.evaluate_outputs import cost_aware_rows, store_calibrations
 from predictors.export import export_predictor, read_metadata
 from predictors.goodput import GoodputPolicy, MissingCalibration
 from tests.synthetic import make_records, with_sample_draw, write_shards

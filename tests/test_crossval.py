@@ -140,7 +140,7 @@ def test_summarise_known_answer():
 def test_crossval_end_to_end_finds_the_planted_hidden_signal(tmp_path):
     """SPRINTER reads log(p/q) planted in the hidden state: cross-validated it beats q(x) on q/p <= 1.2, with an
     interval above zero; every prompt is scored once; the files and plot are written."""
-    from pipelines.jobs.crossval import CrossValConfig, CrossValRun, run_crossval
+    from evaluation.crossval import CrossValConfig, CrossValRun, run_crossval
 
     shards = tmp_path / "greedy-only"  # the planted log(p/q) is on these rows (with_sample_draw's are random)
     write_shards(shards, make_records(n_prompts=40, tokens_per_prompt=25, hidden_size=16, noise=1.0))  # q sees z only

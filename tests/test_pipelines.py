@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 ENTRY_CLASSES = {
     "pipelines.generate": ("data_gen.generate", "GenerateConfig"),
-    "pipelines.train": ("pipelines.train", "TrainJobConfig"),
-    "pipelines.evaluate": ("pipelines.evaluate", "EvaluateConfig"),
+    "pipelines.train": ("main_job.train", "TrainJobConfig"),
+    "pipelines.evaluate": ("evaluation.evaluate", "EvaluateConfig"),
     "pipelines.benchmark": ("benchmark.config", "BenchmarkConfig"),
-    "pipelines.crossval": ("pipelines.crossval", "CrossValConfig"),
+    "pipelines.crossval": ("evaluation.crossval", "CrossValConfig"),
     "pipelines.llamacpp_bench": ("benchmark.llamacpp", "LlamaCppBenchConfig"),
 }
 
@@ -53,7 +53,7 @@ def test_smoke_main_job_end_to_end(tmp_path, monkeypatch):
                    "--out_dir", str(tmp_path / "train"), "--tracking_uri", uri, "--data.max_records", "1800",
                    "--n_boot", "5", "--results_dir", str(tmp_path / "results")])
     rows = {r["predictor"]: r for r in result["results"]}
-    from pipelines.result_store import load_summaries  # the run's summary, as pipelines.results renders it
+    from rendering.result_store import load_summaries  # the run's summary, as pipelines.results renders it
 
     (stored,) = load_summaries(tmp_path / "results")
     assert stored.kind == "main_job" and stored.data["config"] == "smoke" and "--results_dir" not in stored.data[

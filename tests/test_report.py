@@ -1,4 +1,4 @@
-"""Report and the evaluation (``pipelines.jobs.evaluate``, ``python -m pipelines.evaluate``): the Markdown report and
+"""Report and the evaluation (``evaluation.evaluate``, ``python -m pipelines.evaluate``): the Markdown report and
 PNG plots appear, the CLI (YAML config + MLflow logging) runs on synthetic shards, thresholds are tuned on val, and a
 predictor for another draft model is refused."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ from torch import Tensor
 from compute.timing import CostModel
 from evaluation.classification import score_table, sprinter_table
 from evaluation.data import draft_fingerprint, load_columns
+from evaluation.evaluate import EvaluateConfig, run_evaluation
 from evaluation.replay import ReplayConfig, replay_table
 from evaluation.report import ReportInputs, write_report
 from pipelines.evaluate import main
-from pipelines.jobs.evaluate import EvaluateConfig, run_evaluation
 from predictors.base import StopPolicy
 from tests.synthetic import make_records, write_shards
 

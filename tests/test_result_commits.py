@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from compute.code_version import code_version, in_history
-from pipelines import result_store
-from pipelines.result_store import Summary, dated, summarize_main_job
-from pipelines.result_tables import render_docs, render_readme
+from rendering import result_store
+from rendering.result_store import Summary, dated, summarize_main_job
+from rendering.result_tables import render_docs, render_readme
 from tests.test_results import main_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def test_a_summary_without_commit_renders_commit_unknown():
 def test_a_commit_outside_the_history_renders_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(result_store, "in_history", lambda commit: False)
     data = main_summary(commit="f" * 40, dirty=False)
-    with caplog.at_level(logging.WARNING, logger="pipelines.result_store"):
+    with caplog.at_level(logging.WARNING, logger="rendering.result_store"):
         text = render_readme([Summary(Path("m.json"), data)])
     assert "commit fffffff (warning: not in this checkout's history)" in text
     assert any("not in this checkout's history" in r.getMessage() for r in caplog.records)

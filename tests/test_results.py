@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipelines import results as results_cli
-from pipelines.result_store import SCHEMA, SummaryError, load_summaries, summary_name, write_summary
-from pipelines.result_tables import fill, render_docs, render_readme
+from rendering.result_store import SCHEMA, SummaryError, load_summaries, summary_name, write_summary
+from rendering.result_tables import fill, render_docs, render_readme
 
 ROOT = Path(__file__).resolve().parents[1]
 MACHINE = {"model_name": "AMD EPYC", "simd_flags": ["avx2", "avx512_bf16", "avx512f"], "torch": "2.13.0+cpu",
@@ -88,7 +88,7 @@ def test_unreadable_and_missing(tmp_path, capsys):
 
 
 def test_another_pair_or_path_gets_its_own_group():
-    from pipelines.result_store import Summary
+    from rendering.result_store import Summary
 
     a = Summary(Path("a.json"), bench_summary())
     b = Summary(Path("b.json"), bench_summary(compute_path="packed"))
@@ -120,8 +120,8 @@ def test_readme_and_docs_links_resolve():
 
 
 def test_a_runtime_benchmark_renders_its_comparisons_and_replay_check():
-    from pipelines.result_runtimes import runtime_block
-    from pipelines.result_store import Summary
+    from rendering.result_runtimes import runtime_block
+    from rendering.result_store import Summary
 
     rows = [{"row": "llama.cpp target-only", "tokens_per_s": 20.0, "speedup": 1.0},
             {"row": "llamacpp:3,0,0.0 (default)", "tokens_per_s": 13.0, "speedup": 0.65, "speedup_lo": 0.6,
@@ -148,7 +148,7 @@ def test_a_runtime_benchmark_renders_its_comparisons_and_replay_check():
 
 
 def test_a_summary_reads_the_runs_curve(tmp_path):
-    from pipelines.result_store import curve_facts
+    from rendering.result_store import curve_facts
 
     cm = tmp_path / "cost_model.llamacpp.json"
     cm.write_text(json.dumps({"draft_s_per_token": 0.022, "draft_catchup_s": 0.013,

@@ -15,7 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from data_gen.shards import finished_chunks
+from main_job.train import TRAIN_STATE
 from pipelines import train
+from rendering.train_results import RESULTS_MD
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ["--config", str(ROOT / "configs/smoke.yaml")]
@@ -83,7 +85,7 @@ def test_killed_in_generation_then_in_training_resumes_and_a_second_run_reuses_a
     disco_weights = out / "disco" / "export" / "weights.safetensors"
     disco_mtime = disco_weights.stat().st_mtime_ns
     assert "stage generate:" in caplog.text and "stage train disco:" in caplog.text
-    assert not (out / "sprinter" / train.TRAIN_STATE).exists()
+    assert not (out / "sprinter" / TRAIN_STATE).exists()
 
     # 3. Started again: no generation, DISCO reused, SPRINTER and SV trained, the chain completes.
     calls.clear()
@@ -103,7 +105,7 @@ def test_killed_in_generation_then_in_training_resumes_and_a_second_run_reuses_a
     assert console[-1].startswith("total ") and "train sprinter" in console[-1]
     table = console[: next(i for i, line in enumerate(console) if line.startswith("test AUC:"))]
     assert len(table) >= 5 and max(len(line) for line in table) <= 100
-    assert (out / train.RESULTS_MD).exists() and "cv_auc" not in (out / train.RESULTS_MD).read_text()
+    assert (out / RESULTS_MD).exists() and "cv_auc" not in (out / RESULTS_MD).read_text()
 
     # 4. A second run of a finished job: nothing generated, trained or registered again; the same table.
     def no_more(*a, **k):
@@ -174,7 +176,7 @@ def test_console_table_fits_100_columns():
             "champion": True, "val_auc": 0.6, "threshold": 0.5}
     skipped = {"predictor": "sv", "status": "skipped: data has no ('companion_sim', 'companion_accept') columns "
                "(configure data.models.companion) and a long tail " * 2}
-    from pipelines import train_results
+    from rendering import train_results
 
     text = train_results.format_summary([long, skipped])
     assert max(map(len, text.splitlines())) <= 100

@@ -12,8 +12,8 @@ import torch
 from compute.timing import CostModel
 from decoding.engine import SpeculativeDecoder
 from decoding.policies import build_policy
-from evaluation.recommend import SPECULATE_MIN, coarse_rules, recommend
 from evaluation.replay import ReplayConfig, prepare_replay_data, replay_policy
+from main_job.recommend import SPECULATE_MIN, coarse_rules, recommend
 from predictors.base import PREFIX, RoundFeedback
 from predictors.runtime_rules import LlamaCppRule, TransformersRule, VllmRule, roc_threshold, runtime_rule
 from tests.synthetic import make_records

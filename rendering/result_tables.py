@@ -1,4 +1,4 @@
-"""Markdown tables rendered from stored run summaries (:mod:`pipelines.result_store`), and the blocks of the README
+"""Markdown tables rendered from stored run summaries (:mod:`rendering.result_store`), and the blocks of the README
 and docs/results.md they fill.
 
 A block sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` in a Markdown file; rendering replaces
@@ -7,7 +7,7 @@ kind are never averaged with others: each such group gets its own tables.
 
 Usage::
 
-    from pipelines.result_tables import render_blocks
+    from rendering.result_tables import render_blocks
     blocks = render_blocks(load_summaries("results"))   # {"readme": "...", "docs": "..."}
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from benchmark.config import ENTROPY_KINDS
-from pipelines.result_runtimes import RUNTIME_CONFIGS, runtime_block, runtime_section
-from pipelines.result_store import Summary, cpu_label, dated, interval_text
+from predictors.baselines import ENTROPY_KINDS
+from rendering.result_runtimes import RUNTIME_CONFIGS, runtime_block, runtime_section
+from rendering.result_store import Summary, cpu_label, dated, interval_text
 
 LEARNED_KINDS = ("disco", "sprinter", "sv")
 HEADLINE_BENCHMARKS = ("benchmark-full", "benchmark")

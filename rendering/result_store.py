@@ -9,7 +9,7 @@ carry a hand-typed figure: ``python -m pipelines.results`` renders them from the
 
 Usage::
 
-    from pipelines.result_store import summarize_main_job, write_summary
+    from rendering.result_store import summarize_main_job, write_summary
     write_summary(summarize_main_job("outputs/default/train", command="python -m pipelines.train ..."), "results")
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Markdown of the stored runtime benchmarks (:mod:`pipelines.result_store` summaries of
+"""Markdown of the stored runtime benchmarks (:mod:`rendering.result_store` summaries of
 ``pipelines.llamacpp_bench`` and of ``pipelines.benchmark --config configs/benchmark-transformers.yaml``): each row's
 tokens/s with its interval, the comparisons the goals read (the recommended settings against the runtime's defaults,
 specstop's policies against the recommended settings), the recommendation the run tuned and the replay check. They
@@ -7,12 +7,12 @@ docs/runtimes.md (``python -m pipelines.results``), so the figures there come fr
 
 Usage::
 
-    from pipelines.result_runtimes import runtime_block
+    from rendering.result_runtimes import runtime_block
     print(runtime_block(load_summaries("results"), "benchmark-llamacpp"))
 """
 from __future__ import annotations
 
-from pipelines.result_store import Summary, cpu_label, dated, interval_text
+from rendering.result_store import Summary, cpu_label, dated, interval_text
 
 RUNTIME_CONFIGS = {"llamacpp": "benchmark-llamacpp", "transformers": "benchmark-transformers"}
 """Block name -> the config name of the runs it renders (the newest one)."""
