@@ -14,10 +14,7 @@ are not scanned):
   ``a.b.c`` is an edge to ``a.b.c`` alone (the packages' ``__init__`` files it also runs import nothing). Failures
   name each cycle as ``a -> b -> a`` with the lines that import;
 - at most ``MAX_DEFERRED_IMPORTS`` import statements inside function bodies over the whole project (they are kept
-  for optional or heavy dependencies only, each with a ``# reason`` comment); a failure prints every one;
-- the benchmark's config (``BenchmarkConfig``) is imported only by the modules that put a run together or read its
-  fields by name (``CONFIG_READERS``); the runners, the tuning, the curve, the report and the replay check take the
-  settings they use.
+  for optional or heavy dependencies only, each with a ``# reason`` comment); a failure prints every one.
 
 pyproject.toml states the cycle rule for import-linter too (``lint-imports``): an ``acyclic_siblings`` contract over
 the root packages, which forbids cycles among the children of each package, subpackages squashed, to any depth. It
@@ -41,20 +38,6 @@ NATIVE_SOURCES = ("compute/csrc/*.cpp", "compute/csrc/*.h")
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 600
 MAX_DEFERRED_IMPORTS = 40
-CONFIG_READERS = {
-    "benchmark.config": "defines it",
-    "pipelines.benchmark": "the entry point: parses it",
-    "benchmark.run": "puts the run together from it",
-    "benchmark.plan": "the rows it asks for",
-    "benchmark.bench": "the prompts it names",
-    "benchmark.resume": "a stored run's identity: its fields that shape the rows",
-    "benchmark.tracking": "its fields as MLflow parameters",
-    "benchmark.check_inputs": "a finished run's folder, with the config it ran with",
-    "pipelines.replay_check": "a finished run's config.yaml",
-    "benchmark.llamacpp": "the llama.cpp benchmark's prompts, through the same selection",
-    "benchmarks.bench_gemm_decoding": "the benchmark's default prompts",
-}
-"""The modules that may import ``BenchmarkConfig``, and why."""
 
 
 @dataclass(frozen=True)
@@ -233,15 +216,6 @@ def test_few_imports_inside_functions():
         f"{len(found)} imports inside function bodies (at most {MAX_DEFERRED_IMPORTS}: optional or heavy dependencies "
         "only, each with a `# reason` comment):\n" + "\n".join(found)
     )
-
-
-def test_the_benchmark_config_is_read_where_a_run_is_put_together():
-    readers = sorted(m.name for m in source_modules() for node in ast.walk(m.tree)
-                     if isinstance(node, ast.ImportFrom) and any(a.name == "BenchmarkConfig" for a in node.names))
-    readers += [m.name for m in source_modules() if m.name == "benchmark.config"]
-    others = sorted(set(readers) - set(CONFIG_READERS))
-    assert not others, (f"{others} import BenchmarkConfig: pass the settings they use instead (DecodeSettings, "
-                        "RunOrder, a folder, a value), or add the module to CONFIG_READERS with its reason")
 
 
 def test_the_checks_see_what_they_check():
