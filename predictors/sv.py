@@ -106,23 +106,26 @@ class SVTable(nn.Module):
         return torch.bucketize(x.double().contiguous(), edges[1:-1].contiguous(), right=True)
 
     def cells(self, s: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
-        """Row (S) and column (A_c) bin index of each token: two [N] long tensors."""
-        return self._bucket(s, self.s_edges), self._bucket(a, self.a_edges)
+        """Row (S) and column (A_c) bin index of each token: two [N] long tensors, on the table's device."""
+        dev = self.s_edges.device
+        return self._bucket(s.to(dev), self.s_edges), self._bucket(a.to(dev), self.a_edges)
 
     # ---- fitting --------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def fit(self, s: Tensor | np.ndarray, a: Tensor | np.ndarray, accept: Tensor | np.ndarray) -> dict[str, float]:
-        """Fit the edges (equal-count bins) and the smoothed cell means; returns the training information gain."""
+        """Fit the edges (equal-count bins) and the smoothed cell means, kept on the table's device (Lightning's
+        fit on a GPU validates there next); returns the training information gain."""
         s_np, a_np, y_np = (np.asarray(torch.as_tensor(v).double().cpu()).reshape(-1) for v in (s, a, accept))
         if not (s_np.size == a_np.size == y_np.size) or s_np.size == 0:
             raise ValueError(f"SVTable.fit needs equal, non-empty columns; got {s_np.size}, {a_np.size}, {y_np.size}")
         for name, v in (("companion_sim", s_np), ("companion_accept", a_np), ("accept_prob", y_np)):
             if not np.isfinite(v).all():
                 raise ValueError(f"SVTable.fit: NaN or inf in {name}")
+        dev = self.table.device
         s_edges, a_edges = quantile_edges(s_np, self.s_bins), quantile_edges(a_np, self.a_bins)
         self.s_bins, self.a_bins = s_edges.size - 1, a_edges.size - 1
-        self.s_edges, self.a_edges = torch.from_numpy(s_edges), torch.from_numpy(a_edges)
-        i, j = (t.numpy() for t in self.cells(torch.from_numpy(s_np), torch.from_numpy(a_np)))
+        self.s_edges, self.a_edges = torch.from_numpy(s_edges).to(dev), torch.from_numpy(a_edges).to(dev)
+        i, j = (t.cpu().numpy() for t in self.cells(torch.from_numpy(s_np), torch.from_numpy(a_np)))
         flat = i * self.a_bins + j
         n_cells = self.s_bins * self.a_bins
         counts = np.bincount(flat, minlength=n_cells).reshape(self.s_bins, self.a_bins).astype(np.float64)
@@ -131,9 +134,9 @@ class SVTable(nn.Module):
         row = (sums.sum(1) + m * g) / np.maximum(counts.sum(1) + m, 1e-12)  # [s_bins]
         table = (sums + m * row[:, None]) / np.maximum(counts + m, 1e-12)
         table = np.where(counts + m > 0, table, row[:, None])  # m = 0 and an empty cell: the row mean
-        self.table = torch.from_numpy(table).float()
-        self.counts = torch.from_numpy(counts).float()
-        self.global_mean = torch.tensor(g, dtype=torch.float32)
+        self.table = torch.from_numpy(table).float().to(dev)
+        self.counts = torch.from_numpy(counts).float().to(dev)
+        self.global_mean = torch.tensor(g, dtype=torch.float32, device=dev)
         return self.information_gain(s_np, a_np, y_np)
 
     # ---- scoring / analysis -----------------------------------------------------------------------------------------
@@ -150,9 +153,9 @@ class SVTable(nn.Module):
         Returns:
             {"h_a_bits", "h_a_given_cells_bits", "information_gain_bits", "information_gain_frac"}.
         """
-        s_t, a_t = torch.as_tensor(np.asarray(s)).reshape(-1), torch.as_tensor(np.asarray(a)).reshape(-1)
-        y = np.asarray(torch.as_tensor(np.asarray(accept)).double()).reshape(-1)
-        i, j = (t.numpy() for t in self.cells(s_t, a_t))
+        s_t, a_t = torch.as_tensor(s).reshape(-1), torch.as_tensor(a).reshape(-1)
+        y = torch.as_tensor(accept).double().cpu().numpy().reshape(-1)
+        i, j = (t.cpu().numpy() for t in self.cells(s_t, a_t))
         flat = i * self.a_bins + j
         n_cells = self.s_bins * self.a_bins
         counts = np.bincount(flat, minlength=n_cells).astype(np.float64)
