@@ -53,7 +53,7 @@ import torch
 from sklearn.isotonic import IsotonicRegression
 from sklearn.metrics import roc_auc_score
 
-import evaluation.replay_rounds as replay_mod
+import evaluation.replay.rounds as replay_mod
 from compute.timing import CostModel
 from evaluation.data import load_columns, subset
 from evaluation.replay import (
@@ -305,7 +305,7 @@ class Study:
     def _drafter(self, rule: Rule):
         data, holder = self.data, hindsight_holder
 
-        def draft(rp, s, rows, rem, plan):  # same signature as evaluation.replay_rounds._draft_round
+        def draft(rp, s, rows, rem, plan):  # same signature as evaluation.replay.rounds._draft_round
             cap = len(rows)
             if cap == 0:
                 return 0, 0

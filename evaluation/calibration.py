@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from evaluation.replay_scores import missing_columns, policy_scores
+from evaluation.replay.scores import missing_columns, policy_scores
 from predictors.base import StopPolicy, as_tensor_dict
 from predictors.baselines import SVIP, AdaEDL, DraftProb, MaxConfidence
 from predictors.calibration import (

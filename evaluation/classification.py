@@ -44,8 +44,8 @@ from sklearn.metrics import auc as sk_auc
 from sklearn.metrics import average_precision_score, f1_score, precision_recall_curve, roc_auc_score, roc_curve
 from torch import Tensor
 
-from evaluation.replay_data import ReplayConfig, ReplayData, prepare_replay_data
-from evaluation.replay_scores import policy_scores
+from evaluation.replay.scores import policy_scores
+from evaluation.replay.sequences import ReplayConfig, ReplayData, prepare_replay_data
 from predictors.base import StopPolicy, as_tensor_dict
 from predictors.baselines import SVIP, AdaEDL, DraftProb, MaxConfidence
 from predictors.labels import derive_label, label_name

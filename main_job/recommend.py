@@ -35,10 +35,9 @@ from data_gen.progress import Heartbeat
 from data_gen.shards import read_data_config
 from decoding.policies import GOODPUT_PREFIX, build_policy
 from evaluation.data import load_columns
-from evaluation.replay_data import ReplayConfig, ReplayData, prepare_replay_data
-from evaluation.replay_result import ReplayResult
-from evaluation.replay_rounds import replay_policy
-from evaluation.replay_scores import scores_for
+from evaluation.replay.rounds import ReplayResult, replay_policy
+from evaluation.replay.scores import scores_for
+from evaluation.replay.sequences import ReplayConfig, ReplayData, prepare_replay_data
 from predictors.base import StopPolicy
 from predictors.baselines import Oracle
 from predictors.runtime_rules import RUNTIMES, LlamaCppRule, RuntimeRule, TransformersRule, VllmRule, runtime_rule

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from evaluation.replay_data import ReplayData
+from evaluation.replay.sequences import ReplayData
 from predictors.base import HINDSIGHT, StopPolicy
 
 __all__ = ["missing_columns", "overrides", "policy_scores", "position_score_matrix", "scores_for", "window_features",

@@ -1,22 +1,154 @@
 """The replay's round loop: ``replay_policy`` runs ``_replay_sequence`` per stored sequence, which runs rounds
 (``_replay_round``: ``_round_rows`` gives the rows the round drafts from, ``_draft_round`` decides the drafted and
 verified counts by the policy's round rule (schedule, oracle, the goodput rule, or its stop decisions), then
-``_accepted`` and the cost model count acceptance and time into a ``ReplayResult``)."""
+``_accepted`` and the cost model count acceptance and time into a ``ReplayResult``).
+
+What one policy's replay adds up to (:class:`ReplayResult`): the shared round counts of ``predictors.counts`` plus the
+replayed seconds, what target-only decoding would take for the same tokens, and the goodput rule's expectations. The
+hindsight bounds: the schedule oracle (:class:`OracleSchedule`, a dynamic programme over each greedy sequence for the
+fastest rounds under the cost model) and the sampling oracle's expected round (draft until the first rejection)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
+from torch import Tensor
 
 from compute.timing import CostModel
-from evaluation.replay_data import REPLAY_MODES, ReplayData
-from evaluation.replay_oracle import OracleSchedule, oracle_schedule, sampling_oracle
-from evaluation.replay_result import ReplayResult
-from evaluation.replay_scores import missing_columns, overrides, scores_for, window_features
+from evaluation.replay.scores import missing_columns, overrides, scores_for, window_features
+from evaluation.replay.sequences import REPLAY_MODES, ReplayData
 from predictors import goodput
 from predictors.base import GOODPUT, HINDSIGHT, PREFIX, SEQUENTIAL, RoundFeedback, StopPolicy, drafted_length
+from predictors.counts import RoundCounts
 
-__all__ = ["replay_policy"]
+__all__ = ["ReplayResult", "OracleSchedule", "replay_policy"]
+
+
+@dataclass
+class ReplayResult(RoundCounts):
+    """Totals of one policy replayed over all sequences.
+
+    The round counts are those of ``predictors.counts.RoundCounts``, held as floats (expected counts in sampling
+    mode); ``tokens`` is clipped at the end of each stored sequence. ``as_row`` keeps its table columns' names."""
+
+    n_seqs: int = 0
+    time_s: float = 0.0
+    """Replayed seconds under the cost model."""
+    target_only_s: float = 0.0
+    """Seconds target-only decoding would take for the same tokens."""
+    draft_len_hist: dict[int, int] = field(default_factory=dict)
+    """Rounds by number of drafted tokens."""
+    round_tokens: list[tuple[float, float]] = field(default_factory=list)
+    """Goodput policies: (expected, replayed) tokens of every round."""
+    round_lengths: list[tuple[int, int]] = field(default_factory=list)
+    """Goodput policies: (drafted, verified) tokens of every round (to compare with the engine's)."""
+    expected_tokens: float = 0.0
+    """Goodput policies: tokens the rounds expected to emit (calibrated acceptance of the verified prefixes)."""
+    first_verify_s: float = 0.0
+    """Seconds of each sequence's first verification pass under the cost model (in ``time_s``): the engine runs it
+    inside the target's pass over the prompt, so a comparison with its measured prefill leaves it out."""
+
+    def add_round(self, emitted: float, accepted: float, drafted: float, verified: float, seconds: float,
+                  target_s_per_token: float, hist_key: int) -> None:
+        """Count one verification round."""
+        self.rounds += 1
+        self.tokens += float(emitted)
+        self.accepted += float(accepted)
+        self.drafted += float(drafted)
+        self.verified += float(verified)
+        self.time_s += seconds
+        self.target_only_s += emitted * target_s_per_token
+        self.draft_len_hist[hist_key] = self.draft_len_hist.get(hist_key, 0) + 1
+
+    @property
+    def tokens_per_call(self) -> float:
+        """Tokens emitted per target call (mean accepted length + 1)."""
+        return self.tokens / self.rounds if self.rounds else float("nan")
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.accepted / self.rounds if self.rounds else float("nan")
+
+    @property
+    def drafted_per_round(self) -> float:
+        return self.drafted / self.rounds if self.rounds else float("nan")
+
+    @property
+    def wasted_per_round(self) -> float:
+        """Draft tokens not accepted, per round (rejected, after the first rejection, or drafted but not verified)."""
+        return (self.drafted - self.accepted) / self.rounds if self.rounds else float("nan")
+
+    @property
+    def expected_per_round(self) -> float:
+        """Goodput policies: expected tokens per round (NaN for the others)."""
+        return self.expected_tokens / self.rounds if self.round_tokens else float("nan")
+
+    @property
+    def speedup(self) -> float:
+        """Predicted speedup over target-only decoding."""
+        return self.target_only_s / self.time_s if self.time_s > 0 else float("nan")
+
+    def as_row(self) -> dict[str, float]:
+        return {
+            "n_seqs": self.n_seqs,
+            "n_rounds": self.rounds,
+            "tokens": self.tokens,
+            "tokens_per_call": self.tokens_per_call,
+            "mean_accepted": self.mean_accepted,
+            "drafted_per_round": self.drafted_per_round,
+            "wasted_per_round": self.wasted_per_round,
+            "time_s": self.time_s,
+            "speedup": self.speedup,
+            "expected_per_round": self.expected_per_round,
+        }
+
+
+class OracleSchedule(StopPolicy):
+    """Cost-optimal hindsight schedule (greedy replay): the fastest way to emit each stored sequence under the cost
+    model."""
+
+    kind = "oracle_schedule"
+    required_columns = ("greedy_match",)
+    verification = HINDSIGHT
+    has_threshold = False
+
+    def score(self, features: Mapping[str, Tensor]) -> Tensor:
+        return features["greedy_match"].float()
+
+
+def oracle_schedule(run: np.ndarray, a0: int, b0: int, cap: int, per_draft: float, cm: CostModel) -> dict[int, int]:
+    """round start -> tokens to draft, minimising the time to emit rows [a0, b0) (greedy; draft only acceptable
+    tokens)."""
+    T = np.array([cm.target_time(k + 1) for k in range(cap + 1)])  # verification of k drafts + 1
+    best = np.zeros(b0 - a0 + 1)
+    choice = np.zeros(b0 - a0, dtype=np.int64)
+    for s in range(b0 - 1, a0 - 1, -1):
+        i = s - a0
+        m = min(int(run[s]), cap, b0 - s)
+        ns = np.arange(m + 1)
+        nxt = np.minimum(i + ns + 1, b0 - a0)
+        cost = ns * per_draft + T[ns] + best[nxt]
+        j = int(np.argmin(cost))
+        best[i], choice[i] = cost[j], j
+    out, s = {}, a0
+    while s < b0:
+        out[s] = int(choice[s - a0])
+        s += out[s] + 1
+    return out
+
+
+def sampling_oracle(acc: np.ndarray, cm: CostModel, companion: bool) -> tuple[float, float, float]:
+    """Expected (accepted, drafted, seconds) of drafting exactly until the first rejection (capped at len(acc))."""
+    surv = np.cumprod(acc)  # P(A >= k), k = 1..n
+    n = len(acc)
+    p_eq = np.append(1.0 - acc[0], surv[:-1] * (1.0 - acc[1:])) if n else np.zeros(0)  # P(A = k), k = 0..n-1
+    probs = np.append(p_eq, surv[-1]) if n else np.array([1.0])  # k = 0..n
+    ks = np.arange(n + 1)
+    times = np.array([cm.round_time(int(k), companion=companion) for k in ks])
+    return float(surv.sum()), float((probs * ks).sum()), float((probs * times).sum())
+
+
 
 
 @dataclass

@@ -9,11 +9,9 @@ import numpy as np
 import pandas as pd
 
 from compute.timing import CostModel
-from evaluation.replay_data import ReplayConfig, ReplayData, prepare_replay_data
-from evaluation.replay_oracle import OracleSchedule
-from evaluation.replay_result import ReplayResult
-from evaluation.replay_rounds import replay_policy
-from evaluation.replay_scores import missing_columns, scores_for, with_threshold
+from evaluation.replay.rounds import OracleSchedule, ReplayResult, replay_policy
+from evaluation.replay.scores import missing_columns, scores_for, with_threshold
+from evaluation.replay.sequences import ReplayConfig, ReplayData, prepare_replay_data
 from predictors.base import StopPolicy
 from predictors.baselines import SVIP, AdaEDL, HFHeuristic, MaxConfidence, Oracle, StaticLength
 

@@ -51,16 +51,16 @@ so a round of n drafted tokens emits n + 1 tokens or n. Once a round takes a mis
 leaves the stored sequence while the replay goes on along it: the rounds' lengths and checks are a sample of the
 policy's, not its trajectory.
 
-Modules, one concern each (every public name importable from here):
+Four modules (every public name importable from here):
 
-- ``evaluation.replay_data``: ``ReplayConfig``, ``ReplayData``, ``prepare_replay_data`` (selection, order, rollouts);
-- ``evaluation.replay_result``: ``ReplayResult`` (the shared round counts of ``predictors.counts`` and seconds);
-- ``evaluation.replay_scores``: a policy's precomputed scores, missing columns, ``with_threshold``;
-- ``evaluation.replay_oracle``: ``OracleSchedule`` and the sampling oracle's expected round;
-- ``evaluation.replay_rounds``: ``replay_policy`` runs ``_replay_sequence`` per stored sequence, which runs rounds
-  (``_replay_round``: ``_round_rows`` gives the rows the round drafts from, ``_draft_round`` decides drafted and
-  verified counts, then acceptance and cost are counted);
-- ``evaluation.replay_tuning``: threshold sweeps, ``tune_threshold``, ``replay_table``.
+- ``sequences``: what is replayed: ``ReplayConfig``, ``ReplayData``, ``prepare_replay_data`` (selection, order,
+  rollouts);
+- ``scores``: a policy's precomputed scores over the rows, missing columns, ``with_threshold``;
+- ``rounds``: the round loop (``replay_policy`` runs ``_replay_sequence`` per stored sequence, which runs rounds:
+  ``_replay_round``, with ``_round_rows`` the rows the round drafts from and ``_draft_round`` the drafted and verified
+  counts, then acceptance and cost are counted), what it adds up to (``ReplayResult``, the shared round counts of
+  ``predictors.counts`` and seconds) and the oracles' rounds (``OracleSchedule``, the sampling oracle);
+- ``tuning``: the tables, threshold sweeps, ``tune_threshold``, ``replay_table``.
 
 Usage::
 
@@ -69,12 +69,10 @@ Usage::
 """
 from __future__ import annotations
 
-from evaluation.replay_data import REPLAY_MODES, ReplayConfig, ReplayData, prepare_replay_data, segment_keys
-from evaluation.replay_oracle import OracleSchedule
-from evaluation.replay_result import ReplayResult
-from evaluation.replay_rounds import replay_policy
-from evaluation.replay_scores import missing_columns, policy_scores, position_score_matrix, with_threshold
-from evaluation.replay_tuning import (
+from evaluation.replay.rounds import OracleSchedule, ReplayResult, replay_policy
+from evaluation.replay.scores import missing_columns, policy_scores, position_score_matrix, with_threshold
+from evaluation.replay.sequences import REPLAY_MODES, ReplayConfig, ReplayData, prepare_replay_data, segment_keys
+from evaluation.replay.tuning import (
     default_grid,
     default_replay_policies,
     replay_table,
