@@ -31,7 +31,7 @@ BAND = 0.10
 
 ROW_KEYS = ("row", "spec", "measured_tokens_per_s", "predicted_tokens_per_s", "ratio", "measured_speedup",
             "predicted_speedup", "curve_tokens_per_s", "measured_mean_accepted", "predicted_mean_accepted",
-            "measured_draft_ms", "curve_draft_ms", "measured_verify_ms", "curve_verify_ms",
+            "measured_draft_ms", "curve_draft_ms", "measured_verify_ms", "curve_verify_ms", "unpriced_ms_per_token",
             "measured_mean_drafted", "predicted_mean_drafted", "measured_rounds", "predicted_rounds",
             "curve_vs_best_entropy", "note")
 """The fields of one row of the check (None where not measured or not replayed)."""
@@ -114,11 +114,14 @@ def curve_pass_seconds(row: dict[str, Any], cost_model: CostModel) -> float:
 def compare_row(row: dict[str, Any], res: ReplayResult | None, note: str,
                 cost_model: CostModel | None = None) -> dict[str, Any]:
     """One row of the check: the engine's measured figures beside the replay's (``res`` None: not replayed), and the
-    step costs the engine realised beside the curve's (draft step; verification pass over the row's own lengths)."""
+    step costs the engine realised beside the curve's (draft step; verification pass over the row's own lengths),
+    with the engine's decoding time outside those forwards (``unpriced_ms_per_token``, which the curve leaves out):
+    with the replay following the engine's rounds, a miss is the forwards' realised cost or that time."""
     rounds = row.get("rounds") or 0
     out: dict[str, Any] = dict.fromkeys(ROW_KEYS)
     out.update(row=row["row"], spec=row.get("spec"), measured_tokens_per_s=row.get("tokens_per_s"),
                measured_speedup=row.get("speedup"), measured_rounds=rounds or None, note=note,
+               unpriced_ms_per_token=row.get("unpriced_ms_per_token"),
                measured_mean_accepted=round(row["accepted"] / rounds, 3) if rounds else None,
                measured_mean_drafted=round(row["draft_tokens"] / rounds, 3) if rounds else None)
     if cost_model is not None and row.get("draft_ms_per_step"):

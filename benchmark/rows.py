@@ -74,9 +74,15 @@ class Row:
     def step_costs(self) -> dict[str, Any]:
         """Engine rows: the draft step and the verification pass the engine realised, in ms, the passes' mean new
         tokens and how many passes had each length (verified drafts + 1; analysis-only rows have no verification pass
-        of their own)."""
+        of their own), and the decoding time outside the forwards the curve prices, in ms per output token (stop
+        decisions and their features, verification bookkeeping, cache crops: what the replay check's prediction leaves
+        out)."""
         d = self.decode
         passes = d.target_calls - d.prompt_passes if d is not None and d.analysis_time == 0 else 0
+        unpriced = None
+        if passes and d is not None and d.tokens:
+            rest = d.wall_time - d.prefill_time - d.draft_time - d.target_time
+            unpriced = round(1000 * rest / d.tokens, 2)
         hist = Counter()  # new tokens (verified drafts + 1) of the passes after the prompts' (those are the prefill's)
         if passes and d is not None:
             hist = Counter(k + 1 for k in d.verified_lengths) - Counter(k + 1 for k in d.prompt_pass_lengths)
@@ -86,6 +92,7 @@ class Row:
             "verify_ms_per_pass": round(1000 * d.target_time / passes, 2) if passes else None,
             "verify_mean_tokens": round(sum(L * c for L, c in hist.items()) / n, 2) if n else None,
             "verify_lengths": {str(L): hist[L] for L in sorted(hist)} or None,
+            "unpriced_ms_per_token": unpriced,
         }
 
     @property
