@@ -20,14 +20,14 @@ log = logging.getLogger("pipelines.benchmark")
 
 
 class SettingsOf:
-    """A dataclass of settings a part of the benchmark reads, taken by :meth:`of` from the one config the run was
-    given: its fields of the same names (``BenchmarkConfig``'s, the llama.cpp benchmark's); a field the config lacks
-    keeps its default (the llama.cpp benchmark decodes greedily, one prompt at a time, without probes)."""
+    """A dataclass of settings a part of the benchmark reads, built only by :meth:`of` from the config the run was
+    given: each field is the ``BenchmarkConfig`` field of the same name (documented there), so the settings carry no
+    defaults of their own (the llama.cpp benchmark states its values in ``LlamaCppBenchConfig.benchmark_config``)."""
 
     @classmethod
-    def of(cls, cfg: Any) -> Self:
+    def of(cls, cfg: BenchmarkConfig) -> Self:
         """The settings ``cfg`` holds under these fields' names."""
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})  # type: ignore[arg-type]
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -35,15 +35,15 @@ class DecodeSettings(SettingsOf):
     """How every row decodes a prompt: the fields of the benchmark's config that a row's tokens and counts depend on
     (each named as in ``BenchmarkConfig``, which documents it)."""
 
-    max_new_tokens: int = 96
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
     """Per prompt: ``seed + index`` (sampling)."""
-    max_draft_len: int = 16
-    top_k_features: int = 10
-    batch_size: int = 1
-    force: bool = False
+    max_draft_len: int
+    top_k_features: int
+    batch_size: int
+    force: bool
 
     @property
     def mode(self) -> str:
@@ -54,12 +54,12 @@ class DecodeSettings(SettingsOf):
 @dataclass(frozen=True)
 class RunOrder(SettingsOf):
     """How the rows take turns on the prompts: the fields of the benchmark's config of the same names (documented
-    there); the defaults run each row once over all prompts, one prompt at a time."""
+    there)."""
 
-    order: str = "prompt"
-    repeats: int = 1
-    rerun_slower_than: float | None = None
-    curve_probes: bool = False
+    order: str
+    repeats: int
+    rerun_slower_than: float | None
+    curve_probes: bool
 
 
 @dataclass

@@ -391,7 +391,7 @@ def run_llamacpp_benchmark(cfg: LlamaCppBenchConfig) -> LlamaCppReport:
         warm_up(bench)
     log.info("llama.cpp benchmark: %d prompts x %d new tokens, %d rows", len(bench.prompts), cfg.max_new_tokens,
              len(row_plan(bench)))
-    rows = run_rows(row_plan(bench), bench, RunOrder.of(cfg))
+    rows = run_rows(row_plan(bench), bench, RunOrder.of(cfg.benchmark_config()))
     table = finish_rows(rows, bench, cfg.n_boot)
     # where each output leaves target-only's: llama.cpp's forward of several tokens is not its one-token forward bit for
     # bit, so a near-tie of the target's top two tokens can flip under speculative decoding

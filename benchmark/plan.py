@@ -61,15 +61,14 @@ PromptDone = Callable[[list[Row], int], None]
 """Called with the rows so far (plan order) and how many prompts they cover, after each prompt of ``order: prompt``."""
 
 
-def run_rows(plan: list[tuple[str, Runner]], bench: Bench, how: RunOrder | None = None,
+def run_rows(plan: list[tuple[str, Runner]], bench: Bench, how: RunOrder,
              store: PromptStore | None = None, on_prompt: PromptDone | None = None,
              beat: Heartbeat | None = None) -> list[Row]:
-    """Every row on every prompt, in the order ``how`` says (None: ``RunOrder()``), with progress and an ETA; returns
+    """Every row on every prompt, in the order ``how`` says, with progress and an ETA; returns
     the rows in plan order. With a ``store`` (order prompt), prompts it holds are read back instead of run and each
     prompt run is saved to it. ``beat`` (a heartbeat, when stderr is not a terminal) is told the prompts (or rows)
     done and the row running."""
     t0 = time.perf_counter()
-    how = how or RunOrder()
     if how.order == "row":
         rows: list[Row] = []
         for i, (name, runner) in enumerate(plan):

@@ -229,9 +229,9 @@ def test_smoke_run(tmp_path, tiny_pair):
 
 
 def test_the_settings_read_the_configs_fields_of_their_names():
-    """DecodeSettings and RunOrder take the benchmark config's fields of the same names (a field the config lacks
-    keeps its default, for the llama.cpp benchmark's config): the benchmark's config has every one of them."""
-    from dataclasses import fields
+    """DecodeSettings and RunOrder are built only from the benchmark config: each field is the config's field of the
+    same name, with no default of its own."""
+    from dataclasses import MISSING, fields
 
     from benchmark.bench import DecodeSettings, RunOrder
 
@@ -241,3 +241,4 @@ def test_the_settings_read_the_configs_fields_of_their_names():
         missing = [f.name for f in fields(cls) if f.name not in BenchmarkConfig.__dataclass_fields__]
         assert not missing, f"{cls.__name__} reads {missing}, which BenchmarkConfig does not have"
         assert all(getattr(cls.of(cfg), f.name) == getattr(cfg, f.name) for f in fields(cls))
+        assert all(f.default is MISSING and f.default_factory is MISSING for f in fields(cls)), cls

@@ -2,6 +2,8 @@
 the prompt's median pace as the norm, target-only measured as every row, the reference row once."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -96,9 +98,10 @@ def test_only_target_only_and_the_rows_a_slow_phase_hit_run_again(monkeypatch):
 
     assert "faster of 2" not in rows["target-only"].note
     calls.clear()  # null: every row twice, as before
-    bench = Bench(DecodeSettings(), None, None, None, None, prompts=[[1]], eos=[0],  # type: ignore[arg-type]
+    every_time = dataclasses.replace(cfg, rerun_slower_than=None)
+    bench = Bench(DecodeSettings.of(every_time), None, None, None, None, prompts=[[1]], eos=[0],  # type: ignore[arg-type]
                   cost_model=CURVE)
-    run_rows(plan, bench, RunOrder(repeats=2, curve_probes=False, rerun_slower_than=None))
+    run_rows(plan, bench, RunOrder.of(every_time))
     assert len(calls) == 11
 
 

@@ -253,6 +253,6 @@ def test_a_failing_check_keeps_the_benchmarks_results(tmp_path, caplog):
     from benchmark.config import BenchmarkConfig
     from benchmark.run import run_replay_check
 
-    bench = Bench(DecodeSettings(), None, None, None, None, [[1, 2]], [0])  # type: ignore[arg-type]
+    bench = Bench(DecodeSettings.of(BenchmarkConfig()), None, None, None, None, [[1, 2]], [0])  # type: ignore[arg-type]
     assert run_replay_check(bench, tmp_path, BenchmarkConfig()) is None
     assert f"python -m pipelines.replay_check --bench_dir {tmp_path}" in caplog.text
