@@ -80,8 +80,8 @@ class EvaluateConfig(TrackingConfig):
     """auto (isotonic or Platt, whichever has the lower cross-validated Brier score on the fit rows), isotonic or
     platt."""
     tune_thresholds: bool = False
-    """Tune each learned policy's threshold for predicted speedup on ``tune_split`` (reported, and replayed as '<name>
-    (val-tuned)')."""
+    """Tune each learned policy's threshold for predicted speedup on ``tune_split`` (reported, and replayed as the row
+    '<name> (val-tuned)': :class:`RowId`)."""
     store_thresholds: bool = False
     """Write the tuned threshold into each local export folder's predictor.json
     (``predictors.export.update_metadata``)."""
@@ -157,10 +157,30 @@ def predictor_name(policy: StopPolicy | None, ref: str, taken: set[str]) -> str:
     return name
 
 
-def add_refs(df: pd.DataFrame | None, refs: dict[str, str]) -> None:
-    """Add the ``ref`` column (a loaded predictor's folder or URI; empty for the baselines) beside ``policy``."""
+VAL_TUNED = "val-tuned"
+"""The tuning of a row replayed at the threshold of highest replayed speedup on the tuning split."""
+
+
+@dataclass(frozen=True)
+class RowId:
+    """Who a row of the evaluation's tables is: the policy's ``kind``, the name it is evaluated under (``spec``: a
+    predictor's name or a baseline's) and how its threshold was set (``tuning``: None as given, :data:`VAL_TUNED`)."""
+
+    kind: str
+    spec: str
+    tuning: str | None = None
+
+    @property
+    def label(self) -> str:
+        """The row's name in the tables: ``spec``, followed by ``(tuning)`` when the threshold was tuned."""
+        return self.spec if self.tuning is None else f"{self.spec} ({self.tuning})"
+
+
+def add_refs(df: pd.DataFrame | None, refs: dict[str, str], rows: Mapping[str, RowId]) -> None:
+    """Add the ``ref`` column (a loaded predictor's folder or URI; empty for the baselines) beside ``policy``; a row of
+    ``rows`` (label -> identity: the tuned rows) takes its policy's ref."""
     if df is not None and len(df) and "policy" in df.columns:
-        df["ref"] = [refs.get(str(n).removesuffix(" (val-tuned)"), "") for n in df["policy"]]
+        df["ref"] = [refs.get(rows[n].spec if n in rows else str(n), "") for n in df["policy"]]
 
 
 def load_policies(cfg: EvaluateConfig) -> tuple[dict[str, StopPolicy | None], dict[str, str], list[str]]:
@@ -291,10 +311,10 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
     if calib is not None:
         replay_pols.update(goodput_policies({**ev.pols, **calibrated_scores()}, calib.maps))
     replay_cm = cm if cm is not None else assumed_cost_model()
-    tuned = tune_thresholds(cfg, ev, replay_cm, replay_pols) if cfg.tune_thresholds else {}
+    tuned, tuned_rows = tune_thresholds(cfg, ev, replay_cm, replay_pols) if cfg.tune_thresholds else ({}, {})
     replay, sweep, round_tokens = replay_modes(cfg, ev, replay_pols, replay_cm)
     for df in (cls, spr, replay, sweep):
-        add_refs(df, ev.refs)
+        add_refs(df, ev.refs, {row.label: row for row in tuned_rows.values()})
     if cm is None and replay is not None:
         for c in ("time_s", "speedup"):
             if c in replay:
@@ -318,6 +338,7 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
         "replay": replay,
         "sweep": sweep,
         "tuned": tuned,
+        "tuned_rows": tuned_rows,
         "metrics": report_metrics(cls, replay, calib.table if calib is not None else None),
         "calibration": calib,
         "cost_model": cm,
@@ -332,16 +353,18 @@ def command_line(cfg: EvaluateConfig) -> str:
     )
 
 
-def tune_thresholds(cfg: EvaluateConfig, ev: Inputs, replay_cm: CostModel,
-                    replay_pols: dict[str, StopPolicy | None]) -> dict[str, tuple[float, float]]:
-    """Each tunable policy's threshold of highest replayed speedup on ``tune_split``: name -> (threshold, speedup);
-    each tuned policy joins ``replay_pols`` as '<name> (val-tuned)' (and its export, with ``store_thresholds``)."""
+def tune_thresholds(cfg: EvaluateConfig, ev: Inputs, replay_cm: CostModel, replay_pols: dict[str, StopPolicy | None]
+                    ) -> tuple[dict[str, tuple[float, float]], dict[str, RowId]]:
+    """Each tunable policy's threshold of highest replayed speedup on ``tune_split``: name -> (threshold, speedup),
+    and name -> the tuned row's identity; each tuned policy joins ``replay_pols`` under that row's label (and its
+    export, with ``store_thresholds``)."""
     allcols, notes = ev.allcols, ev.notes
     tuned: dict[str, tuple[float, float]] = {}
+    rows: dict[str, RowId] = {}
     tune_cols = subset(allcols, allcols["split"].astype(str) == cfg.tune_split) if "split" in allcols else None
     if tune_cols is None or not len(tune_cols["seq_id"]):
         notes.append(f"threshold tuning skipped: no rows in split {cfg.tune_split!r}")
-        return tuned
+        return tuned, rows
     if replay_cm.assumed:
         notes.append("thresholds were tuned under an ASSUMED cost model (no measured cost_model.json)")
     origins = tuple(cfg.replay_origins) if cfg.replay_origins else None
@@ -354,12 +377,13 @@ def tune_thresholds(cfg: EvaluateConfig, ev: Inputs, replay_cm: CostModel,
             notes.append(f"threshold tuning of {name} failed: {e}")
             continue
         tuned[name] = (thr, sp)
-        replay_pols[f"{name} (val-tuned)"] = with_threshold(p, thr)
+        rows[name] = RowId(p.kind, name, VAL_TUNED)
+        replay_pols[rows[name].label] = with_threshold(p, thr)
         if cfg.store_thresholds and name in ev.refs and Path(ev.refs[name]).is_dir():
             update_metadata(ev.refs[name], threshold=thr,
                             tuning={"split": cfg.tune_split, "speedup": sp, "mode": cfg.replay_modes[0],
                                     "cost_model_assumed": replay_cm.assumed})
-    return tuned
+    return tuned, rows
 
 
 def replay_modes(cfg: EvaluateConfig, ev: Inputs, replay_pols: Mapping[str, StopPolicy | None], replay_cm: CostModel

@@ -35,7 +35,7 @@ from data_gen.progress import ChainProgress, Stage, plural
 from data_gen.shards import finished_chunks, shard_path
 from evaluation.classification import DEFAULT_LABEL_SPECS, FREE_SCORES
 from evaluation.crossval import CrossValConfig, CrossValRun, run_crossval
-from evaluation.evaluate import EvaluateConfig, cost_aware_rows, run_evaluation, store_calibrations
+from evaluation.evaluate import EvaluateConfig, RowId, cost_aware_rows, run_evaluation, store_calibrations
 from main_job.recommend import RecommendConfig, draft_name, recommend_runtimes, write_recommendations
 from predictors.export import export_predictor, load_predictor, read_metadata, update_metadata
 from predictors.labels import label_name
@@ -340,7 +340,7 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], job: Trained, uri: str
             policies[kind].threshold = float(thr)
             rows[kind].update(threshold=float(thr), val_speedup=float(speed))
             _update_metadata_if_changed(exports[kind], threshold=float(thr), tuned_val_speedup=float(speed))
-        speed = _replayed_speedup(res.get("replay"), kind)
+        speed = _replayed_speedup(res.get("replay"), kind, res.get("tuned_rows", {}).get(kind))
         if speed is not None:
             rows[kind]["test_speedup"] = speed
             rows[kind]["decoding"] = "exact" if policies[kind].exact else "approximate"
@@ -403,12 +403,13 @@ def _headline_auc(table: Any, policy: str, label: str = "greedy match") -> float
     return float(sel["auc"].iloc[0]) if len(sel) else None
 
 
-def _replayed_speedup(replay: Any, kind: str) -> float | None:
-    """Speedup of the val-tuned policy (else the policy as trained) in the first replay mode on the test split."""
+def _replayed_speedup(replay: Any, kind: str, tuned: RowId | None) -> float | None:
+    """Speedup of the val-tuned policy (its row: ``tuned``; else the policy as trained) in the first replay mode on the
+    test split."""
     if replay is None or not len(replay) or "speedup" not in replay:
         return None
     first = replay[replay["mode"] == replay["mode"].iloc[0]] if "mode" in replay else replay
-    for name in (f"{kind} (val-tuned)", kind):
+    for name in ([tuned.label] if tuned else []) + [kind]:
         sel = first[first["policy"] == name]
         if len(sel) and sel["speedup"].notna().iloc[0]:
             return float(sel["speedup"].iloc[0])
