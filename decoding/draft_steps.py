@@ -13,7 +13,8 @@ whether to draft another, as the policy declares (``StopPolicy.verification``):
 - ``prefix`` (llama.cpp's draft-simple rule): a candidate whose score is below the threshold stops the round and is
   not taken; the rule's own ``prefix_round`` says how many are sent.
 
-:func:`sent_count` is how many of a finished round's tokens go to the target.
+:func:`verified_count` is how many of a finished round's tokens go to the target (``verified``, the word of
+``predictors.counts``).
 
 Usage::
 
@@ -21,7 +22,7 @@ Usage::
     tok, feats = step_features(logits, policy, top_k=10, position=len(rnd.tokens))
     more = take_candidate(policy, tok, feats, rnd, cap, cost)
     ...
-    rnd.sent = sent_count(rnd, policy, cost)
+    rnd.verified = verified_count(rnd, policy, cost)
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from data_gen.features import token_features
 from predictors import goodput
 from predictors.base import GOODPUT, PREFIX, THRESHOLD, StopPolicy
 
-__all__ = ["DraftedRound", "check_policy", "step_features", "take_candidate", "sent_count"]
+__all__ = ["DraftedRound", "check_policy", "step_features", "take_candidate", "verified_count"]
 
 
 @dataclass
@@ -44,7 +45,7 @@ class DraftedRound:
 
     tokens: list[int] = field(default_factory=list)
     """Tokens drafted (taken), in order."""
-    sent: int = 0
+    verified: int = 0
     """How many of them go to the target (a prefix)."""
     scores: list[float] = field(default_factory=list)
     """Per stop decision, the policy's score (goodput and prefix rules; the dropped candidate's too)."""
@@ -104,7 +105,7 @@ def take_candidate(policy: StopPolicy, tok: int, feats: dict[str, Tensor], rnd: 
     return bool(policy.keep_drafting(feats)[0])
 
 
-def sent_count(rnd: DraftedRound, policy: StopPolicy, cost: goodput.RoundCost | None) -> int:
+def verified_count(rnd: DraftedRound, policy: StopPolicy, cost: goodput.RoundCost | None) -> int:
     """How many of the round's drafted tokens go to the target: the prefix rule's count, the goodput rule's best
     prefix, else all of them."""
     if policy.verification == PREFIX:

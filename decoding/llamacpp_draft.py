@@ -20,8 +20,9 @@ token (:func:`draft_round`), each step's features computed from the draft's logi
 
 Online policies hear each round's outcome (``policy.update``) at the next call, the accepted count read from how many
 of the sent tokens begin the new input; a call whose input does not extend the previous one starts a new sequence
-(``policy.reset``). Each call is recorded (:class:`DraftCall`: tokens drafted and sent, draft and stop-decision
-seconds), and :meth:`SpecstopDraftModel.decode_stats` sums one generation's calls into ``decoding.stats.DecodeStats``.
+(``policy.reset``). Each call is recorded (:class:`DraftCall`: tokens drafted, verified (sent) and accepted, the words
+of ``predictors.counts.RoundCounts``; draft and stop-decision seconds), and :meth:`SpecstopDraftModel.decode_stats`
+sums one generation's calls into ``decoding.stats.DecodeStats``.
 
 Limits: greedy decoding only (the draft's argmax is drafted; llama-cpp-python's target samples by its own sampler);
 policies that read the draft's hidden state, a companion or the target are refused; the drafting loop runs in Python,
@@ -48,7 +49,7 @@ from torch import Tensor
 
 from compute.llamacpp import llama_cpp_module
 from compute.timing import CostModel
-from decoding.draft_steps import DraftedRound, sent_count, step_features, take_candidate
+from decoding.draft_steps import DraftedRound, step_features, take_candidate, verified_count
 from decoding.draft_steps import check_policy as check_runtime_policy
 from decoding.stats import DecodeStats
 from predictors import goodput
@@ -74,9 +75,10 @@ class DraftCall:
     started: float
     """``time.perf_counter()`` when the call began."""
     drafted: int = 0
-    sent: int = 0
+    verified: int = 0
+    """How many of them were sent to the target (a prefix)."""
     accepted: int | None = None
-    """How many sent tokens the target accepted (read at the next call, or by :meth:`SpecstopDraftModel.finish`)."""
+    """How many verified tokens the target accepted (read at the next call, or by :meth:`SpecstopDraftModel.finish`)."""
     steps: int = 0
     sync_tokens: int = 0
     """Tokens of the input the draft read to catch up (the prompt on a sequence's first call)."""
@@ -109,7 +111,7 @@ def draft_round(logits: Tensor, feed: Feed, policy: StopPolicy, cap: int, cost: 
         logits = feed(tok)
         rnd.draft_s += time.perf_counter() - t0
         rnd.draft_evals += 1
-    rnd.sent = sent_count(rnd, policy, cost)
+    rnd.verified = verified_count(rnd, policy, cost)
     return rnd
 
 
@@ -188,10 +190,10 @@ class SpecstopDraftModel(LlamaDraftModel):
             call.sync_tokens = self._catch_up(ids)
             call.sync_s = time.perf_counter() - t0
             rnd = draft_round(self._logits(), self._feed, self.policy, cap, self.cost, self.top_k)
-        call.drafted, call.sent, call.steps = len(rnd.tokens), rnd.sent, rnd.steps
+        call.drafted, call.verified, call.steps = len(rnd.tokens), rnd.verified, rnd.steps
         call.draft_s, call.draft_evals, call.stop_s = rnd.draft_s, rnd.draft_evals, rnd.stop_s
         self.calls.append(call)
-        self._prev, self._sent, self._sent_q = ids, rnd.tokens[: rnd.sent], rnd.q[: rnd.sent]
+        self._prev, self._sent, self._sent_q = ids, rnd.tokens[: rnd.verified], rnd.q[: rnd.verified]
         return np.asarray(self._sent, dtype=np.intc)
 
     def _feedback(self, ids: np.ndarray) -> None:
@@ -238,9 +240,9 @@ class SpecstopDraftModel(LlamaDraftModel):
         st = DecodeStats(rounds=len(self.calls), tokens=tokens, wall_time=wall_s, target_calls=len(self.calls))
         for j, c in enumerate(self.calls):
             acc = c.accepted or 0
-            st.drafted, st.verified, st.accepted = st.drafted + c.drafted, st.verified + c.sent, st.accepted + acc
+            st.drafted, st.verified, st.accepted = st.drafted + c.drafted, st.verified + c.verified, st.accepted + acc
             st.draft_lengths.append(c.drafted)
-            st.verified_lengths.append(c.sent)
+            st.verified_lengths.append(c.verified)
             st.accepted_lengths.append(acc)
             st.wasted += c.drafted - acc
             st.draft_forwards += c.draft_evals + (1 if j and c.sync_tokens else 0)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from compute.timing import CostModel
-from decoding.draft_steps import DraftedRound, check_policy, sent_count, step_features, take_candidate
+from decoding.draft_steps import DraftedRound, check_policy, step_features, take_candidate, verified_count
 from predictors import goodput
 from predictors.base import GOODPUT, RoundFeedback, StopPolicy
 
@@ -51,13 +51,15 @@ def curve_for_batch(curves: dict[int, CostModel], batch: int) -> CostModel:
 
 @dataclass
 class StopperCounts:
-    """What the stopper decided over its life (summed over requests and rounds)."""
+    """What the stopper decided over its life (summed over requests and rounds); ``rounds``, ``drafted``, ``verified``
+    and ``accepted`` are the words of ``predictors.counts.RoundCounts`` (not a subclass: vLLM, not the stopper, knows
+    the tokens emitted)."""
 
     rounds: int = 0
     """Proposals made (one per request per target step with drafting)."""
     drafted: int = 0
     """Tokens drafted by the policies' choice."""
-    sent: int = 0
+    verified: int = 0
     """Tokens sent to verification."""
     accepted: int = 0
     """Sent tokens the target accepted (as far as heard back)."""
@@ -70,7 +72,7 @@ class StopperCounts:
     per_request: dict[str, list[int]] = field(default_factory=dict)
     """Request id -> the number of tokens sent in each of its rounds."""
     steps: list[tuple[int, int, float]] = field(default_factory=list)
-    """Per proposal of the batch: (requests, draft positions computed, mean tokens a request verifies next: sent +
+    """Per proposal of the batch: (requests, draft positions computed, mean tokens a request verifies next: verified +
     1), what a curve prices (``benchmark.vllm_check``)."""
 
 
@@ -163,11 +165,11 @@ class RequestStopper:
         """Per request, the drafted tokens to verify (a prefix of its round, as its policy says)."""
         out: list[list[int]] = []
         for rid, rnd in zip(self._ids, self._rounds):
-            n = sent_count(rnd, self._policies[rid], self._cost) if rnd.tokens else 0
+            n = verified_count(rnd, self._policies[rid], self._cost) if rnd.tokens else 0
             self._sent[rid] = (n, rnd.q[:n])
             self.counts.rounds += 1
             self.counts.drafted += len(rnd.tokens)
-            self.counts.sent += n
+            self.counts.verified += n
             self.counts.per_request.setdefault(rid, []).append(n)
             out.append(rnd.tokens[:n])
         if out:

@@ -3,7 +3,10 @@
 ``decoding.engine.DecodeStats`` (what a real run did) and ``evaluation.replay.ReplayResult`` (what the replay
 predicts) both extend :class:`RoundCounts`, so a count has one name wherever it is read (``pipelines.replay_check``
 compares the two side by side). The class lives here, in ``predictors``, the lowest layer both ``decoding`` and
-``evaluation`` import.
+``evaluation`` import. The records of the runtime hooks use the same words without being totals of this kind: a
+llama.cpp call (``decoding.llamacpp_draft.DraftCall``) is one round's drafted, verified and accepted tokens, which
+``SpecstopDraftModel.decode_stats`` sums into ``DecodeStats``; the vLLM stopper's ``StopperCounts`` sums rounds,
+drafted, verified and accepted tokens but cannot know the tokens emitted (vLLM does).
 
 Types: ``rounds`` is a whole number everywhere. The token counts are typed ``float``: under sampling the replay holds
 expectations (``E[accepted]`` and what follows from it); the engine counts what happened and keeps whole numbers

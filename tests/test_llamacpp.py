@@ -68,25 +68,25 @@ def run(policy: StopPolicy, ps: list[float] = PS, cap: int = 8, cost: goodput.Ro
 
 def test_prefix_rule_drops_the_candidate_below_p_min():
     rnd, s = run(LlamaCppRule(8, 0, 0.5))
-    assert rnd.tokens == [1, 2] and rnd.sent == 2 and rnd.steps == 3  # the third step is paid, its token dropped
+    assert rnd.tokens == [1, 2] and rnd.verified == 2 and rnd.steps == 3  # the third step is paid, its token dropped
     assert s.fed == [1, 2]
     assert rnd.scores[:2] == pytest.approx([0.9, 0.8], abs=1e-5)
 
 
 def test_prefix_rule_n_max_and_n_min():
     rnd, s = run(LlamaCppRule(2, 0, 0.0))
-    assert rnd.tokens == [1, 2] and rnd.sent == 2 and s.fed == [1]  # the n_max-th token is not read, as llama.cpp
+    assert rnd.tokens == [1, 2] and rnd.verified == 2 and s.fed == [1]  # the n_max-th token is not read, as llama.cpp
     rnd, _ = run(LlamaCppRule(8, 3, 0.5))
-    assert rnd.tokens == [1, 2] and rnd.sent == 0  # fewer than n_min: nothing sent
+    assert rnd.tokens == [1, 2] and rnd.verified == 0  # fewer than n_min: nothing sent
     rnd, _ = run(LlamaCppRule(3, 0, 0.0))  # the defaults: three tokens whatever their probability
-    assert rnd.tokens == [1, 2, 3] and rnd.sent == 3
+    assert rnd.tokens == [1, 2, 3] and rnd.verified == 3
 
 
 def test_threshold_policy_keeps_the_token_that_stops_it():
     rnd, s = run(build_policy("max_confidence_fixed:0.5"))
-    assert rnd.tokens == [1, 2, 3] and rnd.sent == 3 and s.fed == [1, 2]
+    assert rnd.tokens == [1, 2, 3] and rnd.verified == 3 and s.fed == [1, 2]
     rnd, s = run(StaticLength(4))
-    assert rnd.tokens == [1, 2, 3, 4] and rnd.sent == 4 and s.fed == [1, 2, 3]
+    assert rnd.tokens == [1, 2, 3, 4] and rnd.verified == 4 and s.fed == [1, 2, 3]
     rnd, _ = run(StaticLength(4), cap=2)
     assert rnd.tokens == [1, 2]
 
@@ -110,7 +110,7 @@ def test_goodput_policy_drafts_and_sends_as_the_rule():
     for ps in (PS, [0.95, 0.95, 0.9, 0.95, 0.9, 0.9, 0.9, 0.9], [0.2] * 8):
         rnd, _ = run(pol, ps, cap=8, cost=cost)
         acc = [pol.score_list(step_features(logits_row(j + 1, p), pol, 10, j)[1])[0] for j, p in enumerate(ps)]
-        assert (len(rnd.tokens), rnd.sent) == goodput.draft_round(acc, cost, 8)
+        assert (len(rnd.tokens), rnd.verified) == goodput.draft_round(acc, cost, 8)
         assert rnd.scores == pytest.approx(acc[: len(rnd.tokens)])
 
 
@@ -280,7 +280,7 @@ def test_hook_output_equals_target_only(real_pair):
         finally:
             target.draft_model = None
         assert out == ref, spec
-        assert hook.calls and sum(c.sent for c in hook.calls) > 0
+        assert hook.calls and sum(c.verified for c in hook.calls) > 0
 
 
 @pytest.mark.real
