@@ -157,6 +157,12 @@ def sampled_spec_trajectories(ctx: ChunkContext, plans: list[Planned]) -> None:
         ctx.step("spec")
 
 
+def _device(ctx: ChunkContext) -> torch.device:
+    """The models' device: a chunk's random streams live there (``torch.multinomial`` draws with a generator of its
+    input's device; on the CPU the seeded streams are the ones every earlier data folder was drawn with)."""
+    return next(ctx.models.draft.parameters()).device
+
+
 def draft_side(ctx: ChunkContext, plans: list[Planned], chunk: int) -> None:
     """The draft's side, in one pass a sequence (``data_gen.labelling.draft_pass``): its hidden states over the prefix
     (the prompt, plus the continuation of the target / spec / text origins), then its own tokens decoded from that
@@ -164,7 +170,7 @@ def draft_side(ctx: ChunkContext, plans: list[Planned], chunk: int) -> None:
     end-of-sequence continuation). The labelling passes reuse these states, so no prefix goes through the draft twice.
     """
     cfg, st, eos, L = ctx.cfg, ctx.stats, ctx.eos, ctx.cfg.rollout_len
-    rng = torch.Generator().manual_seed(cfg.seed * 104_729 + chunk)
+    rng = torch.Generator(device=_device(ctx)).manual_seed(cfg.seed * 104_729 + chunk)
     todo = sorted(plans, key=lambda p: len(ctx.rendered[p.prompt_index]) + len(p.cont))
     for group in batches(todo, cfg.gen_batch_size):
         n_new = [p.m + L if p.origin == "draft" else 0 if (p.cont and p.cont[-1] == eos) else L for p in group]
@@ -226,7 +232,7 @@ def label_chunk(ctx: ChunkContext, seqs: list[SequenceSpec], chunk: int) -> dict
         top_k=cfg.top_k, store_hidden=cfg.store_hidden, temperature=cfg.temperature, top_p=cfg.top_p,
         pad_token_id=ctx.pad, sample_draw=cfg.sample_draw,
     )
-    gen = torch.Generator().manual_seed(cfg.seed * 7919 + chunk)
+    gen = torch.Generator(device=_device(ctx)).manual_seed(cfg.seed * 7919 + chunk)
     parts: list[dict[str, list]] = []
     for batch in label_batches(seqs, cfg.label_batch_tokens):
         recs, ls = label_sequences(ctx.models, batch, opts, generator=gen)
