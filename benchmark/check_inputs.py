@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,7 @@ from benchmark.config import BenchmarkConfig
 from benchmark.curve import CURVE_DURING_ROWS, HF_CURVE
 from benchmark.rows import HF_METHOD
 from compute.timing import STATISTICS, CostModel
-from data_gen.config import GenerateConfig, ModelsConfig
-from data_gen.generate import load_models
+from data_gen.config import ModelsConfig
 from decoding.policies import build_policy
 from evaluation.replay import with_threshold
 from predictors.base import HINDSIGHT, StopPolicy
@@ -53,11 +52,6 @@ class ReplayCheckConfig(TrackingURI, TrackingSwitch):
             raise ValueError(f"gen_batch_size={self.gen_batch_size} and label_batch_tokens={self.label_batch_tokens} "
                              "must be >= 1")
 
-
-def load_pair(models: ModelsConfig) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
-    """The benchmark's draft and target, on its compute path (the companion loads only when a row reads it)."""
-    loaded, tok = load_models(GenerateConfig(models=replace(models, companion=None)))
-    return loaded.draft, loaded.target, tok
 
 @dataclass
 class BenchFolder:

@@ -34,16 +34,18 @@ from __future__ import annotations
 import functools
 import sys
 import textwrap
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmark.check import run_check, summary_line
-from benchmark.check_inputs import ReplayCheckConfig, load_pair, read_bench_folder
+from benchmark.check_inputs import ReplayCheckConfig, read_bench_folder
 from benchmark.check_report import console_table, write_check
 from benchmark.config import BenchmarkConfig
 from benchmark.tracking import log_check
+from data_gen.generate import load_pair
 from pipelines.cli import parse_config, setup_logging, user_errors
 
 
@@ -67,7 +69,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if cc.statistic:
             folder.cost_model = folder.cost_model.with_statistic(cc.statistic)
         torch.manual_seed(folder.decoding.seed)
-        draft, target, tok = load_pair(folder.models)
+        # the benchmark's draft and target on its compute path (the companion loads only when a row reads it)
+        settings = {k: v for k, v in asdict(folder.models).items() if k not in ("draft", "target", "companion")}
+        draft, target, tok = load_pair(folder.models.draft, folder.models.target, **settings)
         result = run_check(folder, draft, target, tok, gen_batch_size=cc.gen_batch_size,
                            label_batch_tokens=cc.label_batch_tokens)
         write_check(result, folder.path)
