@@ -8,6 +8,10 @@
 - ``evaluation.calibration``: calibration maps of every policy's acceptance per decoding mode, ECE, reliability.
 - The timing model (``CostModel``) is ``compute.timing``.
 - ``evaluation.report`` / ``evaluation.plots``: report.md, PNG plots, CSVs, MLflow artifacts (``write_report``).
+- ``evaluation.evaluate``: the evaluation job (``EvaluateConfig``, ``run_evaluation``), which ``python -m
+  pipelines.evaluate`` and the main job run; ``evaluation.crossval``: cross-validation over folds of prompts and its job
+  (``CrossValConfig``, ``run_crossval``).
 
-Entry point: ``python -m pipelines.evaluate --data_dir DIR --predictors '[REF, ...]' --out_dir DIR``.
+Entry points: ``python -m pipelines.evaluate --data_dir DIR --predictors '[REF, ...]' --out_dir DIR``, ``python -m
+pipelines.crossval --config configs/crossval.yaml``.
 """
