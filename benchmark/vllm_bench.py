@@ -35,7 +35,7 @@ from data_gen.prompts import PromptSourceConfig
 
 log = logging.getLogger("pipelines.vllm_bench")
 
-__all__ = ["VllmBenchConfig", "EngineRows", "RowRun", "run_engine", "TARGET_ALONE"]
+__all__ = ["VllmBenchConfig", "EngineRows", "RowRun", "run_engine", "row_from_dict", "TARGET_ALONE"]
 
 TARGET_ALONE = "vLLM target alone"
 
@@ -124,6 +124,14 @@ class RowRun:
     def tokens_per_s(self) -> float:
         total = sum(self.seconds)
         return self.tokens / total if total else 0.0
+
+
+def row_from_dict(d: dict[str, Any]) -> RowRun:
+    """A :class:`RowRun` from its ``asdict`` form (an engine's stored rows)."""
+    d = dict(d)
+    d["steps"] = [[StepLog(**s) for s in unit] for unit in d.get("steps", [])]
+    d["rounds"] = [[tuple(r) for r in unit] for unit in d.get("rounds", [])]
+    return RowRun(**d)
 
 
 @dataclass

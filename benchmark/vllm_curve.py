@@ -34,7 +34,7 @@ from typing import Any
 
 from benchmark.vllm_engine import EngineSpec, StepClock, build_engine, release
 from compute.cpu import cpu_model
-from compute.timing import CostModel
+from compute.timing import BATCH_CURVES, CostModel
 
 log = logging.getLogger("pipelines.measure_costs")
 
@@ -146,5 +146,5 @@ def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
                               runtime="vllm", machine=machine,
                               notes=f"vLLM {vllm.__version__} at batch {b}: median of {s.steps} decode steps")
     top = curves[min(s.batches)]
-    top.extra["batch_curves"] = {str(b): cm.to_dict() for b, cm in curves.items()}
+    top.extra[BATCH_CURVES] = {str(b): cm.to_dict() for b, cm in curves.items()}
     return top

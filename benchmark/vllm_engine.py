@@ -91,7 +91,8 @@ def build_engine(spec: EngineSpec) -> Any:
     if spec.device != "cpu":
         kwargs["device"] = spec.device
     return LLM(model=spec.target, tokenizer=spec.target, dtype=spec.dtype, max_model_len=spec.max_model_len,
-               max_num_seqs=spec.max_num_seqs, enforce_eager=True, disable_log_stats=False, seed=0,
+               max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=4096, enforce_eager=True,
+               disable_log_stats=False, seed=0,
                speculative_config=spec.speculative_config(), **kwargs)
 
 
@@ -118,11 +119,12 @@ class StepLog:
 
 @dataclass
 class StepClock:
-    """Times every ``llm.llm_engine.step()`` of an engine (the wrapper stays for the engine's life)."""
+    """Times every ``llm.llm_engine.step()`` of an engine (the wrapper stays until :func:`release`). The first step
+    after :meth:`take` is the prefill of the requests added before it (they are added together and their prompts fit
+    one step's token budget); every later step decodes."""
 
     llm: Any
     steps: list[StepLog] = field(default_factory=list)
-    started: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         engine = self.llm.llm_engine
@@ -132,17 +134,14 @@ class StepClock:
             batch = engine.get_num_unfinished_requests()
             t0 = time.perf_counter()
             outs = inner(*args, **kwargs)
-            wall = time.perf_counter() - t0
-            decode = len(self.started) >= batch and all(o.request_id in self.started for o in outs)
-            self.steps.append(StepLog(wall, batch, decode))
-            self.started.update(o.request_id for o in outs)
+            self.steps.append(StepLog(time.perf_counter() - t0, batch, decode=bool(self.steps)))
             return outs
 
         engine.step = timed_step
 
     def take(self) -> list[StepLog]:
-        """The steps since the last call (and forget the requests seen)."""
-        steps, self.steps, self.started = self.steps, [], set()
+        """The steps since the last call."""
+        steps, self.steps = self.steps, []
         return steps
 
 

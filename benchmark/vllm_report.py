@@ -18,8 +18,8 @@ import numpy as np
 
 from benchmark.rows import Row, ratio_ci
 from benchmark.vllm_bench import TARGET_ALONE, RowRun, VllmBenchConfig
-from benchmark.vllm_recommend import BatchPick
 from compute.timing import CostModel
+from main_job.vllm_settings import BatchPick
 
 __all__ = ["VllmReport", "build_report", "markdown"]
 

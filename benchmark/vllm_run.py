@@ -8,21 +8,25 @@ Usage (in ``.venv-vllm``)::
 """
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from benchmark.bench import load_benchmark_prompts
-from benchmark.vllm_bench import TARGET_ALONE, EngineRows, RowRun, VllmBenchConfig, run_engine
+from benchmark.vllm_bench import TARGET_ALONE, EngineRows, RowRun, VllmBenchConfig, row_from_dict, run_engine
 from benchmark.vllm_check import check_rows
 from benchmark.vllm_curve import VllmCurveSettings, measure_vllm_curve
 from benchmark.vllm_engine import EngineSpec, hf_folder, prepare_env
-from benchmark.vllm_recommend import BatchPick, batch_picks, paste_lines, schedule_ranges
 from benchmark.vllm_report import VllmReport, build_report
+from compute.cpu import cpu_model
 from compute.timing import CostModel
 from decoding.vllm_proposer import PolicySettings, check_vllm, install, load_curves
+from evaluation.data import load_columns
+from main_job.recommend import vllm_batch_picks
+from main_job.vllm_settings import BatchPick, paste_lines, schedule_ranges
 
 log = logging.getLogger("pipelines.vllm_bench")
 
@@ -43,13 +47,18 @@ def _prompts(cfg: VllmBenchConfig, target_dir: str) -> tuple[list[list[int]], li
 
 
 def _curves(cfg: VllmBenchConfig, target: str, draft: str) -> tuple[Path, dict[int, CostModel]]:
-    """vLLM's curve: the file given, else measured now; written to out_dir (and beside recommend_data)."""
+    """vLLM's curve: the file given, else the one a previous run of out_dir measured, else measured now; written to
+    out_dir (and, when measured, beside recommend_data)."""
     out = Path(cfg.out_dir) / COST_FILE
+    if cfg.cost_file is None and out.is_file():
+        log.info("vLLM's curve read back from %s (a resumed run; delete it to measure again)", out)
+        return out, load_curves(out)
     if cfg.cost_file is not None:
         cm = CostModel.from_json(cfg.cost_file)
-        if (why := cm.mismatch(cfg.models.draft, cfg.models.target)) is not None:
-            raise ValueError(f"--cost_file {cfg.cost_file}: measured for another pair or machine ({why}); measure "
-                             "it again with python -m pipelines.measure_costs --runtime vllm")
+        machine = cpu_model() if cfg.models.device == "cpu" else None
+        if why := cm.mismatch(cfg.models.draft, cfg.models.target, machine=machine):
+            raise ValueError(f"--cost_file {cfg.cost_file}: measured for another pair or machine ({'; '.join(why)}); "
+                             "measure it again with python -m pipelines.measure_costs --runtime vllm")
     else:
         cm = measure_vllm_curve(VllmCurveSettings(target=target, draft=draft, batches=tuple(cfg.curve_batches),
                                                   device=cfg.models.device, target_name=cfg.models.target,
@@ -84,6 +93,29 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
     return groups
 
 
+def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, run: Any) -> list[RowRun]:
+    """One engine's rows: read back from ``out_dir/engines/<i>.json`` when a previous run of the same config stored
+    them (a stopped run resumes engine by engine), else run and stored; an engine that fails is logged in one line
+    and its rows left out (the others still run)."""
+    path = Path(cfg.out_dir) / "engines" / f"{i:02d}.json"
+    if path.is_file():
+        stored = json.loads(path.read_text())
+        if stored.get("rows_of") == list(group.rows) and stored.get("engine") == json.loads(
+                json.dumps(asdict(group.engine))):
+            log.info("engine %d of %d: %s read back from %s", i, n, ", ".join(group.rows), path)
+            return [row_from_dict(r) for r in stored["rows"]]
+    log.info("engine %d of %d: %s", i, n, ", ".join(group.rows))
+    try:
+        rows = run()
+    except Exception as e:  # noqa: BLE001 - one engine's failure (vLLM's own) must not lose the others' rows
+        log.error("engine %d of %d (%s) failed: %s", i, n, ", ".join(group.rows), str(e).splitlines()[0][:300])
+        return []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"engine": asdict(group.engine), "rows_of": list(group.rows),
+                                "rows": [asdict(r) for r in rows]}))
+    return rows
+
+
 def _units(prompts: list[list[int]], batches: list[int]) -> dict[int, list[list[list[int]]]]:
     return {b: [prompts[i:i + b] for i in range(0, len(prompts), b)] for b in batches}
 
@@ -97,7 +129,7 @@ def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
     draft = hf_folder(cfg.models.draft, cfg.models.cache_dir)
     prompts, names = _prompts(cfg, target)
     cost_path, curves = _curves(cfg, target, draft)
-    picks = batch_picks(cfg.recommend_data, curves) if cfg.recommend_data else []
+    picks = vllm_batch_picks(load_columns(cfg.recommend_data, ["val", "test"]), curves) if cfg.recommend_data else []
     for line in paste_lines(picks, draft, max(cfg.batch_sizes)) if picks else []:
         log.info("recommended: %s", line)
 
@@ -111,8 +143,7 @@ def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
     units = _units(prompts, cfg.batch_sizes)
     rows: list[RowRun] = []
     for i, group in enumerate(plan, 1):
-        log.info("engine %d of %d: %s", i, len(plan), ", ".join(group.rows))
-        rows += run_engine(group, units, cfg, settings_of)
+        rows += _engine_rows(i, len(plan), group, cfg, lambda g=group: run_engine(g, units, cfg, settings_of))
     k_of = _k_of(plan)
     check = check_rows(rows, curves, k_of)
     return build_report(cfg, rows, names, picks, check, curves, paste_lines(picks, draft, max(cfg.batch_sizes))

@@ -42,9 +42,12 @@ from compute.native import NativeExtension
 from compute.path_choice import cpu_info
 from compute.precision import compute_path_of
 
-__all__ = ["CostModel", "measure_cost_model", "pool_cost_models", "assumed_cost_model", "clock", "STATISTICS",
-           "forward_bytes", "read_bandwidth", "prefill", "crop"]
+__all__ = ["CostModel", "BATCH_CURVES", "measure_cost_model", "pool_cost_models", "assumed_cost_model", "clock",
+           "STATISTICS", "forward_bytes", "read_bandwidth", "prefill", "crop"]
 
+
+BATCH_CURVES = "batch_curves"
+"""Key of ``CostModel.extra`` holding a curve per batch size (vLLM's: ``benchmark.vllm_curve``), batch -> dict."""
 
 MEASURED_RUNTIMES = ("specstop", "llamacpp", "transformers")
 """The runtimes ``pipelines.measure_costs --runtime`` times on this machine."""

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from compute.timing import CostModel
+from compute.timing import BATCH_CURVES, CostModel
 from decoding.policies import build_policy
 from decoding.vllm_stopper import RequestStopper
 from predictors.base import StopPolicy
@@ -107,7 +107,7 @@ def load_curves(path: str | Path | None) -> dict[int, CostModel]:
     if cm.runtime != "vllm":
         raise ValueError(f"{path}: a curve of runtime {cm.runtime!r}, not vLLM's: measure it with "
                          "python -m pipelines.measure_costs --runtime vllm --data_dir DIR")
-    batches = cm.extra.get("batch_curves") or {"1": cm.to_dict()}
+    batches = cm.extra.get(BATCH_CURVES) or {"1": cm.to_dict()}
     return {int(b): CostModel.from_dict(d) for b, d in batches.items()}
 
 

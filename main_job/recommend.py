@@ -30,7 +30,7 @@ import numpy as np
 
 from compute.gguf_files import GGUF_SUBDIR, PACKAGED_PREFIX
 from compute.packaged import get_packaged
-from compute.timing import CostModel
+from compute.timing import BATCH_CURVES, CostModel
 from data_gen.progress import Heartbeat
 from data_gen.shards import read_data_config
 from decoding.policies import GOODPUT_PREFIX, build_policy
@@ -38,6 +38,7 @@ from evaluation.data import load_columns
 from evaluation.replay.rounds import ReplayResult, replay_policy
 from evaluation.replay.scores import scores_for
 from evaluation.replay.sequences import ReplayConfig, ReplayData, prepare_replay_data
+from main_job.vllm_settings import BatchPick, paste_lines
 from predictors.base import StopPolicy
 from predictors.baselines import Oracle
 from predictors.runtime_rules import RUNTIMES, LlamaCppRule, RuntimeRule, TransformersRule, VllmRule, runtime_rule
@@ -128,6 +129,10 @@ class Recommendation:
     oracle: ReplayResult | None = None
     warnings: list[str] = field(default_factory=list)
     tried: list[dict[str, Any]] = field(default_factory=list)
+    per_batch: list[BatchPick] = field(default_factory=list)
+    """vLLM with its own per-batch curve: the K tuned at each batch size (``vllm_batch_picks``)."""
+    max_num_seqs: int = 8
+    """vLLM's ``max_num_seqs`` the per-batch schedule's last range ends at."""
 
     @property
     def speculate(self) -> bool:
@@ -161,6 +166,8 @@ class Recommendation:
         if self.oracle is not None:
             out.append(f"{head} the oracle {self.oracle.speedup:.2f}x: {what} is {mine / self.oracle.speedup:.2f}x "
                        f"of it")
+        if self.per_batch:
+            out += [f"{head} {line}" for line in paste_lines(self.per_batch, draft, self.max_num_seqs)]
         return out
 
     @property
@@ -177,6 +184,7 @@ class Recommendation:
             "compare": {k: v.as_row() for k, v in self.compare.items()},
             "oracle": self.oracle.as_row() if self.oracle is not None else None, "warnings": self.warnings,
             "tried": [{k: v for k, v in r.items() if k != "rule"} for r in self.tried],
+            "per_batch": [p.to_dict() for p in self.per_batch] or None,
         }
 
 
@@ -210,7 +218,8 @@ def recommend(runtime: str, columns: Mapping[str, object], cm: CostModel, *,
 
 
 RUNTIME_COST_FILES = {"llamacpp": ("cost_model.llamacpp.json",),
-                      "transformers": ("cost_model.transformers.json", "cost_model.json")}
+                      "transformers": ("cost_model.transformers.json", "cost_model.json"),
+                      "vllm": ("cost_model.vllm.json", "cost_model.json")}
 """The curves beside a data folder a runtime's recommendation is priced with, first found first: its own
 (``pipelines.measure_costs --runtime R --data_dir D`` writes ``cost_model.R.json``), else the data's own specstop
 curve (transformers' forward passes without its overheads; any other runtime: with a warning)."""
@@ -305,9 +314,25 @@ def recommend_runtimes(cfg: RecommendConfig, runtimes: Iterable[str] | None = No
         with Heartbeat(log, f"recommend {rt}", unit="settings") as hb:
             out[rt] = recommend(rt, cols, cm, compare=compare, mode=cfg.mode,
                                 progress=lambda done, total, h=hb: h.update(done, total))
+        if rt == "vllm" and cm.extra.get(BATCH_CURVES):  # vLLM's own curve, per batch size: a K for each
+            curves = {int(b): CostModel.from_dict(d) for b, d in cm.extra[BATCH_CURVES].items()}
+            out[rt].per_batch = vllm_batch_picks(cols, curves, cfg.mode)
         for w in out[rt].warnings:
             log.warning(w)
     return out
+
+
+def vllm_batch_picks(cols: Mapping[str, object], curves: dict[int, CostModel], mode: str = "greedy"
+                     ) -> list[BatchPick]:
+    """vLLM's K tuned at each batch size of ``curves`` on the validation rows, 0 where no K beats the target alone
+    (``main_job.vllm_settings``)."""
+    picks = []
+    for b in sorted(curves):
+        rec = recommend("vllm", cols, curves[b], mode=mode)
+        k = rec.rule.draft_cap() if rec.speculate else 0
+        picks.append(BatchPick(b, k, round(rec.val_speedup, 4), round(rec.test.speedup if k else 1.0, 4),
+                               rec.rule.draft_cap()))
+    return picks
 
 
 def draft_name(cfg: RecommendConfig, runtime: str = "transformers") -> str:

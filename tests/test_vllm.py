@@ -9,11 +9,11 @@ import torch
 from benchmark.vllm_bench import RowRun, VllmBenchConfig
 from benchmark.vllm_check import predicted_seconds, step_price
 from benchmark.vllm_engine import StepLog
-from benchmark.vllm_recommend import BatchPick, paste_lines, schedule_ranges
 from compute.timing import CostModel
 from decoding.policies import build_policy
 from decoding.vllm_proposer import PolicySettings, build_stopper, check_vllm, load_curves
 from decoding.vllm_stopper import RequestStopper, curve_for_batch
+from main_job.vllm_settings import BatchPick, paste_lines, schedule_ranges
 
 V = 32
 
@@ -144,3 +144,17 @@ def test_missing_vllm_names_the_setup_command() -> None:
             check_vllm()
     else:
         pytest.skip("vLLM is installed here")
+
+
+def test_recommend_picks_a_k_per_batch_and_zero_where_drafting_does_not_pay(tmp_path) -> None:
+    from main_job.recommend import vllm_batch_picks
+    from tests.synthetic import make_records
+
+    cols = make_records(n_prompts=30, tokens_per_prompt=40, companion=False)
+    cheap = CostModel(draft_s_per_token=0.05, target_s={1: 1.0, 9: 1.05}, runtime="vllm")  # batch 1: drafts pay
+    dear = CostModel(draft_s_per_token=0.5, target_s={1: 1.0, 2: 2.0, 9: 9.0}, runtime="vllm")  # batch 4: never
+    one, four = vllm_batch_picks(cols, {1: cheap, 4: dear})
+    assert one.batch == 1 and one.k >= 1 and one.test_speedup > 1.0
+    assert four.batch == 4 and four.k == 0 and four.test_speedup == 1.0
+    lines = paste_lines([one, four], "D", 8)
+    assert f'"num_speculative_tokens_per_batch_size": [[1, 3, {one.k}], [4, 8, 0]]' in lines[1]

@@ -1,16 +1,16 @@
 """What to set in vLLM for a pair on this machine, per batch size: ``num_speculative_tokens`` at batch 1 and
 ``num_speculative_tokens_per_batch_size`` (vLLM's batch-size Dynamic SD), each K tuned on a data folder's validation
 split under vLLM's own curve at that batch size (``benchmark.vllm_curve``), K = 0 (no drafting) wherever no K beats
-the target alone.
+the target alone (``main_job.recommend.vllm_batch_picks`` tunes them).
 
 At B concurrent requests every request runs the same K each step and a step costs ``K * draft + target(K + 1)`` at
-batch B; each request's rounds are replayed over the labelled draft tokens (``main_job.recommend.recommend``, the
-replay of every runtime's rule), so a batch's tokens/s is B times a sequence's and the speedup over the target alone
-is the sequence's (the ragged end of a batch, where requests finish at different steps, is left out).
+batch B; each request's rounds are replayed over the labelled draft tokens (the replay of every runtime's rule), so a
+batch's tokens/s is B times a sequence's and the speedup over the target alone is the sequence's (the ragged end of a
+batch, where requests finish at different steps, is left out).
 
 Usage::
 
-    picks = batch_picks("outputs/default/data", load_curves("outputs/default/data/cost_model.vllm.json"))
+    picks = vllm_batch_picks(load_columns("outputs/default/data", ["val", "test"]), curves)
     print("\\n".join(paste_lines(picks, "DRAFT", max_num_seqs=8)))
 """
 from __future__ import annotations
@@ -18,11 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from compute.timing import CostModel
-from evaluation.data import load_columns
-from main_job.recommend import recommend
-
-__all__ = ["BatchPick", "batch_picks", "schedule_ranges", "paste_lines"]
+__all__ = ["BatchPick", "schedule_ranges", "paste_lines"]
 
 
 @dataclass(frozen=True)
@@ -41,18 +37,6 @@ class BatchPick:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def batch_picks(data_dir: str, curves: dict[int, CostModel]) -> list[BatchPick]:
-    """The tuned K at each batch size of ``curves`` (see the module docstring)."""
-    cols = load_columns(data_dir, ["val", "test"])
-    picks = []
-    for b in sorted(curves):
-        rec = recommend("vllm", cols, curves[b])
-        k = rec.rule.draft_cap() if rec.speculate else 0
-        picks.append(BatchPick(b, k, round(rec.val_speedup, 4), round(rec.test.speedup if k else 1.0, 4),
-                               rec.rule.draft_cap()))
-    return picks
 
 
 def schedule_ranges(picks: list[BatchPick], max_num_seqs: int) -> tuple[tuple[int, int, int], ...]:
