@@ -20,11 +20,12 @@ from pathlib import Path
 from pipelines.cli import parse_config, setup_logging, user_errors
 from rendering.result_store import SummaryError, load_summaries, summarize_benchmark, summarize_main_job, write_summary
 from rendering.result_tables import fill, render_blocks
+from rendering.vllm_results import summarize_device_check, summarize_vllm_benchmark
 
 log = logging.getLogger(__name__)
 
 DOCUMENTS = {"readme": "README.md", "docs": "docs/results.md", "llamacpp": "docs/llamacpp.md",
-             "transformers": "docs/runtimes.md"}
+             "transformers": "docs/runtimes.md", "vllm": "docs/vllm.md", "gpu": "docs/gpu.md"}
 """Block name -> the file (from the repository root) that holds it."""
 
 
@@ -46,6 +47,8 @@ class ResultsConfig:
     """The config's name in the summary (default: default for a main job, benchmark for a benchmark)."""
     command: str | None = None
     """The command that reproduces the stored run (default: the usual command for its config name)."""
+    device_check: str | None = None
+    """Store the summary of a GPU check (``scripts/device_check.sh``'s device-check.json) before rendering."""
     duration_s: float | None = None
     """Wall time of the stored run in seconds, from its log (the main job prints it as ``total``)."""
 
@@ -57,7 +60,14 @@ def store_runs(cfg: ResultsConfig) -> None:
         cmd = cfg.command or f"python -m pipelines.train --config configs/{name}.yaml"
         summary = summarize_main_job(cfg.main_job, cmd, name, cfg.duration_s)
         log.info("stored %s", write_summary(summary, cfg.results_dir))
-    if cfg.benchmark:
+    if cfg.device_check:
+        summary = summarize_device_check(cfg.device_check)
+        log.info("stored %s", write_summary(summary, cfg.results_dir))
+    if cfg.benchmark and (cfg.config_name or "").startswith("benchmark-vllm"):
+        cmd = cfg.command or f"python -m pipelines.vllm_bench --config configs/{cfg.config_name}.yaml"
+        summary = summarize_vllm_benchmark(cfg.benchmark, cmd, cfg.config_name, cfg.duration_s)
+        log.info("stored %s", write_summary(summary, cfg.results_dir))
+    elif cfg.benchmark:
         name = cfg.config_name or "benchmark"
         entry = "pipelines.llamacpp_bench" if name.startswith("benchmark-llamacpp") else "pipelines.benchmark"
         cmd = cfg.command or f"python -m {entry} --config configs/{name}.yaml"

@@ -32,12 +32,18 @@ from compute.cpu import cpuinfo_fields
 log = logging.getLogger(__name__)
 
 SCHEMA = "specstop-results/1"
-KINDS = ("main_job", "benchmark")
+KINDS = ("main_job", "benchmark", "vllm_benchmark", "device_check")
 REQUIRED = {
     "main_job": ("schema", "kind", "config", "command", "date", "machine", "pair", "compute_path", "predictors"),
     "benchmark": ("schema", "kind", "config", "command", "date", "machine", "pair", "compute_path", "rows",
                   "n_prompts", "max_new_tokens", "temperature"),
+    "vllm_benchmark": ("schema", "kind", "config", "command", "date", "machine", "pair", "compute_path", "rows",
+                       "n_prompts", "max_new_tokens", "batch_sizes"),
+    "device_check": ("schema", "kind", "config", "command", "date", "machine", "pair", "compute_path", "steps"),
 }
+ITEMS = {"main_job": ("predictors", ("predictor",)), "benchmark": ("rows", ("row", "tokens_per_s")),
+         "vllm_benchmark": ("rows", ("row", "batch", "tokens_per_s")), "device_check": ("steps", ("step", "status"))}
+"""Per kind, the list a summary must hold and the fields of each entry."""
 PREDICTOR_FIELDS = ("predictor", "label", "test_auc", "best_free", "test_auc_best_free", "cv_diff", "cv_diff_lo",
                     "cv_diff_hi", "test_speedup", "decoding", "ece_greedy", "ece_sampling")
 ROW_FIELDS = ("row", "method", "kind", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "vs_best_entropy",
@@ -309,10 +315,10 @@ def validate(data: Any, path: Path) -> None:
     for key in ("draft", "target"):
         if not isinstance(data["pair"], dict) or key not in data["pair"]:
             raise SummaryError(f"{path}: field 'pair.{key}' missing")
-    items, need = (data["rows"], ("row", "tokens_per_s")) if data["kind"] == "benchmark" else (
-        data["predictors"], ("predictor",))
+    key, need = ITEMS[data["kind"]]
+    items = data[key]
     if not isinstance(items, list) or not items:
-        raise SummaryError(f"{path}: field {'rows' if data['kind'] == 'benchmark' else 'predictors'!r} is empty")
+        raise SummaryError(f"{path}: field {key!r} is empty")
     for i, item in enumerate(items):
         for key in need:
             if not isinstance(item, dict) or key not in item:

@@ -19,6 +19,7 @@ from typing import Any
 from predictors.baselines import ENTROPY_KINDS
 from rendering.result_runtimes import RUNTIME_CONFIGS, runtime_block, runtime_section
 from rendering.result_store import Summary, cpu_label, dated, interval_text
+from rendering.vllm_results import gpu_block, vllm_block, vllm_readme_lines
 
 LEARNED_KINDS = ("disco", "sprinter", "sv")
 HEADLINE_BENCHMARKS = ("benchmark-full", "benchmark")
@@ -174,6 +175,9 @@ def render_readme(summaries: list[Summary]) -> str:
     if bench is not None:
         parts += [f"End to end, {_benchmark_heading(bench)} ({caption(bench)}):", "", benchmark_table(bench), "",
                   verdict(bench)]
+    vllm = vllm_readme_lines(summaries)
+    if vllm:
+        parts += ["", *vllm]
     times = times_table(summaries)
     if times:
         parts += ["", "Wall time on 2 cores, from a run's start to its table (the main job's first model conversion "
@@ -187,7 +191,8 @@ def render_docs(summaries: list[Summary]) -> str:
     """docs/results.md's block: every stored run, grouped by model pair, compute path and CPU kind, newest first."""
     groups: dict[tuple[str, str, str], list[Summary]] = {}
     for s in summaries:
-        groups.setdefault(s.group, []).append(s)
+        if s.kind in ("main_job", "benchmark"):  # vLLM's and the GPU check's runs have documents of their own
+            groups.setdefault(s.group, []).append(s)
     parts: list[str] = []
     for (pair, path, cpu), runs in sorted(groups.items()):
         parts += [f"### {pair}, `{path}`, {cpu}", ""]
@@ -207,7 +212,8 @@ def render_docs(summaries: list[Summary]) -> str:
 def render_blocks(summaries: list[Summary]) -> dict[str, str]:
     """Every block the docs hold, by name."""
     runtimes = {name: runtime_block(summaries, config) for name, config in RUNTIME_CONFIGS.items()}
-    return {"readme": render_readme(summaries), "docs": render_docs(summaries), **runtimes}
+    return {"readme": render_readme(summaries), "docs": render_docs(summaries), **runtimes,
+            "vllm": vllm_block(summaries), "gpu": gpu_block(summaries)}
 
 
 def block_pattern(name: str) -> re.Pattern[str]:

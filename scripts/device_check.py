@@ -233,7 +233,11 @@ def run_step(step: Step, env: dict[str, str], deadline: float) -> None:
 
 
 def commit_facts() -> dict:
-    """The commit the tree is at and whether it differs (git where the tree has it, else DEVICE_CHECK_COMMIT)."""
+    """The commit the tree is at and whether it differs: DEVICE_CHECK_COMMIT / DEVICE_CHECK_DIRTY when set (a copied
+    tree may carry a .git of another commit, or none), else git."""
+    if os.environ.get("DEVICE_CHECK_COMMIT"):
+        return {"commit": os.environ["DEVICE_CHECK_COMMIT"],
+                "dirty": os.environ.get("DEVICE_CHECK_DIRTY", "unknown").lower() == "true"}
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=20)
         if head.returncode == 0:
@@ -242,8 +246,7 @@ def commit_facts() -> dict:
             return {"commit": head.stdout.strip(), "dirty": dirty}
     except (OSError, subprocess.TimeoutExpired):
         pass
-    return {"commit": os.environ.get("DEVICE_CHECK_COMMIT", "unknown"),
-            "dirty": os.environ.get("DEVICE_CHECK_DIRTY", "unknown").lower()}
+    return {"commit": "unknown", "dirty": "unknown"}
 
 
 def host_facts(py: str) -> dict:

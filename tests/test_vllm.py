@@ -158,3 +158,46 @@ def test_recommend_picks_a_k_per_batch_and_zero_where_drafting_does_not_pay(tmp_
     assert four.batch == 4 and four.k == 0 and four.test_speedup == 1.0
     lines = paste_lines([one, four], "D", 8)
     assert f'"num_speculative_tokens_per_batch_size": [[1, 3, {one.k}], [4, 8, 0]]' in lines[1]
+
+
+def test_a_stored_vllm_run_renders_its_rows_and_goals(tmp_path) -> None:
+    import json
+
+    import yaml
+
+    from rendering.result_store import load_summaries, write_summary
+    from rendering.vllm_results import summarize_vllm_benchmark, vllm_block, vllm_readme_lines
+
+    out = tmp_path / "run"
+    out.mkdir()
+    rows = [{"row": "vLLM target alone", "batch": 1, "tokens_per_s": 10.0, "speedup": 1.0, "speedup_lo": 1.0,
+             "speedup_hi": 1.0, "identical": 8, "prompts": 8, "acceptance": None, "idle_share": None,
+             "replay_ratio": 1.0},
+            {"row": "vllm:3 (recommended)", "batch": 1, "tokens_per_s": 12.0, "speedup": 1.2, "speedup_lo": 1.1,
+             "speedup_hi": 1.3, "identical": 8, "prompts": 8, "acceptance": 0.8, "idle_share": None,
+             "replay_ratio": 0.97}]
+    goals = {"batch_1": {"fastest_fixed": "vllm:3 (recommended)", "recommended_row": "vllm:3 (recommended)",
+                         "recommended_vs_fastest": 1.0, "recommended_vs_target_alone": 1.2}}
+    (out / "benchmark.json").write_text(json.dumps({"table": rows, "goals": goals, "recommendation": ["batch 1: K"]}))
+    (out / "config.yaml").write_text(yaml.safe_dump({"models": {"draft": "d", "target": "t"}, "n_prompts": 8,
+                                                     "max_new_tokens": 128, "batch_sizes": [1]}))
+    c = curve()
+    c.machine = {"model_name": "AMD EPYC", "simd_flags": ["avx2"], "threads": 2, "vllm": "0.32.0"}
+    c.extra["batch_curves"] = {"1": curve().to_dict()}
+    c.to_json(out / "cost_model.vllm.json")
+    write_summary(summarize_vllm_benchmark(out, "python -m pipelines.vllm_bench"), tmp_path / "results")
+    summaries = load_summaries(tmp_path / "results")
+    block = vllm_block(summaries)
+    assert "| `vllm:3 (recommended)` | 12.00 | 1.20x [1.10, 1.30] | 8/8 | 0.80 | 0.970 |  |" in block
+    assert "ran 1.000x the fastest fixed setting measured" in block
+    assert "1.20x [1.10, 1.30] the target alone" in vllm_readme_lines(summaries)[0]
+
+
+def test_the_stored_gpu_check_renders() -> None:
+    from pathlib import Path
+
+    from rendering.result_store import load_summaries
+    from rendering.vllm_results import gpu_block
+
+    block = gpu_block(load_summaries(Path(__file__).resolve().parents[1] / "results"))
+    assert "| pytest | pass |" in block and "**PASS**" in block
