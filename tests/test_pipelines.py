@@ -20,6 +20,7 @@ ENTRY_CLASSES = {
     "pipelines.benchmark": ("benchmark.config", "BenchmarkConfig"),
     "pipelines.crossval": ("evaluation.crossval", "CrossValConfig"),
     "pipelines.llamacpp_bench": ("benchmark.llamacpp", "LlamaCppBenchConfig"),
+    "pipelines.vllm_bench": ("benchmark.vllm_bench", "VllmBenchConfig"),
 }
 
 
