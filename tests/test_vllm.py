@@ -201,3 +201,14 @@ def test_the_stored_gpu_check_renders() -> None:
 
     block = gpu_block(load_summaries(Path(__file__).resolve().parents[1] / "results"))
     assert "| pytest | pass |" in block and "**PASS**" in block
+
+
+def test_a_predictor_for_another_draft_is_refused(tmp_path) -> None:
+    from predictors.export import FingerprintMismatch, export_predictor
+
+    folder = tmp_path / "export"
+    export_predictor(build_policy("svip:0.5"), folder,
+                     {"draft_fingerprint": {"name": "other-draft", "vocab_size": V, "hidden_size": 8}})
+    mine = {"name": "packaged:qwen2.5-coder-0.5b-instruct", "vocab_size": V, "hidden_size": 8}
+    with pytest.raises(FingerprintMismatch, match="other-draft"):
+        build_stopper(PolicySettings(spec=str(folder), draft_fingerprint=mine))
