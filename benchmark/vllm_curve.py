@@ -10,7 +10,9 @@ Two in-process engines on the pair's folders, each step of vLLM's timed (``bench
   is their time over k) and the rest, the target's verification of k + 1 tokens a request with vLLM's sampling,
   rejection and scheduling around it (``target_s[k + 1]`` at batch B).
 
-So a round of k drafts costs ``k * draft + target(k + 1)`` at its batch size, the form every specstop replay prices
+The target side is kept as its lower monotone envelope over L (``compute.timing.lower_envelope``: a shorter
+verification timed slower than a longer one met load; the raw medians stay in ``extra.raw_target_s``). So a round of
+k drafts costs ``k * draft + target(k + 1)`` at its batch size, the form every specstop replay prices
 (``compute.timing.CostModel``); vLLM's per-step overheads are inside ``target_s``. The prompts are random token ids
 of ``prompt_len`` (decode cost depends on the cached length, not the text). Each batch size's curve is a
 ``CostModel`` with ``runtime: vllm``; the file holds batch 1's at its top level and every batch's under
@@ -34,7 +36,7 @@ from typing import Any
 
 from benchmark.vllm_engine import EngineSpec, StepClock, build_engine, release
 from compute.cpu import cpu_model
-from compute.timing import BATCH_CURVES, CostModel
+from compute.timing import BATCH_CURVES, CostModel, lower_envelope
 
 log = logging.getLogger("pipelines.measure_costs")
 
@@ -140,11 +142,13 @@ def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
     curves = {}
     for b in s.batches:
         draft, target = spec[b]
-        curves[b] = CostModel(draft_s_per_token=draft, target_s={1: alone[b], **target}, device=s.device,
+        raw = {1: alone[b], **target}
+        curves[b] = CostModel(draft_s_per_token=draft, target_s=lower_envelope(raw), device=s.device,
                               dtype="bfloat16", draft_name=s.draft_name or s.draft,
                               target_name=s.target_name or s.target, prompt_len=s.prompt_len, compute_path="vllm",
                               runtime="vllm", machine=machine,
-                              notes=f"vLLM {vllm.__version__} at batch {b}: median of {s.steps} decode steps")
+                              notes=f"vLLM {vllm.__version__} at batch {b}: median of {s.steps} decode steps, "
+                                    "lower monotone envelope over L", extra={"raw_target_s": raw})
     top = curves[min(s.batches)]
     top.extra[BATCH_CURVES] = {str(b): cm.to_dict() for b, cm in curves.items()}
     return top

@@ -42,8 +42,8 @@ from compute.native import NativeExtension
 from compute.path_choice import cpu_info
 from compute.precision import compute_path_of
 
-__all__ = ["CostModel", "BATCH_CURVES", "measure_cost_model", "pool_cost_models", "assumed_cost_model", "clock",
-           "STATISTICS", "forward_bytes", "read_bandwidth", "prefill", "crop"]
+__all__ = ["CostModel", "BATCH_CURVES", "lower_envelope", "measure_cost_model", "pool_cost_models",
+           "assumed_cost_model", "clock", "STATISTICS", "forward_bytes", "read_bandwidth", "prefill", "crop"]
 
 
 BATCH_CURVES = "batch_curves"
@@ -366,6 +366,14 @@ def _monotone(lengths: list[int], times: list[float]) -> list[float]:
     out = np.empty_like(env)
     out[order] = env
     return out.tolist()
+
+
+def lower_envelope(curve: dict[int, float]) -> dict[int, float]:
+    """``curve`` (L -> seconds) with each length's time the least of its own and every longer length's: the
+    non-decreasing curve under the measurement (see ``_monotone``: a shorter pass timed slower than a longer one met
+    load)."""
+    lengths = sorted(curve)
+    return dict(zip(lengths, _monotone(lengths, [curve[L] for L in lengths])))
 
 
 def _curve(raw: dict[int, list[float]], statistic: str) -> dict[int, float]:
