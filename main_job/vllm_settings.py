@@ -57,6 +57,7 @@ def schedule_ranges(picks: list[BatchPick], max_num_seqs: int) -> tuple[tuple[in
 def paste_lines(picks: list[BatchPick], draft: str, max_num_seqs: int) -> list[str]:
     """The settings to paste: offline ``speculative_config`` and ``vllm serve`` flags, batch 1's K and the schedule."""
     one = next((p for p in picks if p.batch == 1), picks[0])
+    max_num_seqs = max(max_num_seqs, *(p.batch for p in picks))  # the schedule covers every batch size tuned
     ranges = schedule_ranges(picks, max_num_seqs)
     top = max(r[2] for r in ranges)
     lines = []
