@@ -8,6 +8,7 @@ Usage (in ``.venv-vllm``)::
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import asdict, replace
@@ -93,17 +94,30 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
     return groups
 
 
+RUN_FIELDS = ("models", "prompts", "split", "n_prompts", "use_chat_template", "max_prompt_tokens", "max_new_tokens",
+              "batch_sizes", "repeats", "policy_k", "seed")
+"""The config fields every engine's rows depend on."""
+
+
+def _engine_key(group: EngineRows, cfg: VllmBenchConfig) -> str:
+    """What an engine's stored rows depend on: the run's prompts and lengths, its speculative config, the proposer and
+    the policies in it (not the rows' names, which say what the plan recommends)."""
+    what = {"run": {k: getattr(cfg, k) for k in RUN_FIELDS}, "engine": asdict(group.engine), "plugin": group.plugin,
+            "specs": list(group.rows.values())}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, run: Any) -> list[RowRun]:
-    """One engine's rows: read back from ``out_dir/engines/<i>.json`` when a previous run of the same config stored
-    them (a stopped run resumes engine by engine), else run and stored; an engine that fails is logged in one line
-    and its rows left out (the others still run)."""
-    path = Path(cfg.out_dir) / "engines" / f"{i:02d}.json"
+    """One engine's rows: read back from ``out_dir/engines/<key>.json`` when a previous run of the same prompts ran
+    the same engine (a stopped run resumes engine by engine; a plan that changed reruns only what changed), else run
+    and stored; an engine that fails is logged in one line and its rows left out (the others still run)."""
+    path = Path(cfg.out_dir) / "engines" / f"{_engine_key(group, cfg)}.json"
     if path.is_file():
         stored = json.loads(path.read_text())
-        if stored.get("rows_of") == list(group.rows) and stored.get("engine") == json.loads(
-                json.dumps(asdict(group.engine))):
+        if len(stored["rows"]) == len(group.rows) * len(cfg.batch_sizes):
+            names = [name for name in group.rows for _ in cfg.batch_sizes]
             log.info("engine %d of %d: %s read back from %s", i, n, ", ".join(group.rows), path)
-            return [row_from_dict(r) for r in stored["rows"]]
+            return [replace(row_from_dict(r), name=name) for r, name in zip(stored["rows"], names)]
     log.info("engine %d of %d: %s", i, n, ", ".join(group.rows))
     try:
         rows = run()
@@ -111,7 +125,7 @@ def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, run: A
         log.error("engine %d of %d (%s) failed: %s", i, n, ", ".join(group.rows), str(e).splitlines()[0][:300])
         return []
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"engine": asdict(group.engine), "rows_of": list(group.rows),
+    path.write_text(json.dumps({"engine": asdict(group.engine), "plugin": group.plugin,
                                 "rows": [asdict(r) for r in rows]}))
     return rows
 
