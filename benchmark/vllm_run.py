@@ -104,6 +104,9 @@ def _engine_key(group: EngineRows, cfg: VllmBenchConfig) -> str:
     the policies in it (not the rows' names, which say what the plan recommends)."""
     what = {"run": {k: getattr(cfg, k) for k in RUN_FIELDS}, "engine": asdict(group.engine), "plugin": group.plugin,
             "specs": list(group.rows.values())}
+    curve = Path(cfg.out_dir) / COST_FILE
+    if group.plugin and curve.is_file():  # cost-aware policies price rounds with the curve
+        what["curve"] = hashlib.sha256(curve.read_bytes()).hexdigest()
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
