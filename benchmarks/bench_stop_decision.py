@@ -6,16 +6,21 @@ engine decodes one prompt (a warm-up of 16 tokens, then ``--repeats`` runs of ``
 prints, per decision, the stop time (``DecodeStats.stop_time``), the part spent in the features (``token_features``
 and, greedy, ``greedy_draft_stats``: the statistics with the drafted token's argmax) and the rest
 (inputs, network, calibration, the rule), and the decision as a share of one draft forward (the benchmark's
-``stop_overhead`` column, here with the split).
+``stop_overhead`` column, here with the split). The policies take turns run by run (a load that drifts during the
+run reaches each alike), and a last table gives each policy's medians over its runs with its policy part as a ratio
+to the first row's. ``--compare_paths`` adds, for each policy that scores through a native call where it applies
+(``native``, e.g. DISCO), a row scoring through its torch module instead: what the native call saves per decision.
 
 Usage:
     python benchmarks/bench_stop_decision.py outputs/default/train/disco/export svip outputs/default/train/sv/export
+    python benchmarks/bench_stop_decision.py outputs/default/train/disco/export --compare_paths --repeats 5
     python benchmarks/bench_stop_decision.py goodput:outputs/default/train/disco/export --cost_file \
         outputs/benchmark/cost_model.json
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -26,6 +31,7 @@ from compute.timing import CostModel
 from data_gen.config import ModelsConfig
 from decoding.engine import SpeculativeDecoder
 from decoding.policies import build_policy
+from predictors.base import StopPolicy
 
 PROMPT = "Write a Python function that merges two sorted lists into one sorted list, with a docstring and tests."
 
@@ -40,6 +46,8 @@ def main() -> None:
     ap.add_argument("--cost_file", default=None, help="a cost model for goodput policies (else measured on the fly)")
     ap.add_argument("--new_tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--compare_paths", action="store_true",
+                    help="also time each native-scoring policy (DISCO) through its torch module")
     args = ap.parse_args()
 
     models = ModelsConfig()  # the precision the pipelines load each role with
@@ -64,20 +72,49 @@ def main() -> None:
     # the features: the greedy step's native statistics (with the drafted token's argmax) and token_features
     engine.token_features = timed(engine.token_features)
     engine.greedy_draft_stats = timed(engine.greedy_draft_stats)
+    decoders = {}
+    for label, policy in policy_rows(args.policies, args.compare_paths):
+        decoders[label] = SpeculativeDecoder(draft, target, policy, max_draft_len=16, companion=companion,
+                                             cost_model=cost)
+        decoders[label].generate(ids, max_new_tokens=16)  # warm-up
+    runs: dict[str, list[tuple[float, float, float, float, float]]] = {label: [] for label in decoders}
     print("| policy | tokens/s | stop decision, ms | features, ms | policy, ms | draft step, ms | share of a step |")
     print("|---|---|---|---|---|---|---|")
-    for spec in args.policies:
-        dec = SpeculativeDecoder(draft, target, build_policy(spec, max_draft_len=16), max_draft_len=16,
-                                 companion=companion, cost_model=cost)
-        dec.generate(ids, max_new_tokens=16)
-        for _ in range(args.repeats):
+    for _ in range(args.repeats):
+        for label, dec in decoders.items():
             spent["features"] = 0.0
             _, st = dec.generate(ids, max_new_tokens=args.new_tokens)
             n = max(st.stop_decisions, 1)
             stop, feat = 1e3 * st.stop_time / n, 1e3 * spent["features"] / n
             step = 1e3 * st.draft_time / max(st.draft_forwards, 1)
-            print(f"| {spec} | {st.tokens_per_s:.2f} | {stop:.3f} | {feat:.3f} | {stop - feat:.3f} | {step:.1f} | "
+            runs[label].append((st.tokens_per_s, stop, feat, stop - feat, step))
+            print(f"| {label} | {st.tokens_per_s:.2f} | {stop:.3f} | {feat:.3f} | {stop - feat:.3f} | {step:.1f} | "
                   f"{st.stop_overhead:.1%} |")
+    print_medians(runs)
+
+
+def policy_rows(specs: list[str], compare_paths: bool) -> list[tuple[str, StopPolicy]]:
+    """(row label, policy) for each spec; with ``compare_paths`` a second row for a policy with a native call
+    (``native``) scoring through its torch module."""
+    rows: list[tuple[str, StopPolicy]] = []
+    for spec in specs:
+        rows.append((spec, build_policy(spec, max_draft_len=16)))
+        if compare_paths and hasattr(rows[-1][1], "native"):
+            module_path = build_policy(spec, max_draft_len=16)
+            module_path.native = False  # type: ignore[attr-defined]
+            rows.append((f"{spec} (module forward)", module_path))
+    return rows
+
+
+def print_medians(runs: dict[str, list[tuple[float, float, float, float, float]]]) -> None:
+    """Each policy's medians over its runs; its policy part (stop decision less features) over the first row's."""
+    print("\n| policy (median of runs) | tokens/s | stop decision, ms | features, ms | policy, ms | "
+          "policy vs first row |")
+    print("|---|---|---|---|---|---|")
+    medians = {label: [statistics.median(col) for col in zip(*rows)] for label, rows in runs.items()}
+    first = next(iter(medians.values()))[3]
+    for label, (tps, stop, feat, pol, _) in medians.items():
+        print(f"| {label} | {tps:.2f} | {stop:.3f} | {feat:.3f} | {pol:.3f} | {pol / first:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -121,88 +121,51 @@ class DiscoNet(nn.Module):
         z = self.norm(x)
         if self.hidden_dim:
             zd, zh = z[:, : -self.hidden_dim], z[:, -self.hidden_dim :]
-            out = self.head(self._body(torch.cat([zd, self.proj(zh)], dim=1)))
+            out = self.head(self.body(torch.cat([zd, self.proj(zh)], dim=1)))
             out = out + torch.nn.functional.pad(self.skip(zd), (0, out.shape[1] - 1))  # skip feeds the logit only
         else:
-            out = self.head(self._body(z))  # [N, 1 or 2]
+            out = self.head(self.body(z))  # [N, 1 or 2]
         if self.prior_index >= 0:
             prior = self.prior(x)[:, None]
             out = out + (prior if out.shape[1] == 1 else torch.nn.functional.pad(prior, (0, out.shape[1] - 1)))
         tv = torch.sigmoid(out[:, 1]) if self.tv_head else None
         return out[:, 0], tv
 
-    def _body(self, h: Tensor) -> Tensor:
-        """The body's layers, its dropout only in training (at eval a no-op that still costs a module call and an op
-        in every stop decision)."""
-        for layer in self.body:
-            if self.training or not isinstance(layer, nn.Dropout):
-                h = layer(h)
-        return h
-
     def forward(self, x: Tensor) -> Tensor:
-        if not self.training and not self.hidden_dim and not self.tv_head:
-            return self._eval_logit(x)
+        """[N, in_dim] -> [N] acceptance logits (training, validation and every score off the native call)."""
         return self.forward_all(x)[0]
 
-    def _eval_logit(self, x: Tensor) -> Tensor:
-        """forward_all's logit at eval for the plain head, in four ops: the standardisation folded into the first
-        linear layer (:meth:`folded`), functional calls instead of module calls. A stop decision runs it once per
-        drafted token right after a draft forward, where each op and call costs several times its warm cost. Equal to
-        forward_all's logit to float32 rounding (tested)."""
-        w, b = self.folded()[:2]
-        out = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w, b)), self.head.weight,
-                                         self.head.bias)
-        out = out[:, 0]
-        return out + self.prior(x) if self.prior_index >= 0 else out
-
-    def folded(self, check: bool = True) -> tuple[Tensor, Tensor, Tensor, float, tuple[int, float, float]]:
-        """The plain head's eval network with the standardisation folded into the first layer: (w1 = W / std [H, D],
-        b1 = b - w1 mean [H], w2 [H] (the logit's row of the output layer), b2, prior (index, scale, bias; index -1
-        without one)), recomputed when a parameter was moved, reloaded or trained.
-
-        ``check=False`` returns the fold made last without comparing the parameters' pointers and versions (sixteen
-        attribute reads, tens of microseconds right after a draft forward): the engine's per-token decisions, after
-        :meth:`DiscoPolicy.reset` checked it when the sequence started. Moving the net, loading a state dict and
-        switching train / eval drop the fold in any case."""
-        fold = self.__dict__.get("_fold")
-        if not check and fold is not None:
-            return fold
+    @torch.no_grad()
+    def folded(self) -> tuple[tuple[Tensor, Tensor, Tensor, float], tuple[int, float, float]]:
+        """The plain head's logit as ``compute.draft_stats.disco_score`` takes it, from the current weights: ((w1 = W /
+        std [H, D], b1 = b - w1 mean [H], w2 [H] (the logit's row of the output layer), b2), prior (index, scale,
+        bias; index -1 without one)). ReLU(x w1^T + b1) . w2 + b2 + prior equals :meth:`forward` to float32
+        rounding (tested)."""
+        if self.hidden_dim:
+            raise ValueError("DiscoNet.folded: the hybrid head (hidden_dim > 0) has no folded form; use forward")
         first = self.body[0]
-        params = (first.weight, first.bias, self.norm.mean, self.norm.std, self.head.weight, self.head.bias,
-                  *((self.prior.scale, self.prior.bias) if self.prior_index >= 0 else ()))
-        key = tuple((t.data_ptr(), t._version) for t in params)
-        if fold is None or self.__dict__.get("_fold_key") != key:
-            with torch.no_grad():
-                w = first.weight / self.norm.std
-                prior = ((self.prior_index, float(self.prior.scale), float(self.prior.bias)) if self.prior_index >= 0
-                         else (-1, 1.0, 0.0))
-                self._fold = (w.contiguous(), (first.bias - w @ self.norm.mean).contiguous(),
-                              self.head.weight[0].contiguous(), float(self.head.bias[0]), prior)
-            self._fold_key = key
-        return self._fold
-
-    def _drop_fold(self) -> None:
-        self.__dict__.pop("_fold", None)
-
-    def train(self, mode: bool = True) -> DiscoNet:
-        self._drop_fold()
-        return super().train(mode)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> DiscoNet:
-        self._drop_fold()
-        return super()._apply(fn, recurse)
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self._drop_fold()
-        super()._load_from_state_dict(*args, **kwargs)
+        w = first.weight / self.norm.std
+        prior = ((self.prior_index, float(self.prior.scale), float(self.prior.bias)) if self.prior_index >= 0
+                 else (-1, 1.0, 0.0))
+        return ((w.contiguous(), (first.bias - w @ self.norm.mean).contiguous(), self.head.weight[0].contiguous(),
+                 float(self.head.bias[0])), prior)
 
 
 class DiscoPolicy(LearnedPolicy):
     """DISCO stop policy: keep drafting while sigmoid(FFN(features)) >= threshold, at most ``max_draft_len`` tokens.
 
-    On the CPU the plain head's score runs as one native call (``compute.draft_stats.disco_score``: the inputs and
-    the network, equal to the torch path to float32 rounding, tested); elsewhere, for the hybrid head or without the
-    native build, through torch ops (``LearnedPolicy.score``)."""
+    Two scoring paths, both the same function of the record columns (equal to float32 rounding, tested):
+
+    - the native call (``compute.draft_stats.disco_score``): the inputs and the network in one C++ call, for the plain
+      head on the CPU in eval mode. A stop decision runs once per drafted token right after a draft forward, where
+      each small torch op costs several times its warm cost; ``benchmarks/bench_stop_decision.py --compare_paths``
+      measures the decision both ways (docs/compute-path.md gives the figures).
+    - :meth:`DiscoNet.forward` on :func:`~predictors.inputs.build_features`' matrix (``LearnedPolicy.score``): the
+      hybrid head, a net on another device or in training mode, no native build, or ``native = False``.
+
+    The native call reads the weights :meth:`prepare` took from the net (the constructor and :meth:`to` call it);
+    after changing the net's weights in place, call :meth:`prepare` again.
+    """
 
     kind = "disco"
     output = "logit"
@@ -215,24 +178,30 @@ class DiscoPolicy(LearnedPolicy):
         super().__init__(net, spec, threshold, max_draft_len)
         # the scalar columns after the top-k and its entropy, as build_features orders them: position, then extras
         self._scalars, self._divisors, self._logs = disco_scalars(spec)
-        self._native = spec.parts == ("disco",) and not net.hidden_dim
+        self.native = True
+        """Score through the native call where it applies (False: always through the net's forward)."""
+        self._weights: tuple[Tensor, Tensor, Tensor, float] | None = None
+        self._prior: tuple[int, float, float] = (-1, 1.0, 0.0)
+        self.prepare()
 
-    def reset(self) -> None:
-        """A sequence starts: the folded network is checked against the parameters here (its per-token calls skip
-        the check, :meth:`DiscoNet.folded`)."""
-        super().reset()
-        if self._native and not self.net.training:
-            self.net.folded()
+    def prepare(self) -> None:
+        """Take the native call's weights from the net (:meth:`DiscoNet.folded`), or none where the call does not
+        apply (the hybrid head, parameters off the CPU)."""
+        applies = self.spec.parts == ("disco",) and not self.net.hidden_dim and self.device().type == "cpu"
+        self._weights, self._prior = self.net.folded() if applies else (None, (-1, 1.0, 0.0))
+
+    def to(self, device: str | torch.device) -> DiscoPolicy:
+        super().to(device)
+        self.prepare()
+        return self
 
     @torch.no_grad()
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
-        if self._native and not self.net.training:
+        if self.native and self._weights is not None and not self.net.training:
             topk = features.get("draft_topk")
             cols = [features.get(c) for c in self._scalars]
             if isinstance(topk, Tensor) and topk.dim() == 2 and all(isinstance(c, Tensor) for c in cols):
-                w1, b1, w2, b2, prior = self.net.folded(check=False)
-                if w1.device.type == "cpu":
-                    out = disco_score(topk, cols, self._divisors, self._logs, (w1, b1, w2, b2), prior)
-                    if out is not None:
-                        return out
+                out = disco_score(topk, cols, self._divisors, self._logs, self._weights, self._prior)
+                if out is not None:
+                    return out
         return super().score(features)

@@ -95,52 +95,50 @@ def test_standardise_buffers(rec):
 
 
 @pytest.mark.parametrize("prior_index", [-1, 3])
-def test_disco_eval_forward_folds_the_standardisation_and_follows_updates(prior_index):
-    """At eval the plain DISCO head folds its standardisation into the first layer: the same logits as forward_all
-    (float32 rounding), and the fold follows fitted, reloaded and trained weights."""
+def test_disco_folded_weights_give_the_forward_logit(prior_index):
+    """DiscoNet.folded (the standardisation folded into the first layer, the native call's weights) computes the
+    forward's logit to float32 rounding, from the weights as they are when it is called."""
     torch.manual_seed(0)
-    net = DiscoNet(15, 16, prior_index=prior_index)
+    net = DiscoNet(15, 16, prior_index=prior_index).eval()
     net.norm.fit(torch.randn(200, 15) * 3 + 1)
     x = torch.rand(40, 15)
-    net.eval()
-    torch.testing.assert_close(net(x), net.forward_all(x)[0])
+
+    def from_fold() -> torch.Tensor:
+        (w1, b1, w2, b2), (index, scale, bias) = net.folded()
+        out = torch.relu(x @ w1.T + b1) @ w2 + b2
+        return out + scale * torch.logit(x[:, index], eps=1e-6) + bias if index >= 0 else out
+
+    torch.testing.assert_close(from_fold(), net(x))
     with torch.no_grad():
         net.norm.mean.add_(0.5)
         net.body[0].weight.mul_(1.5)
-    torch.testing.assert_close(net(x), net.forward_all(x)[0])
-    other = DiscoNet(15, 16, prior_index=prior_index)
-    other.norm.fit(torch.randn(200, 15))
-    net.load_state_dict(other.state_dict())
-    torch.testing.assert_close(net(x), other.eval().forward_all(x)[0])
-    net.train()
-    torch.testing.assert_close(net(x), net.forward_all(x)[0])  # training: no fold
+    torch.testing.assert_close(from_fold(), net(x))
+    with pytest.raises(ValueError, match="hybrid"):
+        DiscoNet(15, 8, hidden_dim=5, hidden_rank=2).folded()
 
 
-def test_disco_unchecked_fold_is_dropped_by_moves_loads_and_mode_switches():
-    """folded(check=False), the engine's per-token call, reuses the fold; DiscoPolicy.reset (a sequence starts)
-    re-checks it against the parameters; loading, moving and train / eval switches drop it."""
+def test_disco_policy_prepare_takes_the_weights_in_hand():
+    """DiscoPolicy reads the native call's weights at construction and prepare(); a weight changed in place reaches
+    the scores after prepare(); moving the policy prepares again."""
+    if not native_available():
+        pytest.skip("native statistics unavailable (no compiler)")
     torch.manual_seed(0)
-    net = DiscoNet(15, 16).eval()
-    net.norm.fit(torch.randn(200, 15))
-    first = net.folded(check=False)
-    with torch.no_grad():
-        net.body[0].weight.mul_(2.0)
-    assert net.folded(check=False) is first  # unchecked: the fold made last
-    refreshed = net.folded()
-    assert refreshed is not first and torch.equal(refreshed[0], net.body[0].weight / net.norm.std)
-    for change in (lambda: net.load_state_dict(DiscoNet(15, 16).state_dict()), lambda: net.to(torch.float32),
-                   lambda: net.train().eval()):
-        before = net.folded(check=False)
-        change()
-        assert net.folded(check=False) is not before
     spec = FeatureSpec.for_disco(top_k=10)
     pol = DiscoPolicy(DiscoNet(spec.width, 8).eval(), spec)
-    old = pol.net.folded(check=False)
+    feats = {"draft_topk": _topk(5), "position": torch.arange(5)}
+    before = pol.score(feats)
     with torch.no_grad():
         pol.net.head.bias.add_(1.0)
-    pol.reset()
-    fold = pol.net.folded(check=False)
-    assert fold is not old and fold[3] == float(pol.net.head.bias[0].detach())
+    torch.testing.assert_close(pol.score(feats), before)  # the weights taken at construction
+    pol.prepare()
+    after = pol.score(feats)
+    assert (after > before).all()
+    pol.native = False
+    torch.testing.assert_close(pol.score(feats), after, rtol=1e-5, atol=1e-6)
+    pol.native = True
+    with torch.no_grad():
+        pol.net.head.bias.sub_(1.0)
+    torch.testing.assert_close(pol.to("cpu").score(feats), before)
 
 
 def _topk(n: int) -> torch.Tensor:
@@ -149,13 +147,14 @@ def _topk(n: int) -> torch.Tensor:
 
 
 def _native_and_torch(pol, feats) -> tuple[torch.Tensor, torch.Tensor]:
-    """A policy's scores on its native path and on the torch path."""
+    """A policy's scores on its native path and on the torch path (DISCO's public ``native`` switch, SPRINTER's own)."""
+    switch = "native" if isinstance(pol, DiscoPolicy) else "_native"
     native = pol.score(feats)
-    pol._native = False
+    setattr(pol, switch, False)
     try:
         return native, pol.score(feats)
     finally:
-        pol._native = True
+        setattr(pol, switch, True)
 
 
 @pytest.mark.parametrize("prior_index", [-1, 12])
@@ -185,6 +184,39 @@ def test_disco_native_score_equals_the_torch_path(prior_index):
     bad["draft_entropy"][4] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf"):
         pol.score(bad)
+
+
+@pytest.mark.parametrize("prior_index,tv_head", [(-1, False), (12, False), (12, True)])
+def test_disco_scores_equal_the_batch_formula_on_random_features(prior_index, tv_head):
+    """DiscoPolicy.score, batched and one row at a time as the engine calls it, equals the batch scoring formula
+    (sigmoid of head(ReLU(body((x - mean) / std))) plus the prior, on build_features' matrix) within 1e-6 on random
+    features, through the native call and through the module."""
+    torch.manual_seed(3)
+    spec = FeatureSpec.for_disco(top_k=10, extra=("draft_max_prob", "draft_entropy", "log_max_prob"))
+    net = DiscoNet(spec.width, 64, tv_head=tv_head, prior_index=prior_index)
+    net.norm.fit(torch.rand(500, spec.width) * 3)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    pol = DiscoPolicy(net, spec, threshold=0.5)
+    n = 300
+    topk = _topk(n)
+    feats = {"draft_topk": topk, "position": torch.randint(0, 40, (n,)), "draft_max_prob": topk[:, 0].clone(),
+             "draft_entropy": torch.rand(n) * 5}
+    x = build_features(spec, feats).double()
+    first, head = net.body[0], net.head
+    z = (x - net.norm.mean.double()) / net.norm.std.double()
+    logit = (torch.relu(z @ first.weight.double().T + first.bias.double()) @ head.weight[0].double()
+             + head.bias[0].double())
+    if prior_index >= 0:
+        q = x[:, prior_index].clamp(1e-6, 1 - 1e-6)
+        logit = logit + net.prior.scale.double() * torch.log(q / (1 - q)) + net.prior.bias.double()
+    want = torch.sigmoid(logit).float().detach()
+    for native in (True, False):
+        pol.native = native
+        torch.testing.assert_close(pol.score(feats), want, rtol=0, atol=1e-6)
+        rows = torch.cat([pol.score({k: v[i : i + 1] for k, v in feats.items()}) for i in range(0, n, 7)])
+        torch.testing.assert_close(rows, want[::7], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("prior", [False, True])
