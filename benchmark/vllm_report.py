@@ -58,23 +58,21 @@ def _entry(r: RowRun, ref: RowRun, boot: np.ndarray, check: dict[str, Any]) -> d
 
 
 def _rec_row(table: list[dict], batch: int, picks: list[BatchPick]) -> dict | None:
-    """The recommended setting's row at ``batch``: the per-batch engine's, else the static K picked there (the
-    target alone for K = 0)."""
+    """The recommended setting's row at ``batch``: the target alone where no K pays there, else the static K picked
+    for that batch size (the pick of the nearest measured batch size at or above it)."""
     rows = [t for t in table if t["batch"] == batch]
-    per = next((t for t in rows if t["row"].startswith("vllm per-batch")), None)
-    if per is not None:
-        return per
-    k = next((p.k for p in sorted(picks, key=lambda p: p.batch) if p.batch >= batch), None)
-    if k is None and picks:
-        k = max(picks, key=lambda p: p.batch).k
-    if k == 0:
+    ordered = sorted(picks, key=lambda p: p.batch)
+    pick = next((p for p in ordered if p.batch >= batch), ordered[-1] if ordered else None)
+    if pick is None:
+        return None
+    if pick.k == 0:
         return next((t for t in rows if t["row"] == TARGET_ALONE), None)
-    return next((t for t in rows if t["row"].split(" ")[0] == f"vllm:{k}"), None)
+    return next((t for t in rows if t["row"].split(" ")[0] == f"vllm:{pick.k}"), None)
 
 
 def _goals(table: list[dict], picks: list[BatchPick], cfg: VllmBenchConfig) -> dict[str, Any]:
     goals: dict[str, Any] = {}
-    ratios = []
+    ratios, per_ratios = [], []
     for b in cfg.batch_sizes:
         rows = [t for t in table if t["batch"] == b]
         fixed = [t for t in rows if t["row"] == TARGET_ALONE or (t["row"].startswith("vllm:"))]
@@ -83,6 +81,11 @@ def _goals(table: list[dict], picks: list[BatchPick], cfg: VllmBenchConfig) -> d
         default = next((t for t in rows if "(defaults)" in t["row"]), None)
         alone = next(t for t in rows if t["row"] == TARGET_ALONE)
         g = {"fastest_fixed": fastest["row"], "recommended_row": rec and rec["row"]}
+        per = next((t for t in rows if t["row"].startswith("vllm per-batch")), None)
+        if per is not None and default is not None:
+            g["per_batch_vs_defaults"] = round(per["tokens_per_s"] / default["tokens_per_s"], 4)
+            g["per_batch_vs_target_alone"] = round(per["tokens_per_s"] / alone["tokens_per_s"], 4)
+            per_ratios.append(g["per_batch_vs_defaults"])
         if rec is not None:
             g["recommended_vs_fastest"] = round(rec["tokens_per_s"] / fastest["tokens_per_s"], 4)
             g["recommended_vs_target_alone"] = round(rec["tokens_per_s"] / alone["tokens_per_s"], 4)
@@ -97,7 +100,9 @@ def _goals(table: list[dict], picks: list[BatchPick], cfg: VllmBenchConfig) -> d
             g["policy_idle_share"] = {t["row"]: t["idle_share"] for t in policies}
         goals[f"batch_{b}"] = g
     if ratios:
-        goals["per_batch_vs_defaults_geomean"] = round(math.exp(sum(map(math.log, ratios)) / len(ratios)), 4)
+        goals["recommended_vs_defaults_geomean"] = round(math.exp(sum(map(math.log, ratios)) / len(ratios)), 4)
+    if per_ratios:
+        goals["per_batch_vs_defaults_geomean"] = round(math.exp(sum(map(math.log, per_ratios)) / len(per_ratios)), 4)
     ident = [t["identical"] / t["prompts"] for t in table if t["prompts"]]
     goals["identical_share_min"] = round(min(ident), 4) if ident else None
     ratios_r = [abs(t["replay_ratio"] - 1) for t in table if t["replay_ratio"] is not None]

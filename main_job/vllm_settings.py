@@ -41,16 +41,20 @@ class BatchPick:
 
 def schedule_ranges(picks: list[BatchPick], max_num_seqs: int) -> tuple[tuple[int, int, int], ...]:
     """``num_speculative_tokens_per_batch_size``: each measured batch size's K from it up to the next one's (the
-    last up to ``max_num_seqs``), neighbours with the same K merged; the first range starts at 1."""
+    last up to ``max_num_seqs``), neighbours with the same K merged; the first range starts at 1. Where no K pays, the
+    range takes the best K (``best_k``, at least 1), not 0: in vLLM 0.32.0 a step scheduled with K = 0 still runs the
+    draft model's forward over the accepted tokens (it keeps the draft's KV cache in step), measured slower at
+    4 concurrent requests than K = 1 (docs/vllm.md); the target alone is the answer there, without speculation."""
     ranges: list[list[int]] = []
     ordered = sorted(picks, key=lambda p: p.batch)
     for i, p in enumerate(ordered):
         start = 1 if i == 0 else p.batch
         end = ordered[i + 1].batch - 1 if i + 1 < len(ordered) else max(max_num_seqs, p.batch)
-        if ranges and ranges[-1][2] == p.k:
+        k = p.k or max(1, p.best_k)
+        if ranges and ranges[-1][2] == k:
             ranges[-1][1] = end
         else:
-            ranges.append([start, end, p.k])
+            ranges.append([start, end, k])
     return tuple(tuple(r) for r in ranges)  # type: ignore[return-value]
 
 
@@ -68,11 +72,16 @@ def paste_lines(picks: list[BatchPick], draft: str, max_num_seqs: int) -> list[s
     else:
         lines.append(f"batch 1: do not speculate (the best K, {one.best_k}, replays {one.val_speedup:.2f}x the "
                      "target alone on the validation split)")
-    if top == 0:
+    losing = [p.batch for p in picks if not p.k]
+    if len(losing) == len(picks):
         lines.append("every batch size measured: do not speculate (no speculative_config)")
         return lines
     cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": top,
            "num_speculative_tokens_per_batch_size": [list(r) for r in ranges]}
     lines.append(f"by batch size: speculative_config={json.dumps(cfg)}")
     lines.append(f"vllm serve TARGET --max-num-seqs {max_num_seqs} --speculative-config '{json.dumps(cfg)}'")
+    if losing:
+        lines.append(f"at {', '.join(map(str, losing))} concurrent requests no K beats the target alone: where most "
+                     "traffic runs that wide, serve without speculative_config (a K of 0 in the schedule still runs "
+                     "the draft model every step)")
     return lines

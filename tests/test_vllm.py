@@ -94,11 +94,11 @@ def test_curve_for_batch_takes_the_next_measured_size() -> None:
 def test_schedule_merges_equal_neighbours_and_starts_at_one() -> None:
     picks = [BatchPick(1, 3, 1.4, 1.3, 3), BatchPick(2, 3, 1.2, 1.1, 3), BatchPick(4, 0, 0.97, 1.0, 1),
              BatchPick(8, 0, 0.9, 1.0, 1)]
-    assert schedule_ranges(picks, 8) == ((1, 3, 3), (4, 8, 0))
+    assert schedule_ranges(picks, 8) == ((1, 3, 3), (4, 8, 1))  # where no K pays, the best K, not 0
     lines = paste_lines(picks, "D", 8)
     assert '"num_speculative_tokens": 3' in lines[0]
-    assert '"num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 8, 0]]' in lines[1]
-    assert "vllm serve" in lines[2]
+    assert '"num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 8, 1]]' in lines[1]
+    assert "vllm serve" in lines[2] and "at 4, 8 concurrent requests no K beats the target alone" in lines[3]
     none = [BatchPick(1, 0, 0.95, 1.0, 2)]
     assert "do not speculate" in paste_lines(none, "D", 4)[0]
 
@@ -157,7 +157,7 @@ def test_recommend_picks_a_k_per_batch_and_zero_where_drafting_does_not_pay(tmp_
     assert one.batch == 1 and one.k >= 1 and one.test_speedup > 1.0
     assert four.batch == 4 and four.k == 0 and four.test_speedup == 1.0
     lines = paste_lines([one, four], "D", 8)
-    assert f'"num_speculative_tokens_per_batch_size": [[1, 3, {one.k}], [4, 8, 0]]' in lines[1]
+    assert f'"num_speculative_tokens_per_batch_size": [[1, 3, {one.k}], [4, 8, {max(1, four.best_k)}]]' in lines[1]
 
 
 def test_a_stored_vllm_run_renders_its_rows_and_goals(tmp_path) -> None:
