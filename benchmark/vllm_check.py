@@ -5,7 +5,8 @@ steps are taken as measured (the curve prices decoding, not prefill), and each d
 size it ran at (``decoding.vllm_stopper.curve_for_batch``):
 
 - the target alone: ``target(1)``;
-- vLLM's static K (or the per-batch schedule's K at that batch): ``K * draft + target(K + 1)``;
+- vLLM's static K (or the per-batch schedule's K at that batch): ``K * draft + target(K + 1)`` for the share of
+  request-steps vLLM's counters say verified drafts, ``draft + target(1)`` for the rest (the draft still runs);
 - a specstop policy: its rounds as the proposer logged them (requests, draft positions computed, mean tokens a
   request verified), each ``max(1, positions) * draft + target(mean verified)``, averaged and charged per decode step
   (the first draft forward runs even when every request stops at once).
@@ -45,9 +46,20 @@ def _policy_step(rounds: list[tuple[int, int, float]], curves: dict[int, CostMod
     return total / len(rounds)
 
 
+def drafted_share(row: RowRun) -> float:
+    """The share of a row's request-steps that verified drafts, from vLLM's own counters (``drafts``: request-steps
+    with drafts) over the decode steps' requests; 1 when the row kept no counters."""
+    slots = sum(s.batch for steps in row.steps for s in steps if s.decode)
+    if "drafts" not in row.counters or not slots:
+        return 1.0
+    return min(1.0, row.counters["drafts"] / slots)
+
+
 def predicted_seconds(row: RowRun, curves: dict[int, CostModel], k_of: Callable[[int], int] | None) -> list[float]:
-    """Per unit of ``row``, the seconds its steps cost under ``curves`` (``k_of(batch)``: vLLM's K at a batch size;
-    None for a policy row, priced by its logged rounds)."""
+    """Per unit of ``row``, the seconds its steps cost under ``curves`` (``k_of(batch)``: vLLM's K at a batch size,
+    None for a policy row, priced by its logged rounds). A speculative engine's step that verified no draft (vLLM
+    drafted none for it: :func:`drafted_share`) still runs the draft's forward: ``draft + target(1)``."""
+    share = drafted_share(row)
     out = []
     for steps, rounds in zip(row.steps, row.rounds or [[] for _ in row.steps]):
         prefill = sum(s.wall_s for s in steps if not s.decode)
@@ -55,8 +67,14 @@ def predicted_seconds(row: RowRun, curves: dict[int, CostModel], k_of: Callable[
         if k_of is None:
             per = _policy_step(rounds, curves)
             out.append(prefill + (per or 0.0) * len(decode))
-        else:
-            out.append(prefill + sum(step_price(curve_for_batch(curves, s.batch), k_of(s.batch)) for s in decode))
+            continue
+        total = prefill
+        for s in decode:
+            cm, k = curve_for_batch(curves, s.batch), k_of(s.batch)
+            idle = (cm.draft_s_per_token + cm.target_time(1)) if row.spec != "target" and "alone" not in row.name \
+                else cm.target_time(1)
+            total += share * step_price(cm, k) + (1 - share) * idle if k else idle
+        out.append(total)
     return out
 
 

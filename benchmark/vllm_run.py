@@ -90,7 +90,7 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
     if cfg.policies:
         groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k), {p: p for p in cfg.policies},
                                  plugin=True))
-    groups.append(EngineRows(base, {f"{TARGET_ALONE} (again)": None}))
+    groups.append(EngineRows(base, {f"{TARGET_ALONE} (again)": "again"}))  # its own stored rows, not the first's
     return groups
 
 
