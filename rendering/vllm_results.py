@@ -169,8 +169,12 @@ def vllm_readme_lines(summaries: list[Summary]) -> list[str]:
         x = (d.get("goals") or {}).get(f"batch_{b}") or {}
         row = next((r for r in d["rows"] if r["batch"] == b and r["row"] == x.get("recommended_row")), None)
         if row is not None and row.get("speedup") is not None:
-            cells.append(f"at {b} concurrent request{'s' if b > 1 else ''} `{row['row']}` ran "
+            cells.append(f"at {b} concurrent request{'s' if b > 1 else ''} the recommended `{row['row']}` ran "
                          f"{row['speedup']:.2f}x [{row['speedup_lo']:.2f}, {row['speedup_hi']:.2f}] the target alone")
+        best = next((r for r in d["rows"] if r["batch"] == b and r["row"] == x.get("best_policy")), None)
+        if best is not None and best.get("speedup") is not None:
+            cells.append(f"specstop's best policy inside vLLM's proposer there, `{best['row']}`, "
+                         f"{best['speedup']:.2f}x [{best['speedup_lo']:.2f}, {best['speedup_hi']:.2f}]")
     if not cells:
         return []
     return [f"vLLM, measured in vLLM itself ({dated(d)}, {cpu_label(d['machine'])}; "
