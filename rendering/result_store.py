@@ -164,7 +164,8 @@ def curve_facts(cost_file: Path) -> dict[str, float] | None:
             "target_ms_L1": round(1e3 * target["1"], 2), "target_ms_L2": round(1e3 * target["2"], 2)}
 
 
-def _today() -> str:
+def today() -> str:
+    """Today's date (UTC): a new summary's ``date``."""
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
 
 
@@ -207,7 +208,7 @@ def summarize_main_job(out_dir: str | Path, command: str, config_name: str = "de
     rows = [_pick(r, PREDICTOR_FIELDS) for r in results.get("results", []) if "test_auc" in r or "test_speedup" in r]
     records = results.get("records") or _data_records(out, resolved.get("data", {}).get("out_dir"))
     return {
-        "schema": SCHEMA, "kind": "main_job", "config": config_name, "command": command, "date": _today(),
+        "schema": SCHEMA, "kind": "main_job", "config": config_name, "command": command, "date": today(),
         **code_version(), "config_hash": config_hash(resolved), "machine": machine, "compute_path": path,
         "pair": {"draft": models.get("draft", "?"), "target": models.get("target", "?")},
         "records": records, "duration_s": duration_s, "predictors": rows,
@@ -248,7 +249,7 @@ def summarize_benchmark(out_dir: str | Path, command: str, config_name: str = "b
     machine = {**(bench.get("cpu") or {}), **machine}
     replay = bench.get("replay_check") or {}
     return {
-        "schema": SCHEMA, "kind": "benchmark", "config": config_name, "command": command, "date": _today(),
+        "schema": SCHEMA, "kind": "benchmark", "config": config_name, "command": command, "date": today(),
         **code_version(), "config_hash": config_hash(config), "machine": machine, "compute_path": path,
         "pair": {"draft": config["models"]["draft"], "target": config["models"]["target"]},
         "n_prompts": len(bench.get("prompt_ids") or []), "max_new_tokens": config["max_new_tokens"],

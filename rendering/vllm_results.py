@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from compute.code_version import code_version
-from rendering.result_store import SCHEMA, Summary, SummaryError, config_hash, cpu_label, dated, machine_facts
+from rendering.result_store import SCHEMA, Summary, SummaryError, config_hash, cpu_label, dated, machine_facts, today
 
 __all__ = ["summarize_vllm_benchmark", "summarize_device_check", "vllm_block", "vllm_readme_lines", "gpu_block"]
 
@@ -45,7 +45,7 @@ def summarize_vllm_benchmark(out_dir: str | Path, command: str, config_name: str
               for b, c in (curve.get("extra", {}).get("batch_curves") or {}).items()}
     return {
         "schema": SCHEMA, "kind": "vllm_benchmark", "config": config_name, "command": command,
-        "date": bench.get("date") or _today(), **code_version(), "config_hash": config_hash(config),
+        "date": bench.get("date") or today(), **code_version(), "config_hash": config_hash(config),
         "machine": machine, "compute_path": "vllm", "vllm": machine.get("vllm"),
         "pair": {"draft": config["models"]["draft"], "target": config["models"]["target"]},
         "n_prompts": config["n_prompts"], "max_new_tokens": config["max_new_tokens"],
@@ -54,12 +54,6 @@ def summarize_vllm_benchmark(out_dir: str | Path, command: str, config_name: str
         "goals": bench.get("goals"), "picks": bench.get("picks"), "recommendation": bench.get("recommendation"),
         "curves": curves,
     }
-
-
-def _today() -> str:
-    import datetime as dt
-
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
 
 
 def summarize_device_check(path: str | Path, command: str = "bash scripts/device_check.sh") -> dict[str, Any]:
