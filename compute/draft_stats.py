@@ -6,8 +6,8 @@ kernels in ``csrc/softmax_rows.h`` and ``csrc/pair_rows.h``); and DISCO's inputs
 After a draft forward that streamed its weights through the caches, every small torch op of the stop decision costs
 several times its warm cost (code and dispatcher state come back from memory); the torch version of these statistics
 is about a dozen kernels and passes over the vocabulary, the native one is one call with two passes. It is built on
-first use with ``torch.utils.cpp_extension.load`` (g++ and ninja; a few seconds, cached under
-``~/.cache/torch_extensions``) as one binary with AVX-512, AVX2 and baseline clones picked at load time.
+first use with ``torch.utils.cpp_extension.load`` (g++ and ninja; a few seconds, cached as
+``compute.native`` says) as one binary with AVX-512, AVX2 and baseline clones picked at load time.
 :func:`draft_stats` returns None where it does not apply (not a CPU tensor, no compiler, ``SPECSTOP_NATIVE=0``) and
 callers compute the same quantities with torch ops (``data_gen.features``).
 

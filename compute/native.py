@@ -1,9 +1,14 @@
 """Build and load the project's native kernels (``compute/csrc/*.cpp``) on first use.
 
 ``torch.utils.cpp_extension.load`` compiles a source with g++ and ninja (a few seconds, cached under
-``~/.cache/torch_extensions``) and imports it. OpenMP is on, so ``at::parallel_for`` inside a kernel runs on torch's
-threads (without ``-fopenmp`` it runs on one). A kernel that cannot be built (no compiler, no ninja, no headers) or is
-turned off with ``SPECSTOP_NATIVE=0`` loads as None, with the reason logged once: every caller has a torch fallback.
+``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, in a folder per Python and torch version) and imports it.
+Torch guards a build with a ``lock`` file that a killed build leaves behind, and a later ``load`` then waits on it
+forever; so each build here runs under an ``fcntl`` lock of its own (the kernel drops it when its holder dies), and a
+torch ``lock`` file found while holding it is known stale and removed.
+
+OpenMP is on, so ``at::parallel_for`` inside a kernel runs on torch's threads (without ``-fopenmp`` it runs on one).
+A kernel that cannot be built (no compiler, no ninja, no headers) or is turned off with ``SPECSTOP_NATIVE=0`` loads
+as None, with the reason logged once: every caller has a torch fallback.
 
 Usage::
 
@@ -14,14 +19,18 @@ Usage::
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NativeExtension", "CFLAGS", "AVX2_CFLAGS"]
+__all__ = ["NativeExtension", "CFLAGS", "AVX2_CFLAGS", "build_directory", "exclusive_build"]
 
 CSRC = Path(__file__).with_name("csrc")
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17"]
@@ -48,10 +57,38 @@ class NativeExtension:
         try:
             from torch.utils.cpp_extension import load  # heavy, and only where a kernel is built
 
-            self._module = load(name=self.name, sources=[str(self.source)], extra_cflags=CFLAGS + self.cflags,
-                                extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC)], verbose=False)
+            build_dir = build_directory(self.name)
+            with exclusive_build(build_dir):
+                self._module = load(name=self.name, sources=[str(self.source)], extra_cflags=CFLAGS + self.cflags,
+                                    extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC)],
+                                    build_directory=str(build_dir), verbose=False)
         except Exception as e:  # no compiler, no ninja, no headers: the caller's torch path gives the same results
             msg = str(e).strip()
             self.failed = f"{type(e).__name__}: {msg.splitlines()[-1] if msg else ''}"
             log.warning("%s unavailable (%s); torch ops are used instead (slower)", self.what, self.failed)
         return self._module
+
+
+def build_directory(name: str) -> Path:
+    """Where ``name`` is built: a folder per Python and torch version, so that two torch builds never share objects."""
+    import torch
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    folder = root / f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@contextmanager
+def exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Hold the build folder's ``fcntl`` lock; a torch ``lock`` file found under it is a dead build's and is removed."""
+    with open(build_dir / "specstop.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # waits only on a live build: the kernel releases a dead process's lock
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,28 @@
+"""The native build's lock: a build killed mid-way must not make every later build wait forever."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from compute.native import build_directory, exclusive_build
+
+
+def test_a_dead_builds_torch_lock_is_removed_under_the_build_lock(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = build_directory("specstop_probe")
+    (folder / "lock").write_text("")  # what torch's FileBaton leaves when its process is killed
+    with exclusive_build(folder):
+        assert not (folder / "lock").exists()
+
+
+def test_a_kernel_builds_past_a_stale_torch_lock(tmp_path) -> None:
+    code = (
+        "from compute.native import NativeExtension, build_directory\n"
+        "(build_directory('specstop_draft_stats') / 'lock').write_text('')\n"
+        "ext = NativeExtension('specstop_draft_stats', 'draft_stats.cpp', 'native draft statistics')\n"
+        "assert ext.module() is not None, ext.failed\n"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
