@@ -12,9 +12,12 @@ prompts, greedy, at each batch size (1: one request at a time; B: B requests sen
 - each ``policies`` entry inside vLLM: specstop's proposer (``decoding.vllm_proposer``) at
   ``num_speculative_tokens = policy_k``, each request's drafting stopped by its own copy of the policy.
 
-One engine per configuration (an engine's speculative config is fixed when it loads); each engine runs its rows on
-every prompt ``repeats`` times in a row, the faster run kept; the engines load in ``order`` and the target-alone
-engine runs first and again last, so that drift of the machine's speed shows (``drift`` in the report). Each output is
+One engine per configuration (an engine's speculative config is fixed when it loads). The engines run in ``repeats``
+passes in alternating order (first to last, then last to first, ...), each row once on every prompt a pass, and each
+prompt's faster run is kept: a slow phase of the host (on a shared 2-core machine the same step's time moves by a
+third within minutes) then lands on the two runs of a row at different times instead of on a whole row. The
+target-alone engine is the first and the last of the plan: its two rows are two measurements of one setting, and
+their ratio shows the run's noise floor. Each output is
 checked against target-alone's at the same batch size. vLLM's metrics count drafts and accepted tokens; every engine
 step is timed (``benchmark.vllm_engine.StepClock``) so that ``benchmark.vllm_check`` can price the row's own steps
 with vLLM's curve (the replay check).
@@ -35,7 +38,8 @@ from data_gen.prompts import PromptSourceConfig
 
 log = logging.getLogger("pipelines.vllm_bench")
 
-__all__ = ["VllmBenchConfig", "EngineRows", "RowRun", "run_engine", "row_from_dict", "TARGET_ALONE"]
+__all__ = ["VllmBenchConfig", "EngineRows", "RowRun", "run_engine", "run_unit", "row_from_dict", "merge_passes",
+           "TARGET_ALONE"]
 
 TARGET_ALONE = "vLLM target alone"
 
@@ -77,7 +81,8 @@ class VllmBenchConfig:
     curve_batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     """Batch sizes of the curve measured at the start."""
     repeats: int = 2
-    """Runs of each row on each prompt (group); the faster is kept."""
+    """Passes over the engines in alternating order, each row once on each prompt (group) a pass; the faster run of
+    each prompt is kept."""
     kv_cache_gb: int = 2
     """vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE on the CPU, a whole number)."""
     n_boot: int = 1000
@@ -110,11 +115,36 @@ class RowRun:
     """Per unit, the faster run's engine steps."""
     counters: dict[str, float] = field(default_factory=dict)
     """vLLM's speculative-decoding counters summed over the kept runs (drafts, draft_tokens, accepted)."""
+    unit_counters: list[dict[str, float]] = field(default_factory=list)
+    """Per unit, the kept run's counters."""
     rounds: list[list[tuple[int, int, float]]] = field(default_factory=list)
     """Policy rows: per unit, the proposer's rounds (requests, draft positions, mean verified length)."""
     idle_rows: int = 0
     draft_rows: int = 0
     """Policy rows: draft-forward rows computed for requests that had stopped, of all rows computed."""
+    unit_idle: list[tuple[int, int]] = field(default_factory=list)
+    """Per unit, the kept run's (idle rows, draft rows)."""
+
+    def add_unit(self, run: tuple[list[list[int]], float, list[StepLog], dict[str, float], list, tuple[int, int]],
+                 ) -> None:
+        """Append one unit's kept run (as :func:`run_unit` returns it) and add it to the totals."""
+        outs, wall, steps, counters, rounds, idle = run
+        self.outputs.append(outs)
+        self.seconds.append(wall)
+        self.steps.append(steps)
+        self.rounds.append(rounds)
+        self.unit_counters.append(dict(counters))
+        self.unit_idle.append(tuple(idle))
+        self.idle_rows += idle[0]
+        self.draft_rows += idle[1]
+        for k, v in counters.items():
+            self.counters[k] = self.counters.get(k, 0.0) + v
+
+    def unit(self, i: int) -> tuple[list[list[int]], float, list[StepLog], dict[str, float], list, tuple[int, int]]:
+        """Unit ``i``'s kept run, in :meth:`add_unit`'s form."""
+        counters = self.unit_counters[i] if i < len(self.unit_counters) else {}
+        idle = self.unit_idle[i] if i < len(self.unit_idle) else (0, 0)
+        return self.outputs[i], self.seconds[i], self.steps[i], counters, self.rounds[i], idle
 
     @property
     def tokens(self) -> int:
@@ -131,7 +161,17 @@ def row_from_dict(d: dict[str, Any]) -> RowRun:
     d = dict(d)
     d["steps"] = [[StepLog(**s) for s in unit] for unit in d.get("steps", [])]
     d["rounds"] = [[tuple(r) for r in unit] for unit in d.get("rounds", [])]
+    d["unit_idle"] = [tuple(u) for u in d.get("unit_idle", [])]
     return RowRun(**d)
+
+
+def merge_passes(runs: list[RowRun]) -> RowRun:
+    """One row from its runs in several passes (same name, batch and units): each unit's faster run kept."""
+    first = runs[0]
+    out = RowRun(name=first.name, batch=first.batch, spec=first.spec)
+    for i in range(len(first.seconds)):
+        out.add_unit(min((r.unit(i) for r in runs if i < len(r.seconds)), key=lambda u: u[1]))
+    return out
 
 
 @dataclass
@@ -144,8 +184,8 @@ class EngineRows:
     plugin: bool = False
 
 
-def _unit(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]], max_new: int,
-          ) -> tuple[list[list[int]], float, list[StepLog], dict[str, float], list, tuple[int, int]]:
+def run_unit(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]], max_new: int,
+             ) -> tuple[list[list[int]], float, list[StepLog], dict[str, float], list, tuple[int, int]]:
     before = spec_counters(llm)
     n_rounds = len(proposer.stopper.counts.steps) if proposer is not None else 0
     idle0 = (proposer.stopper.counts.idle_rows, proposer.stopper.counts.draft_steps) if proposer is not None else (0, 0)
@@ -162,8 +202,8 @@ def _unit(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]], m
 
 def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: VllmBenchConfig,
                settings_of: Any) -> list[RowRun]:
-    """Load ``group``'s engine, run each of its rows on every unit of every batch size ``repeats`` times (the faster
-    kept), release the engine. ``settings_of(spec)`` gives the proposer's ``PolicySettings`` for a policy row."""
+    """Load ``group``'s engine, run each of its rows once on every unit of every batch size (one pass), release the
+    engine. ``settings_of(spec)`` gives the proposer's ``PolicySettings`` for a policy row."""
     from decoding.vllm_proposer import active
 
     t0 = time.perf_counter()
@@ -178,22 +218,9 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
         for batch, batch_units in units.items():
             row = RowRun(name=name, batch=batch, spec=spec or name)
             for prompts in batch_units:
-                best = None
-                for _ in range(cfg.repeats):
-                    if proposer is not None:
-                        proposer.set_policy(settings_of(spec))
-                    run = _unit(llm, clock, proposer, prompts, cfg.max_new_tokens)
-                    if best is None or run[1] < best[1]:
-                        best = run
-                outs, wall, steps, counters, rounds, idle = best
-                row.outputs.append(outs)
-                row.seconds.append(wall)
-                row.steps.append(steps)
-                row.rounds.append(rounds)
-                row.idle_rows += idle[0]
-                row.draft_rows += idle[1]
-                for k, v in counters.items():
-                    row.counters[k] = row.counters.get(k, 0.0) + v
+                if proposer is not None:
+                    proposer.set_policy(settings_of(spec))
+                row.add_unit(run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens))
             log.info("%s at batch %d: %.2f tokens/s", name, batch, row.tokens_per_s)
             out.append(row)
     del clock, proposer

@@ -35,6 +35,9 @@ class VllmReport:
     replay_check: list[dict[str, Any]]
     curves: dict[str, dict[str, Any]] = field(default_factory=dict)
     prompts: list[str] = field(default_factory=list)
+    ties: list[dict[str, Any]] = field(default_factory=list)
+    """Each output that differs from the target alone's, at its first difference, with the target's float32 logit
+    gap there (``benchmark.vllm_ties``)."""
 
 
 def _as_row(r: RowRun) -> Row:
@@ -70,7 +73,17 @@ def _rec_row(table: list[dict], batch: int, picks: list[BatchPick]) -> dict | No
     return next((t for t in rows if t["row"].split(" ")[0] == f"vllm:{pick.k}"), None)
 
 
-def _goals(table: list[dict], picks: list[BatchPick], cfg: VllmBenchConfig) -> dict[str, Any]:
+def _tie_goals(ties: list[dict]) -> dict[str, Any]:
+    """How the differing outputs differ: their count, the largest float32 logit gap between the two tokens at the
+    first difference, and the share where the target alone's token is float32's argmax."""
+    if not ties:
+        return {"differing_outputs": 0}
+    gaps = [abs(t["gap"]) for t in ties if t["gap"] is not None]
+    return {"differing_outputs": len(ties), "differing_max_abs_gap": round(max(gaps), 4) if gaps else None,
+            "differing_reference_top1_share": round(sum(t["reference_is_top1"] for t in ties) / len(ties), 4)}
+
+
+def _goals(table: list[dict], picks: list[BatchPick], cfg: VllmBenchConfig, ties: list[dict]) -> dict[str, Any]:
     goals: dict[str, Any] = {}
     ratios, per_ratios = [], []
     for b in cfg.batch_sizes:
@@ -106,12 +119,14 @@ def _goals(table: list[dict], picks: list[BatchPick], cfg: VllmBenchConfig) -> d
     ident = [t["identical"] / t["prompts"] for t in table if t["prompts"]]
     goals["identical_share_min"] = round(min(ident), 4) if ident else None
     ratios_r = [abs(t["replay_ratio"] - 1) for t in table if t["replay_ratio"] is not None]
+    goals.update(_tie_goals(ties))
     goals["replay_worst_abs_error"] = round(max(ratios_r), 4) if ratios_r else None
     return goals
 
 
 def build_report(cfg: VllmBenchConfig, rows: list[RowRun], names: list[str], picks: list[BatchPick],
-                 check: list[dict], curves: dict[int, CostModel], recommendation: list[str]) -> VllmReport:
+                 check: list[dict], curves: dict[int, CostModel], recommendation: list[str],
+                 ties: list[dict] | None = None) -> VllmReport:
     """The report of a finished run, written to ``cfg.out_dir``."""
     table = []
     rng = np.random.default_rng(cfg.seed)
@@ -122,9 +137,9 @@ def build_report(cfg: VllmBenchConfig, rows: list[RowRun], names: list[str], pic
         for r in at_b:
             c = next((x for x in check if x["row"] == r.name and x["batch"] == b), {})
             table.append(_entry(r, ref, boot, c))
-    rep = VllmReport(table=table, goals=_goals(table, picks, cfg), recommendation=recommendation,
+    rep = VllmReport(table=table, goals=_goals(table, picks, cfg, ties or []), recommendation=recommendation,
                      picks=[p.to_dict() for p in picks], replay_check=check,
-                     curves={str(b): cm.to_dict() for b, cm in curves.items()}, prompts=names)
+                     curves={str(b): cm.to_dict() for b, cm in curves.items()}, prompts=names, ties=ties or [])
     out = Path(cfg.out_dir)
     (out / "benchmark.json").write_text(json.dumps({**asdict(rep), "config": asdict(cfg)}, indent=1, default=str))
     (out / "benchmark.md").write_text(markdown(rep))

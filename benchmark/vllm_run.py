@@ -17,11 +17,20 @@ from types import SimpleNamespace
 from typing import Any
 
 from benchmark.bench import load_benchmark_prompts
-from benchmark.vllm_bench import TARGET_ALONE, EngineRows, RowRun, VllmBenchConfig, row_from_dict, run_engine
+from benchmark.vllm_bench import (
+    TARGET_ALONE,
+    EngineRows,
+    RowRun,
+    VllmBenchConfig,
+    merge_passes,
+    row_from_dict,
+    run_engine,
+)
 from benchmark.vllm_check import check_rows
 from benchmark.vllm_curve import VllmCurveSettings, measure_vllm_curve
 from benchmark.vllm_engine import EngineSpec, hf_folder, prepare_env
 from benchmark.vllm_report import VllmReport, build_report
+from benchmark.vllm_ties import tie_gaps
 from compute.cpu import cpu_model
 from compute.timing import CostModel
 from decoding.vllm_proposer import PolicySettings, check_vllm, folder_fingerprint, install, load_curves
@@ -95,37 +104,39 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
 
 
 RUN_FIELDS = ("models", "prompts", "split", "n_prompts", "use_chat_template", "max_prompt_tokens", "max_new_tokens",
-              "batch_sizes", "repeats", "policy_k", "seed")
+              "batch_sizes", "policy_k", "seed")
 """The config fields every engine's rows depend on."""
 
 
-def _engine_key(group: EngineRows, cfg: VllmBenchConfig) -> str:
-    """What an engine's stored rows depend on: the run's prompts and lengths, its speculative config, the proposer and
-    the policies in it (not the rows' names, which say what the plan recommends)."""
+def _engine_key(group: EngineRows, cfg: VllmBenchConfig, pass_no: int) -> str:
+    """What an engine's stored rows of one pass depend on: the run's prompts and lengths, its speculative config, the
+    proposer and the policies in it (not the rows' names, which say what the plan recommends), the pass."""
     what = {"run": {k: getattr(cfg, k) for k in RUN_FIELDS}, "engine": asdict(group.engine), "plugin": group.plugin,
-            "specs": list(group.rows.values())}
+            "specs": list(group.rows.values()), "pass": pass_no}
     curve = Path(cfg.out_dir) / COST_FILE
     if group.plugin and curve.is_file():  # cost-aware policies price rounds with the curve
         what["curve"] = hashlib.sha256(curve.read_bytes()).hexdigest()
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, run: Any) -> list[RowRun]:
-    """One engine's rows: read back from ``out_dir/engines/<key>.json`` when a previous run of the same prompts ran
-    the same engine (a stopped run resumes engine by engine; a plan that changed reruns only what changed), else run
-    and stored; an engine that fails is logged in one line and its rows left out (the others still run)."""
-    path = Path(cfg.out_dir) / "engines" / f"{_engine_key(group, cfg)}.json"
+def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, pass_no: int, run: Any) -> list[RowRun]:
+    """One engine's rows in one pass: read back from ``out_dir/engines/<key>.json`` when a previous run of the same
+    prompts ran the same engine in that pass (a stopped run resumes engine by engine; a plan that changed reruns only
+    what changed), else run and stored; an engine that fails is logged in one line and its rows left out (the others
+    still run)."""
+    path = Path(cfg.out_dir) / "engines" / f"{_engine_key(group, cfg, pass_no)}.json"
+    what = f"pass {pass_no + 1} of {cfg.repeats}, engine {i} of {n}: {', '.join(group.rows)}"
     if path.is_file():
         stored = json.loads(path.read_text())
         if len(stored["rows"]) == len(group.rows) * len(cfg.batch_sizes):
             names = [name for name in group.rows for _ in cfg.batch_sizes]
-            log.info("engine %d of %d: %s read back from %s", i, n, ", ".join(group.rows), path)
+            log.info("%s read back from %s", what, path)
             return [replace(row_from_dict(r), name=name) for r, name in zip(stored["rows"], names)]
-    log.info("engine %d of %d: %s", i, n, ", ".join(group.rows))
+    log.info("%s", what)
     try:
         rows = run()
     except Exception as e:  # noqa: BLE001 - one engine's failure (vLLM's own) must not lose the others' rows
-        log.error("engine %d of %d (%s) failed: %s", i, n, ", ".join(group.rows), str(e).splitlines()[0][:300])
+        log.error("%s failed: %s", what, str(e).splitlines()[0][:300])
         return []
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"engine": asdict(group.engine), "plugin": group.plugin,
@@ -161,13 +172,37 @@ def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
             install(settings_of(spec))
     plan = _plan(cfg, target, draft, picks)
     units = _units(prompts, cfg.batch_sizes)
-    rows: list[RowRun] = []
-    for i, group in enumerate(plan, 1):
-        rows += _engine_rows(i, len(plan), group, cfg, lambda g=group: run_engine(g, units, cfg, settings_of))
+    rows = _run_passes(plan, cfg, lambda g: run_engine(g, units, cfg, settings_of))
     k_of = _k_of(plan)
     check = check_rows(rows, curves, k_of)
     return build_report(cfg, rows, names, picks, check, curves, paste_lines(picks, draft, max(cfg.batch_sizes))
-                        if picks else [])
+                        if picks else [], _ties(rows, units, target))
+
+
+def _ties(rows: list[RowRun], units: dict[int, list[list[list[int]]]], target: str) -> list[dict]:
+    """The differing outputs' logit gaps (``benchmark.vllm_ties``); a failure is logged in one line and leaves them
+    out (the rows are kept)."""
+    try:
+        return tie_gaps(rows, units, target)
+    except Exception as e:  # noqa: BLE001 - an explanation of the outputs must not lose the measured rows
+        log.error("the differing outputs' logit gaps were not computed: %s", str(e).splitlines()[0][:300])
+        return []
+
+
+def _run_passes(plan: list[EngineRows], cfg: VllmBenchConfig, run: Any) -> list[RowRun]:
+    """Every engine's rows over ``cfg.repeats`` passes in alternating order (first to last, then last to first),
+    each prompt's faster run kept (``benchmark.vllm_bench.merge_passes``)."""
+    passes: list[dict[int, list[RowRun]]] = []
+    for p in range(cfg.repeats):
+        order = list(enumerate(plan, 1))
+        passes.append({i: _engine_rows(i, len(plan), g, cfg, p, lambda g=g: run(g))
+                       for i, g in (order if p % 2 == 0 else reversed(order))})
+    rows: list[RowRun] = []
+    for i in range(1, len(plan) + 1):
+        runs = [got[i] for got in passes if got.get(i)]
+        if runs:
+            rows += [merge_passes([r[j] for r in runs]) for j in range(len(runs[0]))]
+    return rows
 
 
 def _k_of(plan: list[EngineRows]) -> dict[str, Any]:

@@ -114,6 +114,11 @@ def _goal_lines(s: Summary) -> list[str]:
     if g.get("identical_share_min") is not None:
         out.append(f"- outputs equal to the target alone's: at least {g['identical_share_min']:.0%} of prompts in "
                    "every row")
+    if g.get("differing_outputs"):
+        top1 = g.get("differing_reference_top1_share")
+        out.append(f"- the {g['differing_outputs']} outputs that differ first differ where the target's two tokens' "
+                   f"float32 logits are at most {g['differing_max_abs_gap']:.3f} apart (a tie at bfloat16's "
+                   f"precision); the target alone's token is float32's argmax in {top1:.0%} of them")
     if g.get("replay_worst_abs_error") is not None:
         out.append(f"- replay against measurement: worst |replayed / measured - 1| = "
                    f"{g['replay_worst_abs_error']:.3f}")

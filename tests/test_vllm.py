@@ -212,3 +212,46 @@ def test_a_predictor_for_another_draft_is_refused(tmp_path) -> None:
     mine = {"name": "packaged:qwen2.5-coder-0.5b-instruct", "vocab_size": V, "hidden_size": 8}
     with pytest.raises(FingerprintMismatch, match="other-draft"):
         build_stopper(PolicySettings(spec=str(folder), draft_fingerprint=mine))
+
+
+def test_passes_alternate_the_engine_order_and_keep_each_prompts_faster_run(tmp_path) -> None:
+    from benchmark.vllm_bench import EngineRows
+    from benchmark.vllm_engine import EngineSpec
+    from benchmark.vllm_run import _run_passes
+
+    cfg = VllmBenchConfig(out_dir=str(tmp_path), batch_sizes=[1], n_prompts=2, repeats=2)
+    plan = [EngineRows(EngineSpec(target="T"), {"a": None}), EngineRows(EngineSpec(target="T", draft="D", k=3),
+                                                                         {"b": None})]
+    order: list[str] = []
+    times = {("a", 0): [2.0, 1.0], ("a", 1): [1.5, 3.0], ("b", 0): [1.0, 1.0], ("b", 1): [2.0, 0.5]}
+
+    def run(group: EngineRows) -> list[RowRun]:
+        name = next(iter(group.rows))
+        pass_no = sum(1 for n in order if n == name)
+        order.append(name)
+        row = RowRun(name=name, batch=1, spec=name)
+        for t in times[(name, pass_no)]:
+            row.add_unit(([[1, 2]], t, [StepLog(t, 1, True)], {"drafts": t}, [], (0, 0)))
+        return [row]
+
+    rows = _run_passes(plan, cfg, run)
+    assert order == ["a", "b", "b", "a"]
+    assert [r.seconds for r in rows] == [[1.5, 1.0], [1.0, 0.5]]
+    assert rows[1].counters == {"drafts": 1.5}
+    assert _run_passes(plan, cfg, lambda g: pytest.fail("stored passes are read back")) and len(order) == 4
+
+
+def test_a_differing_output_is_found_at_its_first_difference_against_its_batchs_target_alone() -> None:
+    from benchmark.vllm_bench import TARGET_ALONE
+    from benchmark.vllm_report import _tie_goals
+    from benchmark.vllm_ties import Divergence, divergences
+
+    ref = RowRun(name=TARGET_ALONE, batch=1, spec="target", outputs=[[[1, 2, 3]], [[4, 5]]])
+    row = RowRun(name="vllm:3", batch=1, spec="vllm:3", outputs=[[[1, 2, 9]], [[4, 5]]])
+    short = RowRun(name="vllm:5", batch=1, spec="vllm:5", outputs=[[[1]], [[4, 5, 6]]])
+    other_batch = RowRun(name="vllm:3", batch=4, spec="vllm:3", outputs=[[[7, 7, 7]]])
+    assert divergences([ref, row, short, other_batch]) == [
+        Divergence("vllm:3", 1, 0, 0, 2, 3, 9), Divergence("vllm:5", 1, 0, 0, 1, 2, -1)]
+    ties = [{"gap": 0.03, "reference_is_top1": True}, {"gap": -0.05, "reference_is_top1": False}]
+    assert _tie_goals(ties) == {"differing_outputs": 2, "differing_max_abs_gap": 0.05,
+                                "differing_reference_top1_share": 0.5}
