@@ -380,7 +380,7 @@ def ensure_data(gens: Iterable[GenerateConfig], generate_if_missing: bool, chain
         return dirs
     _generate_missing(todo, have_by_dir, chain)
     after = sum(sum(finished_chunks(d).values()) for d in dirs)
-    st.records = after - before
+    st.records, st.resumed = after - before, before > 0
     st.summary = f"{after - before:,} records" + (f" ({after:,} in {plural(len(dirs), 'folder')})" if before else "")
     return dirs
 

@@ -131,12 +131,14 @@ class Heartbeat:
 @dataclass
 class Stage:
     """A running stage: the caller sets ``summary`` (what it did, e.g. ``"8 epochs, val AUC 0.66"``) and may set
-    ``records`` (records handled, for a records/s figure) or ``reused`` (its output was found on disk)."""
+    ``records`` (records handled, for a records/s figure), ``reused`` (its output was found on disk) or ``resumed``
+    (part of it was)."""
 
     name: str
     summary: str = ""
     records: int | None = None
     reused: bool = False
+    resumed: bool = False
     seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
     heartbeat: Heartbeat | None = None
@@ -223,6 +225,10 @@ class ChainProgress:
     def times(self) -> dict[str, float]:
         """Seconds per finished stage, in order, and the total."""
         return {**{s.name: round(s.seconds, 3) for s in self.done}, "total": round(time.perf_counter() - self.t0, 3)}
+
+    def from_scratch(self) -> bool:
+        """No finished stage reused or resumed earlier work: the total is what the whole job costs."""
+        return not any(s.reused or s.resumed for s in self.done)
 
     def total_line(self) -> str:
         total = time.perf_counter() - self.t0

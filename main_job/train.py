@@ -132,7 +132,7 @@ def _planned_stages(cfg: TrainJobConfig) -> list[str]:
 
 def train_all(cfg: TrainJobConfig, extra_data: list[GenerateConfig], progress: bool | None = None) -> dict[str, Any]:
     """Run the whole chain; returns {"results": rows of the table, "report": path, "data": identity, "seconds",
-    "stage_seconds"}.
+    "stage_seconds", "from_scratch": whether no stage reused or resumed earlier work}.
 
     Args:
         extra_data: the configs of ``cfg.extra_data``'s files, read by the caller (the entry point parses them).
@@ -172,6 +172,7 @@ def train_all(cfg: TrainJobConfig, extra_data: list[GenerateConfig], progress: b
         times = chain.times()
         result = {"results": list(rows.values()), "report": str(report) if report else None, "data": ident,
                   "seconds": times["total"], "stage_seconds": times, "total_line": chain.total_line(),
+                  "from_scratch": chain.from_scratch(),
                   "recommendations": recommendations}
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
     (out / RESULTS_MD).write_text(results_markdown(cfg.out_dir, result))

@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if cfg.results_dir:
         command, name = invocation("pipelines.train", argv)
         with user_errors(PROG):
-            summary = summarize_main_job(cfg.out_dir, command, name, result["seconds"])
+            # a run that reused or resumed earlier work stores no wall time: it is not what the job costs
+            seconds = result["seconds"] if result.get("from_scratch") else None
+            summary = summarize_main_job(cfg.out_dir, command, name, seconds)
             print(f"results summary: {write_summary(summary, cfg.results_dir)}")
     return result
 

@@ -255,3 +255,16 @@ def test_a_differing_output_is_found_at_its_first_difference_against_its_batchs_
     ties = [{"gap": 0.03, "reference_is_top1": True}, {"gap": -0.05, "reference_is_top1": False}]
     assert _tie_goals(ties) == {"differing_outputs": 2, "differing_max_abs_gap": 0.05,
                                 "differing_reference_top1_share": 0.5}
+
+
+def test_the_curve_keeps_each_figures_fastest_round(monkeypatch) -> None:
+    import benchmark.vllm_curve as vc
+
+    alone = iter([{1: 0.08}, {1: 0.06}])
+    spec = iter([{1: ({2: 0.03, 3: 0.03}, {2: 0.07, 3: 0.09})}, {1: ({2: 0.02, 3: 0.04}, {2: 0.09, 3: 0.07})}])
+    monkeypatch.setattr(vc, "_target_only", lambda s: next(alone))
+    monkeypatch.setattr(vc, "_speculative", lambda s: next(spec))
+    got_alone, got_spec = vc._fastest_rounds(vc.VllmCurveSettings(target="T", draft="D", batches=(1,), rounds=2))
+    assert got_alone == {1: 0.06}
+    draft, target = got_spec[1]
+    assert target == {2: 0.07, 3: 0.09} and draft == pytest.approx(0.03)  # round 1 at both (a tie keeps the first)
