@@ -68,8 +68,15 @@ class VllmBenchConfig:
     default_k: int = 5
     """The K standing for vLLM's defaults (0.32.0 has none for a draft model; 5 is its documentation's example)."""
     recommend_data: str | None = "outputs/default/data"
-    """The main job's data folder: K per batch size tuned on its validation split under vLLM's curve (null: no
-    recommended rows)."""
+    """The main job's data folder: where vLLM's curve is copied (``pipelines.recommend --runtime vllm`` reads it),
+    and, with ``acceptance_prompts: 0``, K per batch size tuned on its validation split under vLLM's curve (null and
+    0: no recommended rows)."""
+    acceptance_prompts: int = 8
+    """Prompts of ``acceptance_split`` that vLLM's own speculation at K = policy_k runs on to measure its acceptance
+    per draft position; the recommendation prices each K with it and vLLM's curve (``main_job.vllm_settings``). 0:
+    tune on recommend_data's labelled tokens instead."""
+    acceptance_split: str = "val"
+    """The split of ``prompts`` the acceptance is measured on (never the benchmark's own)."""
     policies: list[str] = field(default_factory=list)
     """specstop policies inside vLLM (decoding.policies.build_policy specs)."""
     calibration_dir: str | None = "outputs/default/train/calibrated"
@@ -97,6 +104,10 @@ class VllmBenchConfig:
             raise ValueError("static_k, default_k and policy_k must be >= 1 (K = 0 is the target-alone row)")
         if self.repeats < 1:
             raise ValueError(f"--repeats {self.repeats}: must be >= 1")
+        if self.acceptance_prompts < 0:
+            raise ValueError(f"--acceptance_prompts {self.acceptance_prompts}: give 0 (tune on recommend_data) or more")
+        if self.acceptance_prompts and self.acceptance_split == self.split:
+            raise ValueError(f"--acceptance_split {self.acceptance_split}: the benchmark's own prompts; use val")
 
 
 @dataclass
@@ -204,8 +215,12 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
                settings_of: Any) -> list[RowRun]:
     """Load ``group``'s engine, run each of its rows once on every unit of every batch size (one pass), release the
     engine. ``settings_of(spec)`` gives the proposer's ``PolicySettings`` for a policy row."""
-    from decoding.vllm_proposer import active
+    from decoding.vllm_proposer import active, install, uninstall
 
+    if group.plugin:  # specstop's proposer for this engine, vLLM's own for every other speculative one
+        install(settings_of(next(iter(group.rows.values()))))
+    else:
+        uninstall()
     t0 = time.perf_counter()
     llm = build_engine(group.engine)
     log.info("engine %s loaded in %.0f s", group.engine.speculative_config() or "target alone",

@@ -37,13 +37,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from benchmark.vllm_engine import EngineSpec, StepClock, build_engine, release
+from benchmark.vllm_engine import EngineSpec, StepClock, build_engine, generate, release, spec_positions
 from compute.cpu import cpu_model
 from compute.timing import BATCH_CURVES, CostModel, lower_envelope
 
 log = logging.getLogger("pipelines.measure_costs")
 
-__all__ = ["VllmCurveSettings", "measure_vllm_curve", "time_steps"]
+__all__ = ["VllmCurveSettings", "measure_vllm_curve", "measure_vllm_acceptance", "time_steps"]
 
 
 @dataclass(frozen=True)
@@ -177,3 +177,23 @@ def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
     top = curves[min(s.batches)]
     top.extra[BATCH_CURVES] = {str(b): cm.to_dict() for b, cm in curves.items()}
     return top
+
+
+def measure_vllm_acceptance(target: str, draft: str, prompts: list[list[int]], k: int = 8, max_new_tokens: int = 128,
+                            device: str = "cpu") -> dict[str, Any]:
+    """How far vLLM's own draft-model speculation gets accepted on ``prompts`` (greedy, one at a time, K = ``k``),
+    from vLLM's counters: ``survival[j - 1]`` = S(j), the share of draft rounds whose first j drafts were all
+    accepted (``main_job.vllm_settings.ACCEPTANCE`` is where a curve file keeps it)."""
+    from decoding.vllm_proposer import uninstall
+
+    uninstall()  # vLLM's own proposer: K drafts every round
+    llm = build_engine(EngineSpec(target=target, draft=draft, k=k, max_num_seqs=2, device=device))
+    for p in prompts:
+        generate(llm, [p], max_new_tokens)
+    drafts, per_pos = spec_positions(llm)
+    release(llm)
+    if not drafts:
+        raise RuntimeError("vLLM drafted nothing on the acceptance prompts: its counters have no draft round")
+    survival = [round(a / drafts, 4) for a in per_pos[:k]]
+    log.info("vLLM's acceptance at K = %d over %d prompts (%d rounds): S(j) = %s", k, len(prompts), drafts, survival)
+    return {"survival": survival, "drafts": int(drafts), "k": k, "prompts": len(prompts)}

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["EngineSpec", "StepClock", "StepLog", "prepare_env", "reexec_with_iomp", "build_engine", "generate",
-           "hf_folder", "spec_counters", "release"]
+           "hf_folder", "spec_counters", "spec_positions", "release"]
 
 
 def prepare_env(kv_cache_gb: int, threads: int | None = None, device: str = "cpu") -> None:
@@ -165,6 +165,19 @@ def spec_counters(llm: Any) -> dict[str, float]:
         if m.name in names:
             out[names[m.name]] += float(getattr(m, "value", 0.0) or 0.0)
     return out
+
+
+def spec_positions(llm: Any) -> tuple[float, list[float]]:
+    """vLLM's draft rounds so far and, per draft position j, the rounds whose first j + 1 drafts were all accepted
+    (``vllm:spec_decode_num_accepted_tokens_per_pos``)."""
+    drafts, per_pos = 0.0, []
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            drafts += float(getattr(m, "value", 0.0) or 0.0)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            values = list(getattr(m, "values", []) or [])
+            per_pos = [a + float(b) for a, b in zip(per_pos + [0.0] * len(values), values)]
+    return drafts, per_pos
 
 
 def hf_folder(name: str, cache_dir: str) -> str:

@@ -27,16 +27,16 @@ from benchmark.vllm_bench import (
     run_engine,
 )
 from benchmark.vllm_check import check_rows
-from benchmark.vllm_curve import VllmCurveSettings, measure_vllm_curve
+from benchmark.vllm_curve import VllmCurveSettings, measure_vllm_acceptance, measure_vllm_curve
 from benchmark.vllm_engine import EngineSpec, hf_folder, prepare_env
 from benchmark.vllm_report import VllmReport, build_report
 from benchmark.vllm_ties import tie_gaps
 from compute.cpu import cpu_model
-from compute.timing import CostModel
+from compute.timing import BATCH_CURVES, CostModel
 from decoding.vllm_proposer import PolicySettings, check_vllm, folder_fingerprint, install, load_curves
 from evaluation.data import load_columns
 from main_job.recommend import vllm_batch_picks
-from main_job.vllm_settings import BatchPick, paste_lines, schedule_ranges
+from main_job.vllm_settings import ACCEPTANCE, BatchPick, acceptance_picks, paste_lines, schedule_ranges
 
 log = logging.getLogger("pipelines.vllm_bench")
 
@@ -45,13 +45,12 @@ __all__ = ["run_vllm_benchmark", "COST_FILE"]
 COST_FILE = "cost_model.vllm.json"
 
 
-def _prompts(cfg: VllmBenchConfig, target_dir: str) -> tuple[list[list[int]], list[str]]:
+def _prompts(cfg: VllmBenchConfig, target_dir: str, split: str | None, n: int) -> tuple[list[list[int]], list[str]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
-    view = SimpleNamespace(prompt_texts=None, prompts=cfg.prompts, seed=cfg.seed, split=cfg.split,
-                           n_prompts=cfg.n_prompts, use_chat_template=cfg.use_chat_template,
-                           max_prompt_tokens=cfg.max_prompt_tokens)
+    view = SimpleNamespace(prompt_texts=None, prompts=cfg.prompts, seed=cfg.seed, split=split, n_prompts=n,
+                           use_chat_template=cfg.use_chat_template, max_prompt_tokens=cfg.max_prompt_tokens)
     ids, names, _ = load_benchmark_prompts(view, tok)  # type: ignore[arg-type]
     return ids, names
 
@@ -77,6 +76,20 @@ def _curves(cfg: VllmBenchConfig, target: str, draft: str) -> tuple[Path, dict[i
             cm.to_json(Path(cfg.recommend_data) / COST_FILE)
     cm.to_json(out)
     return out, load_curves(out)
+
+
+def _acceptance(cfg: VllmBenchConfig, cost_path: Path, target: str, draft: str) -> list[float]:
+    """vLLM's own acceptance on the validation prompts (``benchmark.vllm_curve.measure_vllm_acceptance``), kept in
+    the curve file's ``extra`` (and beside recommend_data's data): read back when there, else measured now."""
+    cm = CostModel.from_json(cost_path)
+    if ACCEPTANCE not in cm.extra:
+        prompts, _ = _prompts(cfg, target, cfg.acceptance_split, cfg.acceptance_prompts)
+        cm.extra[ACCEPTANCE] = {**measure_vllm_acceptance(target, draft, prompts, cfg.policy_k, cfg.max_new_tokens,
+                                                          cfg.models.device), "split": cfg.acceptance_split}
+        cm.to_json(cost_path)
+        if cfg.recommend_data and Path(cfg.recommend_data).is_dir():
+            cm.to_json(Path(cfg.recommend_data) / COST_FILE)
+    return list(cm.extra[ACCEPTANCE]["survival"])
 
 
 def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick]) -> list[EngineRows]:
@@ -114,8 +127,9 @@ def _engine_key(group: EngineRows, cfg: VllmBenchConfig, pass_no: int) -> str:
     what = {"run": {k: getattr(cfg, k) for k in RUN_FIELDS}, "engine": asdict(group.engine), "plugin": group.plugin,
             "specs": list(group.rows.values()), "pass": pass_no}
     curve = Path(cfg.out_dir) / COST_FILE
-    if group.plugin and curve.is_file():  # cost-aware policies price rounds with the curve
-        what["curve"] = hashlib.sha256(curve.read_bytes()).hexdigest()
+    if group.plugin and curve.is_file():  # cost-aware policies price rounds with the curve (not the acceptance)
+        batches = CostModel.from_json(curve).extra.get(BATCH_CURVES)
+        what["curve"] = hashlib.sha256(json.dumps(batches, sort_keys=True).encode()).hexdigest()
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -155,9 +169,14 @@ def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
     target = hf_folder(cfg.models.target, cfg.models.cache_dir)
     draft = hf_folder(cfg.models.draft, cfg.models.cache_dir)
-    prompts, names = _prompts(cfg, target)
+    prompts, names = _prompts(cfg, target, cfg.split, cfg.n_prompts)
     cost_path, curves = _curves(cfg, target, draft)
-    picks = vllm_batch_picks(load_columns(cfg.recommend_data, ["val", "test"]), curves) if cfg.recommend_data else []
+    if cfg.acceptance_prompts:
+        picks = acceptance_picks(_acceptance(cfg, cost_path, target, draft), curves)
+    elif cfg.recommend_data:
+        picks = vllm_batch_picks(load_columns(cfg.recommend_data, ["val", "test"]), curves)
+    else:
+        picks = []
     for line in paste_lines(picks, draft, max(cfg.batch_sizes)) if picks else []:
         log.info("recommended: %s", line)
 

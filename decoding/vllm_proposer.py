@@ -51,7 +51,7 @@ from predictors.export import check_fingerprint, read_metadata
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PINNED_VERSION", "PolicySettings", "SpecstopDraftProposer", "install", "register", "active",
+__all__ = ["PINNED_VERSION", "PolicySettings", "SpecstopDraftProposer", "install", "uninstall", "register", "active",
            "check_vllm", "load_curves", "folder_fingerprint"]
 
 PINNED_VERSION = "0.32.0"
@@ -211,6 +211,16 @@ def install(settings: PolicySettings) -> type:
     _SETTINGS = settings
     runner.DraftModelProposer = cls
     return cls
+
+
+def uninstall() -> None:
+    """Make vLLM's runner build its own ``DraftModelProposer`` again (engines built after this draft K tokens for
+    every request, as vLLM does without specstop); an engine already built keeps its proposer."""
+    global _SETTINGS
+    import vllm.v1.worker.gpu_model_runner as runner
+
+    _SETTINGS = None
+    runner.DraftModelProposer = _proposer_base()
 
 
 def register() -> None:

@@ -38,7 +38,7 @@ from evaluation.data import load_columns
 from evaluation.replay.rounds import ReplayResult, replay_policy
 from evaluation.replay.scores import scores_for
 from evaluation.replay.sequences import ReplayConfig, ReplayData, prepare_replay_data
-from main_job.vllm_settings import BatchPick, paste_lines
+from main_job.vllm_settings import ACCEPTANCE, BatchPick, acceptance_picks, paste_lines
 from predictors.base import StopPolicy
 from predictors.baselines import Oracle
 from predictors.runtime_rules import RUNTIMES, LlamaCppRule, RuntimeRule, TransformersRule, VllmRule, runtime_rule
@@ -316,7 +316,9 @@ def recommend_runtimes(cfg: RecommendConfig, runtimes: Iterable[str] | None = No
                                 progress=lambda done, total, h=hb: h.update(done, total))
         if rt == "vllm" and cm.extra.get(BATCH_CURVES):  # vLLM's own curve, per batch size: a K for each
             curves = {int(b): CostModel.from_dict(d) for b, d in cm.extra[BATCH_CURVES].items()}
-            out[rt].per_batch = vllm_batch_picks(cols, curves, cfg.mode)
+            measured = cm.extra.get(ACCEPTANCE)  # vLLM's own acceptance on validation prompts, where measured
+            out[rt].per_batch = (acceptance_picks(measured["survival"], curves) if measured and cfg.mode == "greedy"
+                                 else vllm_batch_picks(cols, curves, cfg.mode))
         for w in out[rt].warnings:
             log.warning(w)
     return out

@@ -8,17 +8,32 @@ batch B; each request's rounds are replayed over the labelled draft tokens (the 
 batch's tokens/s is B times a sequence's and the speedup over the target alone is the sequence's (the ragged end of a
 batch, where requests finish at different steps, is left out).
 
+Where vLLM's curve file also holds the acceptance vLLM itself measured on validation prompts (``ACCEPTANCE`` in its
+``extra``: ``benchmark.vllm_curve.measure_vllm_acceptance``), :func:`acceptance_picks` prices each K with it instead:
+with S(j) the share of vLLM's draft rounds whose first j drafts were all accepted, a step of K drafts yields
+``1 + S(1) + ... + S(K)`` tokens a request. The labelled data's tokens come from another mix (rollouts from prefixes
+of several origins, drafted by specstop's int8 draft) whose acceptance can sit far from what vLLM's bfloat16 draft
+meets on a user's prompts; vLLM's own counters on the validation prompts are the closer estimate.
+
 Usage::
 
+    picks = acceptance_picks(curves[1].extra[ACCEPTANCE]["survival"], curves)   # vLLM's acceptance
     picks = vllm_batch_picks(load_columns("outputs/default/data", ["val", "test"]), curves)
     print("\\n".join(paste_lines(picks, "DRAFT", max_num_seqs=8)))
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-__all__ = ["BatchPick", "schedule_ranges", "paste_lines"]
+from compute.timing import CostModel
+
+__all__ = ["BatchPick", "ACCEPTANCE", "acceptance_picks", "schedule_ranges", "paste_lines"]
+
+ACCEPTANCE = "vllm_acceptance"
+"""Key in a vLLM curve's ``extra``: ``{"survival": [S(1), ..., S(K)], "drafts": n, "k": K, "prompts": n, "split":
+"val"}``, measured by vLLM's counters on validation prompts."""
 
 
 @dataclass(frozen=True)
@@ -34,9 +49,29 @@ class BatchPick:
     """The same K on the test split (1.0 for K = 0)."""
     best_k: int
     """The fastest K on validation, even where it does not beat the target alone."""
+    source: str = "replay"
+    """``replay`` (the labelled data's validation split replayed) or ``vllm acceptance`` (priced with the acceptance
+    vLLM measured on validation prompts: both speedups are that prediction)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def acceptance_picks(survival: Sequence[float], curves: Mapping[int, CostModel]) -> list[BatchPick]:
+    """K per batch size priced with vLLM's measured acceptance (see the module docstring): the K with the most
+    tokens/s against the target alone's step, 0 where none beats it; K up to ``len(survival)`` and to the longest
+    verification the curve measured."""
+    picks = []
+    for b in sorted(curves):
+        cm = curves[b]
+        top = min(len(survival), max(int(length) for length in cm.target_s) - 1)
+        speed = {k: (1 + sum(survival[:k])) * cm.target_time(1) / (k * cm.draft_s_per_token + cm.target_time(k + 1))
+                 for k in range(1, top + 1)}
+        best = max(speed, key=lambda k: speed[k])
+        k = best if speed[best] > 1.0 else 0
+        picks.append(BatchPick(b, k, round(speed[best], 4), round(speed[k], 4) if k else 1.0, best,
+                               source="vllm acceptance"))
+    return picks
 
 
 def schedule_ranges(picks: list[BatchPick], max_num_seqs: int) -> tuple[tuple[int, int, int], ...]:
@@ -65,13 +100,16 @@ def paste_lines(picks: list[BatchPick], draft: str, max_num_seqs: int) -> list[s
     ranges = schedule_ranges(picks, max_num_seqs)
     top = max(r[2] for r in ranges)
     lines = []
+    measured = one.source == "vllm acceptance"
     if one.k:
         cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": one.k}
-        lines.append(f"batch 1: speculative_config={json.dumps(cfg)} (replayed {one.test_speedup:.2f}x the target "
-                     "alone on the test split)")
+        why = ("predicted {:.2f}x the target alone from vLLM's acceptance on validation prompts" if measured
+               else "replayed {:.2f}x the target alone on the test split").format(one.test_speedup)
+        lines.append(f"batch 1: speculative_config={json.dumps(cfg)} ({why})")
     else:
-        lines.append(f"batch 1: do not speculate (the best K, {one.best_k}, replays {one.val_speedup:.2f}x the "
-                     "target alone on the validation split)")
+        why = "predicts {:.2f}x the target alone from vLLM's acceptance on validation prompts" if measured \
+            else "replays {:.2f}x the target alone on the validation split"
+        lines.append(f"batch 1: do not speculate (the best K, {one.best_k}, {why.format(one.val_speedup)})")
     losing = [p.batch for p in picks if not p.k]
     if len(losing) == len(picks):
         lines.append("every batch size measured: do not speculate (no speculative_config)")

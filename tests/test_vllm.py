@@ -268,3 +268,45 @@ def test_the_curve_keeps_each_figures_fastest_round(monkeypatch) -> None:
     assert got_alone == {1: 0.06}
     draft, target = got_spec[1]
     assert target == {2: 0.07, 3: 0.09} and draft == pytest.approx(0.03)  # round 1 at both (a tie keeps the first)
+
+
+def test_only_the_plugin_engine_builds_specstops_proposer(monkeypatch) -> None:
+    """vLLM's static-K rows must run vLLM's own proposer even after a policy was installed for validation."""
+    import benchmark.vllm_bench as vb
+    import decoding.vllm_proposer as vp
+    from benchmark.vllm_bench import EngineRows
+    from benchmark.vllm_engine import EngineSpec
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(vp, "install", lambda s: calls.append(("install", s.spec)))
+    monkeypatch.setattr(vp, "uninstall", lambda: calls.append(("uninstall",)))
+
+    class Built(Exception):
+        pass
+
+    def build(spec: EngineSpec) -> None:
+        raise Built
+
+    monkeypatch.setattr(vb, "build_engine", build)
+    cfg = VllmBenchConfig(batch_sizes=[1], n_prompts=1)
+    groups = [EngineRows(EngineSpec(target="T", draft="D", k=3), {"vllm:3": None}),
+              EngineRows(EngineSpec(target="T", draft="D", k=8), {"adaedl:0.6": "adaedl:0.6"}, plugin=True)]
+    for group in groups:
+        with pytest.raises(Built):
+            vb.run_engine(group, {1: [[[1]]]}, cfg, lambda spec: PolicySettings(spec=spec))
+    assert calls == [("uninstall",), ("install", "adaedl:0.6")]
+
+
+def test_vllms_own_acceptance_prices_each_k_and_zero_wins_where_drafting_costs_more() -> None:
+    from main_job.vllm_settings import acceptance_picks
+
+    survival = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
+    cheap, dear = curve(draft=0.01), curve(draft=0.2)
+    one, wide = acceptance_picks(survival, {1: cheap, 4: dear})
+    # batch 1: K tokens a step 1 + sum S(j), a step 0.01 K + 0.1 + 0.002 K
+    expect = {k: (1 + sum(survival[:k])) * 0.1 / (0.01 * k + 0.1 + 0.002 * k) for k in range(1, 9)}
+    best = max(expect, key=lambda k: expect[k])
+    assert (one.k, one.best_k, one.source) == (best, best, "vllm acceptance")
+    assert one.test_speedup == pytest.approx(expect[best], abs=1e-4)
+    assert wide.k == 0 and wide.test_speedup == 1.0 and wide.val_speedup < 1.0
+    assert "from vLLM's acceptance on validation prompts" in paste_lines([one, wide], "D", 8)[0]
