@@ -33,6 +33,7 @@ from benchmark.vllm_report import VllmReport, build_report
 from benchmark.vllm_ties import tie_gaps
 from compute.cpu import cpu_model
 from compute.timing import BATCH_CURVES, CostModel
+from data_gen.prompts import PromptSourceConfig
 from decoding.vllm_proposer import PolicySettings, check_vllm, folder_fingerprint, install, load_curves
 from evaluation.data import load_columns
 from main_job.recommend import vllm_batch_picks
@@ -40,31 +41,43 @@ from main_job.vllm_settings import ACCEPTANCE, BatchPick, acceptance_picks, past
 
 log = logging.getLogger("pipelines.vllm_bench")
 
-__all__ = ["run_vllm_benchmark", "COST_FILE"]
+__all__ = ["run_vllm_benchmark", "prompt_ids", "COST_FILE"]
 
 COST_FILE = "cost_model.vllm.json"
 
 
-def _prompts(cfg: VllmBenchConfig, target_dir: str, split: str | None, n: int) -> tuple[list[list[int]], list[str]]:
+def prompt_ids(sources: list[PromptSourceConfig], target_dir: str, split: str | None, n: int, *,
+               use_chat_template: bool = True, max_prompt_tokens: int = 512, seed: int = 0,
+               ) -> tuple[list[list[int]], list[str]]:
+    """Token ids (with the target's tokenizer) and ids of ``n`` prompts of ``split`` from ``sources``, chosen as the
+    benchmark chooses them (``benchmark.bench.load_benchmark_prompts``)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
-    view = SimpleNamespace(prompt_texts=None, prompts=cfg.prompts, seed=cfg.seed, split=split, n_prompts=n,
-                           use_chat_template=cfg.use_chat_template, max_prompt_tokens=cfg.max_prompt_tokens)
+    view = SimpleNamespace(prompt_texts=None, prompts=sources, seed=seed, split=split, n_prompts=n,
+                           use_chat_template=use_chat_template, max_prompt_tokens=max_prompt_tokens)
     ids, names, _ = load_benchmark_prompts(view, tok)  # type: ignore[arg-type]
     return ids, names
+
+
+def _prompts(cfg: VllmBenchConfig, target_dir: str, split: str | None, n: int) -> tuple[list[list[int]], list[str]]:
+    return prompt_ids(cfg.prompts, target_dir, split, n, use_chat_template=cfg.use_chat_template,
+                      max_prompt_tokens=cfg.max_prompt_tokens, seed=cfg.seed)
 
 
 def _curves(cfg: VllmBenchConfig, target: str, draft: str) -> tuple[Path, dict[int, CostModel]]:
     """vLLM's curve: the file given, else the one a previous run of out_dir measured, else measured now; written to
     out_dir (and, when measured, beside recommend_data)."""
     out = Path(cfg.out_dir) / COST_FILE
+    machine = cpu_model() if cfg.models.device == "cpu" else None
     if cfg.cost_file is None and out.is_file():
+        if why := CostModel.from_json(out).mismatch(cfg.models.draft, cfg.models.target, machine=machine):
+            raise ValueError(f"{out}: a curve measured for another pair or machine ({'; '.join(why)}); move it aside "
+                             "(with the engines/ folder beside it) or give another --out_dir to measure anew")
         log.info("vLLM's curve read back from %s (a resumed run; delete it to measure again)", out)
         return out, load_curves(out)
     if cfg.cost_file is not None:
         cm = CostModel.from_json(cfg.cost_file)
-        machine = cpu_model() if cfg.models.device == "cpu" else None
         if why := cm.mismatch(cfg.models.draft, cfg.models.target, machine=machine):
             raise ValueError(f"--cost_file {cfg.cost_file}: measured for another pair or machine ({'; '.join(why)}); "
                              "measure it again with python -m pipelines.measure_costs --runtime vllm")

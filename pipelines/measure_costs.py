@@ -75,6 +75,10 @@ class MeasureCostsConfig:
     installed by bash scripts/setup.sh --vllm)."""
     threads: int | None = None
     """runtime llamacpp: llama.cpp's threads (default: torch's thread count)."""
+    acceptance_prompts: int = 8
+    """runtime vllm with data_dir: validation prompts of the data's prompt sources that vLLM's own speculation (K =
+    max_length - 1) runs on; its acceptance per draft position, kept in the curve file, is what ``pipelines.recommend
+    --runtime vllm`` prices each K with (0: not measured; the recommendation then replays the labelled data)."""
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
@@ -85,6 +89,8 @@ class MeasureCostsConfig:
             self.max_length = 9 if self.runtime == "vllm" else 17
         if self.max_length < 2:
             raise ValueError(f"max_length={self.max_length}: the curve needs at least L = 1 and 2")
+        if self.acceptance_prompts < 0:
+            raise ValueError(f"acceptance_prompts={self.acceptance_prompts}: give 0 (not measured) or more")
         if self.repeats < 1 or self.prompt_len < 1:
             raise ValueError(f"repeats={self.repeats} and prompt_len={self.prompt_len} must be >= 1")
         if self.data_dir is not None and read_data_config(self.data_dir) is None:
@@ -130,17 +136,29 @@ def measure_llamacpp(cfg: MeasureCostsConfig) -> CostModel:
 
 def measure_vllm(cfg: MeasureCostsConfig) -> CostModel:
     """vLLM's curve per batch size on the pair's Hugging Face folders (``benchmark.vllm_curve``)."""
-    from benchmark.vllm_curve import VllmCurveSettings, measure_vllm_curve
+    from benchmark.vllm_curve import VllmCurveSettings, measure_vllm_acceptance, measure_vllm_curve
     from benchmark.vllm_engine import hf_folder, prepare_env
+    from benchmark.vllm_run import prompt_ids
+    from data_gen.prompts import PromptSourceConfig
     from decoding.vllm_proposer import check_vllm
+    from main_job.vllm_settings import ACCEPTANCE
 
     check_vllm()
     m = models_of(cfg)
     prepare_env(2, cfg.threads, m.device)
-    return measure_vllm_curve(VllmCurveSettings(
-        target=hf_folder(m.target, m.cache_dir), draft=hf_folder(m.draft, m.cache_dir),
-        batches=tuple(cfg.batch_sizes), max_length=cfg.max_length, steps=max(cfg.repeats, 8) + 4,
-        prompt_len=cfg.prompt_len, device=m.device, target_name=m.target, draft_name=m.draft))
+    target, draft = hf_folder(m.target, m.cache_dir), hf_folder(m.draft, m.cache_dir)
+    cm = measure_vllm_curve(VllmCurveSettings(
+        target=target, draft=draft, batches=tuple(cfg.batch_sizes), max_length=cfg.max_length,
+        steps=max(cfg.repeats, 8) + 4, prompt_len=cfg.prompt_len, device=m.device, target_name=m.target,
+        draft_name=m.draft))
+    if cfg.data_dir and cfg.acceptance_prompts:
+        data = read_data_config(cfg.data_dir)["data"]
+        sources = [PromptSourceConfig(**src) for src in data["prompts"]]
+        prompts, _ = prompt_ids(sources, target, "val", cfg.acceptance_prompts,
+                                use_chat_template=data.get("use_chat_template", True))
+        cm.extra[ACCEPTANCE] = {**measure_vllm_acceptance(target, draft, prompts, cfg.max_length - 1,
+                                                          device=m.device), "split": "val"}
+    return cm
 
 
 def default_out(cfg: MeasureCostsConfig) -> Path:

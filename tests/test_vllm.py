@@ -310,3 +310,14 @@ def test_vllms_own_acceptance_prices_each_k_and_zero_wins_where_drafting_costs_m
     assert one.test_speedup == pytest.approx(expect[best], abs=1e-4)
     assert wide.k == 0 and wide.test_speedup == 1.0 and wide.val_speedup < 1.0
     assert "from vLLM's acceptance on validation prompts" in paste_lines([one, wide], "D", 8)[0]
+
+
+def test_a_resumed_run_refuses_a_curve_of_another_machine(tmp_path) -> None:
+    from benchmark.vllm_run import COST_FILE, _curves
+
+    cm = curve()
+    cm.draft_name, cm.target_name = "packaged:qwen2.5-coder-0.5b-instruct", "packaged:qwen2.5-coder-1.5b-instruct"
+    cm.machine = {"model_name": "Some Other CPU", "simd_flags": ["avx2"]}
+    cm.to_json(tmp_path / COST_FILE)
+    with pytest.raises(ValueError, match="another pair or machine.*Some Other CPU"):
+        _curves(VllmBenchConfig(out_dir=str(tmp_path)), "T", "D")
