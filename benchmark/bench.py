@@ -14,7 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from benchmark.config import BenchmarkConfig
 from compute.timing import CostModel
-from data_gen.prompts import Prompt, load_prompts, render_prompt, split_of
+from data_gen.prompts import Prompt, PromptSourceConfig, load_prompts, render_prompt, split_of
 
 log = logging.getLogger("pipelines.benchmark")
 
@@ -89,8 +89,23 @@ class Bench:
         return replace(self, decoding=replace(self.decoding, max_new_tokens=n), prompts=self.prompts[:prompts])
 
 
-def load_benchmark_prompts(cfg: BenchmarkConfig, tokenizer) -> tuple[list[list[int]], list[str], dict]:
+@dataclass(frozen=True)
+class PromptChoice(SettingsOf):
+    """Which prompts a run decodes and how they render: the benchmark config's fields of these names (the vLLM
+    benchmark builds one from its own config)."""
+
+    prompt_texts: list[str] | None
+    prompts: list[PromptSourceConfig]
+    seed: int
+    split: str | None
+    n_prompts: int
+    use_chat_template: bool
+    max_prompt_tokens: int
+
+
+def load_benchmark_prompts(cfg: BenchmarkConfig | PromptChoice, tokenizer) -> tuple[list[list[int]], list[str], dict]:
     """Token ids of the benchmark prompts, their ids, and stats."""
+    cfg = cfg if isinstance(cfg, PromptChoice) else PromptChoice.of(cfg)
     if cfg.prompt_texts is not None:
         prompts = [Prompt(id=f"text:{i}", source="text", domain="chat", messages=[{"role": "user", "content": t}])
                    for i, t in enumerate(cfg.prompt_texts) if t.strip()]

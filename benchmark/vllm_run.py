@@ -13,10 +13,9 @@ import json
 import logging
 from dataclasses import asdict, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-from benchmark.bench import load_benchmark_prompts
+from benchmark.bench import PromptChoice, load_benchmark_prompts
 from benchmark.vllm_bench import (
     TARGET_ALONE,
     EngineRows,
@@ -54,9 +53,9 @@ def prompt_ids(sources: list[PromptSourceConfig], target_dir: str, split: str | 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
-    view = SimpleNamespace(prompt_texts=None, prompts=sources, seed=seed, split=split, n_prompts=n,
-                           use_chat_template=use_chat_template, max_prompt_tokens=max_prompt_tokens)
-    ids, names, _ = load_benchmark_prompts(view, tok)  # type: ignore[arg-type]
+    choice = PromptChoice(prompt_texts=None, prompts=sources, seed=seed, split=split, n_prompts=n,
+                          use_chat_template=use_chat_template, max_prompt_tokens=max_prompt_tokens)
+    ids, names, _ = load_benchmark_prompts(choice, tok)
     return ids, names
 
 
