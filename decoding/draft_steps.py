@@ -35,8 +35,9 @@ from compute.draft_stats import greedy_draft_stats
 from data_gen.features import token_features
 from predictors import goodput
 from predictors.base import GOODPUT, PREFIX, THRESHOLD, StopPolicy
+from predictors.baselines import StaticLength
 
-__all__ = ["DraftedRound", "check_policy", "step_features", "take_candidate", "verified_count"]
+__all__ = ["DraftedRound", "check_policy", "draft_step", "step_features", "take_candidate", "verified_count"]
 
 
 @dataclass
@@ -82,6 +83,19 @@ def step_features(logits: Tensor, policy: StopPolicy, top_k: int, position: int)
     feats = token_features(logits, tok, top_k=top_k, temperature=0.0, columns=policy.required_columns, stats=stats)
     feats["position"] = torch.tensor([position], dtype=torch.long)
     return int(tok[0]), feats
+
+
+def draft_step(logits: Tensor, policy: StopPolicy, rnd: DraftedRound, top_k: int, cap: int,
+               cost: goodput.RoundCost | None) -> bool:
+    """One drafted position of one request from its [1, V] draft ``logits``: the greedy token goes into ``rnd`` (or,
+    for a prefix rule, not) and the answer says whether to draft another. A length rule (``static:K``, a runtime's
+    own K) is decided by ``cap`` alone, so no feature is computed for it."""
+    if isinstance(policy, StaticLength):
+        rnd.tokens.append(int(logits.argmax(-1)[0]))
+        rnd.q.append(1.0)
+        return True
+    tok, feats = step_features(logits.float(), policy, top_k, len(rnd.tokens))
+    return take_candidate(policy, tok, feats, rnd, cap, cost)
 
 
 def take_candidate(policy: StopPolicy, tok: int, feats: dict[str, Tensor], rnd: DraftedRound, cap: int,

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from compute.llamacpp import llama_cpp_module
 from compute.timing import CostModel
-from decoding.draft_steps import DraftedRound, step_features, take_candidate, verified_count
+from decoding.draft_steps import DraftedRound, draft_step, step_features, verified_count
 from decoding.draft_steps import check_policy as check_runtime_policy
 from decoding.stats import DecodeStats
 from predictors import goodput
@@ -101,14 +101,13 @@ def draft_round(logits: Tensor, feed: Feed, policy: StopPolicy, cap: int, cost: 
     rnd = DraftedRound()
     while len(rnd.tokens) < cap:
         t0 = time.perf_counter()
-        tok, feats = step_features(logits, policy, top_k, len(rnd.tokens))
-        more = take_candidate(policy, tok, feats, rnd, cap, cost)
+        more = draft_step(logits, policy, rnd, top_k, cap, cost)
         rnd.stop_s += time.perf_counter() - t0
         rnd.steps += 1
         if not more or len(rnd.tokens) >= cap:
             break
         t0 = time.perf_counter()
-        logits = feed(tok)
+        logits = feed(rnd.tokens[-1])  # the token just taken (a step that takes none ends the round)
         rnd.draft_s += time.perf_counter() - t0
         rnd.draft_evals += 1
     rnd.verified = verified_count(rnd, policy, cost)

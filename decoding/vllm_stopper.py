@@ -36,10 +36,9 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from compute.timing import CostModel
-from decoding.draft_steps import DraftedRound, check_policy, step_features, take_candidate, verified_count
+from decoding.draft_steps import DraftedRound, check_policy, draft_step, verified_count
 from predictors import goodput
 from predictors.base import GOODPUT, RoundFeedback, StopPolicy
-from predictors.baselines import StaticLength
 
 __all__ = ["RequestStopper", "StopperCounts", "curve_for_batch"]
 
@@ -150,14 +149,7 @@ class RequestStopper:
             if rnd.done:
                 self.counts.idle_rows += 1
                 continue
-            pol = self._policies[self._ids[i]]
-            if not isinstance(pol, StaticLength):
-                tok, feats = step_features(logits[i:i + 1].float(), pol, self.top_k, len(rnd.tokens))
-                more = take_candidate(pol, tok, feats, rnd, cap, self._cost)
-            else:  # a length rule (static:K, vLLM's own K): the cap decides, no feature is computed
-                rnd.tokens.append(int(tokens[i]))
-                rnd.q.append(1.0)
-                more = True
+            more = draft_step(logits[i:i + 1], self._policies[self._ids[i]], rnd, self.top_k, cap, self._cost)
             rnd.steps += 1
             rnd.done = not more or len(rnd.tokens) >= cap
         self.counts.decide_s += time.perf_counter() - t0
