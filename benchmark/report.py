@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from benchmark.bench import Bench, RunOrder
+from benchmark.humaneval_check import humaneval_passes, pass_rate
 from benchmark.plots import plot_speedups
 from benchmark.resume import PROMPTS_DIR
 from benchmark.rows import Row, ratio_ci
@@ -24,7 +25,7 @@ log = logging.getLogger("pipelines.benchmark")
 
 COLUMNS = ("row", "tokens_per_s", "speedup", "vs_best_entropy", "vs_best_thresholded", "mean_accepted",
            "mean_drafted", "target_calls_per_token", "wasted_per_token", "stop_overhead", "identical_prompts",
-           "rouge_l", "runs", "note")
+           "rouge_l", "humaneval_pass", "runs", "note")
 
 
 RATIO_COLUMNS = ("speedup", "vs_best_entropy", "vs_best_thresholded")
@@ -93,9 +94,11 @@ def rouge_l(outputs: list[list[int]], refs: list[list[int]], tokenizer) -> float
     return sum(vals) / len(vals) if vals else 0.0
 
 
-def finish_rows(rows: list[Row], bench: Bench, n_boot: int = 1000, quiet: bool = False) -> list[dict[str, Any]]:
-    """Exactness and ROUGE-L against target-only, the bootstrap intervals (``n_boot`` resamples of the prompts), the
-    best entropy row: the report rows (``quiet``: without logging the cost-aware line)."""
+def finish_rows(rows: list[Row], bench: Bench, n_boot: int = 1000, quiet: bool = False,
+                names: list[str] | None = None) -> list[dict[str, Any]]:
+    """Exactness and ROUGE-L against target-only, HumanEval's tests on each row's answers (where ``names``, the
+    prompts' ids, hold HumanEval prompts), the bootstrap intervals (``n_boot`` resamples of the prompts), the best
+    entropy row: the report rows (``quiet``: without logging the cost-aware line)."""
     greedy = bench.decoding.temperature == 0
     ref = rows[0].outputs
     for r in rows[1:]:
@@ -105,6 +108,11 @@ def finish_rows(rows: list[Row], bench: Bench, n_boot: int = 1000, quiet: bool =
             r.exact = r.outputs == ref
             r.identical_prompts = sum(a == b for a, b in zip(r.outputs, ref))
         r.rouge_l = rouge_l(r.outputs, ref, bench.tokenizer)
+    if names and any(n.startswith("humaneval:") for n in names):
+        for r in rows:
+            if r.outputs:
+                replies = [bench.tokenizer.decode(o, skip_special_tokens=True) for o in r.outputs]
+                r.humaneval_pass = pass_rate(humaneval_passes(names[:len(replies)], replies))
     entropy = [r for r in rows if r.kind in ENTROPY_KINDS and r.method == "engine" and r.outputs]
     best_entropy = max(entropy, key=lambda r: r.tokens_per_s) if entropy else None
     thresholded = [r for r in rows if r.thresholded and r.method == "engine" and r.outputs]

@@ -36,6 +36,8 @@ class Row:
     rouge_l: float | None = None
     identical_prompts: int | None = None
     """Prompts whose output equals target-only's (greedy)."""
+    humaneval_pass: float | None = None
+    """Share of the run's HumanEval prompts whose answer passes the problem's tests (``benchmark.humaneval_check``)."""
     note: str = ""
     spec: str = ""
     """Engine rows: the policy spec that rebuilds the row's policy (``decoding.policies.build_policy``)."""
@@ -130,6 +132,7 @@ class Row:
             "wasted_per_token": round(wasted / self.tokens, 3) if self.tokens and self.draft_tokens else None,
             "stop_overhead": None if self.stop_overhead is None else round(self.stop_overhead, 4),
             "exact": self.exact, "rouge_l": None if self.rouge_l is None else round(self.rouge_l, 4),
+            "humaneval_pass": None if self.humaneval_pass is None else round(self.humaneval_pass, 4),
             "tokens": self.tokens, "seconds": round(sum(self.seconds), 3), "runs": self.runs, "note": self.note,
             "identical_prompts": self.identical_prompts,
             "prompt_tokens": [len(o) for o in self.outputs], "prompt_seconds": [round(x, 4) for x in self.seconds],

@@ -63,15 +63,15 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
     def report_so_far(rows: list[Row], k: int) -> None:  # a run stopped now leaves the report of its first k prompts
         if k < len(bench.prompts):
             view = replace(bench, prompts=bench.prompts[:k])
-            write_report(finish_rows(rows, view, cfg.n_boot, quiet=True), view, names[:k], out_dir, cfg.models, how,
-                         of=len(bench.prompts))
+            write_report(finish_rows(rows, view, cfg.n_boot, quiet=True, names=names[:k]), view, names[:k], out_dir,
+                         cfg.models, how, of=len(bench.prompts))
 
     try:
         with Heartbeat(log, "benchmark", total=len(bench.prompts), unit="prompts") as beat:
             rows = run_rows(plan, bench, how, store, report_so_far, beat)
     finally:
         release_reference(bench)
-    table = finish_rows(rows, bench, cfg.n_boot)
+    table = finish_rows(rows, bench, cfg.n_boot, names=names)
     write_report(table, bench, names, out_dir, cfg.models, how)
     write_curve_during_rows(bench, out_dir)
     with Heartbeat(log, "benchmark replay check"):

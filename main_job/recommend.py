@@ -192,7 +192,8 @@ def recommend(runtime: str, columns: Mapping[str, object], cm: CostModel, *,
               compare: Mapping[str, StopPolicy] | None = None, mode: str = "greedy",
               progress: Progress | None = None) -> Recommendation:
     """Tune ``runtime``'s setting on the ``val`` rows of ``columns`` under ``cm`` and score it, the runtime's
-    defaults, the ``compare`` policies and the oracle on the ``test`` rows (ValueError when a split is missing)."""
+    defaults, the ``compare`` policies and the oracle on the ``test`` rows (ValueError when a split is missing).
+    vLLM's K comes from the acceptance vLLM measured on validation prompts where ``cm`` holds it (greedy)."""
     splits = set(np.asarray(columns.get("split", np.array([]))).astype(str).tolist())
     missing = [s for s in ("val", "test") if s not in splits]
     if missing:
@@ -202,6 +203,11 @@ def recommend(runtime: str, columns: Mapping[str, object], cm: CostModel, *,
     test = prepare_replay_data(columns, ReplayConfig(mode=mode, split="test"))
     warnings = [w for w in (cm.runtime_mismatch(runtime),) if w]
     rule, val_speedup, tried = tune_rule(runtime, val, cm, mode, progress)
+    measured = cm.extra.get(ACCEPTANCE) if runtime == "vllm" and mode == "greedy" else None
+    if measured:  # vLLM's own acceptance on validation prompts prices its K (main_job.vllm_settings)
+        pick = acceptance_picks(measured["survival"], {1: cm})[0]
+        if pick.k:
+            rule, val_speedup = VllmRule(pick.k), pick.val_speedup
     default = runtime_rule(runtime)
 
     def on_test(policy: StopPolicy, cap: int | None = None) -> ReplayResult:

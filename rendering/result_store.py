@@ -49,7 +49,8 @@ PREDICTOR_FIELDS = ("predictor", "label", "test_auc", "best_free", "test_auc_bes
 ROW_FIELDS = ("row", "method", "kind", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "vs_best_entropy",
               "vs_best_entropy_lo", "vs_best_entropy_hi", "exact", "identical_prompts", "mean_accepted",
               "mean_drafted", "thresholded", "verification", "spec", "note", "vs_defaults", "vs_defaults_lo",
-              "vs_defaults_hi")
+              "vs_defaults_hi", "rouge_l", "humaneval_pass", "vs_best_thresholded", "vs_best_thresholded_lo",
+              "vs_best_thresholded_hi")
 CHECK_FIELDS = ("row", "measured_tokens_per_s", "predicted_tokens_per_s", "ratio", "measured_mean_accepted",
                 "predicted_mean_accepted", "note")
 """What a summary keeps of each row of a benchmark's replay check."""

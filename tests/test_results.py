@@ -156,3 +156,18 @@ def test_a_summary_reads_the_runs_curve(tmp_path):
     assert curve_facts(cm) == {"draft_ms": 22.0, "catchup_ms": 13.0, "target_ms_L1": 36.5, "target_ms_L2": 65.5}
     cm.write_text(json.dumps({"draft_s_per_token": 0.022, "target_s": {"1": 0.0365, "2": 0.0655}}))  # no catch-up
     assert curve_facts(cm)["catchup_ms"] == 0.0 and curve_facts(tmp_path / "none.json") is None
+
+
+def test_a_sampled_headline_renders_beside_the_greedy_one_with_its_quality_columns(tmp_path):
+    from rendering.result_store import load_summaries
+
+    sampled = bench_summary(config="benchmark-full-t1", temperature=1.0, date="2026-11-26")
+    for r in sampled["rows"]:
+        r.update(mean_accepted=2.5, humaneval_pass=0.5, rouge_l=0.31)
+    write_summary(bench_summary(), tmp_path)
+    only_greedy = render_readme(load_summaries(tmp_path))
+    assert "configs/benchmark-full-t1.yaml --results_dir results" in only_greedy
+    write_summary(sampled, tmp_path)
+    both = render_readme(load_summaries(tmp_path))
+    assert "sampling at temperature 1.0" in both and "| 2.50 | 50% | 0.310 |" in both
+    assert "greedy" in both and both.count("interval holds 1") == 2 and "no headline run is stored" not in both
