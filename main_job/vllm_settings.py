@@ -29,7 +29,11 @@ from dataclasses import asdict, dataclass
 
 from compute.timing import CostModel
 
-__all__ = ["BatchPick", "ACCEPTANCE", "acceptance_picks", "schedule_ranges", "paste_lines"]
+__all__ = ["BatchPick", "ACCEPTANCE", "MARGINAL", "acceptance_picks", "schedule_ranges", "paste_lines"]
+
+MARGINAL = 1.15
+"""A predicted speedup below this is inside the curve's error: a step's price on a shared 2-core CPU is off by up to
+about 7% (the vLLM benchmark's replay check), and a speedup is the ratio of two such prices."""
 
 ACCEPTANCE = "vllm_acceptance"
 """Key in a vLLM curve's ``extra``: ``{"survival": [S(1), ..., S(K)], "drafts": n, "k": K, "prompts": n, "split":
@@ -122,4 +126,9 @@ def paste_lines(picks: list[BatchPick], draft: str, max_num_seqs: int) -> list[s
         lines.append(f"at {', '.join(map(str, losing))} concurrent requests no K beats the target alone: where most "
                      "traffic runs that wide, serve without speculative_config (a K of 0 in the schedule still runs "
                      "the draft model every step)")
+    marginal = [p for p in picks if p.k and p.test_speedup < MARGINAL]
+    if marginal:
+        what = ", ".join(f"{p.batch} ({p.test_speedup:.2f}x)" for p in marginal)
+        lines.append(f"at {what} concurrent requests the K is predicted less than {MARGINAL:.2f}x the target alone, "
+                     "inside the curve's error: check it in vLLM (pipelines.vllm_bench) before relying on it")
     return lines

@@ -321,3 +321,10 @@ def test_a_resumed_run_refuses_a_curve_of_another_machine(tmp_path) -> None:
     cm.to_json(tmp_path / COST_FILE)
     with pytest.raises(ValueError, match="another pair or machine.*Some Other CPU"):
         _curves(VllmBenchConfig(out_dir=str(tmp_path)), "T", "D")
+
+
+def test_a_k_predicted_inside_the_curves_error_is_flagged() -> None:
+    picks = [BatchPick(1, 3, 1.4, 1.4, 3), BatchPick(4, 1, 1.08, 1.08, 1)]
+    lines = paste_lines(picks, "D", 8)
+    assert any(line.startswith("at 4 (1.08x) concurrent requests the K is predicted") for line in lines)
+    assert not any("1 (1.40x)" in line for line in lines)
