@@ -38,7 +38,7 @@ from evaluation.data import load_columns
 from evaluation.replay.rounds import ReplayResult, replay_policy
 from evaluation.replay.scores import scores_for
 from evaluation.replay.sequences import ReplayConfig, ReplayData, prepare_replay_data
-from main_job.vllm_settings import ACCEPTANCE, BatchPick, acceptance_picks, paste_lines
+from main_job.vllm_settings import ACCEPTANCE, MARGINAL, BatchPick, acceptance_picks, paste_lines
 from predictors.base import StopPolicy
 from predictors.baselines import Oracle
 from predictors.runtime_rules import RUNTIMES, LlamaCppRule, RuntimeRule, TransformersRule, VllmRule, runtime_rule
@@ -333,11 +333,11 @@ def recommend_runtimes(cfg: RecommendConfig, runtimes: Iterable[str] | None = No
 def vllm_batch_picks(cols: Mapping[str, object], curves: dict[int, CostModel], mode: str = "greedy"
                      ) -> list[BatchPick]:
     """vLLM's K tuned at each batch size of ``curves`` on the validation rows, 0 where no K beats the target alone
-    (``main_job.vllm_settings``)."""
+    by ``MARGINAL`` (``main_job.vllm_settings``)."""
     picks = []
     for b in sorted(curves):
         rec = recommend("vllm", cols, curves[b], mode=mode)
-        k = rec.rule.draft_cap() if rec.speculate else 0
+        k = rec.rule.draft_cap() if rec.speculate and rec.val_speedup >= MARGINAL else 0
         picks.append(BatchPick(b, k, round(rec.val_speedup, 4), round(rec.test.speedup if k else 1.0, 4),
                                rec.rule.draft_cap()))
     return picks
