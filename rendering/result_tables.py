@@ -195,7 +195,7 @@ def render_readme(summaries: list[Summary]) -> str:
                   benchmark_table(sampled), "", verdict(sampled)]
     elif bench is not None:
         parts += ["", "At temperature 1 no headline run is stored yet: `python -m pipelines.benchmark --config "
-                  "configs/benchmark-full-t1.yaml --results_dir results` measures it (about 1.5 hours on 2 cores)."]
+                  "configs/benchmark-full-t1.yaml --results_dir results` measures it (about 40 minutes on 2 cores)."]
     vllm = vllm_readme_lines(summaries)
     if vllm:
         parts += ["", *vllm]
