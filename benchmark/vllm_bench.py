@@ -35,6 +35,7 @@ from typing import Any
 from benchmark.vllm_engine import EngineSpec, StepClock, StepLog, build_engine, generate, release, spec_counters
 from data_gen.config import ModelsConfig
 from data_gen.prompts import PromptSourceConfig
+from decoding import vllm_proposer
 
 log = logging.getLogger("pipelines.vllm_bench")
 
@@ -215,18 +216,16 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
                settings_of: Any) -> list[RowRun]:
     """Load ``group``'s engine, run each of its rows once on every unit of every batch size (one pass), release the
     engine. ``settings_of(spec)`` gives the proposer's ``PolicySettings`` for a policy row."""
-    from decoding.vllm_proposer import active, install, uninstall
-
     if group.plugin:  # specstop's proposer for this engine, vLLM's own for every other speculative one
-        install(settings_of(next(iter(group.rows.values()))))
+        vllm_proposer.install(settings_of(next(iter(group.rows.values()))))
     else:
-        uninstall()
+        vllm_proposer.uninstall()
     t0 = time.perf_counter()
     llm = build_engine(group.engine)
     log.info("engine %s loaded in %.0f s", group.engine.speculative_config() or "target alone",
              time.perf_counter() - t0)
     clock = StepClock(llm)
-    proposer = active() if group.plugin else None
+    proposer = vllm_proposer.active() if group.plugin else None
     generate(llm, [units[min(units)][0][0]], 8)  # warm-up: vLLM's first step runs slower
     out = []
     for name, spec in group.rows.items():

@@ -40,6 +40,7 @@ from typing import Any
 from benchmark.vllm_engine import EngineSpec, StepClock, build_engine, generate, release, spec_positions
 from compute.cpu import cpu_model
 from compute.timing import BATCH_CURVES, CostModel, lower_envelope
+from decoding.vllm_proposer import PolicySettings, active, install, uninstall
 
 log = logging.getLogger("pipelines.measure_costs")
 
@@ -114,8 +115,6 @@ def _target_only(s: VllmCurveSettings) -> dict[int, float]:
 
 def _speculative(s: VllmCurveSettings) -> dict[int, tuple[dict[int, float], dict[int, float]]]:
     """Batch -> ({L: draft seconds a token}, {L: target-side seconds of a step verifying L tokens a request})."""
-    from decoding.vllm_proposer import PolicySettings, active, install
-
     install(PolicySettings(spec="static:1", max_draft_len=s.max_length - 1))
     llm = build_engine(EngineSpec(target=s.target, draft=s.draft, k=s.max_length - 1, max_num_seqs=max(s.batches),
                                   device=s.device))
@@ -184,8 +183,6 @@ def measure_vllm_acceptance(target: str, draft: str, prompts: list[list[int]], k
     """How far vLLM's own draft-model speculation gets accepted on ``prompts`` (greedy, one at a time, K = ``k``),
     from vLLM's counters: ``survival[j - 1]`` = S(j), the share of draft rounds whose first j drafts were all
     accepted (``main_job.vllm_settings.ACCEPTANCE`` is where a curve file keeps it)."""
-    from decoding.vllm_proposer import uninstall
-
     uninstall()  # vLLM's own proposer: K drafts every round
     llm = build_engine(EngineSpec(target=target, draft=draft, k=k, max_num_seqs=2, device=device))
     for p in prompts:

@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+
 log = logging.getLogger(__name__)
 
 __all__ = ["NativeExtension", "CFLAGS", "AVX2_CFLAGS", "build_directory", "exclusive_build"]
@@ -71,8 +73,6 @@ class NativeExtension:
 
 def build_directory(name: str) -> Path:
     """Where ``name`` is built: a folder per Python and torch version, so that two torch builds never share objects."""
-    import torch
-
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
     folder = root / f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}" / name
     folder.mkdir(parents=True, exist_ok=True)

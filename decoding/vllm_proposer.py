@@ -32,6 +32,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -130,7 +131,6 @@ def folder_fingerprint(folder: str | Path, name: str) -> dict:
     """The identity of the draft vLLM loads from ``folder`` (named ``name`` as specstop's data names it), in the form
     exported predictors record (``compute.models.model_fingerprint``): name, vocabulary and hidden size, vocabulary
     hash, and vLLM's precision (bfloat16, compute path ``vllm``)."""
-    import json
 
     from transformers import AutoTokenizer
 

@@ -28,14 +28,19 @@ from pathlib import Path
 
 import torch
 
-from benchmark.vllm_engine import reexec_with_iomp
+from benchmark.vllm_curve import VllmCurveSettings, measure_vllm_acceptance, measure_vllm_curve
+from benchmark.vllm_engine import hf_folder, prepare_env, reexec_with_iomp
+from benchmark.vllm_run import prompt_ids
 from compute.gguf_files import ensure_gguf
 from compute.llamacpp import load_pair, measure_llamacpp_curve
 from compute.timing import CostModel, measure_cost_model
 from compute.transformers_costs import measure_transformers_costs
 from data_gen.config import GenerateConfig, ModelsConfig
 from data_gen.generate import load_models
+from data_gen.prompts import PromptSourceConfig
 from data_gen.shards import read_data_config
+from decoding.vllm_proposer import check_vllm
+from main_job.vllm_settings import ACCEPTANCE
 from pipelines.cli import parse_config, setup_logging, user_errors
 
 log = logging.getLogger(__name__)
@@ -136,13 +141,6 @@ def measure_llamacpp(cfg: MeasureCostsConfig) -> CostModel:
 
 def measure_vllm(cfg: MeasureCostsConfig) -> CostModel:
     """vLLM's curve per batch size on the pair's Hugging Face folders (``benchmark.vllm_curve``)."""
-    from benchmark.vllm_curve import VllmCurveSettings, measure_vllm_acceptance, measure_vllm_curve
-    from benchmark.vllm_engine import hf_folder, prepare_env
-    from benchmark.vllm_run import prompt_ids
-    from data_gen.prompts import PromptSourceConfig
-    from decoding.vllm_proposer import check_vllm
-    from main_job.vllm_settings import ACCEPTANCE
-
     check_vllm()
     m = models_of(cfg)
     prepare_env(2, cfg.threads, m.device)
