@@ -46,7 +46,10 @@ def extract_code(reply: str, prompt: str, entry_point: str) -> str:
     return code if re.search(rf"def\s+{re.escape(entry_point)}\s*\(", code) else prompt + code
 
 
+@lru_cache(maxsize=4096)
 def _passes(program: str) -> bool:
+    """Whether ``program`` exits 0 (cached: a running benchmark reports after every prompt, and a finished prompt's
+    answers do not change)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "check.py"
         path.write_text(program)
