@@ -5,14 +5,21 @@ Outside a git checkout of specstop (an installed wheel, no ``git`` on the PATH) 
 fails. Untracked files do not count as changes (outputs, virtual environments and scratch folders would mark every run
 dirty); a new module that the code imports shows up as a change to the tracked file that imports it.
 
+A run records the code at its start (``record_start(out_dir)``, each resumed start beside the first) and its stored
+summary reads that record (``run_code(out_dir)``), so a result names the code that measured it even when the tree
+changed before the summary was stored.
+
 Usage: ``code_version()`` -> ``{"commit": "429b58c...", "dirty": False}``; ``in_history("429b58c")`` -> True when that
-commit is HEAD or one of its ancestors.
+commit is HEAD or one of its ancestors; ``record_start(out_dir)`` at a run's start, ``run_code(out_dir)`` at its end.
 """
 from __future__ import annotations
 
+import datetime as dt
 import functools
+import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 """The folder holding specstop's packages: a git checkout's top level when run from one."""
@@ -63,3 +70,47 @@ def in_history(commit: str, root: Path = ROOT) -> bool | None:
     if found is None or found.returncode not in (0, 1):
         return None
     return found.returncode == 0
+
+
+RUN_RECORD = "code_version.json"
+"""The file in a run's out_dir listing the code of each start: ``{"starts": [{"commit", "dirty", "date"}, ...]}``."""
+
+
+def _starts(out_dir: Path) -> list[dict[str, Any]]:
+    path = Path(out_dir) / RUN_RECORD
+    if not path.is_file():
+        return []
+    try:
+        starts = json.loads(path.read_text())["starts"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a code record ({e}); delete it (the summary then names the code at storing "
+                         "time)") from e
+    return list(starts)
+
+
+def record_start(out_dir: str | Path, root: Path = ROOT) -> dict[str, Any]:
+    """Add this start's code (commit, dirty, UTC time) to ``out_dir/code_version.json`` and return it; a start at the
+    same code as the last one recorded (a plain resume) adds nothing."""
+    starts = _starts(Path(out_dir))
+    now = code_version(root)
+    if not starts or any(starts[-1].get(k) != v for k, v in now.items()):
+        starts.append({**now, "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")})
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / RUN_RECORD).write_text(json.dumps({"starts": starts}, indent=1) + "\n")
+    return now
+
+
+def run_code(out_dir: str | Path, root: Path = ROOT) -> dict[str, Any]:
+    """A stored summary's code fields for the run in ``out_dir``: ``commit`` and ``dirty`` of its first recorded
+    start (dirty when any start was), ``resumed_at`` the other commits it was resumed at (only when there are some);
+    the code at this moment for a run that recorded no start."""
+    starts = _starts(Path(out_dir))
+    if not starts:
+        return code_version(root)
+    first = starts[0]
+    out: dict[str, Any] = {"commit": first.get("commit"),
+                           "dirty": None if first.get("dirty") is None else any(s.get("dirty") for s in starts)}
+    later = list(dict.fromkeys(s["commit"] for s in starts[1:] if s.get("commit") not in (None, first.get("commit"))))
+    if later:
+        out["resumed_at"] = later
+    return out

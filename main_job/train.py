@@ -28,6 +28,7 @@ import mlflow
 from pytorch_lightning.loggers import MLFlowLogger
 
 import predictors.training as training
+from compute.code_version import record_start
 from data_gen.config import GenerateConfig
 from data_gen.folders import data_identity, has_columns
 from data_gen.generate import ensure_data
@@ -141,6 +142,7 @@ def train_all(cfg: TrainJobConfig, extra_data: list[GenerateConfig], progress: b
     uri = resolve_tracking_uri(cfg.tracking_uri)
     check_reachable(uri)  # fail before any work when the tracking server is down
     out = Path(cfg.out_dir)
+    record_start(out)  # the stored summary names the code this job ran on, not the code at storing time
     with ChainProgress(_planned_stages(cfg), log, disable=None if progress is None else not progress) as chain:
         with chain.stage("generate") as st:
             data_dirs = ensure_data([cfg.data, *extra_data], cfg.generate_if_missing, chain, st)

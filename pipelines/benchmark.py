@@ -62,6 +62,7 @@ from benchmark.config import BenchmarkConfig
 from benchmark.report import best_thresholded, console_table, cost_aware_line
 from benchmark.run import run_benchmark, write_config
 from benchmark.tracking import log_to_mlflow
+from compute.code_version import record_start
 from pipelines.cli import parse_config, setup_logging, user_errors
 from rendering.result_store import invocation, summarize_benchmark, write_summary
 
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out_dir = Path(cfg.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         write_config(cfg, out_dir / "config.yaml")
+        record_start(out_dir)  # the summary names the code the rows ran on, not the code at storing time
         rows, stats = run_benchmark(cfg)
     if cfg.tracking:
         log_to_mlflow(cfg, rows, out_dir, stats["replay_check"])

@@ -21,6 +21,7 @@ import yaml
 
 from benchmark.vllm_bench import VllmBenchConfig
 from benchmark.vllm_engine import reexec_with_iomp
+from compute.code_version import record_start
 from pipelines.cli import parse_config, setup_logging, user_errors
 
 PROG = "python -m pipelines.vllm_bench"
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(f"# {PROG} --config {out_dir / 'config.yaml'}\n"
                                              + yaml.safe_dump(asdict(cfg)))
+        record_start(out_dir)  # the summary names the code the rows ran on, not the code at storing time
         rep = run_vllm_benchmark(cfg)
     print(markdown(rep))
     print(f"full report: {out_dir / 'benchmark.md'}")

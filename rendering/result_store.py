@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from compute.code_version import code_version, in_history
+from compute.code_version import in_history, run_code
 from compute.cpu import cpuinfo_fields
 
 log = logging.getLogger(__name__)
@@ -172,8 +172,9 @@ def today() -> str:
 
 def dated(data: dict[str, Any]) -> str:
     """``2026-11-26, commit 429b58c``: a run's date and the code it ran (``+ uncommitted changes`` when the tree was
-    dirty, ``inferred`` when the commit was read from git history afterwards); ``commit unknown`` for a run stored
-    without one. A commit that is not in this checkout's history is rendered with a warning (and logged)."""
+    dirty, ``inferred`` when the commit was read from git history afterwards, ``resumed at`` the commits a stopped run
+    was continued at); ``commit unknown`` for a run stored without one. A commit that is not in this checkout's
+    history is rendered with a warning (and logged)."""
     commit = data.get("commit")
     if not commit:
         return f"{data['date']}, commit unknown"
@@ -182,6 +183,8 @@ def dated(data: dict[str, Any]) -> str:
         text += " + uncommitted changes"
     if data.get("commit_source"):
         text += " (inferred)"
+    if data.get("resumed_at"):
+        text += f" (resumed at {', '.join(str(c)[:7] for c in data['resumed_at'])})"
     if in_history(str(commit)) is False:
         log.warning("stored run of %s (%s %s): commit %s is not in this checkout's history", data["date"],
                     data.get("kind"), data.get("config"), commit)
@@ -210,7 +213,7 @@ def summarize_main_job(out_dir: str | Path, command: str, config_name: str = "de
     records = results.get("records") or _data_records(out, resolved.get("data", {}).get("out_dir"))
     return {
         "schema": SCHEMA, "kind": "main_job", "config": config_name, "command": command, "date": today(),
-        **code_version(), "config_hash": config_hash(resolved), "machine": machine, "compute_path": path,
+        **run_code(out), "config_hash": config_hash(resolved), "machine": machine, "compute_path": path,
         "pair": {"draft": models.get("draft", "?"), "target": models.get("target", "?")},
         "records": records, "duration_s": duration_s, "predictors": rows,
         "recommendations": _recommendations(out / "recommend.json"),
@@ -251,7 +254,7 @@ def summarize_benchmark(out_dir: str | Path, command: str, config_name: str = "b
     replay = bench.get("replay_check") or {}
     return {
         "schema": SCHEMA, "kind": "benchmark", "config": config_name, "command": command, "date": today(),
-        **code_version(), "config_hash": config_hash(config), "machine": machine, "compute_path": path,
+        **run_code(out), "config_hash": config_hash(config), "machine": machine, "compute_path": path,
         "pair": {"draft": config["models"]["draft"], "target": config["models"]["target"]},
         "n_prompts": len(bench.get("prompt_ids") or []), "max_new_tokens": config["max_new_tokens"],
         "temperature": config.get("temperature", 0.0), "prompts_of_run": bench.get("prompts_of_run"),

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from compute.code_version import code_version
+from compute.code_version import run_code
 from rendering.result_store import SCHEMA, Summary, SummaryError, config_hash, cpu_label, dated, machine_facts, today
 
 __all__ = ["summarize_vllm_benchmark", "summarize_device_check", "vllm_block", "vllm_readme_lines", "gpu_block"]
@@ -45,7 +45,7 @@ def summarize_vllm_benchmark(out_dir: str | Path, command: str, config_name: str
               for b, c in (curve.get("extra", {}).get("batch_curves") or {}).items()}
     return {
         "schema": SCHEMA, "kind": "vllm_benchmark", "config": config_name, "command": command,
-        "date": bench.get("date") or today(), **code_version(), "config_hash": config_hash(config),
+        "date": bench.get("date") or today(), **run_code(out), "config_hash": config_hash(config),
         "machine": machine, "compute_path": "vllm", "vllm": machine.get("vllm"),
         "pair": {"draft": config["models"]["draft"], "target": config["models"]["target"]},
         "n_prompts": config["n_prompts"], "max_new_tokens": config["max_new_tokens"],

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from compute.code_version import code_version, in_history
+from compute.code_version import RUN_RECORD, code_version, in_history, record_start, run_code
 from rendering import result_store
 from rendering.result_store import Summary, dated, summarize_main_job
 from rendering.result_tables import render_docs, render_readme
@@ -108,3 +108,27 @@ def test_every_stored_result_names_its_commit():
     for path in sorted((ROOT / "results").glob("*.json")):
         data = json.loads(path.read_text())
         assert "commit" in data and "dirty" in data, path.name
+
+
+def test_a_run_names_the_code_of_its_start_not_of_storing(repo, tmp_path):
+    """record_start at a run's start, run_code when its summary is stored: a commit made in between, or a later
+    resume at other code, does not rename the run; the resume is named beside it."""
+    out = tmp_path / "run"
+    first = git(repo, "rev-parse", "HEAD")
+    record_start(out, repo)
+    record_start(out, repo)  # a plain resume at the same code adds nothing
+    assert len(json.loads((out / RUN_RECORD).read_text())["starts"]) == 1
+    (repo / "a.py").write_text("x = 3\n")
+    git(repo, "commit", "-qam", "two")
+    assert run_code(out, repo) == {"commit": first, "dirty": False}
+    record_start(out, repo)
+    second = git(repo, "rev-parse", "HEAD")
+    assert run_code(out, repo) == {"commit": first, "dirty": False, "resumed_at": [second]}
+    assert f"commit {first[:7]} (resumed at {second[:7]})" in dated({"date": "2026-11-27", **run_code(out, repo)})
+    assert run_code(tmp_path / "never-recorded", repo) == code_version(repo)
+
+
+def test_a_broken_code_record_is_named(tmp_path):
+    (tmp_path / RUN_RECORD).write_text("{not json")
+    with pytest.raises(ValueError, match="code_version.json: not a code record"):
+        run_code(tmp_path)
