@@ -64,29 +64,40 @@ def _prompts(cfg: VllmBenchConfig, target_dir: str, split: str | None, n: int) -
                       max_prompt_tokens=cfg.max_prompt_tokens, seed=cfg.seed)
 
 
+def _check_pair(cm: CostModel, cfg: VllmBenchConfig, where: str, remedy: str) -> None:
+    """Refuse a curve measured for another pair, or (on the CPU) on another machine, naming ``where`` it came from."""
+    machine = cpu_model() if cfg.models.device == "cpu" else None
+    if why := cm.mismatch(cfg.models.draft, cfg.models.target, machine=machine):
+        raise ValueError(f"{where}: measured for another pair or machine ({'; '.join(why)}); {remedy}")
+
+
+def _keep(cm: CostModel, path: Path, cfg: VllmBenchConfig) -> None:
+    """Write vLLM's curve to ``path`` and beside recommend_data's data (where the main job's recommendation reads
+    it) when that folder is given."""
+    cm.to_json(path)
+    if cfg.recommend_data:
+        cm.to_json(Path(cfg.recommend_data) / COST_FILE)
+
+
 def _curves(cfg: VllmBenchConfig, target: str, draft: str) -> tuple[Path, dict[int, CostModel]]:
     """vLLM's curve: the file given, else the one a previous run of out_dir measured, else measured now; written to
     out_dir (and, when measured, beside recommend_data)."""
     out = Path(cfg.out_dir) / COST_FILE
-    machine = cpu_model() if cfg.models.device == "cpu" else None
     if cfg.cost_file is None and out.is_file():
-        if why := CostModel.from_json(out).mismatch(cfg.models.draft, cfg.models.target, machine=machine):
-            raise ValueError(f"{out}: a curve measured for another pair or machine ({'; '.join(why)}); move it aside "
-                             "(with the engines/ folder beside it) or give another --out_dir to measure anew")
+        _check_pair(CostModel.from_json(out), cfg, str(out), "move it aside (with the engines/ folder beside it) or "
+                    "give another --out_dir to measure anew")
         log.info("vLLM's curve read back from %s (a resumed run; delete it to measure again)", out)
         return out, load_curves(out)
     if cfg.cost_file is not None:
         cm = CostModel.from_json(cfg.cost_file)
-        if why := cm.mismatch(cfg.models.draft, cfg.models.target, machine=machine):
-            raise ValueError(f"--cost_file {cfg.cost_file}: measured for another pair or machine ({'; '.join(why)}); "
-                             "measure it again with python -m pipelines.measure_costs --runtime vllm")
+        _check_pair(cm, cfg, f"--cost_file {cfg.cost_file}",
+                    "measure it again with python -m pipelines.measure_costs --runtime vllm")
+        cm.to_json(out)
     else:
         cm = measure_vllm_curve(VllmCurveSettings(target=target, draft=draft, batches=tuple(cfg.curve_batches),
                                                   device=cfg.models.device, target_name=cfg.models.target,
                                                   draft_name=cfg.models.draft))
-        if cfg.recommend_data:
-            cm.to_json(Path(cfg.recommend_data) / COST_FILE)
-    cm.to_json(out)
+        _keep(cm, out, cfg)
     return out, load_curves(out)
 
 
@@ -98,9 +109,7 @@ def _acceptance(cfg: VllmBenchConfig, cost_path: Path, target: str, draft: str) 
         prompts, _ = _prompts(cfg, target, cfg.acceptance_split, cfg.acceptance_prompts)
         cm.extra[ACCEPTANCE] = {**measure_vllm_acceptance(target, draft, prompts, cfg.policy_k, cfg.max_new_tokens,
                                                           cfg.models.device), "split": cfg.acceptance_split}
-        cm.to_json(cost_path)
-        if cfg.recommend_data and Path(cfg.recommend_data).is_dir():
-            cm.to_json(Path(cfg.recommend_data) / COST_FILE)
+        _keep(cm, cost_path, cfg)
     return list(cm.extra[ACCEPTANCE]["survival"])
 
 

@@ -344,19 +344,19 @@ def vllm_batch_picks(cols: Mapping[str, object], curves: dict[int, CostModel], m
 
 
 def draft_name(cfg: RecommendConfig, runtime: str = "transformers") -> str:
-    """The draft as the printed settings name it: ``cfg.draft``, else the data folder's draft model (for llama.cpp a
-    packaged draft's joined GGUF file, ``compute.gguf_files``)."""
+    """The draft as the printed settings name it: ``cfg.draft``, else the data folder's draft model; a packaged draft
+    as each runtime loads it: llama.cpp its joined GGUF file (``compute.gguf_files``), vLLM the Hugging Face folder it
+    was converted to (``compute.packaged.ensure_packaged``, what ``pipelines.vllm_bench`` loads), transformers its
+    ``packaged:`` name."""
     if cfg.draft:
         return cfg.draft
     models = (read_data_config(cfg.data_dir) or {}).get("resolved", {}).get("models", {})
     draft = str(models.get("draft") or "DRAFT")
-    if not draft.startswith(PACKAGED_PREFIX):
+    if not draft.startswith(PACKAGED_PREFIX) or runtime not in ("llamacpp", "vllm"):
         return draft
     name = draft.removeprefix(PACKAGED_PREFIX)
-    if runtime == "llamacpp":
-        cache = Path(str(models.get("cache_dir") or "~/.cache/specstop"))
-        return str(cache / GGUF_SUBDIR / f"{name}.gguf")
-    return get_packaged(name).upstream if runtime == "vllm" else draft  # vLLM loads the hub's model
+    cache = Path(str(models.get("cache_dir") or "~/.cache/specstop"))
+    return str(cache / GGUF_SUBDIR / f"{name}.gguf") if runtime == "llamacpp" else str(cache / get_packaged(name).name)
 
 
 def write_recommendations(recs: dict[str, Recommendation], path: str | Path) -> Path:

@@ -13,7 +13,7 @@ from compute.timing import CostModel
 from decoding.engine import SpeculativeDecoder
 from decoding.policies import build_policy
 from evaluation.replay import ReplayConfig, prepare_replay_data, replay_policy
-from main_job.recommend import SPECULATE_MIN, coarse_rules, recommend
+from main_job.recommend import SPECULATE_MIN, RecommendConfig, coarse_rules, draft_name, recommend
 from predictors.base import PREFIX, RoundFeedback
 from predictors.runtime_rules import LlamaCppRule, TransformersRule, VllmRule, roc_threshold, runtime_rule
 from tests.synthetic import make_records
@@ -181,3 +181,15 @@ def test_transformers_costs_time_generate_own_forwards_and_overheads():
     assert set(runs) == {0, 1, 4} and runs[0]["drafted"] == 0 and runs[4]["drafted"] > runs[1]["drafted"] > 0
     with pytest.raises(ValueError, match="two draft lengths"):
         measure_transformers_costs(draft, target, lengths=(4,))
+
+
+def test_each_runtime_names_a_packaged_draft_as_it_loads_it(tmp_path):
+    """The printed settings name the draft a runtime can load: llama.cpp the joined GGUF file, vLLM the Hugging Face
+    folder the model was converted to, transformers the packaged name; a draft given on the command line wins."""
+    (tmp_path / "config.json").write_text(json.dumps({"resolved": {"models": {
+        "draft": "packaged:qwen2.5-coder-0.5b-instruct", "cache_dir": "/models"}}}))
+    cfg = RecommendConfig(data_dir=str(tmp_path))
+    assert draft_name(cfg, "vllm") == "/models/qwen2.5-coder-0.5b-instruct"
+    assert draft_name(cfg, "llamacpp").startswith("/models/") and draft_name(cfg, "llamacpp").endswith(".gguf")
+    assert draft_name(cfg, "transformers") == "packaged:qwen2.5-coder-0.5b-instruct"
+    assert draft_name(RecommendConfig(data_dir=str(tmp_path), draft="my/draft"), "vllm") == "my/draft"
