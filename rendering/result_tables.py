@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from predictors.base import SEQUENTIAL
 from predictors.baselines import ENTROPY_KINDS
 from rendering.result_runtimes import RUNTIME_CONFIGS, runtime_block, runtime_section
 from rendering.result_store import Summary, cpu_label, dated, interval_text
@@ -34,6 +35,12 @@ def _f(x: Any, spec: str) -> str:
 def _is_learned(row: dict[str, Any]) -> bool:
     kind = row.get("kind") or ""
     return kind in LEARNED_KINDS or kind.startswith("goodput-")
+
+
+def _approximate(row: dict[str, Any]) -> bool:
+    """A row that does not decode the target's distribution: approximate by design (SPRINTER's sequential
+    verification: the target checks only the last drafted token), or one whose greedy output differed."""
+    return row.get("exact") is False or row.get("verification") == SEQUENTIAL
 
 
 def caption(s: Summary) -> str:
@@ -109,7 +116,7 @@ def benchmark_table(s: Summary) -> str:
 def verdict(s: Summary) -> str:
     """One sentence on what the benchmark decides: the best exact learned row against the best entropy bound."""
     rows = s.data["rows"]
-    learned = [r for r in rows if _is_learned(r) and r.get("exact") is not False and r.get("vs_best_entropy")]
+    learned = [r for r in rows if _is_learned(r) and not _approximate(r) and r.get("vs_best_entropy")]
     entropy = [r for r in rows if (r.get("kind") or "") in ENTROPY_KINDS and r.get("vs_best_entropy") == 1.0]
     if not learned or not entropy:
         return "This run has no exact learned row and entropy bound to compare."
@@ -125,6 +132,35 @@ def verdict(s: Summary) -> str:
         return head + ": the entropy bound is measurably faster; it also needs no training."
     return (head + ": the interval holds 1, so on this pair and machine a learned stopper is not measurably faster "
             "than the training-free bound, which needs no training.")
+
+
+def sampled_quality(s: Summary) -> str:
+    """Under sampling (where equal outputs mean nothing), one sentence on the approximate rows' quality: their ROUGE-L
+    to target-only's sample beside the exact rows' range (the similarity of two samples of the target's own
+    distribution), and HumanEval's pass rates; "" for a greedy run or one without both kinds of row."""
+    rows = [r for r in s.data["rows"] if r.get("rouge_l") is not None]
+    exact = [r["rouge_l"] for r in rows if not _approximate(r)]
+    approx = [r for r in rows if _approximate(r)]
+    if s.data.get("temperature", 0) == 0 or not exact or not approx:
+        return ""
+    lo, hi = min(exact), max(exact)
+    theirs = ", ".join(f"{r['rouge_l']:.3f} for {row_name(r)}" for r in approx)
+    inside = all(lo <= r["rouge_l"] <= hi for r in approx)
+    text = (f"Quality at this temperature: ROUGE-L to target-only's sample is {lo:.3f}-{hi:.3f} for the exact rows "
+            f"(two samples of the target's own distribution) and {theirs}"
+            + (", inside that range: this measure does not tell the approximate decoding from the target's."
+               if inside else ", outside that range."))
+    passes = [r["humaneval_pass"] for r in s.data["rows"][1:] if r.get("humaneval_pass") is not None]
+    target = s.data["rows"][0].get("humaneval_pass")
+    if passes and target is not None:
+        text += (f" HumanEval's tests pass for {target:.0%} of target-only's answers and {min(passes):.0%}-"
+                 f"{max(passes):.0%} of the other rows' ({s.data['max_new_tokens']} new tokens an answer).")
+    return text
+
+
+def _verdicts(s: Summary) -> str:
+    """The speed verdict and, under sampling, the quality sentence."""
+    return " ".join(x for x in (verdict(s), sampled_quality(s)) if x)
 
 
 def _benchmark_heading(s: Summary) -> str:
@@ -192,10 +228,10 @@ def render_readme(summaries: list[Summary]) -> str:
     sampled = sampled_headline(summaries)
     if sampled is not None:
         parts += ["", f"End to end, {_benchmark_heading(sampled)} ({caption(sampled)}):", "",
-                  benchmark_table(sampled), "", verdict(sampled)]
+                  benchmark_table(sampled), "", _verdicts(sampled)]
     elif bench is not None:
         parts += ["", "At temperature 1 no headline run is stored yet: `python -m pipelines.benchmark --config "
-                  "configs/benchmark-full-t1.yaml --results_dir results` measures it (about 40 minutes on 2 cores)."]
+                  "configs/benchmark-full-t1.yaml --results_dir results` measures it (about 50 minutes on 2 cores)."]
     vllm = vllm_readme_lines(summaries)
     if vllm:
         parts += ["", *vllm]
@@ -226,7 +262,7 @@ def render_docs(summaries: list[Summary]) -> str:
                 parts += [f"**Runtime benchmark `{s.data['config']}`**", "", runtime_section(s), ""]
             else:
                 parts += [f"**Benchmark `{s.data['config']}`, {_benchmark_heading(s)}** ({caption(s)}):", "",
-                          benchmark_table(s), "", verdict(s), ""]
+                          benchmark_table(s), "", _verdicts(s), ""]
     return "\n".join(parts).rstrip() if parts else "No stored run yet."
 
 

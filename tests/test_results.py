@@ -171,3 +171,25 @@ def test_a_sampled_headline_renders_beside_the_greedy_one_with_its_quality_colum
     both = render_readme(load_summaries(tmp_path))
     assert "sampling at temperature 1.0" in both and "| 2.50 | 50% | 0.310 |" in both
     assert "greedy" in both and both.count("interval holds 1") == 2 and "no headline run is stored" not in both
+
+
+def test_a_sampled_verdict_leaves_out_sprinter_and_weighs_its_rouge_against_the_exact_rows():
+    """Under sampling no row has a greedy exactness check: SPRINTER (sequential verification) is still approximate,
+    so the verdict does not pick it even when fastest; the quality sentence reads its ROUGE-L against the exact rows'
+    range (two samples of the target's distribution)."""
+    from rendering.result_store import Summary
+    from rendering.result_tables import sampled_quality, verdict
+
+    data = bench_summary(config="benchmark-full-t1", temperature=1.0)
+    for r in data["rows"]:
+        r.pop("exact", None)
+        r.update(rouge_l=None if r["row"] == "target-only" else 0.36, humaneval_pass=0.0625)
+    data["rows"].append({"row": "sprinter (val-tuned 0.5)", "kind": "sprinter", "verification": "sequential",
+                         "tokens_per_s": 9.9, "speedup": 1.65, "vs_best_entropy": 1.1, "vs_best_entropy_lo": 1.05,
+                         "vs_best_entropy_hi": 1.15, "rouge_l": 0.37, "humaneval_pass": 0.125})
+    s = Summary(Path("x.json"), data)
+    assert verdict(s).startswith("The best exact learned stopper (disco (val-tuned 0.4)) ran 1.01x")
+    text = sampled_quality(s)
+    assert "0.360-0.360 for the exact rows" in text and "0.370 for sprinter (val-tuned 0.5), outside that range" in text
+    assert "6% of target-only's answers and 6%-12% of the other rows'" in text
+    assert sampled_quality(Summary(Path("g.json"), bench_summary())) == ""  # greedy: identical outputs say it
