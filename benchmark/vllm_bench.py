@@ -125,21 +125,17 @@ class RowRun:
     seconds: list[float] = field(default_factory=list)
     steps: list[list[StepLog]] = field(default_factory=list)
     """Per unit, the faster run's engine steps."""
-    counters: dict[str, float] = field(default_factory=dict)
-    """vLLM's speculative-decoding counters summed over the kept runs (drafts, draft_tokens, accepted)."""
     unit_counters: list[dict[str, float]] = field(default_factory=list)
-    """Per unit, the kept run's counters."""
+    """Per unit, the kept run's vLLM speculative-decoding counters (drafts, draft_tokens, accepted)."""
     rounds: list[list[tuple[int, int, float]]] = field(default_factory=list)
     """Policy rows: per unit, the proposer's rounds (requests, draft positions, mean verified length)."""
-    idle_rows: int = 0
-    draft_rows: int = 0
-    """Policy rows: draft-forward rows computed for requests that had stopped, of all rows computed."""
     unit_idle: list[tuple[int, int]] = field(default_factory=list)
-    """Per unit, the kept run's (idle rows, draft rows)."""
+    """Per unit, the kept run's (idle rows, draft rows): draft-forward rows computed for requests that had stopped,
+    of all rows computed (policy rows)."""
 
     def add_unit(self, run: tuple[list[list[int]], float, list[StepLog], dict[str, float], list, tuple[int, int]],
                  ) -> None:
-        """Append one unit's kept run (as :func:`run_unit` returns it) and add it to the totals."""
+        """Append one unit's kept run (as :func:`run_unit` returns it)."""
         outs, wall, steps, counters, rounds, idle = run
         self.outputs.append(outs)
         self.seconds.append(wall)
@@ -147,16 +143,29 @@ class RowRun:
         self.rounds.append(rounds)
         self.unit_counters.append(dict(counters))
         self.unit_idle.append(tuple(idle))
-        self.idle_rows += idle[0]
-        self.draft_rows += idle[1]
-        for k, v in counters.items():
-            self.counters[k] = self.counters.get(k, 0.0) + v
 
     def unit(self, i: int) -> tuple[list[list[int]], float, list[StepLog], dict[str, float], list, tuple[int, int]]:
         """Unit ``i``'s kept run, in :meth:`add_unit`'s form."""
         counters = self.unit_counters[i] if i < len(self.unit_counters) else {}
         idle = self.unit_idle[i] if i < len(self.unit_idle) else (0, 0)
         return self.outputs[i], self.seconds[i], self.steps[i], counters, self.rounds[i], idle
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """vLLM's counters summed over the units."""
+        total: dict[str, float] = {}
+        for unit in self.unit_counters:
+            for k, v in unit.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    @property
+    def idle_rows(self) -> int:
+        return sum(u[0] for u in self.unit_idle)
+
+    @property
+    def draft_rows(self) -> int:
+        return sum(u[1] for u in self.unit_idle)
 
     @property
     def tokens(self) -> int:
@@ -170,7 +179,7 @@ class RowRun:
 
 def row_from_dict(d: dict[str, Any]) -> RowRun:
     """A :class:`RowRun` from its ``asdict`` form (an engine's stored rows)."""
-    d = dict(d)
+    d = {k: v for k, v in d.items() if k not in ("counters", "idle_rows", "draft_rows")}  # totals: derived
     d["steps"] = [[StepLog(**s) for s in unit] for unit in d.get("steps", [])]
     d["rounds"] = [[tuple(r) for r in unit] for unit in d.get("rounds", [])]
     d["unit_idle"] = [tuple(u) for u in d.get("unit_idle", [])]
