@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from benchmark.bench import Bench, DecodeSettings, RunOrder, load_benchmark_prompts, stop_tokens
 from benchmark.check import run_check
@@ -116,8 +114,3 @@ def run_replay_check(bench: Bench, out_dir: Path, cfg: BenchmarkConfig) -> dict[
                       "-m pipelines.replay_check --bench_dir %s", out_dir)
         return None
     return check
-
-
-def write_config(cfg: BenchmarkConfig, path: Path) -> None:
-    """The resolved config as YAML, headed by the command that runs it again."""
-    path.write_text("# python -m pipelines.benchmark --config " + str(path) + "\n" + yaml.safe_dump(asdict(cfg)))

@@ -54,16 +54,14 @@ from __future__ import annotations
 import logging
 import sys
 import textwrap
-from pathlib import Path
 from typing import Any
 
 from benchmark.check import summary_line
 from benchmark.config import BenchmarkConfig
 from benchmark.report import best_thresholded, console_table, cost_aware_line
-from benchmark.run import run_benchmark, write_config
+from benchmark.run import run_benchmark
 from benchmark.tracking import log_to_mlflow
-from compute.code_version import record_start
-from pipelines.cli import parse_config, setup_logging, user_errors
+from pipelines.cli import parse_config, setup_logging, start_run, user_errors
 from rendering.result_store import invocation, summarize_benchmark, write_summary
 
 
@@ -73,10 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.getLogger("absl").setLevel(logging.WARNING)  # rouge-score logs once per scorer
     with user_errors("python -m pipelines.benchmark"):
         cfg = parse_config(BenchmarkConfig, argv, __doc__)
-        out_dir = Path(cfg.out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_config(cfg, out_dir / "config.yaml")
-        record_start(out_dir)  # the summary names the code the rows ran on, not the code at storing time
+        out_dir = start_run(cfg, "python -m pipelines.benchmark")
         rows, stats = run_benchmark(cfg)
     if cfg.tracking:
         log_to_mlflow(cfg, rows, out_dir, stats["replay_check"])

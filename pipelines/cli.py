@@ -30,7 +30,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
+import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
+
+from compute.code_version import record_start
 
 T = TypeVar("T")
 
@@ -249,3 +252,16 @@ def quiet_libraries() -> None:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     if "datasets" in sys.modules:  # read from the environment at import: switch it off in the imported module too
         sys.modules["datasets"].disable_progress_bars()
+
+
+def start_run(cfg: object, prog: str) -> Path:
+    """Create the run's ``cfg.out_dir``, write its resolved config there as ``config.yaml`` headed by the command that
+    runs it again (``prog --config <that file>``), and record the code of this start
+    (``compute.code_version.record_start``: the stored summary names the code the rows ran on, not the code at storing
+    time). Returns the folder."""
+    out_dir = Path(cfg.out_dir)  # type: ignore[attr-defined]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "config.yaml"
+    path.write_text(f"# {prog} --config {path}\n" + yaml.safe_dump(dataclasses.asdict(cfg)))  # type: ignore[arg-type]
+    record_start(out_dir)
+    return out_dir

@@ -19,17 +19,12 @@ from __future__ import annotations
 
 import sys
 import textwrap
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 from benchmark.check import summary_line
 from benchmark.llamacpp import LlamaCppBenchConfig, comparison_lines, run_llamacpp_benchmark
 from benchmark.report import console_table
-from compute.code_version import record_start
-from pipelines.cli import parse_config, setup_logging, user_errors
+from pipelines.cli import parse_config, setup_logging, start_run, user_errors
 
 PROG = "python -m pipelines.llamacpp_bench"
 
@@ -40,11 +35,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup_logging()
     with user_errors(PROG):
         cfg = parse_config(LlamaCppBenchConfig, argv, __doc__)
-        out_dir = Path(cfg.out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(f"# {PROG} --config {out_dir / 'config.yaml'}\n"
-                                             + yaml.safe_dump(asdict(cfg)))
-        record_start(out_dir)  # the summary names the code the rows ran on, not the code at storing time
+        out_dir = start_run(cfg, PROG)
         rep = run_llamacpp_benchmark(cfg)
     print(console_table(rep.table, len(rep.table[0]["prompt_tokens"])))
     check = [summary_line(rep.replay_check["summary"])] if rep.replay_check else []

@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 from benchmark.vllm_bench import VllmBenchConfig
 from benchmark.vllm_engine import reexec_with_iomp
-from compute.code_version import record_start
-from pipelines.cli import parse_config, setup_logging, user_errors
+from pipelines.cli import parse_config, setup_logging, start_run, user_errors
 
 PROG = "python -m pipelines.vllm_bench"
 
@@ -36,11 +32,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from benchmark.vllm_report import markdown
         from benchmark.vllm_run import run_vllm_benchmark
 
-        out_dir = Path(cfg.out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(f"# {PROG} --config {out_dir / 'config.yaml'}\n"
-                                             + yaml.safe_dump(asdict(cfg)))
-        record_start(out_dir)  # the summary names the code the rows ran on, not the code at storing time
+        out_dir = start_run(cfg, PROG)
         rep = run_vllm_benchmark(cfg)
     print(markdown(rep))
     print(f"full report: {out_dir / 'benchmark.md'}")

@@ -22,7 +22,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from compute.compute_path import compute_path_of
 from compute.models import ModelSpec, load_model
@@ -38,6 +37,7 @@ from predictors.calibration import Calibrator
 from predictors.export import export_predictor, update_metadata
 from predictors.training import DiscoConfig, SprinterConfig, SVTableConfig, fit_predictor
 from tests.synthetic import make_records, write_shards
+from tests.test_engine_sampling import chi2_pvalue
 from tests.tiny_pairs import make_pair
 
 DEVICE = os.environ.get("SPECSTOP_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
@@ -161,18 +161,6 @@ def test_sampling_runs_and_a_seed_repeats(pair, companion, exports, name):
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert stats.tokens == 32 and stats.rounds > 0 and stats.accepted <= stats.drafted
     assert int(a.min()) >= 0 and int(a.max()) < 260
-
-
-def chi2_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
-    """Chi-square goodness of fit, categories with small expected counts pooled into one bin."""
-    expected = probs * counts.sum()
-    big = expected >= min_expected
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] < 1e-9:
-        assert obs[-1] == 0, "tokens sampled that have (near) zero target probability"
-        obs, exp = obs[:-1], exp[:-1]
-    return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
 @pytest.mark.parametrize("spec,temperature,top_p", [("static:2", 1.0, 1.0), ("svip:0.3", 0.7, 0.9)])
