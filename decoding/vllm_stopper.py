@@ -149,7 +149,8 @@ class RequestStopper:
             if rnd.done:
                 self.counts.idle_rows += 1
                 continue
-            more = draft_step(logits[i:i + 1], self._policies[self._ids[i]], rnd, self.top_k, cap, self._cost)
+            more = draft_step(logits[i:i + 1], self._policies[self._ids[i]], rnd, self.top_k, cap, self._cost,
+                              token=int(tokens[i]))
             rnd.steps += 1
             rnd.done = not more or len(rnd.tokens) >= cap
         self.counts.decide_s += time.perf_counter() - t0
