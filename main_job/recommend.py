@@ -38,7 +38,7 @@ from evaluation.data import load_columns
 from evaluation.replay.rounds import ReplayResult, replay_policy
 from evaluation.replay.scores import scores_for
 from evaluation.replay.sequences import ReplayConfig, ReplayData, prepare_replay_data
-from main_job.vllm_settings import ACCEPTANCE, MARGINAL, BatchPick, acceptance_picks, paste_lines
+from main_job.vllm_settings import MARGINAL, BatchPick, acceptance_picks, measured_survival, paste_lines
 from predictors.base import StopPolicy
 from predictors.baselines import Oracle
 from predictors.runtime_rules import RUNTIMES, LlamaCppRule, RuntimeRule, TransformersRule, VllmRule, runtime_rule
@@ -203,9 +203,9 @@ def recommend(runtime: str, columns: Mapping[str, object], cm: CostModel, *,
     test = prepare_replay_data(columns, ReplayConfig(mode=mode, split="test"))
     warnings = [w for w in (cm.runtime_mismatch(runtime),) if w]
     rule, val_speedup, tried = tune_rule(runtime, val, cm, mode, progress)
-    measured = cm.extra.get(ACCEPTANCE) if runtime == "vllm" and mode == "greedy" else None
-    if measured:  # vLLM's own acceptance on validation prompts prices its K (main_job.vllm_settings)
-        pick = acceptance_picks(measured["survival"], {1: cm})[0]
+    survival = measured_survival(cm, mode) if runtime == "vllm" else None
+    if survival:  # vLLM's own acceptance on validation prompts prices its K (main_job.vllm_settings)
+        pick = acceptance_picks(survival, {1: cm})[0]
         if pick.k:
             rule, val_speedup = VllmRule(pick.k), pick.val_speedup
     default = runtime_rule(runtime)
@@ -322,8 +322,8 @@ def recommend_runtimes(cfg: RecommendConfig, runtimes: Iterable[str] | None = No
                                 progress=lambda done, total, h=hb: h.update(done, total))
         if rt == "vllm" and cm.extra.get(BATCH_CURVES):  # vLLM's own curve, per batch size: a K for each
             curves = {int(b): CostModel.from_dict(d) for b, d in cm.extra[BATCH_CURVES].items()}
-            measured = cm.extra.get(ACCEPTANCE)  # vLLM's own acceptance on validation prompts, where measured
-            out[rt].per_batch = (acceptance_picks(measured["survival"], curves) if measured and cfg.mode == "greedy"
+            survival = measured_survival(cm, cfg.mode)  # vLLM's own acceptance on validation prompts, if measured
+            out[rt].per_batch = (acceptance_picks(survival, curves) if survival
                                  else vllm_batch_picks(cols, curves, cfg.mode))
         for w in out[rt].warnings:
             log.warning(w)

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 
 from compute.timing import CostModel
 
-__all__ = ["BatchPick", "ACCEPTANCE", "MARGINAL", "acceptance_picks", "schedule_ranges", "paste_lines"]
+__all__ = ["BatchPick", "ACCEPTANCE", "MARGINAL", "measured_survival", "acceptance_picks", "schedule_ranges",
+           "paste_lines"]
 
 MARGINAL = 1.15
 """The predicted speedup a K must reach to be recommended over the target alone: a step's price on a shared 2-core
@@ -61,6 +62,13 @@ class BatchPick:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def measured_survival(cm: CostModel, mode: str = "greedy") -> list[float] | None:
+    """S(1..K) of the acceptance vLLM measured on validation prompts, kept in its curve's ``extra`` (``ACCEPTANCE``);
+    None where it was not measured, or for ``mode`` other than greedy (it was measured greedy)."""
+    measured = cm.extra.get(ACCEPTANCE)
+    return list(measured["survival"]) if measured and mode == "greedy" else None
 
 
 def acceptance_picks(survival: Sequence[float], curves: Mapping[int, CostModel]) -> list[BatchPick]:
