@@ -12,6 +12,9 @@ from compute.models import ModelSpec
 from data_gen.prompts import PromptSourceConfig
 from data_gen.schema import ORIGINS
 
+AUTO = "auto"
+"""``gen_batch_size`` sized from this host's measured step curve (``data_gen.batch_sizing``)."""
+
 
 @dataclass
 class ModelsConfig:
@@ -108,10 +111,14 @@ class GenerateConfig:
     """Budget in labelled draft tokens; generation stops at exactly this count (None: all prompts)."""
     prompts_per_shard: int = 8
     """Prompts per chunk; one shard per chunk (the unit of resume)."""
-    gen_batch_size: int = 8
-    """Sequences per batched generate call."""
+    gen_batch_size: int | str = AUTO
+    """Sequences decoded together in a continuation or rollout batch: an integer, or ``auto``: the largest batch whose
+    draft + target step costs at most 1.15x a one-row step on this host (a short probe at the start, at least 8),
+    capped by memory (``data_gen.batch_sizing``); a folder records the value and a resume reuses it. Not part of the
+    data config: a batch changes the float rounding of its forwards, not the prompts, origins, budget or seeds."""
     label_batch_tokens: int = 4096
-    """Memory budget of one labelling pass: padded tokens (batch x longest) per forward."""
+    """Memory budget of one labelling pass: padded tokens (batch x longest) per forward; halved with the batch when a
+    pass does not fit in memory."""
     split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
     """train / val / test shares, assigned by prompt."""
     seed: int = 0
@@ -145,6 +152,10 @@ class GenerateConfig:
         if self.sample_draw and self.temperature > 0:
             raise ValueError(f"--sample_draw true needs --temperature 0 (got {self.temperature:g}): sampled data draws "
                              "every token from q already")
+        if self.gen_batch_size != AUTO and (not isinstance(self.gen_batch_size, int) or self.gen_batch_size < 1):
+            raise ValueError(f"--gen_batch_size must be a positive integer or auto, got {self.gen_batch_size!r}")
+        if self.label_batch_tokens < 1:
+            raise ValueError(f"--label_batch_tokens must be >= 1, got {self.label_batch_tokens}")
         if abs(sum(self.split_fractions) - 1) > 1e-6:
             raise ValueError(f"--split_fractions must sum to 1, got {self.split_fractions}")
 

@@ -48,7 +48,15 @@ from compute.compute_path import (
 )
 from compute.draft_stats import native_available
 from compute.models import check_same_tokenizer, load_model, model_fingerprint, share_truncated_layers
-from compute.timing import measure_cost_model
+from compute.timing import measure_cost_model, read_bandwidth
+from data_gen.batch_sizing import (
+    fitting,
+    host_read_bandwidth,
+    read_bandwidth_note,
+    record_gen_batch,
+    recorded_gen_batch,
+    resolve_gen_batch,
+)
 from data_gen.chunk import ChunkStats, cut_to_budget, origin_cost, produce_chunk
 from data_gen.config import GenerateConfig, ModelsConfig
 from data_gen.folders import check_same_config
@@ -181,8 +189,10 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
     out_dir = Path(cfg.out_dir)
     models, tok = load_models(cfg, device)
     prompts, rendered, prompt_stats, truncated = _ordered_prompts(cfg, tok)
+    recorded = recorded_gen_batch(out_dir, cfg.data_config())  # before the run rewrites the folder's config.json
     fingerprints, features = _prepare_folder(cfg, models, tok, out_dir, rank)
     attention_for_labelling(models)
+    cfg = _sized(cfg, models, recorded, out_dir, rank)
     writer = ShardWriter(out_dir, features)
     per_shard = cfg.prompts_per_shard
     chunks = [list(range(i, min(i + per_shard, len(prompts)))) for i in range(0, len(prompts), per_shard)]
@@ -195,7 +205,13 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
         if c in done:
             continue
         t_chunk = time.perf_counter()
-        records, st = produce_chunk(cfg, models, tok, prompts, rendered, chunks[c], c, on_step=run.in_shard(c))
+        shard = functools.partial(_shard, models=models, tok=tok, prompts=prompts, rendered=rendered,
+                                  indices=chunks[c], chunk=c, on_step=run.in_shard(c))
+        (records, st), fit = fitting(cfg, shard, f"shard {c}")
+        if fit is not cfg:  # lowered after an allocation failure: the later shards keep the smaller batch
+            cfg = fit
+            if rank == 0:
+                record_gen_batch(out_dir, cfg.gen_batch_size)
         if records:
             run.write(writer, c, records, st, t_chunk)
     run.bar.close()
@@ -216,6 +232,28 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
     log.info("labelled %d new records in %.0fs (%.1f records/s); total %d", run.new_records, elapsed,
              run_stats["labelled_tokens_per_s"], summary["overall"]["records"])
     return summary
+
+
+def _shard(cfg: GenerateConfig, *, models: LabelModels, tok: PreTrainedTokenizerBase, prompts: list,
+           rendered: list[list[int]], indices: list[int], chunk: int,
+           on_step: Callable[[str, int], None] | None) -> tuple[dict[str, list], ChunkStats]:
+    """One chunk's records at ``cfg``'s batch sizes (what :func:`data_gen.batch_sizing.fitting` retries smaller)."""
+    return produce_chunk(cfg, models, tok, prompts, rendered, indices, chunk, on_step=on_step)
+
+
+def _sized(cfg: GenerateConfig, models: LabelModels, recorded: int | None, out_dir: Path,
+           rank: int) -> GenerateConfig:
+    """``cfg`` with the rollout batch resolved (``data_gen.batch_sizing``: the folder's recorded value, else this
+    host's step curve) and recorded in the folder; on a slow-memory host, one line saying that memory sets the pace."""
+    sized = resolve_gen_batch(cfg, models, recorded)
+    if rank != 0:
+        return sized
+    record_gen_batch(out_dir, int(sized.gen_batch_size))
+    if next(models.draft.parameters()).device.type == "cpu":
+        note = read_bandwidth_note(host_read_bandwidth(out_dir, lambda: read_bandwidth(mib=256, repeats=3)))
+        if note:
+            log.warning("%s", note)
+    return sized
 
 
 def _ordered_prompts(cfg: GenerateConfig, tok: PreTrainedTokenizerBase) -> tuple[list, list[list[int]], dict, int]:
