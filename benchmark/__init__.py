@@ -5,9 +5,8 @@ what order; ``pace`` and ``resume`` beside it) -> ``runners`` (one row on the pr
 the tuned rows' thresholds) -> ``rows`` (a row's counters and entry) -> ``report`` (tables; ``plots``) and ``tracking``
 (MLflow); ``curve`` holds the run's verification curve. The replay check, which the run ends with and
 ``python -m pipelines.replay_check`` runs alone: ``check_inputs`` (what it is asked, the finished folder) ->
-``check_records`` (the labelled prompts) -> ``check`` (replay against measurement) -> ``check_report``. The llama.cpp
-benchmark (``python -m pipelines.llamacpp_bench``): ``llamacpp`` (its rows and comparisons) and ``llamacpp_check``
-(its replay check, on llama.cpp's logits).
+``check_records`` (the labelled prompts) -> ``check`` (replay against measurement) -> ``check_report``. The runtimes'
+own benchmarks (``runtimes.llamacpp.bench``, ``runtimes.vllm.run``) use this harness from their folders.
 
 Nothing is imported here, so ``import benchmark.config`` loads no model code.
 """

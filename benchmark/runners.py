@@ -15,10 +15,10 @@ from benchmark.rows import HF_METHOD, Row
 from compute.models import load_model
 from compute.timing import clock
 from data_gen.config import ModelsConfig
-from decoding.hf_integration import generate_with_policy
 from decoding.policies import build_decoder, build_policy, policy_label
 from predictors.base import THRESHOLD
 from predictors.runtime_rules import TransformersRule
+from runtimes.transformers.assisted import generate_with_policy
 
 
 def generate_kwargs(bench: Bench) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def run_hf(bench: Bench, kind: str, settings: dict[str, Any] | None = None) -> R
 
 
 def run_hf_policy(bench: Bench, spec: str) -> Row:
-    """A stop policy inside transformers' generate (decoding.hf_integration)."""
+    """A stop policy inside transformers' generate (runtimes.transformers.assisted)."""
     policy = build_policy(spec, draft=bench.draft, draft_tokenizer=bench.tokenizer,
                           max_draft_len=bench.decoding.max_draft_len, force=bench.decoding.force)
     kw = generate_kwargs(bench)

@@ -47,7 +47,7 @@ __all__ = ["CostModel", "BATCH_CURVES", "lower_envelope", "measure_cost_model", 
 
 
 BATCH_CURVES = "batch_curves"
-"""Key of ``CostModel.extra`` holding a curve per batch size (vLLM's: ``benchmark.vllm_curve``), batch -> dict."""
+"""Key of ``CostModel.extra`` holding a curve per batch size (vLLM's: ``runtimes.vllm.curve``), batch -> dict."""
 
 MEASURED_RUNTIMES = ("specstop", "llamacpp", "transformers")
 """The runtimes ``pipelines.measure_costs --runtime`` times on this machine."""

@@ -1,7 +1,7 @@
 """One drafted token at a time, stopped by a specstop policy: the steps that the runtimes' draft hooks share.
 
-A runtime that drafts token by token itself (llama.cpp's draft-model hook, ``decoding.llamacpp_draft``; vLLM's draft
-proposer, ``decoding.vllm_proposer``) hands each step's draft logits here: :func:`step_features` picks the greedy token
+A runtime that drafts token by token itself (llama.cpp's draft-model hook, ``runtimes.llamacpp.draft``; vLLM's draft
+proposer, ``runtimes.vllm.proposer``) hands each step's draft logits here: :func:`step_features` picks the greedy token
 and computes its features with ``data_gen.features.token_features`` (the one feature function of data generation and
 the engine, plus ``position``), :func:`take_candidate` takes it or not into the round (:class:`DraftedRound`) and says
 whether to draft another, as the policy declares (``StopPolicy.verification``):

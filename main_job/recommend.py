@@ -38,10 +38,10 @@ from evaluation.data import load_columns
 from evaluation.replay.rounds import ReplayResult, replay_policy
 from evaluation.replay.scores import scores_for
 from evaluation.replay.sequences import ReplayConfig, ReplayData, prepare_replay_data
-from main_job.vllm_settings import MARGINAL, BatchPick, acceptance_picks, measured_survival, paste_lines
 from predictors.base import StopPolicy
 from predictors.baselines import Oracle
 from predictors.runtime_rules import RUNTIMES, LlamaCppRule, RuntimeRule, TransformersRule, VllmRule, runtime_rule
+from runtimes.vllm.settings import MARGINAL, BatchPick, acceptance_picks, measured_survival, paste_lines
 
 log = logging.getLogger("pipelines.recommend")
 
@@ -204,7 +204,7 @@ def recommend(runtime: str, columns: Mapping[str, object], cm: CostModel, *,
     warnings = [w for w in (cm.runtime_mismatch(runtime),) if w]
     rule, val_speedup, tried = tune_rule(runtime, val, cm, mode, progress)
     survival = measured_survival(cm, mode) if runtime == "vllm" else None
-    if survival:  # vLLM's own acceptance on validation prompts prices its K (main_job.vllm_settings)
+    if survival:  # vLLM's own acceptance on validation prompts prices its K (runtimes.vllm.settings)
         pick = acceptance_picks(survival, {1: cm})[0]
         if pick.k:
             rule, val_speedup = VllmRule(pick.k), pick.val_speedup
@@ -333,7 +333,7 @@ def recommend_runtimes(cfg: RecommendConfig, runtimes: Iterable[str] | None = No
 def vllm_batch_picks(cols: Mapping[str, object], curves: dict[int, CostModel], mode: str = "greedy"
                      ) -> list[BatchPick]:
     """vLLM's K tuned at each batch size of ``curves`` on the validation rows, 0 where no K beats the target alone
-    by ``MARGINAL`` (``main_job.vllm_settings``)."""
+    by ``MARGINAL`` (``runtimes.vllm.settings``)."""
     picks = []
     for b in sorted(curves):
         rec = recommend("vllm", cols, curves[b], mode=mode)

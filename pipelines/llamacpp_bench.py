@@ -1,6 +1,6 @@
 """llama.cpp benchmark: target-only, llama.cpp's speculative decoding at its defaults and at given settings, and
 specstop's stop policies inside llama.cpp's speculative loop, side by side on the same prompts, greedy, each output
-checked against target-only's (``benchmark.llamacpp``). Needs llama-cpp-python
+checked against target-only's (``runtimes.llamacpp.bench``). Needs llama-cpp-python
 (``bash scripts/setup.sh --llamacpp``).
 
 With ``recommend_data`` (the main job's data folder) llama.cpp's settings are tuned under this run's curve and the
@@ -22,9 +22,9 @@ import textwrap
 from typing import Any
 
 from benchmark.check import summary_line
-from benchmark.llamacpp import LlamaCppBenchConfig, comparison_lines, run_llamacpp_benchmark
 from benchmark.report import console_table
 from pipelines.cli import parse_config, setup_logging, start_run, user_errors
+from runtimes.llamacpp.bench import LlamaCppBenchConfig, comparison_lines, run_llamacpp_benchmark
 
 PROG = "python -m pipelines.llamacpp_bench"
 

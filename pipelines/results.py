@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines.cli import parse_config, setup_logging, user_errors
+from rendering.device_results import summarize_device_check
 from rendering.result_store import SummaryError, load_summaries, summarize_benchmark, summarize_main_job, write_summary
 from rendering.result_tables import fill, render_blocks
-from rendering.vllm_results import summarize_device_check, summarize_vllm_benchmark
+from runtimes.vllm.results import summarize_vllm_benchmark, vllm_block, vllm_readme_lines
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ def store_runs(cfg: ResultsConfig) -> None:
 
 def render(cfg: ResultsConfig) -> list[Path]:
     """Fill every document's block from the summaries; returns the documents that differ(ed)."""
-    blocks = render_blocks(load_summaries(Path(cfg.root) / cfg.results_dir))
+    summaries = load_summaries(Path(cfg.root) / cfg.results_dir)
+    blocks = render_blocks(summaries, {"vllm": vllm_block(summaries)}, vllm_readme_lines(summaries))
     differ = []
     for name, rel in DOCUMENTS.items():
         path = Path(cfg.root) / rel

@@ -1,6 +1,6 @@
 """vLLM benchmark: vLLM's target alone, its own static K, the recommended per-batch setting and specstop's policies
 inside vLLM's draft proposer, side by side on the same prompts at each batch size, greedy, each output checked
-against the target alone's (``benchmark.vllm_run``). Needs vLLM: ``bash scripts/setup.sh --vllm``, then run it with
+against the target alone's (``runtimes.vllm.run``). Needs vLLM: ``bash scripts/setup.sh --vllm``, then run it with
 ``.venv-vllm/bin/python``.
 
 Writes ``benchmark.md``, ``benchmark.json`` (rows, intervals, the recommendation, the replay check, the checks) and
@@ -16,9 +16,9 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from benchmark.vllm_bench import VllmBenchConfig
-from benchmark.vllm_engine import reexec_with_iomp
 from pipelines.cli import parse_config, setup_logging, start_run, user_errors
+from runtimes.vllm.bench import VllmBenchConfig
+from runtimes.vllm.engine import reexec_with_iomp
 
 PROG = "python -m pipelines.vllm_bench"
 
@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with user_errors(PROG):
         cfg = parse_config(VllmBenchConfig, argv, __doc__)
         reexec_with_iomp(["-m", "pipelines.vllm_bench", *(sys.argv[1:] if argv is None else argv)])
-        from benchmark.vllm_report import markdown
-        from benchmark.vllm_run import run_vllm_benchmark
+        from runtimes.vllm.report import markdown
+        from runtimes.vllm.run import run_vllm_benchmark
 
         out_dir = start_run(cfg, PROG)
         rep = run_vllm_benchmark(cfg)

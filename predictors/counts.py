@@ -4,7 +4,7 @@
 predicts) both extend :class:`RoundCounts`, so a count has one name wherever it is read (``pipelines.replay_check``
 compares the two side by side). The class lives here, in ``predictors``, the lowest layer both ``decoding`` and
 ``evaluation`` import. The records of the runtime hooks use the same words without being totals of this kind: a
-llama.cpp call (``decoding.llamacpp_draft.DraftCall``) is one round's drafted, verified and accepted tokens, which
+llama.cpp call (``runtimes.llamacpp.draft.DraftCall``) is one round's drafted, verified and accepted tokens, which
 ``SpecstopDraftModel.decode_stats`` sums into ``DecodeStats``; the vLLM stopper's ``StopperCounts`` sums rounds,
 drafted, verified and accepted tokens but cannot know the tokens emitted (vLLM does).
 

@@ -1,7 +1,7 @@
 """The cost-aware stopping rule, in one place: calibrated acceptance + the measured verification curve choose the draft
 length. The engine (``decoding.engine``), the offline replay (``evaluation.replay``) and transformers' assisted
-generation (``decoding.hf_integration``) all call it; Speculative Verification is this rule with its bin table as the
-calibrated predictor.
+generation (``runtimes.transformers.assisted``) all call it; Speculative Verification is this rule with its bin table
+as the calibrated predictor.
 
 **Rule.** A round has drafted k tokens whose calibrated acceptances are a_1..a_k. P(first n all accepted) =
 P_n = a_1 ... a_n; verifying n of them emits E_n = 1 + P_1 + ... + P_n tokens in expectation (the accepted ones plus

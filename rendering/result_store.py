@@ -341,3 +341,9 @@ def load_summaries(results_dir: str | Path) -> list[Summary]:
         validate(data, path)
         out.append(Summary(path, data))
     return sorted(out, key=lambda s: (s.data["date"], s.path.name))
+
+
+def newest(summaries: list[Summary], kind: str) -> Summary | None:
+    """The last stored summary of ``kind`` (summaries load oldest first), or None."""
+    runs = [s for s in summaries if s.kind == kind]
+    return runs[-1] if runs else None

@@ -18,9 +18,9 @@ from typing import Any
 
 from predictors.base import SEQUENTIAL
 from predictors.baselines import ENTROPY_KINDS
+from rendering.device_results import gpu_block
 from rendering.result_runtimes import RUNTIME_CONFIGS, runtime_block, runtime_section
 from rendering.result_store import Summary, cpu_label, dated, interval_text
-from rendering.vllm_results import gpu_block, vllm_block, vllm_readme_lines
 
 LEARNED_KINDS = ("disco", "sprinter", "sv")
 HEADLINE_BENCHMARKS = ("benchmark-full", "benchmark-full-t1", "benchmark")
@@ -210,8 +210,9 @@ def times_table(summaries: list[Summary]) -> str:
     return "\n".join(lines)
 
 
-def render_readme(summaries: list[Summary]) -> str:
-    """The README's results block: the learned-vs-free AUC table and the end-to-end table of the headline runs."""
+def render_readme(summaries: list[Summary], runtime_lines: list[str] = ()) -> str:
+    """The README's results block: the learned-vs-free AUC table, the end-to-end tables of the headline runs and the
+    runtimes' own lines (``runtime_lines``: each a paragraph a runtime's folder renders)."""
     main, bench = headline(summaries)
     parts = []
     if main is not None:
@@ -232,9 +233,8 @@ def render_readme(summaries: list[Summary]) -> str:
     elif bench is not None:
         parts += ["", "At temperature 1 no headline run is stored yet: `python -m pipelines.benchmark --config "
                   "configs/benchmark-full-t1.yaml --results_dir results` measures it (about 50 minutes on 2 cores)."]
-    vllm = vllm_readme_lines(summaries)
-    if vllm:
-        parts += ["", *vllm]
+    for line in runtime_lines:
+        parts += ["", line]
     times = times_table(summaries)
     if times:
         parts += ["", "Wall time on 2 cores, from a run's start to its table (the main job's first model conversion "
@@ -266,11 +266,13 @@ def render_docs(summaries: list[Summary]) -> str:
     return "\n".join(parts).rstrip() if parts else "No stored run yet."
 
 
-def render_blocks(summaries: list[Summary]) -> dict[str, str]:
-    """Every block the docs hold, by name."""
+def render_blocks(summaries: list[Summary], runtime_blocks: dict[str, str] | None = None,
+                  runtime_lines: list[str] = ()) -> dict[str, str]:
+    """Every block the docs hold, by name; ``runtime_blocks`` and ``runtime_lines`` are what the runtimes' own folders
+    render (``runtimes.vllm.results``), passed in so that rendering never imports a runtime."""
     runtimes = {name: runtime_block(summaries, config) for name, config in RUNTIME_CONFIGS.items()}
-    return {"readme": render_readme(summaries), "docs": render_docs(summaries), **runtimes,
-            "vllm": vllm_block(summaries), "gpu": gpu_block(summaries)}
+    return {"readme": render_readme(summaries, runtime_lines), "docs": render_docs(summaries), **runtimes,
+            **(runtime_blocks or {}), "gpu": gpu_block(summaries)}
 
 
 def block_pattern(name: str) -> re.Pattern[str]:

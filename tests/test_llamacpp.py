@@ -12,10 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from benchmark.llamacpp import LlamaCppBenchConfig, comparisons, load_llamacpp_bench
 from benchmark.rows import Row
 from compute.gguf_files import check_gguf_file, ensure_gguf, gguf_stop_ids, gguf_tokenizer
-from compute.llamacpp import (
+from compute.timing import CostModel
+from decoding.policies import build_policy
+from predictors import goodput
+from predictors.base import GOODPUT, StopPolicy
+from predictors.baselines import StaticLength
+from predictors.runtime_rules import LlamaCppRule
+from runtimes.llamacpp.bench import LlamaCppBenchConfig, comparisons, load_llamacpp_bench
+from runtimes.llamacpp.draft import SpecstopDraftModel, check_policy, draft_round, step_features
+from runtimes.llamacpp.engine import (
     INSTALL_COMMAND,
     LlamaCppMissing,
     check_same_vocab,
@@ -24,13 +31,6 @@ from compute.llamacpp import (
     load_pair,
     measure_llamacpp_curve,
 )
-from compute.timing import CostModel
-from decoding.llamacpp_draft import SpecstopDraftModel, check_policy, draft_round, step_features
-from decoding.policies import build_policy
-from predictors import goodput
-from predictors.base import GOODPUT, StopPolicy
-from predictors.baselines import StaticLength
-from predictors.runtime_rules import LlamaCppRule
 
 pytestmark = pytest.mark.llamacpp
 
@@ -320,9 +320,9 @@ class ScriptedLlama:
 
 
 def test_llama_causal_lm_labels_with_llama_logits_and_reuses_its_cache():
-    from compute.llamacpp_causal_lm import LlamaCausalLM
     from data_gen.continuation_labels import label_continuation
     from data_gen.labelling import LabelModels, LabelOptions
+    from runtimes.llamacpp.causal_lm import LlamaCausalLM
 
     target = ScriptedLlama(lambda t: (t + 1) % V)
     draft = ScriptedLlama(lambda t: (t + 2) % V if t % 5 == 0 else (t + 1) % V)  # leaves the target after a 5, 10, ...

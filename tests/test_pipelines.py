@@ -19,8 +19,8 @@ ENTRY_CLASSES = {
     "pipelines.evaluate": ("evaluation.evaluate", "EvaluateConfig"),
     "pipelines.benchmark": ("benchmark.config", "BenchmarkConfig"),
     "pipelines.crossval": ("evaluation.crossval", "CrossValConfig"),
-    "pipelines.llamacpp_bench": ("benchmark.llamacpp", "LlamaCppBenchConfig"),
-    "pipelines.vllm_bench": ("benchmark.vllm_bench", "VllmBenchConfig"),
+    "pipelines.llamacpp_bench": ("runtimes.llamacpp.bench", "LlamaCppBenchConfig"),
+    "pipelines.vllm_bench": ("runtimes.vllm.bench", "VllmBenchConfig"),
 }
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("compute", "data_gen", "predictors", "evaluation", "decoding", "rendering", "main_job", "benchmark",
-               "pipelines", "benchmarks", "scripts")
+               "runtimes", "pipelines", "benchmarks", "scripts")
 SKIPPED_PARTS = {".venv", "outputs", "tests", "__pycache__"}
 NATIVE_SOURCES = ("compute/csrc/*.cpp", "compute/csrc/*.h")
 MAX_FUNCTION_LINES = 80

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmark.vllm_bench import RowRun, VllmBenchConfig
-from benchmark.vllm_check import predicted_seconds, step_price
-from benchmark.vllm_engine import StepLog
 from compute.timing import CostModel
 from decoding.policies import build_policy
-from decoding.vllm_proposer import PolicySettings, build_stopper, check_vllm, load_curves
-from decoding.vllm_stopper import RequestStopper, curve_for_batch
-from main_job.vllm_settings import BatchPick, paste_lines, schedule_ranges
+from runtimes.vllm.bench import RowRun, VllmBenchConfig
+from runtimes.vllm.check import predicted_seconds, step_price
+from runtimes.vllm.engine import StepLog
+from runtimes.vllm.proposer import PolicySettings, build_stopper, check_vllm, load_curves
+from runtimes.vllm.settings import BatchPick, paste_lines, schedule_ranges
+from runtimes.vllm.stopper import RequestStopper, curve_for_batch
 
 V = 32
 
@@ -166,7 +166,7 @@ def test_a_stored_vllm_run_renders_its_rows_and_goals(tmp_path) -> None:
     import yaml
 
     from rendering.result_store import load_summaries, write_summary
-    from rendering.vllm_results import summarize_vllm_benchmark, vllm_block, vllm_readme_lines
+    from runtimes.vllm.results import summarize_vllm_benchmark, vllm_block, vllm_readme_lines
 
     out = tmp_path / "run"
     out.mkdir()
@@ -197,7 +197,7 @@ def test_the_stored_gpu_check_renders() -> None:
     from pathlib import Path
 
     from rendering.result_store import load_summaries
-    from rendering.vllm_results import gpu_block
+    from rendering.device_results import gpu_block
 
     block = gpu_block(load_summaries(Path(__file__).resolve().parents[1] / "results"))
     assert "| pytest | pass |" in block and "**PASS**" in block
@@ -215,9 +215,9 @@ def test_a_predictor_for_another_draft_is_refused(tmp_path) -> None:
 
 
 def test_passes_alternate_the_engine_order_and_keep_each_prompts_faster_run(tmp_path) -> None:
-    from benchmark.vllm_bench import EngineRows
-    from benchmark.vllm_engine import EngineSpec
-    from benchmark.vllm_run import _run_passes
+    from runtimes.vllm.bench import EngineRows
+    from runtimes.vllm.engine import EngineSpec
+    from runtimes.vllm.run import _run_passes
 
     cfg = VllmBenchConfig(out_dir=str(tmp_path), batch_sizes=[1], n_prompts=2, repeats=2)
     plan = [EngineRows(EngineSpec(target="T"), {"a": None}), EngineRows(EngineSpec(target="T", draft="D", k=3),
@@ -242,9 +242,9 @@ def test_passes_alternate_the_engine_order_and_keep_each_prompts_faster_run(tmp_
 
 
 def test_a_differing_output_is_found_at_its_first_difference_against_its_batchs_target_alone() -> None:
-    from benchmark.vllm_bench import TARGET_ALONE
-    from benchmark.vllm_report import _tie_goals
-    from benchmark.vllm_ties import Divergence, divergences
+    from runtimes.vllm.bench import TARGET_ALONE
+    from runtimes.vllm.report import _tie_goals
+    from runtimes.vllm.ties import Divergence, divergences
 
     ref = RowRun(name=TARGET_ALONE, batch=1, spec="target", outputs=[[[1, 2, 3]], [[4, 5]]])
     row = RowRun(name="vllm:3", batch=1, spec="vllm:3", outputs=[[[1, 2, 9]], [[4, 5]]])
@@ -258,7 +258,7 @@ def test_a_differing_output_is_found_at_its_first_difference_against_its_batchs_
 
 
 def test_the_curve_keeps_each_figures_fastest_round(monkeypatch) -> None:
-    import benchmark.vllm_curve as vc
+    import runtimes.vllm.curve as vc
 
     alone = iter([{1: 0.08}, {1: 0.06}])
     spec = iter([{1: ({2: 0.03, 3: 0.03}, {2: 0.07, 3: 0.09})}, {1: ({2: 0.02, 3: 0.04}, {2: 0.09, 3: 0.07})}])
@@ -272,10 +272,10 @@ def test_the_curve_keeps_each_figures_fastest_round(monkeypatch) -> None:
 
 def test_only_the_plugin_engine_builds_specstops_proposer(monkeypatch) -> None:
     """vLLM's static-K rows must run vLLM's own proposer even after a policy was installed for validation."""
-    import benchmark.vllm_bench as vb
-    import decoding.vllm_proposer as vp
-    from benchmark.vllm_bench import EngineRows
-    from benchmark.vllm_engine import EngineSpec
+    import runtimes.vllm.bench as vb
+    import runtimes.vllm.proposer as vp
+    from runtimes.vllm.bench import EngineRows
+    from runtimes.vllm.engine import EngineSpec
 
     calls: list[tuple] = []
     monkeypatch.setattr(vp, "install", lambda s: calls.append(("install", s.spec)))
@@ -298,7 +298,7 @@ def test_only_the_plugin_engine_builds_specstops_proposer(monkeypatch) -> None:
 
 
 def test_vllms_own_acceptance_prices_each_k_and_zero_wins_where_drafting_costs_more() -> None:
-    from main_job.vllm_settings import acceptance_picks
+    from runtimes.vllm.settings import acceptance_picks
 
     survival = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
     cheap, dear = curve(draft=0.01), curve(draft=0.2)
@@ -313,7 +313,7 @@ def test_vllms_own_acceptance_prices_each_k_and_zero_wins_where_drafting_costs_m
 
 
 def test_a_resumed_run_refuses_a_curve_of_another_machine(tmp_path) -> None:
-    from benchmark.vllm_run import COST_FILE, _curves
+    from runtimes.vllm.run import COST_FILE, _curves
 
     cm = curve()
     cm.draft_name, cm.target_name = "packaged:qwen2.5-coder-0.5b-instruct", "packaged:qwen2.5-coder-1.5b-instruct"
@@ -324,7 +324,7 @@ def test_a_resumed_run_refuses_a_curve_of_another_machine(tmp_path) -> None:
 
 
 def test_a_k_predicted_inside_the_curves_error_is_not_recommended() -> None:
-    from main_job.vllm_settings import MARGINAL, acceptance_picks
+    from runtimes.vllm.settings import MARGINAL, acceptance_picks
 
     survival = [0.9] * 8
     base = curve(draft=0.02, per_token=0.0, base=0.1)  # drafting pays well (K = 8: 3.2x)

@@ -1,11 +1,11 @@
 """vLLM's own verification curve on this machine, per batch size: ``python -m pipelines.measure_costs --runtime vllm``.
 
-Two in-process engines on the pair's folders, each step of vLLM's timed (``benchmark.vllm_engine.StepClock``):
+Two in-process engines on the pair's folders, each step of vLLM's timed (``runtimes.vllm.engine.StepClock``):
 
 - the target alone: B requests decoding together, one step = one target forward of one token each:
   ``target_s[1]`` at batch B;
 - the pair with draft-model speculation at ``num_speculative_tokens = max_length - 1``, specstop's proposer in it
-  (``decoding.vllm_proposer``) running ``static:k`` for k = 1 .. max_length - 1: every request drafts exactly k tokens
+  (``runtimes.vllm.proposer``) running ``static:k`` for k = 1 .. max_length - 1: every request drafts exactly k tokens
   a step, and the step splits into the draft's forwards (timed inside the proposer: ``draft_s_per_token`` at batch B
   is their time over k) and the rest, the target's verification of k + 1 tokens a request with vLLM's sampling,
   rejection and scheduling around it (``target_s[k + 1]`` at batch B).
@@ -37,10 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from benchmark.vllm_engine import EngineSpec, StepClock, build_engine, generate, release, spec_positions
 from compute.cpu import cpu_model
 from compute.timing import BATCH_CURVES, CostModel, lower_envelope
-from decoding.vllm_proposer import PolicySettings, active, install, uninstall
+from runtimes.vllm.engine import EngineSpec, StepClock, build_engine, generate, release, spec_positions
+from runtimes.vllm.proposer import PolicySettings, active, install, uninstall
 
 log = logging.getLogger("pipelines.measure_costs")
 
@@ -182,7 +182,7 @@ def measure_vllm_acceptance(target: str, draft: str, prompts: list[list[int]], k
                             device: str = "cpu") -> dict[str, Any]:
     """How far vLLM's own draft-model speculation gets accepted on ``prompts`` (greedy, one at a time, K = ``k``),
     from vLLM's counters: ``survival[j - 1]`` = S(j), the share of draft rounds whose first j drafts were all
-    accepted (``main_job.vllm_settings.ACCEPTANCE`` is where a curve file keeps it)."""
+    accepted (``runtimes.vllm.settings.ACCEPTANCE`` is where a curve file keeps it)."""
     uninstall()  # vLLM's own proposer: K drafts every round
     llm = build_engine(EngineSpec(target=target, draft=draft, k=k, max_num_seqs=2, device=device))
     for p in prompts:

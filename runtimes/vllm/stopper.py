@@ -17,7 +17,7 @@ A request that has stopped still rides the batch's draft forwards while another 
 ignored): the loop is vLLM's, for the whole batch. A cost-aware policy prices rounds with the curve measured at the
 batch size nearest above the running one (``python -m pipelines.measure_costs --runtime vllm``).
 
-This module needs no vLLM (its tests run on plain tensors); ``decoding.vllm_proposer`` plugs it into vLLM.
+This module needs no vLLM (its tests run on plain tensors); ``runtimes.vllm.proposer`` plugs it into vLLM.
 
 Usage::
 
@@ -73,7 +73,7 @@ class StopperCounts:
     """Request id -> the number of tokens sent in each of its rounds."""
     steps: list[tuple[int, int, float]] = field(default_factory=list)
     """Per proposal of the batch: (requests, draft positions computed, mean tokens a request verifies next: verified +
-    1), what a curve prices (``benchmark.vllm_check``)."""
+    1), what a curve prices (``runtimes.vllm.check``)."""
 
 
 class RequestStopper:

@@ -2,7 +2,7 @@
 
 A row's unit (a prompt at batch 1, a group at batch B) ran a sequence of engine steps (``StepClock``): its prefill
 steps are taken as measured (the curve prices decoding, not prefill), and each decode step is priced at the batch
-size it ran at (``decoding.vllm_stopper.curve_for_batch``):
+size it ran at (``runtimes.vllm.stopper.curve_for_batch``):
 
 - the target alone: ``target(1)``;
 - vLLM's static K (or the per-batch schedule's K at that batch): ``K * draft + target(K + 1)`` for the share of
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from benchmark.vllm_bench import RowRun
-from benchmark.vllm_engine import StepLog
 from compute.timing import CostModel
-from decoding.vllm_stopper import curve_for_batch
+from runtimes.vllm.bench import RowRun
+from runtimes.vllm.engine import StepLog
+from runtimes.vllm.stopper import curve_for_batch
 
 __all__ = ["predicted_seconds", "step_price", "check_rows"]
 

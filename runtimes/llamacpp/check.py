@@ -4,7 +4,7 @@ each row's predicted tokens/s set beside the measured one (the ``replay_check`` 
 
 The labelling is the data generator's (``benchmark.check_records.labelled_records``: teacher-forced along
 the output, plus the draft's greedy rollout from every point where its token leaves it), run on the GGUF models
-through ``compute.llamacpp_causal_lm.LlamaCausalLM``: the draft loaded once more with ``logits_all`` (the benchmark's
+through ``runtimes.llamacpp.causal_lm.LlamaCausalLM``: the draft loaded once more with ``logits_all`` (the benchmark's
 draft keeps the last position's logits only), the benchmark's ``logits_all`` target as it is. The prediction and the
 band are the engine check's (``benchmark.check``): the replay's seconds per token under the curve plus each
 row's measured prompt pass. Target-only is predicted as one target step t(1) a token plus its prompt pass.
@@ -20,11 +20,11 @@ from benchmark.bench import Bench
 from benchmark.check import compare_row, predicted_tokens_per_s, replay_rows, summarize, summary_line
 from benchmark.check_inputs import BenchFolder, rollout_length
 from benchmark.check_records import labelled_records
-from compute.llamacpp import load_llama
-from compute.llamacpp_causal_lm import LlamaCausalLM
 from data_gen.config import ModelsConfig
 from data_gen.labelling import LabelModels, LabelOptions
 from predictors.base import StopPolicy
+from runtimes.llamacpp.causal_lm import LlamaCausalLM
+from runtimes.llamacpp.engine import load_llama
 
 log = logging.getLogger("pipelines.replay_check")
 

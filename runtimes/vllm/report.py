@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from benchmark.rows import Row, ratio_ci
-from benchmark.vllm_bench import TARGET_ALONE, RowRun, VllmBenchConfig
 from compute.timing import CostModel
-from main_job.vllm_settings import BatchPick
+from runtimes.vllm.bench import TARGET_ALONE, RowRun, VllmBenchConfig
+from runtimes.vllm.settings import BatchPick
 
 __all__ = ["VllmReport", "build_report", "markdown"]
 
@@ -37,7 +37,7 @@ class VllmReport:
     prompts: list[str] = field(default_factory=list)
     ties: list[dict[str, Any]] = field(default_factory=list)
     """Each output that differs from the target alone's, at its first difference, with the target's float32 logit
-    gap there (``benchmark.vllm_ties``)."""
+    gap there (``runtimes.vllm.ties``)."""
 
 
 def _as_row(r: RowRun) -> Row:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmark.vllm_bench import TARGET_ALONE, RowRun
+from runtimes.vllm.bench import TARGET_ALONE, RowRun
 
 log = logging.getLogger("pipelines.vllm_bench")
 

@@ -9,7 +9,7 @@ prompts, greedy, at each batch size (1: one request at a time; B: B requests sen
   batch 1 (``benchmark.vllm_recommend``), and ``vllm per-batch (recommended)``: one engine with
   ``num_speculative_tokens_per_batch_size`` from the per-batch picks (K = 0, no drafting, where speculation does
   not pay);
-- each ``policies`` entry inside vLLM: specstop's proposer (``decoding.vllm_proposer``) at
+- each ``policies`` entry inside vLLM: specstop's proposer (``runtimes.vllm.proposer``) at
   ``num_speculative_tokens = policy_k``, each request's drafting stopped by its own copy of the policy.
 
 One engine per configuration (an engine's speculative config is fixed when it loads). The engines run in ``repeats``
@@ -19,7 +19,7 @@ third within minutes) then lands on the two runs of a row at different times ins
 target-alone engine is the first and the last of the plan: its two rows are two measurements of one setting, and
 their ratio shows the run's noise floor. Each output is
 checked against target-alone's at the same batch size. vLLM's metrics count drafts and accepted tokens; every engine
-step is timed (``benchmark.vllm_engine.StepClock``) so that ``benchmark.vllm_check`` can price the row's own steps
+step is timed (``runtimes.vllm.engine.StepClock``) so that ``runtimes.vllm.check`` can price the row's own steps
 with vLLM's curve (the replay check).
 
 Writes ``benchmark.json`` / ``benchmark.md``, ``cost_model.vllm.json`` (measured at the start when ``cost_file`` is
@@ -32,10 +32,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmark.vllm_engine import EngineSpec, StepClock, StepLog, build_engine, generate, release, spec_counters
 from data_gen.config import ModelsConfig
 from data_gen.prompts import PromptSourceConfig
-from decoding import vllm_proposer
+from runtimes.vllm import proposer as vllm_proposer
+from runtimes.vllm.engine import EngineSpec, StepClock, StepLog, build_engine, generate, release, spec_counters
 
 log = logging.getLogger("pipelines.vllm_bench")
 
@@ -74,7 +74,7 @@ class VllmBenchConfig:
     0: no recommended rows)."""
     acceptance_prompts: int = 8
     """Prompts of ``acceptance_split`` that vLLM's own speculation at K = policy_k runs on to measure its acceptance
-    per draft position; the recommendation prices each K with it and vLLM's curve (``main_job.vllm_settings``). 0:
+    per draft position; the recommendation prices each K with it and vLLM's curve (``runtimes.vllm.settings``). 0:
     tune on recommend_data's labelled tokens instead."""
     acceptance_split: str = "val"
     """The split of ``prompts`` the acceptance is measured on (never the benchmark's own)."""

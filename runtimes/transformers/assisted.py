@@ -17,7 +17,7 @@ the replay do) and the candidates are cut to the rule's best prefix before trans
 transformers' assisted generation supports batch size 1 only.
 
 Usage:
-    from decoding.hf_integration import generate_with_policy
+    from runtimes.transformers.assisted import generate_with_policy
     out, stats = generate_with_policy(target, draft, input_ids, load_predictor("export/disco"), max_new_tokens=128,
                                       do_sample=False)
 """

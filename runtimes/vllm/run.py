@@ -1,6 +1,6 @@
 """A vLLM benchmark run put together (``python -m pipelines.vllm_bench``): the prompts, vLLM's curve, the per-batch
-recommendation, the engines and their rows (``benchmark.vllm_bench``), the replay check (``benchmark.vllm_check``)
-and the report (``benchmark.vllm_report``).
+recommendation, the engines and their rows (``runtimes.vllm.bench``), the replay check (``runtimes.vllm.check``)
+and the report (``runtimes.vllm.report``).
 
 Usage (in ``.venv-vllm``)::
 
@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmark.bench import PromptChoice, load_benchmark_prompts
-from benchmark.vllm_bench import (
+from compute.cpu import cpu_model
+from compute.timing import BATCH_CURVES, CostModel
+from data_gen.prompts import PromptSourceConfig
+from evaluation.data import load_columns
+from main_job.recommend import vllm_batch_picks
+from runtimes.vllm.bench import (
     TARGET_ALONE,
     EngineRows,
     RowRun,
@@ -25,18 +30,13 @@ from benchmark.vllm_bench import (
     row_from_dict,
     run_engine,
 )
-from benchmark.vllm_check import check_rows
-from benchmark.vllm_curve import VllmCurveSettings, measure_vllm_acceptance, measure_vllm_curve
-from benchmark.vllm_engine import EngineSpec, hf_folder, prepare_env
-from benchmark.vllm_report import VllmReport, build_report
-from benchmark.vllm_ties import tie_gaps
-from compute.cpu import cpu_model
-from compute.timing import BATCH_CURVES, CostModel
-from data_gen.prompts import PromptSourceConfig
-from decoding.vllm_proposer import PolicySettings, check_vllm, folder_fingerprint, install, load_curves
-from evaluation.data import load_columns
-from main_job.recommend import vllm_batch_picks
-from main_job.vllm_settings import ACCEPTANCE, BatchPick, acceptance_picks, paste_lines, schedule_ranges
+from runtimes.vllm.check import check_rows
+from runtimes.vllm.curve import VllmCurveSettings, measure_vllm_acceptance, measure_vllm_curve
+from runtimes.vllm.engine import EngineSpec, hf_folder, prepare_env
+from runtimes.vllm.proposer import PolicySettings, check_vllm, folder_fingerprint, install, load_curves
+from runtimes.vllm.report import VllmReport, build_report
+from runtimes.vllm.settings import ACCEPTANCE, BatchPick, acceptance_picks, paste_lines, schedule_ranges
+from runtimes.vllm.ties import tie_gaps
 
 log = logging.getLogger("pipelines.vllm_bench")
 
@@ -102,7 +102,7 @@ def _curves(cfg: VllmBenchConfig, target: str, draft: str) -> tuple[Path, dict[i
 
 
 def _acceptance(cfg: VllmBenchConfig, cost_path: Path, target: str, draft: str) -> list[float]:
-    """vLLM's own acceptance on the validation prompts (``benchmark.vllm_curve.measure_vllm_acceptance``), kept in
+    """vLLM's own acceptance on the validation prompts (``runtimes.vllm.curve.measure_vllm_acceptance``), kept in
     the curve file's ``extra`` (and beside recommend_data's data): read back when there, else measured now."""
     cm = CostModel.from_json(cost_path)
     if ACCEPTANCE not in cm.extra:
@@ -220,7 +220,7 @@ def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
 
 
 def _ties(rows: list[RowRun], units: dict[int, list[list[list[int]]]], target: str) -> list[dict]:
-    """The differing outputs' logit gaps (``benchmark.vllm_ties``); a failure is logged in one line and leaves them
+    """The differing outputs' logit gaps (``runtimes.vllm.ties``); a failure is logged in one line and leaves them
     out (the rows are kept)."""
     try:
         return tie_gaps(rows, units, target)
@@ -231,7 +231,7 @@ def _ties(rows: list[RowRun], units: dict[int, list[list[list[int]]]], target: s
 
 def _run_passes(plan: list[EngineRows], cfg: VllmBenchConfig, run: Any) -> list[RowRun]:
     """Every engine's rows over ``cfg.repeats`` passes in alternating order (first to last, then last to first),
-    each prompt's faster run kept (``benchmark.vllm_bench.merge_passes``)."""
+    each prompt's faster run kept (``runtimes.vllm.bench.merge_passes``)."""
     passes: list[dict[int, list[RowRun]]] = []
     for p in range(cfg.repeats):
         order = list(enumerate(plan, 1))

@@ -30,10 +30,10 @@ one ``Llama.eval`` per drafted token.
 
 Usage::
 
-    draft, target = compute.llamacpp.load_pair(draft_gguf, target_gguf, n_threads=2, n_ctx=1024)
+    draft, target = runtimes.llamacpp.engine.load_pair(draft_gguf, target_gguf, n_threads=2, n_ctx=1024)
     target.draft_model = hook = SpecstopDraftModel(draft, build_policy("adaedl:0.6"))
     hook.begin(end=len(prompt) + 128)
-    out = compute.llamacpp.generate_greedy(target, prompt, 128, stop_ids)
+    out = runtimes.llamacpp.engine.generate_greedy(target, prompt, 128, stop_ids)
 """
 from __future__ import annotations
 
@@ -47,13 +47,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from compute.llamacpp import llama_cpp_module
 from compute.timing import CostModel
 from decoding.draft_steps import DraftedRound, draft_step, step_features, verified_count
 from decoding.draft_steps import check_policy as check_runtime_policy
 from decoding.stats import DecodeStats
 from predictors import goodput
 from predictors.base import GOODPUT, RoundFeedback, StopPolicy
+from runtimes.llamacpp.engine import llama_cpp_module
 
 try:  # optional dependency (the llamacpp extra): the hook's base class; the drafting loop runs without it
     from llama_cpp.llama_speculative import LlamaDraftModel

@@ -5,7 +5,7 @@ vLLM's draft-model speculation (``speculative_config={"method": "draft_model", "
 ``SpecDecodeBaseProposer.propose``) and verifies them exactly in the target's next step. :class:`SpecstopDraftProposer`
 subclasses it and changes two things, nothing in verification:
 
-- each drafted position's [B, V] draft logits go to a :class:`decoding.vllm_stopper.RequestStopper`, which asks each
+- each drafted position's [B, V] draft logits go to a :class:`runtimes.vllm.stopper.RequestStopper`, which asks each
   request's own copy of the policy whether to draft another (features from ``data_gen.features.token_features``, the
   one feature function); once every request has stopped, the loop ends (no further draft forward);
 - the proposal is a list per request, each as long as its policy chose (vLLM's runner and scheduler take lists of
@@ -46,9 +46,9 @@ import torch
 from compute.models import vocab_fingerprint
 from compute.timing import BATCH_CURVES, CostModel
 from decoding.policies import build_policy
-from decoding.vllm_stopper import RequestStopper
 from predictors.base import StopPolicy
 from predictors.export import check_fingerprint, read_metadata
+from runtimes.vllm.stopper import RequestStopper
 
 log = logging.getLogger(__name__)
 

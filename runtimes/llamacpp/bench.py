@@ -3,7 +3,7 @@ on the pair's GGUF files through llama-cpp-python:
 
 - ``llama.cpp target-only``: ``Llama.generate`` with no draft model (the reference output and speed);
 - ``llamacpp:3,0,0.0 (default)``: llama.cpp's speculative decoding at its defaults, its draft-simple rule
-  (``predictors.runtime_rules.LlamaCppRule``) in the draft hook (``decoding.llamacpp_draft``);
+  (``predictors.runtime_rules.LlamaCppRule``) in the draft hook (``runtimes.llamacpp.draft``);
 - with ``recommend_data``, the setting ``pipelines.recommend --runtime llamacpp`` tunes under this run's curve
   (``... (tuned)``); the recommended row is it, or target-only when it cannot beat target-only;
 - every ``settings`` entry (``llamacpp:N_MAX,N_MIN,P_MIN``);
@@ -17,7 +17,7 @@ runtimes read the same ids. The rows run through the benchmark's own loop (``ben
 equal), and are reported with its rows, intervals and tables (``benchmark.rows``, ``report``): tokens/s,
 speedup over target-only with its paired bootstrap interval, identical outputs, rounds and acceptance, the hook's
 stop-decision cost; then each row against llama.cpp's defaults and each policy against the recommended row. The
-replay check (``replay_check``, ``benchmark.llamacpp_check``) sets each row's replayed tokens/s beside it.
+replay check (``replay_check``, ``runtimes.llamacpp.check``) sets each row's replayed tokens/s beside it.
 
 Models loaded: the draft, the target with ``logits_all`` (llama-cpp-python's verification reads every position's
 logits) and the target again without it for target-only (its one-token steps, as llama.cpp decodes alone); the GGUF
@@ -39,23 +39,23 @@ import torch
 
 from benchmark.bench import Bench, DecodeSettings, RunOrder, load_benchmark_prompts
 from benchmark.config import BenchmarkConfig
-from benchmark.llamacpp_check import check_lines, run_llamacpp_check
 from benchmark.plan import Runner, run_rows
 from benchmark.report import finish_rows, markdown_table
 from benchmark.rows import Row, ratio_ci
 from compute.cpu import cpuinfo_fields
 from compute.gguf_files import ensure_gguf, gguf_stop_ids, gguf_tokenizer
-from compute.llamacpp import file_type, generate_greedy, load_llama, load_pair, measure_llamacpp_curve
 from compute.timing import CostModel
 from data_gen.config import ModelsConfig
 from data_gen.prompts import PromptSourceConfig
 from data_gen.shards import read_data_config
-from decoding.llamacpp_draft import SpecstopDraftModel, check_policy
 from decoding.policies import build_policy, policy_label
 from decoding.stats import DecodeStats
 from main_job.recommend import RecommendConfig, recommend_runtimes
 from predictors.base import StopPolicy
 from predictors.runtime_rules import LlamaCppRule
+from runtimes.llamacpp.check import check_lines, run_llamacpp_check
+from runtimes.llamacpp.draft import SpecstopDraftModel, check_policy
+from runtimes.llamacpp.engine import file_type, generate_greedy, load_llama, load_pair, measure_llamacpp_curve
 
 log = logging.getLogger("pipelines.benchmark")
 
@@ -98,7 +98,7 @@ class LlamaCppBenchConfig:
     runs as a row; when it is not to speculate, target-only is the recommended row. None: no recommendation."""
     replay_check: bool = True
     """After the rows: label the prompts with llama.cpp's logits and set each row's replayed tokens/s beside the
-    measured one (``benchmark.llamacpp_check``)."""
+    measured one (``runtimes.llamacpp.check``)."""
     policies: list[str] = field(default_factory=lambda: ["adaedl:0.6"])
     """specstop policies stopping the draft inside llama.cpp (decoding.policies specs; threshold, goodput and prefix
     kinds; goodput ones price rounds with llama.cpp's curve)."""

@@ -1,6 +1,6 @@
 """What to set in vLLM for a pair on this machine, per batch size: ``num_speculative_tokens`` at batch 1 and
 ``num_speculative_tokens_per_batch_size`` (vLLM's batch-size Dynamic SD), each K tuned on a data folder's validation
-split under vLLM's own curve at that batch size (``benchmark.vllm_curve``), K = 0 (no drafting) wherever no K beats
+split under vLLM's own curve at that batch size (``runtimes.vllm.curve``), K = 0 (no drafting) wherever no K beats
 the target alone by ``MARGINAL`` (``main_job.recommend.vllm_batch_picks`` tunes them).
 
 At B concurrent requests every request runs the same K each step and a step costs ``K * draft + target(K + 1)`` at
@@ -9,7 +9,7 @@ batch's tokens/s is B times a sequence's and the speedup over the target alone i
 batch, where requests finish at different steps, is left out).
 
 Where vLLM's curve file also holds the acceptance vLLM itself measured on validation prompts (``ACCEPTANCE`` in its
-``extra``: ``benchmark.vllm_curve.measure_vllm_acceptance``), :func:`acceptance_picks` prices each K with it instead:
+``extra``: ``runtimes.vllm.curve.measure_vllm_acceptance``), :func:`acceptance_picks` prices each K with it instead:
 with S(j) the share of vLLM's draft rounds whose first j drafts were all accepted, a step of K drafts yields
 ``1 + S(1) + ... + S(K)`` tokens a request. The labelled data's tokens come from another mix (rollouts from prefixes
 of several origins, drafted by specstop's int8 draft) whose acceptance can sit far from what vLLM's bfloat16 draft

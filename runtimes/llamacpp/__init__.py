@@ -1,0 +1,3 @@
+"""llama.cpp through llama-cpp-python: loading a GGUF pair and llama.cpp's own curve (``engine``), a specstop policy as
+its draft model (``draft``), a GGUF model as the labeller's causal LM (``causal_lm``), and its benchmark (``bench``,
+``check``). Needs ``bash scripts/setup.sh --llamacpp``."""

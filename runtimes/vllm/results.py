@@ -1,0 +1,162 @@
+"""Stored runs of vLLM's benchmark: their summary (``rendering.result_store`` kind ``vllm_benchmark``) and the
+Markdown that fills ``<!-- results:vllm -->`` (docs/vllm.md) and the README's vLLM line, so that every figure there
+comes from a stored file.
+
+Usage::
+
+    write_summary(summarize_vllm_benchmark("outputs/benchmark-vllm", "python -m pipelines.vllm_bench ..."), "results")
+    print(vllm_block(load_summaries("results")))
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from compute.code_version import run_code
+from rendering.result_store import (
+    SCHEMA,
+    Summary,
+    SummaryError,
+    config_hash,
+    cpu_label,
+    dated,
+    machine_facts,
+    newest,
+    today,
+)
+
+__all__ = ["summarize_vllm_benchmark", "vllm_block", "vllm_readme_lines"]
+
+VLLM_ROW_FIELDS = ("row", "batch", "spec", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "identical",
+                   "prompts", "acceptance", "idle_share", "replayed_tokens_per_s", "replay_ratio")
+
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+    except FileNotFoundError as e:
+        raise SummaryError(f"{path}: missing (is the run finished?)") from e
+
+
+def summarize_vllm_benchmark(out_dir: str | Path, command: str, config_name: str = "benchmark-vllm",
+                             duration_s: float | None = None) -> dict[str, Any]:
+    """The summary of a finished ``pipelines.vllm_bench`` run in ``out_dir`` (benchmark.json, config.yaml,
+    cost_model.vllm.json)."""
+    out = Path(out_dir)
+    bench, config = _read(out / "benchmark.json"), _read(out / "config.yaml")
+    curve = _read(out / "cost_model.vllm.json")
+    machine = machine_facts(curve.get("machine") or {})
+    curves = {b: {"draft_ms": round(1e3 * c["draft_s_per_token"], 2),
+                  "target_ms": {L: round(1e3 * t, 2) for L, t in c["target_s"].items()}}
+              for b, c in (curve.get("extra", {}).get("batch_curves") or {}).items()}
+    return {
+        "schema": SCHEMA, "kind": "vllm_benchmark", "config": config_name, "command": command,
+        "date": bench.get("date") or today(), **run_code(out), "config_hash": config_hash(config),
+        "machine": machine, "compute_path": "vllm", "vllm": machine.get("vllm"),
+        "pair": {"draft": config["models"]["draft"], "target": config["models"]["target"]},
+        "n_prompts": config["n_prompts"], "max_new_tokens": config["max_new_tokens"],
+        "batch_sizes": config["batch_sizes"], "duration_s": duration_s,
+        "rows": [{k: r[k] for k in VLLM_ROW_FIELDS if k in r} for r in bench["table"]],
+        "goals": bench.get("goals"), "picks": bench.get("picks"), "recommendation": bench.get("recommendation"),
+        "curves": curves,
+    }
+
+
+
+def _rows_table(s: Summary, batch: int) -> list[str]:
+    lines = ["| row | tokens/s | vs target alone [95% CI] | output = target alone | acceptance | replayed / measured "
+             "| rows of stopped requests |", "|---|---|---|---|---|---|---|"]
+    for r in (r for r in s.data["rows"] if r["batch"] == batch):
+        ci = "" if r.get("speedup") is None else (
+            f"{r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]")
+        acc = "" if r.get("acceptance") is None else f"{r['acceptance']:.2f}"
+        rr = "" if r.get("replay_ratio") is None else f"{r['replay_ratio']:.3f}"
+        idle = "" if r.get("idle_share") is None else f"{r['idle_share']:.0%}"
+        lines.append(f"| `{r['row']}` | {r['tokens_per_s']:.2f} | {ci} | {r['identical']}/{r['prompts']} | {acc} "
+                     f"| {rr} | {idle} |")
+    return lines
+
+
+def _goal_lines(s: Summary) -> list[str]:
+    g = s.data.get("goals") or {}
+    out = []
+    for b in s.data["batch_sizes"]:
+        x = g.get(f"batch_{b}") or {}
+        if x.get("recommended_vs_fastest") is not None:
+            out.append(f"- {b} concurrent: the recommended setting (`{x['recommended_row']}`) ran "
+                       f"{x['recommended_vs_fastest']:.3f}x the fastest fixed setting measured (`{x['fastest_fixed']}`)"
+                       f", {x['recommended_vs_target_alone']:.3f}x the target alone")
+        if x.get("best_policy_vs_recommended") is not None:
+            out.append(f"- {b} concurrent: the best specstop policy inside vLLM (`{x['best_policy']}`) ran "
+                       f"{x['best_policy_vs_recommended']:.3f}x the recommended setting")
+    if g.get("recommended_vs_defaults_geomean") is not None:
+        out.append(f"- the recommended setting at each batch size against vLLM's defaults (K = 5), geometric mean over "
+                   f"the batch sizes: {g['recommended_vs_defaults_geomean']:.3f}x")
+    if g.get("per_batch_vs_defaults_geomean") is not None:
+        out.append(f"- one engine with the recommended `num_speculative_tokens_per_batch_size` against vLLM's "
+                   f"defaults (K = 5), geometric mean: {g['per_batch_vs_defaults_geomean']:.3f}x")
+    if g.get("identical_share_min") is not None:
+        out.append(f"- outputs equal to the target alone's: at least {g['identical_share_min']:.0%} of prompts in "
+                   "every row")
+    if g.get("differing_outputs"):
+        top1 = g.get("differing_reference_top1_share")
+        out.append(f"- the {g['differing_outputs']} outputs that differ first differ where the target's two tokens' "
+                   f"float32 logits are at most {g['differing_max_abs_gap']:.3f} apart (a tie at bfloat16's "
+                   f"precision); the target alone's token is float32's argmax in {top1:.0%} of them")
+    if g.get("replay_worst_abs_error") is not None:
+        out.append(f"- replay against measurement: worst |replayed / measured - 1| = "
+                   f"{g['replay_worst_abs_error']:.3f}")
+    return out
+
+
+def vllm_section(s: Summary) -> str:
+    """One stored vLLM benchmark as Markdown."""
+    d = s.data
+    m = d["machine"]
+    parts = [f"Measured ({d['n_prompts']} test prompts x {d['max_new_tokens']} new tokens, greedy, vLLM "
+             f"{d.get('vllm') or '?'} on {cpu_label(m)}, {m.get('threads', '?')} threads; {dated(d)}; "
+             f"`{d['command']}`):", ""]
+    for b in d["batch_sizes"]:
+        parts += [f"{b} concurrent request{'s' if b > 1 else ''}:", "", *_rows_table(s, b), ""]
+    if d.get("recommendation"):
+        parts += ["The recommendation this run tuned under vLLM's own curve:", "",
+                  *[f"- {x}" for x in d["recommendation"]], ""]
+    goals = _goal_lines(s)
+    parts += ["Against the goals:", "", *goals, ""] if goals else []
+    return "\n".join(parts).rstrip()
+
+
+def vllm_block(summaries: list[Summary]) -> str:
+    """docs/vllm.md's block: the newest stored vLLM benchmark, or how to store one."""
+    s = newest(summaries, "vllm_benchmark")
+    if s is None:
+        return ("No stored run yet: run `.venv-vllm/bin/python -m pipelines.vllm_bench --config "
+                "configs/benchmark-vllm.yaml`, then `python -m pipelines.results --benchmark outputs/benchmark-vllm "
+                "--config_name benchmark-vllm`.")
+    return vllm_section(s)
+
+
+def vllm_readme_lines(summaries: list[Summary]) -> list[str]:
+    """The README's vLLM paragraph: each batch size's recommended row and best policy, measured in vLLM."""
+    s = newest(summaries, "vllm_benchmark")
+    if s is None:
+        return []
+    d = s.data
+    cells = []
+    for b in d["batch_sizes"]:
+        x = (d.get("goals") or {}).get(f"batch_{b}") or {}
+        row = next((r for r in d["rows"] if r["batch"] == b and r["row"] == x.get("recommended_row")), None)
+        if row is not None and row.get("speedup") is not None:
+            cells.append(f"at {b} concurrent request{'s' if b > 1 else ''} the recommended `{row['row']}` ran "
+                         f"{row['speedup']:.2f}x [{row['speedup_lo']:.2f}, {row['speedup_hi']:.2f}] the target alone")
+        best = next((r for r in d["rows"] if r["batch"] == b and r["row"] == x.get("best_policy")), None)
+        if best is not None and best.get("speedup") is not None:
+            cells.append(f"specstop's best policy inside vLLM's proposer there, `{best['row']}`, "
+                         f"{best['speedup']:.2f}x [{best['speedup_lo']:.2f}, {best['speedup_hi']:.2f}]")
+    if not cells:
+        return []
+    return [f"vLLM, measured in vLLM itself ({dated(d)}, {cpu_label(d['machine'])}; "
+            f"[docs/vllm.md](docs/vllm.md)): " + "; ".join(cells) + "."]
