@@ -51,8 +51,9 @@ PROBE_STEPS = 4
 """Timed steps per batch size (after one warm-up sweep); the fastest counts."""
 MEMORY_SHARE = 0.5
 """Share of the memory available at the start that one batch's caches, states and activations may take."""
-SLOW_READ_BYTES_S = 30e9
-"""Read bandwidth (bytes/s, torch's threads) under which the progress says that memory sets the generator's pace."""
+SLOW_READ_BYTES_S = 24e9
+"""Read bandwidth (bytes/s, torch's threads) under which the progress says that memory sets the generator's pace: below
+the 26-57 GB/s 2-core AMD EPYC hosts measure (Zen 3 to Zen 5), above a 2-core Xeon's 19.2 GB/s."""
 
 T = TypeVar("T")
 
