@@ -76,9 +76,15 @@ def test_goodput_needs_a_curve_and_drafts_nothing_where_no_round_pays() -> None:
     with pytest.raises(ValueError, match="measure_costs --runtime vllm"):
         RequestStopper(policy)
     costly = {1: curve(draft=1.0)}  # a draft step costs ten target forwards: no round can pay
-    stopper = RequestStopper(policy, costly)
+    stopper = RequestStopper(policy, costly, batch_rule=False)  # one request priced alone: it drafts nothing
     stopper.begin_round(["a"], None, 5)
     assert stopper.all_stopped() and stopper.proposals() == [[]]
+    # the batch rule prices vLLM's first draft forward as paid (vLLM runs it anyway): its token costs only its
+    # verification and is sent; the next forward is not run
+    batch = RequestStopper(policy, costly)
+    batch.begin_round(["a"], None, 5)
+    assert not batch.all_stopped()
+    assert batch.step(logits([0.9]))[1] is True and batch.proposals() == [[3]]
     cheap = RequestStopper(policy, {1: curve(draft=0.001, per_token=0.0005)})
     cheap.begin_round(["a"], None, 5)
     assert not cheap.all_stopped()
@@ -196,8 +202,8 @@ def test_a_stored_vllm_run_renders_its_rows_and_goals(tmp_path) -> None:
 def test_the_stored_gpu_check_renders() -> None:
     from pathlib import Path
 
-    from rendering.result_store import load_summaries
     from rendering.device_results import gpu_block
+    from rendering.result_store import load_summaries
 
     block = gpu_block(load_summaries(Path(__file__).resolve().parents[1] / "results"))
     assert "| pytest | pass |" in block and "**PASS**" in block
@@ -231,7 +237,7 @@ def test_passes_alternate_the_engine_order_and_keep_each_prompts_faster_run(tmp_
         order.append(name)
         row = RowRun(name=name, batch=1, spec=name)
         for t in times[(name, pass_no)]:
-            row.add_unit(([[1, 2]], t, [StepLog(t, 1, True)], {"drafts": t}, [], (0, 0)))
+            row.add_unit(([[1, 2]], t, [StepLog(t, 1, True)], {"drafts": t}, [], (0, 0), {}))
         return [row]
 
     rows = _run_passes(plan, cfg, run)
@@ -293,7 +299,8 @@ def test_only_the_plugin_engine_builds_specstops_proposer(monkeypatch) -> None:
               EngineRows(EngineSpec(target="T", draft="D", k=8), {"adaedl:0.6": "adaedl:0.6"}, plugin=True)]
     for group in groups:
         with pytest.raises(Built):
-            vb.run_engine(group, {1: [[[1]]]}, cfg, lambda spec: PolicySettings(spec=spec))
+            vb.run_engine(group, {1: [[[1]]]}, cfg,
+                          lambda spec, batch_rule: PolicySettings(spec=spec, batch_rule=batch_rule))
     assert calls == [("uninstall",), ("install", "adaedl:0.6")]
 
 

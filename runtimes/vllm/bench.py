@@ -79,7 +79,16 @@ class VllmBenchConfig:
     acceptance_split: str = "val"
     """The split of ``prompts`` the acceptance is measured on (never the benchmark's own)."""
     policies: list[str] = field(default_factory=list)
-    """specstop policies inside vLLM (decoding.policies.build_policy specs)."""
+    """specstop policies inside vLLM (decoding.policies.build_policy specs), each deciding for its batch where vLLM's
+    curve and a calibrated acceptance allow (``predictors.batch_goodput``)."""
+    per_request_policies: list[str] = field(default_factory=list)
+    """Policies run again with each request stopping by its own rule alone (rows named ``<spec> (per request)``)."""
+    trace_predictor: str | None = None
+    """An export whose features are traced in vLLM on ``trace_prompts`` prompts of ``acceptance_split`` (drafting to
+    ``policy_k``), written to ``out_dir/traces``, and whose calibration is refitted on them into
+    ``out_dir/calibrated/<export name>`` (a policy can then name ``goodput:<that folder>``)."""
+    trace_prompts: int = 0
+    """Prompts of ``acceptance_split`` traced (0: no traces)."""
     calibration_dir: str | None = "outputs/default/train/calibrated"
     """Calibrated training-free exports for goodput:<score> policies."""
     policy_k: int = 8
@@ -111,6 +120,12 @@ class VllmBenchConfig:
             raise ValueError(f"--acceptance_split {self.acceptance_split}: the benchmark's own prompts; use val")
 
 
+UnitRun = tuple[list[list[int]], float, list[StepLog], dict[str, float], list, tuple[int, int],
+                dict[str, list[float]]]
+"""One unit's run: outputs, seconds, steps, vLLM's counters, the proposer's rounds, (idle rows, draft rows), judged
+tokens by draft position."""
+
+
 @dataclass
 class RowRun:
     """One row at one batch size: per unit (a prompt at batch 1, a group of B prompts at batch B) its outputs and
@@ -132,23 +147,38 @@ class RowRun:
     unit_idle: list[tuple[int, int]] = field(default_factory=list)
     """Per unit, the kept run's (idle rows, draft rows): draft-forward rows computed for requests that had stopped,
     of all rows computed (policy rows)."""
+    unit_positions: list[dict[str, list[float]]] = field(default_factory=list)
+    """Per unit, the kept run's judged tokens by draft position: position -> [judged, predicted acceptance summed,
+    accepted] (``runtimes.vllm.stopper.StopperCounts.by_position``; policy rows with a calibrated acceptance)."""
 
-    def add_unit(self, run: tuple[list[list[int]], float, list[StepLog], dict[str, float], list, tuple[int, int]],
-                 ) -> None:
+    def add_unit(self, run: UnitRun) -> None:
         """Append one unit's kept run (as :func:`run_unit` returns it)."""
-        outs, wall, steps, counters, rounds, idle = run
+        outs, wall, steps, counters, rounds, idle, positions = run
         self.outputs.append(outs)
         self.seconds.append(wall)
         self.steps.append(steps)
         self.rounds.append(rounds)
         self.unit_counters.append(dict(counters))
         self.unit_idle.append(tuple(idle))
+        self.unit_positions.append(dict(positions))
 
-    def unit(self, i: int) -> tuple[list[list[int]], float, list[StepLog], dict[str, float], list, tuple[int, int]]:
+    def unit(self, i: int) -> UnitRun:
         """Unit ``i``'s kept run, in :meth:`add_unit`'s form."""
         counters = self.unit_counters[i] if i < len(self.unit_counters) else {}
         idle = self.unit_idle[i] if i < len(self.unit_idle) else (0, 0)
-        return self.outputs[i], self.seconds[i], self.steps[i], counters, self.rounds[i], idle
+        positions = self.unit_positions[i] if i < len(self.unit_positions) else {}
+        return self.outputs[i], self.seconds[i], self.steps[i], counters, self.rounds[i], idle, positions
+
+    @property
+    def by_position(self) -> dict[int, tuple[int, float, float]]:
+        """Draft position -> (tokens judged, mean predicted acceptance, vLLM's accepted share), over the units."""
+        total: dict[int, list[float]] = {}
+        for unit in self.unit_positions:
+            for j, cell in unit.items():
+                acc = total.setdefault(int(j), [0.0, 0.0, 0.0])
+                for k in range(3):
+                    acc[k] += cell[k]
+        return {j: (int(c[0]), c[1] / c[0], c[2] / c[0]) for j, c in sorted(total.items()) if c[0]}
 
     @property
     def counters(self) -> dict[str, float]:
@@ -183,6 +213,7 @@ def row_from_dict(d: dict[str, Any]) -> RowRun:
     d["steps"] = [[StepLog(**s) for s in unit] for unit in d.get("steps", [])]
     d["rounds"] = [[tuple(r) for r in unit] for unit in d.get("rounds", [])]
     d["unit_idle"] = [tuple(u) for u in d.get("unit_idle", [])]
+    d["unit_positions"] = d.get("unit_positions", [])
     return RowRun(**d)
 
 
@@ -198,16 +229,21 @@ def merge_passes(runs: list[RowRun]) -> RowRun:
 @dataclass
 class EngineRows:
     """The rows one engine runs: ``rows`` maps a row name to the policy spec set in specstop's proposer before it
-    (None for vLLM's own proposer or the target alone)."""
+    (None for vLLM's own proposer or the target alone); ``batch_rule`` False: each request stops by its own rule."""
 
     engine: EngineSpec
     rows: dict[str, str | None]
     plugin: bool = False
+    batch_rule: bool = True
 
 
-def run_unit(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]], max_new: int,
-             ) -> tuple[list[list[int]], float, list[StepLog], dict[str, float], list, tuple[int, int]]:
-    before = spec_counters(llm)
+def _positions(proposer: Any) -> dict[str, list[float]]:
+    return {str(j): list(c) for j, c in proposer.stopper.counts.by_position.items()} if proposer is not None else {}
+
+
+def run_unit(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]], max_new: int) -> UnitRun:
+    """Run one unit's prompts together and collect what its row keeps."""
+    before, judged = spec_counters(llm), _positions(proposer)
     n_rounds = len(proposer.stopper.counts.steps) if proposer is not None else 0
     idle0 = (proposer.stopper.counts.idle_rows, proposer.stopper.counts.draft_steps) if proposer is not None else (0, 0)
     clock.take()
@@ -218,15 +254,18 @@ def run_unit(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]]
         c = proposer.stopper.counts
         rounds = c.steps[n_rounds:]
         idle = (c.idle_rows - idle0[0], sum(b * max(1, pos) for b, pos, _ in rounds))
-    return outs, wall, clock.take(), {k: after[k] - before[k] for k in after}, rounds, idle
+    now = _positions(proposer)
+    positions = {j: [x - y for x, y in zip(cell, judged.get(j, [0.0] * 3))] for j, cell in now.items()}
+    return (outs, wall, clock.take(), {k: after[k] - before[k] for k in after}, rounds, idle,
+            {j: cell for j, cell in positions.items() if cell[0]})
 
 
 def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: VllmBenchConfig,
                settings_of: Any) -> list[RowRun]:
     """Load ``group``'s engine, run each of its rows once on every unit of every batch size (one pass), release the
-    engine. ``settings_of(spec)`` gives the proposer's ``PolicySettings`` for a policy row."""
+    engine. ``settings_of(spec, batch_rule)`` gives the proposer's ``PolicySettings`` for a policy row."""
     if group.plugin:  # specstop's proposer for this engine, vLLM's own for every other speculative one
-        vllm_proposer.install(settings_of(next(iter(group.rows.values()))))
+        vllm_proposer.install(settings_of(next(iter(group.rows.values())), group.batch_rule))
     else:
         vllm_proposer.uninstall()
     t0 = time.perf_counter()
@@ -242,10 +281,12 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
             row = RowRun(name=name, batch=batch, spec=spec or name)
             for prompts in batch_units:
                 if proposer is not None:
-                    proposer.set_policy(settings_of(spec))
+                    proposer.set_policy(settings_of(spec, group.batch_rule))
                 row.add_unit(run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens))
             log.info("%s at batch %d: %.2f tokens/s", name, batch, row.tokens_per_s)
             out.append(row)
+    if proposer is not None:
+        proposer.close_traces()
     del clock, proposer
     release(llm)
     return out

@@ -22,7 +22,8 @@ Two ways in:
   ``LLM(...)``; :func:`active` then reaches the proposer (to switch policies between runs and read its counts);
 - ``vllm serve``: the ``vllm.general_plugins`` entry point :func:`register` runs in every vLLM process and installs
   the proposer when ``SPECSTOP_VLLM_POLICY`` names a policy (``SPECSTOP_VLLM_COSTS``: vLLM's curve file, for goodput
-  policies); without it the plugin does nothing.
+  policies and the batch rule; ``SPECSTOP_VLLM_TRACES``: a folder for serving traces, ``runtimes.vllm.traces``;
+  ``SPECSTOP_VLLM_BATCH_RULE=0``: each request stops by its own rule alone); without it the plugin does nothing.
 
 Usage::
 
@@ -46,9 +47,12 @@ import torch
 from compute.models import vocab_fingerprint
 from compute.timing import BATCH_CURVES, CostModel
 from decoding.policies import build_policy
-from predictors.base import StopPolicy
+from predictors.base import GOODPUT, StopPolicy
+from predictors.calibration import Calibrator
 from predictors.export import check_fingerprint, read_metadata
+from predictors.goodput import GoodputPolicy
 from runtimes.vllm.stopper import RequestStopper
+from runtimes.vllm.traces import TraceWriter
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,12 @@ class PolicySettings:
     draft_fingerprint: dict | None = None
     """The draft vLLM runs (:func:`folder_fingerprint`): a learned predictor trained for another draft is refused,
     one trained on another precision of the same draft warned about. None skips the check."""
+    batch_rule: bool = True
+    """Decide for the batch (``predictors.batch_goodput``) where vLLM's curve and a calibrated acceptance allow."""
+    traces_dir: str | None = None
+    """Log each sent token's features and vLLM's verdict as Parquet shards here (``runtimes.vllm.traces``)."""
+    trace_all: bool = False
+    """Draft every request to the cap and send it all, so that every position is judged (tracing a predictor)."""
 
 
 _SETTINGS: PolicySettings | None = None
@@ -124,7 +134,32 @@ def build_stopper(settings: PolicySettings) -> RequestStopper:
         check_fingerprint(read_metadata(folder).get("draft_fingerprint"), settings.draft_fingerprint,
                           where=settings.spec)
     return RequestStopper(policy, load_curves(settings.costs), max_draft_len=settings.max_draft_len,
-                          top_k=settings.top_k)
+                          top_k=settings.top_k, acceptance=_acceptance_map(settings, policy),
+                          batch_rule=settings.batch_rule, traces=_trace_writer(settings),
+                          draft_to_cap=settings.trace_all)
+
+
+def _acceptance_map(settings: PolicySettings, policy: StopPolicy) -> Calibrator | None:
+    """A thresholded policy's greedy calibration map (its export's, or the calibrated training-free score's in
+    ``calibration_dir``), which the batch rule prices it with; None (with one line) where it has none."""
+    if policy.verification == GOODPUT or not settings.batch_rule or not settings.costs:
+        return None
+    try:
+        wrapped = build_policy(f"goodput:{settings.spec}", max_draft_len=settings.max_draft_len,
+                               calibration_dir=settings.calibration_dir)
+    except ValueError as e:  # MissingCalibration included: no map, so no batch rule
+        log.info("specstop: %s has no calibration map (%s): each request stops by its own rule alone",
+                 settings.spec, str(e).split(";")[0])
+        return None
+    return wrapped.calibrations.get("greedy") if isinstance(wrapped, GoodputPolicy) else None
+
+
+def _trace_writer(settings: PolicySettings) -> TraceWriter | None:
+    """The serving-trace writer of ``settings.traces_dir`` (None when not asked)."""
+    if not settings.traces_dir:
+        return None
+    tags = {"runtime": "vllm", "precision": "bfloat16", "fingerprints": {"draft": settings.draft_fingerprint}}
+    return TraceWriter(settings.traces_dir, tags)
 
 
 def folder_fingerprint(folder: str | Path, name: str) -> dict:
@@ -165,8 +200,14 @@ def _make_class() -> type:
 
         def set_policy(self, policy: StopPolicy | PolicySettings) -> None:
             """Stop with another policy from the next proposal on (in-process runs between benchmark rows)."""
+            self.close_traces()
             self.stopper = build_stopper(policy) if isinstance(policy, PolicySettings) else RequestStopper(policy)
             self.draft_s = 0.0
+
+        def close_traces(self) -> None:
+            """Write the traced rows still buffered (before the stopper is replaced or the engine released)."""
+            if self.stopper is not None and self.stopper.traces is not None:
+                self.stopper.traces.close()
 
         def propose(self, num_speculative_tokens: int, *args: Any, **kwargs: Any) -> Any:
             if self.stopper is None:
@@ -227,7 +268,9 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: installs the proposer when ``SPECSTOP_VLLM_POLICY`` is set."""
     spec = os.environ.get("SPECSTOP_VLLM_POLICY")
     if spec:
-        install(PolicySettings(spec=spec, costs=os.environ.get("SPECSTOP_VLLM_COSTS") or None))
+        install(PolicySettings(spec=spec, costs=os.environ.get("SPECSTOP_VLLM_COSTS") or None,
+                               traces_dir=os.environ.get("SPECSTOP_VLLM_TRACES") or None,
+                               batch_rule=os.environ.get("SPECSTOP_VLLM_BATCH_RULE", "1") != "0"))
         log.info("specstop: vLLM's draft-model proposer stops each request with %s", spec)
 
 

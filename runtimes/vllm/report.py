@@ -57,7 +57,24 @@ def _entry(r: RowRun, ref: RowRun, boot: np.ndarray, check: dict[str, Any]) -> d
             "acceptance": round(c["accepted"] / c["draft_tokens"], 4) if c.get("draft_tokens") else None,
             "idle_share": round(r.idle_rows / r.draft_rows, 4) if r.draft_rows else None,
             "replayed_tokens_per_s": check.get("replayed_tokens_per_s"), "replay_ratio": check.get("ratio"),
-            "unit_seconds": [round(s, 4) for s in r.seconds]}
+            "unit_seconds": [round(s, 4) for s in r.seconds],
+            "by_position": {str(j): [n, round(pred, 4), round(obs, 4)] for j, (n, pred, obs) in r.by_position.items()}}
+
+
+def _fixed(r: RowRun) -> bool:
+    """vLLM's own settings: the target alone (either of its rows) and its static or per-batch K."""
+    return r.name.startswith((TARGET_ALONE, "vllm:", "vllm per-batch"))
+
+
+def _against_fastest_fixed(at_b: list[RowRun], entries: list[dict], boot: np.ndarray) -> None:
+    """Each specstop row's speedup over the fastest of vLLM's own settings at this batch size, with its interval."""
+    fixed = [r for r in at_b if _fixed(r)]
+    fastest = max(fixed, key=lambda r: r.tokens_per_s)
+    for r, e in zip(at_b, entries):
+        if not _fixed(r):
+            sp, lo, hi = ratio_ci(_as_row(r), _as_row(fastest), boot)
+            e["vs_fastest_fixed"] = [None if x is None else round(x, 4) for x in (sp, lo, hi)]
+            e["fastest_fixed"] = fastest.name
 
 
 def _rec_row(table: list[dict], batch: int, picks: list[BatchPick]) -> dict | None:
@@ -83,6 +100,12 @@ def _tie_goals(ties: list[dict]) -> dict[str, Any]:
             "differing_reference_top1_share": round(sum(t["reference_is_top1"] for t in ties) / len(ties), 4)}
 
 
+def _calibration_gap(entry: dict[str, Any], positions: int = 4) -> float | None:
+    """The largest |mean predicted acceptance - vLLM's accepted share| over draft positions 1..``positions``."""
+    gaps = [abs(c[1] - c[2]) for j, c in entry["by_position"].items() if int(j) <= positions and c[0]]
+    return round(max(gaps), 4) if gaps else None
+
+
 def _goals(table: list[dict], picks: list[BatchPick], cfg: VllmBenchConfig, ties: list[dict]) -> dict[str, Any]:
     goals: dict[str, Any] = {}
     ratios, per_ratios = [], []
@@ -105,6 +128,8 @@ def _goals(table: list[dict], picks: list[BatchPick], cfg: VllmBenchConfig, ties
             if default is not None:
                 g["recommended_vs_defaults"] = round(rec["tokens_per_s"] / default["tokens_per_s"], 4)
                 ratios.append(g["recommended_vs_defaults"])
+        g["policies_vs_fastest_fixed"] = {t["row"]: t["vs_fastest_fixed"] for t in rows if "vs_fastest_fixed" in t}
+        g["calibration_gap"] = {t["row"]: _calibration_gap(t) for t in rows if t.get("by_position")}
         policies = [t for t in rows if t["row"] in cfg.policies]
         if policies and rec is not None:
             best = max(policies, key=lambda t: t["tokens_per_s"])
@@ -134,9 +159,10 @@ def build_report(cfg: VllmBenchConfig, rows: list[RowRun], names: list[str], pic
         at_b = [r for r in rows if r.batch == b]
         ref = next(r for r in at_b if r.name == TARGET_ALONE)
         boot = rng.integers(0, len(ref.seconds), size=(cfg.n_boot, len(ref.seconds)))
-        for r in at_b:
-            c = next((x for x in check if x["row"] == r.name and x["batch"] == b), {})
-            table.append(_entry(r, ref, boot, c))
+        entries = [_entry(r, ref, boot, next((x for x in check if x["row"] == r.name and x["batch"] == b), {}))
+                   for r in at_b]
+        _against_fastest_fixed(at_b, entries, boot)
+        table += entries
     rep = VllmReport(table=table, goals=_goals(table, picks, cfg, ties or []), recommendation=recommendation,
                      picks=[p.to_dict() for p in picks], replay_check=check,
                      curves={str(b): cm.to_dict() for b, cm in curves.items()}, prompts=names, ties=ties or [])

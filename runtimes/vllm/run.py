@@ -37,6 +37,7 @@ from runtimes.vllm.proposer import PolicySettings, check_vllm, folder_fingerprin
 from runtimes.vllm.report import VllmReport, build_report
 from runtimes.vllm.settings import ACCEPTANCE, BatchPick, acceptance_picks, paste_lines, schedule_ranges
 from runtimes.vllm.ties import tie_gaps
+from runtimes.vllm.traces import refit_calibration
 
 log = logging.getLogger("pipelines.vllm_bench")
 
@@ -133,6 +134,10 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
     if cfg.policies:
         groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k), {p: p for p in cfg.policies},
                                  plugin=True))
+    if cfg.per_request_policies:
+        groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k),
+                                 {f"{p} (per request)": p for p in cfg.per_request_policies}, plugin=True,
+                                 batch_rule=False))
     groups.append(EngineRows(base, {f"{TARGET_ALONE} (again)": "again"}))  # its own stored rows, not the first's
     return groups
 
@@ -146,7 +151,7 @@ def _engine_key(group: EngineRows, cfg: VllmBenchConfig, pass_no: int) -> str:
     """What an engine's stored rows of one pass depend on: the run's prompts and lengths, its speculative config, the
     proposer and the policies in it (not the rows' names, which say what the plan recommends), the pass."""
     what = {"run": {k: getattr(cfg, k) for k in RUN_FIELDS}, "engine": asdict(group.engine), "plugin": group.plugin,
-            "specs": list(group.rows.values()), "pass": pass_no}
+            "specs": list(group.rows.values()), "pass": pass_no, "batch_rule": group.batch_rule}
     curve = Path(cfg.out_dir) / COST_FILE
     if group.plugin and curve.is_file():  # cost-aware policies price rounds with the curve (not the acceptance)
         batches = CostModel.from_json(curve).extra.get(BATCH_CURVES)
@@ -203,13 +208,15 @@ def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
 
     fingerprint = folder_fingerprint(draft, cfg.models.draft)
 
-    def settings_of(spec: str) -> PolicySettings:
+    def settings_of(spec: str, batch_rule: bool = True, **more: Any) -> PolicySettings:
         return PolicySettings(spec=spec, costs=str(cost_path), max_draft_len=cfg.policy_k,
-                              calibration_dir=cfg.calibration_dir, draft_fingerprint=fingerprint)
+                              calibration_dir=cfg.calibration_dir, draft_fingerprint=fingerprint,
+                              batch_rule=batch_rule, **more)
 
-    if cfg.policies:
-        for spec in cfg.policies:  # every policy builds before any engine loads: a bad spec fails in one line
-            install(settings_of(spec))
+    if cfg.trace_predictor and cfg.trace_prompts:
+        _trace_and_refit(cfg, target, draft, settings_of)
+    for spec in [*cfg.policies, *cfg.per_request_policies]:  # each builds before the rows: a bad spec fails in a line
+        install(settings_of(spec))
     plan = _plan(cfg, target, draft, picks)
     units = _units(prompts, cfg.batch_sizes)
     rows = _run_passes(plan, cfg, lambda g: run_engine(g, units, cfg, settings_of))
@@ -217,6 +224,26 @@ def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
     check = check_rows(rows, curves, k_of)
     return build_report(cfg, rows, names, picks, check, curves, paste_lines(picks, draft, max(cfg.batch_sizes))
                         if picks else [], _ties(rows, units, target))
+
+
+def _trace_and_refit(cfg: VllmBenchConfig, target: str, draft: str, settings_of: Any) -> Path:
+    """Trace ``trace_predictor`` in vLLM on ``trace_prompts`` prompts of ``acceptance_split`` (one request at a
+    time, drafting to ``policy_k``) into ``out_dir/traces`` and refit its calibration on them into
+    ``out_dir/calibrated/<name>``; a finished refit is read back."""
+    export = Path(cfg.trace_predictor)
+    dest = Path(cfg.out_dir) / "calibrated" / export.parent.name
+    if (dest / "predictor.json").is_file():
+        log.info("vLLM-calibrated export read back from %s", dest)
+        return dest
+    traces = Path(cfg.out_dir) / "traces"
+    if not list(traces.glob("shard-*.parquet")):
+        prompts, _ = _prompts(cfg, target, cfg.acceptance_split, cfg.trace_prompts)
+        group = EngineRows(EngineSpec(target=target, draft=draft, k=cfg.policy_k, max_num_seqs=2,
+                                      device=cfg.models.device), {"trace": str(export)}, plugin=True, batch_rule=False)
+        log.info("tracing %s in vLLM on %d %s prompts into %s", export, len(prompts), cfg.acceptance_split, traces)
+        run_engine(group, {1: [[p] for p in prompts]}, cfg,
+                   lambda spec, batch_rule: settings_of(spec, False, traces_dir=str(traces), trace_all=True))
+    return refit_calibration(traces, export, dest)
 
 
 def _ties(rows: list[RowRun], units: dict[int, list[list[list[int]]]], target: str) -> list[dict]:

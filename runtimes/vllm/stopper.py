@@ -14,8 +14,14 @@ specstop stop policy and its round in progress (``decoding.draft_steps``), so th
 - :meth:`RequestStopper.proposals`: per request, the tokens to verify (lists of different lengths).
 
 A request that has stopped still rides the batch's draft forwards while another drafts (its rows are computed and
-ignored): the loop is vLLM's, for the whole batch. A cost-aware policy prices rounds with the curve measured at the
-batch size nearest above the running one (``python -m pipelines.measure_costs --runtime vllm``).
+ignored): the loop is vLLM's, for the whole batch. So with vLLM's curve (``python -m pipelines.measure_costs --runtime
+vllm``, at the batch size nearest above the running one) and a calibrated acceptance per drafted token, the stopper
+decides for the batch (``predictors.batch_goodput``): after each position another draft forward runs only while the
+requests still drafting promise more tokens/s than stopping now, a thresholded policy's own stop choosing which
+requests those are and a goodput policy's calibrated acceptance both which and what each sends; the draft's first
+forward, which vLLM runs whatever is drafted, is priced as paid. Without a curve or a calibration (a static length, a
+policy with no map) each request stops by its own rule alone. With a :class:`runtimes.vllm.traces.TraceWriter`, every
+sent token's features and whether vLLM accepted it are logged.
 
 This module needs no vLLM (its tests run on plain tensors); ``runtimes.vllm.proposer`` plugs it into vLLM.
 
@@ -36,9 +42,13 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from compute.timing import CostModel
-from decoding.draft_steps import DraftedRound, check_policy, draft_step, verified_count
+from decoding.draft_steps import DraftedRound, check_policy, draft_step, step_features, verified_count
 from predictors import goodput
 from predictors.base import GOODPUT, RoundFeedback, StopPolicy
+from predictors.baselines import StaticLength
+from predictors.batch_goodput import BatchCost, batch_keep_drafting, send_lengths, worth_drafting
+from predictors.calibration import Calibrator
+from runtimes.vllm.traces import TraceWriter
 
 __all__ = ["RequestStopper", "StopperCounts", "curve_for_batch"]
 
@@ -74,6 +84,12 @@ class StopperCounts:
     steps: list[tuple[int, int, float]] = field(default_factory=list)
     """Per proposal of the batch: (requests, draft positions computed, mean tokens a request verifies next: verified +
     1), what a curve prices (``runtimes.vllm.check``)."""
+    batch_stops: int = 0
+    """Proposals whose draft loop the batch rule ended while some request's own rule would have drafted on."""
+    by_position: dict[int, list[float]] = field(default_factory=dict)
+    """Draft position j (1-based) -> [tokens judged, their predicted acceptance summed, accepted]: a sent token is
+    judged when every token before it was accepted, so the mean prediction of a position is the calibration's and the
+    accepted share vLLM's acceptance there (batch-rule and goodput policies, whose acceptance is calibrated)."""
 
 
 class RequestStopper:
@@ -81,13 +97,18 @@ class RequestStopper:
 
     Args:
         policy: the stop policy; each request drafts with its own deep copy.
-        curves: batch size -> the runtime's verification curve (goodput policies need it; others ignore it).
+        curves: batch size -> the runtime's verification curve (goodput policies and the batch rule need it).
         max_draft_len: cap on one round's drafts (vLLM's ``num_speculative_tokens`` caps it too).
         top_k: top-k draft probabilities in the features (the predictors' training data's).
+        acceptance: a thresholded policy's calibration map (raw score -> acceptance) for the batch rule.
+        batch_rule: decide for the batch (``predictors.batch_goodput``) where curve and acceptance allow.
+        traces: where sent tokens' features and vLLM's verdicts are logged (None: not logged).
+        draft_to_cap: every request drafts to its cap and sends it all (tracing: every position gets judged).
     """
 
     def __init__(self, policy: StopPolicy, curves: dict[int, CostModel] | None = None, *, max_draft_len: int = 16,
-                 top_k: int = 10) -> None:
+                 top_k: int = 10, acceptance: Calibrator | None = None, batch_rule: bool = True,
+                 traces: TraceWriter | None = None, draft_to_cap: bool = False) -> None:
         check_policy(policy, "vLLM")
         if policy.verification == GOODPUT and not curves:
             raise ValueError(f"policy {policy.kind} prices rounds with a verification curve: measure vLLM's with "
@@ -96,9 +117,16 @@ class RequestStopper:
         self.policy, self.curves = policy, dict(curves or {})
         self.max_draft_len, self.top_k = int(max_draft_len), int(top_k)
         self.counts = StopperCounts()
+        self.acceptance, self.traces, self.draft_to_cap = acceptance, traces, draft_to_cap
+        self.batch_rule = bool(batch_rule and not draft_to_cap and self.curves and not isinstance(policy, StaticLength)
+                               and (policy.verification == GOODPUT or acceptance is not None))
+        self._batch_costs: dict[int, BatchCost] = {}
+        self._batch: BatchCost | None = None
+        self._acc: list[list[float]] = []
+        self._feats: list[list[dict[str, float]]] = []
         self._costs: dict[int, goodput.RoundCost] = {}
         self._policies: dict[str, StopPolicy] = {}
-        self._sent: dict[str, tuple[int, list[float]]] = {}
+        self._sent: dict[str, tuple[int, list[float], list[float]]] = {}
         self._ids: list[str] = []
         self._rounds: list[DraftedRound] = []
         self._caps: list[int] = []
@@ -121,20 +149,26 @@ class RequestStopper:
             del self._policies[gone]
             self._sent.pop(gone, None)
         self._cost = self._round_cost(len(ids))
+        self._batch = self._batch_cost(len(ids))
         self._ids, self._rounds, self._caps, self._positions = ids, [], [], 0
+        self._acc, self._feats = [[] for _ in ids], [[] for _ in ids]
         for i, rid in enumerate(ids):
             pol = self._policies.get(rid)
             if pol is None:
                 pol = self._policies[rid] = copy.deepcopy(self.policy)
                 pol.reset()
             elif rid in self._sent:
-                n, qs = self._sent.pop(rid)
+                n, qs, predicted = self._sent.pop(rid)
                 acc = max(0, n - int(rejected[i])) if rejected is not None and n else 0
                 self.counts.accepted += acc
+                self._judge(predicted, acc)
                 pol.update(RoundFeedback.leading(n, acc, qs))
+                if self.traces is not None:
+                    self.traces.verdicts(rid, acc, len(ids))
             cap = pol.round_cap(self.max_draft_len, int(num_speculative_tokens))
-            if self._cost is not None and not goodput.can_pay(self._cost, cap, pol.acceptance_ceiling):
-                cap = 0
+            if (self._batch is None and self._cost is not None
+                    and not goodput.can_pay(self._cost, cap, pol.acceptance_ceiling)):
+                cap = 0  # one request's round priced alone; the batch rule prices the first forward as paid
             self._caps.append(cap)
             self._rounds.append(DraftedRound(done=cap == 0))
 
@@ -149,12 +183,73 @@ class RequestStopper:
             if rnd.done:
                 self.counts.idle_rows += 1
                 continue
-            more = draft_step(logits[i:i + 1], self._policies[self._ids[i]], rnd, self.top_k, cap, self._cost,
-                              token=int(tokens[i]))
+            if self._batch is None and self.traces is None:
+                more = draft_step(logits[i:i + 1], self._policies[self._ids[i]], rnd, self.top_k, cap, self._cost,
+                                  token=int(tokens[i]))
+            else:
+                more = self._scored_step(i, logits[i:i + 1], rnd, cap)
             rnd.steps += 1
             rnd.done = not more or len(rnd.tokens) >= cap
+        if self._batch is not None:
+            self._decide_for_batch()
         self.counts.decide_s += time.perf_counter() - t0
         return tokens, all(r.done for r in self._rounds)
+
+    def _judge(self, predicted: list[float], accepted: int) -> None:
+        """Count each judged token's predicted acceptance and vLLM's verdict by draft position."""
+        for j, a in enumerate(predicted[: accepted + 1], 1):
+            cell = self.counts.by_position.setdefault(j, [0.0, 0.0, 0.0])
+            cell[0] += 1
+            cell[1] += a
+            cell[2] += float(j <= accepted)
+
+    def _batch_cost(self, batch: int) -> BatchCost | None:
+        if not self.batch_rule:
+            return None
+        if batch not in self._batch_costs:
+            self._batch_costs[batch] = BatchCost.from_cost_model(curve_for_batch(self.curves, batch), batch)
+        return self._batch_costs[batch]
+
+    def _scored_step(self, i: int, logits: Tensor, rnd: DraftedRound, cap: int) -> bool:
+        """One request's drafted position with its calibrated acceptance kept (the batch rule's input) and its
+        features kept for the trace; returns its own rule's answer (a goodput policy's is the batch rule's)."""
+        pol = self._policies[self._ids[i]]
+        if isinstance(pol, StaticLength):
+            return draft_step(logits, pol, rnd, self.top_k, cap, self._cost)
+        tok, feats = step_features(logits.float(), pol, self.top_k, len(rnd.tokens))
+        rnd.tokens.append(tok)
+        rnd.q.append(float(feats["q"][0]))
+        raw = pol.score_list(feats)[0]
+        if pol.verification == GOODPUT:
+            rnd.scores.append(raw)
+        self._acc[i].append(raw if pol.verification == GOODPUT or self.acceptance is None
+                            else self.acceptance.apply_one(raw))
+        if self.traces is not None:
+            self._feats[i].append({k: (v.reshape(-1).tolist() if v.numel() > 1 else float(v.reshape(-1)[0]))
+                                   for k, v in feats.items()})
+        if self.draft_to_cap:
+            return True
+        if pol.verification == GOODPUT:
+            return self._batch is not None or goodput.keep_drafting(rnd.scores, self._cost, cap)
+        return raw >= pol.threshold
+
+    def _decide_for_batch(self) -> None:
+        """After a position: a goodput policy's requests draft on only where their next token pays its verification;
+        the batch runs another draft forward only where the requests still drafting pay for it."""
+        assert self._batch is not None
+        live = [i for i, r in enumerate(self._rounds) if not r.done]
+        if not live:
+            return
+        if self.policy.verification == GOODPUT:
+            worth = worth_drafting(self._acc, self._batch, self._positions)
+            for i in live:
+                self._rounds[i].done = not worth[i]
+        drafting = [not r.done for r in self._rounds]
+        cap = max(self._caps[i] for i in live)
+        if any(drafting) and not batch_keep_drafting(self._acc, drafting, self._batch, cap):
+            self.counts.batch_stops += 1
+            for r in self._rounds:
+                r.done = True
 
     def all_stopped(self) -> bool:
         """Whether no request drafts in this round (before any step: every cap was 0)."""
@@ -163,9 +258,16 @@ class RequestStopper:
     def proposals(self) -> list[list[int]]:
         """Per request, the drafted tokens to verify (a prefix of its round, as its policy says)."""
         out: list[list[int]] = []
-        for rid, rnd in zip(self._ids, self._rounds):
-            n = verified_count(rnd, self._policies[rid], self._cost) if rnd.tokens else 0
-            self._sent[rid] = (n, rnd.q[:n])
+        batch_sends = (send_lengths(self._acc, self._batch, self._positions)
+                       if self._batch is not None and self.policy.verification == GOODPUT else None)
+        for i, (rid, rnd) in enumerate(zip(self._ids, self._rounds)):
+            if batch_sends is not None:
+                n = min(batch_sends[i], len(rnd.tokens))
+            else:
+                n = verified_count(rnd, self._policies[rid], self._cost) if rnd.tokens else 0
+            self._sent[rid] = (n, rnd.q[:n], self._acc[i][:n] if len(self._acc[i]) >= n else [])
+            if self.traces is not None and n:
+                self.traces.sent(rid, self._feats[i][:n], len(self._ids))
             self.counts.rounds += 1
             self.counts.drafted += len(rnd.tokens)
             self.counts.verified += n

@@ -1,0 +1,131 @@
+"""The cost-aware rule for a batch that shares its draft forwards and one verification pass (vLLM's draft loop).
+
+A step of B requests pays one draft forward per drafted position for the whole batch (``d_B``) and one target pass
+verifying each request's sent tokens + 1 (``T_B(L)``, L new tokens a request; a batch sending n tokens in all costs
+``T_B(1 + n / B)``). Where the runtime runs the draft's first forward whatever is drafted (vLLM keeps the draft's cache
+in step with it), that forward is paid by a step that drafts nothing too, so the first drafted token of each request
+costs only its verification (``BatchCost.first_forward_paid``).
+
+After each drafted position, with every request's calibrated acceptances so far:
+
+- :func:`send_lengths`: what each request sends (the drafting done is paid): greedily the token with the largest
+  expected gain while the batch's expected tokens/s improves (``predictors.goodput.batch_lengths``);
+- :func:`worth_drafting`: a request drafts on while its next token, forecast at its last acceptance, adds more
+  expected tokens per second of verification than the batch's rate now;
+- :func:`batch_keep_drafting`: the batch runs another draft forward while some m more forwards over the requests
+  still drafting promise a higher batch rate than stopping now (the not-yet-drafted acceptances forecast by each
+  request's last, as the one-request rule does).
+
+Usage::
+
+    cost = BatchCost.from_cost_model(curve_at_batch_4, batch=4)
+    batch_keep_drafting([[0.9, 0.8], [0.4], [], [0.95]], [True, False, False, True], cost, cap=8)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from predictors.goodput import batch_lengths, check_cost_model
+
+__all__ = ["BatchCost", "send_lengths", "worth_drafting", "batch_keep_drafting", "expected_batch_tokens"]
+
+
+@dataclass
+class BatchCost:
+    """Seconds of one batched step: ``draft_s`` per draft forward, ``target_time(L)`` per target pass of L new tokens
+    a request, at ``batch`` requests."""
+
+    draft_s: float
+    target_time: Callable[[float], float]
+    batch: int
+    first_forward_paid: bool = True
+    """The runtime runs the draft's first forward even when nothing is drafted (vLLM); False where a step that drafts
+    nothing skips it."""
+
+    @classmethod
+    def from_cost_model(cls, cm: Any, batch: int, first_forward_paid: bool = True) -> BatchCost:
+        """From the ``compute.timing.CostModel`` measured at ``batch`` requests."""
+        check_cost_model(cm)
+        return cls(float(cm.draft_s_per_token), cm.target_time, max(1, int(batch)), first_forward_paid)
+
+    def verify_s(self, sent: float) -> float:
+        """One target pass verifying ``sent`` drafted tokens over the batch (each request's + 1)."""
+        return float(self.target_time(1.0 + sent / self.batch))
+
+    def step_s(self, forwards: int, sent: float) -> float:
+        """One step that ran ``forwards`` draft forwards and verifies ``sent`` tokens."""
+        paid = max(forwards, 1) if self.first_forward_paid else forwards
+        return paid * self.draft_s + self.verify_s(sent)
+
+
+def expected_batch_tokens(acc: Sequence[Sequence[float]], lengths: Sequence[int]) -> float:
+    """Expected tokens the step emits: per request 1 + P_1 + ... + P_n for its ``n`` sent tokens."""
+    total = 0.0
+    for a, n in zip(acc, lengths):
+        surv, total = 1.0, total + 1.0
+        for x in a[:n]:
+            surv *= min(max(float(x), 0.0), 1.0)
+            total += surv
+    return total
+
+
+def _survival(a: Sequence[float]) -> float:
+    surv = 1.0
+    for x in a:
+        surv *= min(max(float(x), 0.0), 1.0)
+    return surv
+
+
+def send_lengths(acc: Sequence[Sequence[float]], cost: BatchCost, forwards: int) -> list[int]:
+    """Per request, how many of its drafted tokens to send, the ``forwards`` already run being paid."""
+    return batch_lengths([list(a) for a in acc], lambda n: cost.step_s(forwards, n))
+
+
+def _rate_now(acc: Sequence[Sequence[float]], cost: BatchCost, forwards: int) -> tuple[float, list[int]]:
+    lengths = send_lengths(acc, cost, forwards)
+    return expected_batch_tokens(acc, lengths) / cost.step_s(forwards, sum(lengths)), lengths
+
+
+def worth_drafting(acc: Sequence[Sequence[float]], cost: BatchCost, forwards: int) -> list[bool]:
+    """Per request: does its next token, forecast at its last acceptance, add more expected tokens per second of its
+    verification than the batch's rate now? (The shared draft forward is priced by :func:`batch_keep_drafting`.)"""
+    rate, lengths = _rate_now(acc, cost, forwards)
+    sent = sum(lengths)
+    per_token = max(cost.verify_s(sent + 1) - cost.verify_s(sent), 1e-12)
+    out = []
+    for a in acc:
+        gain = _survival(a) * (min(max(float(a[-1]), 0.0), 1.0) if a else 1.0)
+        out.append(gain / per_token > rate)
+    return out
+
+
+def batch_keep_drafting(acc: Sequence[Sequence[float]], drafting: Sequence[bool], cost: BatchCost, cap: int) -> bool:
+    """Run another draft forward for the batch? ``acc``: per request, its drafted tokens' calibrated acceptances;
+    ``drafting``: the requests that would draft in it (their own rule says go on); ``cap``: most positions a round.
+    Compares the best rate of m = 1..cap - j more forwards (those requests sending all they draft, the others their
+    best prefix) with the rate of stopping now."""
+    forwards = max((len(a) for a in acc), default=0)
+    if forwards >= cap or not any(drafting):
+        return False
+    now, lengths = _rate_now(acc, cost, forwards)
+    base_tokens, base_sent, lead, ratios = 0.0, 0, [], []
+    for a, go, n in zip(acc, drafting, lengths):
+        if go:
+            base_tokens += expected_batch_tokens([a], [len(a)])
+            base_sent += len(a)
+            lead.append(_survival(a))
+            ratios.append(min(max(float(a[-1]), 0.0), 1.0) if a else 1.0)
+        else:
+            base_tokens += expected_batch_tokens([a], [n])
+            base_sent += n
+    ahead = [0.0] * len(lead)
+    for m in range(1, cap - forwards + 1):
+        gain = 0.0
+        for i, r in enumerate(ratios):
+            ahead[i] += r ** m
+            gain += lead[i] * ahead[i]
+        if (base_tokens + gain) / cost.step_s(forwards + m, base_sent + m * len(lead)) > now:
+            return True
+    return False

@@ -1,0 +1,125 @@
+"""Serving traces: each token specstop's proposer sent to vLLM's verification, its features and vLLM's verdict.
+
+A request's proposal is logged when it is sent (:meth:`TraceWriter.sent`) and labelled when the next step says how many
+of it the target rejected (:meth:`TraceWriter.verdicts`): the accepted tokens get ``greedy_match`` 1, the first
+rejected one 0, and the tokens after it (never judged) are not written. Rows carry the drafted position, the request,
+the batch size and a split (``val`` for most requests, ``test`` for every fifth, by a hash of the request id, so that
+``pipelines.calibrate`` fits on some requests and reports on others). They go to Parquet shards in ``data_gen``'s
+file layout (``shard-NNNNN.parquet`` written whole through a temporary name, and ``config.json`` with the pair's
+fingerprints, runtime and precision), so a killed server loses at most the rows not yet written and the folder reads as
+a data folder: ``python -m pipelines.calibrate --data_dir TRACES --predictor EXPORT`` refits a predictor's
+calibration on what vLLM accepts.
+
+Usage: ``SPECSTOP_VLLM_TRACES=outputs/traces SPECSTOP_VLLM_POLICY=... vllm serve ...`` or
+``PolicySettings(..., traces_dir="outputs/traces")``; traces come from validation prompts, never test prompts.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from evaluation.calibration import fit_maps
+from evaluation.data import draft_fingerprint, load_columns, subset
+from predictors.export import load_predictor, update_metadata
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TraceWriter", "TRACE_TAGS", "trace_split", "refit_calibration"]
+
+CONFIG_FILE = "config.json"
+TRACE_TAGS = ("runtime", "precision", "fingerprints")
+"""The fields of ``config.json`` a folder's traces must share: appending traces of another pair or precision to it is
+refused."""
+
+
+def trace_split(request_id: str) -> str:
+    """``test`` for about one request in five (a stable hash of its id), else ``val``."""
+    return "test" if zlib.crc32(request_id.encode()) % 5 == 0 else "val"
+
+
+class TraceWriter:
+    """Buffers labelled rows and writes them as whole shards of ``shard_rows`` (and the rest at exit)."""
+
+    def __init__(self, folder: str | Path, tags: dict[str, Any], shard_rows: int = 512) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.tags = {k: tags.get(k) for k in TRACE_TAGS}
+        self._check_config()
+        self.shard_rows = max(1, int(shard_rows))
+        self._pending: dict[str, tuple[list[dict[str, Any]], int]] = {}
+        self._rows: list[dict[str, Any]] = []
+        self._next = len(list(self.folder.glob("shard-*.parquet")))
+        self.written = 0
+        atexit.register(self.close)
+
+    def _check_config(self) -> None:
+        path = self.folder / CONFIG_FILE
+        if path.is_file():
+            old = {k: json.loads(path.read_text()).get(k) for k in TRACE_TAGS}
+            if old != self.tags:
+                diff = [k for k in TRACE_TAGS if old.get(k) != self.tags.get(k)]
+                raise ValueError(f"{self.folder}: holds traces of another {', '.join(diff)} ({old} here, this run "
+                                 f"{self.tags}): give another traces folder")
+        else:
+            path.write_text(json.dumps({**self.tags, "kind": "vllm_traces"}, indent=1))
+
+    def sent(self, request_id: str, features: list[dict[str, Any]], batch: int) -> None:
+        """A proposal of ``request_id`` went to verification: the features of each sent token, in draft order."""
+        self._pending[request_id] = (features, batch)
+
+    def verdicts(self, request_id: str, accepted: int, batch: int) -> None:
+        """vLLM accepted the first ``accepted`` tokens of the request's last proposal: label and buffer them."""
+        sent = self._pending.pop(request_id, None)
+        if sent is None:
+            return
+        split = trace_split(request_id)
+        for j, f in enumerate(sent[0][: accepted + 1]):
+            self._rows.append({**f, "position": j, "greedy_match": float(j < accepted), "sample_id": request_id,
+                               "batch": sent[1], "split": split, "draw": "greedy"})
+        if len(self._rows) >= self.shard_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered rows as one shard (through a temporary name: a shard is whole or absent)."""
+        if not self._rows:
+            return
+        path = self.folder / f"shard-{self._next:05d}.parquet"
+        tmp = path.with_suffix(".parquet.tmp")
+        pq.write_table(pa.Table.from_pylist(self._rows), tmp)
+        os.replace(tmp, path)
+        self.written += len(self._rows)
+        self._next += 1
+        self._rows = []
+
+    def close(self) -> None:
+        """Write what is buffered (tokens still waiting for a verdict are not written)."""
+        self.flush()
+
+
+def refit_calibration(traces_dir: str | Path, export: str | Path, dest: str | Path, method: str = "auto") -> Path:
+    """Copy ``export`` to ``dest`` with its greedy calibration map refitted on the traces' ``val`` requests (vLLM's
+    verdicts on its own drafts): what a goodput policy serving in vLLM prices with. One-line errors for a folder
+    without traced tokens or traces of another draft."""
+    traces, dest = Path(traces_dir), Path(dest)
+    if not list(traces.glob("shard-*.parquet")):
+        raise ValueError(f"{traces}: no traced tokens (no shard-*.parquet): serve with SPECSTOP_VLLM_TRACES set first")
+    policy = load_predictor(export, draft_fingerprint=draft_fingerprint(traces))
+    cols = load_columns(traces, ["val", "test"])
+    split = np.asarray(cols["split"]).astype(str)
+    maps = fit_maps(policy, subset(cols, split == "val"), ("greedy",), method)
+    if "greedy" not in maps:
+        raise ValueError(f"{traces}: too few traced tokens of validation requests to fit a map")
+    shutil.copytree(export, dest, dirs_exist_ok=True)
+    update_metadata(dest, calibration={"greedy": maps["greedy"].to_dict()})
+    log.info("calibration of %s refitted on %d traced tokens of vLLM: %s", export, int((split == "val").sum()), dest)
+    return dest

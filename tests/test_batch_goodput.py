@@ -1,0 +1,89 @@
+"""The cost-aware rule for a batch sharing draft forwards and one verification pass (``predictors.batch_goodput``),
+and the vLLM stopper deciding for its batch with it, on hand-made acceptances, curves and logits whose answer is known;
+serving traces written whole and labelled by vLLM's verdicts."""
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from compute.timing import CostModel
+from decoding.policies import build_policy
+from predictors.batch_goodput import BatchCost, batch_keep_drafting, send_lengths, worth_drafting
+from predictors.calibration import Calibrator
+from runtimes.vllm.stopper import RequestStopper
+from runtimes.vllm.traces import TraceWriter
+
+
+def cost(draft: float, per_token: float, base: float = 0.1, batch: int = 4) -> BatchCost:
+    cm = CostModel(draft_s_per_token=draft, target_s={L: base + per_token * (L - 1) for L in range(1, 10)})
+    return BatchCost.from_cost_model(cm, batch)
+
+
+def test_a_cheap_forward_is_run_for_confident_requests_and_a_dear_one_is_not() -> None:
+    acc = [[0.9], [0.9], [0.9], [0.9]]
+    assert batch_keep_drafting(acc, [True] * 4, cost(draft=0.005, per_token=0.002), cap=8)
+    # one more forward costs as much as the whole step: four requests' 0.81 expected tokens do not pay it
+    assert not batch_keep_drafting(acc, [True] * 4, cost(draft=0.2, per_token=0.002), cap=8)
+
+
+def test_one_drafting_request_does_not_carry_a_forward_the_others_ride() -> None:
+    c = cost(draft=0.03, per_token=0.004)
+    assert batch_keep_drafting([[0.9]] * 4, [True] * 4, c, cap=8)
+    assert not batch_keep_drafting([[0.9], [0.2], [0.2], [0.2]], [True, False, False, False], c, cap=8)
+
+
+def test_the_first_forward_vllm_runs_anyway_makes_the_first_token_cost_its_verification_only() -> None:
+    paid, skipped = cost(0.05, 0.001), cost(0.05, 0.001)
+    skipped.first_forward_paid = False
+    acc = [[0.5], [0.5], [0.5], [0.5]]
+    assert send_lengths(acc, paid, forwards=1) == [1, 1, 1, 1]  # the forward is paid either way
+    assert paid.step_s(0, 0) == paid.step_s(1, 0) and skipped.step_s(0, 0) < skipped.step_s(1, 0)
+
+
+def test_a_request_drafts_on_only_where_its_next_token_pays_its_verification() -> None:
+    c = cost(draft=0.01, per_token=0.02)
+    assert worth_drafting([[0.95, 0.95], [0.3, 0.2]], c, forwards=2) == [True, False]
+
+
+def test_the_stopper_ends_the_batchs_loop_where_the_batch_rule_says_so() -> None:
+    logits = torch.zeros(4, 32)
+    logits[:, 3] = 6.0  # every request confident: top-1 about 0.93
+    dear = {4: CostModel(draft_s_per_token=0.5, target_s={L: 0.1 + 0.002 * (L - 1) for L in range(1, 10)})}
+    cheap = {4: CostModel(draft_s_per_token=0.001, target_s={L: 0.1 + 0.002 * (L - 1) for L in range(1, 10)})}
+    ident = _identity_map()
+    for curves, steps in ((dear, 1), (cheap, 5)):
+        stopper = RequestStopper(build_policy("max_confidence_fixed:0.5"), curves, acceptance=ident)
+        stopper.begin_round(list("abcd"), None, num_speculative_tokens=5)
+        done, n = False, 0
+        while not done:
+            done = stopper.step(logits)[1]
+            n += 1
+        assert n == steps
+        assert all(len(p) == steps for p in stopper.proposals())
+
+
+def test_without_a_calibration_each_request_stops_by_its_own_rule() -> None:
+    curves = {4: CostModel(draft_s_per_token=0.5, target_s={1: 0.1, 2: 0.11})}
+    assert not RequestStopper(build_policy("max_confidence_fixed:0.5"), curves).batch_rule
+    assert RequestStopper(build_policy("max_confidence_fixed:0.5"), curves, acceptance=_identity_map()).batch_rule
+
+
+def test_traces_label_sent_tokens_by_vllms_verdict_and_are_written_whole(tmp_path) -> None:
+    w = TraceWriter(tmp_path / "t", {"runtime": "vllm", "precision": "bfloat16", "fingerprints": {"draft": "d"}},
+                    shard_rows=3)
+    w.sent("r1", [{"q": 0.9}, {"q": 0.8}, {"q": 0.7}, {"q": 0.6}], batch=2)
+    w.verdicts("r1", accepted=1, batch=2)  # first accepted, second rejected, the rest never judged
+    assert w.written == 0 and not list((tmp_path / "t").glob("*.parquet"))
+    w.sent("r2", [{"q": 0.5}], batch=2)
+    w.verdicts("r2", accepted=1, batch=2)
+    rows = pq.read_table(tmp_path / "t" / "shard-00000.parquet").to_pylist()
+    assert [(r["sample_id"], r["position"], r["greedy_match"]) for r in rows] == [
+        ("r1", 0, 1.0), ("r1", 1, 0.0), ("r2", 0, 1.0)]
+    with pytest.raises(ValueError, match="another precision"):
+        TraceWriter(tmp_path / "t", {"runtime": "vllm", "precision": "float32", "fingerprints": {"draft": "d"}})
+
+
+def _identity_map() -> Calibrator:
+    """A map that reads the raw score as the acceptance."""
+    return Calibrator.from_dict({"method": "isotonic", "x": [0.0, 1.0], "y": [0.0, 1.0]})
