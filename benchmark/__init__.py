@@ -1,7 +1,7 @@
 """The end-to-end decoding benchmark, one concern per module (its entry point: ``python -m pipelines.benchmark``).
 
 From the config down: ``config`` (what a run does) -> ``run`` (a run from start to end) -> ``plan`` (which rows, in
-what order; ``pace`` and ``resume`` beside it) -> ``runners`` (one row on the prompts of a ``bench``; ``tuning`` picks
+what order; ``resume`` beside it) -> ``runners`` (one row on the prompts of a ``bench``; ``tuning`` picks
 the tuned rows' thresholds) -> ``rows`` (a row's counters and entry) -> ``report`` (tables; ``plots``) and ``tracking``
 (MLflow); ``curve`` holds the run's verification curve. The replay check, which the run ends with and
 ``python -m pipelines.replay_check`` runs alone: ``check_inputs`` (what it is asked, the finished folder) ->

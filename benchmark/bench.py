@@ -58,7 +58,6 @@ class RunOrder(SettingsOf):
 
     order: str
     repeats: int
-    rerun_slower_than: float | None
     curve_probes: bool
 
 

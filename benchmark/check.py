@@ -102,11 +102,8 @@ def replay_rows(folder: BenchFolder, policies: list[tuple[dict[str, Any], StopPo
 
 def curve_pass_seconds(row: dict[str, Any], cost_model: CostModel) -> float:
     """The curve's mean seconds over the row's own verification passes: t(L) averaged over the lengths it verified
-    (``verify_lengths``), not t at their mean length, which a curve with a step would under-price for a row whose
-    lengths vary; rows written before the lengths were kept: t(mean length)."""
-    hist = row.get("verify_lengths")
-    if not hist:
-        return cost_model.target_time(row["verify_mean_tokens"])
+    (``verify_lengths``), not t at their mean length, which a curve with a step would under-price."""
+    hist = row["verify_lengths"]
     n = sum(hist.values())
     return sum(c * cost_model.target_time(int(L)) for L, c in hist.items()) / n
 
@@ -151,7 +148,7 @@ def predicted_tokens_per_s(row: dict[str, Any], curve_s_per_token: float) -> flo
     """The engine row's tokens/s as the replay predicts it: the row's tokens at the replay's seconds per token under
     the curve (its rounds' draft steps and verification passes; the caller leaves out each prompt's first
     verification pass, which the engine runs inside the target's pass over the prompt), plus the row's own measured
-    prefill (draft cache filled with the prompt, the target's pass over it: not in the curve). Reports without prefill
+    prefill (draft cache filled with the prompt, the target's pass over it: not in the curve). Rows without prefill
     times: the replay's own tokens/s.
 
     Not anchored on target-only's measured time (that time over the replayed speedup): target-only is timed through

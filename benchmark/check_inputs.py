@@ -106,8 +106,8 @@ def read_bench_folder(path: str | Path, read_config: Callable[[Path], BenchmarkC
         raise ValueError(f"{path / 'benchmark.json'} has no 'target-only' row: the replay check labels target-only's "
                          f"output (the prompts it replays); rerun the benchmark")
     if "output_ids" not in base or "prompt_ids" not in report:
-        raise ValueError(f"{path / 'benchmark.json'}: the 'target-only' row has no output_ids (written before the "
-                         f"replay check existed); rerun python -m pipelines.benchmark --config {path / 'config.yaml'}")
+        raise ValueError(f"{path / 'benchmark.json'}: the 'target-only' row has no output_ids; rerun python -m "
+                         f"pipelines.benchmark --config {path / 'config.yaml'}")
     before = path / "cost_model.json"
     if not before.is_file():
         raise FileNotFoundError(f"{before}: no such file (the benchmark writes the curve it measured there)")

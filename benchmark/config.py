@@ -74,13 +74,6 @@ class BenchmarkConfig(TrackingConfig):
     each row's faster run on that prompt, its output checked equal (the minimum, as ``timeit`` advises: the cost without
     interference from other processes; target-only thus runs before and after the other rows). 1: each row once, in
     plan order. The reference row (``reference_compute``) runs once."""
-    rerun_slower_than: float | None = None
-    """order prompt, repeats > 1: after the prompt's first pass, run a row (target-only too) again only when its
-    forwards ran more than this fraction (e.g. 0.05) slower than the prompt's normal pace (its rows' median, per model,
-    against the curve: ``benchmark.pace``), i.e. when a slow phase of the host hit it. Fewer runs, but a row
-    then keeps a typical run where every row twice keeps the faster of two (the curve's own convention), so on a noisy
-    host the replay check, priced with minimum times, drifts from the rows. null (default): every row runs ``repeats``
-    times."""
     batch_size: int = 1
     """Engine rows decode this many prompts per batch (left padding, per-sequence draft lengths)."""
     cost_file: str | None = None
@@ -140,9 +133,6 @@ class BenchmarkConfig(TrackingConfig):
             raise ValueError(f"max_static={self.max_static} and n_boot={self.n_boot} must be >= 1")
         if self.repeats < 1:
             raise ValueError(f"repeats={self.repeats}: must be >= 1 (runs of every row per prompt)")
-        if self.rerun_slower_than is not None and self.rerun_slower_than < 0:
-            raise ValueError(f"rerun_slower_than={self.rerun_slower_than}: must be >= 0 (a fraction, e.g. 0.05), or "
-                             "null to run every row `repeats` times")
         for r in self.hf_rows:
             if r not in ("heuristic", "default", "recommended") and not re.fullmatch(r"static:\d+", r):
                 raise ValueError(f"hf_rows: {r!r} is not one of static:K, heuristic, default, recommended")

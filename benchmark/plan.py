@@ -1,9 +1,6 @@
-"""The plan of a benchmark's rows (:func:`row_plan`: target-only first, transformers' rows, the engine's policies and
-predictors, tuned ones included, the reference) and the order they run in (:func:`run_rows`): ``order: prompt`` runs
-every row on one prompt before the next, up to ``repeats`` times in alternating order keeping each row's faster run
-(with ``rerun_slower_than``, only the rows a slow phase hit run again: ``benchmark.pace``), saves each
-finished prompt (``benchmark.resume``) and probes the curve after it; ``order: row`` runs each row over all
-prompts in turn."""
+"""The rows of a benchmark (:func:`row_plan`: target-only first) and the order they run in (:func:`run_rows`):
+``order: prompt`` runs every row on one prompt before the next, ``repeats`` times in alternating order keeping each
+row's faster run, so drift of the host hits all rows alike; ``order: row`` runs each row over all prompts in turn."""
 from __future__ import annotations
 
 import logging
@@ -14,7 +11,6 @@ from dataclasses import replace
 from benchmark.bench import Bench, RunOrder
 from benchmark.config import BenchmarkConfig
 from benchmark.curve import measure_curve
-from benchmark.pace import Pace, PaceMeter, excess, normal_pace
 from benchmark.resume import PromptStore
 from benchmark.rows import Row
 from benchmark.runners import run_engine, run_hf, run_hf_policy, run_reference, run_target_only
@@ -118,57 +114,27 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench, how: RunOrder,
 
 def run_prompt(plan: list[tuple[str, Runner]], view: Bench, j: int, how: RunOrder,
                beat: Heartbeat | None = None) -> tuple[dict[str, Row], CostModel | None]:
-    """Every row of the plan on the one prompt of ``view`` (prompt j of the run), up to ``repeats`` times in
-    alternating order, each row's faster run kept; with ``rerun_slower_than`` set, only the rows a slow phase hit run
-    after the first pass (target-only included: every row is measured alike); then the curve probed once
-    (``curve_probes``, else None)."""
-    tol = how.rerun_slower_than if view.cost_model is not None else None
+    """Every row of the plan on the one prompt of ``view`` (prompt j of the run), ``repeats`` times in alternating
+    order, each row's faster run kept; then the curve probed once (``curve_probes``, else None)."""
     rows_j: dict[str, Row] = {}
-    paces: dict[str, Pace | None] = {}
-    normal: dict[str, float] = {}
     for r in range(how.repeats):  # target-only first in the first pass: the greedy oracle's look-ahead
-        if r == 1 and tol is not None:
-            normal = normal_pace([p for p in paces.values() if p is not None])
-        again, spared = [], 0.0
         for name, runner in plan if r % 2 == 0 else plan[::-1]:
             if name in rows_j and rows_j[name].reference:
                 continue
             if beat is not None:
                 beat.note = f"prompt {j + 1}, pass {r + 1}, row {name}"
-            if name in rows_j and tol is not None and not _was_slowed(paces[name], normal, tol):
-                spared += sum(rows_j[name].seconds)
-                continue
-            row, pace = _run_paced(runner, view) if tol is not None else (runner(view), None)
+            row = runner(view)
             if name not in rows_j:
-                rows_j[name], paces[name] = row, pace
+                rows_j[name] = row
                 continue
             kept = _faster(rows_j[name], row, j)
             kept.runs = rows_j[name].runs + 1
-            paces[name] = pace if kept is row else paces[name]
             rows_j[name] = kept
-            again.append(name)
-        if r >= 1 and tol is not None:
-            log.info("prompt %d pass %d: ran again %d of %d rows (over %.0f%% slower than the prompt's pace: %s), "
-                     "%.0fs of runs spared", j + 1, r + 1, len(again), len(plan), 100 * tol, ", ".join(again), spared)
-    if how.repeats > 1 and tol is None:
+    if how.repeats > 1:
         rows_j[plan[0][0]].note = (f"reference; per prompt the faster of {how.repeats} runs, before and after the "
                                    "other rows")
     probe = measure_curve(view, repeats=1) if how.curve_probes else None
     return rows_j, probe
-
-
-def _run_paced(runner: Runner, view: Bench) -> tuple[Row, Pace]:
-    """One run of a row with its target and draft forwards timed against the curve."""
-    assert view.cost_model is not None
-    with PaceMeter({"target": view.target, "draft": view.draft}, view.cost_model) as meter:
-        row = runner(view)
-    return row, meter.pace
-
-
-def _was_slowed(pace: Pace | None, normal: dict[str, float], tol: float) -> bool:
-    """A run whose priced forwards took more than ``1 + tol`` times the prompt's normal pace (or cannot be judged)."""
-    x = excess(pace, normal)
-    return x is None or x > tol
 
 
 def _faster(first: Row, again: Row, j: int) -> Row:

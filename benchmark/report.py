@@ -211,7 +211,4 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
 def _runs_rule(how: RunOrder) -> str:
     if how.order != "prompt" or how.repeats == 1:
         return " (one run per prompt)"
-    if how.rerun_slower_than is None:
-        return f" ({how.repeats} per prompt)"
-    return (f" (a row again, up to {how.repeats} per prompt, only when its forwards ran over "
-            f"{100 * how.rerun_slower_than:.0f}% slower than the prompt's pace against the curve)")
+    return f" ({how.repeats} per prompt)"

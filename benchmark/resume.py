@@ -1,23 +1,7 @@
-"""A benchmark run kept prompt by prompt on disk, so a stopped run continues where it stopped (``pipelines.benchmark``
-with ``order: prompt`` and ``resume: true``, the defaults).
+"""A benchmark run kept prompt by prompt in ``<out_dir>/prompts`` so a stopped run continues at its first unfinished
+prompt, on the curve it began with; another config, other prompts, rows or machine are refused, naming what differs.
 
-Rows run side by side: every row decodes prompt j before any decodes prompt j + 1. When prompt j is done, its rows
-(tokens, seconds, the engine's counters) and the curve probed after it are written to
-``<out_dir>/prompts/prompt-NNNN.json`` (written to a temporary file and renamed: a killed run leaves whole files or
-none). ``run.json`` beside them holds what the run is: the config fields that shape its numbers, the prompts' token
-ids, the rows' names (thresholds tuned on validation included) and the verification curve measured at its start. A
-rerun of the same command reads them back and starts at the first prompt without a file, on that first curve, so its
-tuned thresholds and the cost-aware rules' prices are those of the run's first start.
-
-Resuming is refused, with a ``ValueError`` that names what differs, when the config, the prompts, the rows or the
-machine (CPU model, SIMD flags, bf16 chain, compute path: ``CostModel.mismatch``) differ: one prompt's rows always
-run on one host, but the report pools prompts, and a pool of two machines' tokens/s answers for neither. ``--resume
-false`` starts over and moves the earlier files aside (``prompts.old-<time>``), nothing is deleted.
-
-Usage (through the benchmark)::
-
-    python -m pipelines.benchmark --config configs/benchmark-full.yaml     # stopped after 12 of 32 prompts
-    python -m pipelines.benchmark --config configs/benchmark-full.yaml     # continues at prompt 13
+Usage: rerun the same command (``python -m pipelines.benchmark --config configs/benchmark-full.yaml``).
 """
 from __future__ import annotations
 
@@ -47,11 +31,6 @@ NOT_IDENTITY = ("out_dir", "resume", "replay_check", "n_boot", "tracking", "trac
 """Config fields that do not change a prompt's measured rows (``n_prompts``: the prompts' own ids are compared, so a
 run may be extended to more prompts)."""
 
-ADDED_SINCE = {"rerun_slower_than": None}
-"""Config fields added after runs were stored, with the value that reproduces how those runs ran (a stored identity
-without the field is compared with it)."""
-
-
 def run_identity(cfg: BenchmarkConfig, prompts: list[list[int]]) -> dict[str, Any]:
     """What a resumed run must share with the stored one: the config fields that shape a prompt's rows and, per
     prompt, a digest of its token ids."""
@@ -71,7 +50,7 @@ def row_from_dict(d: dict[str, Any]) -> Row:
     decode = d.pop("decode", None)
     known = {f.name for f in fields(Row)}
     row = Row(**{k: v for k, v in d.items() if k in known})
-    row.decode = None if decode is None else DecodeStats.from_dict(decode)  # old counter names too
+    row.decode = None if decode is None else DecodeStats.from_dict(decode)
     return row
 
 
@@ -170,7 +149,7 @@ class PromptStore:
 def _differences(stored: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Config fields and prompts in which two identities differ, each naming both values."""
     out = []
-    a, b = {**ADDED_SINCE, **stored.get("config", {})}, now["config"]
+    a, b = stored.get("config", {}), now["config"]
     for k in sorted(set(a) | set(b)):
         if a.get(k) != b.get(k):
             out.append(f"{k}: stored {a.get(k)!r}, now {b.get(k)!r}")

@@ -115,8 +115,8 @@ def chain(which: str | None = None) -> str:
 
 
 def gemm_name(which: str | None = None) -> str:
-    """What a model fingerprint records as its ``gemm`` on that kernel: ``specstop`` (AVX512-BF16 / AMX, the name
-    data labelled before the AVX2 kernel existed carries) or ``specstop-avx2``."""
+    """What a model fingerprint records as its ``gemm`` on that kernel: ``specstop`` (AVX512-BF16 / AMX) or
+    ``specstop-avx2``."""
     name, _ = _ext(which)
     return "specstop" if name == "avx512" else f"specstop-{name}"
 

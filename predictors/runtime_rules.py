@@ -53,9 +53,6 @@ class RuntimeRule(StopPolicy):
         """The policy spec that builds this rule again (``decoding.policies.build_policy``)."""
         return f"{self.kind}:" + ",".join(str(v) for v in self.settings().values())
 
-    def is_default(self) -> bool:
-        return self.settings() == self.DEFAULTS
-
 
 class LlamaCppRule(RuntimeRule):
     """llama.cpp's draft-simple rule (``--spec-draft-n-max``, ``--spec-draft-n-min``, ``--spec-draft-p-min``)."""

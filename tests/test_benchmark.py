@@ -236,7 +236,7 @@ def test_the_settings_read_the_configs_fields_of_their_names():
     from benchmark.bench import DecodeSettings, RunOrder
 
     cfg = BenchmarkConfig(max_new_tokens=7, temperature=0.5, top_p=0.9, seed=3, max_draft_len=5, top_k_features=4,
-                          batch_size=2, order="row", force=True, repeats=3, rerun_slower_than=0.1, curve_probes=False)
+                          batch_size=2, order="row", force=True, repeats=3, curve_probes=False)
     for cls in (DecodeSettings, RunOrder):
         missing = [f.name for f in fields(cls) if f.name not in BenchmarkConfig.__dataclass_fields__]
         assert not missing, f"{cls.__name__} reads {missing}, which BenchmarkConfig does not have"

@@ -76,11 +76,8 @@ def test_greedy_equals_target_only(pair, spec):
     assert stats.verified == sum(stats.verified_lengths) and stats.accepted <= stats.verified <= stats.drafted
 
 
-def test_stats_read_back_under_old_names():
-    """Stats stored before the shared vocabulary (``predictors.counts``) read back under today's names."""
-    old = {"new_tokens": 6, "draft_tokens": 9, "rounds": 3, "accepted": 4, "verified_lengths": [3, 3, 2]}
-    st = DecodeStats.from_dict(old)
-    assert (st.tokens, st.drafted, st.verified, st.rounds, st.accepted) == (6, 9, 8, 3, 4)
+def test_stats_read_back_from_their_dict():
+    st = DecodeStats(tokens=6, drafted=9, verified=8, rounds=3, accepted=4, verified_lengths=[3, 3, 2])
     assert DecodeStats.from_dict(asdict(st)) == st
 
 

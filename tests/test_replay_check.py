@@ -152,7 +152,7 @@ def test_prediction_adds_each_rows_prefill_to_the_curves_decoding_time():
     row = {"tokens": 100, "prefill_seconds": [1.5, 1.5]}
     # 100 tokens at 0.05 s each under the curve -> 5 s, plus the row's 3 s of prefill
     assert predicted_tokens_per_s(row, 0.05) == pytest.approx(100 / 8.0)
-    assert predicted_tokens_per_s({"tokens": 100}, 0.05) == pytest.approx(20.0)  # older report: no prefill
+    assert predicted_tokens_per_s({"tokens": 100}, 0.05) == pytest.approx(20.0)  # a row without prefill times
 
 
 def test_the_check_sets_realised_step_costs_beside_the_curve():
@@ -161,7 +161,8 @@ def test_the_check_sets_realised_step_costs_beside_the_curve():
 
     cm = CostModel(draft_s_per_token=0.05, target_s={1: 0.1, 8: 0.2})
     row = {"row": "static:5", "rounds": 10, "accepted": 30, "draft_tokens": 50, "tokens_per_s": 5.0,
-           "draft_ms_per_step": 60.0, "verify_ms_per_pass": 180.0, "verify_mean_tokens": 6.0}
+           "draft_ms_per_step": 60.0, "verify_ms_per_pass": 180.0, "verify_mean_tokens": 6.0,
+           "verify_lengths": {"6": 4}}
     out = compare_row(row, None, "", cm)
     assert out["measured_draft_ms"] == 60.0 and out["curve_draft_ms"] == 50.0
     assert out["measured_verify_ms"] == 180.0
