@@ -72,6 +72,8 @@ def fit_maps(policy: StopPolicy, columns: Mapping[str, Any], modes: Sequence[str
     scores, :func:`cross_fitted_scores`). A mode whose rows are missing or hold too few tokens gets no map."""
     maps: dict[str, Calibrator] = {}
     for mode in modes:
+        if ("greedy_match" if mode == "greedy" else "accept_prob") not in columns:
+            continue  # data without that label (serving traces of greedy decoding carry greedy_match only)
         mask, y = calibration_label(columns, mode)
         if mask.sum() < 2:
             continue

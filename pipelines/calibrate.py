@@ -9,6 +9,7 @@ unless ``--out_dir`` is given; a ``models:/`` reference or a score name (``max_c
 Usage:
     python -m pipelines.calibrate --data_dir outputs/default/data --predictor outputs/default/train/disco/export
     python -m pipelines.calibrate --data_dir outputs/default/data --predictor svip --out_dir calibrated/svip
+    python -m pipelines.calibrate --data_dir outputs/traces --predictor EXPORT --out_dir EXPORT-vllm   # vLLM traces
     # then: build_policy("goodput:calibrated/svip") / benchmark policy goodput:calibrated/svip
 """
 from __future__ import annotations
@@ -60,6 +61,9 @@ class CalibrateConfig(TrackingURI):
 def calibrate_export(cfg: CalibrateConfig) -> dict[str, Any]:
     """Fit, report and store the maps; returns {"folder", "table" (ECE rows), "maps"}."""
     ref = cfg.predictor
+    for folder in [cfg.data_dir, *cfg.extra_data_dirs]:
+        if not list(Path(folder).glob("shard-*.parquet")):
+            raise ValueError(f"--data_dir {folder}: no labelled draft tokens (no shard-*.parquet) to fit on")
     local = Path(ref).expanduser().is_dir() and (Path(ref) / METADATA_FILE).is_file()
     if not local and cfg.out_dir is None:
         raise ValueError(f"--predictor {ref} is not a local export folder: give --out_dir for the calibrated export")

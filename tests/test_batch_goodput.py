@@ -87,3 +87,26 @@ def test_traces_label_sent_tokens_by_vllms_verdict_and_are_written_whole(tmp_pat
 def _identity_map() -> Calibrator:
     """A map that reads the raw score as the acceptance."""
     return Calibrator.from_dict({"method": "isotonic", "x": [0.0, 1.0], "y": [0.0, 1.0]})
+
+
+def test_calibrate_refits_a_score_on_vllm_traces_and_refuses_an_empty_folder(tmp_path, capsys) -> None:
+    from pipelines.calibrate import main as calibrate
+
+    traces = tmp_path / "traces"
+    w = TraceWriter(traces, {"runtime": "vllm", "precision": "bfloat16", "fingerprints": {"draft": None}})
+    for i in range(200):  # low entropy accepted, high entropy rejected: a map that rises as entropy falls
+        rid = f"req-{i}"
+        w.sent(rid, [{"draft_entropy": 0.1 + 0.01 * (i % 20), "q": 0.9},
+                     {"draft_entropy": 2.0 + 0.01 * (i % 20), "q": 0.3}], batch=1)
+        w.verdicts(rid, accepted=1, batch=1)
+    w.close()
+    out = calibrate(["--data_dir", str(traces), "--predictor", "svip", "--out_dir", str(tmp_path / "svip-vllm")])
+    greedy = out["maps"]["greedy"]
+    assert set(out["maps"]) == {"greedy"}  # traces of greedy decoding fit the greedy map only
+    svip = build_policy("svip")
+    sure, unsure = (svip.score_list({"draft_entropy": torch.tensor([h])})[0] for h in (0.15, 2.05))
+    assert greedy.apply_one(sure) > 0.9 > 0.1 > greedy.apply_one(unsure)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        calibrate(["--data_dir", str(tmp_path / "empty"), "--predictor", "svip", "--out_dir", str(tmp_path / "x")])
+    assert "no labelled draft tokens" in capsys.readouterr().err
