@@ -101,22 +101,25 @@ def worth_drafting(acc: Sequence[Sequence[float]], cost: BatchCost, forwards: in
     return out
 
 
-def batch_keep_drafting(acc: Sequence[Sequence[float]], drafting: Sequence[bool], cost: BatchCost, cap: int) -> bool:
+def batch_keep_drafting(acc: Sequence[Sequence[float]], drafting: Sequence[bool], cost: BatchCost, cap: int,
+                        forecast: Sequence[float] | None = None) -> bool:
     """Run another draft forward for the batch? ``acc``: per request, its drafted tokens' calibrated acceptances;
-    ``drafting``: the requests that would draft in it (their own rule says go on); ``cap``: most positions a round.
+    ``drafting``: the requests that would draft in it (their own rule says go on); ``cap``: most positions a round;
+    ``forecast``: per request, the acceptance its tokens are forecast at before it has drafted any (default 1).
     Compares the best rate of m = 1..cap - j more forwards (those requests sending all they draft, the others their
-    best prefix) with the rate of stopping now."""
+    best prefix) with the rate of stopping now. Before the first forward (every ``acc`` empty) this is whether the
+    step should draft at all, where a step that drafts nothing skips the draft's forward."""
     forwards = max((len(a) for a in acc), default=0)
     if forwards >= cap or not any(drafting):
         return False
     now, lengths = _rate_now(acc, cost, forwards)
     base_tokens, base_sent, lead, ratios = 0.0, 0, [], []
-    for a, go, n in zip(acc, drafting, lengths):
+    for i, (a, go, n) in enumerate(zip(acc, drafting, lengths)):
         if go:
             base_tokens += expected_batch_tokens([a], [len(a)])
             base_sent += len(a)
             lead.append(_survival(a))
-            ratios.append(min(max(float(a[-1]), 0.0), 1.0) if a else 1.0)
+            ratios.append(min(max(float(a[-1] if a else (forecast[i] if forecast else 1.0)), 0.0), 1.0))
         else:
             base_tokens += expected_batch_tokens([a], [n])
             base_sent += n

@@ -110,3 +110,40 @@ def test_calibrate_refits_a_score_on_vllm_traces_and_refuses_an_empty_folder(tmp
     with pytest.raises(SystemExit):
         calibrate(["--data_dir", str(tmp_path / "empty"), "--predictor", "svip", "--out_dir", str(tmp_path / "x")])
     assert "no labelled draft tokens" in capsys.readouterr().err
+
+
+def test_a_skipped_step_is_read_by_the_next_forward_in_front_of_each_requests_tokens() -> None:
+    from runtimes.vllm.catch_up import CatchUp
+
+    catch = CatchUp(max_tokens=64)
+    # a step with no drafts: a's query is one token at 10, b's three (two drafts, one rejected) at 20..22
+    catch.skipped(["a", "b"], torch.tensor([1, 2, 3, 4]), torch.tensor([10, 20, 21, 22]), [0, 1, 4], rejected=[0, 1])
+    assert catch.pending("a") == 1 and catch.pending("b") == 2  # b's rejected draft is not read
+    catch.skipped(["a", "b"], torch.tensor([5, 6]), torch.tensor([11, 22]), [0, 1, 2], rejected=None)
+    ids, pos, starts = catch.extend(["a", "b"], torch.tensor([7, 8, 9]), torch.tensor([12, 23, 24]), [0, 1, 3])
+    assert ids.tolist() == [1, 5, 7, 2, 3, 6, 8, 9] and pos.tolist() == [10, 11, 12, 20, 21, 22, 23, 24]
+    assert starts == [0, 3, 8] and catch.pending("a") == 0 and catch.extend(["a"], ids[:1], pos[:1], [0, 1]) is None
+
+
+def test_a_catch_up_that_does_not_follow_on_or_overflows_is_dropped() -> None:
+    from runtimes.vllm.catch_up import CatchUp
+
+    catch = CatchUp(max_tokens=4)
+    catch.skipped(["a"], torch.tensor([1]), torch.tensor([10]), [0, 1], rejected=None)
+    assert catch.extend(["a"], torch.tensor([2]), torch.tensor([30]), [0, 1])[0].tolist() == [2]  # preempted: gap
+    catch.skipped(["a"], torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 3, 4]), [0, 4], rejected=None)
+    assert catch.extend(["a"], torch.tensor([5]), torch.tensor([5]), [0, 1]) is None  # 5 tokens > 4: dropped
+    assert catch.dropped_tokens == 5
+
+
+def test_where_a_step_can_skip_the_draft_the_batch_drafts_only_when_drafting_pays() -> None:
+    logits = torch.zeros(4, 32)
+    logits[:, 3] = 6.0
+    target = {L: 0.1 + 0.002 * (L - 1) for L in range(1, 10)}
+    for draft_s, drafts in ((0.5, False), (0.001, True)):
+        stopper = RequestStopper(build_policy("max_confidence_fixed:0.5"),
+                                 {4: CostModel(draft_s_per_token=draft_s, target_s=target)},
+                                 acceptance=_identity_map(), skip_idle=True, prior=0.9)
+        stopper.begin_round(list("abcd"), None, num_speculative_tokens=5)
+        assert stopper.all_stopped() is not drafts
+        assert stopper.counts.skipped_steps == (0 if drafts else 1)

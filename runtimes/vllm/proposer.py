@@ -9,7 +9,10 @@ subclasses it and changes two things, nothing in verification:
   request's own copy of the policy whether to draft another (features from ``data_gen.features.token_features``, the
   one feature function); once every request has stopped, the loop ends (no further draft forward);
 - the proposal is a list per request, each as long as its policy chose (vLLM's runner and scheduler take lists of
-  different lengths, as for n-gram drafts); K is the cap.
+  different lengths, as for n-gram drafts); K is the cap;
+- a step in which the batch rule drafts for no request skips the draft's forward altogether, and the draft reads the
+  skipped steps' tokens in its next forward (``runtimes.vllm.catch_up``): a step that drafts nothing costs what the
+  target alone's does.
 
 The patched surface is this module alone: :func:`install` replaces the name ``DraftModelProposer`` in
 ``vllm.v1.worker.gpu_model_runner`` (which builds the drafter; the CPU runner inherits it) with the subclass, which
@@ -51,6 +54,8 @@ from predictors.base import GOODPUT, StopPolicy
 from predictors.calibration import Calibrator
 from predictors.export import check_fingerprint, read_metadata
 from predictors.goodput import GoodputPolicy
+from runtimes.vllm.catch_up import CatchUp
+from runtimes.vllm.settings import ACCEPTANCE
 from runtimes.vllm.stopper import RequestStopper
 from runtimes.vllm.traces import TraceWriter
 
@@ -89,6 +94,8 @@ class PolicySettings:
     """Log each sent token's features and vLLM's verdict as Parquet shards here (``runtimes.vllm.traces``)."""
     trace_all: bool = False
     """Draft every request to the cap and send it all, so that every position is judged (tracing a predictor)."""
+    skip_idle: bool = True
+    """Under the batch rule, a step that drafts nothing skips the draft's forward (the draft catches up later)."""
 
 
 _SETTINGS: PolicySettings | None = None
@@ -136,7 +143,14 @@ def build_stopper(settings: PolicySettings) -> RequestStopper:
     return RequestStopper(policy, load_curves(settings.costs), max_draft_len=settings.max_draft_len,
                           top_k=settings.top_k, acceptance=_acceptance_map(settings, policy),
                           batch_rule=settings.batch_rule, traces=_trace_writer(settings),
-                          draft_to_cap=settings.trace_all)
+                          draft_to_cap=settings.trace_all, skip_idle=settings.skip_idle, prior=_prior(settings.costs))
+
+
+def _prior(costs: str | None) -> float:
+    """vLLM's own acceptance of the first drafted token, where the curve file holds it (``pipelines.measure_costs
+    --runtime vllm --data_dir``), else 1/2: what a request's forecast starts from."""
+    survival = (CostModel.from_json(costs).extra.get(ACCEPTANCE) or {}).get("survival") if costs else None
+    return float(survival[0]) if survival else 0.5
 
 
 def _acceptance_map(settings: PolicySettings, policy: StopPolicy) -> Calibrator | None:
@@ -195,6 +209,7 @@ def _make_class() -> type:
             if self.use_heterogeneous_vocab:
                 raise ValueError("specstop's vLLM proposer needs draft and target with one vocabulary")
             self.stopper = build_stopper(_SETTINGS) if _SETTINGS is not None else None
+            self.catch_up = CatchUp(int(getattr(self, "max_num_tokens", 8192)))
             self.draft_s = 0.0
             _ACTIVE[:] = [weakref.ref(self)]
 
@@ -212,15 +227,47 @@ def _make_class() -> type:
         def propose(self, num_speculative_tokens: int, *args: Any, **kwargs: Any) -> Any:
             if self.stopper is None:
                 return super().propose(num_speculative_tokens, *args, **kwargs)
-            batch = kwargs["common_attn_metadata"].batch_size()
+            cad = kwargs["common_attn_metadata"]
+            batch = cad.batch_size()
             rejected = kwargs.get("num_rejected_tokens_gpu")
-            self.stopper.begin_round(self.model_runner.input_batch.req_ids[:batch],
-                                     None if rejected is None else rejected[:batch].tolist(), num_speculative_tokens)
+            rejected = None if rejected is None else rejected[:batch].tolist()
+            req_ids = list(self.model_runner.input_batch.req_ids[:batch])
+            self.stopper.begin_round(req_ids, rejected, num_speculative_tokens)
+            starts = cad.query_start_loc_cpu[: batch + 1].tolist()
+            if self.stopper.skip_idle and self.stopper.all_stopped():  # no forward: the draft reads it all later
+                self.catch_up.skipped(req_ids, kwargs["target_token_ids"], kwargs["target_positions"], starts,
+                                      rejected)
+                self._last_draft_probs = None
+                return self.stopper.proposals()
+            if self.stopper.skip_idle:
+                kwargs = self._caught_up(req_ids, starts, kwargs)
             t0 = time.perf_counter()
             with contextlib.suppress(_AllStopped):  # every request stopped: the loop ends here
                 super().propose(num_speculative_tokens, *args, **kwargs)
             self.draft_s += time.perf_counter() - t0
             return self.stopper.proposals()
+
+        def _caught_up(self, req_ids: list[str], starts: list[int], kwargs: dict[str, Any]) -> dict[str, Any]:
+            """The step's draft inputs with the skipped steps' tokens in front of each request's (none: as given)."""
+            got = self.catch_up.extend(req_ids, kwargs["target_token_ids"], kwargs["target_positions"], starts)
+            if got is None:
+                return kwargs
+            ids, positions, new_starts = got
+            cad = kwargs["common_attn_metadata"]
+            loc = torch.tensor(new_starts, dtype=cad.query_start_loc.dtype)
+            cad = cad.replace(query_start_loc=loc.to(cad.query_start_loc.device), query_start_loc_cpu=loc,
+                              num_actual_tokens=new_starts[-1], positions=None, _num_computed_tokens_cache=None,
+                              _token_to_req_indices_cache=None,
+                              max_query_len=max(b - a for a, b in zip(new_starts, new_starts[1:])))
+            hidden = kwargs["target_hidden_states"]  # a draft model reads none; its size follows the tokens
+            out = {**kwargs, "target_token_ids": ids.to(kwargs["target_token_ids"].device),
+                   "target_positions": positions.to(kwargs["target_positions"].device), "common_attn_metadata": cad,
+                   "target_hidden_states": hidden.new_zeros((new_starts[-1], *hidden.shape[1:]))}
+            if kwargs.get("token_indices_to_sample") is not None:
+                shift = torch.tensor([b - a for a, b in zip(starts[1:], new_starts[1:])])
+                out["token_indices_to_sample"] = kwargs["token_indices_to_sample"] + shift.to(
+                    kwargs["token_indices_to_sample"].device, kwargs["token_indices_to_sample"].dtype)
+            return out
 
         def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:
             if self.stopper is None:
@@ -270,7 +317,8 @@ def register() -> None:
     if spec:
         install(PolicySettings(spec=spec, costs=os.environ.get("SPECSTOP_VLLM_COSTS") or None,
                                traces_dir=os.environ.get("SPECSTOP_VLLM_TRACES") or None,
-                               batch_rule=os.environ.get("SPECSTOP_VLLM_BATCH_RULE", "1") != "0"))
+                               batch_rule=os.environ.get("SPECSTOP_VLLM_BATCH_RULE", "1") != "0",
+                               skip_idle=os.environ.get("SPECSTOP_VLLM_SKIP_IDLE", "1") != "0"))
         log.info("specstop: vLLM's draft-model proposer stops each request with %s", spec)
 
 

@@ -86,6 +86,8 @@ class StopperCounts:
     1), what a curve prices (``runtimes.vllm.check``)."""
     batch_stops: int = 0
     """Proposals whose draft loop the batch rule ended while some request's own rule would have drafted on."""
+    skipped_steps: int = 0
+    """Proposals the batch rule decided not to draft at all, before the draft's first forward (``skip_idle``)."""
     by_position: dict[int, list[float]] = field(default_factory=dict)
     """Draft position j (1-based) -> [tokens judged, their predicted acceptance summed, accepted]: a sent token is
     judged when every token before it was accepted, so the mean prediction of a position is the calibration's and the
@@ -104,11 +106,17 @@ class RequestStopper:
         batch_rule: decide for the batch (``predictors.batch_goodput``) where curve and acceptance allow.
         traces: where sent tokens' features and vLLM's verdicts are logged (None: not logged).
         draft_to_cap: every request drafts to its cap and sends it all (tracing: every position gets judged).
+        skip_idle: a step that drafts nothing skips the draft's first forward (``runtimes.vllm.catch_up``), so the
+            batch rule decides before it whether the step drafts at all, forecasting each request's acceptance by its
+            recent rounds around ``prior``.
+        prior: the acceptance a request's forecast starts from (vLLM's measured first-position acceptance, where the
+            curve file holds it).
     """
 
     def __init__(self, policy: StopPolicy, curves: dict[int, CostModel] | None = None, *, max_draft_len: int = 16,
                  top_k: int = 10, acceptance: Calibrator | None = None, batch_rule: bool = True,
-                 traces: TraceWriter | None = None, draft_to_cap: bool = False) -> None:
+                 traces: TraceWriter | None = None, draft_to_cap: bool = False, skip_idle: bool = False,
+                 prior: float = 0.5) -> None:
         check_policy(policy, "vLLM")
         if policy.verification == GOODPUT and not curves:
             raise ValueError(f"policy {policy.kind} prices rounds with a verification curve: measure vLLM's with "
@@ -120,6 +128,8 @@ class RequestStopper:
         self.acceptance, self.traces, self.draft_to_cap = acceptance, traces, draft_to_cap
         self.batch_rule = bool(batch_rule and not draft_to_cap and self.curves and not isinstance(policy, StaticLength)
                                and (policy.verification == GOODPUT or acceptance is not None))
+        self.skip_idle, self.prior = bool(skip_idle and self.batch_rule), min(max(float(prior), 0.0), 1.0)
+        self._recent: dict[str, list[float]] = {}
         self._batch_costs: dict[int, BatchCost] = {}
         self._batch: BatchCost | None = None
         self._acc: list[list[float]] = []
@@ -148,6 +158,7 @@ class RequestStopper:
         for gone in set(self._policies) - set(ids):
             del self._policies[gone]
             self._sent.pop(gone, None)
+            self._recent.pop(gone, None)
         self._cost = self._round_cost(len(ids))
         self._batch = self._batch_cost(len(ids))
         self._ids, self._rounds, self._caps, self._positions = ids, [], [], 0
@@ -162,6 +173,7 @@ class RequestStopper:
                 acc = max(0, n - int(rejected[i])) if rejected is not None and n else 0
                 self.counts.accepted += acc
                 self._judge(predicted, acc)
+                self._seen(rid, acc, n)
                 pol.update(RoundFeedback.leading(n, acc, qs))
                 if self.traces is not None:
                     self.traces.verdicts(rid, acc, len(ids))
@@ -171,6 +183,12 @@ class RequestStopper:
                 cap = 0  # one request's round priced alone; the batch rule prices the first forward as paid
             self._caps.append(cap)
             self._rounds.append(DraftedRound(done=cap == 0))
+        if self.skip_idle and self._batch is not None and not self.all_stopped() and not batch_keep_drafting(
+                self._acc, [not r.done for r in self._rounds], self._batch, max(self._caps),
+                forecast=[self._forecast(rid) for rid in ids]):
+            self.counts.skipped_steps += 1
+            for r in self._rounds:
+                r.done = True
 
     def step(self, logits: Tensor) -> tuple[Tensor, bool]:
         """One drafted position: [B, V] draft ``logits`` -> ([B] greedy tokens, whether every request has stopped).
@@ -195,6 +213,17 @@ class RequestStopper:
         self.counts.decide_s += time.perf_counter() - t0
         return tokens, all(r.done for r in self._rounds)
 
+    def _seen(self, rid: str, accepted: int, sent: int) -> None:
+        """Count a round's tokens tried (up to the first rejection) and accepted, older rounds weighing 0.9."""
+        cell = self._recent.setdefault(rid, [0.0, 0.0])
+        cell[0] = 0.9 * cell[0] + accepted
+        cell[1] = 0.9 * cell[1] + min(accepted + 1, sent)
+
+    def _forecast(self, rid: str) -> float:
+        """A request's acceptance before its round drafts: its recent share, two pseudo-tokens at the prior."""
+        acc, tried = self._recent.get(rid, (0.0, 0.0))
+        return (acc + 2.0 * self.prior) / (tried + 2.0)
+
     def _judge(self, predicted: list[float], accepted: int) -> None:
         """Count each judged token's predicted acceptance and vLLM's verdict by draft position."""
         for j, a in enumerate(predicted[: accepted + 1], 1):
@@ -207,7 +236,8 @@ class RequestStopper:
         if not self.batch_rule:
             return None
         if batch not in self._batch_costs:
-            self._batch_costs[batch] = BatchCost.from_cost_model(curve_for_batch(self.curves, batch), batch)
+            self._batch_costs[batch] = BatchCost.from_cost_model(curve_for_batch(self.curves, batch), batch,
+                                                                 first_forward_paid=not self.skip_idle)
         return self._batch_costs[batch]
 
     def _scored_step(self, i: int, logits: Tensor, rnd: DraftedRound, cap: int) -> bool:
