@@ -1,12 +1,7 @@
-"""The evaluation of stop policies on held-out labelled draft tokens, as a library: its config and
-:func:`run_evaluation` (classification tables, SPRINTER checks, calibration, offline replay, threshold tuning, report).
+"""Stop policies scored on held-out labelled draft tokens (:func:`run_evaluation`): classification tables,
+calibration, the offline replay, threshold tuning and the report; the main job calls it with its trained policies.
 
-``python -m pipelines.evaluate`` runs it from the command line; the main job (``pipelines.train``) calls it with its
-trained policies: ``run_evaluation(EvaluateConfig(data_dir=..., out_dir=...), policies={"disco": policy})``.
-
-What other jobs keep of its result: the fitted calibration maps written into the predictors' exports and the
-calibrated training-free scores exported beside them (:func:`store_calibrations`), and the main job's table rows of
-the calibration errors and the cost-aware rule (:func:`cost_aware_rows`).
+Usage: ``python -m pipelines.evaluate --config configs/evaluate.yaml``.
 """
 from __future__ import annotations
 
@@ -496,18 +491,19 @@ def cost_aware_rows(result: Mapping[str, Any], names: Sequence[str]) -> dict[str
     rep = replay[replay["mode"] == replay["mode"].iloc[0]] if "mode" in replay else replay
     speed = {str(p): float(v) for p, v in zip(rep["policy"], rep["speedup"]) if np.isfinite(v)}
 
-    def row(name: str, label: str) -> dict[str, Any]:
-        return {"predictor": name, "label": label, "test_speedup": speed[name], **ece.get(name.split(" (")[0], {})}
+    def row(name: str, label: str, policy: str) -> dict[str, Any]:
+        """Row ``name`` of the table with the ECE of ``policy``, the calibrated policy it is built from."""
+        return {"predictor": name, "label": label, "test_speedup": speed[name], **ece.get(policy, {})}
 
     for name in names:
         if f"{name} (goodput)" in speed:
-            rows[f"{name} (goodput)"] = row(f"{name} (goodput)", "cost-aware")
+            rows[f"{name} (goodput)"] = row(f"{name} (goodput)", "cost-aware", name)
     free = [n for n in calibrated_scores() if f"{n} (goodput)" in speed]
     if free:
         best = max(free, key=lambda n: speed[f"{n} (goodput)"])
-        rows[f"{best} (goodput)"] = row(f"{best} (goodput)", "cost-aware, best training-free")
+        rows[f"{best} (goodput)"] = row(f"{best} (goodput)", "cost-aware, best training-free", best)
     fixed = {k: v for k, v in speed.items() if k in ("svip", "adaedl", "max-confidence") or k.startswith("static-best")}
     if fixed:
         best = max(fixed, key=fixed.__getitem__)
-        rows[best] = row(best, "thresholded, best training-free")
+        rows[best] = row(best, "thresholded, best training-free", best)
     return rows

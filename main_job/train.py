@@ -1,15 +1,7 @@
-"""The main job's stages, from a data folder to registered predictors and their table (its entry point, with what it
-does step by step: ``python -m pipelines.train``): :class:`TrainJobConfig` and :func:`train_all`.
+"""The main job's stages (:func:`train_all`): generate, train each predictor (or reuse an export made from the same
+config and data), evaluate, cross-validate, recommend and register; the table goes to ``<out_dir>/results.md``.
 
-Generate (``data_gen.generate.ensure_data``), train each predictor kind (or reuse its export when
-``<out_dir>/<kind>/train_state.json`` says it was made from the same config and data), evaluate
-(``evaluation.evaluate``), cross-validate (``evaluation.crossval``), recommend each runtime's settings
-(``main_job.recommend``) and register, each a stage of one progress view (``data_gen.progress``); the table is written
-to ``<out_dir>/results.md`` and ``results.json`` (``rendering.train_results``).
-
-Usage::
-
-    result = train_all(TrainJobConfig(out_dir="outputs/smoke/train"), extra_data=[])
+Usage: ``python -m pipelines.train --config configs/default.yaml``.
 """
 from __future__ import annotations
 
@@ -169,7 +161,11 @@ def train_all(cfg: TrainJobConfig, extra_data: list[GenerateConfig], progress: b
             with chain.stage("register") as st:
                 st.summary = _register(job, ident, uri)
         for kind, folder in job.exports.items():
-            _update_metadata_if_changed(folder, registry=job.rows[kind].get("registered"))
+            row = job.rows[kind]
+            registry = None
+            if "registry_name" in row:
+                registry = {"name": row["registry_name"], "version": row["registry_version"]}
+            _update_metadata_if_changed(folder, registry=registry)
         rows = job.rows
         times = chain.times()
         result = {"results": list(rows.values()), "report": str(report) if report else None, "data": ident,
@@ -281,7 +277,7 @@ def _register(job: Trained, ident: dict, uri: str) -> str:
             states[kind]["registered"] = reg
             _write_json(folder.parent / TRAIN_STATE, states[kind])
             done.append(f"{kind} v{reg['version']}")
-        rows[kind].update(registered=f"{reg['name']} v{reg['version']}", champion=reg["champion"])
+        rows[kind].update(registry_name=reg["name"], registry_version=int(reg["version"]), champion=reg["champion"])
     return ", ".join(done)
 
 

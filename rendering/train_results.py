@@ -15,7 +15,7 @@ RESULTS_MD = "results.md"
 FULL_COLUMNS = ["predictor", "status", "label", "val_auc", "val_auc_best_free", "test_auc", "best_free",
                 "test_auc_best_free", "cv_auc", "cv_best_free", "cv_auc_best_free", "cv_diff", "cv_diff_lo",
                 "cv_diff_hi", "threshold", "val_speedup", "test_speedup", "decoding", "ece_greedy", "ece_sampling",
-                "info_gain_bits", "info_gain_frac", "registered", "champion"]
+                "info_gain_bits", "info_gain_frac", "registry_name", "registry_version", "champion"]
 """Columns of the full table (``results.md``), in order; a column no row has is left out."""
 
 
@@ -61,7 +61,8 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
         speed = f"{r['test_speedup']:.2f}x" if isinstance(r.get("test_speedup"), float) else ""
         if speed and r.get("decoding") == "approximate":
             speed += " approx."
-        version = str(r.get("registered") or "").rsplit(" ", 1)[-1] + ("*" if r.get("champion") else "")
+        version = f"v{r['registry_version']}" if r.get("registry_version") is not None else ""
+        version += "*" if r.get("champion") else ""
         label = str(r.get("label") or "").split(",")[0]
         out.append([str(r.get("predictor")), label, fmt(r.get("test_auc")), best, cv, speed, version])
     return out

@@ -66,7 +66,7 @@ def test_smoke_main_job_end_to_end(tmp_path, monkeypatch):
     for kind, row in ((k, rows[k]) for k in kinds):
         assert row["status"] == "trained"
         assert 0.0 <= row["val_auc"] <= 1.0
-        assert row["registered"].startswith(f"specstop-{kind}-tiny-1")
+        assert row["registry_name"].startswith(f"specstop-{kind}-tiny-1") and row["registry_version"] >= 1
         # each predictor is compared with the best training-free score on its own label
         assert 0.0 <= row["test_auc"] <= 1.0 and row["best_free"] in ("max-prob", "draft-prob", "neg-entropy")
         if kind != "sv":  # cross-validated over 3 folds of prompts: the difference to the best training-free score

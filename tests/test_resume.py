@@ -100,7 +100,7 @@ def test_killed_in_generation_then_in_training_resumes_and_a_second_run_reuses_a
     rows = {r["predictor"]: r for r in result["results"]}
     kinds = ("disco", "sprinter", "sv")
     assert [rows[k]["status"] for k in kinds] == ["trained"] * 3
-    assert all(rows[k]["registered"].endswith("v1") for k in kinds)
+    assert all(rows[k]["registry_version"] == 1 for k in kinds)
     console = capsys.readouterr().out.splitlines()
     assert console[-1].startswith("total ") and "train sprinter" in console[-1]
     table = console[: next(i for i, line in enumerate(console) if line.startswith("test AUC:"))]
@@ -118,7 +118,7 @@ def test_killed_in_generation_then_in_training_resumes_and_a_second_run_reuses_a
     assert {k: (out / k / "export" / "weights.safetensors").stat().st_mtime_ns for k in kinds} == weights
     for k in kinds:
         assert again[k]["test_auc"] == rows[k]["test_auc"]
-        assert again[k]["registered"] == rows[k]["registered"]  # kept, not a new version
+        assert again[k]["registry_version"] == rows[k]["registry_version"]  # kept, not a new version
 
     # 5. A data folder made by another config is refused before any model loads.
     with pytest.raises(SystemExit) as e:
@@ -172,7 +172,7 @@ def test_console_table_fits_100_columns():
     long = {"predictor": "sprinter-hybrid", "status": "trained", "label": "min(1,p/q)", "test_auc": 0.61234,
             "best_free": "neg-entropy", "test_auc_best_free": 0.60123, "cv_diff": -0.01234, "cv_diff_lo": -0.03456,
             "cv_diff_hi": 0.01234, "test_speedup": 1.2345,
-            "registered": "specstop-sprinter-qwen2.5-coder-0.5b-instruct v12",
+            "registry_name": "specstop-sprinter-qwen2.5-coder-0.5b-instruct", "registry_version": 12,
             "champion": True, "val_auc": 0.6, "threshold": 0.5}
     skipped = {"predictor": "sv", "status": "skipped: data has no ('companion_sim', 'companion_accept') columns "
                "(configure data.models.companion) and a long tail " * 2}
