@@ -1,21 +1,8 @@
-"""Build a stop policy from a name, a dict or a saved predictor, and a checked decoder around it.
+"""Policy specs to stop policies (:func:`build_policy`) and a checked decoder around one (:func:`build_decoder`).
 
-Specs (``build_policy``):
-- ``static:K`` (default 5), ``heuristic[:INITIAL]`` (transformers' +2 / -1 schedule), ``max_confidence[:THRESHOLD]``
-  (transformers-style online ROC re-tuning, cost fpr + 3 fnr; ``max_confidence_fixed[:T]`` keeps T fixed),
-  ``draft_prob[:T]`` (q(x), the drafted token's probability),
-  ``svip[:H]``, ``adaedl[:LAMBDA]``, ``oracle`` (analysis only: the engine runs the target on every drafted token);
-- a runtime's own rule (``predictors.runtime_rules``): ``llamacpp[:N_MAX,N_MIN,P_MIN]`` (llama.cpp's draft-simple),
-  ``transformers[:N,SCHEDULE,THRESHOLD]`` (assisted generation), ``vllm[:K]``; omitted values take its defaults;
-- a dict ``{"kind": "svip", "h": 0.4}`` (constructor parameters of ``predictors.baselines``);
-- a learned predictor: an export folder or ``models:/<name>@champion`` (``predictors.registry.load_reference``), checked
-  against the draft model's fingerprint (refused for another draft model unless ``force``);
-- ``goodput:<spec>``: any of the above made cost-aware (``predictors.goodput.GoodputPolicy``): its calibrated acceptance
-  and the measured verification curve (the decoder's ``cost_model``) choose the draft length. ``<spec>`` is an export
-  folder or ``models:/`` URI whose ``predictor.json`` holds calibration maps (the main job writes them; for another
-  export: ``python -m pipelines.calibrate``), or a training-free score name (``max_confidence``, ``draft_prob``,
-  ``svip``, ``adaedl``) whose calibrated export is looked up as ``<calibration_dir>/<name>`` (the main job writes
-  ``<out_dir>/calibrated/<name>``). Without a map: ``predictors.goodput.MissingCalibration`` naming the fix.
+A spec is a training-free name (``predictors.baselines.NAMED_SPECS``, e.g. ``svip:0.3``), a runtime's own rule
+(``vllm:3``), a dict of constructor arguments, an export folder or ``models:/<name>@<alias>`` (checked against the
+draft model), or ``goodput:<spec>``: that policy's calibrated acceptance priced by the measured curve.
 
 Usage:
     policy = build_policy("svip:0.3")
@@ -33,7 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from compute.models import check_same_tokenizer, model_fingerprint
 from decoding.engine import SpeculativeDecoder
 from predictors.base import StopPolicy
-from predictors.baselines import BASELINES, SVIP, AdaEDL, DraftProb, HFHeuristic, MaxConfidence, Oracle, StaticLength
+from predictors.baselines import BASELINES, NAMED_SPECS
 from predictors.goodput import MissingCalibration, goodput_policy
 from predictors.runtime_rules import RUNTIMES, runtime_rule
 
@@ -47,38 +34,23 @@ def needs_companion(policy: StopPolicy) -> bool:
     return policy.needs_companion
 
 
-_NAMED = ("static", "heuristic", "max_confidence", "max_confidence_fixed", "draft_prob", "svip", "adaedl", "oracle")
-
-
 def _named(kind: str, arg: str | None, max_draft_len: int) -> StopPolicy:
-    def num(default: float) -> float:
-        if arg is None:
-            return default
+    """A training-free policy of ``NAMED_SPECS`` from its spec ``kind[:arg]``."""
+    named = NAMED_SPECS[kind]
+    value = None
+    if arg is not None and named.param is not None:
         try:
-            return float(arg)
+            value = float(arg)
         except ValueError as e:
             raise ValueError(f"policy {kind}:{arg}: the parameter must be a number") from e
+    return named.build(kind, value, max_draft_len)
 
-    if kind == "static":
-        k = int(num(5))
-        if k < 1:
-            raise ValueError(f"static:{k}: the draft length must be >= 1")
-        return StaticLength(k, max_draft_len=max_draft_len)
-    if kind == "heuristic":
-        return HFHeuristic(int(num(5)), max_draft_len=max_draft_len)
-    if kind == "max_confidence":
-        return MaxConfidence(num(0.4), max_draft_len=max_draft_len, online_roc=True)
-    if kind == "max_confidence_fixed":
-        return MaxConfidence(num(0.4), max_draft_len=max_draft_len, online_roc=False)
-    if kind == "draft_prob":
-        return DraftProb(num(0.4), max_draft_len=max_draft_len)
-    if kind == "svip":
-        return SVIP(num(0.3), max_draft_len=max_draft_len)
-    if kind == "adaedl":
-        return AdaEDL(num(0.6), max_draft_len=max_draft_len)
-    if kind == "oracle":
-        return Oracle(max_draft_len=max_draft_len)
-    raise AssertionError(kind)
+
+def known_policies() -> str:
+    """The policy specs ``build_policy`` takes, in one line (for errors)."""
+    names = ", ".join([*(k + ("[:value]" if n.param else "") for k, n in NAMED_SPECS.items()),
+                       *(k + "[:values]" for k in RUNTIMES)])
+    return f"{names}, {GOODPUT_PREFIX}<spec>, an export folder or models:/<name>@<alias>"
 
 
 def build_policy(
@@ -114,12 +86,12 @@ def build_policy(
         return BASELINES[kind](**params)
     if not isinstance(spec, str) or not spec:
         raise ValueError(
-            f"policy spec {spec!r}: give a name like static:5, a dict, an export folder or models:/name@alias"
+            f"policy spec {spec!r}: give a dict or one of {known_policies()}"
         )
     kind, _, arg = spec.partition(":")
     if kind in RUNTIMES:  # a runtime's own rule, capped by its own maximum
         return runtime_rule(kind, arg or None, max(max_draft_len, 64))
-    if kind in _NAMED and not spec.startswith("models:/"):
+    if kind in NAMED_SPECS:
         return _named(kind, arg or None, max_draft_len)
     if spec.startswith(("models:/", "runs:/")) or Path(spec).expanduser().is_dir():
         from predictors.registry import load_reference  # mlflow: loaded only for a learned predictor
@@ -128,10 +100,7 @@ def build_policy(
         if draft is not None and draft_tokenizer is not None:
             fp = model_fingerprint(draft, draft_tokenizer)
         return load_reference(spec, draft_fingerprint=fp, force=force, tracking_uri=tracking_uri)
-    raise ValueError(
-        f"unknown policy {spec!r}: use one of {', '.join(k + '[:param]' for k in _NAMED)}, an export folder or "
-        f"models:/<name>@<alias>"
-    )
+    raise ValueError(f"unknown policy {spec!r}: use one of {known_policies()}")
 
 
 def _goodput(inner: str, draft: PreTrainedModel | None, draft_tokenizer: PreTrainedTokenizerBase | None, force: bool,
@@ -142,7 +111,7 @@ def _goodput(inner: str, draft: PreTrainedModel | None, draft_tokenizer: PreTrai
             "policy goodput: needs a predictor or score after the colon, e.g. goodput:models:/name@champion"
         )
     kind = inner.partition(":")[0]
-    if kind in _NAMED and not inner.startswith("models:/"):
+    if kind in NAMED_SPECS:
         if calibration_dir is None or not (Path(calibration_dir) / kind).is_dir():
             where = f"{calibration_dir}/{kind}" if calibration_dir is not None else "calibration_dir (not given)"
             raise MissingCalibration(
@@ -156,11 +125,11 @@ def _goodput(inner: str, draft: PreTrainedModel | None, draft_tokenizer: PreTrai
 
 def policy_label(spec: str | dict | StopPolicy, policy: StopPolicy) -> str:
     """A short row label: the spec string for named policies, else the policy kind (+ the ref's last part)."""
-    if isinstance(spec, str) and spec.partition(":")[0] in _NAMED:
+    if isinstance(spec, str) and spec.partition(":")[0] in NAMED_SPECS:
         return spec
     if isinstance(spec, str) and spec.startswith(GOODPUT_PREFIX):
         inner = spec.removeprefix(GOODPUT_PREFIX)
-        return spec if inner in _NAMED else f"{policy.kind} ({inner.rstrip('/').split('/')[-1]})"
+        return spec if inner in NAMED_SPECS else f"{policy.kind} ({inner.rstrip('/').split('/')[-1]})"
     if isinstance(spec, str):
         return f"{policy.kind} ({spec.rstrip('/').split('/')[-1]})"
     return policy.kind

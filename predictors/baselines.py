@@ -5,6 +5,8 @@ Formulas: ../shared/PAPERS.md. Each is a :class:`predictors.base.StopPolicy`; th
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -208,6 +210,40 @@ class Oracle(StopPolicy):
 BASELINES: dict[str, type[StopPolicy]] = {
     c.kind: c for c in (StaticLength, HFHeuristic, MaxConfidence, DraftProb, SVIP, AdaEDL, Oracle)
 }
+"""Policy kind -> class: dict specs and exported baselines are built through it."""
+
+
+@dataclass(frozen=True)
+class NamedSpec:
+    """A ``name[:value]`` policy spec: the class it builds, the constructor argument the value sets (None: it takes
+    none), fixed arguments and the least value allowed."""
+
+    cls: type[StopPolicy]
+    param: str | None
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    minimum: float | None = None
+
+    def build(self, name: str, value: float | None, max_draft_len: int) -> StopPolicy:
+        """The policy of ``name:value`` (``value`` None: the constructor's default)."""
+        kwargs = dict(self.fixed)
+        if self.param is not None and value is not None:
+            if self.minimum is not None and value < self.minimum:
+                raise ValueError(f"{name}:{value:g}: the value must be >= {self.minimum:g}")
+            kwargs[self.param] = value
+        return self.cls(**kwargs, max_draft_len=max_draft_len)
+
+
+NAMED_SPECS: dict[str, NamedSpec] = {
+    "static": NamedSpec(StaticLength, "k", minimum=1),
+    "heuristic": NamedSpec(HFHeuristic, "initial"),
+    "max_confidence": NamedSpec(MaxConfidence, "threshold", {"online_roc": True}),
+    "max_confidence_fixed": NamedSpec(MaxConfidence, "threshold", {"online_roc": False}),
+    "draft_prob": NamedSpec(DraftProb, "threshold"),
+    "svip": NamedSpec(SVIP, "h"),
+    "adaedl": NamedSpec(AdaEDL, "lam"),
+    "oracle": NamedSpec(Oracle, None),
+}
+"""Spec name -> how ``name[:value]`` builds its training-free policy (``decoding.policies.build_policy``)."""
 
 
 ENTROPY_KINDS = ("svip", "adaedl")
