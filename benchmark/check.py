@@ -1,7 +1,5 @@
-"""Does the offline replay predict the engine? Every engine row's policy (and each transformers row's rule, under
-transformers' own curve when the run measured it: ``hf_curve``) replayed on the labelled prompts under the
-benchmark's curve, compared with what the engine measured (:func:`run_check`; ``python -m pipelines.replay_check``
-says what it reports)."""
+"""Does the offline replay predict the engine? Every engine row's policy (and transformers' rule, under its own
+curve) replayed on the labelled prompts under the run's curve, beside what the engine measured (:func:`run_check`)."""
 from __future__ import annotations
 
 import copy

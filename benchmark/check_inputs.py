@@ -1,7 +1,5 @@
-"""What ``python -m pipelines.replay_check`` is asked (:class:`ReplayCheckConfig`) and what the replay check reads from
-a finished benchmark's folder (:class:`BenchFolder`: how it decoded, its models, rows, prompts, target-only's outputs
-and the curve it prices with) and every engine row's policy rebuilt from the spec and threshold the benchmark
-recorded (:func:`row_policies`), with why the replay cannot follow a row's trajectory (:func:`row_note`)."""
+"""What the replay check reads: its config (:class:`ReplayCheckConfig`), a finished benchmark's folder
+(:class:`BenchFolder`) and each engine row's policy rebuilt from its spec and threshold (:func:`row_policies`)."""
 from __future__ import annotations
 
 import json

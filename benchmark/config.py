@@ -53,10 +53,8 @@ class BenchmarkConfig(TrackingConfig):
     predictors: list[str] = field(default_factory=list)
     """Learned predictors for the engine: export folders or models:/<name>@champion."""
     tune_predictors: bool = True
-    """Tune each thresholded learned predictor on the validation split of ``tune_data_dir`` under this run's curve,
-    as ``<baseline>:tuned`` rows are (the export's threshold was tuned by the main job under its own curve, measured in
-    another run, maybe another phase of the host: thresholded rows then compare unlike with like); false keeps the
-    export's threshold."""
+    """Tune each thresholded learned predictor on ``tune_data_dir``'s validation split under this run's curve, as
+    ``<baseline>:tuned`` rows are, so thresholded rows compare like with like; false keeps the export's threshold."""
     hf_rows: list[str] = field(default_factory=lambda: ["static:5", "heuristic", "default"])
     """transformers assisted-generation rows: static:K, heuristic, default (its defaults: 20 tokens, confidence 0.4
     re-tuned online), recommended (its settings tuned on the validation split of ``tune_data_dir`` under this run's
@@ -69,11 +67,9 @@ class BenchmarkConfig(TrackingConfig):
     order: str = "prompt"
     """prompt: every row on one prompt before the next (drift hits all rows alike); row: one row over all prompts."""
     repeats: int = 2
-    """order prompt: run every row this many times on each prompt, in plan order and then reversed, alternately (so
-    drift and a shared host's slow phases, which last a few rows' worth, fall on early and late rows alike), and keep
-    each row's faster run on that prompt, its output checked equal (the minimum, as ``timeit`` advises: the cost without
-    interference from other processes; target-only thus runs before and after the other rows). 1: each row once, in
-    plan order. The reference row (``reference_compute``) runs once."""
+    """order prompt: runs of every row per prompt, in plan order then reversed, keeping each row's faster run (the
+    minimum, as ``timeit`` advises: a shared host's slow phases fall on early and late rows alike). The reference row
+    runs once."""
     batch_size: int = 1
     """Engine rows decode this many prompts per batch (left padding, per-sequence draft lengths)."""
     cost_file: str | None = None
