@@ -1,7 +1,9 @@
 """llama.cpp benchmark: target-only, llama.cpp's speculative decoding at its defaults and at given settings, and
 specstop's stop policies inside llama.cpp's speculative loop, side by side on the same prompts, greedy, each output
 checked against target-only's (``runtimes.llamacpp.bench``). Needs llama-cpp-python
-(``bash scripts/setup.sh --llamacpp``).
+(``bash scripts/setup.sh --llamacpp``); before any row its build decodes a GGUF of the target's widths in a child
+process (``runtimes.llamacpp.engine.check_llama_build``), so a build that dies on this CPU stops the run with one line
+naming its flags and the rebuild command.
 
 With ``recommend_data`` (the main job's data folder) llama.cpp's settings are tuned under this run's curve and the
 recommendation runs as a row (target-only when it is not to speculate); with ``replay_check`` the prompts are then

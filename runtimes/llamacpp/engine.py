@@ -11,6 +11,12 @@ every cached position from ``n_tokens`` on). The target is loaded with ``logits_
 speculative decoding needs (the logits of every verified position), so each forward also copies its L rows of
 logits, as verification does.
 
+Before the first pair loads, :func:`check_llama_build` decodes a few tokens of a generated GGUF with the packaged
+target's widths (:func:`write_check_gguf`) in a child process, once per process: a build that dies there (SIGILL from
+ggml's AMX kernels as the pinned llama-cpp-python compiles them under ``-march=native``, or a build made for another
+CPU) raises :class:`LlamaCppBuildBroken`, one line naming the build's flags (``scripts/setup.sh`` keeps them in
+:data:`BUILD_STAMP`) and the rebuild command, instead of killing the run.
+
 Usage::
 
     draft, target = load_pair(Path("draft.gguf"), Path("target.gguf"), n_threads=2, n_ctx=512)
@@ -19,8 +25,16 @@ Usage::
 """
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import importlib.util
+import json
 import logging
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +42,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 import numpy as np
-from gguf import LlamaFileType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 
 from compute.cpu import cpu_model, cpuinfo_fields
 from compute.timing import CostModel
@@ -37,7 +51,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["INSTALL_COMMAND", "LlamaCppMissing", "llama_cpp_module", "llama_cpp_available",
            "check_same_vocab", "GGUFVocab", "load_llama", "load_pair", "prefill", "generate_greedy", "file_type",
-           "measure_llamacpp_curve"]
+           "measure_llamacpp_curve", "BUILD_STAMP", "LlamaCppBuildBroken", "build_stamp", "host_isa",
+           "rebuild_command", "write_check_gguf", "decode_in_child", "broken_message", "check_llama_build"]
 
 INSTALL_COMMAND = "bash scripts/setup.sh --llamacpp"
 """How llama-cpp-python is installed (the version pyproject.toml's ``llamacpp`` extra pins, built from source once for
@@ -130,7 +145,9 @@ def load_llama(path: Path, n_threads: int, n_ctx: int, logits_all: bool = False)
 
 def load_pair(draft: Path, target: Path, n_threads: int, n_ctx: int) -> tuple[Any, Any]:
     """(draft, target) ``llama_cpp.Llama`` objects of two GGUF files, the target with ``logits_all=True``; their
-    vocabularies are compared first (ValueError naming both files, before any weights load)."""
+    vocabularies are compared first (ValueError naming both files, before any weights load), and the build is checked
+    on this CPU once per process (:func:`check_llama_build`: one line where it dies, not a crash of the caller)."""
+    check_llama_build(int(n_threads))
     with GGUFVocab(draft) as d_vocab, GGUFVocab(target) as t_vocab:
         check_same_vocab(d_vocab, t_vocab, str(draft), str(target))
     return load_llama(draft, n_threads, n_ctx), load_llama(target, n_threads, n_ctx, logits_all=True)
@@ -266,3 +283,186 @@ def measure_llamacpp_curve(
                "tokens; target with logits_all"),
     )
     return cm.with_statistic("min")  # the curve made non-decreasing in L from the raw timings
+
+
+BUILD_STAMP = ".specstop-llamacpp"
+"""The file in the virtual environment (``sys.prefix``) where ``scripts/setup.sh`` keeps the llama-cpp-python build's
+version, CMake flags, CPU and instruction sets (``key=value`` lines)."""
+ISA_PREFIXES = ("sse", "ssse", "avx", "amx", "fma", "f16c", "bmi")
+"""The /proc/cpuinfo flags a build depends on, as ``scripts/setup.sh`` records them (``isa=``)."""
+CHECK_WIDTHS = {"hidden": 1536, "ffn": 8960, "heads": 12, "kv_heads": 2, "layers": 2, "vocab": 1024}
+"""The check GGUF's shape: Qwen2.5-Coder-1.5B's widths (the packaged target), two layers, a small vocabulary."""
+CHECK_PROMPT = 48
+"""Tokens of the check's prompt pass: one batch of more than 2 x 16 rows, ggml's AMX tile kernel where it is built."""
+_CHILD = """
+import json, sys
+import numpy as np
+import llama_cpp
+path, threads, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = llama_cpp.Llama(model_path=path, n_ctx=128, n_batch=64, n_threads=threads, n_threads_batch=threads,
+                      verbose=False)
+last = lambda: np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx), shape=(llm.n_vocab(),)).copy()
+prompt = list(range(3, 3 + n))
+llm.eval(prompt)
+batched = last()
+llm.reset()
+llm.eval(prompt[:-1])
+llm.eval(prompt[-1:])
+stepped = last()
+for t in (7, 8, 9):
+    llm.eval([t])
+out = last()
+print(json.dumps({"finite": bool(np.isfinite(out).all() and np.isfinite(batched).all()), "argmax": int(out.argmax()),
+                  "batch_vs_step": float(np.abs(batched - stepped).max() / (batched.std() or 1.0))}))
+"""
+"""The check's child: the prompt in one batch (ggml's batched kernels), again with its last token alone (the one-row
+kernels on the same cache), then three one-token steps; prints whether the logits are finite, the last argmax and
+the largest difference of the prompt's last logits between the two, in units of their standard deviation."""
+
+
+class LlamaCppBuildBroken(ValueError):
+    """The installed llama-cpp-python dies decoding on this CPU; the message names its flags and the rebuild command."""
+
+
+def build_stamp() -> dict[str, str]:
+    """What ``scripts/setup.sh`` recorded of the installed build (``llama-cpp-python``, ``cmake_args``, ``cpu``,
+    ``isa``); empty when it kept none (built by hand, or by an older script)."""
+    path = Path(sys.prefix) / BUILD_STAMP
+    if not path.is_file():
+        return {}
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+
+
+def host_isa() -> str:
+    """This CPU's instruction-set flags as ``scripts/setup.sh`` records them: the build-relevant /proc/cpuinfo flags,
+    sorted, space-separated."""
+    return " ".join(sorted(f for f in cpuinfo_fields().get("flags", "").split() if f.startswith(ISA_PREFIXES)))
+
+
+def rebuild_command(stamp: dict[str, str]) -> str:
+    """The command that rebuilds llama-cpp-python so that it runs here: the setup script (which rebuilds for this CPU
+    when the stamp names another) or, for a build made here already, one that changes its flags."""
+    here = stamp.get("isa") == host_isa() and stamp.get("cpu") == cpuinfo_fields().get("model name", "")
+    if not stamp or not here:
+        return INSTALL_COMMAND
+    if "GGML_NATIVE=ON" in stamp.get("cmake_args", ""):
+        return f"SPECSTOP_AMX=1 {INSTALL_COMMAND} (CMAKE_ARGS unset: ggml's AMX kernels left out)"
+    return f"CMAKE_ARGS=-DGGML_NATIVE=OFF {INSTALL_COMMAND} (a build for any x86-64 CPU with AVX2)"
+
+
+def _random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, rows: int, cols: int,
+                   scale: float) -> np.ndarray:
+    """``rows x cols`` weights of type ``qtype`` (Q8_0 or Q4_K) as GGUF bytes: random quants, every block's f16 scale
+    (and Q4_K's f16 min) ``scale``, so that the activations stay small and finite."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    scales = np.full(2 if qtype == GGMLQuantizationType.Q4_K else 1, scale, dtype=np.float16).view(np.uint8)
+    raw[:, : scales.size] = scales
+    return raw.reshape(rows, cols // block * size)
+
+
+def write_check_gguf(path: Path, widths: dict[str, int] | None = None, seed: int = 0) -> Path:
+    """A llama-architecture GGUF of random Q4_K (attention, gate, up) and Q8_0 (down, embedding) weights at
+    :data:`CHECK_WIDTHS`: every matmul has the packaged target's shape and a type ggml's AMX kernels take (where they
+    are compiled in; the AVX-512 / AVX2 kernels elsewhere). Its output is meaningless; that it decodes is the point."""
+    w = {**CHECK_WIDTHS, **(widths or {})}
+    h, ffn, heads, kv, vocab = w["hidden"], w["ffn"], w["heads"], w["kv_heads"], w["vocab"]
+    head_dim = h // heads
+    rng = np.random.default_rng(seed)
+    q4, q8 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q8_0
+    gw = GGUFWriter(str(path), "llama")
+    gw.add_name("specstop llama.cpp build check")
+    gw.add_context_length(512)
+    gw.add_embedding_length(h)
+    gw.add_feed_forward_length(ffn)
+    gw.add_block_count(w["layers"])
+    gw.add_head_count(heads)
+    gw.add_head_count_kv(kv)
+    gw.add_rope_dimension_count(head_dim)
+    gw.add_layer_norm_rms_eps(1e-6)
+    gw.add_file_type(int(LlamaFileType.MOSTLY_Q4_K_M))
+    gw.add_tokenizer_model("llama")  # SentencePiece: control tokens, the 256 byte tokens, then plain ones
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)]]
+    tokens += [f"\u2581t{i}" for i in range(vocab - len(tokens))]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL, *[TokenType.BYTE] * 256]
+    gw.add_token_list(tokens)
+    gw.add_token_scores([0.0] * vocab)
+    gw.add_token_types([int(t) for t in types] + [int(TokenType.NORMAL)] * (vocab - len(types)))
+    gw.add_unk_token_id(0)
+    gw.add_bos_token_id(1)
+    gw.add_eos_token_id(2)
+    gw.add_tensor("token_embd.weight", _random_blocks(rng, q8, vocab, h, 1e-3), raw_dtype=q8)
+    gw.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    shapes = {"attn_q": (h, h, q4), "attn_k": (kv * head_dim, h, q4), "attn_v": (kv * head_dim, h, q4),
+              "attn_output": (h, h, q4), "ffn_gate": (ffn, h, q4), "ffn_up": (ffn, h, q4), "ffn_down": (h, ffn, q8)}
+    for i in range(w["layers"]):
+        for norm in ("attn_norm", "ffn_norm"):
+            gw.add_tensor(f"blk.{i}.{norm}.weight", np.ones(h, dtype=np.float32))
+        for name, (rows, cols, qtype) in shapes.items():
+            gw.add_tensor(f"blk.{i}.{name}.weight", _random_blocks(rng, qtype, rows, cols, 1e-4), raw_dtype=qtype)
+    quiet = logging.getLogger("gguf.gguf_writer")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # its INFO lines name the temporary file
+    try:
+        gw.write_header_to_file()
+        gw.write_kv_data_to_file()
+        gw.write_tensors_to_file()
+        gw.close()
+    finally:
+        quiet.setLevel(level)
+    return path
+
+
+def _no_core_file() -> None:
+    """In the child before it runs: no core file where it dies (the check reports the death itself)."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def decode_in_child(gguf: Path, n_threads: int, prompt_len: int = CHECK_PROMPT,
+                    timeout_s: float = 300.0) -> dict[str, Any]:
+    """Load ``gguf`` with llama-cpp-python in a child process and decode as :data:`_CHILD` does; its result
+    (``finite``, ``argmax``, ``batch_vs_step``), or :class:`LlamaCppBuildBroken` where the child dies by a signal
+    (ValueError with its last line where it fails otherwise)."""
+    cmd = [sys.executable, "-c", _CHILD, str(gguf), str(int(n_threads)), str(int(prompt_len))]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, preexec_fn=_no_core_file)
+    except subprocess.TimeoutExpired as e:
+        raise TimeoutError(f"llama.cpp build check: decoding {gguf.name} took over {timeout_s:.0f} s") from e
+    if done.returncode < 0:
+        raise LlamaCppBuildBroken(broken_message(-done.returncode))
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ValueError(f"llama.cpp build check: decoding {gguf.name} in a child process failed: {last}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def broken_message(signum: int) -> str:
+    """One line: the build, how it died on this CPU, and the command that rebuilds it."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    why = " (an instruction this CPU or its kernel does not run)" if name == "SIGILL" else ""
+    stamp = build_stamp()
+    try:
+        version = importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    built = (f"built with CMAKE_ARGS={stamp.get('cmake_args', '?')} on {stamp.get('cpu') or 'an unrecorded CPU'}"
+             if stamp else f"built without a record of its flags (no {Path(sys.prefix) / BUILD_STAMP})")
+    return (f"llama-cpp-python {version}, {built}, dies with {name}{why} decoding a GGUF of the packaged target's "
+            f"widths on this CPU ({cpuinfo_fields().get('model name', '?')}): rebuild it with: "
+            f"{rebuild_command(stamp)}")
+
+
+@functools.cache
+def check_llama_build(n_threads: int = 2) -> None:
+    """Decode :func:`write_check_gguf`'s file in a child process with ``n_threads`` threads, once per process and
+    thread count: :class:`LlamaCppBuildBroken` (one line: flags, rebuild command) where the build dies on this CPU."""
+    if not llama_cpp_available():
+        raise LlamaCppMissing(f"llama-cpp-python is not installed; install it (built from source for this CPU) with: "
+                              f"{INSTALL_COMMAND}")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="specstop-llamacpp-check-") as tmp:
+        decode_in_child(write_check_gguf(Path(tmp) / "check.gguf"), n_threads)
+    log.info("llama.cpp build check: decodes on this CPU (%.1f s)", time.perf_counter() - t0)
