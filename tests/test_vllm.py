@@ -194,7 +194,7 @@ def test_a_stored_vllm_run_renders_its_rows_and_goals(tmp_path) -> None:
     write_summary(summarize_vllm_benchmark(out, "python -m pipelines.vllm_bench"), tmp_path / "results")
     summaries = load_summaries(tmp_path / "results")
     block = vllm_block(summaries)
-    assert "| `vllm:3 (recommended)` | 12.00 | 1.20x [1.10, 1.30] | 8/8 | 0.80 | 0.970 |  |" in block
+    assert "| `vllm:3 (recommended)` | 12.00 | 1.20x [1.10, 1.30] |  | 8/8 | 0.80 | 0.970 |  |" in block
     assert "ran 1.000x the fastest fixed setting measured" in block
     assert "1.20x [1.10, 1.30] the target alone" in vllm_readme_lines(summaries)[0]
 

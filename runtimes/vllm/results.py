@@ -31,7 +31,8 @@ from rendering.result_store import (
 __all__ = ["summarize_vllm_benchmark", "vllm_block", "vllm_readme_lines"]
 
 VLLM_ROW_FIELDS = ("row", "batch", "spec", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "identical",
-                   "prompts", "acceptance", "idle_share", "replayed_tokens_per_s", "replay_ratio")
+                   "prompts", "acceptance", "idle_share", "replayed_tokens_per_s", "replay_ratio", "tokens",
+                   "unit_seconds", "vs_fastest_fixed", "fastest_fixed", "by_position")
 
 
 def _read(path: Path) -> Any:
@@ -58,7 +59,8 @@ def summarize_vllm_benchmark(out_dir: str | Path, command: str, config_name: str
         "machine": machine, "compute_path": "vllm", "vllm": machine.get("vllm"),
         "pair": {"draft": config["models"]["draft"], "target": config["models"]["target"]},
         "n_prompts": config["n_prompts"], "max_new_tokens": config["max_new_tokens"],
-        "batch_sizes": config["batch_sizes"], "duration_s": duration_s,
+        "batch_sizes": config["batch_sizes"],
+        "duration_s": duration_s if duration_s is not None else bench.get("duration_s"),
         "rows": [{k: r[k] for k in VLLM_ROW_FIELDS if k in r} for r in bench["table"]],
         "goals": bench.get("goals"), "picks": bench.get("picks"), "recommendation": bench.get("recommendation"),
         "curves": curves,
@@ -67,17 +69,24 @@ def summarize_vllm_benchmark(out_dir: str | Path, command: str, config_name: str
 
 
 def _rows_table(s: Summary, batch: int) -> list[str]:
-    lines = ["| row | tokens/s | vs target alone [95% CI] | output = target alone | acceptance | replayed / measured "
-             "| rows of stopped requests |", "|---|---|---|---|---|---|---|"]
+    lines = ["| row | tokens/s | vs target alone [95% CI] | vs fastest fixed setting [95% CI] | output = target alone "
+             "| acceptance | replayed / measured | rows of stopped requests |", "|---|---|---|---|---|---|---|---|"]
     for r in (r for r in s.data["rows"] if r["batch"] == batch):
         ci = "" if r.get("speedup") is None else (
             f"{r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]")
+        vf = r.get("vs_fastest_fixed") or [None]
+        fixed = "" if vf[0] is None else f"{vf[0]:.2f}x [{vf[1]:.2f}, {vf[2]:.2f}]"
         acc = "" if r.get("acceptance") is None else f"{r['acceptance']:.2f}"
         rr = "" if r.get("replay_ratio") is None else f"{r['replay_ratio']:.3f}"
         idle = "" if r.get("idle_share") is None else f"{r['idle_share']:.0%}"
-        lines.append(f"| `{r['row']}` | {r['tokens_per_s']:.2f} | {ci} | {r['identical']}/{r['prompts']} | {acc} "
-                     f"| {rr} | {idle} |")
+        lines.append(f"| `{r['row']}` | {r['tokens_per_s']:.2f} | {ci} | {fixed} | {r['identical']}/{r['prompts']} "
+                     f"| {acc} | {rr} | {idle} |")
     return lines
+
+
+def d_batches(s: Summary) -> list[int]:
+    """The batch sizes of a stored run."""
+    return list(s.data["batch_sizes"])
 
 
 def _goal_lines(s: Summary) -> list[str]:
@@ -92,6 +101,16 @@ def _goal_lines(s: Summary) -> list[str]:
         if x.get("best_policy_vs_recommended") is not None:
             out.append(f"- {b} concurrent: the best specstop policy inside vLLM (`{x['best_policy']}`) ran "
                        f"{x['best_policy_vs_recommended']:.3f}x the recommended setting")
+    for b in d_batches(s):
+        x = g.get(f"batch_{b}") or {}
+        for row, ratio in (x.get("policies_vs_fastest_fixed") or {}).items():
+            if ratio and ratio[0] is not None:
+                out.append(f"- {b} concurrent: `{row}` ran {ratio[0]:.2f}x [{ratio[1]:.2f}, {ratio[2]:.2f}] the "
+                           f"fastest fixed setting (`{x.get('fastest_fixed')}`)")
+        for row, gap in (x.get("calibration_gap") or {}).items():
+            if gap is not None:
+                out.append(f"- {b} concurrent: `{row}`'s calibrated acceptance is within {gap:.3f} of vLLM's at "
+                           "draft positions 1-4")
     if g.get("recommended_vs_defaults_geomean") is not None:
         out.append(f"- the recommended setting at each batch size against vLLM's defaults (K = 5), geometric mean over "
                    f"the batch sizes: {g['recommended_vs_defaults_geomean']:.3f}x")
@@ -112,6 +131,22 @@ def _goal_lines(s: Summary) -> list[str]:
     return out
 
 
+def _calibration_table(s: Summary, positions: int = 4) -> list[str]:
+    """Per row and batch size with judged tokens: predicted / vLLM's acceptance at draft positions 1..``positions``."""
+    rows = [r for r in s.data["rows"] if r.get("by_position")]
+    if not rows:
+        return []
+    head = " | ".join(f"position {j}" for j in range(1, positions + 1))
+    lines = [f"| row | batch | {head} |", "|---|---|" + "---|" * positions]
+    for r in rows:
+        cells = []
+        for j in range(1, positions + 1):
+            c = r["by_position"].get(str(j))
+            cells.append(f"{c[1]:.2f} / {c[2]:.2f} ({c[0]})" if c and c[0] else "")
+        lines.append(f"| `{r['row']}` | {r['batch']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def vllm_section(s: Summary) -> str:
     """One stored vLLM benchmark as Markdown."""
     d = s.data
@@ -121,6 +156,11 @@ def vllm_section(s: Summary) -> str:
              f"`{d['command']}`):", ""]
     for b in d["batch_sizes"]:
         parts += [f"{b} concurrent request{'s' if b > 1 else ''}:", "", *_rows_table(s, b), ""]
+    calib = _calibration_table(s)
+    if calib:
+        parts += ["Calibrated acceptance against vLLM's, per draft position (tokens judged: sent with every earlier "
+                  "token accepted; predicted: the mean calibrated acceptance; vLLM: the share it accepted):", "",
+                  *calib, ""]
     if d.get("recommendation"):
         parts += ["The recommendation this run tuned under vLLM's own curve:", "",
                   *[f"- {x}" for x in d["recommendation"]], ""]
