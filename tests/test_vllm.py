@@ -117,8 +117,8 @@ def test_replay_check_prices_decode_steps_and_takes_prefill_as_measured() -> Non
     row = RowRun(name="vllm:3", batch=1, spec="vllm:3", outputs=[[[1] * 8]], seconds=[0.9], steps=[steps])
     assert predicted_seconds(row, {1: cm}, lambda b: 3) == [pytest.approx(0.5 + 2 * step_price(cm, 3))]
     pol = RowRun(name="p", batch=1, spec="p", outputs=[[[1] * 8]], seconds=[0.9], steps=[steps],
-                 rounds=[[(1, 2, 3.0), (1, 0, 1.0)]])
-    per = ((2 * 0.01 + cm.target_time(3.0)) + (1 * 0.01 + cm.target_time(1.0))) / 2
+                 rounds=[[(1, 2, 3.0), (1, 1, 1.0), (1, 0, 1.0)]])  # the last step skipped the draft's forward
+    per = ((2 * 0.01 + cm.target_time(3.0)) + (1 * 0.01 + cm.target_time(1.0)) + cm.target_time(1.0)) / 3
     assert predicted_seconds(pol, {1: cm}, None) == [pytest.approx(0.5 + 2 * per)]
 
 

@@ -253,7 +253,7 @@ def run_unit(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]]
     if proposer is not None:
         c = proposer.stopper.counts
         rounds = c.steps[n_rounds:]
-        idle = (c.idle_rows - idle0[0], sum(b * max(1, pos) for b, pos, _ in rounds))
+        idle = (c.idle_rows - idle0[0], sum(b * pos for b, pos, _ in rounds))
     now = _positions(proposer)
     positions = {j: [x - y for x, y in zip(cell, judged.get(j, [0.0] * 3))] for j, cell in now.items()}
     return (outs, wall, clock.take(), {k: after[k] - before[k] for k in after}, rounds, idle,

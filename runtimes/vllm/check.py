@@ -7,9 +7,9 @@ size it ran at (``runtimes.vllm.stopper.curve_for_batch``):
 - the target alone: ``target(1)``;
 - vLLM's static K (or the per-batch schedule's K at that batch): ``K * draft + target(K + 1)`` for the share of
   request-steps vLLM's counters say verified drafts, ``draft + target(1)`` for the rest (the draft still runs);
-- a specstop policy: its rounds as the proposer logged them (requests, draft positions computed, mean tokens a
-  request verified), each ``max(1, positions) * draft + target(mean verified)``, averaged and charged per decode step
-  (the first draft forward runs even when every request stops at once).
+- a specstop policy: its rounds as the proposer logged them (requests, draft forwards run, mean tokens a request
+  verified), each ``forwards * draft + target(mean verified)``, averaged and charged per decode step (a step that
+  skipped the draft ran no forward; otherwise the first runs even when every request stops at once).
 
 What it leaves out: requests of a batch finishing at different steps share the last steps with fewer rows than the
 curve's batch (priced at the curve of the batch size the step had), and a policy round's mixed lengths are priced at
@@ -42,7 +42,7 @@ def _policy_step(rounds: list[tuple[int, int, float]], curves: dict[int, CostMod
     total = 0.0
     for batch, positions, mean_len in rounds:
         cm = curve_for_batch(curves, batch)
-        total += max(1, positions) * cm.draft_s_per_token + cm.target_time(mean_len)
+        total += positions * cm.draft_s_per_token + cm.target_time(mean_len)
     return total / len(rounds)
 
 

@@ -82,8 +82,8 @@ class StopperCounts:
     per_request: dict[str, list[int]] = field(default_factory=dict)
     """Request id -> the number of tokens sent in each of its rounds."""
     steps: list[tuple[int, int, float]] = field(default_factory=list)
-    """Per proposal of the batch: (requests, draft positions computed, mean tokens a request verifies next: verified +
-    1), what a curve prices (``runtimes.vllm.check``)."""
+    """Per proposal of the batch: (requests, draft forwards run: 0 where the step skipped the draft, at least 1
+    otherwise, mean tokens a request verifies next: verified + 1), what a curve prices (``runtimes.vllm.check``)."""
     batch_stops: int = 0
     """Proposals whose draft loop the batch rule ended while some request's own rule would have drafted on."""
     skipped_steps: int = 0
@@ -161,7 +161,7 @@ class RequestStopper:
             self._recent.pop(gone, None)
         self._cost = self._round_cost(len(ids))
         self._batch = self._batch_cost(len(ids))
-        self._ids, self._rounds, self._caps, self._positions = ids, [], [], 0
+        self._ids, self._rounds, self._caps, self._positions, self._skipped = ids, [], [], 0, False
         self._acc, self._feats = [[] for _ in ids], [[] for _ in ids]
         for i, rid in enumerate(ids):
             pol = self._policies.get(rid)
@@ -187,6 +187,7 @@ class RequestStopper:
                 self._acc, [not r.done for r in self._rounds], self._batch, max(self._caps),
                 forecast=[self._forecast(rid) for rid in ids]):
             self.counts.skipped_steps += 1
+            self._skipped = True
             for r in self._rounds:
                 r.done = True
 
@@ -304,5 +305,6 @@ class RequestStopper:
             self.counts.per_request.setdefault(rid, []).append(n)
             out.append(rnd.tokens[:n])
         if out:
-            self.counts.steps.append((len(out), self._positions, sum(len(o) + 1 for o in out) / len(out)))
+            forwards = 0 if self._skipped else max(1, self._positions)
+            self.counts.steps.append((len(out), forwards, sum(len(o) + 1 for o in out) / len(out)))
         return out
