@@ -60,7 +60,8 @@ T = TypeVar("T")
 
 @dataclass
 class BatchChoice:
-    """The resolved rollout batch and why: the probe's curve (rows -> seconds of a draft + target step) and the cap."""
+    """The resolved rollout batch, the line saying why, and the probe's curve (rows -> seconds of a draft + target
+    step)."""
 
     size: int
     reason: str

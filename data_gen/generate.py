@@ -218,6 +218,7 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
     elapsed = time.perf_counter() - run.t_start
     run_stats = {
         "rank": rank,
+        "gen_batch_size": cfg.gen_batch_size,
         "new_records": run.new_records,
         "seconds": elapsed,
         "labelled_tokens_per_s": run.new_records / elapsed if elapsed > 0 else 0.0,

@@ -116,7 +116,7 @@ def test_a_resume_reads_the_recorded_batch_instead_of_probing(tmp_path, monkeypa
         raise AssertionError("a resume must reuse the folder's batch, not probe again")
 
     monkeypatch.setattr(batch_sizing, "choose_batch", no_probe)
-    generate(cfg)
+    assert generate(cfg)["last_run"]["gen_batch_size"] == recorded
     assert len(frame(out)) == 50 and not frame(out).duplicated(KEY).any()
     assert recorded_gen_batch(out, replace(cfg, rollout_len=5).data_config()) is None  # another data config
 
