@@ -181,7 +181,11 @@ def test_a_stored_vllm_run_renders_its_rows_and_goals(tmp_path) -> None:
              "replay_ratio": 1.0},
             {"row": "vllm:3 (recommended)", "batch": 1, "tokens_per_s": 12.0, "speedup": 1.2, "speedup_lo": 1.1,
              "speedup_hi": 1.3, "identical": 8, "prompts": 8, "acceptance": 0.8, "idle_share": None,
-             "replay_ratio": 0.97}]
+             "replay_ratio": 0.97},
+            {"row": "adaedl:0.6", "batch": 1, "tokens_per_s": 13.2, "speedup": 1.32, "speedup_lo": 1.2,
+             "speedup_hi": 1.4, "identical": 8, "prompts": 8, "acceptance": 0.9, "idle_share": 0.0,
+             "replay_ratio": 1.0, "vs_fastest_fixed": [1.1, 1.02, 1.19], "fastest_fixed": "vllm:3 (recommended)",
+             "by_position": {"1": [100, 0.86, 0.84]}}]
     goals = {"batch_1": {"fastest_fixed": "vllm:3 (recommended)", "recommended_row": "vllm:3 (recommended)",
                          "recommended_vs_fastest": 1.0, "recommended_vs_target_alone": 1.2}}
     (out / "benchmark.json").write_text(json.dumps({"table": rows, "goals": goals, "recommendation": ["batch 1: K"]}))
@@ -196,7 +200,9 @@ def test_a_stored_vllm_run_renders_its_rows_and_goals(tmp_path) -> None:
     block = vllm_block(summaries)
     assert "| `vllm:3 (recommended)` | 12.00 | 1.20x [1.10, 1.30] |  | 8/8 | 0.80 | 0.970 |  |" in block
     assert "ran 1.000x the fastest fixed setting measured" in block
-    assert "1.20x [1.10, 1.30] the target alone" in vllm_readme_lines(summaries)[0]
+    assert "| `adaedl:0.6` | 1 | 0.86 / 0.84 (100) |" in block  # predicted / vLLM's acceptance (tokens judged)
+    assert ("`adaedl:0.6`, ran 1.10x [1.02, 1.19] vLLM's fastest fixed setting (`vllm:3 (recommended)`)"
+            in vllm_readme_lines(summaries)[0])
 
 
 def test_the_stored_gpu_check_renders() -> None:

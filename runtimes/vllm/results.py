@@ -180,23 +180,29 @@ def vllm_block(summaries: list[Summary]) -> str:
 
 
 def vllm_readme_lines(summaries: list[Summary]) -> list[str]:
-    """The README's vLLM paragraph: each batch size's recommended row and best policy, measured in vLLM."""
+    """The README's vLLM paragraph: at each batch size the fastest of vLLM's fixed settings, and specstop's best
+    policy inside vLLM's proposer against it, with its interval."""
     s = newest(summaries, "vllm_benchmark")
     if s is None:
         return []
     d = s.data
     cells = []
     for b in d["batch_sizes"]:
-        x = (d.get("goals") or {}).get(f"batch_{b}") or {}
-        row = next((r for r in d["rows"] if r["batch"] == b and r["row"] == x.get("recommended_row")), None)
-        if row is not None and row.get("speedup") is not None:
-            cells.append(f"at {b} concurrent request{'s' if b > 1 else ''} the recommended `{row['row']}` ran "
-                         f"{row['speedup']:.2f}x [{row['speedup_lo']:.2f}, {row['speedup_hi']:.2f}] the target alone")
-        best = next((r for r in d["rows"] if r["batch"] == b and r["row"] == x.get("best_policy")), None)
-        if best is not None and best.get("speedup") is not None:
-            cells.append(f"specstop's best policy inside vLLM's proposer there, `{best['row']}`, "
-                         f"{best['speedup']:.2f}x [{best['speedup_lo']:.2f}, {best['speedup_hi']:.2f}]")
+        rows = [r for r in d["rows"] if r["batch"] == b and (r.get("vs_fastest_fixed") or [None])[0] is not None
+                and r["row"] in _policy_rows(d)]
+        if not rows:
+            continue
+        best = max(rows, key=lambda r: r["tokens_per_s"])
+        vf = best["vs_fastest_fixed"]
+        cells.append(f"at {b} concurrent request{'s' if b > 1 else ''} specstop's fastest policy, `{best['row']}`, "
+                     f"ran {vf[0]:.2f}x [{vf[1]:.2f}, {vf[2]:.2f}] vLLM's fastest fixed setting "
+                     f"(`{best['fastest_fixed']}`)")
     if not cells:
         return []
     return [f"vLLM, measured in vLLM itself ({dated(d)}, {cpu_label(d['machine'])}; "
             f"[docs/vllm.md](docs/vllm.md)): " + "; ".join(cells) + "."]
+
+
+def _policy_rows(d: dict) -> set[str]:
+    """The rows that run a specstop policy (not vLLM's own settings, nor the target alone's second row)."""
+    return {r["row"] for r in d["rows"] if not r["row"].startswith(("vLLM target alone", "vllm:", "vllm per-batch"))}
