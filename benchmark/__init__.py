@@ -6,7 +6,7 @@ the tuned rows' thresholds) -> ``rows`` (a row's counters and entry) -> ``report
 (MLflow); ``curve`` holds the run's verification curve. The replay check, which the run ends with and
 ``python -m pipelines.replay_check`` runs alone: ``check_inputs`` (what it is asked, the finished folder) ->
 ``check_records`` (the labelled prompts) -> ``check`` (replay against measurement) -> ``check_report``. The runtimes'
-own benchmarks (``runtimes.llamacpp.bench``, ``runtimes.vllm.run``) use this harness from their folders.
+own benchmarks (``runtimes.llamacpp.measure``, ``runtimes.vllm.run``) use this harness from their folders.
 
 Nothing is imported here, so ``import benchmark.config`` loads no model code.
 """

@@ -86,7 +86,7 @@ class BenchmarkConfig(TrackingConfig):
     run's curve (and each hf row's transformers rule under transformers' curve, with ``hf_curve``): predicted against
     measured tokens/s (``benchmark.check``)."""
     hf_curve: bool = False
-    """Measure transformers' own curve before the rows (``runtimes.transformers.curve``: generate's forward passes as
+    """Measure transformers' own curve before the rows (``runtimes.transformers.costs``: generate's forward passes as
     it runs them plus its time around them), written to cost_model.transformers.json: the hf:recommended row is tuned
     under it, and the replay check prices the hf rows with it (specstop's curve prices generate too cheaply)."""
     curve_probes: bool = True

@@ -10,7 +10,7 @@ from pathlib import Path
 from benchmark.bench import Bench
 from compute.compute_path import compute_path_of, cpu_info
 from compute.timing import CostModel, measure_cost_model, pool_cost_models
-from runtimes.transformers.curve import measure_transformers_costs
+from runtimes.transformers.costs import measure_transformers_costs
 
 log = logging.getLogger("pipelines.benchmark")
 
@@ -37,7 +37,7 @@ def load_cost_model(cost_file: str | None, bench: Bench) -> CostModel:
 
 def load_hf_curve(bench: Bench, out_dir: Path, resume: bool) -> CostModel:
     """transformers' curve of the pair: the one in ``out_dir`` when a resumed run (``resume``) measured it, else
-    measured now (``runtimes.transformers.curve``) and written there, beside the run's own."""
+    measured now (``runtimes.transformers.costs``) and written there, beside the run's own."""
     path = out_dir / HF_CURVE
     if resume and path.is_file():
         return CostModel.from_json(path)

@@ -1,8 +1,8 @@
 """llama.cpp benchmark: target-only, llama.cpp's speculative decoding at its defaults and at given settings, and
 specstop's stop policies inside llama.cpp's speculative loop, side by side on the same prompts, greedy, each output
-checked against target-only's (``runtimes.llamacpp.bench``). Needs llama-cpp-python
+checked against target-only's (``runtimes.llamacpp.measure``). Needs llama-cpp-python
 (``bash scripts/setup.sh --llamacpp``); before any row its build decodes a GGUF of the target's widths in a child
-process (``runtimes.llamacpp.engine.check_llama_build``), so a build that dies on this CPU stops the run with one line
+process (``runtimes.llamacpp.llama.check_llama_build``), so a build that dies on this CPU stops the run with one line
 naming its flags and the rebuild command.
 
 With ``recommend_data`` (the main job's data folder) llama.cpp's settings are tuned under this run's curve and the
@@ -26,7 +26,7 @@ from typing import Any
 from benchmark.check import summary_line
 from benchmark.report import console_table
 from pipelines.cli import parse_config, setup_logging, start_run, user_errors
-from runtimes.llamacpp.bench import LlamaCppBenchConfig, comparison_lines, run_llamacpp_benchmark
+from runtimes.llamacpp.measure import LlamaCppBenchConfig, comparison_lines, run_llamacpp_benchmark
 
 PROG = "python -m pipelines.llamacpp_bench"
 

@@ -2,10 +2,10 @@
 L = 1..17 new tokens over a cached prefix, with the CPU model and flags, torch version, threads and compute path in the
 JSON, and on the CPU the memory floor printed beside each figure (the bytes a one-token forward reads over the read
 bandwidth measured in the same run). With ``--runtime llamacpp`` it times llama.cpp's own forwards instead (through
-llama-cpp-python, on the pair's GGUF files: ``runtimes.llamacpp.engine.measure_llamacpp_curve``), written as
+llama-cpp-python, on the pair's GGUF files: ``runtimes.llamacpp.llama.measure_llamacpp_curve``), written as
 ``cost_model.llamacpp.json`` with ``runtime: llamacpp``; with ``--runtime transformers`` it also times transformers'
 assisted generation (its forwards as ``generate`` runs them and the work around them:
-``runtimes.transformers.curve``), written as ``cost_model.transformers.json``.
+``runtimes.transformers.costs``), written as ``cost_model.transformers.json``.
 
 The one timing model (``compute.timing.CostModel``) that the replay, Speculative Verification and the benchmark read.
 Timings taken while other processes load the machine overstate costs: measure on a quiet machine (the minimum over
@@ -35,8 +35,8 @@ from data_gen.generate import load_models
 from data_gen.prompts import PromptSourceConfig
 from data_gen.shards import read_data_config
 from pipelines.cli import parse_config, setup_logging, user_errors
-from runtimes.llamacpp.engine import load_pair, measure_llamacpp_curve
-from runtimes.transformers.curve import measure_transformers_costs
+from runtimes.llamacpp.llama import load_pair, measure_llamacpp_curve
+from runtimes.transformers.costs import measure_transformers_costs
 from runtimes.vllm.curve import VllmCurveSettings, measure_vllm_acceptance, measure_vllm_curve
 from runtimes.vllm.engine import hf_folder, prepare_env, reexec_with_iomp
 from runtimes.vllm.proposer import check_vllm
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 RUNTIMES = ("specstop", "llamacpp", "transformers", "vllm")
 """Runtimes whose forwards can be timed: specstop's loaded models, llama.cpp on the pair's GGUF files,
-transformers' assisted generation over specstop's loaded models (``runtimes.transformers.curve``), or vLLM's own
+transformers' assisted generation over specstop's loaded models (``runtimes.transformers.costs``), or vLLM's own
 engine steps per batch size (``runtimes.vllm.curve``, in ``.venv-vllm``)."""
 
 

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with user_errors(PROG):
         cfg = parse_config(VllmBenchConfig, argv, __doc__)
         reexec_with_iomp(["-m", "pipelines.vllm_bench", *(sys.argv[1:] if argv is None else argv)])
-        from runtimes.vllm.report import markdown
+        from runtimes.vllm.bench_report import markdown
         from runtimes.vllm.run import run_vllm_benchmark
 
         out_dir = start_run(cfg, PROG)

@@ -112,7 +112,7 @@ isa=$isa"
     echo "$want" > "$lstamp"
     echo "llama-cpp-python build and install took $((SECONDS - start)) s"
     # a few tokens of a GGUF with the packaged target's widths in a child process: a build that dies says so in one line
-    if ! "$VPY" -c "from runtimes.llamacpp.engine import check_llama_build; check_llama_build()"; then
+    if ! "$VPY" -c "from runtimes.llamacpp.llama import check_llama_build; check_llama_build()"; then
       echo "scripts/setup.sh: the llama-cpp-python build above does not decode (the line above says why)" >&2
       exit 1
     fi

@@ -20,9 +20,8 @@ from predictors import goodput
 from predictors.base import GOODPUT, StopPolicy
 from predictors.baselines import StaticLength
 from predictors.runtime_rules import LlamaCppRule
-from runtimes.llamacpp.bench import LlamaCppBenchConfig, comparisons, load_llamacpp_bench
 from runtimes.llamacpp.draft import SpecstopDraftModel, check_policy, draft_round, step_features
-from runtimes.llamacpp.engine import (
+from runtimes.llamacpp.llama import (
     INSTALL_COMMAND,
     LlamaCppMissing,
     check_same_vocab,
@@ -31,6 +30,7 @@ from runtimes.llamacpp.engine import (
     load_pair,
     measure_llamacpp_curve,
 )
+from runtimes.llamacpp.measure import LlamaCppBenchConfig, comparisons, load_llamacpp_bench
 
 pytestmark = pytest.mark.llamacpp
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 
-from runtimes.llamacpp import engine
-from runtimes.llamacpp.engine import (
+from runtimes.llamacpp import llama as engine
+from runtimes.llamacpp.llama import (
     BUILD_STAMP,
     CHECK_WIDTHS,
     INSTALL_COMMAND,

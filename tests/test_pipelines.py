@@ -19,7 +19,7 @@ ENTRY_CLASSES = {
     "pipelines.evaluate": ("evaluation.evaluate", "EvaluateConfig"),
     "pipelines.benchmark": ("benchmark.config", "BenchmarkConfig"),
     "pipelines.crossval": ("evaluation.crossval", "CrossValConfig"),
-    "pipelines.llamacpp_bench": ("runtimes.llamacpp.bench", "LlamaCppBenchConfig"),
+    "pipelines.llamacpp_bench": ("runtimes.llamacpp.measure", "LlamaCppBenchConfig"),
     "pipelines.vllm_bench": ("runtimes.vllm.bench", "VllmBenchConfig"),
 }
 

@@ -165,7 +165,7 @@ def test_replay_config_is_unchanged_by_rules():
 @pytest.mark.usefixtures("one_thread")
 def test_transformers_costs_time_generate_own_forwards_and_overheads():
     from compute.timing import measure_cost_model
-    from runtimes.transformers.curve import measure_transformers_costs
+    from runtimes.transformers.costs import measure_transformers_costs
 
     draft, target = make_pair()
     base = measure_cost_model(draft, target, lengths=(1, 2), prompt_len=16, repeats=1)

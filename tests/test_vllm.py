@@ -255,7 +255,7 @@ def test_passes_alternate_the_engine_order_and_keep_each_prompts_faster_run(tmp_
 
 def test_a_differing_output_is_found_at_its_first_difference_against_its_batchs_target_alone() -> None:
     from runtimes.vllm.bench import TARGET_ALONE
-    from runtimes.vllm.report import _tie_goals
+    from runtimes.vllm.bench_report import _tie_goals
     from runtimes.vllm.ties import Divergence, divergences
 
     ref = RowRun(name=TARGET_ALONE, batch=1, spec="target", outputs=[[[1, 2, 3]], [[4, 5]]])

@@ -1,6 +1,6 @@
 """A llama.cpp model seen through the three calls the data generator's labelling makes of a transformers causal LM,
 so that ``data_gen.continuation_labels.label_continuation`` labels with llama.cpp's own logits (the replay check of the
-llama.cpp benchmark rows: ``runtimes.llamacpp.check``).
+llama.cpp benchmark rows: ``runtimes.llamacpp.replay_check``).
 
 The labeller reads a causal LM through ``get_decoder()(input_ids, attention_mask).last_hidden_state``, then
 ``get_output_embeddings()`` on the rows it labels, and the draft's rollouts through ``generate``. Here the "hidden

@@ -30,10 +30,10 @@ one ``Llama.eval`` per drafted token.
 
 Usage::
 
-    draft, target = runtimes.llamacpp.engine.load_pair(draft_gguf, target_gguf, n_threads=2, n_ctx=1024)
+    draft, target = runtimes.llamacpp.llama.load_pair(draft_gguf, target_gguf, n_threads=2, n_ctx=1024)
     target.draft_model = hook = SpecstopDraftModel(draft, build_policy("adaedl:0.6"))
     hook.begin(end=len(prompt) + 128)
-    out = runtimes.llamacpp.engine.generate_greedy(target, prompt, 128, stop_ids)
+    out = runtimes.llamacpp.llama.generate_greedy(target, prompt, 128, stop_ids)
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ from decoding.draft_steps import check_policy as check_runtime_policy
 from decoding.stats import DecodeStats
 from predictors import goodput
 from predictors.base import GOODPUT, RoundFeedback, StopPolicy
-from runtimes.llamacpp.engine import llama_cpp_module
+from runtimes.llamacpp.llama import llama_cpp_module
 
 try:  # optional dependency (the llamacpp extra): the hook's base class; the drafting loop runs without it
     from llama_cpp.llama_speculative import LlamaDraftModel

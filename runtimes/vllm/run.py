@@ -1,6 +1,6 @@
 """A vLLM benchmark run put together (``python -m pipelines.vllm_bench``): the prompts, vLLM's curve, the per-batch
 recommendation, the engines and their rows (``runtimes.vllm.bench``), the replay check (``runtimes.vllm.check``)
-and the report (``runtimes.vllm.report``).
+and the report (``runtimes.vllm.bench_report``).
 
 Usage (in ``.venv-vllm``)::
 
@@ -30,11 +30,11 @@ from runtimes.vllm.bench import (
     row_from_dict,
     run_engine,
 )
+from runtimes.vllm.bench_report import VllmReport, build_report
 from runtimes.vllm.check import check_rows
 from runtimes.vllm.curve import VllmCurveSettings, measure_vllm_acceptance, measure_vllm_curve
 from runtimes.vllm.engine import EngineSpec, hf_folder, prepare_env
 from runtimes.vllm.proposer import PolicySettings, check_vllm, folder_fingerprint, install, load_curves
-from runtimes.vllm.report import VllmReport, build_report
 from runtimes.vllm.settings import ACCEPTANCE, BatchPick, acceptance_picks, paste_lines, schedule_ranges
 from runtimes.vllm.ties import tie_gaps
 from runtimes.vllm.traces import refit_calibration

@@ -17,7 +17,7 @@ runtimes read the same ids. The rows run through the benchmark's own loop (``ben
 equal), and are reported with its rows, intervals and tables (``benchmark.rows``, ``report``): tokens/s,
 speedup over target-only with its paired bootstrap interval, identical outputs, rounds and acceptance, the hook's
 stop-decision cost; then each row against llama.cpp's defaults and each policy against the recommended row. The
-replay check (``replay_check``, ``runtimes.llamacpp.check``) sets each row's replayed tokens/s beside it.
+replay check (``replay_check``, ``runtimes.llamacpp.replay_check``) sets each row's replayed tokens/s beside it.
 
 Models loaded: the draft, the target with ``logits_all`` (llama-cpp-python's verification reads every position's
 logits) and the target again without it for target-only (its one-token steps, as llama.cpp decodes alone); the GGUF
@@ -53,9 +53,9 @@ from decoding.stats import DecodeStats
 from main_job.recommend import RecommendConfig, recommend_runtimes
 from predictors.base import StopPolicy
 from predictors.runtime_rules import LlamaCppRule
-from runtimes.llamacpp.check import check_lines, run_llamacpp_check
 from runtimes.llamacpp.draft import SpecstopDraftModel, check_policy
-from runtimes.llamacpp.engine import file_type, generate_greedy, load_llama, load_pair, measure_llamacpp_curve
+from runtimes.llamacpp.llama import file_type, generate_greedy, load_llama, load_pair, measure_llamacpp_curve
+from runtimes.llamacpp.replay_check import check_lines, run_llamacpp_check
 
 log = logging.getLogger("pipelines.benchmark")
 
@@ -98,7 +98,7 @@ class LlamaCppBenchConfig:
     runs as a row; when it is not to speculate, target-only is the recommended row. None: no recommendation."""
     replay_check: bool = True
     """After the rows: label the prompts with llama.cpp's logits and set each row's replayed tokens/s beside the
-    measured one (``runtimes.llamacpp.check``)."""
+    measured one (``runtimes.llamacpp.replay_check``)."""
     policies: list[str] = field(default_factory=lambda: ["adaedl:0.6"])
     """specstop policies stopping the draft inside llama.cpp (decoding.policies specs; threshold, goodput and prefix
     kinds; goodput ones price rounds with llama.cpp's curve)."""

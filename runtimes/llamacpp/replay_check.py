@@ -24,7 +24,7 @@ from data_gen.config import ModelsConfig
 from data_gen.labelling import LabelModels, LabelOptions
 from predictors.base import StopPolicy
 from runtimes.llamacpp.causal_lm import LlamaCausalLM
-from runtimes.llamacpp.engine import load_llama
+from runtimes.llamacpp.llama import load_llama
 
 log = logging.getLogger("pipelines.replay_check")
 
