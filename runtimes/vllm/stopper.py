@@ -141,7 +141,7 @@ class RequestStopper:
         self._rounds: list[DraftedRound] = []
         self._caps: list[int] = []
         self._cost: goodput.RoundCost | None = None
-        self._positions = 0
+        self._positions, self._skipped = 0, False
 
     def _round_cost(self, batch: int) -> goodput.RoundCost | None:
         if self.policy.verification != GOODPUT:
