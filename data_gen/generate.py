@@ -196,7 +196,7 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
     writer = ShardWriter(out_dir, features)
     per_shard = cfg.prompts_per_shard
     chunks = [list(range(i, min(i + per_shard, len(prompts)))) for i in range(0, len(prompts), per_shard)]
-    done = finished_chunks(out_dir)
+    done = finished_chunks(out_dir, owns=lambda c: c % world_size == rank)  # never another rank's partial shard
     run = _RankRun.start(cfg, len(chunks), done, rank, world_size, progress)
     per_position = 2 if cfg.sample_draw else 1  # records of one labelled position (the budget keeps whole positions)
     for c in range(rank, len(chunks), world_size):

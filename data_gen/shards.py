@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import datasets
@@ -115,13 +115,16 @@ def wait_for_out_dir(out_dir: Path, data_config: dict, timeout_s: float = 600.0,
         time.sleep(poll_s)
 
 
-def finished_chunks(out_dir: Path) -> dict[int, int]:
-    """Chunk index -> row count of every complete shard; partial (temporary) shards are deleted, and a shard that no
-    longer reads (cut short, overwritten) is named in the log and moved aside (:func:`set_aside`), so that its chunk
-    is generated again."""
+def finished_chunks(out_dir: Path, owns: Callable[[int], bool] | None = None) -> dict[int, int]:
+    """Chunk index -> row count of every complete shard; partial (temporary) shards are deleted (only of the chunks
+    ``owns`` says this rank writes: another rank's may be being written now), and a shard that no longer reads (cut
+    short, overwritten) is named in the log and moved aside (:func:`set_aside`), so that its chunk is generated
+    again."""
     for partial in out_dir.glob("*.parquet.tmp"):
+        if owns is not None and not owns(int(partial.name.split(".")[0].split("-")[1])):
+            continue
         log.warning("removing partial shard %s (a run was interrupted while writing it)", partial.name)
-        partial.unlink(missing_ok=True)  # another rank may have removed it first
+        partial.unlink(missing_ok=True)
     done = {}
     for p in sorted(out_dir.glob(SHARD_GLOB)):
         try:

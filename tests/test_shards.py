@@ -55,3 +55,13 @@ def test_other_ranks_wait_until_rank_0_prepared_the_folder(tmp_path):
     assert (out / "config.json").exists()
     with pytest.raises(TimeoutError, match=str(tmp_path / "d")):
         wait_for_out_dir(out, {"seed": 1, "mix": "a"}, timeout_s=0.2, poll_s=0.05)  # another config's folder
+
+
+def test_a_rank_removes_only_its_own_partial_shards(tmp_path):
+    """Another rank's temporary shard may be being written right now: only the chunks this rank writes are cleaned."""
+    for c in (2, 3):
+        (tmp_path / f"shard-{c:05d}.parquet.tmp").write_bytes(b"partial")
+    assert finished_chunks(tmp_path, owns=lambda c: c % 2 == 0) == {}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-00003.parquet.tmp"]
+    finished_chunks(tmp_path)
+    assert list(tmp_path.iterdir()) == []
