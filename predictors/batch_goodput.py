@@ -29,7 +29,7 @@ from typing import Any
 
 from predictors.goodput import batch_lengths, check_cost_model
 
-__all__ = ["BatchCost", "send_lengths", "worth_drafting", "batch_keep_drafting", "expected_batch_tokens"]
+__all__ = ["BatchCost", "send_lengths", "batch_rate", "worth_drafting", "batch_keep_drafting", "expected_batch_tokens"]
 
 
 @dataclass
@@ -83,15 +83,18 @@ def send_lengths(acc: Sequence[Sequence[float]], cost: BatchCost, forwards: int)
     return batch_lengths([list(a) for a in acc], lambda n: cost.step_s(forwards, n))
 
 
-def _rate_now(acc: Sequence[Sequence[float]], cost: BatchCost, forwards: int) -> tuple[float, list[int]]:
+def batch_rate(acc: Sequence[Sequence[float]], cost: BatchCost, forwards: int) -> tuple[float, list[int]]:
+    """(expected tokens/s of stopping now, what each request then sends): the rate both decisions compare with."""
     lengths = send_lengths(acc, cost, forwards)
     return expected_batch_tokens(acc, lengths) / cost.step_s(forwards, sum(lengths)), lengths
 
 
-def worth_drafting(acc: Sequence[Sequence[float]], cost: BatchCost, forwards: int) -> list[bool]:
+def worth_drafting(acc: Sequence[Sequence[float]], cost: BatchCost, forwards: int,
+                   now: tuple[float, list[int]] | None = None) -> list[bool]:
     """Per request: does its next token, forecast at its last acceptance, add more expected tokens per second of its
-    verification than the batch's rate now? (The shared draft forward is priced by :func:`batch_keep_drafting`.)"""
-    rate, lengths = _rate_now(acc, cost, forwards)
+    verification than the batch's rate now (``now``: :func:`batch_rate`'s answer, when the caller has it)? The shared
+    draft forward is priced by :func:`batch_keep_drafting`."""
+    rate, lengths = now or batch_rate(acc, cost, forwards)
     sent = sum(lengths)
     per_token = max(cost.verify_s(sent + 1) - cost.verify_s(sent), 1e-12)
     out = []
@@ -102,17 +105,18 @@ def worth_drafting(acc: Sequence[Sequence[float]], cost: BatchCost, forwards: in
 
 
 def batch_keep_drafting(acc: Sequence[Sequence[float]], drafting: Sequence[bool], cost: BatchCost, cap: int,
-                        forecast: Sequence[float] | None = None) -> bool:
+                        forecast: Sequence[float] | None = None, now: tuple[float, list[int]] | None = None) -> bool:
     """Run another draft forward for the batch? ``acc``: per request, its drafted tokens' calibrated acceptances;
     ``drafting``: the requests that would draft in it (their own rule says go on); ``cap``: most positions a round;
     ``forecast``: per request, the acceptance its tokens are forecast at before it has drafted any (default 1).
     Compares the best rate of m = 1..cap - j more forwards (those requests sending all they draft, the others their
     best prefix) with the rate of stopping now. Before the first forward (every ``acc`` empty) this is whether the
-    step should draft at all, where a step that drafts nothing skips the draft's forward."""
+    step should draft at all, where a step that drafts nothing skips the draft's forward. ``now``: as for
+    :func:`worth_drafting`."""
     forwards = max((len(a) for a in acc), default=0)
     if forwards >= cap or not any(drafting):
         return False
-    now, lengths = _rate_now(acc, cost, forwards)
+    now, lengths = now or batch_rate(acc, cost, forwards)
     base_tokens, base_sent, lead, ratios = 0.0, 0, [], []
     for i, (a, go, n) in enumerate(zip(acc, drafting, lengths)):
         if go:

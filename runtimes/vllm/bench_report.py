@@ -61,17 +61,17 @@ def _entry(r: RowRun, ref: RowRun, boot: np.ndarray, check: dict[str, Any]) -> d
             "by_position": {str(j): [n, round(pred, 4), round(obs, 4)] for j, (n, pred, obs) in r.by_position.items()}}
 
 
-def _fixed(r: RowRun) -> bool:
+def _fixed(name: str) -> bool:
     """vLLM's own fixed settings: the target alone (its first row; the second measures the noise) and a static K."""
-    return r.name == TARGET_ALONE or r.name.startswith("vllm:")
+    return name == TARGET_ALONE or name.startswith("vllm:")
 
 
 def _against_fastest_fixed(at_b: list[RowRun], entries: list[dict], boot: np.ndarray) -> None:
     """Each other row's speedup over the fastest of vLLM's fixed settings at this batch size, with its interval."""
-    fixed = [r for r in at_b if _fixed(r)]
+    fixed = [r for r in at_b if _fixed(r.name)]
     fastest = max(fixed, key=lambda r: r.tokens_per_s)
     for r, e in zip(at_b, entries):
-        if not _fixed(r):
+        if not _fixed(r.name):
             sp, lo, hi = ratio_ci(_as_row(r), _as_row(fastest), boot)
             e["vs_fastest_fixed"] = [None if x is None else round(x, 4) for x in (sp, lo, hi)]
             e["fastest_fixed"] = fastest.name
@@ -111,7 +111,7 @@ def _goals(table: list[dict], picks: list[BatchPick], cfg: VllmBenchConfig, ties
     ratios, per_ratios = [], []
     for b in cfg.batch_sizes:
         rows = [t for t in table if t["batch"] == b]
-        fixed = [t for t in rows if t["row"] == TARGET_ALONE or (t["row"].startswith("vllm:"))]
+        fixed = [t for t in rows if _fixed(t["row"])]
         fastest = max(fixed, key=lambda t: t["tokens_per_s"])
         rec = _rec_row(table, b, picks)
         default = next((t for t in rows if "(defaults)" in t["row"]), None)

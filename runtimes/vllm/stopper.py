@@ -46,7 +46,7 @@ from decoding.draft_steps import DraftedRound, check_policy, draft_step, step_fe
 from predictors import goodput
 from predictors.base import GOODPUT, RoundFeedback, StopPolicy
 from predictors.baselines import StaticLength
-from predictors.batch_goodput import BatchCost, batch_keep_drafting, send_lengths, worth_drafting
+from predictors.batch_goodput import BatchCost, batch_keep_drafting, batch_rate, send_lengths, worth_drafting
 from predictors.calibration import Calibrator
 from runtimes.vllm.traces import TraceWriter
 
@@ -271,13 +271,14 @@ class RequestStopper:
         live = [i for i, r in enumerate(self._rounds) if not r.done]
         if not live:
             return
+        now = batch_rate(self._acc, self._batch, self._positions)  # the rate both decisions compare with
         if self.policy.verification == GOODPUT:
-            worth = worth_drafting(self._acc, self._batch, self._positions)
+            worth = worth_drafting(self._acc, self._batch, self._positions, now)
             for i in live:
                 self._rounds[i].done = not worth[i]
         drafting = [not r.done for r in self._rounds]
         cap = max(self._caps[i] for i in live)
-        if any(drafting) and not batch_keep_drafting(self._acc, drafting, self._batch, cap):
+        if any(drafting) and not batch_keep_drafting(self._acc, drafting, self._batch, cap, now=now):
             self.counts.batch_stops += 1
             for r in self._rounds:
                 r.done = True
