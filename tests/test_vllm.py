@@ -9,7 +9,7 @@ import torch
 from compute.timing import CostModel
 from decoding.policies import build_policy
 from runtimes.vllm.bench import RowRun, VllmBenchConfig
-from runtimes.vllm.check import predicted_seconds, step_price
+from runtimes.vllm.check import check_rows, predicted_seconds, step_levels, step_price
 from runtimes.vllm.engine import StepLog
 from runtimes.vllm.proposer import PolicySettings, build_stopper, check_vllm, load_curves
 from runtimes.vllm.settings import BatchPick, paste_lines, schedule_ranges
@@ -120,6 +120,21 @@ def test_replay_check_prices_decode_steps_and_takes_prefill_as_measured() -> Non
                  rounds=[[(1, 2, 3.0), (1, 1, 1.0), (1, 0, 1.0)]])  # the last step skipped the draft's forward
     per = ((2 * 0.01 + cm.target_time(3.0)) + (1 * 0.01 + cm.target_time(1.0)) + cm.target_time(1.0)) / 3
     assert predicted_seconds(pol, {1: cm}, None) == [pytest.approx(0.5 + 2 * per)]
+
+
+def test_replay_check_takes_the_curves_level_from_the_fixed_rows_steps() -> None:
+    cm = curve()
+    slow = [StepLog(0.5, 1, False), *[StepLog(1.5 * step_price(cm, 3), 1, True)] * 2]  # host 1.5x slower than its curve
+    fixed = RowRun(name="vllm:3", batch=1, spec="vllm:3", outputs=[[[1] * 8]], seconds=[0.5 + 3 * step_price(cm, 3)],
+                   steps=[slow])
+    pol_steps = [StepLog(0.5, 1, False), *[StepLog(0.3, 1, True)] * 2]
+    pol = RowRun(name="p", batch=1, spec="p", outputs=[[[1] * 8]], seconds=[0.9], steps=[pol_steps],
+                 rounds=[[(1, 3, 4.0)]])
+    k_of = {"vllm:3": lambda b: 3, "p": None}
+    assert step_levels([fixed, pol], {1: cm}, k_of) == {1: pytest.approx(1.5)}  # policy rows never set the level
+    rows = check_rows([fixed, pol], {1: cm}, k_of)
+    assert rows[0]["ratio"] == pytest.approx(1.0, abs=1e-3) and rows[0]["curve_level"] == pytest.approx(1.5)
+    assert rows[1]["ratio"] == pytest.approx(0.9 / (0.5 + 1.5 * 2 * step_price(cm, 3)), abs=1e-3)
 
 
 def test_curve_file_of_another_runtime_is_refused(tmp_path) -> None:

@@ -1,5 +1,11 @@
 """The vLLM benchmark's replay check: each row's own steps priced with vLLM's curve, beside its measured time.
 
+The curve gives the shape of a step's cost (a draft forward against a verification of L tokens, at each batch size);
+its level comes from the steps timed beside the rows: per batch size, the fixed rows' (the target alone, vLLM's K)
+measured decode seconds over their curve-priced seconds (:func:`step_levels`). A curve keeps its fastest round, timed
+apart from the rows; on a host whose speed moves by a third the rows then run 1.1-1.5x slower than it says, the same
+for every row of a batch size. The policy rows are priced by that level, never fitted to themselves.
+
 A row's unit (a prompt at batch 1, a group at batch B) ran a sequence of engine steps (``StepClock``): its prefill
 steps are taken as measured (the curve prices decoding, not prefill), and each decode step is priced at the batch
 size it ran at (``runtimes.vllm.stopper.curve_for_batch``):
@@ -17,7 +23,8 @@ their mean length.
 
 Usage::
 
-    predicted = predicted_seconds(row, curves, k_of=lambda b: 3)
+    levels = step_levels(rows, curves, k_of)
+    predicted = predicted_seconds(row, curves, k_of=lambda b: 3, level=levels[row.batch])
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ from runtimes.vllm.bench import RowRun
 from runtimes.vllm.engine import StepLog
 from runtimes.vllm.stopper import curve_for_batch
 
-__all__ = ["predicted_seconds", "step_price", "check_rows"]
+__all__ = ["predicted_seconds", "step_price", "step_levels", "check_rows"]
 
 
 def step_price(cm: CostModel, k: int) -> float:
@@ -55,37 +62,62 @@ def drafted_share(row: RowRun) -> float:
     return min(1.0, row.counters["drafts"] / slots)
 
 
-def predicted_seconds(row: RowRun, curves: dict[int, CostModel], k_of: Callable[[int], int] | None) -> list[float]:
-    """Per unit of ``row``, the seconds its steps cost under ``curves`` (``k_of(batch)``: vLLM's K at a batch size,
-    None for a policy row, priced by its logged rounds). A speculative engine's step that verified no draft (vLLM
-    drafted none for it: :func:`drafted_share`) still runs the draft's forward: ``draft + target(1)``."""
+def predicted_seconds(row: RowRun, curves: dict[int, CostModel], k_of: Callable[[int], int] | None,
+                      level: float = 1.0) -> list[float]:
+    """Per unit of ``row``, the seconds its steps cost under ``curves`` times ``level`` (``k_of(batch)``: vLLM's K at a
+    batch size, None for a policy row, priced by its logged rounds); prefill steps as measured. A speculative
+    engine's step that verified no draft (vLLM drafted none for it: :func:`drafted_share`) still runs the draft's
+    forward: ``draft + target(1)``."""
+    return [prefill + level * decode for prefill, decode in _unit_seconds(row, curves, k_of)]
+
+
+def _unit_seconds(row: RowRun, curves: dict[int, CostModel], k_of: Callable[[int], int] | None,
+                  ) -> list[tuple[float, float]]:
+    """Per unit: (measured prefill seconds, curve-priced decode seconds)."""
     share = drafted_share(row)
     out = []
     for steps, rounds in zip(row.steps, row.rounds or [[] for _ in row.steps]):
         prefill = sum(s.wall_s for s in steps if not s.decode)
         decode: list[StepLog] = [s for s in steps if s.decode]
         if k_of is None:
-            per = _policy_step(rounds, curves)
-            out.append(prefill + (per or 0.0) * len(decode))
+            out.append((prefill, (_policy_step(rounds, curves) or 0.0) * len(decode)))
             continue
-        total = prefill
+        total = 0.0
         for s in decode:
             cm, k = curve_for_batch(curves, s.batch), k_of(s.batch)
             idle = (cm.draft_s_per_token + cm.target_time(1)) if row.spec != "target" and "alone" not in row.name \
                 else cm.target_time(1)
             total += share * step_price(cm, k) + (1 - share) * idle if k else idle
-        out.append(total)
+        out.append((prefill, total))
     return out
+
+
+def step_levels(rows: list[RowRun], curves: dict[int, CostModel], k_of: dict[str, Callable[[int], int] | None],
+                ) -> dict[int, float]:
+    """Per batch size, the fixed rows' measured decode seconds over their curve-priced decode seconds: the level of
+    the curve on the host as the rows met it (1.0 at a batch size without a fixed row)."""
+    measured: dict[int, float] = {}
+    priced: dict[int, float] = {}
+    for row in rows:
+        fixed = k_of.get(row.name)
+        if fixed is None:
+            continue
+        measured[row.batch] = measured.get(row.batch, 0.0) + sum(
+            s.wall_s for steps in row.steps for s in steps if s.decode)
+        priced[row.batch] = priced.get(row.batch, 0.0) + sum(d for _, d in _unit_seconds(row, curves, fixed))
+    return {b: measured[b] / priced[b] if priced.get(b) else 1.0 for b in sorted({r.batch for r in rows})}
 
 
 def check_rows(rows: list[RowRun], curves: dict[int, CostModel], k_of: dict[str, Callable[[int], int] | None],
                ) -> list[dict]:
-    """Per row and batch size: measured and replayed tokens/s and their ratio (replayed / measured)."""
+    """Per row and batch size: measured and replayed tokens/s, their ratio (measured seconds / replayed) and the
+    curve's level at that batch size (:func:`step_levels`)."""
+    levels = step_levels(rows, curves, k_of)
     out = []
     for row in rows:
-        pred = sum(predicted_seconds(row, curves, k_of.get(row.name)))
+        pred = sum(predicted_seconds(row, curves, k_of.get(row.name), levels[row.batch]))
         meas = sum(row.seconds)
         out.append({"row": row.name, "batch": row.batch, "measured_tokens_per_s": round(row.tokens_per_s, 3),
                     "replayed_tokens_per_s": round(row.tokens / pred, 3) if pred else None,
-                    "ratio": round(meas / pred, 4) if pred else None})
+                    "ratio": round(meas / pred, 4) if pred else None, "curve_level": round(levels[row.batch], 4)})
     return out
