@@ -18,7 +18,7 @@ from compute.timing import STATISTICS, CostModel
 from data_gen.config import ModelsConfig
 from decoding.policies import build_policy
 from evaluation.replay import with_threshold
-from predictors.base import HINDSIGHT, StopPolicy
+from predictors.base import StopPolicy
 from predictors.runtime_rules import TransformersRule
 from predictors.tracking import TrackingSwitch, TrackingURI
 
@@ -149,7 +149,7 @@ def row_policies(folder: BenchFolder, draft: PreTrainedModel, tokenizer: PreTrai
             continue
         if r.get("threshold") is not None:
             pol = with_threshold(pol, float(r["threshold"]))
-        if pol.verification == HINDSIGHT:  # the oracle's rounds as the engine runs them
+        if pol.round_rule.hindsight:  # the oracle's rounds as the engine runs them
             pol.drafts_failing_token = True
         out.append((r, pol, row_note(pol, d, own_output=bool(r.get("output_ids")))))
     return out
@@ -159,7 +159,7 @@ def row_note(policy: StopPolicy, decoding: DecodeSettings, own_output: bool = Fa
     """Why the replay cannot follow the engine's trajectory for this row ('' when it can). ``own_output``: the row
     recorded its output (an approximate policy's in greedy decoding, replayed along it: :func:`own_output_rows`)."""
     notes = []
-    if policy.verification == HINDSIGHT and decoding.temperature > 0:
+    if policy.round_rule.hindsight and decoding.temperature > 0:
         notes.append("sampling oracle: the replay drafts the expected acceptable run, the engine's time is estimated")
     elif not policy.exact and not (own_output and decoding.temperature == 0):
         notes.append("approximate policy: rounds checked at their last token as the engine checks them, along "

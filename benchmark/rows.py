@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from decoding.engine import DecodeStats
-from predictors.base import GOODPUT
+from predictors.round_rules import rule_named
 
 HF_METHOD = "transformers assisted"
 """The ``method`` of the rows that run transformers' assisted generation (``hf:``)."""
@@ -111,7 +111,7 @@ class Row:
         """The row's report entry; ``boot`` [n_boot, n_prompts] resampled prompt indices for the intervals."""
         speed = ratio_ci(self, base, boot)
         vs_ent = ratio_ci(self, best_entropy, boot) if best_entropy is not None and self.kind else (None, None, None)
-        cost_aware = self.method == "engine" and self.verification == GOODPUT
+        cost_aware = self.method == "engine" and rule_named(self.verification).cost_aware
         vs_thr = ratio_ci(self, best_thresholded, boot) if cost_aware else (None, None, None)
         wasted = self.draft_tokens - self.accepted
         return {

@@ -16,7 +16,6 @@ from compute.models import load_model
 from compute.timing import clock
 from data_gen.config import ModelsConfig
 from decoding.policies import build_decoder, build_policy, policy_label
-from predictors.base import THRESHOLD
 from predictors.runtime_rules import TransformersRule
 from runtimes.transformers.assisted import generate_with_policy
 
@@ -179,7 +178,8 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
     )
     pol = dec.policy
     row = Row(label or policy_label(spec, pol), "engine", kind=pol.kind, exact_by_design=pol.exact,
-              verification=pol.verification, thresholded=pol.verification == THRESHOLD and pol.has_threshold)
+              verification=pol.verification,
+              thresholded=pol.has_threshold and pol.round_rule.exact and pol.round_rule.sends_all)
     info = rebuild or {"spec": spec if isinstance(spec, str) else ""}
     row.spec, row.threshold = info.get("spec", ""), info.get("threshold")
     total = None

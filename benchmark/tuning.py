@@ -23,7 +23,6 @@ from evaluation.replay import (
     with_threshold,
 )
 from main_job.recommend import tune_rule
-from predictors.base import SEQUENTIAL, THRESHOLD
 from predictors.labels import draw_mask
 from predictors.runtime_rules import RuntimeRule
 
@@ -104,7 +103,7 @@ def tune_predictors(specs: Sequence[str], bench: Bench, data_dir: str) -> dict[s
             continue
         pol = build_policy(spec, draft=bench.draft, draft_tokenizer=bench.tokenizer, max_draft_len=d.max_draft_len,
                            force=d.force)
-        if pol.has_threshold and pol.verification in (THRESHOLD, SEQUENTIAL):
+        if pol.has_threshold and pol.round_rule.sends_all and not pol.round_rule.hindsight:
             pols[spec] = pol
     if not pols:
         return {}

@@ -4,14 +4,14 @@ A runtime that drafts token by token itself (llama.cpp's draft-model hook, ``run
 proposer, ``runtimes.vllm.proposer``) hands each step's draft logits here: :func:`step_features` picks the greedy token
 and computes its features with ``data_gen.features.token_features`` (the one feature function of data generation and
 the engine, plus ``position``), :func:`take_candidate` takes it or not into the round (:class:`DraftedRound`) and says
-whether to draft another, as the policy declares (``StopPolicy.verification``):
+whether to draft another, as the policy's round rule says (``policy.round_rule``, ``predictors.round_rules``):
 
 - ``threshold`` (DISCO, SVIP, AdaEDL, max confidence, static...): the token is drafted, then drafting stops when
   ``keep_drafting`` says no (the token is kept) or at the round's cap; every drafted token is sent;
 - ``goodput`` (``goodput:<spec>``): drafting goes on while ``predictors.goodput.keep_drafting`` says the expected
   tokens/s still improves, priced by the runtime's own curve, and the best prefix is sent;
 - ``prefix`` (llama.cpp's draft-simple rule): a candidate whose score is below the threshold stops the round and is
-  not taken; the rule's own ``prefix_round`` says how many are sent.
+  not taken; the rule (``predictors.round_rules.PrefixRule``) says how many are sent.
 
 :func:`verified_count` is how many of a finished round's tokens go to the target (``verified``, the word of
 ``predictors.counts``).
@@ -34,7 +34,7 @@ from torch import Tensor
 from compute.draft_stats import greedy_draft_stats
 from data_gen.features import token_features
 from predictors import goodput
-from predictors.base import GOODPUT, PREFIX, THRESHOLD, StopPolicy
+from predictors.base import StopPolicy
 from predictors.baselines import StaticLength
 
 __all__ = ["DraftedRound", "check_policy", "draft_step", "step_features", "take_candidate", "verified_count"]
@@ -65,9 +65,9 @@ class DraftedRound:
 
 
 def check_policy(policy: StopPolicy, runtime: str) -> None:
-    """ValueError when ``policy`` cannot run inside ``runtime``'s drafting loop: a verification other than threshold /
+    """ValueError when ``policy`` cannot run inside ``runtime``'s drafting loop: a round rule other than threshold /
     goodput / prefix (the runtime verifies every sent token exactly), or inputs a hook does not compute."""
-    if policy.verification not in (THRESHOLD, GOODPUT, PREFIX):
+    if not policy.round_rule.runs_in_hook:
         raise ValueError(f"policy {policy.kind}: its verification ({policy.verification}) cannot run inside {runtime}, "
                          "which verifies every sent token exactly (threshold, goodput and prefix policies can)")
     if "draft_hidden" in policy.required_columns or policy.needs_companion or policy.needs_target:
@@ -100,32 +100,21 @@ def draft_step(logits: Tensor, policy: StopPolicy, rnd: DraftedRound, top_k: int
 
 
 def take_candidate(policy: StopPolicy, tok: int, feats: dict[str, Tensor], rnd: DraftedRound, cap: int,
-                   cost: goodput.RoundCost | None) -> bool:
-    """Take the candidate or not (into ``rnd``) and say whether to draft another (see the module docstring)."""
-    q = float(feats["q"][0])
-    if policy.verification == PREFIX:
-        score = policy.score_list(feats)[0]
-        rnd.scores.append(score)
-        if score < policy.threshold:  # llama.cpp: a candidate below p_min ends the round and is not taken
-            return False
+                   cost: goodput.RoundCost | None, score: float | None = None) -> bool:
+    """Take the candidate or not (into ``rnd``) and say whether to draft another, by the policy's round rule (the
+    engine's decision for one row; a prefix rule's candidate below its threshold ends the round untaken).
+    ``score``: the candidate's score when the caller computed it already."""
+    rule = policy.round_rule
+    (keep,), scores = rule.decide(policy, feats, [rnd.scores], [cap], [True], cost,
+                                  None if score is None else [score])
+    if scores is not None:
+        rnd.scores.append(scores[0])
+    if rule.takes(keep):
         rnd.tokens.append(tok)
-        rnd.q.append(q)
-        return True
-    rnd.tokens.append(tok)
-    rnd.q.append(q)
-    if policy.verification == GOODPUT:
-        assert cost is not None
-        rnd.scores.append(policy.score_list(feats)[0])
-        return goodput.keep_drafting(rnd.scores, cost, cap)
-    return bool(policy.keep_drafting(feats)[0])
+        rnd.q.append(float(feats["q"][0]))
+    return bool(keep)
 
 
 def verified_count(rnd: DraftedRound, policy: StopPolicy, cost: goodput.RoundCost | None) -> int:
-    """How many of the round's drafted tokens go to the target: the prefix rule's count, the goodput rule's best
-    prefix, else all of them."""
-    if policy.verification == PREFIX:
-        return policy.prefix_round(rnd.scores)[1]
-    if policy.verification == GOODPUT:
-        assert cost is not None
-        return goodput.best_prefix(rnd.scores, cost)[0] if rnd.tokens else 0
-    return len(rnd.tokens)
+    """How many of the round's drafted tokens go to the target, as the policy's round rule says."""
+    return policy.round_rule.sent(policy, rnd.scores, len(rnd.tokens), cost)

@@ -6,11 +6,12 @@ the current draft window) and the policy decides whether to draft another; then 
 forward pass (exact: greedy match or min(1, p/q) with a correction from norm(max(0, p - q)) and a bonus token), the
 policy is told the outcome (``policy.update``) and both KV caches (transformers ``DynamicCache``) are cropped.
 
-How a round runs follows what the policy declares (``predictors.base.StopPolicy``), never its kind:
-- ``verification == GOODPUT`` (SV, any ``goodput:`` policy): the score is a calibrated acceptance; the round drafts
+How a round runs follows the round rule the policy supplies (``policy.round_rule``, ``predictors.round_rules``),
+never its kind:
+- the ``goodput`` rule (SV, any ``goodput:`` policy): the score is a calibrated acceptance; the round drafts
   while the expected tokens/s of the lengths still reachable improves and verifies the best prefix (the one rule of
   ``predictors.goodput``, priced by the measured ``compute.timing.CostModel``, the same call as the offline replay).
-- ``verification == SEQUENTIAL`` (SPRINTER, ``policy.exact`` False): approximate sequential verification; drafted tokens
+- the ``sequential`` rule (SPRINTER, ``policy.exact`` False): approximate sequential verification; drafted tokens
   before the last one are taken unverified, the target checks only the last token (min(1, p/q) or a resample from
   norm(max(0, p - q))).
 - ``policy.needs_target`` (the oracle): analysis only; the target runs one step per drafted token to give
@@ -52,7 +53,7 @@ from decoding.stats import DecodeStats
 from decoding.streams import Stream
 from decoding.verification import Verifier
 from predictors import goodput
-from predictors.base import GOODPUT, PREFIX, SEQUENTIAL, StopPolicy
+from predictors.base import StopPolicy
 from predictors.calibration import mode_of
 
 __all__ = ["DecodeStats", "SpeculativeDecoder"]
@@ -148,14 +149,16 @@ class SpeculativeDecoder:
         self.cost_model = cost_model
         self.needs_hidden = "draft_hidden" in policy.required_columns
         self.analysis = policy.needs_target
-        self.sequential = policy.verification == SEQUENTIAL
-        self.goodput = policy.verification == GOODPUT
-        self.prefix = policy.verification == PREFIX
-        self.verifier = Verifier(self.sampler, policy, self.sequential)
+        self.rule = policy.round_rule
+        self.verifier = Verifier(self.sampler, policy, self.rule.sequential)
         policy.use_mode(mode_of(self.temperature))  # a goodput policy picks its calibration map (or names the fix)
         self._cost: goodput.RoundCost | None = None
-        if self.goodput and cost_model is not None:
+        if self.rule.needs_cost_model and cost_model is not None:
             self._cost = self._round_cost()
+
+    def _rule_cost(self) -> goodput.RoundCost | None:
+        """The round cost the rule prices with (cost-aware rules), else None."""
+        return self._round_cost() if self.rule.needs_cost_model else None
 
     def _round_cost(self) -> goodput.RoundCost:
         """The goodput rule's round cost (draft and companion steps, the target curve), checked against this run."""
@@ -288,9 +291,8 @@ class SpeculativeDecoder:
         for b in range(st.batch):
             if not st.done[b]:
                 caps[b] = self.policy.round_cap(self.max_draft_len, st.max_new_tokens - len(st.outputs[b]) - 1)
-        if self.goodput:  # no round could pay on this curve: draft nothing
-            top = self.policy.acceptance_ceiling
-            caps = [c if goodput.can_pay(self._round_cost(), c, top) else 0 for c in caps]
+        cost = self._rule_cost()
+        caps = [self.rule.affordable(self.policy, c, cost) for c in caps]  # 0: no round could pay on this curve
         rnd = DraftRound.start(caps)
         step = 0
         while any(rnd.active):
@@ -361,34 +363,18 @@ class SpeculativeDecoder:
         return tl[:, -1]
 
     def _decide(self, feats: dict[str, Tensor], rnd: DraftRound) -> tuple[list[bool], list[float] | None]:
-        """[B] draft another token after this one; goodput policies also return their [B] calibrated acceptances and
-        decide by the goodput rule alone (``predictors.goodput.keep_drafting``, as the replay does)."""
-        if self.prefix:  # llama.cpp's rule: the scores decide which drafted tokens are sent (_verification_lengths)
-            sc = self.policy.score_list(feats)
-            return [s >= self.policy.threshold for s in sc], sc
-        if not self.goodput:
-            return self.policy.keep_drafting(feats).tolist(), None
-        sc = self.policy.score_list(feats)
-        cost = self._round_cost()
-        keep = [bool(rnd.active[b]) and goodput.keep_drafting([*rnd.scores[b], float(sc[b])], cost, rnd.caps[b])
-                for b in range(len(sc))]
-        return keep, sc
+        """[B] draft another token after this one, and the [B] scores the round rule keeps (goodput: calibrated
+        acceptances; prefix: the scores that choose the tokens sent), as the replay and the hooks decide."""
+        return self.rule.decide(self.policy, feats, rnd.scores, rnd.caps, rnd.active, self._rule_cost())
 
     # ------------------------------------------------------------------ verification
     def _verification_lengths(self, st: Decoding, rnd: DraftRound) -> list[int]:
-        """[B] drafted tokens sent to the target: all of them, or the goodput rule's best prefix (across a batch
-        sharing one target pass, ``predictors.goodput.batch_lengths``)."""
-        if self.prefix:  # the token that scored below the threshold is dropped; a round under the minimum sends none
-            return [self.policy.prefix_round(rnd.scores[b][: len(rnd.drafted[b])])[1] for b in range(st.batch)]
-        if not self.goodput:
-            return [len(d) for d in rnd.drafted]
-        cost = self._round_cost()
-        if st.batch == 1:
-            n = [goodput.best_prefix(rnd.scores[0], cost)[0]]
-        else:
-            per = cost.per_draft
-            n = goodput.batch_lengths([rnd.scores[b] if not st.done[b] else [] for b in range(st.batch)],
-                                      lambda m: m * per + cost.target_time(m + 1))
+        """[B] drafted tokens sent to the target, as the round rule says: all of them, the goodput rule's best prefix
+        (across a batch sharing one target pass, ``predictors.goodput.batch_lengths``), or the prefix rule's."""
+        n = self.rule.sent_batch(self.policy, rnd.scores, [len(d) for d in rnd.drafted],
+                                 [not d for d in st.done], self._rule_cost())
+        if not self.rule.cost_aware:
+            return n
         for b in range(st.batch):
             if not st.done[b]:
                 st.stats.expected_tokens.append(float(goodput.expected_tokens(rnd.scores[b][: n[b]])[-1]))

@@ -7,7 +7,7 @@ accepted; for learned policies an estimated acceptance probability) and a decisi
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -15,23 +15,7 @@ import torch
 from torch import Tensor
 
 from data_gen.features import COMPANION_COLUMNS, TARGET_COLUMNS
-
-THRESHOLD = "threshold"
-"""Verification kind: draft while ``score >= threshold``, verify every drafted token exactly (DISCO, SVIP,
-AdaEDL...)."""
-GOODPUT = "goodput"
-"""Verification kind (cost-aware: SV, ``goodput:`` policies): the score is a calibrated acceptance; draft while the
-expected tokens/s improves, verify the goodput-best prefix (``predictors.goodput``)."""
-HINDSIGHT = "hindsight"
-"""Verification kind (oracles): the draft length is read from the target's answer; analysis only."""
-SEQUENTIAL = "sequential"
-"""Verification kind (SPRINTER): drafted tokens before the last are taken unverified, the target checks the last one;
-approximate."""
-PREFIX = "prefix"
-"""Verification kind (llama.cpp's draft rule, ``predictors.runtime_rules``): a token is sent only while its own score
-is ``>= threshold``; the draft step that scored the first token below it is paid and its token dropped; a round of
-fewer than a minimum sends nothing (:meth:`StopPolicy.prefix_round`)."""
-VERIFICATIONS = (THRESHOLD, GOODPUT, HINDSIGHT, SEQUENTIAL, PREFIX)
+from predictors.round_rules import THRESHOLD, RoundRule
 
 
 @dataclass
@@ -58,22 +42,27 @@ class StopPolicy:
 
     Subclasses set ``kind`` and ``required_columns`` and implement :meth:`score`; online policies override
     :meth:`update` (called once per verification round) and :meth:`reset` (called at the start of each sequence).
-    A policy says what it is, so that the engine, the replay and the evaluation never test its kind by name:
-    ``verification`` (one of :data:`VERIFICATIONS`), ``has_threshold``, and the properties :attr:`exact`,
-    :attr:`needs_companion`, :attr:`needs_target` and :attr:`tunable`.
+    A policy says what it is, so that the engine, the replay and the evaluation never test its kind by name: its
+    ``round_rule`` (``predictors.round_rules``: which drafted tokens go to verification), ``has_threshold``, and the
+    properties :attr:`exact`, :attr:`needs_companion`, :attr:`needs_target` and :attr:`tunable`.
     """
 
     kind: ClassVar[str] = "base"
     required_columns: ClassVar[tuple[str, ...]] = ()
-    verification: ClassVar[str] = THRESHOLD
-    """How a round is drafted and verified (:data:`VERIFICATIONS`)."""
+    round_rule: ClassVar[RoundRule] = THRESHOLD
+    """How a round is drafted and verified (``predictors.round_rules``)."""
     has_threshold: ClassVar[bool] = True
     """The decision is ``score >= threshold`` (False for static lengths, the +2/-1 heuristic and the oracles)."""
 
     @property
+    def verification(self) -> str:
+        """The round rule's name, as rows and records store it."""
+        return self.round_rule.name
+
+    @property
     def exact(self) -> bool:
         """False when decoding with this policy is approximate (SPRINTER's sequential verification)."""
-        return self.verification != SEQUENTIAL
+        return self.round_rule.exact
 
     @property
     def needs_companion(self) -> bool:
@@ -95,8 +84,7 @@ class StopPolicy:
     def tunable(self) -> bool:
         """A threshold a sweep can tune: thresholded, not SV's goodput rule, not re-tuned online by the policy
         itself."""
-        return (self.has_threshold and self.verification in (THRESHOLD, SEQUENTIAL, PREFIX)
-                and not getattr(self, "online_roc", False))
+        return self.round_rule.tunable(self) and not getattr(self, "online_roc", False)
 
     def __init__(self, threshold: float = 0.5, max_draft_len: int = 40) -> None:
         self.threshold = float(threshold)
@@ -124,15 +112,6 @@ class StopPolicy:
         The engine and the replay both cap their rounds with it."""
         return max(0, min([int(self.draft_cap()), *(int(x) for x in limits if x is not None)]))
 
-    def prefix_round(self, scores: Sequence[float]) -> tuple[int, int]:
-        """(draft steps paid, tokens sent) of a ``PREFIX`` round whose candidate tokens score ``scores`` in draft
-        order (already capped): tokens are taken while their score is ``>= threshold``; the step that scored the
-        first one below it is paid. Policies of that kind override it to add their minimum."""
-        for j, s in enumerate(scores):
-            if s < self.threshold:
-                return j + 1, j
-        return len(scores), len(scores)
-
     def use_mode(self, mode: str) -> None:
         """Decoding mode of the coming rounds, ``greedy`` or ``sampling`` (the engine, the replay and transformers'
         integration call it); cost-aware policies pick their calibration map, the others ignore it."""
@@ -142,15 +121,6 @@ class StopPolicy:
 
     def reset(self) -> None:
         """Restore the initial state (a new sequence starts)."""
-
-
-def drafted_length(keep: Sequence[bool]) -> int:
-    """Tokens a round drafts given the stop decision after each candidate token (``keep[j]``: draft another after
-    token j): up to and including the first False, else all of them."""
-    for j, k in enumerate(keep):
-        if not k:
-            return j + 1
-    return len(keep)
 
 
 def as_tensor_dict(columns: Mapping[str, object]) -> dict[str, Tensor]:

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from predictors.base import HINDSIGHT, RoundFeedback, StopPolicy
+from predictors.base import RoundFeedback, StopPolicy
+from predictors.round_rules import HINDSIGHT
 
 
 def entropy_bound(features: Mapping[str, Tensor], gamma: float) -> Tensor:
@@ -198,7 +199,7 @@ class Oracle(StopPolicy):
     ``drafts_failing_token`` makes the replay do the same (the replay check compares the two)."""
 
     kind = "oracle"
-    verification = HINDSIGHT
+    round_rule = HINDSIGHT
     has_threshold = False
     required_columns = ("greedy_match",)
     drafts_failing_token: bool = False

@@ -15,7 +15,7 @@ step, plus the companion's when the predictor reads it; t(L): one target pass ov
   drafted are forecast by the last one's (a_j = a_k for j > k). A confident draft thus runs to the end of a flat step
   of the curve, an unconfident one stops before a jump.
 
-:func:`keep_drafting` and :func:`best_prefix` are the two decisions; :func:`draft_round` runs them over a window of
+:func:`keep_drafting` and :func:`best_prefix` are the two decisions; :func:`window_round` runs them over a window of
 known acceptances (the replay); :func:`batch_lengths` prices a batch's verification pass (engine, B > 1).
 
 **Policy.** :class:`GoodputPolicy` wraps any stop policy (learned or training-free) and its calibration maps, one per
@@ -40,12 +40,13 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from predictors.base import GOODPUT, RoundFeedback, StopPolicy
+from predictors.base import RoundFeedback, StopPolicy
 from predictors.calibration import FIT_COMMAND, MODES, Calibrator
+from predictors.round_rules import GOODPUT
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RoundCost", "expected_tokens", "best_prefix", "keep_drafting", "draft_round", "batch_lengths",
+__all__ = ["RoundCost", "expected_tokens", "best_prefix", "keep_drafting", "window_round", "batch_lengths",
            "GoodputPolicy", "goodput_policy", "calibrations_of", "MissingCalibration", "check_cost_model"]
 
 
@@ -78,6 +79,23 @@ class RoundCost:
         while len(self._verify) <= cap:
             self._verify.append(float(self.target_time(len(self._verify) + 1)))
         return self._verify
+
+    # The rule's decisions priced by this cost (``predictors.round_rules.RoundPrice``, what the goodput rule calls).
+    def can_pay(self, cap: int, ceiling: float = 1.0) -> bool:
+        return can_pay(self, cap, ceiling)
+
+    def keep_drafting(self, acc: Sequence[float], cap: int) -> bool:
+        return keep_drafting(acc, self, cap)
+
+    def best_length(self, acc: Sequence[float]) -> int:
+        return best_prefix(acc, self)[0]
+
+    def window_round(self, acc: Sequence[float], cap: int, ceiling: float = 1.0) -> tuple[int, int]:
+        return window_round(acc, self, cap, ceiling)
+
+    def batch_lengths(self, acc: list[list[float]]) -> list[int]:
+        """:func:`batch_lengths` with this round's latency: ``m`` drafts' steps plus one pass over m + 1 tokens."""
+        return batch_lengths(acc, lambda m: m * self.per_draft + self.target_time(m + 1))
 
 
 def check_cost_model(cm: Any, draft_name: str = "", target_name: str = "", compute_path: str | None = None,
@@ -169,7 +187,7 @@ def keep_drafting(acc: Sequence[float], cost: RoundCost, cap: int) -> bool:
     return False
 
 
-def draft_round(acc: Sequence[float], cost: RoundCost, cap: int, ceiling: float = 1.0) -> tuple[int, int]:
+def window_round(acc: Sequence[float], cost: RoundCost, cap: int, ceiling: float = 1.0) -> tuple[int, int]:
     """(drafted, verified) of a round whose tokens' acceptances are known in advance (the replay): draft token by token
     while :func:`keep_drafting`, then verify :func:`best_prefix`. ``acc`` holds at least ``cap`` values (or all
     left); ``ceiling``: the calibration's highest acceptance (:func:`can_pay`)."""
@@ -219,7 +237,7 @@ estimate follows about the last ten rounds, and drifts back to the prior while r
 
 class GoodputPolicy(StopPolicy):
     """Any stop policy made cost-aware: its score through the calibration map of the decoding mode is the acceptance
-    the goodput rule prices (``verification == GOODPUT``).
+    the goodput rule prices (``round_rule`` :data:`predictors.round_rules.GOODPUT`).
 
     Args:
         inner: the wrapped policy (learned or training-free); its ``score`` is the raw score.
@@ -228,7 +246,7 @@ class GoodputPolicy(StopPolicy):
     """
 
     kind = "goodput"
-    verification = GOODPUT
+    round_rule = GOODPUT
     has_threshold = False
 
     def __init__(self, inner: StopPolicy, calibrations: Mapping[str, Calibrator], source: str = "") -> None:

@@ -24,8 +24,9 @@ from typing import Any, ClassVar
 import numpy as np
 from torch import Tensor
 
-from predictors.base import PREFIX, THRESHOLD, RoundFeedback, StopPolicy
+from predictors.base import RoundFeedback, StopPolicy
 from predictors.baselines import StaticLength
+from predictors.round_rules import PrefixRule
 
 __all__ = ["RUNTIMES", "RuntimeRule", "LlamaCppRule", "TransformersRule", "VllmRule", "runtime_rule", "roc_threshold"]
 
@@ -59,7 +60,6 @@ class LlamaCppRule(RuntimeRule):
 
     kind = "llamacpp"
     runtime = "llamacpp"
-    verification = PREFIX
     required_columns = ("draft_topk",)
     DEFAULTS = {"n_max": 3, "n_min": 0, "p_min": 0.0}
     TOP_K = 10
@@ -86,9 +86,10 @@ class LlamaCppRule(RuntimeRule):
     def draft_cap(self) -> int:
         return min(self.n_max, self.max_draft_len)
 
-    def prefix_round(self, scores: Sequence[float]) -> tuple[int, int]:
-        steps, sent = super().prefix_round(scores)
-        return steps, sent if sent >= self.n_min else 0
+    @property
+    def round_rule(self) -> PrefixRule:  # type: ignore[override]
+        """llama.cpp's prefix rule with this rule's ``n_min``."""
+        return PrefixRule(minimum=self.n_min)
 
     def settings(self) -> dict[str, Any]:
         return {"n_max": self.n_max, "n_min": self.n_min, "p_min": round(self.p_min, 4)}
@@ -104,7 +105,6 @@ class TransformersRule(RuntimeRule):
 
     kind = "transformers"
     runtime = "transformers"
-    verification = THRESHOLD
     required_columns = ("q",)
     DEFAULTS = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
                 "assistant_confidence_threshold": 0.4}

@@ -17,9 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from compute.draft_stats import disco_score
-from predictors.base import SEQUENTIAL
 from predictors.disco import PriorLogit, Standardise
 from predictors.inputs import FeatureSpec, LearnedPolicy, disco_scalars
+from predictors.round_rules import SEQUENTIAL
 
 __all__ = ["SprinterNet", "SprinterPolicy"]
 
@@ -57,7 +57,7 @@ class SprinterPolicy(LearnedPolicy):
     """SPRINTER: keep drafting while V(h) >= tau; approximate decoding (``exact = False``)."""
 
     kind = "sprinter"
-    verification = SEQUENTIAL
+    round_rule = SEQUENTIAL
     output = "logit"
 
     def __init__(self, net: SprinterNet, spec: FeatureSpec, threshold: float = 0.5, max_draft_len: int = 40) -> None:

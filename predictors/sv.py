@@ -47,8 +47,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from predictors.base import GOODPUT
 from predictors.inputs import FeatureSpec, LearnedPolicy
+from predictors.round_rules import GOODPUT
 
 __all__ = ["SVTable", "SVPolicy", "quantile_edges", "binary_entropy_bits"]
 
@@ -186,7 +186,7 @@ class SVPolicy(LearnedPolicy):
 
     kind = "sv"
     output = "prob"
-    verification = GOODPUT
+    round_rule = GOODPUT
 
     def __init__(
         self, table: SVTable, spec: FeatureSpec | None = None, threshold: float = 0.5, max_draft_len: int = 40

@@ -16,8 +16,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from predictors.base import SEQUENTIAL
 from predictors.baselines import ENTROPY_KINDS
+from predictors.round_rules import rule_named
 from rendering.device_results import gpu_block
 from rendering.result_runtimes import RUNTIME_CONFIGS, runtime_block, runtime_section
 from rendering.result_store import Summary, cpu_label, dated, interval_text
@@ -40,7 +40,7 @@ def _is_learned(row: dict[str, Any]) -> bool:
 def _approximate(row: dict[str, Any]) -> bool:
     """A row that does not decode the target's distribution: approximate by design (SPRINTER's sequential
     verification: the target checks only the last drafted token), or one whose greedy output differed."""
-    return row.get("exact") is False or row.get("verification") == SEQUENTIAL
+    return row.get("exact") is False or rule_named(row.get("verification")).sequential
 
 
 def caption(s: Summary) -> str:

@@ -13,7 +13,8 @@ from compute.timing import CostModel, measure_cost_model
 from data_gen.features import token_features
 from decoding.engine import DecodeStats, SpeculativeDecoder
 from decoding.policies import build_decoder, build_policy
-from predictors.base import GOODPUT, SEQUENTIAL, StopPolicy
+from predictors.base import StopPolicy
+from predictors.round_rules import GOODPUT, SEQUENTIAL
 from tests.tiny_pairs import make_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -227,7 +228,7 @@ class CompanionAccept(StopPolicy):
     """SV-like stub: score = companion acceptance."""
 
     kind = "sv"
-    verification = GOODPUT
+    round_rule = GOODPUT
     required_columns = ("companion_accept",)
 
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
@@ -266,7 +267,7 @@ class Sequential(StopPolicy):
     """SPRINTER-like stub: not exact, verifier score = draft max probability."""
 
     kind = "sprinter"
-    verification = SEQUENTIAL
+    round_rule = SEQUENTIAL
     required_columns = ("draft_max_prob",)
 
     def score(self, features: Mapping[str, Tensor]) -> Tensor:

@@ -58,22 +58,22 @@ def test_confident_drafts_to_the_end_of_a_step_and_stops_before_the_jump():
     c = cost(STEP4)
     # 3 drafts + 1 fill the first step: E_3 / (0.03 + 1) = 3.83 beats every length past the jump (4.90 / 2.04, ...,
     # 7.73 / 2.07 at the end of the second step)
-    assert goodput.draft_round([0.99] * 12, c, 12) == (3, 3)
+    assert goodput.window_round([0.99] * 12, c, 12) == (3, 3)
     # a cheaper second step (t = 1.5): confident tokens cross it to its end, unconfident ones stop before the jump
     c2 = cost({1: 1.0, 4: 1.0, 5: 1.5, 8: 1.5, 9: 4.0, 12: 4.0})
-    assert goodput.draft_round([0.99] * 12, c2, 12) == (7, 7)
-    assert goodput.draft_round([0.5] * 12, c2, 12) == (3, 3)
+    assert goodput.window_round([0.99] * 12, c2, 12) == (7, 7)
+    assert goodput.window_round([0.5] * 12, c2, 12) == (3, 3)
     # an unconfident token right before a jump (t(1) = 1, t(2) = 2): drafted, found not worth verifying
-    assert goodput.draft_round([0.3] * 6, cost({1: 1.0, 2: 2.0, 3: 2.0}), 6) == (1, 0)
+    assert goodput.window_round([0.3] * 6, cost({1: 1.0, 2: 2.0, 3: 2.0}), 6) == (1, 0)
 
 
 def test_keep_drafting_respects_the_cap_and_a_dropping_acceptance():
     c = cost(STEP4)
     assert goodput.keep_drafting([], c, 4) and not goodput.keep_drafting([0.99] * 4, c, 4)
     # a confident start, then a token unlikely to be accepted: its forecast kills every longer length
-    assert goodput.draft_round([0.99, 0.99, 0.99, 0.01, 0.99, 0.99, 0.99, 0.99], cost({1: 1.0, 8: 1.0, 9: 2.0}), 8) \
+    assert goodput.window_round([0.99, 0.99, 0.99, 0.01, 0.99, 0.99, 0.99, 0.99], cost({1: 1.0, 8: 1.0, 9: 2.0}), 8) \
         == (4, 4)
-    assert goodput.draft_round([0.99, 0.99, 0.99, 0.01] + [0.99] * 4, cost({1: 1.0, 4: 1.0, 5: 2.0, 9: 2.1}), 8) \
+    assert goodput.window_round([0.99, 0.99, 0.99, 0.01] + [0.99] * 4, cost({1: 1.0, 4: 1.0, 5: 2.0, 9: 2.1}), 8) \
         == (4, 3)
 
 
@@ -323,8 +323,8 @@ STEEP = {1: 1.0, 2: 1.8, 4: 3.4, 8: 6.6}
 
 def test_no_round_is_drafted_where_no_round_could_pay(pair):
     assert goodput.can_pay(cost(STEP4), 8) and not goodput.can_pay(cost(STEEP, draft=0.3), 8)
-    assert goodput.draft_round([1.0] * 8, cost(STEEP, draft=0.3), 8) == (0, 0)  # not even the first draft step
-    assert goodput.draft_round([1.0] * 8, cost(STEP4), 8)[0] > 0
+    assert goodput.window_round([1.0] * 8, cost(STEEP, draft=0.3), 8) == (0, 0)  # not even the first draft step
+    assert goodput.window_round([1.0] * 8, cost(STEP4), 8)[0] > 0
     draft, target = pair
     cm = CostModel(draft_s_per_token=0.3, target_s=STEEP)
     cal = {"greedy": Calibrator("isotonic", [0.0, 1.0], [0.99, 0.99])}
@@ -341,7 +341,7 @@ def test_a_round_that_pays_only_if_every_draft_is_accepted_is_not_drafted_below_
     tile = {**{L: float(L) for L in range(1, 9)}, 9: 8.0}
     assert goodput.can_pay(cost(tile, draft=0.1), 8) and not goodput.can_pay(cost(tile, draft=0.1), 7)
     assert not goodput.can_pay(cost(tile, draft=0.1), 8, ceiling=0.99)
-    assert goodput.draft_round([0.99] * 8, cost(tile, draft=0.1), 8, ceiling=0.99) == (0, 0)
+    assert goodput.window_round([0.99] * 8, cost(tile, draft=0.1), 8, ceiling=0.99) == (0, 0)
     assert goodput.can_pay(cost(STEP4), 8, ceiling=0.5)  # where rounds pay easily the ceiling changes nothing
     iso = Calibrator("isotonic", [0.0, 0.5, 1.0], [0.1, 0.5, 0.93])
     assert iso.ceiling == pytest.approx(0.93) and Calibrator("platt", a=2.0, b=0.0).ceiling == 1.0

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from decoding.policies import build_policy
-from predictors.base import GOODPUT, StopPolicy
+from predictors.base import StopPolicy
+from predictors.round_rules import GOODPUT
 from runtimes.transformers.assisted import generate_with_policy
 from tests.tiny_pairs import make_pair
 
@@ -69,7 +70,7 @@ def test_refuses_policies_it_cannot_run(pair):
 
     class NeedsCompanion(StopPolicy):
         kind = "sv"
-        verification = GOODPUT
+        round_rule = GOODPUT
         required_columns = ("companion_accept",)
 
     with pytest.raises(ValueError, match="SpeculativeDecoder"):

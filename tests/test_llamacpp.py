@@ -17,7 +17,8 @@ from compute.gguf_files import check_gguf_file, ensure_gguf, gguf_stop_ids, gguf
 from compute.timing import CostModel
 from decoding.policies import build_policy
 from predictors import goodput
-from predictors.base import GOODPUT, StopPolicy
+from predictors.base import StopPolicy
+from predictors.round_rules import GOODPUT, SEQUENTIAL
 from predictors.baselines import StaticLength
 from predictors.runtime_rules import LlamaCppRule
 from runtimes.llamacpp.draft import SpecstopDraftModel, check_policy, draft_round, step_features
@@ -95,7 +96,7 @@ class Calibrated(StopPolicy):
     """A goodput policy whose calibrated acceptance is the draft's top-1 probability."""
 
     kind = "stub-goodput"
-    verification = GOODPUT
+    round_rule = GOODPUT
     has_threshold = False
     required_columns = ("draft_max_prob",)
 
@@ -110,13 +111,13 @@ def test_goodput_policy_drafts_and_sends_as_the_rule():
     for ps in (PS, [0.95, 0.95, 0.9, 0.95, 0.9, 0.9, 0.9, 0.9], [0.2] * 8):
         rnd, _ = run(pol, ps, cap=8, cost=cost)
         acc = [pol.score_list(step_features(logits_row(j + 1, p), pol, 10, j)[1])[0] for j, p in enumerate(ps)]
-        assert (len(rnd.tokens), rnd.verified) == goodput.draft_round(acc, cost, 8)
+        assert (len(rnd.tokens), rnd.verified) == goodput.window_round(acc, cost, 8)
         assert rnd.scores == pytest.approx(acc[: len(rnd.tokens)])
 
 
 def test_unsupported_policies_are_refused():
     class Sequential(StaticLength):
-        verification = "sequential"
+        round_rule = SEQUENTIAL
 
     class Hidden(StaticLength):
         required_columns = ("draft_hidden",)

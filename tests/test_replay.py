@@ -19,7 +19,8 @@ from evaluation.replay import (
     tune_threshold,
 )
 from predictors import goodput
-from predictors.base import GOODPUT, SEQUENTIAL, RoundFeedback, StopPolicy
+from predictors.base import RoundFeedback, StopPolicy
+from predictors.round_rules import GOODPUT, SEQUENTIAL
 from predictors.baselines import SVIP, HFHeuristic, MaxConfidence, Oracle, StaticLength
 
 
@@ -48,7 +49,7 @@ class SVLike(StopPolicy):
     """Acceptance estimate from the companion column (replayed with SV's goodput length)."""
 
     kind = "sv"
-    verification = GOODPUT
+    round_rule = GOODPUT
     required_columns = ("companion_sim", "companion_accept")
 
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
@@ -132,7 +133,7 @@ class SequentialColumn(ColumnScore):
     """SPRINTER-like: approximate sequential verification (only a round's last drafted token is checked)."""
 
     kind = "sprinter"
-    verification = SEQUENTIAL
+    round_rule = SEQUENTIAL
 
 
 def test_sequential_verification_checks_only_the_last_token():
@@ -215,10 +216,10 @@ def test_sv_goodput_round_hand_computed():
     est = [0.9, 0.9, 0.1, 0.9]
     # constant target cost 4, draft 1: stopping now vs the best reachable length (forecast: the last acceptance)
     # k=1: .38 < 2.71/6; k=2: .452 < 3.439/7; k=3 (a=.1): 2.791/7 = .399 > 2.799/8 -> 3 drafted, all 3 verified
-    assert goodput.draft_round(est, goodput.RoundCost(1.0, CONST.target_time), 4) == (3, 3)
+    assert goodput.window_round(est, goodput.RoundCost(1.0, CONST.target_time), 4) == (3, 3)
     steep = CostModel(draft_s_per_token=1.0, target_s={1: 4.0, 5: 8.0})  # T(L) = 3 + L
     # k=3: E / (3 + T(m + 1)) = .143, .238, .301, .279 -> verify 2; drafting a 4th promises 2.799 / 12 = .233
-    assert goodput.draft_round(est, goodput.RoundCost(1.0, steep.target_time), 4) == (3, 2)
+    assert goodput.window_round(est, goodput.RoundCost(1.0, steep.target_time), 4) == (3, 2)
 
 
 def test_sv_replay_with_companion_columns():

@@ -14,7 +14,8 @@ from decoding.engine import SpeculativeDecoder
 from decoding.policies import build_policy
 from evaluation.replay import ReplayConfig, prepare_replay_data, replay_policy
 from main_job.recommend import SPECULATE_MIN, RecommendConfig, coarse_rules, draft_name, recommend
-from predictors.base import PREFIX, RoundFeedback
+from predictors.base import RoundFeedback
+from predictors.round_rules import PrefixRule
 from predictors.runtime_rules import LlamaCppRule, TransformersRule, VllmRule, roc_threshold, runtime_rule
 from tests.synthetic import make_records
 from tests.tiny_pairs import make_pair
@@ -39,17 +40,17 @@ def test_llamacpp_score_is_top1_among_the_top_10():
     rule = LlamaCppRule(4, 0, 0.5)
     feats = {"draft_topk": torch.tensor(topk_rows([0.9, 0.1]), dtype=torch.float32)}
     assert rule.score(feats).tolist() == pytest.approx([0.9 / 1.0, 0.1 / 0.2])
-    assert rule.verification == PREFIX and rule.draft_cap() == 4
+    assert rule.round_rule == PrefixRule(minimum=0) and rule.verification == "prefix" and rule.draft_cap() == 4
     with pytest.raises(KeyError, match="top 10"):
         rule.score({"draft_topk": torch.ones(2, 5)})
 
 
 def test_llamacpp_round_pays_the_step_that_scored_low_and_drops_its_token():
-    rule = LlamaCppRule(4, 0, 0.5)
-    assert rule.prefix_round([0.9, 0.8, 0.3, 0.9]) == (3, 2)  # third step scored below p_min: paid, not sent
-    assert rule.prefix_round([0.9, 0.8, 0.7, 0.9]) == (4, 4)  # n_max reached: no extra step
-    assert rule.prefix_round([0.2]) == (1, 0)
-    assert LlamaCppRule(4, 3, 0.5).prefix_round([0.9, 0.8, 0.3]) == (3, 0)  # under n_min: nothing sent
+    rule = LlamaCppRule(4, 0, 0.5).round_rule
+    assert rule.steps_and_sent(0.5, [0.9, 0.8, 0.3, 0.9]) == (3, 2)  # third step scored below p_min: paid, not sent
+    assert rule.steps_and_sent(0.5, [0.9, 0.8, 0.7, 0.9]) == (4, 4)  # n_max reached: no extra step
+    assert rule.steps_and_sent(0.5, [0.2]) == (1, 0)
+    assert LlamaCppRule(4, 3, 0.5).round_rule.steps_and_sent(0.5, [0.9, 0.8, 0.3]) == (3, 0)  # under n_min: none
 
 
 def test_llamacpp_replay_hand_computed():

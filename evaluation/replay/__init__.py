@@ -34,18 +34,18 @@ the rollout from there. ``pipelines.replay_check`` replays the benchmark's promp
 Tokens are counted up to the end of the stored sequence (a round that would emit its bonus token past the end is
 clipped), so in greedy mode every policy emits the same tokens and the speedup is a pure time ratio.
 
-Special policies: the oracle (``verification == HINDSIGHT``, DISCO's definition) drafts exactly the acceptable run
+Special policies: the oracle (the ``hindsight`` round rule, DISCO's definition) drafts exactly the acceptable run
 (greedy: leading matches; sampling: until the first rejection, in expectation), never the last stored token (its bonus
 would lie past the end); it is the upper bound when a verification pass costs more than a draft step and verification
 time is subadditive in length. The schedule oracle (:class:`OracleSchedule`) is the exact bound under any non-decreasing
 cost model in greedy mode: a dynamic programme over each sequence picks, at every round start, how many of the
 acceptable tokens to draft so that the total replayed time is minimal (in sampling mode it falls back to the expectation
-oracle). Cost-aware policies (``verification == GOODPUT``: SV, ``goodput:`` wrappers) follow the one goodput rule of
+oracle). Cost-aware policies (the ``goodput`` round rule: SV, ``goodput:`` wrappers) follow the one goodput rule of
 ``predictors.goodput`` (the engine calls the same functions): draft while the expected tokens/s of the lengths still
 reachable improves, verify the best prefix, paying companion steps per drafted token when the policy reads them. Each of
 their rounds also records the tokens it expected to emit beside the ones it did (``ReplayResult.round_tokens``).
 
-Approximate policies (``verification == SEQUENTIAL``, SPRINTER) are replayed as the engine runs them: the tokens a round
+Approximate policies (the ``sequential`` round rule, SPRINTER) are replayed as the engine runs them: the tokens a round
 drafts before its last are taken unverified and only the last is checked (greedy match, or min(1, p/q) in expectation),
 so a round of n drafted tokens emits n + 1 tokens or n. Once a round takes a mismatch unverified the engine's output
 leaves the stored sequence while the replay goes on along it: the rounds' lengths and checks are a sample of the
@@ -57,7 +57,7 @@ Four modules (every public name importable from here):
   rollouts);
 - ``scores``: a policy's precomputed scores over the rows, missing columns, ``with_threshold``;
 - ``rounds``: the round loop (``replay_policy`` runs ``_replay_sequence`` per stored sequence, which runs rounds:
-  ``_replay_round``, with ``_round_rows`` the rows the round drafts from and ``_draft_round`` the drafted and verified
+  ``_replay_round``, with ``_round_rows`` the rows the round drafts from and ``_round_lengths`` the drafted and verified
   counts, then acceptance and cost are counted), what it adds up to (``ReplayResult``, the shared round counts of
   ``predictors.counts`` and seconds) and the oracles' rounds (``OracleSchedule``, the sampling oracle);
 - ``tuning``: the tables, threshold sweeps, ``tune_threshold``, ``replay_table``.

@@ -1,6 +1,6 @@
 """The replay's round loop: ``replay_policy`` runs ``_replay_sequence`` per stored sequence, which runs rounds
-(``_replay_round``: ``_round_rows`` gives the rows the round drafts from, ``_draft_round`` decides the drafted and
-verified counts by the policy's round rule (schedule, oracle, the goodput rule, or its stop decisions), then
+(``_replay_round``: ``_round_rows`` gives the rows the round drafts from, ``_round_lengths`` decides the drafted and
+verified counts (the schedule, the oracle's acceptable run, else ``policy.round_rule.replay_round``), then
 ``_accepted`` and the cost model count acceptance and time into a ``ReplayResult``).
 
 What one policy's replay adds up to (:class:`ReplayResult`): the shared round counts of ``predictors.counts`` plus the
@@ -19,8 +19,9 @@ from compute.timing import CostModel
 from evaluation.replay.scores import missing_columns, overrides, scores_for, window_features
 from evaluation.replay.sequences import REPLAY_MODES, ReplayData
 from predictors import goodput
-from predictors.base import GOODPUT, HINDSIGHT, PREFIX, SEQUENTIAL, RoundFeedback, StopPolicy, drafted_length
+from predictors.base import RoundFeedback, StopPolicy
 from predictors.counts import RoundCounts
+from predictors.round_rules import HINDSIGHT, RoundRule
 
 __all__ = ["ReplayResult", "OracleSchedule", "replay_policy"]
 
@@ -110,7 +111,7 @@ class OracleSchedule(StopPolicy):
 
     kind = "oracle_schedule"
     required_columns = ("greedy_match",)
-    verification = HINDSIGHT
+    round_rule = HINDSIGHT
     has_threshold = False
 
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
@@ -159,6 +160,8 @@ class _Replay:
     data: ReplayData
     cm: CostModel
     mode: str
+    rule: RoundRule
+    """The policy's round rule."""
     goodput: goodput.RoundCost | None
     """The goodput rule's round cost (cost-aware policies), else None."""
     max_draft_len: int | None
@@ -182,7 +185,6 @@ def replay_policy(
     cost_model: CostModel,
     mode: str = "greedy",
     *,
-    goodput: bool | None = None,
     max_draft_len: int | None = None,
     scores: np.ndarray | None = None,
     decision_cost_model: CostModel | None = None,
@@ -195,15 +197,13 @@ def replay_policy(
         data: from :func:`prepare_replay_data`.
         cost_model: round latency model (prices the rounds).
         mode: 'greedy' or 'sampling' verification.
-        goodput: follow the goodput rule (``predictors.goodput``) with ``policy.score`` as calibrated acceptance
-            (default: when ``policy.verification == GOODPUT``); the policy is set to ``mode`` (``use_mode``).
         max_draft_len: extra cap on drafted tokens per round.
         scores: precomputed ``policy.score`` over ``data`` rows (skips recomputing across a threshold sweep).
         decision_cost_model: the curve the goodput rule decides with, when it is not the one that prices the rounds
             (the benchmark's policies decided with the curve measured before its rows; its replay check prices with
             the one probed while they ran).
-        verify_all: replay an approximate policy's rounds (``SEQUENTIAL``) as if every drafted token were verified
-            (its threshold is tuned so: taking the drafts unverified, the fastest threshold would never stop).
+        verify_all: replay an approximate policy's rounds (the ``sequential`` rule) as if every drafted token were
+            verified (its threshold is tuned so: taking the drafts unverified, the fastest threshold would never stop).
     """
     if mode not in REPLAY_MODES:
         raise ValueError(f"mode={mode!r}: use one of {REPLAY_MODES}")
@@ -214,16 +214,15 @@ def replay_policy(
         )
     companion = policy.needs_companion
     cm = cost_model
-    policy.use_mode(mode)
-    if goodput is None:
-        goodput = policy.verification == GOODPUT
-    cost = _goodput_cost(decision_cost_model or cm, companion) if goodput else None
+    policy.use_mode(mode)  # a cost-aware policy picks its calibration map
+    rule = policy.round_rule
+    cost = _goodput_cost(decision_cost_model or cm, companion) if rule.needs_cost_model else None
     rp = _Replay(
-        policy=policy, data=data, cm=cm, mode=mode, goodput=cost, max_draft_len=max_draft_len,
+        policy=policy, data=data, cm=cm, mode=mode, rule=rule, goodput=cost, max_draft_len=max_draft_len,
         scores=scores if scores is not None else scores_for(policy, data, max_draft_len),
         per_draft=cm.draft_s_per_token + (cm.companion_s_per_token if companion else 0.0),
         companion=companion, online=overrides(policy, "update"), res=ReplayResult(n_seqs=data.n_seqs),
-        sequential=policy.verification == SEQUENTIAL and not verify_all,
+        sequential=rule.sequential and not verify_all,
     )
     for a0, b0 in zip(data.starts.tolist(), data.ends.tolist()):
         _replay_sequence(rp, a0, b0)
@@ -240,7 +239,7 @@ def _replay_sequence(rp: _Replay, a0: int, b0: int) -> None:
         plan = oracle_schedule(rp.data.match_run, a0, b0, top, rp.per_draft, rp.cm)
     s = a0
     while s < b0:
-        if rp.policy.verification == HINDSIGHT and rp.mode == "sampling":
+        if rp.rule.hindsight and rp.mode == "sampling":
             s = _sampling_oracle_round(rp, s, b0)
         else:
             s = _replay_round(rp, a0, s, b0, plan)
@@ -263,7 +262,7 @@ def _replay_round(rp: _Replay, a0: int, s: int, b0: int, plan: dict[int, int] | 
     rem = b0 - s
     cap = rp.policy.round_cap(_room(rp, a0, s, b0), rp.max_draft_len)
     rows = _round_rows(rp, a0, s, b0, cap)  # the rows the round drafts from, in draft order
-    n, nv = _draft_round(rp, s, rows, rem, plan)  # drafted, verified
+    n, nv = _round_lengths(rp, s, rows, rem, plan)  # drafted, verified
     v = rows[:nv]
     acc, a_int = _accepted(rp, v)
     t = n * rp.per_draft + rp.cm.target_time(nv + 1) + (rp.cm.catchup_time(rp.pending) if n else 0.0)
@@ -294,8 +293,8 @@ def _pending_after(drafted: int, accepted: int, pending: int) -> int:
 def _accepted(rp: _Replay, verified: np.ndarray) -> tuple[float, int]:
     """(accepted tokens, as a float in expectation, and as the count the next round starts after) of a round whose
     target checks ``verified`` rows: the leading greedy matches, or the expected run of min(1, p/q) acceptances; under
-    approximate sequential verification (``SEQUENTIAL``, SPRINTER) the tokens before the last are taken unverified, as
-    the engine takes them, and only the last one is checked."""
+    approximate sequential verification (the ``sequential`` rule, SPRINTER) the tokens before the last are taken
+    unverified, as the engine takes them, and only the last one is checked."""
     n = len(verified)
     if rp.sequential and n:
         last = float(rp.data.greedy[verified[-1]]) if rp.mode == "greedy" else float(rp.data.accept[verified[-1]])
@@ -335,32 +334,22 @@ def _round_rows(rp: _Replay, a0: int, s: int, b0: int, cap: int) -> np.ndarray:
     return np.concatenate([head, tail])[:cap]
 
 
-def _draft_round(rp: _Replay, s: int, rows: np.ndarray, rem: int, plan: dict[int, int] | None) -> tuple[int, int]:
+def _round_lengths(rp: _Replay, s: int, rows: np.ndarray, rem: int, plan: dict[int, int] | None
+                   ) -> tuple[int, int]:
     """(drafted, verified) tokens of the round starting at row s whose candidate rows are ``rows``: the schedule's,
-    the oracle's, SV's goodput rule, or the policy's stop decisions over those rows (the token that triggers the stop
-    is drafted and verified)."""
+    the oracle's, or the policy's round rule over those rows' scores (``RoundRule.replay_round``)."""
     if plan is not None:
         return plan[s], plan[s]
     cap = len(rows)
-    if rp.policy.verification == HINDSIGHT:  # the acceptable run, and the failing token when run as the engine does
+    if rp.rule.hindsight:  # the acceptable run, and the failing token when run as the engine does
         run = int(rp.data.match_run[s])
         extra = int(getattr(rp.policy, "drafts_failing_token", False) and rp.mode == "greedy")
         n = min(run + extra, cap, rem - 1)
         return n, n
     if cap == 0:
         return 0, 0
-    w = _window_scores(rp, rows)  # [cap] or None
-    if rp.goodput is not None:
-        return goodput.draft_round(_round_acceptance(rp, rows, w), rp.goodput, cap, rp.policy.acceptance_ceiling)
-    if rp.policy.verification == PREFIX:  # llama.cpp's rule: steps paid and tokens sent differ
-        sc = w if w is not None else rp.policy.score(window_features(rp.data.features, rows)).numpy()
-        return rp.policy.prefix_round(np.asarray(sc, dtype=np.float64).tolist())
-    if w is None:
-        keep = rp.policy.keep_drafting(window_features(rp.data.features, rows)).cpu().numpy().astype(bool)
-    else:
-        keep = w >= rp.policy.threshold
-    n = drafted_length(keep)
-    return n, n
+    return rp.rule.replay_round(rp.policy, _window_scores(rp, rows),
+                                lambda: window_features(rp.data.features, rows), rp.goodput)
 
 
 def _goodput_cost(cm: CostModel, companion: bool) -> goodput.RoundCost:

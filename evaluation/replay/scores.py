@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from evaluation.replay.sequences import ReplayData
-from predictors.base import HINDSIGHT, StopPolicy
+from predictors.base import StopPolicy
 
 __all__ = ["missing_columns", "overrides", "policy_scores", "position_score_matrix", "scores_for", "window_features",
            "with_threshold"]
@@ -53,7 +53,7 @@ def position_score_matrix(policy: StopPolicy, features: Mapping[str, Tensor], wi
 
 def scores_for(policy: StopPolicy, data: ReplayData, max_draft_len: int | None) -> np.ndarray | None:
     """Precomputed scores: [N] for per-token policies, [N, cap] for position-dependent ones, None for the rest."""
-    if policy.verification == HINDSIGHT:
+    if policy.round_rule.hindsight:
         return None
     if _position_dependent(policy):
         width = int(policy.max_draft_len) if max_draft_len is None else min(int(policy.max_draft_len), max_draft_len)

@@ -6,7 +6,7 @@ passes and verifies the returned tokens itself (greedy match, llama.cpp's own ex
 of its cached tokens and ``input_ids`` (rolling ``n_tokens`` back) and reads the rest, then drafts greedily token by
 token (:func:`draft_round`), each step's features computed from the draft's logits by
 ``data_gen.features.token_features`` (the one feature function of data generation and the engine, plus
-``position``) and the round stopped by the policy, as the policy declares (``StopPolicy.verification``):
+``position``) and the round stopped as the policy's round rule says (``policy.round_rule``, ``predictors.round_rules``):
 
 - ``threshold`` (DISCO, SVIP, AdaEDL, max confidence, static...): the token is drafted, then drafting stops when
   ``keep_drafting`` says no (the token is kept) or at ``round_cap``; every drafted token is sent;
@@ -15,7 +15,7 @@ token (:func:`draft_round`), each step's features computed from the draft's logi
   and the best prefix is sent (``best_prefix``);
 - ``prefix`` (llama.cpp's draft-simple rule, ``predictors.runtime_rules``): a candidate whose score is below the
   threshold (``p_min``) stops the round and is not taken, at most ``round_cap`` (``n_max``) are taken, and a round of
-  fewer than the rule's minimum (``n_min``) sends nothing (``StopPolicy.prefix_round``), as
+  fewer than the rule's minimum (``n_min``) sends nothing (``predictors.round_rules.PrefixRule``), as
   ``common/speculative.cpp`` does.
 
 Online policies hear each round's outcome (``policy.update``) at the next call, the accepted count read from how many
@@ -52,7 +52,7 @@ from decoding.draft_steps import DraftedRound, draft_step, step_features, verifi
 from decoding.draft_steps import check_policy as check_runtime_policy
 from decoding.stats import DecodeStats
 from predictors import goodput
-from predictors.base import GOODPUT, RoundFeedback, StopPolicy
+from predictors.base import RoundFeedback, StopPolicy
 from runtimes.llamacpp.llama import llama_cpp_module
 
 try:  # optional dependency (the llamacpp extra): the hook's base class; the drafting loop runs without it
@@ -138,14 +138,14 @@ class SpecstopDraftModel(LlamaDraftModel):
     def __init__(self, draft: Any, policy: StopPolicy, *, cost_model: CostModel | None = None,
                  max_draft_len: int = 16, top_k: int = 10) -> None:
         check_policy(policy)
-        if policy.verification == GOODPUT and cost_model is None:
+        if policy.round_rule.needs_cost_model and cost_model is None:
             raise ValueError(f"policy {policy.kind} prices rounds with a verification curve: measure llama.cpp's with "
                              "python -m pipelines.measure_costs --runtime llamacpp and pass it as the cost model")
         policy.use_mode("greedy")
         if cost_model is not None and (warn := cost_model.runtime_mismatch("llamacpp")):
             log.warning(warn)
         self.draft, self.policy, self.max_draft_len, self.top_k = draft, policy, int(max_draft_len), int(top_k)
-        self.cost = goodput.RoundCost.from_cost_model(cost_model) if policy.verification == GOODPUT else None
+        self.cost = goodput.RoundCost.from_cost_model(cost_model) if policy.round_rule.needs_cost_model else None
         self.end: int | None = None
         self.calls: list[DraftCall] = []
         self._prev: np.ndarray | None = None
@@ -173,10 +173,7 @@ class SpecstopDraftModel(LlamaDraftModel):
         limits = [self.max_draft_len, self.draft.n_ctx() - length - 1]
         if self.end is not None:
             limits.append(self.end - length - 1)
-        cap = self.policy.round_cap(*limits)
-        if self.cost is not None and not goodput.can_pay(self.cost, cap, self.policy.acceptance_ceiling):
-            return 0
-        return cap
+        return self.policy.round_rule.affordable(self.policy, self.policy.round_cap(*limits), self.cost)
 
     def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
         call = DraftCall(started=time.perf_counter())

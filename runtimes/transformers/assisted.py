@@ -11,9 +11,9 @@ confidence threshold and schedules are switched off: the policy alone decides. V
 
 Works for policies that need only the draft's scores (static, heuristic, max-confidence, SVIP, AdaEDL, DISCO, exported
 baselines, and any of them under ``goodput:``); policies needing a companion (SV), the target (oracle) or approximate
-verification (SPRINTER) are refused. A cost-aware policy (``verification == GOODPUT``) needs the measured
-``cost_model``: the stopping criterion asks the goodput rule (``predictors.goodput.keep_drafting``, as the engine and
-the replay do) and the candidates are cut to the rule's best prefix before transformers verifies them.
+verification (SPRINTER) are refused. The policy's round rule (``policy.round_rule``) decides as in the engine: a
+cost-aware one (the ``goodput`` rule) needs the measured ``cost_model``, its stopping criterion asks the goodput rule
+and the candidates are cut to the rule's best prefix before transformers verifies them.
 transformers' assisted generation supports batch size 1 only.
 
 Usage:
@@ -35,7 +35,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 
 from data_gen.features import COMPANION_COLUMNS, TARGET_COLUMNS, token_features
 from predictors import goodput
-from predictors.base import GOODPUT, PREFIX, RoundFeedback, StopPolicy
+from predictors.base import RoundFeedback, StopPolicy
 from predictors.calibration import mode_of
 
 __all__ = ["PolicyCandidateGenerator", "generate_with_policy", "check_hf_policy"]
@@ -50,10 +50,11 @@ def check_hf_policy(policy: StopPolicy, cost_model: Any = None) -> None:
             f"policy {policy.kind!r} needs columns {bad} that transformers' assisted generation does not compute; use "
             f"decoding.engine.SpeculativeDecoder"
         )
-    if policy.verification == GOODPUT and cost_model is None:
+    rule = policy.round_rule
+    if rule.needs_cost_model and cost_model is None:
         raise ValueError(f"policy {policy.kind!r} is cost-aware: pass cost_model= (a compute.timing.CostModel, "
                          f"python -m pipelines.measure_costs)")
-    if policy.verification == PREFIX:
+    if rule.drops_candidate:
         raise ValueError(f"policy {policy.kind!r} drops the drafted token that scored below its threshold "
                          f"(llama.cpp's rule), which transformers' candidate generator cannot do; use "
                          f"decoding.engine.SpeculativeDecoder, or transformers' own settings (python -m "
@@ -93,7 +94,8 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         super().__init__(*args, **kwargs)
         check_hf_policy(policy, cost_model)
         self.policy = policy
-        self.cost = goodput.RoundCost.from_cost_model(cost_model) if policy.verification == GOODPUT else None
+        self.rule = policy.round_rule
+        self.cost = goodput.RoundCost.from_cost_model(cost_model) if self.rule.needs_cost_model else None
         self._acc: list[float] = []
         self.top_k_features = top_k_features
         # The policy alone decides: no transformers confidence criterion (0 disables it; None would be replaced by the
@@ -126,8 +128,9 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         self._q, self._acc = [], []
         ids, logits = super().get_candidates(input_ids, **kwargs)
         self.draft_lengths.append(ids.shape[-1] - self._start)
-        if self.cost is not None and ids.shape[-1] > self._start:  # verify the goodput rule's best prefix only
-            n = goodput.best_prefix(self._acc[: ids.shape[-1] - self._start], self.cost)[0]
+        drafted = ids.shape[-1] - self._start
+        n = self.rule.sent(self.policy, self._acc[:drafted], drafted, self.cost)
+        if n < drafted:  # the rule verifies a prefix only (the goodput rule's best prefix)
             ids = ids[:, : self._start + n]
             logits = logits[:, :n] if logits is not None else None
         return ids, logits
@@ -145,13 +148,11 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         feats = token_features(logits, tok, draft_hidden=hidden, top_k=self.top_k_features, temperature=1.0)
         feats["position"] = torch.full_like(tok, len(scores) - 1)
         self._q.extend(feats["q"].tolist())
-        if self.cost is not None:
-            self._acc.extend(self.policy.score(feats).tolist())
-            cap = max(1, min(self.policy.draft_cap(), self.policy.max_draft_len))
-            keep = goodput.keep_drafting(self._acc, self.cost, cap)
-            stop = torch.full_like(tok, not keep, dtype=torch.bool)
-        else:
-            stop = ~self.policy.keep_drafting(feats).to(input_ids.device)
+        cap = max(1, min(self.policy.draft_cap(), self.policy.max_draft_len))
+        keep, scores = self.rule.decide(self.policy, feats, [self._acc], [cap], [True], self.cost)
+        if scores is not None:
+            self._acc.extend(scores)
+        stop = ~torch.tensor(keep, dtype=torch.bool, device=input_ids.device)
         self.stop_time += time.perf_counter() - t0
         return stop
 

@@ -50,7 +50,7 @@ import torch
 from compute.models import vocab_fingerprint
 from compute.timing import BATCH_CURVES, CostModel
 from decoding.policies import build_policy
-from predictors.base import GOODPUT, StopPolicy
+from predictors.base import StopPolicy
 from predictors.calibration import Calibrator
 from predictors.export import check_fingerprint, read_metadata
 from predictors.goodput import GoodputPolicy
@@ -156,7 +156,7 @@ def _prior(costs: str | None) -> float:
 def _acceptance_map(settings: PolicySettings, policy: StopPolicy) -> Calibrator | None:
     """A thresholded policy's greedy calibration map (its export's, or the calibrated training-free score's in
     ``calibration_dir``), which the batch rule prices it with; None (with one line) where it has none."""
-    if policy.verification == GOODPUT or not settings.batch_rule or not settings.costs:
+    if policy.round_rule.cost_aware or not settings.batch_rule or not settings.costs:
         return None
     try:
         wrapped = build_policy(f"goodput:{settings.spec}", max_draft_len=settings.max_draft_len,

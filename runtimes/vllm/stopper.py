@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from compute.timing import CostModel
-from decoding.draft_steps import DraftedRound, check_policy, draft_step, step_features, verified_count
+from decoding.draft_steps import DraftedRound, check_policy, draft_step, step_features, take_candidate, verified_count
 from predictors import goodput
-from predictors.base import GOODPUT, RoundFeedback, StopPolicy
+from predictors.base import RoundFeedback, StopPolicy
 from predictors.baselines import StaticLength
 from predictors.batch_goodput import BatchCost, batch_keep_drafting, batch_rate, send_lengths, worth_drafting
 from predictors.calibration import Calibrator
@@ -118,7 +118,8 @@ class RequestStopper:
                  traces: TraceWriter | None = None, draft_to_cap: bool = False, skip_idle: bool = False,
                  prior: float = 0.5) -> None:
         check_policy(policy, "vLLM")
-        if policy.verification == GOODPUT and not curves:
+        self.rule = policy.round_rule
+        if self.rule.needs_cost_model and not curves:
             raise ValueError(f"policy {policy.kind} prices rounds with a verification curve: measure vLLM's with "
                              "python -m pipelines.measure_costs --runtime vllm --data_dir DIR")
         policy.use_mode("greedy")
@@ -127,7 +128,7 @@ class RequestStopper:
         self.counts = StopperCounts()
         self.acceptance, self.traces, self.draft_to_cap = acceptance, traces, draft_to_cap
         self.batch_rule = bool(batch_rule and not draft_to_cap and self.curves and not isinstance(policy, StaticLength)
-                               and (policy.verification == GOODPUT or acceptance is not None))
+                               and (self.rule.cost_aware or acceptance is not None))
         self.skip_idle, self.prior = bool(skip_idle and self.batch_rule), min(max(float(prior), 0.0), 1.0)
         self._recent: dict[str, list[float]] = {}
         self._batch_costs: dict[int, BatchCost] = {}
@@ -144,7 +145,7 @@ class RequestStopper:
         self._positions, self._skipped = 0, False
 
     def _round_cost(self, batch: int) -> goodput.RoundCost | None:
-        if self.policy.verification != GOODPUT:
+        if not self.rule.needs_cost_model:
             return None
         if batch not in self._costs:
             self._costs[batch] = goodput.RoundCost.from_cost_model(curve_for_batch(self.curves, batch))
@@ -178,9 +179,8 @@ class RequestStopper:
                 if self.traces is not None:
                     self.traces.verdicts(rid, acc, len(ids))
             cap = pol.round_cap(self.max_draft_len, int(num_speculative_tokens))
-            if (self._batch is None and self._cost is not None
-                    and not goodput.can_pay(self._cost, cap, pol.acceptance_ceiling)):
-                cap = 0  # one request's round priced alone; the batch rule prices the first forward as paid
+            if self._batch is None:  # one request's round priced alone; the batch rule prices the first forward as paid
+                cap = self.rule.affordable(pol, cap, self._cost)
             self._caps.append(cap)
             self._rounds.append(DraftedRound(done=cap == 0))
         if self.skip_idle and self._batch is not None and not self.all_stopped() and not batch_keep_drafting(
@@ -248,21 +248,19 @@ class RequestStopper:
         if isinstance(pol, StaticLength):
             return draft_step(logits, pol, rnd, self.top_k, cap, self._cost)
         tok, feats = step_features(logits.float(), pol, self.top_k, len(rnd.tokens))
-        rnd.tokens.append(tok)
-        rnd.q.append(float(feats["q"][0]))
         raw = pol.score_list(feats)[0]
-        if pol.verification == GOODPUT:
-            rnd.scores.append(raw)
-        self._acc[i].append(raw if pol.verification == GOODPUT or self.acceptance is None
+        self._acc[i].append(raw if self.rule.cost_aware or self.acceptance is None
                             else self.acceptance.apply_one(raw))
         if self.traces is not None:
             self._feats[i].append({k: (v.reshape(-1).tolist() if v.numel() > 1 else float(v.reshape(-1)[0]))
                                    for k, v in feats.items()})
-        if self.draft_to_cap:
+        if self.draft_to_cap or (self._batch is not None and self.rule.cost_aware):  # the cap or the batch decides
+            rnd.tokens.append(tok)
+            rnd.q.append(float(feats["q"][0]))
+            if self.rule.cost_aware:
+                rnd.scores.append(raw)
             return True
-        if pol.verification == GOODPUT:
-            return self._batch is not None or goodput.keep_drafting(rnd.scores, self._cost, cap)
-        return raw >= pol.threshold
+        return take_candidate(pol, tok, feats, rnd, cap, self._cost, score=raw)
 
     def _decide_for_batch(self) -> None:
         """After a position: a goodput policy's requests draft on only where their next token pays its verification;
@@ -272,7 +270,7 @@ class RequestStopper:
         if not live:
             return
         now = batch_rate(self._acc, self._batch, self._positions)  # the rate both decisions compare with
-        if self.policy.verification == GOODPUT:
+        if self.rule.cost_aware:  # the batch rule decides which requests draft on
             worth = worth_drafting(self._acc, self._batch, self._positions, now)
             for i in live:
                 self._rounds[i].done = not worth[i]
@@ -291,7 +289,7 @@ class RequestStopper:
         """Per request, the drafted tokens to verify (a prefix of its round, as its policy says)."""
         out: list[list[int]] = []
         batch_sends = (send_lengths(self._acc, self._batch, self._positions)
-                       if self._batch is not None and self.policy.verification == GOODPUT else None)
+                       if self._batch is not None and self.rule.cost_aware else None)
         for i, (rid, rnd) in enumerate(zip(self._ids, self._rounds)):
             if batch_sends is not None:
                 n = min(batch_sends[i], len(rnd.tokens))
