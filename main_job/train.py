@@ -36,6 +36,7 @@ from predictors.registry import check_reachable, register_predictor, registry_na
 from predictors.tracking import Experiment, TrackingURI
 from predictors.training import DiscoConfig, SprinterConfig, SVTableConfig
 from rendering.train_results import RESULTS_MD, fmt, results_markdown
+from runtimes.vllm.traces import trace_folder
 
 log = logging.getLogger("pipelines.train")
 
@@ -52,6 +53,10 @@ class TrainJobConfig(Experiment, TrackingURI):
     """More data runs: generate-config YAML files (paths from the working directory, e.g. configs/generate-code.yaml),
     generated like ``data`` and read with it as one data set; same models and features. ``data``'s folder holds the
     cost model."""
+    trace_data: list[str] = field(default_factory=list)
+    """Folders of serving traces (``SPECSTOP_VLLM_TRACES`` / ``PolicySettings.traces_dir``): their ``train`` requests
+    join DISCO's training set, so it learns what the runtime accepts (SPRINTER and SV need columns traces lack). Same
+    draft as the data's; the evaluation stays on the data's test split."""
     generate_if_missing: bool = True
     """Generate (or resume) the data when the folder has no shards or fewer records than data.max_records."""
     out_dir: str = "outputs/default/train"
@@ -139,9 +144,10 @@ def train_all(cfg: TrainJobConfig, extra_data: list[GenerateConfig], progress: b
         with chain.stage("generate") as st:
             data_dirs = ensure_data([cfg.data, *extra_data], cfg.generate_if_missing, chain, st)
         ident = data_identity(data_dirs)
+        traces = [trace_folder(p, ident.get("draft")) for p in cfg.trace_data]
         out.mkdir(parents=True, exist_ok=True)
         (out / "resolved_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
-        job = _train_stages(cfg, chain, data_dirs, ident, uri)
+        job = _train_stages(cfg, chain, data_dirs, ident, uri, traces)
         report = None
         if cfg.evaluate and job.policies:
             with chain.stage("evaluate") as st:
@@ -190,13 +196,15 @@ class Trained:
 
 
 def _train_stages(cfg: TrainJobConfig, chain: ChainProgress, data_dirs: list[Path], ident: dict,
-                  uri: str) -> Trained:
-    """One stage per predictor kind: trained (or its export reused); a kind the data cannot train gets a status row."""
+                  uri: str, traces: list[Path]) -> Trained:
+    """One stage per predictor kind: trained (or its export reused; DISCO on the data and ``traces``); a kind the data
+    cannot train gets a status row."""
     kinds_cfg = {"disco": cfg.disco, "sprinter": cfg.sprinter, "sv": cfg.sv}
     job = Trained()
     for kind in cfg.predictors:
         with chain.stage(f"train {kind}") as st:
-            got = _train_one(cfg, kind, kinds_cfg[kind], data_dirs, ident, uri, st)
+            dirs = [*data_dirs, *traces] if kind == "disco" else data_dirs
+            got = _train_one(cfg, kind, kinds_cfg[kind], dirs, ident, uri, st)
         if got is None:
             job.rows[kind] = {"predictor": kind, "status": st.info["status"]}
             continue
@@ -240,7 +248,7 @@ def _train_one(cfg: TrainJobConfig, kind: str, kcfg: Any, data_dirs: list[Path],
     policy, metrics = training.fit_predictor(kind, kcfg, data_dirs, kdir, logger=logger, on_epoch=on_epoch)
     export_predictor(policy, folder, {
         "draft_fingerprint": ident["draft"], "target": ident["target"], "companion": ident["companion"],
-        "data_fingerprint": ident["data_fingerprint"], "data_dir": ", ".join(map(str, data_dirs)),
+        "data_fingerprint": ident["data_fingerprint"], "data_dir": [str(d) for d in data_dirs],
     })
     free = [metrics[k] for k in ("val_auc_max_prob", "val_auc_draft_prob", "val_auc_neg_entropy") if k in metrics]
     row = {"predictor": kind, "status": "trained", "label": _own_label(kcfg)[0],

@@ -1,6 +1,7 @@
 """Fit the calibration maps of an existing predictor export (or a training-free score) so ``goodput:`` can use it.
 
-The maps are fitted on the validation split of the data (greedy match on the argmax draws for greedy decoding, min(1,
+The maps are fitted on the validation split of the data (of a folder of serving traces: its train and val requests,
+unless the predictor learned from them; greedy match on the argmax draws for greedy decoding, min(1,
 p/q) on the sampled draws for sampling; ``predictors.calibration``), their expected calibration error is printed for the
 test split, and they are written into ``predictor.json`` (``calibration``). A local export folder is updated in place
 unless ``--out_dir`` is given; a ``models:/`` reference or a score name (``max_confidence``, ``draft_prob``, ``svip``,
@@ -29,6 +30,7 @@ from evaluation.report import markdown_table
 from pipelines.cli import parse_config, setup_logging, user_errors
 from predictors.export import METADATA_FILE, export_predictor, load_predictor, update_metadata
 from predictors.tracking import TrackingURI
+from runtimes.vllm.traces import fit_splits, is_trace_folder
 
 
 @dataclass
@@ -46,8 +48,9 @@ class CalibrateConfig(TrackingURI):
     """Where to write the calibrated export (default: the export folder itself; required for names and models:/)."""
     method: str = "auto"
     """auto (isotonic or Platt by cross-validated Brier score), isotonic or platt."""
-    fit_split: str = "val"
-    """Split the maps are fitted on."""
+    fit_split: str = "auto"
+    """Split the maps are fitted on; auto: ``val``, or for a folder of serving traces ``train`` and ``val`` (only
+    ``val`` where the predictor learned from that folder)."""
     test_split: str = "test"
     """Split the expected calibration error is reported on."""
     force: bool = False
@@ -72,9 +75,11 @@ def calibrate_export(cfg: CalibrateConfig) -> dict[str, Any]:
     if fp is not None and local:
         load_predictor(ref, draft_fingerprint=fp, force=cfg.force)  # refuses a predictor made for another draft
     extra = tuple(c for c in pol.required_columns if c == "draft_hidden")
-    cols = load_columns([cfg.data_dir, *cfg.extra_data_dirs], [cfg.fit_split, cfg.test_split], extra)
+    fit = [cfg.fit_split] if cfg.fit_split != "auto" else (
+        fit_splits(ref if local else None, cfg.data_dir) if is_trace_folder(cfg.data_dir) else ["val"])
+    cols = load_columns([cfg.data_dir, *cfg.extra_data_dirs], [*fit, cfg.test_split], extra)
     split = np.asarray(cols["split"]).astype(str)
-    res = calibrate_policies({ref: pol}, subset(cols, split == cfg.fit_split), subset(cols, split == cfg.test_split),
+    res = calibrate_policies({ref: pol}, subset(cols, np.isin(split, fit)), subset(cols, split == cfg.test_split),
                              cfg.method)
     if ref not in res.maps:
         raise ValueError(f"no map fitted for {ref}: {'; '.join(res.notes) or 'no scored rows'}")

@@ -3,8 +3,9 @@
 A request's proposal is logged when it is sent (:meth:`TraceWriter.sent`) and labelled when the next step says how many
 of it the target rejected (:meth:`TraceWriter.verdicts`): the accepted tokens get ``greedy_match`` 1, the first
 rejected one 0, and the tokens after it (never judged) are not written. Rows carry the drafted position, the request,
-the batch size and a split (``val`` for most requests, ``test`` for every fifth, by a hash of the request id, so that
-``pipelines.calibrate`` fits on some requests and reports on others). They go to Parquet shards in ``data_gen``'s
+the batch size and a split by a hash of the request id (``train`` for three requests in five, ``val`` and ``test`` one
+each), so that ``pipelines.train`` (``trace_data``) can learn from some requests, ``pipelines.calibrate`` fit on
+others and both report on the rest. They go to Parquet shards in ``data_gen``'s
 file layout (``shard-NNNNN.parquet`` written whole through a temporary name, and ``config.json`` with the pair's
 fingerprints, runtime and precision), so a killed server loses at most the rows not yet written and the folder reads as
 a data folder: ``python -m pipelines.calibrate --data_dir TRACES --predictor EXPORT`` refits a predictor's
@@ -34,7 +35,8 @@ from predictors.export import load_predictor, update_metadata
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TraceWriter", "TRACE_TAGS", "trace_split", "refit_calibration"]
+__all__ = ["TraceWriter", "TRACE_TAGS", "trace_split", "refit_calibration", "trace_folder", "is_trace_folder",
+           "fit_splits"]
 
 CONFIG_FILE = "config.json"
 TRACE_TAGS = ("runtime", "precision", "fingerprints")
@@ -43,8 +45,28 @@ refused."""
 
 
 def trace_split(request_id: str) -> str:
-    """``test`` for about one request in five (a stable hash of its id), else ``val``."""
-    return "test" if zlib.crc32(request_id.encode()) % 5 == 0 else "val"
+    """A request's split by a stable hash of its id: ``test`` and ``val`` one request in five each, else ``train``."""
+    return {0: "test", 1: "val"}.get(zlib.crc32(request_id.encode()) % 5, "train")
+
+
+PAIR_KEYS = ("name", "vocab_size", "vocab_sha")
+"""What a trace folder's draft must share with a data folder's to be read with it (the precision may differ: that is
+what traces add)."""
+
+
+def trace_folder(path: str | Path, data_draft: dict[str, Any] | None) -> Path:
+    """``path`` checked as a folder of serving traces of ``data_draft``'s model (a data folder's draft fingerprint):
+    one-line errors for a folder that holds no traces or traces of another draft."""
+    folder = Path(path)
+    if not is_trace_folder(folder) or not list(folder.glob("shard-*.parquet")):
+        raise ValueError(f"trace_data {folder}: no serving traces here (a config.json of kind vllm_traces and "
+                         "shard-*.parquet files): serve with SPECSTOP_VLLM_TRACES=DIR first")
+    theirs = (draft_fingerprint(folder) or {})
+    if data_draft is not None and any(theirs.get(k) != data_draft.get(k) for k in PAIR_KEYS):
+        raise ValueError(f"trace_data {folder}: traces of draft {theirs.get('name')} (vocab {theirs.get('vocab_sha')}),"
+                         f" the data's draft is {data_draft.get('name')} (vocab {data_draft.get('vocab_sha')}): give "
+                         "traces of the same pair")
+    return folder
 
 
 class TraceWriter:
@@ -106,20 +128,37 @@ class TraceWriter:
         self.flush()
 
 
+def is_trace_folder(path: str | Path) -> bool:
+    """``path`` holds serving traces (its ``config.json`` is of kind ``vllm_traces``)."""
+    config = Path(path) / CONFIG_FILE
+    return config.is_file() and json.loads(config.read_text()).get("kind") == "vllm_traces"
+
+
+def fit_splits(export: str | Path | None, traces: str | Path) -> list[str]:
+    """The splits of a trace folder a calibration map is fitted on: ``train`` and ``val``, or only ``val`` where the
+    predictor learned from this folder's ``train`` requests (its export's ``data_dir`` names it)."""
+    meta_file = Path(export) / "predictor.json" if export is not None else None
+    meta = json.loads(meta_file.read_text()) if meta_file is not None and meta_file.is_file() else {}
+    seen = meta.get("data_dir") or []
+    seen = [seen] if isinstance(seen, str) else seen
+    return ["val"] if any(Path(d).resolve() == Path(traces).resolve() for d in seen) else ["train", "val"]
+
+
 def refit_calibration(traces_dir: str | Path, export: str | Path, dest: str | Path, method: str = "auto") -> Path:
-    """Copy ``export`` to ``dest`` with its greedy calibration map refitted on the traces' ``val`` requests (vLLM's
-    verdicts on its own drafts): what a goodput policy serving in vLLM prices with. One-line errors for a folder
-    without traced tokens or traces of another draft."""
+    """Copy ``export`` to ``dest`` with its greedy calibration map refitted on traced requests it did not learn from
+    (vLLM's verdicts on its own drafts; the ``test`` requests are left out): what a goodput policy serving in vLLM
+    prices with. One-line errors for a folder without traced tokens or traces of another draft."""
     traces, dest = Path(traces_dir), Path(dest)
     if not list(traces.glob("shard-*.parquet")):
         raise ValueError(f"{traces}: no traced tokens (no shard-*.parquet): serve with SPECSTOP_VLLM_TRACES set first")
     policy = load_predictor(export, draft_fingerprint=draft_fingerprint(traces))
-    cols = load_columns(traces, ["val", "test"])
-    split = np.asarray(cols["split"]).astype(str)
-    maps = fit_maps(policy, subset(cols, split == "val"), ("greedy",), method)
+    splits = fit_splits(export, traces)
+    cols = load_columns(traces, [*splits, "test"])
+    fit = np.isin(np.asarray(cols["split"]).astype(str), splits)
+    maps = fit_maps(policy, subset(cols, fit), ("greedy",), method)
     if "greedy" not in maps:
-        raise ValueError(f"{traces}: too few traced tokens of validation requests to fit a map")
+        raise ValueError(f"{traces}: too few traced tokens of {' and '.join(splits)} requests to fit a map")
     shutil.copytree(export, dest, dirs_exist_ok=True)
     update_metadata(dest, calibration={"greedy": maps["greedy"].to_dict()})
-    log.info("calibration of %s refitted on %d traced tokens of vLLM: %s", export, int((split == "val").sum()), dest)
+    log.info("calibration of %s refitted on %d traced tokens of vLLM: %s", export, int(fit.sum()), dest)
     return dest
