@@ -165,6 +165,146 @@ def test_concurrent_callers_convert_once(tmp_path, monkeypatch, fake_convert):
     assert len(results) == 3 and len(set(results)) == 1 and len(fake_convert) == 1
 
 
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte -> printable character table (a byte-level BPE's first 256 tokens)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return [chars[b] for b in range(256)]
+
+
+def _blocks(rng, qtype, rows: int, cols: int):
+    """``rows x cols`` random GGUF blocks of ``qtype`` whose f16 scales (and Q4_K's min) are small and finite."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as Q
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 2e-2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:  # the scale is the last field of a Q6_K block
+        raw[:, -2:] = scales[:, :2]
+    else:  # d first (Q4_K: d then dmin)
+        raw[:, :4 if qtype == Q.Q4_K else 2] = scales[:, :4 if qtype == Q.Q4_K else 2]
+    return raw.reshape(rows, cols // block * size)
+
+
+def write_tiny_qwen2_gguf(path: Path, seed: int = 0) -> Path:
+    """A 1-layer qwen2 GGUF with a byte-level BPE vocabulary and every tensor type of the packaged pair (Q4_K, Q6_K,
+    Q5_0, Q8_0 weights, F32 norms and biases), laid out as llama.cpp writes a Qwen2.5 file."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter, TokenType
+
+    from compute.models import CHATML_TEMPLATE
+
+    h, ffn, heads, kv = 256, 512, 4, 2
+    rng = np.random.default_rng(seed)
+    tokens = _byte_alphabet() + ["Ġt", "es", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = len(tokens)
+    gw = GGUFWriter(str(path), "qwen2")
+    gw.add_name("tiny qwen2")
+    gw.add_context_length(512)
+    gw.add_embedding_length(h)
+    gw.add_feed_forward_length(ffn)
+    gw.add_block_count(1)
+    gw.add_head_count(heads)
+    gw.add_head_count_kv(kv)
+    gw.add_rope_freq_base(1e6)
+    gw.add_layer_norm_rms_eps(1e-6)
+    gw.add_tokenizer_model("gpt2")
+    gw.add_tokenizer_pre("qwen2")
+    gw.add_token_list(tokens)
+    gw.add_token_types([int(TokenType.NORMAL)] * (vocab - 3) + [int(TokenType.CONTROL)] * 3)
+    gw.add_token_merges(["Ġ t", "e s"])
+    gw.add_bos_token_id(vocab - 3)
+    gw.add_pad_token_id(vocab - 3)
+    gw.add_eos_token_id(vocab - 1)
+    gw.add_chat_template(CHATML_TEMPLATE)
+    gw.add_tensor("token_embd.weight", _blocks(rng, Q.Q8_0, vocab, h), raw_dtype=Q.Q8_0)
+    gw.add_tensor("output.weight", _blocks(rng, Q.Q6_K, vocab, h), raw_dtype=Q.Q6_K)
+    gw.add_tensor("output_norm.weight", rng.normal(1, 0.1, h).astype(np.float32))
+    weights = {"attn_q": (h, h, Q.Q4_K), "attn_k": (kv * h // heads, h, Q.Q5_0), "attn_v": (kv * h // heads, h, Q.Q8_0),
+               "attn_output": (h, h, Q.Q6_K), "ffn_gate": (ffn, h, Q.Q4_K), "ffn_up": (ffn, h, Q.Q5_0),
+               "ffn_down": (h, ffn, Q.Q6_K)}
+    for name, (rows, cols, qtype) in weights.items():
+        gw.add_tensor(f"blk.0.{name}.weight", _blocks(rng, qtype, rows, cols), raw_dtype=qtype)
+        if name in ("attn_q", "attn_k", "attn_v"):
+            gw.add_tensor(f"blk.0.{name}.bias", rng.normal(0, 0.1, rows).astype(np.float32))
+    for norm in ("attn_norm", "ffn_norm"):
+        gw.add_tensor(f"blk.0.{norm}.weight", rng.normal(1, 0.1, h).astype(np.float32))
+    gw.write_header_to_file()
+    gw.write_kv_data_to_file()
+    gw.write_tensors_to_file()
+    gw.close()
+    return path
+
+
+def _same_folders(a: Path, b: Path) -> None:
+    """Every safetensors tensor of ``a`` and ``b`` equal bit for bit (compared as int32), every other file byte for
+    byte."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(a / "model.safetensors"), "pt") as fa, safe_open(str(b / "model.safetensors"), "pt") as fb:
+        assert sorted(fa.keys()) == sorted(fb.keys())
+        for key in fa.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
+            x, y = fa.get_tensor(key), fb.get_tensor(key)
+            assert x.dtype == y.dtype == torch.float32 and x.shape == y.shape, key
+            assert torch.equal(x.view(torch.int32), y.view(torch.int32)), key
+    others = sorted(p.name for p in a.iterdir() if p.name != "model.safetensors")
+    assert others == sorted(p.name for p in b.iterdir() if p.name != "model.safetensors")
+    for name in others:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_tensor_table_matches_gguf_reader(tmp_path):
+    from gguf import GGUFReader
+
+    path = write_tiny_qwen2_gguf(tmp_path / "tiny.gguf")
+    meta, infos = packaged.read_gguf_tensor_table(path)
+    assert meta["general.architecture"] == "qwen2" and meta["qwen2.block_count"] == 1
+    reader = GGUFReader(path)
+    assert [(i.name, i.shape, i.ggml_type, i.start, i.nbytes) for i in infos] == [
+        (t.name, tuple(int(d) for d in reversed(t.shape)), int(t.tensor_type), int(t.data_offset), int(t.n_bytes))
+        for t in reader.tensors
+    ]
+
+
+def test_convert_writes_what_transformers_writes(tmp_path):
+    """The direct conversion and transformers' load + save_pretrained give the same files, the weights bit for bit
+    (every tensor type of the packaged pair)."""
+    gguf_file = write_tiny_qwen2_gguf(tmp_path / "tiny.gguf")
+    facts = packaged.convert_gguf(gguf_file, tmp_path / "direct")
+    reference = packaged.convert_gguf_transformers(gguf_file, tmp_path / "reference")
+    _same_folders(tmp_path / "direct", tmp_path / "reference")
+    assert set(facts.pop("stages")) == {"config_s", "dequantize_s", "write_s", "tokenizer_s"}
+    assert facts == reference
+
+
+def test_convert_goes_through_transformers_where_it_reshapes(tmp_path, monkeypatch):
+    """A llama GGUF (transformers permutes its q/k rows) is converted by transformers, not directly."""
+    from runtimes.llamacpp.llama import write_check_gguf
+
+    gguf_file = write_check_gguf(tmp_path / "llama.gguf", {"hidden": 256, "ffn": 512, "heads": 4, "kv_heads": 2,
+                                                         "vocab": 300, "layers": 1})
+    calls = []
+    monkeypatch.setattr(packaged, "convert_gguf_transformers", lambda g, out: calls.append(g) or {})
+    packaged.convert_gguf(gguf_file, tmp_path / "out")
+    assert calls == [gguf_file] and not (tmp_path / "out").exists()
+
+
+def test_tensor_table_refuses_a_file_that_is_not_gguf(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ValueError, match=r"model\.gguf is not a GGUF file"):
+        packaged.read_gguf_tensor_table(bad)
+
+
 @pytest.mark.real
 def test_real_pair_loads_with_one_tokenizer():
     """Both packaged models load (converting on first use), emit 151,936 logits and share the tokenizer."""
