@@ -14,6 +14,7 @@ import torch
 from benchmark.bench import Bench, RunOrder
 from benchmark.humaneval_check import humaneval_passes, pass_rate
 from benchmark.plots import plot_speedups
+from benchmark.records import bootstrap_indices
 from benchmark.resume import PROMPTS_DIR
 from benchmark.rows import Row, ratio_ci
 from compute.compute_path import compute_path_of, cpu_info
@@ -79,8 +80,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def rouge_l(outputs: list[list[int]], refs: list[list[int]], tokenizer) -> float:
-    """Mean ROUGE-L F1 of decoded outputs against decoded references."""
+def rouge_l(outputs: list[list[int]], refs: list[list[int]], tokenizer) -> list[float]:
+    """ROUGE-L F1 of each decoded output against its decoded reference."""
     from rouge_score import rouge_scorer  # slow to import (nltk): only when outputs are compared
 
     scorer = rouge_scorer.RougeScorer(["rougeL"])
@@ -91,7 +92,12 @@ def rouge_l(outputs: list[list[int]], refs: list[list[int]], tokenizer) -> float
             vals.append(1.0)
             continue
         vals.append(scorer.score(a, b)["rougeL"].fmeasure)
-    return sum(vals) / len(vals) if vals else 0.0
+    return vals
+
+
+def mean_or_zero(values: list[float]) -> float:
+    """The mean of per-prompt scores (0.0 for none): a row's ROUGE-L from its prompts'."""
+    return sum(values) / len(values) if values else 0.0
 
 
 def finish_rows(rows: list[Row], bench: Bench, n_boot: int = 1000, quiet: bool = False,
@@ -100,24 +106,19 @@ def finish_rows(rows: list[Row], bench: Bench, n_boot: int = 1000, quiet: bool =
     prompts' ids, hold HumanEval prompts), the bootstrap intervals (``n_boot`` resamples of the prompts), the best
     entropy row: the report rows (``quiet``: without logging the cost-aware line)."""
     greedy = bench.decoding.temperature == 0
-    ref = rows[0].outputs
-    for r in rows[1:]:
-        if not r.outputs or r.reference:
-            continue
-        if greedy:
-            r.exact = r.outputs == ref
-            r.identical_prompts = sum(a == b for a, b in zip(r.outputs, ref))
-        r.rouge_l = rouge_l(r.outputs, ref, bench.tokenizer)
+    if greedy:
+        mark_identical(rows)
+    for r in compared_rows(rows):
+        r.prompt_rouge_l = rouge_l(r.outputs, rows[0].outputs, bench.tokenizer)
+        r.rouge_l = mean_or_zero(r.prompt_rouge_l)
     if names and any(n.startswith("humaneval:") for n in names):
         for r in rows:
             if r.outputs:
                 replies = [bench.tokenizer.decode(o, skip_special_tokens=True) for o in r.outputs]
-                r.humaneval_pass = pass_rate(humaneval_passes(names[:len(replies)], replies))
-    entropy = [r for r in rows if r.kind in ENTROPY_KINDS and r.method == "engine" and r.outputs]
-    best_entropy = max(entropy, key=lambda r: r.tokens_per_s) if entropy else None
-    thresholded = [r for r in rows if r.thresholded and r.method == "engine" and r.outputs]
-    best_thr = max(thresholded, key=lambda r: r.tokens_per_s) if thresholded else None
-    boot = np.random.default_rng(bench.decoding.seed).integers(0, len(bench.prompts), (n_boot, len(bench.prompts)))
+                r.prompt_humaneval = humaneval_passes(names[:len(replies)], replies)
+                r.humaneval_pass = pass_rate(r.prompt_humaneval)
+    best_entropy, best_thr = reference_rows(rows)
+    boot = bootstrap_indices(bench.decoding.seed, n_boot, len(bench.prompts))
     table = [r.metrics(rows[0], best_entropy, boot, best_thr) for r in rows]
     # target-only's tokens, and in greedy decoding those of every row whose output differs (an approximate policy's):
     # what pipelines.replay_check labels
@@ -127,11 +128,33 @@ def finish_rows(rows: list[Row], bench: Bench, n_boot: int = 1000, quiet: bool =
     line = cost_aware_line(table, best_thr.name if best_thr else None)
     if line and not quiet:
         log.info(line)
-    _against_defaults(rows, table, boot, quiet)
+    against_defaults(rows, table, boot, quiet)
     return table
 
 
-def _against_defaults(rows: list[Row], table: list[dict[str, Any]], boot: np.ndarray, quiet: bool) -> None:
+def compared_rows(rows: list[Row]) -> list[Row]:
+    """The rows compared with target-only's outputs (the first row): not the reference compute path's."""
+    return [r for r in rows[1:] if r.outputs and not r.reference]
+
+
+def mark_identical(rows: list[Row]) -> None:
+    """Greedy decoding: each compared row's exactness and its prompts whose output equals target-only's."""
+    ref = rows[0].outputs
+    for r in compared_rows(rows):
+        r.exact = r.outputs == ref
+        r.identical_prompts = sum(a == b for a, b in zip(r.outputs, ref))
+
+
+def reference_rows(rows: list[Row]) -> tuple[Row | None, Row | None]:
+    """The fastest entropy-bound engine row and the fastest thresholded engine row (the rows the ratios
+    ``vs_best_entropy`` and ``vs_best_thresholded`` divide by), None where no such row ran."""
+    entropy = [r for r in rows if r.kind in ENTROPY_KINDS and r.method == "engine" and r.outputs]
+    thresholded = [r for r in rows if r.thresholded and r.method == "engine" and r.outputs]
+    return (max(entropy, key=lambda r: r.tokens_per_s) if entropy else None,
+            max(thresholded, key=lambda r: r.tokens_per_s) if thresholded else None)
+
+
+def against_defaults(rows: list[Row], table: list[dict[str, Any]], boot: np.ndarray, quiet: bool) -> None:
     """The ``hf:recommended`` row against ``hf:default`` (tokens/s ratio and its paired interval, in its report entry
     as ``vs_defaults``), logged in one line."""
     by_name = {r.name: (r, t) for r, t in zip(rows, table)}

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmark.records import paired_ratio, row_records
 from decoding.engine import DecodeStats
 from predictors.round_rules import rule_named
 
@@ -25,12 +26,22 @@ class Row:
     kind: str = ""
     """Policy kind (static, svip, disco...) for engine rows; '' for the others."""
     seconds: list[float] = field(default_factory=list)
-    """Seconds per prompt (estimated for analysis-only rows)."""
+    """Seconds per prompt (estimated for analysis-only rows: ``estimated``)."""
     outputs: list[list[int]] = field(default_factory=list, repr=False)
     rounds: int = 0
     accepted: int = 0
     target_calls: int = 0
     draft_tokens: int = 0
+    prompt_rounds: list[int | None] = field(default_factory=list)
+    """Per prompt: rounds, drafted and accepted draft tokens (None where a batch of prompts shares its counters)."""
+    prompt_drafted: list[int | None] = field(default_factory=list)
+    prompt_accepted: list[int | None] = field(default_factory=list)
+    estimated: bool = False
+    """The seconds are estimated from the curve, not measured (the sampling oracle's analysis-only time)."""
+    prompt_rouge_l: list[float] = field(default_factory=list)
+    """Per prompt: ROUGE-L F1 to target-only's output (``rouge_l`` is their mean)."""
+    prompt_humaneval: list[bool | None] = field(default_factory=list)
+    """Per prompt: its answer passes the HumanEval problem's tests (None: not a HumanEval prompt)."""
     exact: bool | None = None
     exact_by_design: bool = True
     rouge_l: float | None = None
@@ -62,11 +73,30 @@ class Row:
         self.seconds += other.seconds
         self.outputs += other.outputs
         self.prefill_seconds += other.prefill_seconds
+        self.prompt_rounds += other.prompt_rounds
+        self.prompt_drafted += other.prompt_drafted
+        self.prompt_accepted += other.prompt_accepted
+        self.estimated = self.estimated or other.estimated
         self.runs += other.runs
         for k in ("rounds", "accepted", "target_calls", "draft_tokens"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         if other.decode is not None:
             self.decode = other.decode if self.decode is None else self.decode + other.decode
+
+    def count_prompt(self, rounds: int | None, drafted: int | None, accepted: int | None) -> None:
+        """Append one prompt's round counters."""
+        self.prompt_rounds.append(rounds)
+        self.prompt_drafted.append(drafted)
+        self.prompt_accepted.append(accepted)
+
+    def records(self) -> dict[str, list[Any]]:
+        """The row's per-prompt records (``benchmark.records``), with ROUGE-L and HumanEval per prompt where scored."""
+        rec = row_records(self.outputs, self.seconds, self.prompt_rounds, self.prompt_drafted, self.prompt_accepted)
+        if self.prompt_rouge_l:
+            rec["rouge_l"] = list(self.prompt_rouge_l)
+        if self.prompt_humaneval:
+            rec["humaneval_pass"] = list(self.prompt_humaneval)
+        return rec
 
     @property
     def stop_overhead(self) -> float | None:
@@ -131,14 +161,15 @@ class Row:
                                        if self.tokens and self.rounds else None),
             "wasted_per_token": round(wasted / self.tokens, 3) if self.tokens and self.draft_tokens else None,
             "stop_overhead": None if self.stop_overhead is None else round(self.stop_overhead, 4),
-            "exact": self.exact, "rouge_l": None if self.rouge_l is None else round(self.rouge_l, 4),
+            "estimated": self.estimated, "exact": self.exact, "reference": self.reference,
+            "rouge_l": None if self.rouge_l is None else round(self.rouge_l, 4),
             "humaneval_pass": None if self.humaneval_pass is None else round(self.humaneval_pass, 4),
             "tokens": self.tokens, "seconds": round(sum(self.seconds), 3), "runs": self.runs, "note": self.note,
             "identical_prompts": self.identical_prompts,
             "prompt_tokens": [len(o) for o in self.outputs], "prompt_seconds": [round(x, 4) for x in self.seconds],
             "prefill_seconds": [round(x, 4) for x in self.prefill_seconds] or None,
             "prompt_passes": self.decode.prompt_passes if self.decode is not None else None,
-            **self.step_costs(),
+            **self.step_costs(), "records": self.records(),
         }
 
 
@@ -147,14 +178,8 @@ def _round(v: float | None) -> float | None:
 
 
 def ratio_ci(row: Row, ref: Row | None, boot: np.ndarray) -> tuple[float | None, float | None, float | None]:
-    """tokens/s of ``row`` over ``ref``'s, and its 95% paired bootstrap interval over prompts."""
+    """tokens/s of ``row`` over ``ref``'s, and its 95% paired bootstrap interval over prompts
+    (``benchmark.records.paired_ratio``)."""
     if ref is None or not row.seconds or len(row.seconds) != len(ref.seconds) or ref.tokens_per_s <= 0:
         return None, None, None
-    tok = np.array([len(o) for o in row.outputs], float)
-    sec = np.array(row.seconds, float)
-    rtok = np.array([len(o) for o in ref.outputs], float)
-    rsec = np.array(ref.seconds, float)
-    point = row.tokens_per_s / ref.tokens_per_s
-    ratios = (tok[boot].sum(1) / sec[boot].sum(1)) / (rtok[boot].sum(1) / rsec[boot].sum(1))
-    lo, hi = np.percentile(ratios, [2.5, 97.5])
-    return point, float(lo), float(hi)
+    return paired_ratio([len(o) for o in row.outputs], row.seconds, [len(o) for o in ref.outputs], ref.seconds, boot)

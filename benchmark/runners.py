@@ -62,6 +62,8 @@ def run_target_only(bench: Bench, name: str = "target-only", target: PreTrainedM
     row = timed_prompts(bench, Row(name, "target.generate", note="reference"),
                         lambda i, x: model.generate(x, attention_mask=torch.ones_like(x), **kw))
     row.target_calls = row.tokens
+    for _ in row.outputs:
+        row.count_prompt(0, 0, 0)
     if target is None:
         bench.reference = row.outputs
         row.prefill_seconds = [prefill_seconds(model, ids) for ids in bench.prompts]
@@ -119,10 +121,12 @@ def run_hf(bench: Bench, kind: str, settings: dict[str, Any] | None = None) -> R
     saved = {k: getattr(gc, k, None) for k in settings}
     kw = generate_kwargs(bench)
     t_calls, d_calls = ForwardCounter(bench.target), ForwardCounter(bench.draft)
+    marks: list[tuple[int, int]] = []  # both models' forward calls before each prompt: its rounds and drafts
 
     def decode(i: int, x: torch.Tensor) -> torch.Tensor:
         for k, v in settings.items():  # the heuristic schedule adapts num_assistant_tokens: reset per prompt
             setattr(gc, k, v)
+        marks.append((t_calls.calls, d_calls.calls))
         return bench.target.generate(x, attention_mask=torch.ones_like(x), assistant_model=bench.draft, **kw)
 
     try:
@@ -136,6 +140,9 @@ def run_hf(bench: Bench, kind: str, settings: dict[str, Any] | None = None) -> R
     row.rounds = row.target_calls = t_calls.calls
     row.draft_tokens = d_calls.calls
     row.accepted = row.tokens - row.rounds
+    marks.append((t_calls.calls, d_calls.calls))
+    for (t0, d0), (t1, d1), out in zip(marks, marks[1:], row.outputs):
+        row.count_prompt(t1 - t0, d1 - d0, len(out) - (t1 - t0))
     row.spec = TransformersRule(**settings).spec()  # the rule the replay check replays for this row
     # both models' prompt passes (after the row, as target-only's): the replay check adds them to the curve's time
     row.prefill_seconds = [prefill_seconds(bench.target, ids) + prefill_seconds(bench.draft, ids)
@@ -159,6 +166,7 @@ def run_hf_policy(bench: Bench, spec: str) -> Row:
     row = timed_prompts(bench, Row(f"hfp:{spec}", "transformers + policy", kind=policy.kind), decode)
     for st in per_prompt:
         rounds = [(d, a) for d, a in zip(st["draft_lengths"], st["accepted_lengths"]) if d > 0]
+        row.count_prompt(len(rounds), sum(d for d, _ in rounds), sum(a for _, a in rounds))
         row.rounds += len(rounds)
         row.target_calls += len(st["accepted_lengths"])
         row.draft_tokens += sum(d for d, _ in rounds)
@@ -208,10 +216,14 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
             row.outputs.append(new_tokens(bench, out[b], width))
         n_new = [len(o) for o in row.outputs[-len(chunk):]]
         row.seconds += [seconds * n / max(sum(n_new), 1) for n in n_new]
+        for _ in chunk:  # a batch's counters cover its prompts together: per prompt only at batch size 1
+            one = len(chunk) == 1
+            row.count_prompt(st.rounds if one else None, st.drafted if one else None, st.accepted if one else None)
     assert total is not None
     row.rounds, row.accepted = total.rounds, total.accepted
     row.target_calls = total.target_calls - total.prompt_passes  # target passes after each prompt's (the prefill's)
     row.draft_tokens, row.decode = total.drafted, total
+    row.estimated = total.analysis_time > 0
     if total.analysis_time > 0:
         row.note = "analysis only: time estimated (look-ahead replaced by the measured verification curve)"
     elif pol.needs_target:

@@ -5,18 +5,20 @@ Outside a git checkout of specstop (an installed wheel, no ``git`` on the PATH) 
 fails. Untracked files do not count as changes (outputs, virtual environments and scratch folders would mark every run
 dirty); a new module that the code imports shows up as a change to the tracked file that imports it.
 
-A run records the code at its start (``record_start(out_dir)``, each resumed start beside the first) and its stored
-summary reads that record (``run_code(out_dir)``), so a result names the code that measured it even when the tree
-changed before the summary was stored.
+A run records the code and host at its start (``record_start(out_dir)``, each resumed start beside the first) and
+its end and duration (``record_end``); its stored summary reads that record (``run_code(out_dir)``), so a result names
+the code that measured it even when the tree changed before the summary was stored.
 
 Usage: ``code_version()`` -> ``{"commit": "429b58c...", "dirty": False}``; ``in_history("429b58c")`` -> True when that
-commit is HEAD or one of its ancestors; ``record_start(out_dir)`` at a run's start, ``run_code(out_dir)`` at its end.
+commit is HEAD or one of its ancestors; ``record_start(out_dir)`` at a run's start, ``record_end(out_dir)`` at its
+end, ``run_code(out_dir)`` when its summary is stored.
 """
 from __future__ import annotations
 
 import datetime as dt
 import functools
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -73,43 +75,83 @@ def in_history(commit: str, root: Path = ROOT) -> bool | None:
 
 
 RUN_RECORD = "code_version.json"
-"""The file in a run's out_dir listing the code of each start: ``{"starts": [{"commit", "dirty", "date"}, ...]}``."""
+"""The file in a run's out_dir listing each start and the run's end: ``{"starts": [{"commit", "dirty", "date",
+"host"}, ...], "end": {"date", "duration_s"}}``."""
 
 
-def _starts(out_dir: Path) -> list[dict[str, Any]]:
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def host_facts() -> dict[str, Any]:
+    """The host a run starts on, as lscpu names it: CPU model, vendor, family and model number, the SIMD flags that
+    decide the compute path, and the logical CPUs (read from /proc/cpuinfo without loading torch)."""
+    fields: dict[str, str] = {}
+    path = Path("/proc/cpuinfo")
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            key, _, val = line.partition(":")
+            fields.setdefault(key.strip(), val.strip())
+    flags = sorted(f for f in fields.get("flags", "").split() if f.startswith(("avx", "amx", "fma")))
+    return {"model_name": fields.get("model name", ""), "vendor": fields.get("vendor_id", ""),
+            "family": fields.get("cpu family", ""), "model": fields.get("model", ""), "simd_flags": flags,
+            "cpus": os.cpu_count()}
+
+
+def _record(out_dir: Path) -> dict[str, Any]:
     path = Path(out_dir) / RUN_RECORD
     if not path.is_file():
-        return []
+        return {"starts": []}
     try:
-        starts = json.loads(path.read_text())["starts"]
+        record = json.loads(path.read_text())
+        record["starts"] = list(record["starts"])
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a code record ({e}); delete it (the summary then names the code at storing "
                          "time)") from e
-    return list(starts)
+    return record
+
+
+def _write(out_dir: Path, record: dict[str, Any]) -> None:
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / RUN_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def record_start(out_dir: str | Path, root: Path = ROOT) -> dict[str, Any]:
-    """Add this start's code (commit, dirty, UTC time) to ``out_dir/code_version.json`` and return it; a start at the
-    same code as the last one recorded (a plain resume) adds nothing."""
-    starts = _starts(Path(out_dir))
+    """Add this start (commit, dirty, UTC time, host) to ``out_dir/code_version.json`` and return its code; a new
+    start clears an earlier end (the run goes on)."""
+    record = _record(Path(out_dir))
     now = code_version(root)
-    if not starts or any(starts[-1].get(k) != v for k, v in now.items()):
-        starts.append({**now, "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")})
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / RUN_RECORD).write_text(json.dumps({"starts": starts}, indent=1) + "\n")
+    record["starts"].append({**now, "date": _now(), "host": host_facts()})
+    record.pop("end", None)
+    _write(Path(out_dir), record)
     return now
 
 
+def record_end(out_dir: str | Path, duration_s: float | None) -> dict[str, Any]:
+    """Record the run's end (UTC time) and its duration as the run measured it (a resumed benchmark adds its stored
+    prompts' time; None: this run cannot tell its whole duration) in ``out_dir/code_version.json``."""
+    record = _record(Path(out_dir))
+    record["end"] = {"date": _now(), "duration_s": None if duration_s is None else round(float(duration_s), 1)}
+    _write(Path(out_dir), record)
+    return record["end"]
+
+
 def run_code(out_dir: str | Path, root: Path = ROOT) -> dict[str, Any]:
-    """A stored summary's code fields for the run in ``out_dir``: ``commit`` and ``dirty`` of its first recorded
-    start (dirty when any start was), ``resumed_at`` the other commits it was resumed at (only when there are some);
-    the code at this moment for a run that recorded no start."""
-    starts = _starts(Path(out_dir))
+    """A stored summary's provenance for the run in ``out_dir``, as the run recorded it: ``commit`` and ``dirty`` of
+    its first start (dirty when any start was), ``started`` (UTC), ``ended`` and ``duration_s`` from its end record,
+    ``host`` of its first start, ``resumed_at`` the other commits it was resumed at (only when there are some), and
+    ``code_recorded``: ``at start`` from the run's record, ``at storing`` (the code at this moment) for a run that
+    recorded no start."""
+    record = _record(Path(out_dir))
+    starts = record["starts"]
     if not starts:
-        return code_version(root)
+        return {**code_version(root), "code_recorded": "at storing"}
     first = starts[0]
+    end = record.get("end") or {}
     out: dict[str, Any] = {"commit": first.get("commit"),
-                           "dirty": None if first.get("dirty") is None else any(s.get("dirty") for s in starts)}
+                           "dirty": None if first.get("dirty") is None else any(s.get("dirty") for s in starts),
+                           "code_recorded": "at start", "started": first.get("date"), "ended": end.get("date"),
+                           "duration_s": end.get("duration_s"), "host": first.get("host")}
     later = list(dict.fromkeys(s["commit"] for s in starts[1:] if s.get("commit") not in (None, first.get("commit"))))
     if later:
         out["resumed_at"] = later

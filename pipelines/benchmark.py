@@ -61,6 +61,7 @@ from benchmark.config import BenchmarkConfig
 from benchmark.report import best_thresholded, console_table, cost_aware_line
 from benchmark.run import run_benchmark
 from benchmark.tracking import log_to_mlflow
+from compute.code_version import record_end
 from pipelines.cli import parse_config, setup_logging, start_run, user_errors
 from rendering.result_store import invocation, summarize_benchmark, write_summary
 
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cfg = parse_config(BenchmarkConfig, argv, __doc__)
         out_dir = start_run(cfg, "python -m pipelines.benchmark")
         rows, stats = run_benchmark(cfg)
+        record_end(out_dir, stats["seconds"])  # the run's end and duration beside its start's code and host
     if cfg.tracking:
         log_to_mlflow(cfg, rows, out_dir, stats["replay_check"])
     print(console_table(rows, len(rows[0]["prompt_tokens"])))

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import time
 from typing import Any
 
 from benchmark.check import summary_line
 from benchmark.report import console_table
+from compute.code_version import record_end
 from pipelines.cli import parse_config, setup_logging, start_run, user_errors
 from runtimes.llamacpp.measure import LlamaCppBenchConfig, comparison_lines, run_llamacpp_benchmark
 
@@ -38,7 +40,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with user_errors(PROG):
         cfg = parse_config(LlamaCppBenchConfig, argv, __doc__)
         out_dir = start_run(cfg, PROG)
+        t0 = time.perf_counter()
         rep = run_llamacpp_benchmark(cfg)
+        record_end(out_dir, time.perf_counter() - t0)  # the run's end and duration beside its start's code and host
     print(console_table(rep.table, len(rep.table[0]["prompt_tokens"])))
     check = [summary_line(rep.replay_check["summary"])] if rep.replay_check else []
     for line in [*comparison_lines(rep.comparisons), *rep.recommendation, *check,

@@ -2,11 +2,14 @@
 
 Every figure the README and docs/results.md quote comes from a summary file (``rendering.result_store``), never typed by
 hand. ``--check`` renders in memory and exits 1, naming the file, when a document differs from what the summaries
-give (the unit suite runs it). ``--main_job DIR`` / ``--benchmark DIR`` first store the summary of a finished run.
+give (the unit suite runs it). ``--verify`` recomputes every rendered figure of each summary from its per-prompt
+records (``benchmark.verify``) and exits 1 naming the first that disagrees. ``--main_job DIR`` /
+``--benchmark DIR`` first store the summary of a finished run, with the provenance the run recorded.
 
 Usage:
     python -m pipelines.results                      # rewrite the README's and docs/results.md's blocks
     python -m pipelines.results --check true         # exit 1 when they differ from results/
+    python -m pipelines.results --verify true        # recompute every figure from the per-prompt records
     python -m pipelines.results --benchmark outputs/benchmark-full --config_name benchmark-full \\
         --command "python -m pipelines.benchmark --config configs/benchmark-full.yaml"
 """
@@ -17,11 +20,19 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmark.verify import MissingRecords, recomputed_summary, verify_benchmark
 from pipelines.cli import parse_config, setup_logging, user_errors
 from rendering.device_results import summarize_device_check
-from rendering.result_store import SummaryError, load_summaries, summarize_benchmark, summarize_main_job, write_summary
-from rendering.result_tables import fill, render_blocks
-from runtimes.vllm.results import summarize_vllm_benchmark, vllm_block, vllm_readme_lines
+from rendering.result_store import (
+    Summary,
+    SummaryError,
+    load_summaries,
+    summarize_benchmark,
+    summarize_main_job,
+    write_summary,
+)
+from rendering.result_tables import fill, render_blocks, sampled_quality, verdict
+from runtimes.vllm.results import summarize_vllm_benchmark, verify_vllm_summary, vllm_block, vllm_readme_lines
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +61,9 @@ class ResultsConfig:
     """The command that reproduces the stored run (default: the usual command for its config name)."""
     device_check: str | None = None
     """Store the summary of a GPU check (``scripts/device_check.sh``'s device-check.json) before rendering."""
-    duration_s: float | None = None
-    """Wall time of the stored run in seconds, from its log (the main job prints it as ``total``)."""
+    verify: bool = False
+    """Recompute every rendered figure of each summary from its per-prompt records and exit 1 at the first that
+    disagrees, or for a summary without records (nothing is written)."""
 
 
 def store_runs(cfg: ResultsConfig) -> None:
@@ -59,20 +71,20 @@ def store_runs(cfg: ResultsConfig) -> None:
     if cfg.main_job:
         name = cfg.config_name or "default"
         cmd = cfg.command or f"python -m pipelines.train --config configs/{name}.yaml"
-        summary = summarize_main_job(cfg.main_job, cmd, name, cfg.duration_s)
+        summary = summarize_main_job(cfg.main_job, cmd, name)
         log.info("stored %s", write_summary(summary, cfg.results_dir))
     if cfg.device_check:
         summary = summarize_device_check(cfg.device_check)
         log.info("stored %s", write_summary(summary, cfg.results_dir))
     if cfg.benchmark and (cfg.config_name or "").startswith("benchmark-vllm"):
         cmd = cfg.command or f"python -m pipelines.vllm_bench --config configs/{cfg.config_name}.yaml"
-        summary = summarize_vllm_benchmark(cfg.benchmark, cmd, cfg.config_name, cfg.duration_s)
+        summary = summarize_vllm_benchmark(cfg.benchmark, cmd, cfg.config_name)
         log.info("stored %s", write_summary(summary, cfg.results_dir))
     elif cfg.benchmark:
         name = cfg.config_name or "benchmark"
         entry = "pipelines.llamacpp_bench" if name.startswith("benchmark-llamacpp") else "pipelines.benchmark"
         cmd = cfg.command or f"python -m {entry} --config configs/{name}.yaml"
-        summary = summarize_benchmark(cfg.benchmark, cmd, name, cfg.duration_s)
+        summary = summarize_benchmark(cfg.benchmark, cmd, name)
         log.info("stored %s", write_summary(summary, cfg.results_dir))
 
 
@@ -94,10 +106,50 @@ def render(cfg: ResultsConfig) -> list[Path]:
     return differ
 
 
+def verify_summary(s: Summary) -> str | None:
+    """What in a stored summary its records do not give (None: every rendered figure recomputes): the first
+    disagreeing figure (row, field, stored and recomputed value), a verdict that reads otherwise, or a summary that
+    holds no per-prompt records (stored by older code, or a main job's, whose figures are computed from per-token
+    scores no summary holds)."""
+    remeasure = f"no per-prompt records: re-measure with {s.data['command']}"
+    try:
+        if s.kind == "benchmark":
+            first = verify_benchmark(s.data)
+            again = Summary(s.path, recomputed_summary(s.data))
+            if first is None and (verdict(s), sampled_quality(s)) != (verdict(again), sampled_quality(again)):
+                return f"the verdict reads otherwise from the records: {verdict(again)} {sampled_quality(again)}"
+        elif s.kind == "vllm_benchmark":
+            first = verify_vllm_summary(s.data)
+        elif s.kind == "main_job":
+            return remeasure + " (a main job's figures are computed from per-token scores, kept in its out_dir)"
+        else:
+            return None  # the GPU check stores its steps' statuses: nothing in it is computed
+    except MissingRecords:
+        return remeasure
+    return None if first is None else first.line("first disagreeing figure")
+
+
+def verify_all(cfg: ResultsConfig) -> int:
+    """One line per summary: ``ok`` when every rendered figure recomputes from its records, else what disagrees
+    (:func:`verify_summary`); 1 when any does not."""
+    failed = 0
+    for s in load_summaries(Path(cfg.root) / cfg.results_dir):
+        problem = verify_summary(s)
+        ok = "ok, every figure recomputed from its records" if s.kind != "device_check" else "ok, nothing computed"
+        print(f"{s.path.name}: {problem or ok}", file=sys.stderr if problem else sys.stdout)
+        failed += problem is not None
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     with user_errors("python -m pipelines.results"):
         cfg = parse_config(ResultsConfig, argv, __doc__)
+        if cfg.verify:
+            try:
+                return verify_all(cfg)
+            except SummaryError as e:
+                raise ValueError(str(e)) from e
         try:
             if not cfg.check:
                 store_runs(cfg)

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from compute.code_version import record_end
 from data_gen.config import GenerateConfig
 from main_job.train import TrainJobConfig, train_all
 from pipelines.cli import parse_config, setup_logging, user_errors
@@ -52,6 +53,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with user_errors(PROG):
         cfg = parse_config(TrainJobConfig, argv, __doc__)
         result = train_all(cfg, [generate_config(p) for p in cfg.extra_data])
+    # the job's end and duration beside its start's code and host; a job that reused or resumed earlier work records
+    # no duration: it is not what the job costs
+    seconds = result["seconds"] if result.get("from_scratch") else None
+    record_end(cfg.out_dir, seconds)
     out = Path(cfg.out_dir)
     print(format_summary(result["results"]))
     print(SUMMARY_NOTE)
@@ -64,8 +69,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if cfg.results_dir:
         command, name = invocation("pipelines.train", argv)
         with user_errors(PROG):
-            # a run that reused or resumed earlier work stores no wall time: it is not what the job costs
-            seconds = result["seconds"] if result.get("from_scratch") else None
             summary = summarize_main_job(cfg.out_dir, command, name, seconds)
             print(f"results summary: {write_summary(summary, cfg.results_dir)}")
     return result

@@ -12,13 +12,13 @@ Usage:
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from compute.code_version import record_end
 from pipelines.cli import parse_config, setup_logging, start_run, user_errors
 from runtimes.vllm.bench import VllmBenchConfig
 from runtimes.vllm.engine import reexec_with_iomp
@@ -39,18 +39,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         resumed = any((Path(cfg.out_dir) / "engines").glob("*.json"))
         t0 = time.time()
         rep = run_vllm_benchmark(cfg)
-        _record_duration(Path(cfg.out_dir) / "benchmark.json", None if resumed else time.time() - t0)
+        # the run's end and duration (None where engines were read back from a stopped run: that time is not this run's)
+        record_end(out_dir, None if resumed else time.time() - t0)
     print(markdown(rep))
     print(f"full report: {out_dir / 'benchmark.md'}")
     return asdict(rep)
-
-
-def _record_duration(path: Path, seconds: float | None) -> None:
-    """The run's wall time in its report, written by the run (None where engines were read back from a stopped
-    run: that time is not this run's)."""
-    data = json.loads(path.read_text())
-    data["duration_s"] = None if seconds is None else round(seconds, 1)
-    path.write_text(json.dumps(data, indent=1, default=str))
 
 
 if __name__ == "__main__":

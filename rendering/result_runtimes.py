@@ -12,7 +12,15 @@ Usage::
 """
 from __future__ import annotations
 
-from rendering.result_store import Summary, cpu_label, dated, interval_text
+from rendering.result_store import (
+    ESTIMATED_NOTE,
+    Summary,
+    cpu_label,
+    dated,
+    estimated,
+    interval_text,
+    tokens_cell,
+)
 
 RUNTIME_CONFIGS = {"llamacpp": "benchmark-llamacpp", "transformers": "benchmark-transformers"}
 """Block name -> the config name of the runs it renders (the newest one)."""
@@ -39,7 +47,9 @@ def rows_table(s: Summary) -> str:
         if r.get("mean_drafted") == 0:
             acc = "drafts nothing"
         speed = interval_text(r.get("speedup"), r.get("speedup_lo"), r.get("speedup_hi"))
-        lines.append(f"| `{name}` | {r['tokens_per_s']:.2f} | {speed} | {acc} | {same} |")
+        lines.append(f"| `{name}` | {tokens_cell(r)} | {speed} | {acc} | {same} |")
+    if any(estimated(r) for r in s.data["rows"]):
+        lines += ["", ESTIMATED_NOTE]
     return "\n".join(lines)
 
 

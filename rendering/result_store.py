@@ -1,11 +1,13 @@
 """Small summaries of finished runs, kept in ``results/`` and rendered into the README and docs/results.md.
 
-A summary is one JSON file: what was run (kind, config, command, config hash, date, the git commit and whether the
-tree had uncommitted changes: ``compute.code_version``), where (CPU model, family and
-model number, SIMD flags, torch, threads, compute path) and the figures the docs quote: for the main job each
-predictor's test AUC on its own label beside the best training-free score and the cross-validated difference with
-its interval; for the benchmark each row's tokens/s and speedups with their intervals over prompts. The docs never
-carry a hand-typed figure: ``python -m pipelines.results`` renders them from these files.
+A summary is one JSON file: what was run (kind, config, command, config hash), its provenance as the run recorded it
+(``compute.code_version``: the commit at its start and whether the tree was dirty, start and end time, duration,
+host), where (CPU model, family and model number, SIMD flags, torch, threads, compute path) and the figures the docs
+quote: for the main job each predictor's test AUC on its own label beside the best training-free score and the
+cross-validated difference with its interval; for the benchmark each row's tokens/s and speedups with their intervals
+over prompts, and the per-prompt records they are computed from (``benchmark.records``; ``python -m pipelines.results
+--verify`` recomputes the figures). The docs never carry a hand-typed figure: ``python -m pipelines.results`` renders
+them from these files.
 
 Usage::
 
@@ -50,7 +52,7 @@ ROW_FIELDS = ("row", "method", "kind", "tokens_per_s", "speedup", "speedup_lo", 
               "vs_best_entropy_lo", "vs_best_entropy_hi", "exact", "identical_prompts", "mean_accepted",
               "mean_drafted", "thresholded", "verification", "spec", "note", "vs_defaults", "vs_defaults_lo",
               "vs_defaults_hi", "rouge_l", "humaneval_pass", "vs_best_thresholded", "vs_best_thresholded_lo",
-              "vs_best_thresholded_hi")
+              "vs_best_thresholded_hi", "estimated", "reference", "records")
 CHECK_FIELDS = ("row", "measured_tokens_per_s", "predicted_tokens_per_s", "ratio", "measured_mean_accepted",
                 "predicted_mean_accepted", "note")
 """What a summary keeps of each row of a benchmark's replay check."""
@@ -118,6 +120,24 @@ def cpu_label(machine: dict[str, Any]) -> str:
     return f"{machine.get('model_name') or 'unknown CPU'} ({inner})"
 
 
+ESTIMATED_NOTE = ("\\* estimated, not measured: the row's time is the curve's price of its rounds (an analysis-only "
+                  "row), and so are its ratios.")
+"""The footnote under a table with an estimated row."""
+
+
+def estimated(row: dict[str, Any]) -> bool:
+    """A row whose seconds are estimated rather than measured: its ``estimated`` field, or in a summary stored before
+    that field its analysis-only note (the sampling oracle's)."""
+    if "estimated" in row:
+        return bool(row["estimated"])
+    return str(row.get("note") or "").startswith("analysis only")
+
+
+def tokens_cell(row: dict[str, Any]) -> str:
+    """A row's tokens/s as the tables write it: ``31.13``, ``31.13*`` when estimated (:data:`ESTIMATED_NOTE`)."""
+    return f"{row['tokens_per_s']:.2f}" + ("*" if estimated(row) else "")
+
+
 def interval_text(mid: Any, lo: Any = None, hi: Any = None, spec: str = ".2f", suffix: str = "x") -> str:
     """``1.52x [1.41, 1.63]``: a figure with its interval as the rendered tables write it ('' without a figure, the
     figure alone without both bounds)."""
@@ -171,18 +191,21 @@ def today() -> str:
 
 
 def dated(data: dict[str, Any]) -> str:
-    """``2026-11-26, commit 429b58c``: a run's date and the code it ran (``+ uncommitted changes`` when the tree was
-    dirty, ``inferred`` when the commit was read from git history afterwards, ``resumed at`` the commits a stopped run
-    was continued at); ``commit unknown`` for a run stored without one. A commit that is not in this checkout's
-    history is rendered with a warning (and logged)."""
+    """``2026-11-26, commit 429b58c``: a run's date and the code it ran, as the run recorded it at its start
+    (``+ uncommitted changes`` when the tree was dirty, ``resumed at`` the commits a stopped run was continued at);
+    ``read when stored`` when the run recorded no start; ``provenance not recorded by the run`` for a summary whose
+    provenance was written afterwards (a ``commit_source`` field, which no code writes); ``commit unknown`` without
+    one. A commit that is not in this checkout's history is rendered with a warning (and logged)."""
     commit = data.get("commit")
     if not commit:
         return f"{data['date']}, commit unknown"
     text = f"commit {str(commit)[:7]}"
     if data.get("dirty"):
         text += " + uncommitted changes"
-    if data.get("commit_source"):
-        text += " (inferred)"
+    if "commit_source" in data:
+        text += " (provenance not recorded by the run)"
+    elif data.get("code_recorded") == "at storing":
+        text += " (read when stored, not at the run's start)"
     if data.get("resumed_at"):
         text += f" (resumed at {', '.join(str(c)[:7] for c in data['resumed_at'])})"
     if in_history(str(commit)) is False:
@@ -190,6 +213,22 @@ def dated(data: dict[str, Any]) -> str:
                     data.get("kind"), data.get("config"), commit)
         text += " (warning: not in this checkout's history)"
     return f"{data['date']}, {text}"
+
+
+def provenance(out_dir: Path, duration_s: float | None, cost_file: Path | None = None) -> dict[str, Any]:
+    """A summary's provenance fields, as the run in ``out_dir`` recorded them (``compute.code_version.run_code``):
+    ``date`` the day it started, the duration its end record holds, else ``duration_s`` (the caller's measurement) for
+    a run that recorded none; the host gets the read bandwidth its curve measured (``cost_file``), where it did."""
+    code = run_code(out_dir)
+    recorded = code.pop("duration_s", None)
+    prov = {"date": code["started"][:10] if code.get("started") else today(), **code,
+            "duration_s": recorded if recorded is not None else duration_s}
+    extra = {}
+    if cost_file is not None and cost_file.is_file():
+        extra = _read_json(cost_file).get("extra") or {}
+    if prov.get("host") and extra.get("read_bandwidth"):
+        prov["host"] = {**prov["host"], "read_bandwidth_gbps": round(float(extra["read_bandwidth"]) / 1e9, 1)}
+    return prov
 
 
 def _data_records(out: Path, data_dir: str | None) -> int | None:
@@ -212,10 +251,11 @@ def summarize_main_job(out_dir: str | Path, command: str, config_name: str = "de
     rows = [_pick(r, PREDICTOR_FIELDS) for r in results.get("results", []) if "test_auc" in r or "test_speedup" in r]
     records = results.get("records") or _data_records(out, resolved.get("data", {}).get("out_dir"))
     return {
-        "schema": SCHEMA, "kind": "main_job", "config": config_name, "command": command, "date": today(),
-        **run_code(out), "config_hash": config_hash(resolved), "machine": machine, "compute_path": path,
+        "schema": SCHEMA, "kind": "main_job", "config": config_name, "command": command,
+        **provenance(out, duration_s, out / "report" / "cost_model.json"), "config_hash": config_hash(resolved),
+        "machine": machine, "compute_path": path,
         "pair": {"draft": models.get("draft", "?"), "target": models.get("target", "?")},
-        "records": records, "duration_s": duration_s, "predictors": rows,
+        "records": records, "predictors": rows,
         "recommendations": _recommendations(out / "recommend.json"),
     }
 
@@ -253,13 +293,15 @@ def summarize_benchmark(out_dir: str | Path, command: str, config_name: str = "b
     machine = {**(bench.get("cpu") or {}), **machine}
     replay = bench.get("replay_check") or {}
     return {
-        "schema": SCHEMA, "kind": "benchmark", "config": config_name, "command": command, "date": today(),
-        **run_code(out), "config_hash": config_hash(config), "machine": machine, "compute_path": path,
+        "schema": SCHEMA, "kind": "benchmark", "config": config_name, "command": command,
+        **provenance(out, duration_s, curve), "config_hash": config_hash(config), "machine": machine,
+        "compute_path": path,
         "pair": {"draft": config["models"]["draft"], "target": config["models"]["target"]},
         "n_prompts": len(bench.get("prompt_ids") or []), "max_new_tokens": config["max_new_tokens"],
         "temperature": config.get("temperature", 0.0), "prompts_of_run": bench.get("prompts_of_run"),
         "partial": (bench.get("prompts_of_run") or 0) > len(bench.get("prompt_ids") or []),
-        "duration_s": duration_s, "rows": [_pick(r, ROW_FIELDS) for r in bench["rows"]],
+        "n_boot": config.get("n_boot"), "seed": config.get("seed"),
+        "rows": [_pick(r, ROW_FIELDS) for r in bench["rows"]],
         "replay_check": replay.get("summary"),
         "replay_rows": [_pick(r, CHECK_FIELDS) for r in replay.get("rows") or []],
         "comparisons": bench.get("comparisons") or [], "recommended": bench.get("recommended"),
@@ -294,6 +336,18 @@ def summary_name(summary: dict[str, Any]) -> str:
     return f"{summary['kind']}-{summary['config']}-{slug}-{summary['date']}.json"
 
 
+def compact_json(value: Any, indent: int = 0) -> str:
+    """JSON with one entry a line, but a list of plain values (a per-prompt column) on one line: a summary with
+    per-prompt records stays a file one reads."""
+    pad, inner = " " * indent, " " * (indent + 1)
+    if isinstance(value, dict) and value:
+        items = [f"{inner}{json.dumps(k)}: {compact_json(v, indent + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(value, list) and value and any(isinstance(v, dict | list) for v in value):
+        return "[\n" + ",\n".join(inner + compact_json(v, indent + 1) for v in value) + f"\n{pad}]"
+    return json.dumps(value)
+
+
 def write_summary(summary: dict[str, Any], results_dir: str | Path) -> Path:
     """Write ``summary`` into ``results_dir`` (atomically); returns the file."""
     validate(summary, Path("<new summary>"))
@@ -301,7 +355,7 @@ def write_summary(summary: dict[str, Any], results_dir: str | Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / summary_name(summary)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=1, sort_keys=False) + "\n")
+    tmp.write_text(compact_json(summary) + "\n")
     tmp.replace(path)
     return path
 

@@ -20,7 +20,15 @@ from predictors.baselines import ENTROPY_KINDS
 from predictors.round_rules import rule_named
 from rendering.device_results import gpu_block
 from rendering.result_runtimes import RUNTIME_CONFIGS, runtime_block, runtime_section
-from rendering.result_store import Summary, cpu_label, dated, interval_text
+from rendering.result_store import (
+    ESTIMATED_NOTE,
+    Summary,
+    cpu_label,
+    dated,
+    estimated,
+    interval_text,
+    tokens_cell,
+)
 
 LEARNED_KINDS = ("disco", "sprinter", "sv")
 HEADLINE_BENCHMARKS = ("benchmark-full", "benchmark-full-t1", "benchmark")
@@ -109,7 +117,7 @@ def benchmark_table(s: Summary) -> str:
             cells = [_f(r.get("mean_accepted"), ".2f"), _f(r.get("humaneval_pass"), ".0%"), _f(r.get("rouge_l"), ".3f")]
         else:
             cells = ["" if r.get("identical_prompts") is None else f"{r['identical_prompts']}/{n}"]
-        lines.append(f"| {row_name(r)} | {r['tokens_per_s']:.2f} | {speed} | {vs} | {' | '.join(cells)} |")
+        lines.append(f"| {row_name(r)} | {tokens_cell(r)} | {speed} | {vs} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -159,8 +167,9 @@ def sampled_quality(s: Summary) -> str:
 
 
 def _verdicts(s: Summary) -> str:
-    """The speed verdict and, under sampling, the quality sentence."""
-    return " ".join(x for x in (verdict(s), sampled_quality(s)) if x)
+    """The speed verdict, under sampling the quality sentence, and the footnote of a table with an estimated row."""
+    note = ESTIMATED_NOTE if any(estimated(r) for r in s.data["rows"]) else ""
+    return " ".join(x for x in (verdict(s), sampled_quality(s), note) if x)
 
 
 def _benchmark_heading(s: Summary) -> str:
@@ -225,7 +234,7 @@ def render_readme(summaries: list[Summary], runtime_lines: list[str] = ()) -> st
                       "(`python -m pipelines.recommend`, same run):", "", recs, ""]
     if bench is not None:
         parts += [f"End to end, {_benchmark_heading(bench)} ({caption(bench)}):", "", benchmark_table(bench), "",
-                  verdict(bench)]
+                  _verdicts(bench)]
     sampled = sampled_headline(summaries)
     if sampled is not None:
         parts += ["", f"End to end, {_benchmark_heading(sampled)} ({caption(sampled)}):", "",

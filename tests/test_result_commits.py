@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from compute.code_version import RUN_RECORD, code_version, in_history, record_start, run_code
+from compute.code_version import RUN_RECORD, code_version, in_history, record_end, record_start, run_code
 from rendering import result_store
 from rendering.result_store import Summary, dated, summarize_main_job
 from rendering.result_tables import render_docs, render_readme
@@ -111,21 +111,46 @@ def test_every_stored_result_names_its_commit():
 
 
 def test_a_run_names_the_code_of_its_start_not_of_storing(repo, tmp_path):
-    """record_start at a run's start, run_code when its summary is stored: a commit made in between, or a later
-    resume at other code, does not rename the run; the resume is named beside it."""
+    """record_start at a run's start, record_end at its end, run_code when its summary is stored: a commit made in
+    between, or a later resume at other code, does not rename the run; the resume is named beside it; every start is
+    kept with its time and host."""
     out = tmp_path / "run"
     first = git(repo, "rev-parse", "HEAD")
     record_start(out, repo)
-    record_start(out, repo)  # a plain resume at the same code adds nothing
-    assert len(json.loads((out / RUN_RECORD).read_text())["starts"]) == 1
+    record_start(out, repo)  # a plain resume at the same code: a second start, the same commit
+    starts = json.loads((out / RUN_RECORD).read_text())["starts"]
+    assert len(starts) == 2 and starts[0]["date"].endswith("Z") and "model_name" in starts[0]["host"]
     (repo / "a.py").write_text("x = 3\n")
     git(repo, "commit", "-qam", "two")
-    assert run_code(out, repo) == {"commit": first, "dirty": False}
+    code = run_code(out, repo)
+    assert (code["commit"], code["dirty"], code["code_recorded"]) == (first, False, "at start")
+    assert code["duration_s"] is None  # no end recorded yet
+    assert "resumed_at" not in code
     record_start(out, repo)
+    record_end(out, 12.34)
     second = git(repo, "rev-parse", "HEAD")
-    assert run_code(out, repo) == {"commit": first, "dirty": False, "resumed_at": [second]}
-    assert f"commit {first[:7]} (resumed at {second[:7]})" in dated({"date": "2026-11-27", **run_code(out, repo)})
-    assert run_code(tmp_path / "never-recorded", repo) == code_version(repo)
+    code = run_code(out, repo)
+    assert code["resumed_at"] == [second] and code["duration_s"] == 12.3 and code["ended"].endswith("Z")
+    assert code["started"] == starts[0]["date"]
+    assert f"commit {first[:7]} (resumed at {second[:7]})" in dated({"date": "2026-11-27", **code})
+    never = run_code(tmp_path / "never-recorded", repo)
+    assert never == {**code_version(repo), "code_recorded": "at storing"}
+    assert "(read when stored, not at the run's start)" in dated({"date": "2026-11-27", **never})
+
+
+def test_a_dirty_start_is_named_dirty(repo, tmp_path):
+    out = tmp_path / "run"
+    (repo / "a.py").write_text("x = 4\n")  # an uncommitted change to a tracked file
+    record_start(out, repo)
+    code = run_code(out, repo)
+    assert code["dirty"] is True
+    assert " + uncommitted changes" in dated({"date": "2026-11-27", **code})
+
+
+def test_provenance_written_afterwards_is_not_trusted():
+    """A ``commit_source`` field (provenance set by hand after the run) renders as not recorded by the run."""
+    text = dated({"date": "2026-11-26", "commit": "a" * 40, "dirty": None, "commit_source": "inferred from history"})
+    assert "provenance not recorded by the run" in text and "inferred" not in text
 
 
 def test_a_broken_code_record_is_named(tmp_path):

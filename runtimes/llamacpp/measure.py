@@ -40,6 +40,7 @@ import torch
 from benchmark.bench import Bench, DecodeSettings, RunOrder, load_benchmark_prompts
 from benchmark.config import BenchmarkConfig
 from benchmark.plan import Runner, run_rows
+from benchmark.records import bootstrap_indices
 from benchmark.report import finish_rows, markdown_table
 from benchmark.rows import Row, ratio_ci
 from compute.cpu import cpuinfo_fields
@@ -252,6 +253,7 @@ def run_target_only(view: Bench) -> Row:
         row.seconds.append(time.perf_counter() - t0)
         row.prefill_seconds.append(first[0] - t0 if first else 0.0)  # the prompt's pass, which gives the first token
         row.outputs.append(out)
+        row.count_prompt(0, 0, 0)
     row.target_calls = row.tokens
     return row
 
@@ -284,6 +286,7 @@ def run_hooked(view: Bench, name: str) -> Row:
             row.seconds.append(wall)
             row.outputs.append(out)
             row.prefill_seconds.append(st.prefill_time)
+            row.count_prompt(st.rounds, int(st.drafted), int(st.accepted))
     finally:
         m.target.draft_model = None
     assert row.decode is not None
@@ -328,7 +331,8 @@ def comparisons(rows: list[Row], boot: np.ndarray, recommended: str | None = Non
         for x in refs:
             if r is not x:
                 point, lo, hi = ratio_ci(r, x, boot)
-                out.append({"row": label(r), "against": label(x), "ratio": point, "lo": lo, "hi": hi})
+                out.append({"row": label(r), "against": label(x), "ratio": point, "lo": lo, "hi": hi,
+                            "rows": [r.name, x.name]})
     return out
 
 
@@ -399,7 +403,7 @@ def run_llamacpp_benchmark(cfg: LlamaCppBenchConfig) -> LlamaCppReport:
         t["first_difference"] = [first_difference(a, b) for a, b in zip(r.outputs, rows[0].outputs)]
         if r.outputs != rows[0].outputs:
             t["output_ids"] = r.outputs
-    boot = np.random.default_rng(cfg.seed).integers(0, len(bench.prompts), (cfg.n_boot, len(bench.prompts)))
+    boot = bootstrap_indices(cfg.seed, cfg.n_boot, len(bench.prompts))
     m: LlamaModels = bench.shared[STATE]
     rep = LlamaCppReport(table, comparisons(rows, boot, m.recommended), m.recommendation)
     write_llamacpp_report(rep, bench, names, out_dir)  # the rows are kept before the check runs

@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from benchmark.records import output_hash
 from benchmark.rows import Row, ratio_ci
 from compute.timing import CostModel
 from runtimes.vllm.bench import TARGET_ALONE, RowRun, VllmBenchConfig
 from runtimes.vllm.settings import BatchPick
 
-__all__ = ["VllmReport", "build_report", "markdown"]
+__all__ = ["VllmReport", "build_report", "markdown", "table_entries", "unit_records"]
 
 
 @dataclass
@@ -45,7 +46,7 @@ def _as_row(r: RowRun) -> Row:
                outputs=[[t for o in unit for t in o] for unit in r.outputs])
 
 
-def _entry(r: RowRun, ref: RowRun, boot: np.ndarray, check: dict[str, Any]) -> dict[str, Any]:
+def row_entry(r: RowRun, ref: RowRun, boot: np.ndarray, check: dict[str, Any]) -> dict[str, Any]:
     sp, lo, hi = ratio_ci(_as_row(r), _as_row(ref), boot)
     same = sum(a == b for u, v in zip(r.outputs, ref.outputs) for a, b in zip(u, v))
     c = r.counters
@@ -57,8 +58,22 @@ def _entry(r: RowRun, ref: RowRun, boot: np.ndarray, check: dict[str, Any]) -> d
             "acceptance": round(c["accepted"] / c["draft_tokens"], 4) if c.get("draft_tokens") else None,
             "idle_share": round(r.idle_rows / r.draft_rows, 4) if r.draft_rows else None,
             "replayed_tokens_per_s": check.get("replayed_tokens_per_s"), "replay_ratio": check.get("ratio"),
-            "unit_seconds": [round(s, 4) for s in r.seconds],
+            "unit_seconds": [round(s, 4) for s in r.seconds], "records": unit_records(r),
             "by_position": {str(j): [n, round(pred, 4), round(obs, 4)] for j, (n, pred, obs) in r.by_position.items()}}
+
+
+def unit_records(r: RowRun) -> dict[str, Any]:
+    """The row's per-unit records (a unit: the prompts decoded together at its batch size): seconds and vLLM's
+    counters per unit, tokens and an output hash per prompt (``benchmark.records``)."""
+    counters = [r.unit_counters[i] if i < len(r.unit_counters) else {} for i in range(len(r.seconds))]
+    return {"unit_size": r.batch, "seconds": [float(s) for s in r.seconds],
+            "rounds": [int(c.get("drafts", 0)) for c in counters],
+            "drafted": [int(c.get("draft_tokens", 0)) for c in counters],
+            "accepted": [int(c.get("accepted", 0)) for c in counters],
+            "idle_rows": [int(u[0]) for u in r.unit_idle], "draft_rows": [int(u[1]) for u in r.unit_idle],
+            "positions": [dict(u) for u in r.unit_positions] if any(r.unit_positions) else None,
+            "tokens": [len(o) for unit in r.outputs for o in unit],
+            "output_sha1": [output_hash(o) for unit in r.outputs for o in unit]}
 
 
 def _fixed(name: str) -> bool:
@@ -66,7 +81,7 @@ def _fixed(name: str) -> bool:
     return name == TARGET_ALONE or name.startswith("vllm:")
 
 
-def _against_fastest_fixed(at_b: list[RowRun], entries: list[dict], boot: np.ndarray) -> None:
+def against_fastest_fixed(at_b: list[RowRun], entries: list[dict], boot: np.ndarray) -> None:
     """Each other row's speedup over the fastest of vLLM's fixed settings at this batch size, with its interval."""
     fixed = [r for r in at_b if _fixed(r.name)]
     fastest = max(fixed, key=lambda r: r.tokens_per_s)
@@ -149,20 +164,28 @@ def _goals(table: list[dict], picks: list[BatchPick], cfg: VllmBenchConfig, ties
     return goals
 
 
+def table_entries(rows: list[RowRun], batch_sizes: list[int], seed: int, n_boot: int,
+                  check: list[dict]) -> list[dict[str, Any]]:
+    """Each row's report entry, batch size by batch size, its intervals drawn from one seeded generator in that order
+    (the report's and ``python -m pipelines.results --verify``'s)."""
+    table = []
+    rng = np.random.default_rng(seed)
+    for b in batch_sizes:
+        at_b = [r for r in rows if r.batch == b]
+        ref = next(r for r in at_b if r.name == TARGET_ALONE)
+        boot = rng.integers(0, len(ref.seconds), size=(n_boot, len(ref.seconds)))
+        entries = [row_entry(r, ref, boot, next((x for x in check if x["row"] == r.name and x["batch"] == b), {}))
+                   for r in at_b]
+        against_fastest_fixed(at_b, entries, boot)
+        table += entries
+    return table
+
+
 def build_report(cfg: VllmBenchConfig, rows: list[RowRun], names: list[str], picks: list[BatchPick],
                  check: list[dict], curves: dict[int, CostModel], recommendation: list[str],
                  ties: list[dict] | None = None) -> VllmReport:
     """The report of a finished run, written to ``cfg.out_dir``."""
-    table = []
-    rng = np.random.default_rng(cfg.seed)
-    for b in cfg.batch_sizes:
-        at_b = [r for r in rows if r.batch == b]
-        ref = next(r for r in at_b if r.name == TARGET_ALONE)
-        boot = rng.integers(0, len(ref.seconds), size=(cfg.n_boot, len(ref.seconds)))
-        entries = [_entry(r, ref, boot, next((x for x in check if x["row"] == r.name and x["batch"] == b), {}))
-                   for r in at_b]
-        _against_fastest_fixed(at_b, entries, boot)
-        table += entries
+    table = table_entries(rows, cfg.batch_sizes, cfg.seed, cfg.n_boot, check)
     rep = VllmReport(table=table, goals=_goals(table, picks, cfg, ties or []), recommendation=recommendation,
                      picks=[p.to_dict() for p in picks], replay_check=check,
                      curves={str(b): cm.to_dict() for b, cm in curves.items()}, prompts=names, ties=ties or [])

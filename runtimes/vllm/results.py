@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from compute.code_version import run_code
+from benchmark.verify import Disagreement, MissingRecords, same, stand_ins
 from rendering.result_store import (
     SCHEMA,
     Summary,
@@ -25,14 +25,20 @@ from rendering.result_store import (
     dated,
     machine_facts,
     newest,
-    today,
+    provenance,
 )
+from runtimes.vllm.bench import RowRun
+from runtimes.vllm.bench_report import table_entries
 
-__all__ = ["summarize_vllm_benchmark", "vllm_block", "vllm_readme_lines"]
+__all__ = ["summarize_vllm_benchmark", "verify_vllm_summary", "vllm_block", "vllm_readme_lines"]
+
+VERIFIED = ("tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "identical", "prompts", "acceptance", "idle_share",
+            "vs_fastest_fixed", "fastest_fixed", "by_position")
+"""The fields of a stored vLLM row recomputed from its records."""
 
 VLLM_ROW_FIELDS = ("row", "batch", "spec", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "identical",
                    "prompts", "acceptance", "idle_share", "replayed_tokens_per_s", "replay_ratio", "tokens",
-                   "unit_seconds", "vs_fastest_fixed", "fastest_fixed", "by_position")
+                   "unit_seconds", "vs_fastest_fixed", "fastest_fixed", "by_position", "records")
 
 
 def _read(path: Path) -> Any:
@@ -55,17 +61,49 @@ def summarize_vllm_benchmark(out_dir: str | Path, command: str, config_name: str
               for b, c in (curve.get("extra", {}).get("batch_curves") or {}).items()}
     return {
         "schema": SCHEMA, "kind": "vllm_benchmark", "config": config_name, "command": command,
-        "date": bench.get("date") or today(), **run_code(out), "config_hash": config_hash(config),
+        **provenance(out, duration_s), "config_hash": config_hash(config),
         "machine": machine, "compute_path": "vllm", "vllm": machine.get("vllm"),
         "pair": {"draft": config["models"]["draft"], "target": config["models"]["target"]},
         "n_prompts": config["n_prompts"], "max_new_tokens": config["max_new_tokens"],
-        "batch_sizes": config["batch_sizes"],
-        "duration_s": duration_s if duration_s is not None else bench.get("duration_s"),
+        "batch_sizes": config["batch_sizes"], "n_boot": config.get("n_boot"), "seed": config.get("seed"),
         "rows": [{k: r[k] for k in VLLM_ROW_FIELDS if k in r} for r in bench["table"]],
         "goals": bench.get("goals"), "picks": bench.get("picks"), "recommendation": bench.get("recommendation"),
         "curves": curves,
     }
 
+
+
+def row_from_records(entry: dict[str, Any]) -> RowRun:
+    """A vLLM row rebuilt from a stored entry's per-unit records, each output as its stand-in
+    (``benchmark.verify.stand_ins``)."""
+    rec = entry.get("records")
+    if not rec:
+        raise MissingRecords(f"row {entry.get('row')!r} has no per-unit records")
+    outs = stand_ins(rec)
+    size = rec["unit_size"]
+    row = RowRun(name=entry["row"], batch=entry["batch"], spec=entry.get("spec") or "")
+    row.outputs = [outs[i:i + size] for i in range(0, len(outs), size)]  # type: ignore[misc]
+    row.seconds = list(rec["seconds"])
+    row.unit_counters = [{"drafts": r, "draft_tokens": d, "accepted": a}
+                         for r, d, a in zip(rec["rounds"], rec["drafted"], rec["accepted"])]
+    row.unit_idle = list(zip(rec["idle_rows"], rec["draft_rows"]))
+    row.unit_positions = list(rec["positions"] or [{} for _ in row.seconds])
+    return row
+
+
+def verify_vllm_summary(data: dict[str, Any]) -> Disagreement | None:
+    """The first figure of a vLLM summary that its records do not give (None: all agree); MissingRecords when it
+    holds none. Each row's entry is computed again by the report's own routine (``bench_report.table_entries``)."""
+    if data.get("seed") is None or data.get("n_boot") is None:
+        raise MissingRecords("no seed and n_boot of its bootstrap")
+    rows = [row_from_records(r) for r in data["rows"]]
+    table = table_entries(rows, data["batch_sizes"], int(data["seed"]), int(data["n_boot"]), [])
+    for stored, new in zip(data["rows"], table):
+        new = json.loads(json.dumps(new))  # as stored: tuples as lists, positions keyed by strings
+        for key in VERIFIED:
+            if key in stored and not same(stored[key], new.get(key)):
+                return Disagreement(f"{stored['row']} at batch {stored['batch']}", key, stored[key], new.get(key))
+    return None
 
 
 def _rows_table(s: Summary, batch: int) -> list[str]:
