@@ -23,6 +23,7 @@ from benchmark.report import finish_rows, write_report
 from benchmark.resume import PROMPTS_DIR, PromptStore, run_identity
 from benchmark.rows import Row
 from benchmark.runners import release_reference, warm_up
+from compute.code_version import new_run
 from compute.compute_path import compute_path_of, cpu_info
 from data_gen.config import GenerateConfig
 from data_gen.generate import load_models
@@ -94,6 +95,7 @@ def load_bench(cfg: BenchmarkConfig, store: PromptStore | None = None) -> tuple[
             log.info("benchmark: continuing the run in %s (%d of %d prompts done) on its first curve", store.folder,
                      len(store.done()), len(prompts))
             return bench, names, p_stats
+    new_run(cfg.out_dir)  # nothing stored is continued: the run's code is this start's
     bench.cost_model = load_cost_model(cfg.cost_file, bench)
     if store is not None:
         store.begin(identity, bench.cost_model)

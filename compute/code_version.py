@@ -127,6 +127,14 @@ def record_start(out_dir: str | Path, root: Path = ROOT) -> dict[str, Any]:
     return now
 
 
+def new_run(out_dir: str | Path) -> None:
+    """This start begins a new run in ``out_dir`` (nothing of an earlier run there is continued): keep only its start,
+    so the run names its own code, not the first run's in that folder."""
+    record = _record(Path(out_dir))
+    if len(record["starts"]) > 1:
+        _write(Path(out_dir), {"starts": record["starts"][-1:]})
+
+
 def record_end(out_dir: str | Path, duration_s: float | None) -> dict[str, Any]:
     """Record the run's end (UTC time) and its duration as the run measured it (a resumed benchmark adds its stored
     prompts' time; None: this run cannot tell its whole duration) in ``out_dir/code_version.json``."""

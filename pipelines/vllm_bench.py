@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from compute.code_version import record_end
+from compute.code_version import new_run, record_end
 from pipelines.cli import parse_config, setup_logging, start_run, user_errors
 from runtimes.vllm.bench import VllmBenchConfig
 from runtimes.vllm.engine import reexec_with_iomp
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         out_dir = start_run(cfg, PROG)
         resumed = any((Path(cfg.out_dir) / "engines").glob("*.json"))
+        if not resumed:
+            new_run(out_dir)  # no engine of an earlier run is read back: the run's code is this start's
         t0 = time.time()
         rep = run_vllm_benchmark(cfg)
         # the run's end and duration (None where engines were read back from a stopped run: that time is not this run's)

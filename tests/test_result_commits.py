@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from compute.code_version import RUN_RECORD, code_version, in_history, record_end, record_start, run_code
+from compute.code_version import (
+    RUN_RECORD,
+    code_version,
+    in_history,
+    new_run,
+    record_end,
+    record_start,
+    run_code,
+)
 from rendering import result_store
 from rendering.result_store import Summary, dated, summarize_main_job
 from rendering.result_tables import render_docs, render_readme
@@ -136,6 +144,17 @@ def test_a_run_names_the_code_of_its_start_not_of_storing(repo, tmp_path):
     never = run_code(tmp_path / "never-recorded", repo)
     assert never == {**code_version(repo), "code_recorded": "at storing"}
     assert "(read when stored, not at the run's start)" in dated({"date": "2026-11-27", **never})
+
+
+def test_a_new_run_in_an_old_folder_names_its_own_start(repo, tmp_path):
+    out = tmp_path / "run"
+    record_start(out, repo)
+    (repo / "a.py").write_text("x = 5\n")
+    git(repo, "commit", "-qam", "three")
+    record_start(out, repo)
+    new_run(out)  # the run starts over: the earlier run's start is not its own
+    assert run_code(out, repo)["commit"] == git(repo, "rev-parse", "HEAD")
+    assert len(json.loads((out / RUN_RECORD).read_text())["starts"]) == 1
 
 
 def test_a_dirty_start_is_named_dirty(repo, tmp_path):

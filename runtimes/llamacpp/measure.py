@@ -43,6 +43,7 @@ from benchmark.plan import Runner, run_rows
 from benchmark.records import bootstrap_indices
 from benchmark.report import finish_rows, markdown_table
 from benchmark.rows import Row, ratio_ci
+from compute.code_version import new_run
 from compute.cpu import cpuinfo_fields
 from compute.gguf_files import ensure_gguf, gguf_stop_ids, gguf_tokenizer
 from compute.timing import CostModel
@@ -390,6 +391,7 @@ def run_llamacpp_benchmark(cfg: LlamaCppBenchConfig) -> LlamaCppReport:
     """Load, warm up, run every row on every prompt, check the replay against them, write the report; returns it."""
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    new_run(out_dir)  # every run starts over: its code is this start's
     bench, names = load_llamacpp_bench(cfg)
     if cfg.warmup:
         warm_up(bench)
