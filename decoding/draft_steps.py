@@ -35,7 +35,6 @@ from compute.draft_stats import greedy_draft_stats
 from data_gen.features import token_features
 from predictors import goodput
 from predictors.base import StopPolicy
-from predictors.baselines import StaticLength
 
 __all__ = ["DraftedRound", "check_policy", "draft_step", "step_features", "take_candidate", "verified_count"]
 
@@ -88,10 +87,11 @@ def step_features(logits: Tensor, policy: StopPolicy, top_k: int, position: int)
 def draft_step(logits: Tensor, policy: StopPolicy, rnd: DraftedRound, top_k: int, cap: int,
                cost: goodput.RoundCost | None, token: int | None = None) -> bool:
     """One drafted position of one request from its [1, V] draft ``logits``: the greedy token goes into ``rnd`` (or,
-    for a prefix rule, not) and the answer says whether to draft another. A length rule (``static:K``, a runtime's
-    own K) is decided by ``cap`` alone, so no feature is computed for it; its token is ``token`` when the caller
-    already took the argmax (vLLM's proposer does, for the whole batch), else computed here."""
-    if isinstance(policy, StaticLength):
+    for a prefix rule, not) and the answer says whether to draft another. A length rule (``policy.fixed_length``:
+    ``static:K``, a runtime's own K) is decided by ``cap`` alone, so no feature is computed for it; its token is
+    ``token`` when the caller already took the argmax (vLLM's proposer does, for the whole batch), else computed
+    here."""
+    if policy.fixed_length:
         rnd.tokens.append(int(logits.argmax(-1)[0]) if token is None else token)
         rnd.q.append(1.0)
         return True

@@ -1,8 +1,9 @@
 """Policy specs to stop policies (:func:`build_policy`) and a checked decoder around one (:func:`build_decoder`).
 
-A spec is a training-free name (``predictors.baselines.NAMED_SPECS``, e.g. ``svip:0.3``), a runtime's own rule
-(``vllm:3``), a dict of constructor arguments, an export folder or ``models:/<name>@<alias>`` (checked against the
-draft model), or ``goodput:<spec>``: that policy's calibrated acceptance priced by the measured curve.
+A spec is a name of the one registry (``predictors.policy_names.POLICIES``: a training-free policy, e.g.
+``svip:0.3``, or a runtime's own rule, ``vllm:3``), a dict of constructor arguments, an export folder or
+``models:/<name>@<alias>`` (checked against the draft model), or ``goodput:<spec>``: that policy's calibrated
+acceptance priced by the measured curve.
 
 Usage:
     policy = build_policy("svip:0.3")
@@ -20,9 +21,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from compute.models import check_same_tokenizer, model_fingerprint
 from decoding.engine import SpeculativeDecoder
 from predictors.base import StopPolicy
-from predictors.baselines import BASELINES, NAMED_SPECS
 from predictors.goodput import MissingCalibration, goodput_policy
-from predictors.runtime_rules import RUNTIMES, runtime_rule
+from predictors.policy_names import build_named, known_names, named, policy_kinds
 
 __all__ = ["build_policy", "build_decoder", "policy_label", "needs_companion", "GOODPUT_PREFIX"]
 
@@ -34,23 +34,15 @@ def needs_companion(policy: StopPolicy) -> bool:
     return policy.needs_companion
 
 
-def _named(kind: str, arg: str | None, max_draft_len: int) -> StopPolicy:
-    """A training-free policy of ``NAMED_SPECS`` from its spec ``kind[:arg]``."""
-    named = NAMED_SPECS[kind]
-    value = None
-    if arg is not None and named.param is not None:
-        try:
-            value = float(arg)
-        except ValueError as e:
-            raise ValueError(f"policy {kind}:{arg}: the parameter must be a number") from e
-    return named.build(kind, value, max_draft_len)
-
-
 def known_policies() -> str:
     """The policy specs ``build_policy`` takes, in one line (for errors)."""
-    names = ", ".join([*(k + ("[:value]" if n.param else "") for k, n in NAMED_SPECS.items()),
-                       *(k + "[:values]" for k in RUNTIMES)])
-    return f"{names}, {GOODPUT_PREFIX}<spec>, an export folder or models:/<name>@<alias>"
+    return f"{known_names()}, {GOODPUT_PREFIX}<spec>, an export folder or models:/<name>@<alias>"
+
+
+def _training_free(spec: str) -> bool:
+    """``spec`` names a training-free policy of the registry (not a runtime's rule)."""
+    entry = named(spec)
+    return entry is not None and entry.training_free
 
 
 def build_policy(
@@ -81,18 +73,16 @@ def build_policy(
     if isinstance(spec, dict):
         params = dict(spec)
         kind = params.pop("kind", None)
-        if kind not in BASELINES:
-            raise ValueError(f"policy dict {spec}: 'kind' must be one of {sorted(BASELINES)}")
-        return BASELINES[kind](**params)
+        kinds = policy_kinds()
+        if kind not in kinds:
+            raise ValueError(f"policy dict {spec}: 'kind' must be one of {sorted(kinds)}")
+        return kinds[kind](**params)
     if not isinstance(spec, str) or not spec:
         raise ValueError(
             f"policy spec {spec!r}: give a dict or one of {known_policies()}"
         )
-    kind, _, arg = spec.partition(":")
-    if kind in RUNTIMES:  # a runtime's own rule, capped by its own maximum
-        return runtime_rule(kind, arg or None, max(max_draft_len, 64))
-    if kind in NAMED_SPECS:
-        return _named(kind, arg or None, max_draft_len)
+    if named(spec) is not None:
+        return build_named(spec, max_draft_len)
     if spec.startswith(("models:/", "runs:/")) or Path(spec).expanduser().is_dir():
         from predictors.registry import load_reference  # mlflow: loaded only for a learned predictor
 
@@ -111,7 +101,7 @@ def _goodput(inner: str, draft: PreTrainedModel | None, draft_tokenizer: PreTrai
             "policy goodput: needs a predictor or score after the colon, e.g. goodput:models:/name@champion"
         )
     kind = inner.partition(":")[0]
-    if kind in NAMED_SPECS:
+    if _training_free(inner):
         if calibration_dir is None or not (Path(calibration_dir) / kind).is_dir():
             where = f"{calibration_dir}/{kind}" if calibration_dir is not None else "calibration_dir (not given)"
             raise MissingCalibration(
@@ -125,11 +115,13 @@ def _goodput(inner: str, draft: PreTrainedModel | None, draft_tokenizer: PreTrai
 
 def policy_label(spec: str | dict | StopPolicy, policy: StopPolicy) -> str:
     """A short row label: the spec string for named policies, else the policy kind (+ the ref's last part)."""
-    if isinstance(spec, str) and spec.partition(":")[0] in NAMED_SPECS:
+    if isinstance(spec, str) and _training_free(spec):
         return spec
     if isinstance(spec, str) and spec.startswith(GOODPUT_PREFIX):
         inner = spec.removeprefix(GOODPUT_PREFIX)
-        return spec if inner in NAMED_SPECS else f"{policy.kind} ({inner.rstrip('/').split('/')[-1]})"
+        if ":" not in inner and _training_free(inner):
+            return spec
+        return f"{policy.kind} ({inner.rstrip('/').split('/')[-1]})"
     if isinstance(spec, str):
         return f"{policy.kind} ({spec.rstrip('/').split('/')[-1]})"
     return policy.kind

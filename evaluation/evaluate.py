@@ -142,7 +142,7 @@ def predictor_name(policy: StopPolicy | None, ref: str, taken: set[str]) -> str:
     """Row name of a loaded predictor: its kind and label (``disco (greedy match)``), numbered when taken twice; the
     reference (folder or URI) goes in the tables' ``ref`` column. A predictor that did not load: the ref's last part."""
     if policy is not None:
-        label = (getattr(policy, "train_info", None) or {}).get("label") or {}
+        label = policy.train_info.get("label") or {}
         base = f"{policy.kind} ({label['name']})" if label.get("name") else policy.kind
     else:
         base = ref.rstrip("/").split("/")[-1] if not ref.startswith("models:/") else ref.removeprefix("models:/")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -44,7 +45,9 @@ class StopPolicy:
     :meth:`update` (called once per verification round) and :meth:`reset` (called at the start of each sequence).
     A policy says what it is, so that the engine, the replay and the evaluation never test its kind by name: its
     ``round_rule`` (``predictors.round_rules``: which drafted tokens go to verification), ``has_threshold``, and the
-    properties :attr:`exact`, :attr:`needs_companion`, :attr:`needs_target` and :attr:`tunable`.
+    properties :attr:`exact`, :attr:`needs_companion`, :attr:`needs_target` and :attr:`tunable`. The optional
+    capabilities are declared here with their defaults (``fixed_length``, ``online_roc``, ``drafts_failing_token``,
+    ``train_info``, ``metadata``, :attr:`vector_columns`, :attr:`start_threshold`), so callers read them directly.
     """
 
     kind: ClassVar[str] = "base"
@@ -53,6 +56,16 @@ class StopPolicy:
     """How a round is drafted and verified (``predictors.round_rules``)."""
     has_threshold: ClassVar[bool] = True
     """The decision is ``score >= threshold`` (False for static lengths, the +2/-1 heuristic and the oracles)."""
+    fixed_length: ClassVar[bool] = False
+    """A round's length is its cap alone (``static:K``, vLLM's K): a hook computes no feature for it."""
+    online_roc: bool = False
+    """The threshold is re-tuned online from the ROC of the rounds seen (transformers' rule): no sweep tunes it."""
+    drafts_failing_token: bool = False
+    """An oracle also drafts the first mismatching token, as the engine must (the replay check sets it)."""
+    train_info: Mapping[str, Any] = MappingProxyType({})
+    """A learned policy's training record (label, metrics, config, checkpoint); empty for the others."""
+    metadata: Mapping[str, Any] = MappingProxyType({})
+    """The export's ``predictor.json`` fields of a policy loaded from one (calibration maps included); else empty."""
 
     @property
     def verification(self) -> str:
@@ -84,7 +97,21 @@ class StopPolicy:
     def tunable(self) -> bool:
         """A threshold a sweep can tune: thresholded, not SV's goodput rule, not re-tuned online by the policy
         itself."""
-        return self.round_rule.tunable(self) and not getattr(self, "online_roc", False)
+        return self.round_rule.tunable(self) and not self.online_roc
+
+    @property
+    def vector_columns(self) -> Mapping[str, int]:
+        """Input column -> width of the vector-valued columns the policy reads (a learned policy's feature spec)."""
+        return {}
+
+    @property
+    def start_threshold(self) -> float:
+        """The threshold each sequence starts from (an online policy moves its threshold during a sequence)."""
+        return self.threshold
+
+    def start_at(self, threshold: float) -> None:
+        """Set the threshold each sequence starts from (online policies restart from it on every reset)."""
+        self.threshold = float(threshold)
 
     def __init__(self, threshold: float = 0.5, max_draft_len: int = 40) -> None:
         self.threshold = float(threshold)

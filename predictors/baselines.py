@@ -1,12 +1,11 @@
 """Training-free stop policies: static length, HF heuristic, max-confidence, q(x), SVIP, AdaEDL, and the oracle.
 
 Formulas: ../shared/PAPERS.md. Each is a :class:`predictors.base.StopPolicy`; the online ones adapt in :meth:`update`.
+They are built by name through ``predictors.policy_names``.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +25,7 @@ class StaticLength(StopPolicy):
 
     kind = "static"
     has_threshold = False
+    fixed_length = True
     required_columns = ()
 
     def __init__(self, k: int = 5, max_draft_len: int = 40) -> None:
@@ -103,6 +103,13 @@ class MaxConfidence(StopPolicy):
             cost = fpr + 3 * (1 - tpr)
             best = int(np.argmin(cost))
             self.threshold = float(min(thresholds[best], 1.0))
+
+    @property
+    def start_threshold(self) -> float:
+        return self.initial
+
+    def start_at(self, threshold: float) -> None:
+        self.threshold = self.initial = float(threshold)
 
     def reset(self) -> None:
         self.threshold = self.initial
@@ -186,6 +193,13 @@ class AdaEDL(StopPolicy):
             new = lam
         self.threshold = self.beta2 * lam + (1 - self.beta2) * new
 
+    @property
+    def start_threshold(self) -> float:
+        return self.initial
+
+    def start_at(self, threshold: float) -> None:
+        self.threshold = self.initial = float(threshold)
+
     def reset(self) -> None:
         self.threshold = self.initial
         self.acceptance_rate = None
@@ -206,45 +220,6 @@ class Oracle(StopPolicy):
 
     def score(self, features: Mapping[str, Tensor]) -> Tensor:
         return features["greedy_match"].float()
-
-
-BASELINES: dict[str, type[StopPolicy]] = {
-    c.kind: c for c in (StaticLength, HFHeuristic, MaxConfidence, DraftProb, SVIP, AdaEDL, Oracle)
-}
-"""Policy kind -> class: dict specs and exported baselines are built through it."""
-
-
-@dataclass(frozen=True)
-class NamedSpec:
-    """A ``name[:value]`` policy spec: the class it builds, the constructor argument the value sets (None: it takes
-    none), fixed arguments and the least value allowed."""
-
-    cls: type[StopPolicy]
-    param: str | None
-    fixed: Mapping[str, Any] = field(default_factory=dict)
-    minimum: float | None = None
-
-    def build(self, name: str, value: float | None, max_draft_len: int) -> StopPolicy:
-        """The policy of ``name:value`` (``value`` None: the constructor's default)."""
-        kwargs = dict(self.fixed)
-        if self.param is not None and value is not None:
-            if self.minimum is not None and value < self.minimum:
-                raise ValueError(f"{name}:{value:g}: the value must be >= {self.minimum:g}")
-            kwargs[self.param] = value
-        return self.cls(**kwargs, max_draft_len=max_draft_len)
-
-
-NAMED_SPECS: dict[str, NamedSpec] = {
-    "static": NamedSpec(StaticLength, "k", minimum=1),
-    "heuristic": NamedSpec(HFHeuristic, "initial"),
-    "max_confidence": NamedSpec(MaxConfidence, "threshold", {"online_roc": True}),
-    "max_confidence_fixed": NamedSpec(MaxConfidence, "threshold", {"online_roc": False}),
-    "draft_prob": NamedSpec(DraftProb, "threshold"),
-    "svip": NamedSpec(SVIP, "h"),
-    "adaedl": NamedSpec(AdaEDL, "lam"),
-    "oracle": NamedSpec(Oracle, None),
-}
-"""Spec name -> how ``name[:value]`` builds its training-free policy (``decoding.policies.build_policy``)."""
 
 
 ENTROPY_KINDS = ("svip", "adaedl")

@@ -26,9 +26,9 @@ from safetensors.torch import load_file, save_file
 
 from compute.precision import PRECISION_OPTIONS, precision_diffs
 from predictors.base import StopPolicy
-from predictors.baselines import BASELINES
 from predictors.disco import DiscoNet, DiscoPolicy
 from predictors.inputs import FeatureSpec
+from predictors.policy_names import policy_kinds
 from predictors.sprinter import SprinterNet, SprinterPolicy
 from predictors.sv import SVPolicy, SVTable
 
@@ -76,7 +76,7 @@ def baseline_params(policy: StopPolicy) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for name in list(inspect.signature(type(policy).__init__).parameters)[1:]:
         if name in ("threshold", "lam"):
-            params[name] = float(getattr(policy, "initial", policy.threshold))
+            params[name] = float(policy.start_threshold)
         elif hasattr(policy, name):
             params[name] = getattr(policy, name)
         else:
@@ -108,7 +108,7 @@ def export_predictor(policy: StopPolicy, folder: str | Path, metadata: dict) -> 
     }
     if policy.kind in LEARNED:
         net = policy.net  # type: ignore[attr-defined]
-        info = dict(getattr(policy, "train_info", {}) or {})
+        info = dict(policy.train_info)
         meta.update({
             "learned": True,
             "weights": WEIGHTS_FILE,
@@ -125,7 +125,7 @@ def export_predictor(policy: StopPolicy, folder: str | Path, metadata: dict) -> 
         save_file(
             state, str(folder / WEIGHTS_FILE), metadata={"kind": policy.kind, "format_version": str(FORMAT_VERSION)}
         )
-    elif policy.kind in BASELINES:
+    elif policy.kind in policy_kinds():
         meta.update({
             "learned": False,
             "weights": None,
@@ -136,7 +136,8 @@ def export_predictor(policy: StopPolicy, folder: str | Path, metadata: dict) -> 
             "config": {},
         })
     else:
-        raise ValueError(f"cannot export policy kind {policy.kind!r}; known: {sorted(LEARNED) + sorted(BASELINES)}")
+        known = sorted(LEARNED) + sorted(policy_kinds())
+        raise ValueError(f"cannot export policy kind {policy.kind!r}; known: {known}")
     meta.update(metadata or {})
     (folder / METADATA_FILE).write_text(json.dumps(_jsonable(meta), indent=2, sort_keys=True))
     return folder
@@ -217,13 +218,12 @@ def load_predictor(folder: str | Path, draft_fingerprint: dict | None = None, fo
                             int(meta.get("max_draft_len", 40)))
         policy.train_info = {k: meta.get(k) for k in ("label", "metrics", "config", "checkpoint")}
     else:
-        if kind not in BASELINES:
-            raise ValueError(f"{folder}: unknown policy kind {kind!r}; known: {sorted(LEARNED) + sorted(BASELINES)}")
+        kinds = policy_kinds()
+        if kind not in kinds:
+            raise ValueError(f"{folder}: unknown policy kind {kind!r}; known: {sorted(LEARNED) + sorted(kinds)}")
         params = dict(meta.get("params", {}))
-        policy = BASELINES[kind](**params)
+        policy = kinds[kind](**params)
         if "threshold" in meta:  # a threshold tuned after export (update_metadata) wins over the constructor's
-            policy.threshold = float(meta["threshold"])
-            if hasattr(policy, "initial") and isinstance(policy.initial, float):
-                policy.initial = policy.threshold  # online policies reset() to it
-    policy.metadata = meta  # type: ignore[attr-defined]
+            policy.start_at(float(meta["threshold"]))  # online policies reset() to it
+    policy.metadata = meta
     return policy

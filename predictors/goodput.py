@@ -318,4 +318,4 @@ def calibrations_of(meta: Mapping[str, Any] | None) -> dict[str, Calibrator]:
 def goodput_policy(policy: StopPolicy, source: str) -> GoodputPolicy:
     """``policy`` (loaded from an export: its ``metadata`` holds the maps) under the goodput rule; MissingCalibration
     naming ``source`` and the fitting command when the export has no map."""
-    return GoodputPolicy(policy, calibrations_of(getattr(policy, "metadata", None)), source)
+    return GoodputPolicy(policy, calibrations_of(policy.metadata), source)

@@ -321,6 +321,10 @@ class LearnedPolicy(StopPolicy):
         """Filled by training: resolved config, label family / lambda, validation metrics (exported with the
         weights)."""
 
+    @property
+    def vector_columns(self) -> Mapping[str, int]:
+        return self.spec.vector_columns
+
     def inputs(self, features: Mapping[str, object]) -> Tensor:
         """[N, width] inputs (checked) for the policy's module."""
         return build_features(self.spec, features)

@@ -128,8 +128,7 @@ def _uris(uri: str) -> Iterator[None]:
 def frame_to_columns(frame: pd.DataFrame, policy: StopPolicy) -> dict[str, Any]:
     """Record columns for ``policy`` from a DataFrame: scalar columns as is; a vector column either list-valued under
     its own name or flattened into ``<name>_0 .. <name>_{w-1}``."""
-    spec = getattr(policy, "spec", None)
-    vectors = spec.vector_columns if spec is not None else {}
+    vectors = policy.vector_columns
     cols: dict[str, Any] = {}
     for c in policy.required_columns:
         if c in frame.columns:
@@ -151,8 +150,7 @@ def frame_to_columns(frame: pd.DataFrame, policy: StopPolicy) -> dict[str, Any]:
 
 def example_frame(policy: StopPolicy, n: int = 2) -> pd.DataFrame:
     """A small valid flattened input frame for ``policy`` (used to infer the model signature)."""
-    spec = getattr(policy, "spec", None)
-    vectors = spec.vector_columns if spec is not None else {}
+    vectors = policy.vector_columns
     data: dict[str, np.ndarray] = {}
     for c in policy.required_columns:
         if c in vectors:
@@ -271,7 +269,7 @@ def _log_model(uri: str, folder: Path, name: str, signature: Any, run_id: str | 
 def _version_tags(policy: StopPolicy, metric_name: str, val_metric: float, higher_is_better: bool) -> dict[str, str]:
     """The model version's tags: its metric (champions are compared on it), the policy's kind, the direction, the
     draft model and the label."""
-    meta = getattr(policy, "metadata", {}) or {}
+    meta = policy.metadata
     label = (meta.get("label") or {}).get("name", "") if isinstance(meta.get("label"), dict) else ""
     return {metric_name: repr(float(val_metric)), "kind": str(policy.kind), "higher_is_better": str(higher_is_better),
             "draft": str((meta.get("draft_fingerprint") or {}).get("name", "")), "label": str(label)}

@@ -17,8 +17,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from data_gen.shards import read_columns
-from predictors.baselines import BASELINES
 from predictors.export import FingerprintMismatch, export_predictor, load_predictor, read_metadata, update_metadata
+from predictors.policy_names import policy_kinds
 from predictors.registry import (
     TrackingUnreachable,
     example_frame,
@@ -109,9 +109,9 @@ def test_export_loads_with_torch_and_safetensors_alone(trained):
     assert "torch.Size([2])" in out.stdout
 
 
-@pytest.mark.parametrize("kind", sorted(BASELINES))
+@pytest.mark.parametrize("kind", sorted(policy_kinds()))
 def test_baselines_export_and_load(kind, tmp_path):
-    policy = BASELINES[kind]()
+    policy = policy_kinds()[kind]()
     folder = export_predictor(policy, tmp_path / kind, {})
     loaded = load_predictor(folder, draft_fingerprint=FP)
     assert type(loaded) is type(policy) and loaded.threshold == policy.threshold

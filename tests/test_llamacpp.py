@@ -18,8 +18,8 @@ from compute.timing import CostModel
 from decoding.policies import build_policy
 from predictors import goodput
 from predictors.base import StopPolicy
-from predictors.round_rules import GOODPUT, SEQUENTIAL
 from predictors.baselines import StaticLength
+from predictors.round_rules import GOODPUT, SEQUENTIAL
 from predictors.runtime_rules import LlamaCppRule
 from runtimes.llamacpp.draft import SpecstopDraftModel, check_policy, draft_round, step_features
 from runtimes.llamacpp.llama import (

@@ -20,8 +20,8 @@ from evaluation.replay import (
 )
 from predictors import goodput
 from predictors.base import RoundFeedback, StopPolicy
-from predictors.round_rules import GOODPUT, SEQUENTIAL
 from predictors.baselines import SVIP, HFHeuristic, MaxConfidence, Oracle, StaticLength
+from predictors.round_rules import GOODPUT, SEQUENTIAL
 
 
 class ColumnScore(StopPolicy):

@@ -210,7 +210,7 @@ def replay_policy(
     miss = missing_columns(policy, data.features)
     if miss:
         raise KeyError(
-            f"{getattr(policy, 'kind', type(policy).__name__)} needs the columns {miss}; missing from the data"
+            f"{policy.kind} needs the columns {miss}; missing from the data"
         )
     companion = policy.needs_companion
     cm = cost_model
@@ -343,7 +343,7 @@ def _round_lengths(rp: _Replay, s: int, rows: np.ndarray, rem: int, plan: dict[i
     cap = len(rows)
     if rp.rule.hindsight:  # the acceptable run, and the failing token when run as the engine does
         run = int(rp.data.match_run[s])
-        extra = int(getattr(rp.policy, "drafts_failing_token", False) and rp.mode == "greedy")
+        extra = int(rp.policy.drafts_failing_token and rp.mode == "greedy")
         n = min(run + extra, cap, rem - 1)
         return n, n
     if cap == 0:

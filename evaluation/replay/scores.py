@@ -4,7 +4,6 @@ the token; plus the columns a policy lacks and a copy of a policy at another thr
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -21,7 +20,7 @@ __all__ = ["missing_columns", "overrides", "policy_scores", "position_score_matr
 def missing_columns(policy: StopPolicy, available: Iterable[str]) -> list[str]:
     """Columns the policy needs that the data lacks."""
     have = set(available)
-    return [c for c in getattr(policy, "required_columns", ()) if c not in have]
+    return [c for c in policy.required_columns if c not in have]
 
 
 def overrides(policy: StopPolicy, name: str) -> bool:
@@ -32,12 +31,12 @@ def overrides(policy: StopPolicy, name: str) -> bool:
 
 def _needs_round_features(policy: StopPolicy) -> bool:
     """Scores depend on the in-round position or on earlier tokens of the round: score per round, not once."""
-    return "position" in getattr(policy, "required_columns", ()) or overrides(policy, "keep_drafting")
+    return "position" in policy.required_columns or overrides(policy, "keep_drafting")
 
 
 def _position_dependent(policy: StopPolicy) -> bool:
     """The score reads the in-round ``position`` but is otherwise per token: precompute one column per position."""
-    return "position" in getattr(policy, "required_columns", ()) and not overrides(policy, "keep_drafting")
+    return "position" in policy.required_columns and not overrides(policy, "keep_drafting")
 
 
 def position_score_matrix(policy: StopPolicy, features: Mapping[str, Tensor], width: int) -> np.ndarray:
@@ -89,9 +88,5 @@ def window_features(features: Mapping[str, Tensor], rows: np.ndarray) -> dict[st
 def with_threshold(policy: StopPolicy, threshold: float) -> StopPolicy:
     """A copy of ``policy`` starting at ``threshold`` (online policies restart from it on every reset)."""
     p = copy.deepcopy(policy)
-    old = p.threshold
-    p.threshold = float(threshold)
-    init = getattr(p, "initial", None)
-    if isinstance(init, float) and math.isclose(init, old):
-        p.initial = float(threshold)
+    p.start_at(threshold)
     return p

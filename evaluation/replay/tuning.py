@@ -151,7 +151,7 @@ def replay_table(
     rows, sweeps = [], []
     results: dict[str, ReplayResult] = {}
     for name, pol in all_pols.items():
-        base = {"policy": name, "kind": getattr(pol, "kind", ""), "threshold": getattr(pol, "threshold", float("nan"))}
+        base = {"policy": name, "kind": pol.kind if pol else "", "threshold": pol.threshold if pol else float("nan")}
         if pol is None:
             rows.append({**base, **common, "reason": "policy not loaded"})
             continue

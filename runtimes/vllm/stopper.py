@@ -45,7 +45,6 @@ from compute.timing import CostModel
 from decoding.draft_steps import DraftedRound, check_policy, draft_step, step_features, take_candidate, verified_count
 from predictors import goodput
 from predictors.base import RoundFeedback, StopPolicy
-from predictors.baselines import StaticLength
 from predictors.batch_goodput import BatchCost, batch_keep_drafting, batch_rate, send_lengths, worth_drafting
 from predictors.calibration import Calibrator
 from runtimes.vllm.traces import TraceWriter
@@ -127,7 +126,7 @@ class RequestStopper:
         self.max_draft_len, self.top_k = int(max_draft_len), int(top_k)
         self.counts = StopperCounts()
         self.acceptance, self.traces, self.draft_to_cap = acceptance, traces, draft_to_cap
-        self.batch_rule = bool(batch_rule and not draft_to_cap and self.curves and not isinstance(policy, StaticLength)
+        self.batch_rule = bool(batch_rule and not draft_to_cap and self.curves and not policy.fixed_length
                                and (self.rule.cost_aware or acceptance is not None))
         self.skip_idle, self.prior = bool(skip_idle and self.batch_rule), min(max(float(prior), 0.0), 1.0)
         self._recent: dict[str, list[float]] = {}
@@ -245,7 +244,7 @@ class RequestStopper:
         """One request's drafted position with its calibrated acceptance kept (the batch rule's input) and its
         features kept for the trace; returns its own rule's answer (a goodput policy's is the batch rule's)."""
         pol = self._policies[self._ids[i]]
-        if isinstance(pol, StaticLength):
+        if pol.fixed_length:
             return draft_step(logits, pol, rnd, self.top_k, cap, self._cost)
         tok, feats = step_features(logits.float(), pol, self.top_k, len(rnd.tokens))
         raw = pol.score_list(feats)[0]
