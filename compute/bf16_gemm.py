@@ -1,34 +1,16 @@
-"""The bfloat16 GEMM of the packed-bf16 compute path: y = x W^T with fp32 accumulation, batch-invariant, in one
-native kernel per CPU ISA: ``csrc/bf16_gemm.cpp`` (AVX512-BF16 ``vdpbf16ps``, and AMX-BF16 tiles where the CPU has
-them) and ``csrc/bf16_gemm_avx2.cpp`` (AVX2: bf16 weights widened to fp32 in registers, fp32 FMA).
+"""The bfloat16 GEMM of the packed-bf16 path: y = x W^T with fp32 accumulation, batch-invariant, one native kernel
+per ISA (``csrc/bf16_gemm.cpp``: AVX512-BF16 and AMX tiles; ``csrc/bf16_gemm_avx2.cpp``: AVX2 + FMA).
 
-Why: oneDNN's bf16 kernels read the weights again past ~6 rows and sum one row in another order than many rows, and on
-AVX2 CPUs oneDNN has no bf16 pack at all. Here up to 16 rows stream the weights once, and each output element is the
-same chain of instructions over K whatever the number of rows, so a row has the same bits alone, in a verification
-forward or inside a prompt.
-
-ISA (:func:`isa`, ``compute.cpu``): a process runs the best kernel its CPU has, or the one ``SPECSTOP_ISA`` names
-(``avx2`` on any x86 host: the AVX2 kernel is then built, tested and timed on AVX-512 hosts too). The two kernels sum
-in other orders, so a process uses one of them for all its packs and data records which (``gemm``: ``specstop`` or
-``specstop-avx2``, :func:`gemm_name`). Every function takes ``isa`` to address one kernel explicitly (tests and
-benchmarks run both side by side); a pack must be multiplied by the kernel that made it (an int8 pack's byte order
-differs). On the AVX-512 kernel a bfloat16 pack runs on AMX tiles where the CPU has them (:func:`chain`;
-``SPECSTOP_AMX=0`` keeps vdpbf16ps), another chain again, decided once per process.
-
-:func:`pack_int8` stores the weights as int8 with one scale per output channel, which the kernels widen exactly (half
-the bytes; the compute path uses it for draft-side models, ``--models.int8_draft``).
-
-:func:`available` is False where the CPU lacks the ISA, the build fails or ``SPECSTOP_NATIVE=0``; the compute path then
-keeps oneDNN.
+Up to 16 rows stream the weights once, and each output is the same chain over K whatever the row count, so a row has
+the same bits alone or in a verification forward (oneDNN re-reads the weights past ~6 rows, and has no bf16 pack on
+AVX2). The kernels sum in other orders, so a process uses one for all its packs and records which (:func:`gemm_name`);
+a pack is multiplied by the kernel that made it. ISA choice and ``SPECSTOP_ISA`` / ``SPECSTOP_AMX``:
+docs/compute-path.md.
 
 Usage::
 
-    from compute import bf16_gemm
-    if bf16_gemm.available():
-        wp = bf16_gemm.pack(linear.weight)              # [ceil(N/16), K/2, 16, 2] bfloat16
-        y = bf16_gemm.gemm(x.to(torch.bfloat16), wp, linear.out_features)   # [M, N] bfloat16
-        wq, scale = bf16_gemm.pack_int8(linear.weight)  # int8 [ceil(N / 16), K / 2, 16, 2], fp32 [ceil(N / 16) * 16]
-        y = bf16_gemm.gemm(x.to(torch.bfloat16), wq, linear.out_features, scale)
+    wp = bf16_gemm.pack(linear.weight)                                  # [ceil(N/16), K/2, 16, 2] bfloat16
+    y = bf16_gemm.gemm(x.to(torch.bfloat16), wp, linear.out_features)   # [M, N] bfloat16
 """
 from __future__ import annotations
 
@@ -55,12 +37,9 @@ _EXTS = {
 
 
 def isa() -> str:
-    """The ISA specstop's kernels run on in this process: ``SPECSTOP_ISA`` when set (checked against the CPU), else
-    the best the CPU has (``avx512``, ``avx2``), or ``none``. Where the CPU flags are unknown (no /proc/cpuinfo) the
-    kernels are asked (built).
-
-    Raises:
-        ValueError: ``SPECSTOP_ISA`` names an unknown ISA or one this CPU lacks (the message names what it has).
+    """The ISA specstop's kernels run on in this process: ``SPECSTOP_ISA`` when set, else the best the CPU has
+    (``avx512``,
+    ``avx2``) or ``none``; ValueError for an ISA unknown or missing on this CPU.
     """
     return _isa(os.environ.get("SPECSTOP_ISA", ""), tuple(cpu.cpu_model()["simd_flags"]), cpu.is_x86())
 
@@ -106,8 +85,10 @@ def unavailable_reason(which: str | None = None) -> str:
 
 
 def chain(which: str | None = None) -> str:
-    """The instructions bfloat16 packs run on with that kernel: ``amx`` (AMX-BF16 tiles), ``avx512-bf16``
-    (vdpbf16ps), ``avx2`` (fp32 FMA), or ``none`` (the kernel is unavailable). Decided once per process."""
+    """The instructions bf16 packs run on with that kernel: ``amx``, ``avx512-bf16``, ``avx2`` or ``none``; decided once
+    per
+    process.
+    """
     _, ext = _ext(which)
     if ext is None or not available(which):
         return "none"
@@ -115,8 +96,7 @@ def chain(which: str | None = None) -> str:
 
 
 def gemm_name(which: str | None = None) -> str:
-    """What a model fingerprint records as its ``gemm`` on that kernel: ``specstop`` (AVX512-BF16 / AMX) or
-    ``specstop-avx2``."""
+    """What a fingerprint records as ``gemm`` on that kernel: ``specstop`` (AVX512-BF16 / AMX) or ``specstop-avx2``."""
     name, _ = _ext(which)
     return "specstop" if name == "avx512" else f"specstop-{name}"
 
@@ -140,10 +120,9 @@ def pack(weight: Tensor, which: str | None = None) -> Tensor:
 
 
 def pack_int8(weight: Tensor, which: str | None = None) -> tuple[Tensor, Tensor]:
-    """[N, K] weight -> (int8 [ceil(N / 16), K / 2, 16, 2], float32 scales [ceil(N / 16) * 16]): each output row
-    rounded to integers in [-127, 127] times its own scale ``max|w| / 127`` (symmetric, per output channel), in the
-    byte order of the ISA's kernel. Half the bytes of :func:`pack`; the kernel widens the integers exactly and scales
-    the fp32 sums, so a row's result is still the same whatever the number of rows."""
+    """[N, K] weight -> (int8 pack, fp32 scales [ceil(N / 16) * 16]): each output row symmetric-quantised by ``max|w| /
+    127``, in the ISA's byte order; half the bytes of :func:`pack`, still batch-invariant.
+    """
     return _module("pack_int8", weight, which).pack_int8(weight.detach())
 
 
@@ -166,9 +145,10 @@ def _built(what: str, which: str | None) -> Any:
 
 def gemm(x: Tensor, packed: Tensor, out_features: int, scale: Tensor | None = None, fp32_out: bool = False,
          which: str | None = None) -> Tensor:
-    """[M, K] bfloat16 contiguous rows times the packed weight (of :func:`pack`, or of :func:`pack_int8` with its
-    ``scale``, made for the same ISA) -> [M, out_features] bfloat16 (fp32 sums, scaled for int8, rounded to nearest
-    even), or with ``fp32_out`` float32: the same sums unrounded (an LM head's logits keep fp32 resolution)."""
+    """[M, K] bf16 rows times a pack of the same ISA (int8 with its ``scale``) -> [M, out_features] bf16, or the fp32
+    sums
+    unrounded with ``fp32_out`` (for LM heads).
+    """
     mod = _built("gemm", which)
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         x = x.to(torch.bfloat16).contiguous()

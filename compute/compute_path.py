@@ -1,48 +1,14 @@
-"""The CPU compute path: every large linear layer of a loaded model runs on one prepacked weight (oneDNN's, or
-specstop's bf16 GEMM), and the model's attention on the row-invariant kernel.
+"""The CPU compute path: a loaded model's large linears run on one prepacked weight (oneDNN's, or specstop's bf16
+GEMM) and its attention on the row-invariant kernel.
 
-Why: on x86 CPUs fp32 ``F.linear`` goes straight to the BLAS sgemm, whose small-M path reads the weights once per few
-rows, so a target forward of 4 or 8 new tokens costs 2-3x one token and verification pays it on every round (see
-DESIGN.md, "The compute path on CPU"). A pack made once, valid for every row count M, keeps a forward of up to ~8-16
-rows close to the memory-bound cost of one row.
-
-Paths (``ModelSpec.compute`` / ``--models.compute``; chosen by :mod:`compute.path_choice`):
-
-- ``auto`` (default): the fastest exact path this CPU runs (``packed-bf16`` on specstop's kernel of either ISA, else
-  oneDNN's bf16, else ``packed``); on any other device ``eager``.
-- ``packed``: fp32 weights in oneDNN's layout; same dtype as eager, results equal to eager up to summation order.
-- ``packed-bf16``: weights packed in bfloat16; activations, norms, attention and the KV cache stay fp32 (inputs are
-  rounded to bfloat16 at each linear, the GEMM accumulates in fp32 and rounds its output to bfloat16, which comes back
-  as fp32). Half the weight bytes: about twice as fast per token where reading the weights bounds a step, and the
-  model fits in half the memory. It changes q and p slightly, so a data folder records the path it was labelled with
-  (``compute_path`` in its config) and the decoder warns when a predictor's data used another.
-- ``eager``: the model as transformers builds it (torch's default kernels).
-
-Only ``nn.Linear`` layers with at least ``MIN_PACK_ELEMENTS`` weights are packed (tiny test models keep eager
-numerics), and sibling layers that read the same input (q, k, v; gate, up: :data:`FUSED_GROUPS`) are packed as one
-GEMM each, with the same bits as separate packs; the original weight is freed, so ``packed`` costs no extra memory
-and ``packed-bf16`` halves the linears' (a tied LM head keeps the embedding it shares and adds its packed copy).
-
-On ``packed-bf16`` the packs run on specstop's own GEMM (:mod:`compute.bf16_gemm`: AVX512-BF16 or AMX-BF16 tiles, or
-AVX2 + FMA) where the CPU has it: it streams the weights once for up to 16 rows, where oneDNN's bf16 kernels read them
-again past ~6 rows (and oneDNN has no bf16 pack on AVX2). ``native_gemm=False`` keeps oneDNN's; the fingerprint
-records which, and on specstop's kernel which ISA (``gemm``: ``specstop``, ``specstop-avx2`` or ``onednn``). There,
-draft-side models (``int8_weights``) store their weights as int8 with per-channel scales: half the bytes of a draft
-step, which reading them bounds (the fingerprint's ``weights``).
-
-Exactness: on both packed paths a forward is batch-invariant, i.e. a position's logits have the same bits whether it
-is computed in a one-token step, in a verification forward of L tokens or in the prompt. specstop's bf16 GEMM is so by
-construction; on oneDNN PackedLinear keeps every row count on one kernel (padding fewer than ``MIN_ROWS`` rows); and
-the model's attention is switched to :func:`row_invariant_attention`. So greedy speculative decoding reproduces the
-path's own one-token decoding token for token, in bfloat16 too.
-
-This module applies the path to a model (:func:`apply_compute_path`, :func:`use_row_invariant_attention`) and is the
-compute path's public face: the names of :mod:`compute.path_choice`, :mod:`compute.packed_layers`,
-:mod:`compute.row_attention` and :mod:`compute.precision` are importable from here.
+A pack made once for every row count keeps a target forward of up to 16 tokens near the cost of one, so verification
+stays cheap; on the packed paths a forward is batch-invariant, so greedy speculative decoding reproduces the path's
+own one-token decoding bit for bit. The paths (``packed-bf16``, ``packed``, ``eager``, ``auto``) and why each piece
+exists: docs/compute-path.md. The names of ``path_choice``, ``packed_layers``, ``row_attention`` and ``precision`` are
+importable from here.
 
 Usage::
 
-    from compute.compute_path import apply_compute_path, resolve_compute_path
     path = resolve_compute_path("auto", torch.device("cpu"))        # e.g. "packed-bf16"
     stats = apply_compute_path(model, path)                         # {"packed_layers": 197, ...}
 """
@@ -115,12 +81,8 @@ MIN_PACK_ELEMENTS = 1 << 18
 
 
 def use_row_invariant_attention(model: nn.Module, on: bool = True) -> bool:
-    """Switch a packed model's attention to :func:`row_invariant_attention` (``on``, as loaded) or back to SDPA;
-    returns whether the model now runs it. Eager models, and models whose attention is neither SDPA nor eager, keep
-    their own.
-
-    Work that needs no batch invariance may turn it off: a long teacher-forced pass runs faster on SDPA's blocked
-    kernels than row by row.
+    """Switch a packed model's attention to :func:`row_invariant_attention` (``on``) or back to SDPA; returns whether it
+    runs it. A long teacher-forced pass that needs no batch invariance runs faster on SDPA.
     """
     cfg = getattr(model, "config", None)
     if compute_path_of(model) == "eager" or cfg is None or not hasattr(model, "set_attn_implementation"):
@@ -163,40 +125,22 @@ def apply_compute_path(
     model: nn.Module, path: str, bf16_head: bool = False, min_elements: int = MIN_PACK_ELEMENTS, fuse: bool = True,
     native_gemm: bool = True, int8_weights: bool = False, fp32_logits: bool = False, native_layers_on: bool = True,
 ) -> dict[str, Any]:
-    """Swap the model's large ``nn.Linear`` layers for :class:`PackedLinear` (in place) for a resolved ``path``.
+    """Swap the large ``nn.Linear`` layers for packed ones, in place, for a resolved ``path``; returns the stats.
 
     Args:
-        model: a model on the CPU, in eval mode, in float32 (the packed paths keep fp32 activations).
+        model: a float32 model on the CPU, in eval mode.
         path: ``packed``, ``packed-bf16`` or ``eager`` (no change); resolve ``auto`` first.
-        bf16_head: with ``packed-bf16``, pack the LM head in bfloat16 too (int8 with ``int8_weights``). On specstop's
-            kernel the head returns its fp32 sums (``head_dtype`` ``bfloat16-fp32-logits``): only the final hidden
-            state and the weights are rounded, as in every other layer of the bf16 path. oneDNN rounds its bf16
-            outputs, which for logits of magnitude 16-32 is a step of 0.125 (probabilities off by up to a few %,
-            more argmax ties; ``head_dtype`` ``bfloat16``). The head is a large share of the bytes a small draft's
-            step reads; ``load_model`` turns it on per role (``ModelSpec.bf16_head``).
-        fp32_logits: the head must keep fp32 resolution (the target's: its logits are the output): a bf16 head only
-            where it returns fp32 sums (specstop's kernel), else the head stays fp32.
-        min_elements: layers with fewer weights stay eager (tests pass 0 to pack tiny models); a fused group counts
-            its members' weights together.
-        fuse: pack each :data:`FUSED_GROUPS` of sibling linears as one GEMM (:class:`FusedLinears`): one call
-            instead of three (q, k, v) or two (gate, up) per layer.
-        native_gemm: with ``packed-bf16``, run the bf16 packs on specstop's kernel (:mod:`compute.bf16_gemm`, the
-            process's ISA) where this CPU has it, else on oneDNN's. Another summation order: a data folder records
-            which (``gemm`` in the fingerprint).
-        int8_weights: on specstop's kernel, store the bf16 packs' weights as int8 with one scale per output channel
-            (:func:`compute.bf16_gemm.pack_int8`): half the bytes a step streams, activations still bf16. For
-            draft-side models only (``ModelSpec.int8_weights``): their proposals never change what exact decoding
-            emits. Ignored where the kernel does not run (fp32 path, oneDNN): the model keeps its pack dtype, and
-            ``weights_of`` says which it got (``weights`` in the fingerprint).
-        native_layers_on: run each decoder layer whose structure :mod:`compute.native_layers` reproduces as one native
-            call (with ``fuse``, on specstop's kernel, while the row-invariant attention is on): the same bits without
-            the Python around the layer.
-    Returns:
-        stats: packed layer count (fused members included), fused groups, weight bytes before and after, the path.
+        bf16_head: with ``packed-bf16``, pack the LM head in bf16 too (int8 with ``int8_weights``); specstop's kernel
+            returns fp32 logits, oneDNN rounds them to bf16 (a step of 0.125 at logit 16-32).
+        fp32_logits: the head keeps fp32 resolution (the target's): bf16 only where the kernel returns fp32 sums.
+        min_elements: layers with fewer weights stay eager (a fused group counts its members together).
+        fuse: pack each :data:`FUSED_GROUPS` of siblings (q/k/v, gate/up) as one GEMM.
+        native_gemm: run bf16 packs on specstop's kernel where the CPU has it, else oneDNN's (recorded as ``gemm``).
+        int8_weights: on specstop's kernel, int8 weights with per-channel scales; for draft-side models only.
+        native_layers_on: run each decoder layer :mod:`compute.native_layers` reproduces as one native call.
     Raises:
-        ValueError: for ``auto`` / unknown paths, a model not in float32 on the CPU, or ``packed-bf16`` on oneDNN
-            where oneDNN has no bf16.
-        MemoryError: when packing runs out of memory (the message says how much was needed and how to turn it off).
+        ValueError: for ``auto`` or unknown paths, a model not float32 on the CPU, or bf16 where oneDNN has none.
+        MemoryError: when packing runs out of memory (the message says how much and how to turn it off).
     """
     if path == "eager":
         return {"compute_path": "eager", "packed_layers": 0}
@@ -247,8 +191,7 @@ def _packing(model: nn.Module, path: str, native_gemm: bool, int8_weights: bool,
 
 
 def _pack_fused_groups(model: nn.Module, plan: _Packing, stats: dict[str, Any]) -> int:
-    """Pack each fusable sibling group as one GEMM (:class:`FusedLinears`), counting into ``stats``; returns how
-    many groups."""
+    """Pack each fusable sibling group as one GEMM, counting into ``stats``; returns how many groups."""
     groups = _fusable_groups(model, plan.min_elements)
     for parent, group in groups:
         lins = [getattr(parent, n) for n in group]
@@ -263,8 +206,7 @@ def _pack_fused_groups(model: nn.Module, plan: _Packing, stats: dict[str, Any]) 
 
 
 def _pack_linears(model: nn.Module, plan: _Packing, stats: dict[str, Any]) -> None:
-    """Pack every remaining large linear on its own (the LM head in fp32 unless ``plan.head_bf16``), counting into
-    ``stats``."""
+    """Pack every remaining large linear on its own (the LM head in fp32 unless ``plan.head_bf16``)."""
     tied = _tied_output_weight(model)
     for parent, name, lin in _linears(model):
         if lin.weight.numel() < plan.min_elements:
@@ -290,8 +232,7 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def _gated_mlps(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """(parent, name, mlp) of every :data:`GATED_MLPS` module whose gate and up are one fused pack without bias and
-    whose down is packed in the same dtype."""
+    """(parent, name, mlp) of every gated MLP whose gate/up is one fused pack and whose down has the same dtype."""
     out = []
     for parent in model.modules():
         for name, mlp in parent.named_children():
@@ -308,8 +249,7 @@ def _gated_mlps(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
 
 
 def _fusable_groups(model: nn.Module, min_elements: int) -> list[tuple[nn.Module, tuple[str, ...]]]:
-    """(parent, names) of every :data:`FUSED_GROUPS` whose members are plain linears over one input width with the
-    same bias presence and at least ``min_elements`` weights together."""
+    """(parent, names) of every sibling group of plain linears over one input, same bias presence, large enough."""
     out = []
     for parent in model.modules():
         for group in FUSED_GROUPS:
@@ -324,8 +264,7 @@ def _fusable_groups(model: nn.Module, min_elements: int) -> list[tuple[nn.Module
 
 
 def _pack_or_explain(model: nn.Module, what: str, need: int, pack: Any, *args: Any) -> Any:
-    """``pack(*args)``, with oneDNN's allocation failure turned into a MemoryError that says how much and how to turn
-    the path off."""
+    """``pack(*args)``, with oneDNN's allocation failure raised as a MemoryError that says how to turn it off."""
     try:
         return pack(*args)
     except RuntimeError as e:  # oneDNN reports allocation failures as RuntimeError
@@ -338,11 +277,8 @@ def _pack_or_explain(model: nn.Module, what: str, need: int, pack: Any, *args: A
 
 
 def _detach_from_file(model: nn.Module) -> None:
-    """Copy the remaining weights (embeddings, norms, small layers) into the process's own memory.
-
-    transformers maps a safetensors file and its tensors are views into that mapping: while any of them lives, the
-    whole file stays mapped and the pages the packing read stay resident (counted in the RSS though reclaimable). Once
-    nothing points into the file, the mapping goes with it.
+    """Copy the remaining weights into the process's own memory, so the safetensors file's mapping (and its resident
+    pages) is released once nothing points into it.
     """
     with torch.no_grad():
         for module in model.modules():

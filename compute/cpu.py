@@ -1,14 +1,8 @@
-"""What this CPU is: its model name, the SIMD flags that decide the compute path, and the instruction set specstop's
-native kernels run on (``SPECSTOP_ISA``).
-
-Kernel ISAs (:data:`ISA_FLAGS`): ``avx512`` is the AVX512-BF16 GEMM (and AMX-BF16 tiles where the CPU has them),
-``avx2`` the AVX2 + FMA one. A process runs the best its CPU has; ``SPECSTOP_ISA=avx2`` forces the AVX2 kernels on any
-x86 host (so that they are built, tested and timed on AVX-512 hosts too), ``SPECSTOP_ISA=avx512`` asks for the
-AVX512-BF16 kernel. An ISA the CPU lacks is refused, naming what it has.
+"""What this CPU is: its model name, the SIMD flags that decide the compute path, and the ISA specstop's native kernels
+run on (``avx512`` or ``avx2``; ``SPECSTOP_ISA`` forces one the CPU has).
 
 Usage::
 
-    from compute.cpu import cpu_model, requested_isa
     cpu_model()["simd_flags"]     # ['avx', 'avx2', 'avx512_bf16', ...]
     requested_isa()               # 'avx2' under SPECSTOP_ISA=avx2, None when unset
 """
@@ -29,15 +23,13 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
     "avx2": ("avx2", "fma"),
 }
-"""Kernel ISA -> the /proc/cpuinfo flags it needs, best first (the AVX2 build's F16C, which every AVX2 CPU has, is
-checked by the kernel itself)."""
+"""Kernel ISA -> the /proc/cpuinfo flags it needs, best first."""
 ISA_NAMES = {"avx512": "AVX512-BF16", "avx2": "AVX2 with FMA"}
 
 
 @functools.lru_cache(maxsize=1)
 def cpuinfo_fields() -> dict[str, str]:
-    """The first CPU's fields of /proc/cpuinfo (``model name``, ``flags``, ``vendor_id``, ``cpu family``, ``model``,
-    ...); empty where the file does not exist."""
+    """The first CPU's fields of /proc/cpuinfo (``model name``, ``flags``, ...); empty where the file does not exist."""
     fields: dict[str, str] = {}
     path = Path("/proc/cpuinfo")
     if path.is_file():
@@ -49,8 +41,7 @@ def cpuinfo_fields() -> dict[str, str]:
 
 @functools.lru_cache(maxsize=1)
 def cpu_model() -> dict[str, Any]:
-    """Model name and the SIMD flags that decide the compute path (from /proc/cpuinfo where it exists; no flags where
-    it does not, and the kernels then say what they run on)."""
+    """Model name and the SIMD flags that decide the compute path (no flags without /proc/cpuinfo)."""
     info = cpuinfo_fields()
     model, flags = info.get("model name", ""), set(info.get("flags", "").split())
     simd = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
@@ -74,10 +65,9 @@ def isas_of(flags: set[str] | list[str]) -> list[str]:
 
 
 def requested_isa() -> str | None:
-    """The kernel ISA ``SPECSTOP_ISA`` asks for (``avx512`` or ``avx2``), None when it is unset or ``auto``.
-
-    Raises:
-        ValueError: another value, or an ISA this CPU's flags lack (the message names what the CPU has).
+    """The kernel ISA ``SPECSTOP_ISA`` asks for, None when unset or ``auto``; ValueError for another value or an ISA
+    this
+    CPU lacks.
     """
     return _checked_isa(os.environ.get("SPECSTOP_ISA", "").strip().lower(), tuple(cpu_model()["simd_flags"]),
                         cpu_model()["model_name"], is_x86())
@@ -104,6 +94,5 @@ def _checked_isa(value: str, flags: tuple[str, ...], model: str, x86: bool) -> s
 
 
 def avx512_allowed() -> bool:
-    """AVX-512 code outside the bf16 GEMM (the decoding attention's) may run where the CPU has it: not under
-    ``SPECSTOP_ISA=avx2``, whose process computes as an AVX2 host does."""
+    """AVX-512 code outside the bf16 GEMM may run: the CPU has it and ``SPECSTOP_ISA`` is not ``avx2``."""
     return requested_isa() != "avx2"

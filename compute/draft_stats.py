@@ -1,22 +1,14 @@
-"""The draft statistics of a stop decision in one native call: entropy, q(token) and the top-k probabilities of
-softmax(z / T) for each row of logits, without materialising the probabilities (``csrc/draft_stats.cpp``, its row
-kernels in ``csrc/softmax_rows.h`` and ``csrc/pair_rows.h``); and DISCO's inputs and network on them in another
-(:func:`disco_score`).
+"""The draft statistics of a stop decision in one native call (``csrc/draft_stats.cpp``): entropy, q(token) and top-k
+of softmax(z / T) without materialising the probabilities, and DISCO's score on them.
 
-After a draft forward that streamed its weights through the caches, every small torch op of the stop decision costs
-several times its warm cost (code and dispatcher state come back from memory); the torch version of these statistics
-is about a dozen kernels and passes over the vocabulary, the native one is one call with two passes. It is built on
-first use with ``torch.utils.cpp_extension.load`` (g++ and ninja; a few seconds, cached as
-``compute.native`` says) as one binary with AVX-512, AVX2 and baseline clones picked at load time.
-:func:`draft_stats` returns None where it does not apply (not a CPU tensor, no compiler, ``SPECSTOP_NATIVE=0``) and
-callers compute the same quantities with torch ops (``data_gen.features``).
+Right after a draft forward every small torch op costs several times its warm cost, so one call with two passes over
+the vocabulary replaces a dozen kernels. Each function returns None where the native path does not apply (not a CPU
+tensor, no compiler, ``SPECSTOP_NATIVE=0``) and callers use the torch ops of ``data_gen.features``.
 
 Usage::
 
-    stats = draft_stats(logits, tokens, k=10, temperature=0.0)   # [N, 2 + k] or None
-    tokens, stats = greedy_draft_stats(logits, k=10)              # greedy: the argmax and its statistics at once
-    entropy, q, topk = stats[:, 0], stats[:, 1], stats[:, 2:]
-    score = disco_score(topk, [position], [8.0], [False], (w1, b1, w2, b2), (-1, 1.0, 0.0))  # DiscoPolicy's
+    stats = draft_stats(logits, tokens, k=10, temperature=0.0)   # [N, 2 + k]: entropy, q, top-k; or None
+    tokens, stats = greedy_draft_stats(logits, k=10)              # the argmax and its statistics at once
 """
 from __future__ import annotations
 
@@ -46,9 +38,10 @@ def native_available() -> bool:
 
 
 def draft_stats(logits: Tensor, tokens: Tensor, k: int, temperature: float = 0.0) -> Tensor | None:
-    """[..., V] logits, [...] tokens -> [..., 2 + k] float32 (entropy, q(token), top-k probabilities descending, zeros
-    past V) of softmax(logits / temperature) (temperature 0 or 1: softmax(logits)); NaN in a row whose logits hold NaN
-    or inf. None when the native path does not apply (then use torch ops)."""
+    """[..., V] logits, [...] tokens -> [..., 2 + k] float32: entropy, q(token), top-k probabilities of softmax(logits /
+    T)
+    (NaN where a row holds NaN or inf); None when the native path does not apply.
+    """
     if logits.device.type != "cpu" or k < 1:
         return None
     mod = _load()
@@ -60,10 +53,10 @@ def draft_stats(logits: Tensor, tokens: Tensor, k: int, temperature: float = 0.0
 
 
 def greedy_draft_stats(logits: Tensor, k: int, name: str = "draft") -> tuple[Tensor, Tensor] | None:
-    """Greedy decoding's draft step in one native call: [B, V] logits -> ([B] int64 tokens, each row's first argmax as
-    ``torch.argmax`` picks it; [B, 2 + k] their :func:`draft_stats`), the argmax read off the statistics' own passes.
-    FloatingPointError naming ``name`` when a row's logits hold NaN or inf; None when the native path does not apply
-    (then ``argmax`` and :func:`draft_stats`)."""
+    """Greedy decoding's draft step: [B, V] logits -> ([B] first argmax, [B, 2 + k] its :func:`draft_stats`) in one
+    call;
+    FloatingPointError naming ``name`` for a non-finite row, None when not native.
+    """
     if logits.device.type != "cpu" or k < 1 or logits.dim() != 2:
         return None
     mod = _load()
@@ -79,10 +72,10 @@ def greedy_draft_stats(logits: Tensor, k: int, name: str = "draft") -> tuple[Ten
 
 def pair_stats(draft_logits: Tensor, other_logits: Tensor, tokens: Tensor, temperature: float = 0.0
                ) -> tuple[Tensor, Tensor] | None:
-    """The draft against another model (target or companion) on the same positions: ([..., 4] float32: the other's
-    probability of the token, its entropy, TV = 1/2 sum |p - q| and the overlap sum min(p, q) of softmax(z / T);
-    [...] int64: the first argmax of the other's raw logits), with no [..., V] temporaries. NaN (argmax -1) in a row
-    whose logits hold NaN or inf; None when the native path does not apply."""
+    """The draft against another model on the same positions: ([..., 4] the other's p(token), entropy, TV and overlap
+    sum
+    min(p, q); [...] its argmax), no [..., V] temporaries; None when not native.
+    """
     if draft_logits.device.type != "cpu" or other_logits.device.type != "cpu":
         return None
     mod = _load()
@@ -97,13 +90,10 @@ def pair_stats(draft_logits: Tensor, other_logits: Tensor, tokens: Tensor, tempe
 def disco_score(topk: Tensor, scalars: list[Tensor], divisors: list[float], logs: list[bool],
                 weights: tuple[Tensor, Tensor, Tensor, float], prior: tuple[int, float, float],
                 sigmoid: bool = True, hidden: Tensor | None = None, hidden_w: Tensor | None = None) -> Tensor | None:
-    """[N] DISCO scores in one native call (``predictors.disco.DiscoPolicy.score``): inputs [topk [N, k], the entropy
-    of the renormalised top-k, each scalar column [N] (or [1]) divided by its divisor or, where ``logs``, log(max(v,
-    1e-9))], then ReLU(x w1^T + b1) . w2 + b2 (``weights``: the standardisation folded into w1 [H, D], b1 [H]; w2 [H];
-    b2) plus ``prior`` (index, scale, bias: scale * logit(x[index]) + bias, index -1 for none), through a sigmoid
-    when ``sigmoid``; with ``hidden`` [N, Hd] (any float dtype) and ``hidden_w`` [Hd] also hidden . hidden_w (SPRINTER's
-    linear term on the draft's hidden state). None when the native path does not apply (not a float32 CPU top-k, no
-    build) or an input is not finite (the torch path then names the column)."""
+    """[N] DISCO scores in one native call (``DiscoPolicy.score``): the top-k features through the folded MLP, plus
+    ``prior`` and SPRINTER's ``hidden . hidden_w`` term, through a sigmoid when ``sigmoid``. None when not native or
+    an input is not finite (the torch path then names the column).
+    """
     if topk.device.type != "cpu" or topk.dtype != torch.float32 or topk.dim() != 2:
         return None
     mod = _load()
@@ -125,9 +115,10 @@ def _rows(t: Tensor, v: int) -> Tensor:
 
 
 def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator | None = None) -> Tensor | None:
-    """[..., V] logits -> [...] int64: one draw per row from softmax(logits / temperature) (temperature > 0), by
-    inversion of one uniform per row from ``generator`` against block sums (no [..., V] probabilities, no
-    ``torch.multinomial``). None when the native path does not apply."""
+    """[..., V] logits -> [...] int64: one draw per row from softmax(logits / temperature) by inversion against block
+    sums;
+    None when not native.
+    """
     if logits.device.type != "cpu" or temperature <= 0:
         return None
     mod = _load()

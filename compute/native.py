@@ -1,21 +1,13 @@
-"""Build and load the project's native kernels (``compute/csrc/*.cpp``) on first use.
+"""Build and load the native kernels (``compute/csrc/*.cpp``) on first use with ``torch.utils.cpp_extension.load``.
 
-``torch.utils.cpp_extension.load`` compiles a source with g++ and ninja (a few seconds, cached under
-``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, in a folder per Python and torch version) and imports it.
-Torch guards a build with a ``lock`` file that a killed build leaves behind, and a later ``load`` then waits on it
-forever; so each build here runs under an ``fcntl`` lock of its own (the kernel drops it when its holder dies), and a
-torch ``lock`` file found while holding it is known stale and removed.
-
-OpenMP is on, so ``at::parallel_for`` inside a kernel runs on torch's threads (without ``-fopenmp`` it runs on one).
-A kernel that cannot be built (no compiler, no ninja, no headers) or is turned off with ``SPECSTOP_NATIVE=0`` loads
-as None, with the reason logged once: every caller has a torch fallback.
+Each build runs under an ``fcntl`` lock of its own, so a ``lock`` file a killed torch build left behind (on which
+``load`` would wait forever) is known stale and removed. A kernel that cannot be built, or is off with
+``SPECSTOP_NATIVE=0``, loads as None with the reason logged once; every caller has a torch fallback.
 
 Usage::
 
-    from compute.native import NativeExtension
     ext = NativeExtension("specstop_draft_stats", "draft_stats.cpp", "native draft statistics")
     mod = ext.module()        # the extension, or None (ext.failed says why)
-    avx2 = NativeExtension("specstop_bf16_gemm_avx2", "bf16_gemm_avx2.cpp", "AVX2 bf16 GEMM", AVX2_CFLAGS)
 """
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
-"""Decoder layers of a packed model as one native call each (``csrc/decoder_layer.cpp``): the same operations as
-transformers' eager layer on specstop's compute path, so the same bits, without the Python around them.
+"""Decoder layers of a packed model as one native call each (``csrc/decoder_layer.cpp``): transformers' operations in
+its order, so the same bits, without the ~2,000 Python calls a small draft's step spends around its GEMMs.
 
-Why: on the packed-bf16 path a small draft's one-token step spends a large share of its time around its GEMMs: ~2,000
-Python calls a step (module calls, attribute and config lookups, the packed layers' wrappers, the cache update) and
-~1,200 ATen operations dispatched from Python. The native layer runs the same ATen operations from C++ and calls the
-GEMM and the attention kernels directly.
-
-Where it applies (:func:`install`, called by ``compute_path.apply_compute_path``): Qwen2 / Llama decoder layers whose q,
-k, v are one fused pack and whose MLP is a :class:`~compute.packed_layers.GatedMLP`, every pack on specstop's bf16 GEMM
-(of either ISA: one build per ISA, ``_EXTS``), attention on the row-invariant kernel. A call falls back to transformers'
-own forward whenever it could differ: training, a cache other than a plain ``DynamicCache`` layer (or none), a mask the
-native attention does not take, another dtype or device. Forward hooks on the layers (hidden-state capture,
-``layer_output`` taps) still run: the layer module is called as before, only its body is native. ``SPECSTOP_NATIVE=0``
-turns every native kernel off, this one included; ``apply_compute_path(native_layers=False)`` this one alone.
+Applies to Qwen2 / Llama layers with fused q/k/v, a :class:`~compute.packed_layers.GatedMLP` and every pack on
+specstop's bf16 GEMM; a call falls back to transformers' forward whenever it could differ (training, another cache,
+mask, dtype or device). Forward hooks still run. ``SPECSTOP_NATIVE=0`` or ``apply_compute_path(native_layers_on=False)``
+turns it off.
 
 Usage::
 
-    from compute import native_layers
     n = native_layers.install(model)      # layers now native (0 where it does not apply)
     native_layers.uninstall(model)        # back to transformers' forward
 """
@@ -47,8 +38,9 @@ _EXTS = {
 """The build per GEMM ISA (``compute.bf16_gemm``): a layer runs the GEMM its packs were made for."""
 
 LAYERS = ("Qwen2DecoderLayer", "LlamaDecoderLayer")
-"""Decoder layer classes whose forward is the one ``csrc/decoder_layer.cpp`` reproduces (pre-norm RMSNorm, rotary
-q / k without per-head norms, full causal attention, gated MLP)."""
+"""Decoder layer classes whose forward the native layer reproduces (pre-norm RMSNorm, rotary q/k, causal attention,
+gated MLP).
+"""
 
 
 def installed(model: nn.Module) -> int:
@@ -57,11 +49,10 @@ def installed(model: nn.Module) -> int:
 
 
 def install(model: nn.Module) -> int:
-    """Make every qualifying decoder layer of a packed model run as one native call; returns how many.
-
-    The native layers hold the model's own tensors (no copies): install once the weights no longer view the
-    safetensors file (``compute_path._detach_from_file``), or a norm's view keeps the whole mapped file resident
-    (several times the model's packed size)."""
+    """Make every qualifying decoder layer of a packed model one native call; returns how many. Install after the
+    weights
+    stop viewing the safetensors file, or the whole mapped file stays resident.
+    """
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "_attn_implementation", None) != ROW_INVARIANT_ATTENTION:
         return 0
@@ -83,8 +74,8 @@ def install(model: nn.Module) -> int:
 
 
 class _Native:
-    """A layer's native object; a deep copy of the model gets None in its place (the native object cannot be copied)
-    and so runs transformers' layers."""
+    """A layer's native object; a deep copy of the model gets None (it cannot be copied) and runs transformers' layers.
+    """
 
     def __init__(self, layer: Any) -> None:
         self.forward = layer.forward
@@ -102,8 +93,8 @@ def uninstall(model: nn.Module) -> None:
 
 
 def _layer_spec(layer: nn.Module) -> tuple[Any, ...] | None:
-    """The NativeLayer constructor's arguments for one layer but the attention's ISA flag, then its packs' GEMM ISA;
-    None when its structure is not the one reproduced."""
+    """The NativeLayer constructor's arguments for one layer and its packs' GEMM ISA; None when its structure differs.
+    """
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     n_in, n_post = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
     if attn is None or not isinstance(mlp, GatedMLP) or hasattr(attn, "q_norm"):
@@ -142,8 +133,9 @@ CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 
 def _native_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """The decoder layer's forward: natively when it gives transformers' result, else transformers' own with the
-    arguments as given (the model passes them by keyword; the cache's keyword depends on the transformers version)."""
+    """The decoder layer's forward: native when that gives transformers' result, else transformers' own with the same
+    arguments.
+    """
     attention_mask = kwargs.get("attention_mask")
     position_embeddings = kwargs.get("position_embeddings")
     past = next((kwargs[k] for k in CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
@@ -162,8 +154,9 @@ def _native_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **
 
 
 def _native_inputs(layer: nn.Module, h: torch.Tensor, position_embeddings: Any) -> bool:
-    """The native layer computes this call: inference (no training, no graph to record), fp32 [B, L, H] on the CPU,
-    rotary embeddings given, the layer's native object present (a deep copy has none)."""
+    """This call is one the native layer computes: inference, fp32 [B, L, H] on the CPU, rotary embeddings given, a
+    native object present.
+    """
     if layer.specstop_native is None or position_embeddings is None or layer.training:
         return False
     if h.dtype != torch.float32 or h.device.type != "cpu" or h.dim() != 3:

@@ -1,10 +1,8 @@
-"""The packed layers of the CPU compute path: a linear on one prepacked weight (:class:`PackedLinear`), sibling
-linears that read one input as one GEMM (:class:`FusedLinears`, each sibling a :class:`PackedSlice`), and a gated MLP
-over a fused gate / up (:class:`GatedMLP`). ``compute.compute_path.apply_compute_path`` puts them in a model.
+"""The packed layers of the CPU compute path: a linear on one prepacked weight, sibling linears as one GEMM and a gated
+MLP over a fused gate/up; ``compute_path.apply_compute_path`` puts them in a model.
 
 Usage::
 
-    from compute.packed_layers import PackedLinear
     packed = PackedLinear(linear, torch.bfloat16, native=True)    # specstop's bf16 GEMM where the CPU has it
     y = packed(x)                                                 # fp32 in, fp32 out
 """
@@ -18,20 +16,15 @@ from compute import bf16_gemm
 __all__ = ["FUSED_GROUPS", "GATED_MLPS", "MIN_ROWS", "FusedLinears", "GatedMLP", "PackedLinear", "PackedSlice"]
 
 MIN_ROWS = 4
-"""PackedLinear pads a call of fewer rows to this many on oneDNN's kernels (specstop's bf16 GEMM needs no padding).
-Any value >= 2 makes a forward batch-invariant (oneDNN's one-row GEMV sums in another order); 4 because oneDNN's
-kernels for 1-3 rows were slower than its 4-row one on the AVX-512 hosts measured, and no slower elsewhere."""
+"""Rows a call is zero-padded to on oneDNN's kernels, whose one-row GEMV sums in another order (any value >= 2 keeps a
+forward batch-invariant; 4 is oneDNN's fastest small size).
+"""
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear`` whose weight lives once in a kernel's layout, for inference: oneDNN's blocked layout (fp32 or
-    bfloat16), or specstop's bf16 GEMM (:mod:`compute.bf16_gemm`, bfloat16 or int8 weights, the process's kernel ISA
-    at packing: ``isa``).
-
-    The forward takes and returns the activations' own dtype (fp32); with a bfloat16 pack the input is rounded to
-    bfloat16 and the output, accumulated in fp32 and rounded to bfloat16 by the kernel, comes back as fp32
-    (``fp32_out``, on specstop's kernel: the fp32 sums unrounded, for LM heads). Each row's result has the same bits
-    whatever the number of rows in the call (on oneDNN fewer than ``MIN_ROWS`` are zero-padded). No autograd.
+    """``nn.Linear`` for inference whose weight lives once in a kernel's layout (oneDNN's fp32/bf16, or specstop's
+    bf16/int8
+    GEMM); fp32 in and out, each row's bits independent of the row count. No autograd.
     """
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype, native: bool = False, int8: bool = False,
@@ -73,8 +66,7 @@ class PackedLinear(nn.Module):
         return self._gemm(x2, n).reshape(*lead, self.out_features)
 
     def raw(self, x2: torch.Tensor) -> torch.Tensor:
-        """[N, in] -> [N, out] in the pack's dtype, as oneDNN returns it (no bias: for layers without one), for a
-        caller that works on the GEMM's own output (:class:`GatedMLP`)."""
+        """[N, in] -> [N, out] in the pack's dtype, without bias, for a caller working on the GEMM's own output."""
         if self.bias is not None:
             raise ValueError("PackedLinear.raw is for layers without a bias")
         x2, n = self._rows(x2)
@@ -106,8 +98,7 @@ class PackedLinear(nn.Module):
         return y.to(self._out_dtype)  # fp32_out: already fp32, returned as it is
 
     def _pack_gemm(self, x2: torch.Tensor) -> torch.Tensor:
-        """[N, in] (pack dtype, contiguous) -> [N, out] in the pack's dtype (fp32 with ``fp32_out``), no bias, on the
-        pack's own kernel."""
+        """[N, in] -> [N, out] on the pack's own kernel, in the pack's dtype (fp32 with ``fp32_out``), no bias."""
         if self.kernel == "specstop":
             return bf16_gemm.gemm(x2, self.packed_weight, self.out_features, self.weight_scale, self.fp32_out,
                                   self.isa)
@@ -120,19 +111,15 @@ class PackedLinear(nn.Module):
 
 
 FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""Sibling linears that read the same input (attention's q, k, v; the MLP's gate and up, in Llama / Qwen / Mistral
-naming) and are packed as one GEMM: one call reads the input once and pays the per-call work once, where three (q, k, v)
-or two (gate, up) small calls each pay it. The fused output has the same bits as the separate layers' (tested)."""
+"""Sibling linears that read one input (q, k, v; gate, up), packed as one GEMM that reads the input once; the same
+bits as separate layers (tested).
+"""
 
 
 class FusedLinears:
-    """One :class:`PackedLinear` over the concatenated weights of sibling linears that read the same input; each
-    sibling is replaced by a :class:`PackedSlice` that returns its columns of the one GEMM.
-
-    The first slice called with an input runs the GEMM and keeps its output until every slice has read its part
-    (the model calls them one after another with the same tensor); a slice called with another input, a second time
-    or after an in-place change of it (tracked outside inference mode) runs the GEMM again, so the result is right
-    however the model calls its layers.
+    """One :class:`PackedLinear` over sibling linears' concatenated weights, each sibling replaced by a
+    :class:`PackedSlice`; the GEMM's output is reused until every slice has read its part, and recomputed for another
+    input.
     """
 
     def __init__(self, linears: list[nn.Linear], dtype: torch.dtype, native: bool = False, int8: bool = False
@@ -189,23 +176,19 @@ class PackedSlice(nn.Module):
 
 
 GATED_MLPS = ("Qwen2MLP", "Qwen3MLP", "LlamaMLP", "MistralMLP")
-"""MLP classes whose forward is ``down_proj(silu(gate_proj(x)) * up_proj(x))``: with gate and up fused they run as
-:class:`GatedMLP`."""
+"""MLP classes computing ``down_proj(silu(gate_proj(x)) * up_proj(x))``; with gate and up fused they run as
+:class:`GatedMLP`.
+"""
 
 
 class GatedMLP(nn.Module):
-    """``down_proj(silu(gate) * up)`` of a gated MLP whose gate and up are one packed GEMM, the activation worked in
-    row chunks that stay in cache.
-
-    transformers' MLP converts the whole [N, 2I] GEMM output to fp32, then makes silu(gate) and the product as two more
-    [N, I] fp32 tensors, which ``down_proj`` rounds to its pack's dtype: five passes over memory-sized tensors, a large
-    share of a long labelling pass. Here each chunk of rows converts its gate to fp32, applies silu and multiplies by up
-    in place (the bf16 up is promoted to fp32 exactly) and is rounded into the down GEMM's input: the same operations
-    on the same values, so the same bits (tested), in cache.
+    """A gated MLP over a fused gate/up whose silu(gate) * up runs in cache-sized row chunks, in place, into the down
+    GEMM's
+    input: transformers' operations on the same values (same bits, tested) without four passes over large tensors.
     """
 
     CHUNK_ELEMENTS = 1 << 19
-    """Intermediate values per chunk (2 MiB in fp32): rows = CHUNK_ELEMENTS // I (58 for the 1.5B target's 8,960)."""
+    """Intermediate values per chunk (2 MiB in fp32); rows = CHUNK_ELEMENTS // I."""
 
     def __init__(self, gate_up: PackedLinear, down_proj: PackedLinear, intermediate: int) -> None:
         super().__init__()

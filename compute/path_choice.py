@@ -1,14 +1,10 @@
-"""Which compute path a device and CPU run (``ModelSpec.compute`` / ``--models.compute``), and the machine facts a
-timing or a benchmark records beside it.
+"""Which compute path a device and CPU run (``--models.compute``), and the machine facts a timing or benchmark records.
 
-Paths: ``auto`` (default) picks the fastest exact path this CPU runs (:func:`auto_cpu_path`): ``packed-bf16`` on
-specstop's bf16 kernel of either ISA (AVX512-BF16 / AMX, or AVX2; :mod:`compute.bf16_gemm`), else on oneDNN's bf16
-where the CPU computes bfloat16 natively, else ``packed`` (oneDNN fp32), else ``eager``; on any other device
-``eager``. An explicit path the device or CPU lacks is refused with the option value that works.
+``auto`` picks the fastest exact path this CPU runs; an explicit path the device or CPU lacks is refused with the
+value that works (the paths: docs/compute-path.md).
 
 Usage::
 
-    from compute.path_choice import resolve_compute_path, cpu_info
     resolve_compute_path("auto", "cpu")     # e.g. "packed-bf16"
     cpu_info()["bf16_chain"]                # amx, avx512-bf16, avx2 or none
 """
@@ -30,9 +26,10 @@ COMPUTE_PATHS = ("auto", "packed", "packed-bf16", "eager")
 
 
 def cpu_info() -> dict[str, Any]:
-    """:func:`compute.cpu.cpu_model`, the torch threads in use now (a thread count set later is not missed) and the
-    instructions specstop's bf16 GEMM runs on here (``bf16_chain``: amx, avx512-bf16, avx2 or none,
-    :func:`compute.bf16_gemm.chain`; ``SPECSTOP_ISA`` counts)."""
+    """:func:`compute.cpu.cpu_model`, the torch threads in use now and the instructions specstop's bf16 GEMM runs on
+    here
+    (``bf16_chain``).
+    """
     model = cpu.cpu_model()
     # a CPU with neither kernel ISA runs no chain: no build of a kernel just to say so (where the flags are unknown, no
     # /proc/cpuinfo, bf16_gemm.isa asks the kernels)
@@ -48,12 +45,8 @@ def native_bf16() -> bool:
 
 
 def resolve_compute_path(path: str, device: torch.device | str) -> str:
-    """The concrete path for ``path`` on ``device``: ``auto`` picks (:func:`auto_cpu_path` on the CPU); an explicit
-    path is checked.
-
-    Raises:
-        ValueError: an unknown path, or a packed path asked for on a device or CPU that lacks it (the message names
-            the option ``--models.compute`` and the value that works), or a ``SPECSTOP_ISA`` this CPU lacks.
+    """The concrete path for ``path`` on ``device``: ``auto`` picks, an explicit path is checked (ValueError naming
+    ``--models.compute`` and the value that works).
     """
     if path not in COMPUTE_PATHS:
         raise ValueError(f"models.compute={path!r}: use one of {', '.join(COMPUTE_PATHS)}")
@@ -77,9 +70,10 @@ def resolve_compute_path(path: str, device: torch.device | str) -> str:
 
 
 def auto_cpu_path() -> str:
-    """The fastest exact path this CPU runs: ``packed-bf16`` on specstop's kernel (AVX512-BF16 / AMX, or AVX2) or on
-    oneDNN's bf16, else ``packed`` (oneDNN fp32), else ``eager``; a path other than specstop's kernel is said in one
-    log line (with the reason)."""
+    """The fastest exact path this CPU runs: ``packed-bf16`` on specstop's kernel or oneDNN's bf16, else ``packed``,
+    else
+    ``eager``; anything but specstop's kernel is logged with its reason.
+    """
     if not torch.backends.mkldnn.is_available():
         path, why = "eager", "this torch build has no oneDNN"
     elif bf16_gemm.available():

@@ -1,10 +1,8 @@
-"""What a packed model computes in, as data folders and predictors record it (the precision fields of a model
-fingerprint: ``compute_path``, ``head_dtype``, ``pack_layout``, ``gemm``, ``weights``), the differences between two
-fingerprints, and the option that computes as a recorded one did.
+"""What a packed model computes in, as data folders and predictors record it (``compute_path``, ``head_dtype``,
+``pack_layout``, ``gemm``, ``weights``), how two records differ, and the option that computes as a recorded one did.
 
 Usage::
 
-    from compute.precision import precision_diffs, precision_option
     precision_diffs(stored, current)      # {"gemm": ("specstop-avx2", "specstop")}
     precision_option("gemm")              # "--models.native_gemm"
 """
@@ -26,25 +24,23 @@ def compute_path_of(model: nn.Module) -> str:
 
 
 def pack_layout_of(model: nn.Module) -> str:
-    """``fused`` (q/k/v and gate/up as one GEMM each, :data:`FUSED_GROUPS`), ``per-layer`` (packed models loaded
-    before fusion existed, or with ``fuse=False``) or ``eager``. Fusing packs small k/v layers that per-layer packing
-    left eager, so the two layouts differ in bits for a model with such layers (the 0.5B draft)."""
+    """``fused`` (q/k/v and gate/up as one GEMM each), ``per-layer`` or ``eager``; the two packed layouts differ in bits
+    where fusing packs small k/v layers per-layer packing left eager.
+    """
     if compute_path_of(model) == "eager":
         return "eager"
     return str(getattr(model, "specstop_pack_layout", "per-layer"))
 
 
 def gemm_of(model: nn.Module) -> str:
-    """The kernel its packed linears run on: ``specstop`` or ``specstop-avx2`` (:mod:`compute.bf16_gemm` of that ISA,
-    :func:`compute.bf16_gemm.gemm_name`), ``onednn`` or ``eager``."""
+    """The kernel its packed linears run on: ``specstop``, ``specstop-avx2``, ``onednn`` or ``eager``."""
     if compute_path_of(model) == "eager":
         return "eager"
     return str(getattr(model, "specstop_gemm", "onednn"))
 
 
 def weights_of(model: nn.Module) -> str:
-    """What its packed linears store: ``int8`` (draft-side models on specstop's kernel), the pack dtype
-    (``bfloat16``, ``float32``), or ``eager``."""
+    """What its packed linears store: ``int8``, the pack dtype (``bfloat16``, ``float32``) or ``eager``."""
     if compute_path_of(model) == "eager":
         return "eager"
     return str(getattr(model, "specstop_weights", _PACK_DTYPES.get(compute_path_of(model), "")))
@@ -57,8 +53,7 @@ dtype of its compute path)."""
 PRECISION_OPTIONS = {"dtype": "--models.dtype", "compute_path": "--models.compute",
                      "head_dtype": "--models.bf16_draft_head", "pack_layout": "--models.fuse_linears",
                      "gemm": "--models.native_gemm", "weights": "--models.int8_draft"}
-"""The option that sets each precision field of a model fingerprint (a draft-side model's; :func:`precision_option`
-names the target's)."""
+"""The option that sets each precision field of a draft-side model (:func:`precision_option` names the target's)."""
 
 
 def precision_option(key: str, role: str = "draft") -> str:
@@ -69,9 +64,10 @@ def precision_option(key: str, role: str = "draft") -> str:
 
 
 def gemm_resume_hint(was: str, now: str) -> str | None:
-    """How to compute again with the specstop kernel ISA a folder's ``gemm`` names (``specstop``: AVX512-BF16,
-    ``specstop-avx2``) when this process runs another kernel; None when the ISA is not what differs (the option
-    ``--models.native_gemm`` then says it)."""
+    """How to compute again with the kernel ISA a folder's ``gemm`` names when this process runs another; None when the
+    ISA
+    is not what differs.
+    """
     wanted = bf16_gemm.isa_of_gemm(was)
     if wanted is None or wanted == bf16_gemm.isa_of_gemm(now) or (now == "onednn" and wanted == bf16_gemm.isa()):
         return None
@@ -86,9 +82,10 @@ def gemm_resume_hint(was: str, now: str) -> str | None:
 
 
 def precision_diffs(stored: dict, current: dict) -> dict[str, tuple[str, str]]:
-    """key -> (stored, current) for each precision field of two model fingerprints that differs (``dtype``,
-    ``compute_path``, ``head_dtype``, ``pack_layout``, ``gemm``, ``weights``); keys missing from an older packed
-    fingerprint read as :data:`PRECISION_DEFAULTS`. Nothing when either side has no ``compute_path``."""
+    """key -> (stored, current) for each precision field that differs between two fingerprints; nothing when either has
+    no
+    ``compute_path``.
+    """
     if not stored.get("compute_path") or not current.get("compute_path"):
         return {}
     out = {}
@@ -109,15 +106,15 @@ def precision_diffs(stored: dict, current: dict) -> dict[str, tuple[str, str]]:
 
 
 def layer_head_dtype(head: nn.Module | None) -> str:
-    """What a packed model's LM head computes in: ``float32``, ``bfloat16`` (bf16 GEMM, logits rounded to bf16:
-    oneDNN) or ``bfloat16-fp32-logits`` (bf16 or int8 weights on specstop's kernel, fp32 sums returned)."""
+    """What a packed LM head computes in: ``float32``, ``bfloat16`` (oneDNN, logits rounded) or ``bfloat16-fp32-logits``
+    (specstop's kernel, fp32 sums).
+    """
     if not isinstance(head, PackedLinear) or head.pack_dtype != torch.bfloat16:
         return "float32"
     return "bfloat16-fp32-logits" if head.fp32_out else "bfloat16"
 
 
 def head_dtype_of(model: nn.Module) -> str:
-    """The dtype its LM head computes in (:func:`layer_head_dtype`: ``float32``, ``bfloat16`` or
-    ``bfloat16-fp32-logits`` on packed-bf16 per ``bf16_head``), else the model's own."""
+    """The dtype its LM head computes in (:func:`layer_head_dtype` on packed-bf16), else the model's own."""
     own = str(next(model.parameters()).dtype).removeprefix("torch.")
     return str(getattr(model, "specstop_head_dtype", own))

@@ -1,10 +1,8 @@
-"""The decoding attention of the packed compute paths: causal attention whose output for a query row depends only on
-that row and the keys it sees (:func:`row_invariant_attention`), registered with transformers as
-:data:`ROW_INVARIANT_ATTENTION` (:func:`register_attention`).
+"""The decoding attention of the packed paths: causal attention whose output for a query row depends only on that row
+and the keys it sees, registered with transformers as :data:`ROW_INVARIANT_ATTENTION`.
 
 Usage::
 
-    from compute.row_attention import ROW_INVARIANT_ATTENTION, register_attention
     register_attention()
     model.set_attn_implementation(ROW_INVARIANT_ATTENTION)
 """
@@ -38,21 +36,12 @@ def row_invariant_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention whose output for a query row depends only on that row and the keys it sees.
+    """Causal attention with each query row summed over exactly the keys before it, in an order of its own, so a row has
+    the
+    same bits alone, in a verification forward or in the prompt (SDPA picks kernels by the number of rows).
 
-    transformers' SDPA path computes a forward of q new tokens with kernels and reduction lengths chosen by q (a GEMV
-    and grouped heads for q = 1, masked blocks of the whole key length for q > 1), so the same position gets other
-    bits in a verification forward of L tokens than in a one-token step: logits differ by ~3e-5 in fp32 and ~0.1
-    with bfloat16 GEMM outputs, enough to flip near-tie argmaxes. Here each row attends over exactly the keys before it
-    (length ``T - q + i + 1``) in sums whose order depends on that row alone, so rows computed alone, in a chunk or in
-    the prompt get the same bits: with a packed model's linears a whole forward is batch-invariant and speculative
-    decoding reproduces one-token decoding exactly. On the CPU all rows of a layer are one native call
-    (``csrc/row_attention.cpp``; its AVX-512 path where the CPU has it and ``SPECSTOP_ISA`` is not ``avx2``);
-    elsewhere, or without a compiler, one SDPA call per row with the grouped query heads as rows (slower: a call and
-    its slicing per row and layer).
-
-    Shapes: query [B, H, q, d]; key, value [B, Hkv, T, d] (the last q keys are the queries' own); attention_mask None
-    or [B|1, 1, q, T] (bool, True = attend, or additive float). Returns ([B, q, H, d], None) as transformers expects.
+    One native call per layer on the CPU, else one SDPA call per row. Shapes: query [B, H, q, d]; key, value [B, Hkv, T,
+    d]; attention_mask None or [B|1, 1, q, T]. Returns ([B, q, H, d], None) as transformers expects.
     """
     b, h, q, d = query.shape
     hkv, t_all = key.shape[1], key.shape[2]
@@ -83,8 +72,9 @@ ATTENTION = NativeExtension("specstop_row_attention", "row_attention.cpp", "nati
 
 def _native_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       mask: torch.Tensor | None) -> Any:
-    """The native kernel (``csrc/row_attention.cpp``: all rows of a layer in one call, each summed as if alone) when
-    it applies to these tensors (fp32 CPU, bool or no mask, key and value laid out alike), else None."""
+    """The native kernel when it applies to these tensors (fp32 CPU, bool or no mask, key and value laid out alike),
+    else None.
+    """
     if query.device.type != "cpu" or not (query.dtype == key.dtype == value.dtype == torch.float32):
         return None
     if mask is not None and mask.dtype != torch.bool:

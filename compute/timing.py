@@ -1,27 +1,11 @@
 """Latency cost model of one speculative-decoding round, measured on this machine for one model pair.
 
-One round drafts ``n`` tokens (``n`` draft decode steps, plus ``n`` companion steps when a companion runs) and verifies
-them with one target forward over ``n + 1`` new tokens (the last emitted token, not yet in the target's cache, plus the
-``n`` drafts). Target-only decoding is the round with ``n = 0``: one target forward of one new token per output token.
-After a round whose drafts were all accepted the draft has not read its own last draft (it was the last step's
-output), so the next round's first draft forward reads two tokens, that draft and the target's bonus token:
-``draft_catchup_s`` prices the second (both curves time it: on llama.cpp a forward of two tokens runs other kernels
-than one of one and costs much more than a step; on specstop's engine little more); a file measured without it
-holds 0, and the catch-up costs one step.
+A round drafts ``n`` tokens (``n`` draft steps, ``n`` companion steps with a companion) and verifies them with one
+target forward of ``L = n + 1`` new tokens; target-only decoding is ``n = 0``. ``target_s[L]`` is that forward, the one
+length convention of the engine, the replay, SV's goodput rule and the benchmark. The file records where it was
+measured, and :meth:`CostModel.mismatch` names what differs from the run at hand.
 
-One length convention everywhere: ``target_s[L]`` is a target forward of ``L`` new tokens (L = drafts + 1). The
-generator writes this model beside its shards, ``pipelines.measure_costs`` measures it for any pair, and the replay,
-Speculative Verification's goodput rule and the benchmark read it. The file records where it was measured (CPU model
-and SIMD flags, torch version, threads, compute path); :meth:`CostModel.mismatch` names what differs from the run at
-hand.
-
-Usage::
-
-    from compute.models import ModelSpec, load_model
-    from compute.timing import measure_cost_model
-    draft, _ = load_model(ModelSpec("tiny:1")); target, _ = load_model(ModelSpec("tiny:2:48:2"))
-    cm = measure_cost_model(draft, target, lengths=(1, 2, 4), prompt_len=16, repeats=2)
-    cm.to_json("cost_model.json"); cm.round_time(5); print(cm.curve_table())
+Usage: python -m pipelines.measure_costs --out outputs/cost_model.json
 """
 from __future__ import annotations
 
@@ -60,13 +44,15 @@ class CostModel:
     draft_s_per_token: float
     """Seconds of one draft decode step (one new token over a KV cache)."""
     target_s: dict[int, float]
-    """Seconds of one target forward of L new tokens over a cached prefix, by L (>= 1); interpolated between the
-    measured lengths and extrapolated linearly beyond the last two."""
+    """Seconds of a target forward of L new tokens over a cached prefix, by L >= 1 (interpolated, extrapolated
+    linearly).
+    """
     companion_s_per_token: float = 0.0
     """Seconds of one companion decode step (0 when no companion was measured)."""
     draft_catchup_s: float = 0.0
-    """Seconds a draft forward of two new tokens takes over one of one token: the catch-up after a round whose drafts
-    were all accepted (:meth:`catchup_time`); 0 in files measured without it."""
+    """Extra seconds of a draft forward of two tokens over one of one: the catch-up after a round whose drafts were all
+    accepted (on llama.cpp two tokens run other kernels and cost much more); 0 when not measured.
+    """
     device: str = "cpu"
     """Device the timings were taken on."""
     dtype: str = "float32"
@@ -82,9 +68,9 @@ class CostModel:
     compute_path: str = "eager"
     """Compute path of the target during the timings (``compute.compute_path``)."""
     runtime: str = "specstop"
-    """The runtime whose forward passes were timed: ``specstop`` (its engine, and transformers' ``generate`` over the
-    same loaded models), ``llamacpp`` (llama.cpp through llama-cpp-python), or another a user measured; a
-    recommendation for one runtime priced with another's curve warns (:meth:`runtime_mismatch`)."""
+    """The runtime whose forwards were timed: ``specstop`` (its engine and transformers' ``generate``), ``llamacpp``, or
+    another; pricing one runtime with another's curve warns (:meth:`runtime_mismatch`).
+    """
     machine: dict[str, Any] = field(default_factory=dict)
     """Where it was measured: CPU model name, SIMD flags, torch version and CPU capability, threads."""
     assumed: bool = False
@@ -127,21 +113,19 @@ class CostModel:
         return float(ts[-1] + slope * (length - ls[-1]))
 
     def round_time(self, n_draft: int, n_verify: int | None = None, companion: bool = False) -> float:
-        """Seconds of one round that drafts ``n_draft`` tokens and verifies ``n_verify`` of them (default: all).
-
-        Args:
-            n_draft: draft decode steps this round (0 = target-only step).
-            n_verify: drafted tokens sent to the target (<= n_draft; SV verifies fewer than it drafted).
-            companion: also pay one companion step per drafted token.
+        """Seconds of a round that drafts ``n_draft`` tokens and verifies ``n_verify`` of them (default all; SV verifies
+        fewer),
+        with one companion step per drafted token when ``companion``.
         """
         n_verify = n_draft if n_verify is None else n_verify
         per_draft = self.draft_s_per_token + (self.companion_s_per_token if companion else 0.0)
         return n_draft * per_draft + self.target_time(n_verify + 1)
 
     def catchup_time(self, pending: int) -> float:
-        """Seconds a round's first draft forward takes over one draft step when it reads ``pending`` tokens (1: the
-        target's last token alone; 2 after a round whose drafts were all accepted; more after rounds that drafted
-        nothing), each token past the first at ``draft_catchup_s``."""
+        """Extra seconds of a round's first draft forward when it reads ``pending`` tokens (2 after a round whose drafts
+        were
+        all accepted), each past the first at ``draft_catchup_s``.
+        """
         return max(pending - 1, 0) * self.draft_catchup_s
 
     @property
@@ -150,9 +134,10 @@ class CostModel:
         return self.target_time(1)
 
     def curve_table(self, floor: bool = False) -> str:
-        """The verification curve as text: L, milliseconds, ratio to L = 1 (one line per measured length); with
-        ``floor`` and a measurement that has them, the memory floor beside each figure (:meth:`floors`): its
-        milliseconds and the figure's ratio to it."""
+        """The verification curve as text: L, milliseconds, ratio to L = 1; with ``floor``, each figure's memory floor
+        and
+        ratio to it.
+        """
         base = self.target_time(1)
         floors = self.floors() if floor else None
         lines = [f"{'L':>3} {'ms':>9} {'x L=1':>7}" + (f" {'floor ms':>9} {'x floor':>8}" if floors else "")]
@@ -176,9 +161,10 @@ class CostModel:
         return head + "\n" + "\n".join(lines)
 
     def floors(self) -> dict[str, float] | None:
-        """The memory floor of a draft step and of a target forward (seconds: the bytes a one-token forward reads over
-        the read bandwidth measured in the same run, :func:`measure_cost_model`), None when not measured. A forward
-        of L tokens reads the same weights once, so the floor holds for every L."""
+        """The memory floor of a draft step and of a target forward in seconds (bytes read over the measured bandwidth;
+        the
+        same for every L), None when not measured.
+        """
         if not all(self.extra.get(k) for k in ("draft_bytes", "target_bytes", "read_bandwidth")):
             return None
         bw = float(self.extra["read_bandwidth"])
@@ -186,9 +172,8 @@ class CostModel:
 
     def mismatch(self, draft_name: str, target_name: str, compute_path: str | None = None,
                  machine: dict[str, Any] | None = None) -> list[str]:
-        """What differs between this measurement and a run with these models, path and machine (empty: none).
-
-        Each entry names both sides, e.g. ``"target: measured packaged:a, run packaged:b"``.
+        """What differs between this measurement and a run with these models, path and machine (empty: none), each entry
+        naming both sides, e.g. ``"target: measured packaged:a, run packaged:b"``.
         """
         out = []
         for what, mine, theirs in (("draft", self.draft_name, draft_name), ("target", self.target_name, target_name),
@@ -205,8 +190,9 @@ class CostModel:
         return out
 
     def runtime_mismatch(self, runtime: str) -> str | None:
-        """A one-line warning when this curve was measured on another runtime than ``runtime`` (None: it fits).
-        transformers' ``generate`` drives the models specstop loads, so a ``specstop`` curve prices it too."""
+        """A one-line warning when this curve was measured on another runtime than ``runtime`` (None: it fits; a
+        ``specstop`` curve prices transformers' ``generate`` too).
+        """
         fits = {self.runtime} | ({"transformers"} if self.runtime == "specstop" else set())
         if runtime in fits:
             return None
@@ -245,9 +231,10 @@ class CostModel:
         return cls(**d)
 
     def with_statistic(self, statistic: str) -> CostModel:
-        """The same measurement summarised by another statistic (``min``, ``median`` or ``mean`` of its raw timings,
-        kept in ``extra``; verification times made non-decreasing in L again). ValueError when the raw timings are
-        missing."""
+        """The same measurement summarised by ``min``, ``median`` or ``mean`` of its raw timings in ``extra``
+        (ValueError
+        without them).
+        """
         if statistic not in STATISTICS:
             raise ValueError(f"statistic={statistic!r}: use one of {', '.join(STATISTICS)}")
         raw_t = {int(k.removeprefix("target_raw_s_L")): v for k, v in self.extra.items()
@@ -277,11 +264,10 @@ class CostModel:
 
 
 def pool_cost_models(models: list[CostModel], statistic: str = "mean") -> CostModel:
-    """One curve from several measurements of the same pair (e.g. probes taken between a benchmark's prompts): their
-    raw timings pooled per length and summarised by ``statistic`` (mean: what a step cost on average over the whole
-    span, the expectation of a decoding run's total time on a host whose speed moves; median: a typical step, which
-    under a host switching between fast and slow phases sits at the fast one; min: the fastest moment). ValueError for
-    an empty list or a measurement without raw timings."""
+    """One curve from several measurements of one pair, their raw timings pooled per length and summarised by
+    ``statistic``
+    (mean: the expected cost on a host whose speed moves; median: a typical step; min: the fastest moment).
+    """
     if not models:
         raise ValueError("pool_cost_models: no cost models to pool")
     pooled: dict[str, list[float]] = {}
@@ -299,11 +285,9 @@ def pool_cost_models(models: list[CostModel], statistic: str = "mean") -> CostMo
 
 
 def assumed_cost_model() -> CostModel:
-    """An explicitly labelled assumption for when no measured cost model exists.
-
-    CPU fp32 figures for the Qwen2.5-Coder 0.5B / 1.5B pair from the design notes (draft about 150 ms per decoded token,
-    target about 375 ms per decoded token); the growth of verification time with length is NOT measured and assumed at
-    5% of a single-token pass per extra token.
+    """A labelled assumption for when no measured cost model exists: the Qwen2.5-Coder 0.5B / 1.5B pair's CPU fp32
+    figures
+    (150 / 375 ms a token), verification assumed to grow 5% a token.
     """
     base = 0.375
     return CostModel(
@@ -317,8 +301,9 @@ def assumed_cost_model() -> CostModel:
 
 
 def clock(device: Any) -> float:
-    """perf_counter after the device finished its queued work (CUDA kernels are asynchronous): the one timer of the
-    cost model, the engine and the benchmark."""
+    """perf_counter after the device finished its queued work: the one timer of the cost model, the engine and the
+    benchmark.
+    """
     if getattr(device, "type", str(device)).startswith("cuda"):
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -349,16 +334,14 @@ def _stat(times: list[float], statistic: str) -> float:
 
 
 def _catchup(one: list[float], two: list[float], statistic: str) -> float:
-    """``CostModel.draft_catchup_s`` from raw seconds of the draft's forward of one and of two tokens over one cache:
-    the second token's cost, at least 0."""
+    """``draft_catchup_s`` from the draft's raw seconds for a forward of one and of two tokens (at least 0)."""
     return max(_stat(two, statistic) - _stat(one, statistic), 0.0)
 
 
 def _monotone(lengths: list[int], times: list[float]) -> list[float]:
-    """Lower monotone envelope T(L) = min over L' >= L of the time at L'.
-
-    A longer verification pass cannot be cheaper than a shorter one, and load from other processes only ever adds time,
-    so a shorter length measured slower than a longer one is a load spike: it is replaced by the longer one's time.
+    """Lower monotone envelope T(L) = min over L' >= L: a shorter pass timed slower than a longer one met load from
+    other
+    processes, so it takes the longer one's time.
     """
     order = np.argsort(lengths)
     t = np.asarray(times, dtype=np.float64)[order]
@@ -369,9 +352,7 @@ def _monotone(lengths: list[int], times: list[float]) -> list[float]:
 
 
 def lower_envelope(curve: dict[int, float]) -> dict[int, float]:
-    """``curve`` (L -> seconds) with each length's time the least of its own and every longer length's: the
-    non-decreasing curve under the measurement (see ``_monotone``: a shorter pass timed slower than a longer one met
-    load)."""
+    """``curve`` (L -> seconds) made non-decreasing by the lower monotone envelope (see ``_monotone``)."""
     lengths = sorted(curve)
     return dict(zip(lengths, _monotone(lengths, [curve[L] for L in lengths])))
 
@@ -383,8 +364,9 @@ def _curve(raw: dict[int, list[float]], statistic: str) -> dict[int, float]:
 
 
 def _time_head(model: Any, repeats: int, statistic: str) -> tuple[float, list[float]]:
-    """Seconds of a model's final norm and LM head on one hidden state: the per-token cost of a companion whose layers
-    are the draft's (the engine reads its states from the draft's step)."""
+    """Seconds of a model's final norm and LM head on one hidden state: the step of a companion that shares the draft's
+    layers.
+    """
     p = next(model.parameters())
     h = torch.randn(1, 1, int(model.config.hidden_size), generator=torch.Generator().manual_seed(0)).to(p.device)
     norm, head = model.get_decoder().norm, model.get_output_embeddings()
@@ -426,21 +408,16 @@ def measure_cost_model(
     decode_steps: int = 8,
     statistic: str = "min",
 ) -> CostModel:
-    """Time the draft decode step and the target verification pass on the models' own device, in inference mode (as
-    the decoding engine runs them), and on the CPU the memory floor beside them (the bytes a one-token forward of each
-    model reads, :func:`forward_bytes`, and the read bandwidth measured in the same run, :func:`read_bandwidth`).
+    """Time the draft step and the target's verification forwards on the models' device, in inference mode, and on the
+    CPU the memory floor beside them; returns the :class:`CostModel` (raw timings in ``extra``).
 
     Args:
-        draft, target, companion: causal LMs (transformers ``PreTrainedModel``), already on their device / dtype.
-        lengths: verification lengths L to time (one target forward of L new tokens over a cached prefix).
-        prompt_len: tokens in the cached prefix (random token ids).
-        repeats: timed repetitions per measurement.
-        decode_steps: draft / companion decode steps timed per repetition.
-        statistic: 'min' (default: the cost without interference from other processes, as ``timeit`` advises on a shared
-            machine) or 'median' of the timed repetitions. Verification times are then made non-decreasing in L
-            (lower monotone envelope, see :func:`_monotone`); the raw timings stay in ``extra``.
-    Returns:
-        the :class:`CostModel` (raw timings, bytes and bandwidth in ``extra``).
+        draft, target, companion: causal LMs already on their device and dtype.
+        lengths: verification lengths L to time.
+        prompt_len: tokens in the cached prefix (random ids).
+        repeats: timed repetitions per measurement; decode_steps: draft steps timed per repetition.
+        statistic: ``min`` (default: the cost without interference on a shared host) or ``median``; verification times
+            are then made non-decreasing in L.
     """
     if not lengths or min(lengths) < 1:
         raise ValueError(f"lengths must be non-empty and >= 1, got {lengths}")
@@ -493,8 +470,10 @@ def _name(model: Any) -> str:
 
 def _time_companion(companion: Any, draft: Any, prompt: Any, steps: int, repeats: int, statistic: str,
                     extra: dict[str, Any]) -> float:
-    """Seconds of a companion's step (its raw timings into ``extra``): its norm and head alone when it shares the
-    draft's layers (its states come from the draft's step), else a decode step of its own; 0 without one."""
+    """Seconds of a companion's step (raw timings into ``extra``): its head alone when it shares the draft's layers,
+    else
+    its own decode step; 0 without one.
+    """
     if companion is None:
         return 0.0
     if shared_depth(companion, draft):
@@ -508,8 +487,10 @@ def _time_companion(companion: Any, draft: Any, prompt: Any, steps: int, repeats
 
 def _time_target(target: Any, prompt: Any, lengths: list[int], repeats: int, vocab: int, g: torch.Generator
                  ) -> dict[int, list[float]]:
-    """Raw seconds of a target forward of L new tokens (random ids below ``vocab``) over the cached prompt, by L:
-    ``repeats`` sweeps after a warm-up, the lengths interleaved so that load spikes spread over all of them."""
+    """Raw seconds of a target forward of L new tokens over the cached prompt, by L; the lengths interleaved so load
+    spikes
+    spread over all of them.
+    """
     dev = prompt.device
     cache = prefill(target, prompt)
     prompt_len = prompt.shape[1]
@@ -527,9 +508,9 @@ def _time_target(target: Any, prompt: Any, lengths: list[int], repeats: int, voc
 
 
 def forward_bytes(model: nn.Module) -> int:
-    """Bytes of weights a one-token forward of ``model`` reads: every parameter and buffer once (packed weights, their
-    scales, norms, an LM head), but the input embedding's, of which a lookup reads one row (unless the head reads the
-    same tensor). The KV cache is left out."""
+    """Bytes of weights a one-token forward of ``model`` reads: every parameter and buffer once, but one row of an input
+    embedding the head does not share; the KV cache left out.
+    """
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     lookup = {id(t) for t in emb.parameters()} if emb is not None else set()
@@ -547,10 +528,9 @@ _PROBE = NativeExtension("specstop_read_bandwidth", "read_bandwidth.cpp", "nativ
 
 
 def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
-    """Bytes per second this machine reads from memory on torch's threads (as set): the fastest of ``repeats`` reads
-    of a ``mib`` MiB buffer, far larger than any cache, by the native probe (``csrc/read_bandwidth.cpp``: loads and
-    nothing else, as fast as a streaming GEMM reads), or without it by torch's ``amax`` (bound by its own arithmetic
-    below that: a floor computed with it is too low)."""
+    """Bytes per second this machine reads from memory on torch's threads: the fastest of ``repeats`` reads of a ``mib``
+    MiB buffer by the native probe, or by torch's ``amax`` (slower, so its floor is too low).
+    """
     x = torch.ones(mib * 2**20, dtype=torch.int8)
     probe = _PROBE.module()
     if probe is not None:
