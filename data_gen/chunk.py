@@ -1,17 +1,11 @@
-"""Produce one chunk's records: plan its prompts' sequences, write their prefixes and rollouts, label them.
+"""Produce one chunk's records (one shard) in phases, whose order fixes the random draws each gets:
 
-A chunk (``prompts_per_shard`` prompts, one shard) runs in phases, each a function here, in this order (the order fixes
-which random draws each phase gets, so it never changes):
-
-1. :func:`plan_chunk`: origins and prefix lengths (``data_gen.planning``), dataset answers of the text origin;
-2. :func:`target_continuations`: the target's continuations (target origin; spec too in greedy decoding) from a
-   :class:`~data_gen.labelling.CachedPass` whose cache the target's labelling reuses;
-3. :func:`sampled_spec_trajectories`: transformers' assisted generation for the spec origin when sampling;
-4. :func:`draft_side`: the draft's pass over every prefix, its own continuation and rollout decoded from that cache;
-5. :func:`feed_target_rollouts`: the rollouts fed through the target's continuation caches;
-6. :func:`sequence_specs` and :func:`label_chunk`: the labelled sequences, labelled in passes within a token budget.
-
-Each phase charges its seconds and tokens to the chunk's :class:`ChunkStats`, per origin.
+1. :func:`plan_chunk`: origins, prefix lengths, the text origin's answers;
+2. :func:`target_continuations`: the target's continuations (and greedy spec trajectories), cache kept for labelling;
+3. :func:`sampled_spec_trajectories`: assisted generation for the spec origin when sampling;
+4. :func:`draft_side`: the draft's pass over every prefix, then its continuation and rollout;
+5. :func:`feed_target_rollouts`: the rollouts fed through the target's caches;
+6. :func:`sequence_specs`, :func:`label_chunk`: the sequences, labelled in passes within a token budget.
 
 Usage: ``records, stats = produce_chunk(cfg, models, tok, prompts, rendered, [0, 1, 2], chunk=0)``
 """
@@ -30,8 +24,7 @@ from data_gen.planning import Planned, batches, batches_from_longest, label_batc
 from data_gen.prompts import split_of
 
 StepCallback = Callable[[str, int], None]
-"""Called after each batch of a phase with the phase's name (target, spec, draft, feed, label) and the records
-labelled so far in the chunk (0 until the first labelling pass)."""
+"""Called after each batch of a phase with its name and the records labelled so far in the chunk."""
 
 
 @dataclass
@@ -52,8 +45,7 @@ class ChunkStats:
 
 @dataclass
 class ChunkContext:
-    """What every phase of a chunk reads (config, models, rendered prompts, special tokens) and the accounting the
-    phases write."""
+    """What every phase of a chunk reads (config, models, prompts, special tokens) and the accounting it writes."""
 
     cfg: GenerateConfig
     models: LabelModels
@@ -82,9 +74,7 @@ def produce_chunk(
     on_step: StepCallback | None = None,
 ) -> tuple[dict[str, list], ChunkStats]:
     """Plan, generate and label the sequences of one chunk of prompts; returns its records and cost accounting.
-
-    ``on_step`` (optional) is called after each batch of every phase (see :data:`StepCallback`): a heartbeat while a
-    chunk runs, which takes no part in the records.
+    ``on_step`` is a heartbeat after each batch and takes no part in the records.
     """
     ctx = ChunkContext(cfg, models, rendered, tok.pad_token_id, tok.eos_token_id, on_step=on_step)
     torch.manual_seed(cfg.seed * 100_003 + chunk)
@@ -99,8 +89,8 @@ def produce_chunk(
 
 
 def plan_chunk(ctx: ChunkContext, tok, prompts: list, chunk_indices: list[int]) -> list[Planned]:
-    """The chunk's planned sequences; a text origin gets its prompt's reference answer (or, without one, falls back to
-    the draft origin, counted in ``text_fallbacks``)."""
+    """The chunk's planned sequences; a text origin without a reference answer falls back to draft (``text_fallbacks``).
+    """
     plans: list[Planned] = []
     for i in chunk_indices:
         plans += plan_prompt(ctx.cfg, i, prompts[i].id)
@@ -116,16 +106,13 @@ def plan_chunk(ctx: ChunkContext, tok, prompts: list, chunk_indices: list[int]) 
 
 
 def target_continuations(ctx: ChunkContext, plans: list[Planned]) -> list[tuple[CachedPass, list[Planned]]]:
-    """The target's continuations of the target origin, and in greedy decoding of the spec origin too, in batches;
-    returns each batch's pass (its cache, which the rollouts are fed to later) with its sequences.
+    """The target's continuations, in batches of similar length, with each batch's pass (whose cache the rollouts are
+    fed
+    to later).
 
-    Exact speculative decoding emits the target's greedy continuation token for token (bit for bit on the packed
-    paths, compute.compute_path), so in greedy decoding a spec trajectory is that continuation, made here in batches
-    instead of one costly assisted generation per prompt. Sampling (temperature > 0) keeps real assisted-generation
-    trajectories (:func:`sampled_spec_trajectories`). Both origins share one batch (on the packed paths a batch step
-    of a few rows costs what one row costs), longest continuations together so that short ones do not wait for them.
-    The target's pass over the prompt is also its labelling pass (``CachedPass``), so these sequences never go
-    through the target twice.
+    In greedy decoding exact speculative decoding emits the target's greedy continuation token for token, so spec
+    trajectories are made here too, batched, instead of one assisted generation per prompt. The pass over the prompt is
+    also the target's labelling pass.
     """
     cfg, st = ctx.cfg, ctx.stats
     on_target = ("target", "spec") if cfg.temperature == 0 else ("target",)
@@ -143,8 +130,10 @@ def target_continuations(ctx: ChunkContext, plans: list[Planned]) -> list[tuple[
 
 
 def sampled_spec_trajectories(ctx: ChunkContext, plans: list[Planned]) -> None:
-    """With sampling, each spec-origin prefix is a real speculative-decoding trajectory (transformers' assisted
-    generation, one prompt at a time); in greedy decoding :func:`target_continuations` wrote them."""
+    """With sampling, each spec-origin prefix is a real assisted-generation trajectory, one prompt at a time (greedy
+    ones
+    come from :func:`target_continuations`).
+    """
     cfg, st = ctx.cfg, ctx.stats
     if cfg.temperature == 0:
         return
@@ -158,16 +147,16 @@ def sampled_spec_trajectories(ctx: ChunkContext, plans: list[Planned]) -> None:
 
 
 def _device(ctx: ChunkContext) -> torch.device:
-    """The models' device: a chunk's random streams live there (``torch.multinomial`` draws with a generator of its
-    input's device; on the CPU the seeded streams are the ones every earlier data folder was drawn with)."""
+    """The models' device, where a chunk's seeded random streams live (``torch.multinomial`` draws on its input's
+    device).
+    """
     return next(ctx.models.draft.parameters()).device
 
 
 def draft_side(ctx: ChunkContext, plans: list[Planned], chunk: int) -> None:
-    """The draft's side, in one pass a sequence (``data_gen.labelling.draft_pass``): its hidden states over the prefix
-    (the prompt, plus the continuation of the target / spec / text origins), then its own tokens decoded from that
-    pass's cache: m + L for the draft origin (its continuation and rollout), L for the others (none after an
-    end-of-sequence continuation). The labelling passes reuse these states, so no prefix goes through the draft twice.
+    """The draft's side, one pass a sequence: its states over the prefix, then its own tokens decoded from that cache (m
+    + L
+    for the draft origin, L for the others), reused by labelling.
     """
     cfg, st, eos, L = ctx.cfg, ctx.stats, ctx.eos, ctx.cfg.rollout_len
     rng = torch.Generator(device=_device(ctx)).manual_seed(cfg.seed * 104_729 + chunk)
@@ -191,8 +180,9 @@ def draft_side(ctx: ChunkContext, plans: list[Planned], chunk: int) -> None:
 
 
 def feed_target_rollouts(ctx: ChunkContext, target_runs: list[tuple[CachedPass, list[Planned]]]) -> None:
-    """The draft's rollouts of the target-written sequences, through the target's continuation caches: the target's
-    states over whole sequences, with no second pass over their prefixes."""
+    """The draft's rollouts of target-written sequences fed through the target's continuation caches (no second prefix
+    pass).
+    """
     for run, group in target_runs:
         run.feed([p.rollout for p in group])
         for r, p in enumerate(group):
@@ -203,8 +193,9 @@ def feed_target_rollouts(ctx: ChunkContext, target_runs: list[tuple[CachedPass, 
 
 def sequence_specs(cfg: GenerateConfig, prompts: list, rendered: list[list[int]],
                    plans: list[Planned]) -> list[SequenceSpec]:
-    """The sequences to label: each plan's prompt + continuation + rollout, with its labelled segments (the
-    continuation, teacher-forced, with ``label_prefix``; the rollout) and the states the models computed already."""
+    """The sequences to label: prompt + continuation + rollout, with their segments (the continuation with
+    ``label_prefix``) and the states the models computed already.
+    """
     seqs: list[SequenceSpec] = []
     for p in plans:
         prompt = prompts[p.prompt_index]
@@ -225,8 +216,7 @@ def sequence_specs(cfg: GenerateConfig, prompts: list, rendered: list[list[int]]
 
 
 def label_chunk(ctx: ChunkContext, seqs: list[SequenceSpec], chunk: int) -> dict[str, list]:
-    """Records of ``seqs`` (column lists, ``data_gen.schema`` order), labelled in passes of at most
-    ``label_batch_tokens`` (``data_gen.planning.label_batches``: a prompt's sequences share one pass)."""
+    """Records of ``seqs`` in ``data_gen.schema`` order, labelled in passes of at most ``label_batch_tokens``."""
     cfg, st = ctx.cfg, ctx.stats
     opts = LabelOptions(
         top_k=cfg.top_k, store_hidden=cfg.store_hidden, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -261,7 +251,8 @@ def _charge_by_origin(st: ChunkStats, group: list[Planned], conts: list[list[int
 def _charge_labelling(st: ChunkStats, group: list[Planned], rendered: list[list[int]], role: str,
                       seconds: float) -> None:
     """Count a CachedPass's prefix pass and fed tokens as ``role``'s labelling time, split over origins by prompt
-    length."""
+    length.
+    """
     st.label_seconds[role] += seconds
     width = sum(len(rendered[p.prompt_index]) for p in group) or 1
     for p in group:
@@ -269,8 +260,10 @@ def _charge_labelling(st: ChunkStats, group: list[Planned], rendered: list[list[
 
 
 def cut_to_budget(records: dict[str, list], limit: int) -> dict[str, list]:
-    """The first whole positions of a chunk's records that fit in ``limit`` records: both draws of a position (same
-    ``seq_id`` and ``prefix_len``) are kept or dropped together, so a budget cut leaves no position with one draw."""
+    """The first whole positions of a chunk's records within ``limit`` records: both draws of a position are kept or
+    dropped
+    together.
+    """
     first: dict[tuple, int] = {}
     rank = [first.setdefault(key, len(first)) for key in zip(records["seq_id"], records["prefix_len"])]
     sizes = Counter(rank)

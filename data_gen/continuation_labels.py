@@ -1,9 +1,7 @@
-"""Records along a continuation the caller already has (e.g. the target-only output of a benchmark), for the replay
-check: the continuation labelled teacher-forced, plus the draft's own rollout from every point where a greedy
-speculative decoder's draft would leave it.
+"""Records along a continuation the caller already has (a benchmark's target-only output) for the replay check: the
+continuation labelled teacher-forced, plus the draft's rollout from every point a greedy decoder's draft leaves it.
 
-Usage: ``records, stats = label_continuation(models, prompt_ids, output_ids, LabelOptions(), sample_id="p0",
-rollout_len=40)``
+Usage: ``records, stats = label_continuation(models, prompt_ids, output_ids, LabelOptions(), sample_id="p0")``
 """
 from __future__ import annotations
 
@@ -30,8 +28,9 @@ class ContinuationStats:
 
 
 def branch_offsets(records: dict[str, list], draw: str = "greedy") -> list[int]:
-    """Offsets of a labelled continuation where the ``draw`` record fails greedy match, and its length (the end): the
-    prefixes from which a greedy speculative decoder's draft leaves the continuation."""
+    """Offsets where the ``draw`` record fails greedy match, and the end: where a greedy decoder's draft leaves the
+    continuation.
+    """
     rows = [(o, m) for o, m, d, r in zip(records["offset"], records["greedy_match"], records["draw"],
                                          records["rollout"]) if d == draw and not r]
     return sorted({o for o, m in rows if not m} | {len(rows)})
@@ -39,8 +38,10 @@ def branch_offsets(records: dict[str, list], draw: str = "greedy") -> list[int]:
 
 def draft_rollouts(draft: PreTrainedModel, prefixes: list[list[int]], length: int, *, pad_token_id: int,
                    batch_size: int = 8) -> list[list[int]]:
-    """The draft's greedy continuation of ``length`` tokens after each prefix, not stopped at an end of sequence (a
-    speculative decoder's draft drafts on past one), in batches of ``batch_size``."""
+    """The draft's greedy continuation of ``length`` tokens after each prefix, not stopped at EOS (a decoder's draft
+    drafts
+    on past one), in batches.
+    """
     out: list[list[int]] = []
     for group in batches(prefixes, batch_size):
         conts, _ = continue_batch(draft, group, [length] * len(group), pad_token_id=pad_token_id, eos_token_id=[])
@@ -64,27 +65,9 @@ def label_continuation(
     label_batch_tokens: int = 4096,
     generator: torch.Generator | None = None,
 ) -> tuple[dict[str, list], ContinuationStats]:
-    """Records of origin ``target`` along a continuation the caller already has (e.g. the target-only output of a
-    benchmark), labelled teacher-forced as ``data_gen.chunk.produce_chunk`` labels a target-origin prefix, plus the
-    draft's own rollout from every branch point (:func:`branch_offsets`: where the drafted token fails greedy match,
-    and the end).
-
-    A rollout of ``rollout_len`` tokens is the draft's continuation (``continue_batch``, not stopped at an end of
-    sequence: a speculative decoder's draft drafts on) and is labelled as a rollout segment (``rollout == True``) of the
-    same ``seq_id``, starting at the branch point's ``prefix_len``; ``evaluation.replay`` (``branch_rollouts``) follows
-    it past a round's first mismatch.
-
-    Args:
-        models: draft, target (and companion) of the pair.
-        prompt: the prompt's token ids (at least one).
-        continuation: the tokens that followed it (at least one).
-        opts: labelling options; branch rollouts need greedy data (``opts.temperature == 0``).
-        sample_id: the prompt's id (``seq_id`` is ``<sample_id>#0``).
-        rollout_len: tokens of each rollout: the longest draft a replayed policy can make.
-        branches: add the rollouts (False: the teacher-forced continuation alone).
-        gen_batch_size, label_batch_tokens: batching of the rollouts' generation and labelling.
-    Returns:
-        (records as column lists, in ``data_gen.schema`` order; stats).
+    """Records of origin ``target`` along ``continuation``, labelled teacher-forced as a target-origin prefix, plus with
+    ``branches`` a ``rollout_len``-token draft rollout from every branch point (same ``seq_id``), which the replay
+    follows past a round's first mismatch. Needs greedy data; returns (record columns, stats).
     """
     if not prompt or not continuation:
         raise ValueError(f"{sample_id}: label_continuation needs a non-empty prompt and continuation")

@@ -1,13 +1,9 @@
-"""The one feature computation shared by data generation and decoding.
+"""The one feature function shared by data generation and decoding: every per-token input a predictor sees and every
+raw label quantity comes from :func:`token_features`.
 
-Every per-token quantity a predictor sees (draft top-k, entropy, max probability, hidden state, companion signals)
-and every raw label quantity (q(x), p(x), min(1, p/q), target argmax, TV) comes from :func:`token_features`.
-``data_gen.labelling`` calls it with target logits over whole sequences; ``decoding`` calls it without target logits
-on each freshly drafted token. A test asserts both paths give equal features for the same token.
-
-Without a nucleus cut on a CPU the softmax statistics come from native calls (``compute.draft_stats``: two or three
-passes over the vocabulary per row, no [..., V] temporaries, sums in double across blocks); otherwise from torch ops
-over the probabilities. Both give the same values to float32 rounding (tested).
+The labeller calls it with target logits over whole sequences, the engine without them on each drafted token, so a
+predictor sees the same features in training and in decoding (tested). On a CPU without a nucleus cut the softmax
+statistics are native calls (``compute.draft_stats``), elsewhere torch ops; both agree to float32 rounding.
 """
 from __future__ import annotations
 
@@ -31,14 +27,9 @@ TARGET_COLUMNS = ("p", "accept_prob", "target_argmax", "greedy_match", "tv")
 
 
 def probs_from_logits(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0) -> Tensor:
-    """Probabilities of the distribution a model samples from (float32).
-
-    Args:
-        logits: [..., V] raw logits.
-        temperature: sampling temperature; 0 means greedy decoding, whose reference distribution is softmax(logits).
-        top_p: nucleus mass kept (1.0 keeps everything); renormalised after the cut.
-    Returns:
-        [..., V] float32 probabilities.
+    """[..., V] float32 probabilities of the distribution a model samples from: softmax(logits / temperature)
+    (temperature
+    0: greedy, softmax(logits)), cut to the ``top_p`` nucleus and renormalised.
     """
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
@@ -55,13 +46,9 @@ def probs_from_logits(logits: Tensor, temperature: float = 1.0, top_p: float = 1
 
 
 def probs_and_entropy(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0) -> tuple[Tensor, Tensor]:
-    """([..., V] probabilities, exactly :func:`probs_from_logits`'s, [...] their entropy).
-
-    Without a nucleus cut the entropy comes from the probabilities and the logits with no second exponential:
-    p = exp(z - m) / s with m = max z, so -sum p log p = log s - sum p (z - m), and log s = -log max p. This is as
-    close to a float64 reference as -sum p log_softmax(z), and skips log_softmax's pass over the vocabulary (a large
-    share of a stop decision's time). With ``top_p`` < 1 it is the entropy of the renormalised nucleus
-    (:func:`entropy`).
+    """(:func:`probs_from_logits`, [...] their entropy); without a nucleus cut the entropy is log s - sum p (z - m),
+    with
+    log s = -log max p, which skips log_softmax's pass over the vocabulary.
     """
     probs = probs_from_logits(logits, temperature, top_p)
     if top_p < 1.0:
@@ -76,13 +63,9 @@ def probs_and_entropy(logits: Tensor, temperature: float = 1.0, top_p: float = 1
 
 
 def topk_values(x: Tensor, k: int, block: int = 128) -> Tensor:
-    """[..., V] -> [..., k]: the k largest values of the last dimension, sorted descending (``torch.topk``'s values).
-
-    ``topk`` over a vocabulary walks every element with its index; the k largest values always lie in the k blocks
-    of ``block`` elements with the largest maxima (if one of them lay in another block, those k blocks would hold k
-    larger values), and block maxima are one vectorised ``amax``. So the answer is the top-k of those k blocks: the
-    same values, several times faster over a vocabulary. Inputs must be NaN-free
-    (``token_features`` checks finiteness first); small inputs and large k go to ``torch.topk`` directly.
+    """[..., V] -> [..., k] largest values, descending, as ``torch.topk``: the top-k of the k blocks with the largest
+    maxima,
+    which hold them all; several times faster over a vocabulary. Inputs must be NaN-free.
     """
     v = x.shape[-1]
     k = min(int(k), v)
@@ -108,32 +91,18 @@ def token_features(
     temperature: float = 1.0, top_p: float = 1.0, columns: Collection[str] | None = None, stats: Tensor | None = None,
     companion_stats: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """Per-draft-token features and raw label quantities.
-
-    The logits at index i are the models' distributions for the token at index i (callers shift: logits of a causal LM
-    at position t score token t+1).
+    """Per-draft-token features and raw label quantities; logits at index i score the token at index i (callers shift).
 
     Args:
-        draft_logits: [..., V] draft logits at the positions being scored.
-        draft_tokens: [...] the drafted token at each position (x ~ q).
-        target_logits: [..., V] target logits at the same positions; adds the label columns.
-        companion_logits: [..., V] companion logits at the same positions; adds the SV signals.
-        draft_hidden: [..., H] draft last hidden state at the position that produced the logits; stored as float16.
-        top_k: number of top draft probabilities kept (sorted, descending).
-        temperature, top_p: the sampling distribution the probabilities describe (see :func:`probs_from_logits`).
-        columns: the draft columns wanted (a decoder passes its policy's ``required_columns``): ``draft_entropy`` and
-            the top-k ones (``draft_max_prob``, ``draft_topk``) are skipped when not named (``draft_token`` and ``q``
-            always come, and every target / companion column of the logits given); None computes all.
-        stats: these logits' and tokens' native statistics when the caller has them already (the engine's greedy draft
-            step, ``compute.draft_stats.greedy_draft_stats``, which also checked them finite), at least ``top_k``
-            wide; used when the native path applies.
-        companion_stats: ``compute.draft_stats.pair_stats(draft_logits, companion_logits, draft_tokens,
-            temperature)[0]`` when the caller has it already (the engine computes it on all threads, a decode step's
-            one row shared among them); used when the native path applies.
+        draft_logits, draft_tokens: [..., V] draft logits and [...] the drafted tokens (x ~ q).
+        target_logits: [..., V] at the same positions; adds the label columns (``p``, ``accept_prob``, ``tv``, ...).
+        companion_logits: [..., V] at the same positions; adds the SV signals (``companion_*``).
+        draft_hidden: [..., H] the draft's last hidden state, stored as float16.
+        top_k, temperature, top_p: top-k probabilities kept, and the sampling distribution they describe.
+        columns: the draft columns wanted (a policy's ``required_columns``); None computes all.
+        stats, companion_stats: the native statistics when the caller has them already (the engine's draft step).
     Returns:
-        dict of tensors with leading shape [...]: ``draft_token, q, draft_entropy, draft_max_prob, draft_topk [...,
-        k]``, optionally ``draft_hidden [..., H]``, ``companion_*`` and ``p, accept_prob, target_argmax, greedy_match,
-        tv``.
+        dict of tensors with leading shape [...], one per column.
     """
     want_entropy = columns is None or "draft_entropy" in columns
     want_topk = columns is None or "draft_max_prob" in columns or "draft_topk" in columns
@@ -185,8 +154,8 @@ def token_features(
 
 def _add_target_columns(out: dict[str, Tensor], draft_logits: Tensor, target_logits: Tensor, draft_tokens: Tensor,
                         q: Tensor, q_all: Tensor | None, temperature: float, top_p: float) -> None:
-    """Add the raw label columns (``TARGET_COLUMNS``) to ``out``: from native statistics when ``q_all`` (the draft's
-    probabilities of the torch-ops path) is None, else from the target's probabilities."""
+    """Add the raw label columns to ``out``: from native statistics when ``q_all`` is None, else from the probabilities.
+    """
     if q_all is None:
         ts, target_argmax = pair_stats(draft_logits, target_logits, draft_tokens, temperature)
         _check_finite("target", ts[..., 1])
@@ -203,9 +172,10 @@ def _add_target_columns(out: dict[str, Tensor], draft_logits: Tensor, target_log
 
 
 def _check_finite(name: str, t: Tensor) -> None:
-    """FloatingPointError naming the model when ``t`` (its logits, or a statistic that is NaN for rows with NaN or inf
-    logits) holds NaN or inf: one reduction and one read instead of a [..., V] bool mask (finite logits of LM
-    magnitudes cannot overflow an fp32 sum)."""
+    """FloatingPointError naming the model when ``t`` holds NaN or inf: one reduction instead of a [..., V] bool mask
+    (finite
+    LM logits cannot overflow an fp32 sum).
+    """
     if not math.isfinite(t.sum(dtype=torch.float32)):
         raise FloatingPointError(f"{name} logits contain NaN or inf")
 
@@ -213,8 +183,9 @@ def _check_finite(name: str, t: Tensor) -> None:
 def _draft_columns(
     logits: Tensor, tokens: Tensor, k: int, temperature: float, top_p: float, want_entropy: bool, want_topk: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
-    """The torch-ops path (a nucleus cut, a GPU, or no native build): (q(token), entropy or None, top-k probabilities
-    or None, all probabilities); FloatingPointError for NaN or inf logits."""
+    """The torch-ops path (a nucleus cut, a GPU, no native build): (q(token), entropy or None, top-k or None, all
+    probabilities).
+    """
     if want_entropy:
         q_all, entropy_ = probs_and_entropy(logits, temperature, top_p)
         # without a nucleus cut the entropy is NaN for NaN, +inf or -inf logits (p (z - m) = 0 x -inf): the check

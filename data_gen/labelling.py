@@ -1,19 +1,10 @@
 """Label draft tokens by parallel passes: draft, target and companion each run once over a whole sequence.
 
-A draft token's record depends only on its prefix and on the token drawn, so any sequence (a draft rollout, a target or
-speculative-decoding continuation, dataset text) is labelled by one forward pass of each model over the padded batch.
-At a position j of the labelled segment the prefix is ``tokens[:j]`` and the logits at index j-1 score position j:
-
-- in a *rollout* segment (the draft's own continuation) the drafted token is ``tokens[j]``;
-- in a *teacher-forced* segment the drafted token is drawn from q at j (argmax when greedy, a sample otherwise),
-  while the sequence goes on with ``tokens[j]``.
-
-With ``sample_draw`` (greedy data) every labelled position also gives a second record, ``draw="sample"``: a token drawn
-from q (temperature 1) with its own q(x), p(x), min(1, p/q) and greedy match. The distributions are already computed,
-so the sampled draw costs no model FLOPs, and the sampling-mode labels (q/p <= lambda, min(1, p/q)) get their own
-tokens.
-
-Only the positions being labelled go through the LM heads (a [N, V] slice, not [B, T, V]).
+A record depends only on its prefix and the drafted token, so any sequence (a rollout, a continuation, dataset text)
+is labelled by one forward of each model over the padded batch; at position j the logits at j - 1 score the token.
+In a rollout segment the drafted token is ``tokens[j]``; in a teacher-forced one it is drawn from q at j while the
+sequence goes on with ``tokens[j]``. With ``sample_draw`` greedy data also records a token sampled from q at every
+position, at no model cost.
 
 Usage: ``records, stats = label_sequences(LabelModels(draft, target), seqs, LabelOptions())``
 """
@@ -57,9 +48,10 @@ class SequenceSpec:
     tokens: list[int]
     segments: list[Segment]
     states: dict[str, Tensor] = field(default_factory=dict)
-    """Role (draft, target, companion) -> that model's final-norm hidden states at the sequence's positions (at least
-    the first len(tokens) - 1), when the model already ran over the sequence while writing part of it
-    (:class:`CachedPass`); its labelling pass then skips the sequence."""
+    """Role -> that model's final-norm hidden states over the sequence, when it already ran over it
+    (:class:`CachedPass`);
+    its labelling pass then skips the sequence.
+    """
 
 
 @dataclass
@@ -71,8 +63,10 @@ class LabelModels:
     companion: PreTrainedModel | None = None
 
     def companion_tap(self) -> tuple[int, nn.Module] | None:
-        """(layers, final norm) for :class:`CachedPass`'s tap when the companion's layers are the draft's first N
-        (``compute.models.share_truncated_layers``): its states then come from the draft's own pass."""
+        """(layers, final norm) of a companion whose layers are the draft's first N, so its states come from the draft's
+        own
+        pass; None otherwise.
+        """
         depth = shared_depth(self.companion, self.draft)
         return (depth, self.companion.get_decoder().norm) if depth and self.companion is not None else None
 
@@ -94,11 +88,12 @@ class LabelOptions:
     head_chunk: int = 256
     """Labelled positions sent through the LM heads at once (bounds the [N, V] logits memory)."""
     sample_draw: bool = False
-    """With greedy data (temperature 0): also record, at every labelled position, a token sampled from q (draw
-    "sample") beside the argmax one (draw "greedy"); no extra model pass."""
+    """With greedy data: also record a token sampled from q (draw ``sample``) at every labelled position, at no model
+    cost.
+    """
     min_shared_prefix: int = 16
-    """When every sequence of a batch starts with the same tokens (several sequences of one prompt), a common prefix
-    this long or longer is passed once and its KV cache shared by the batch; 0 turns sharing off."""
+    """Shortest prefix common to a batch's sequences that is passed once and its KV cache shared; 0 turns sharing off.
+    """
 
 
 @dataclass
@@ -107,17 +102,17 @@ class LabelStats:
 
     sequences: int = 0
     tokens_passed: int = 0
-    """Tokens of the batch (a shared prompt once): what each model passes once, in this call or, for sequences that
-    carry its states, earlier (CachedPass)."""
+    """Tokens of the batch (a shared prompt once) each model passes, here or earlier for sequences carrying their
+    states.
+    """
     records: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "target": 0.0, "companion": 0.0})
 
 
 def _body_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, shared: int = 0) -> Tensor:
-    """[B, T, H] last hidden states of a causal LM (final norm applied), without the LM head.
-
-    With ``shared`` > 0 the first ``shared`` tokens, the same in every row, are passed once (batch 1) and their KV
-    cache is repeated over the batch for the rest: same states, fewer FLOPs when a prompt is shared.
+    """[B, T, H] final-norm hidden states of a causal LM, without the LM head; the first ``shared`` tokens, common to
+    all
+    rows, pass once and their KV cache is repeated over the batch.
     """
     decoder = model.get_decoder()
     if shared <= 0:
@@ -133,8 +128,7 @@ def _body_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tens
 
 
 def right_padded(tokens: list[list[int]], pad_token_id: int, width: int | None = None) -> tuple[Tensor, Tensor]:
-    """([B, W] ids, [B, W] mask) of token lists right-padded to ``width`` (default: the longest, at least 1); rows may
-    be empty."""
+    """([B, W] ids, [B, W] mask) of token lists right-padded to ``width`` (default the longest, at least 1)."""
     width = width or max(1, max(len(t) for t in tokens))
     ids = torch.full((len(tokens), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(tokens), width), dtype=torch.long)
@@ -159,15 +153,9 @@ def shared_prefix_len(seqs: list[list[int]]) -> int:
 def label_sequences(
     models: LabelModels, seqs: list[SequenceSpec], opts: LabelOptions, generator: torch.Generator | None = None
 ) -> tuple[dict[str, list], LabelStats]:
-    """Label every segment position of ``seqs`` with one pass of each model over the right-padded batch.
-
-    Args:
-        models: draft, target and optional companion.
-        seqs: sequences with labelled segments; a segment may not start at 0 (a token needs a prefix).
-        opts: feature and sampling options.
-        generator: RNG for teacher-forced sampled draft tokens.
-    Returns:
-        (records as column lists in data_gen.schema order, stats).
+    """Label every segment position of ``seqs`` (no segment at 0) with one pass of each model over the right-padded
+    batch;
+    returns (record columns in ``data_gen.schema`` order, stats).
     """
     stats = LabelStats(sequences=len(seqs))
     if opts.sample_draw and opts.temperature > 0:
@@ -235,8 +223,9 @@ class _LabelBatch:
 
 
 def _role_states(model: PreTrainedModel, role: str, batch: _LabelBatch) -> Tensor:
-    """[N, H] the ``role`` model's state that predicts each labelled row's token, in row order: from the states a
-    sequence carries, else from one pass over the sequences that carry none."""
+    """[N, H] the ``role`` model's state predicting each labelled row's token: from the states a sequence carries, else
+    one pass over the others.
+    """
     seqs, lens = batch.seqs, batch.lens
     need = [b for b, s in enumerate(seqs) if role not in s.states]  # sequences this model has not run over yet
     per_seq: dict[int, Tensor] = {b: s.states[role] for b, s in enumerate(seqs) if role in s.states}
@@ -255,8 +244,9 @@ def _label_rows(
     models: LabelModels, batch: _LabelBatch, hidden: dict[str, Tensor], opts: LabelOptions, draws: list[str],
     generator: torch.Generator | None, stats: LabelStats,
 ) -> tuple[dict[str, dict[str, list[Tensor]]], Tensor]:
-    """Features of every labelled row, per draw, through the LM heads ``opts.head_chunk`` rows at a time; also
-    returns [N] the sequence's own token at each row."""
+    """Features of every labelled row, per draw, through the LM heads ``opts.head_chunk`` rows at a time, and [N] the
+    sequence's own token at each row.
+    """
     device = batch.ids.device
     feats: dict[str, dict[str, list[Tensor]]] = {d: {} for d in draws}
     seq_tokens = batch.ids[torch.tensor(batch.rows_b, device=device), torch.tensor(batch.rows_j, device=device)]
@@ -291,8 +281,9 @@ def _label_rows(
 
 def _head_logits(models: LabelModels, hidden: dict[str, Tensor], sl: slice,
                  stats: LabelStats) -> tuple[Tensor, Tensor, Tensor | None]:
-    """float32 logits of the rows ``sl`` from the draft's, the target's and the companion's LM heads (None without a
-    companion), each head's time counted as its model's."""
+    """float32 logits of rows ``sl`` from the draft's, target's and companion's heads, each head's time counted as its
+    model's.
+    """
     t0 = time.perf_counter()
     d_logits = models.draft.get_output_embeddings()(hidden["draft"][sl]).float()
     stats.seconds["draft"] += time.perf_counter() - t0
@@ -317,13 +308,9 @@ class PassStats:
 
 
 class CachedPass:
-    """A batch of sequences through one model, once: a pass over their prefixes, then tokens decoded or fed per row
-    from the same KV cache, with every hidden state kept for labelling.
-
-    A continuation or a rollout made by ``generate`` re-reads its prefix in a prefill, and the labelling pass reads it
-    again; here the labelling pass is the prefill, and the states of the decoded tokens are labelling states too, so no
-    token goes through the model twice. The prefixes run right-padded in one batch; each later forward gives every row
-    its own positions (``position_ids``) and masks the padding left between its tokens.
+    """A batch of sequences through one model once: a prefix pass, then tokens decoded or fed per row on the same KV
+    cache,
+    every hidden state kept for labelling, so no token goes through the model twice.
 
     Usage::
 
@@ -385,8 +372,10 @@ class CachedPass:
     @torch.no_grad()
     def decode(self, n_new: list[int], *, eos_token_id: int | list[int] | None, temperature: float = 0.0,
                top_p: float = 1.0, generator: torch.Generator | None = None) -> list[list[int]]:
-        """Decode up to ``n_new[r]`` tokens of row r's own continuation (greedy, or sampled at ``temperature`` /
-        ``top_p``); a row stops at an end-of-sequence token (kept). Call once, right after the prefix pass."""
+        """Decode up to ``n_new[r]`` tokens of each row's continuation (greedy or sampled), a row stopping at EOS
+        (kept); once,
+        right after the prefix pass.
+        """
         if len(n_new) != self.batch or any(p is not None for p in self.pending) or len(self._states[0]) > 1:
             raise ValueError("CachedPass.decode runs once, right after the prefix pass, with one count per row")
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
@@ -411,9 +400,10 @@ class CachedPass:
 
     @torch.no_grad()
     def feed(self, tails: list[list[int]]) -> None:
-        """Each row's sequence goes on with ``tails[r]`` (e.g. another model's rollout): pass what the labels need, in
-        one forward: the pending decoded token and the tail but its last token (a state there would score nothing);
-        a row with no tail passes nothing."""
+        """Each row's sequence goes on with ``tails[r]``: one forward over the pending decoded token and the tail but
+        its last
+        token (whose state would score nothing).
+        """
         if len(tails) != self.batch:
             raise ValueError(f"CachedPass.feed needs one token list per row ({self.batch}), got {len(tails)}")
         todo = [([p] if p is not None else []) + list(t[:-1]) if t else [] for p, t in zip(self.pending, tails)]
@@ -424,14 +414,12 @@ class CachedPass:
             self.stats.pass_seconds += time.perf_counter() - t0
 
     def states(self, r: int) -> Tensor:
-        """[tokens of row r in the cache, H]: the state at every position passed, each scoring the token after it (the
-        row's sequence ends one token past them: a pending decoded token or a tail's last token)."""
+        """[tokens of row r in the cache, H]: the state at every position passed, each scoring the token after it."""
         return torch.cat(self._states[r])
 
     @torch.no_grad()
     def tapped_states(self, r: int) -> Tensor:
-        """:meth:`states` of the model cut after its first ``tap[0]`` layers: the tapped residual stream through the
-        tap's final norm (``tap[1]``), i.e. the final-norm states of ``truncated:N:<this model>``."""
+        """The final-norm states of the model cut after its first ``tap[0]`` layers (``truncated:N:<this model>``)."""
         if self.tap is None:
             raise ValueError("CachedPass.tapped_states needs a tap (layers, final norm) given at construction")
         return self.tap[1](torch.cat(self._tapped[r]))
@@ -449,9 +437,10 @@ def draft_pass(
     generator: torch.Generator | None = None,
     tap: tuple[int, nn.Module] | None = None,
 ) -> tuple[list[list[int]], list[Tensor], PassStats, list[Tensor]]:
-    """A :class:`CachedPass` that decodes ``n_new`` tokens a row: (new tokens, per row its [len(prefix) +
-    len(new) - 1, H] states, stats, the same rows' tapped states (empty without a tap): the states of a truncation of
-    the draft, e.g. the companion, from the same pass)."""
+    """A :class:`CachedPass` decoding ``n_new`` tokens a row: (new tokens, per row its states, stats, the same rows'
+    states
+    of a truncation of the draft, e.g. the companion).
+    """
     run = CachedPass(draft, prefixes, pad_token_id=pad_token_id, tap=tap)
     new = run.decode(n_new, eos_token_id=eos_token_id, temperature=temperature, top_p=top_p, generator=generator)
     n = [len(p) + len(c) - 1 for p, c in zip(prefixes, new)]
@@ -487,11 +476,8 @@ def draw_draft_tokens(
 
 
 def run_positions(follows: np.ndarray, restart: np.ndarray) -> np.ndarray:
-    """Draft position of each token: how many immediately preceding tokens the draft itself produced in this run.
-
-    Args:
-        follows: [N] bool, the drafted token equals the sequence's next token (the draft 'produced' it).
-        restart: [N] bool, a draft window starts here (segment start).
+    """Draft position of each token: how many immediately preceding tokens the draft produced (``follows``), restarting
+    where ``restart``.
     """
     pos = np.zeros(len(follows), dtype=np.int32)
     for j in range(1, len(follows)):
@@ -500,10 +486,9 @@ def run_positions(follows: np.ndarray, restart: np.ndarray) -> np.ndarray:
 
 
 def oracle_lengths(match: np.ndarray, follows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Oracle draft length from each token of one segment, and whether it was cut by the end of observation.
-
-    Drafting from j, token j+i is accepted when every token j..j+i greedy-matches; the run is observable only while the
-    draft's token is the sequence's token (``follows``): otherwise the next prefix is unknown and the run is censored.
+    """Oracle draft length from each token of one segment (tokens while every one greedy-matches), and whether the end
+    of
+    observation cut it (censored).
     """
     n = len(match)
     length = np.zeros(n, dtype=np.int32)
@@ -521,8 +506,7 @@ def oracle_lengths(match: np.ndarray, follows: np.ndarray) -> tuple[np.ndarray, 
 
 
 def _assemble(seqs: list[SequenceSpec], f: dict[str, Tensor], seq_tokens: Tensor, draw: str) -> dict[str, list]:
-    """Turn flat feature tensors (segment order) of one draw into record columns with ids, positions and oracle
-    lengths."""
+    """Flat feature tensors of one draw (segment order) -> record columns with ids, positions and oracle lengths."""
     drafted = f["draft_token"].numpy()
     match = f["greedy_match"].numpy()
     next_tok = seq_tokens.numpy()

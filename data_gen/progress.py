@@ -1,12 +1,5 @@
-"""One progress view for the main job: a bar over the whole chain of stages and a one-line summary per stage.
-
-The bar (tqdm, on a terminal only) names the running stage (generate, train disco / sprinter / sv, evaluate,
-crossval, register); during generation it shows the records labelled, records/s and an ETA. Each stage logs one line
-when it ends (``stage generate: 12,000 records in 612 s (19.6 records/s)``), a stage that is cut logs how long it ran,
-and :meth:`ChainProgress.total_line` gives the total with each stage's time, so the user sees where the time goes.
-The log lines go through ``logging`` (above the bar on a terminal), so a log file holds the same summary. When stderr
-is not a terminal (nohup, CI, a batch scheduler) there is no bar: each stage then logs a heartbeat line at least once
-a minute (:class:`Heartbeat`: what it has done, its rate and ETA where it knows them).
+"""One progress view for long jobs: a bar over the chain of stages (on a terminal), one summary line per stage, and
+heartbeat lines at least once a minute where no bar shows (nohup, CI, a scheduler), all through ``logging``.
 
 Usage::
 
@@ -48,8 +41,7 @@ def plural(n: int, word: str) -> str:
 
 
 HEARTBEAT_S = 45.0
-"""Seconds between two heartbeat lines (``SPECSTOP_HEARTBEAT_S`` overrides it): under a minute with a margin for a
-thread that waits on the interpreter lock."""
+"""Seconds between heartbeat lines (``SPECSTOP_HEARTBEAT_S`` overrides): under a minute, with a margin."""
 
 
 def heartbeat_default() -> bool:
@@ -58,12 +50,9 @@ def heartbeat_default() -> bool:
 
 
 class Heartbeat:
-    """A log line every :data:`HEARTBEAT_S` seconds while a long piece of work runs, from a daemon thread, so that a
-    log file shows progress even when the work reports nothing for minutes (a shard of generation, an epoch).
-
-    The work calls :meth:`update` with what it has done (and, when known, the total): the line then gives the rate and
-    the ETA; without updates it says how long the work has run. Used as a context manager; a disabled heartbeat
-    (``enabled=False``) starts no thread.
+    """A log line every :data:`HEARTBEAT_S` seconds from a daemon thread while long work runs, with its rate and ETA
+    once
+    :meth:`update` gives them; ``enabled=False`` starts no thread.
 
     Usage::
 
@@ -87,8 +76,10 @@ class Heartbeat:
 
     def update(self, done: float, total: float | None = None, note: str = "", unit: str | None = None,
                resumed: float | None = None) -> None:
-        """Record progress: ``done`` units of ``total`` (kept from before when None); ``note`` ends the line;
-        ``resumed``: how many of ``done`` an earlier run did (read back, not worked on: left out of the rate)."""
+        """Record ``done`` units of ``total`` (kept when None); ``note`` ends the line; ``resumed`` units were read back
+        and
+        stay out of the rate.
+        """
         self.done = done
         if resumed is not None:
             self.resumed = resumed
@@ -130,9 +121,10 @@ class Heartbeat:
 
 @dataclass
 class Stage:
-    """A running stage: the caller sets ``summary`` (what it did, e.g. ``"8 epochs, val AUC 0.66"``) and may set
-    ``records`` (records handled, for a records/s figure), ``reused`` (its output was found on disk) or ``resumed``
-    (part of it was)."""
+    """A running stage: the caller sets ``summary`` (e.g. ``"8 epochs, val AUC 0.66"``) and may set ``records`` (for a
+    rate),
+    ``reused`` or ``resumed``.
+    """
 
     name: str
     summary: str = ""
@@ -151,13 +143,8 @@ class Stage:
 
 
 class ChainProgress:
-    """The bar over the planned stages and the per-stage summaries (see the module docstring).
-
-    Args:
-        stages: the planned stages in order (the bar's length; a stage not in the list still runs and is reported).
-        log: where the summary lines go.
-        disable: no bar (None: a bar only when stderr is a terminal).
-        heartbeat: log a heartbeat line at least once a minute in every stage (None: when stderr is not a terminal).
+    """The bar over the planned ``stages`` and the per-stage summary lines to ``log``; the bar shows only on a terminal
+    unless ``disable`` says, and ``heartbeat`` (default: off a terminal) logs in every stage.
     """
 
     def __init__(self, stages: list[str], log: logging.Logger, disable: bool | None = None,
@@ -184,8 +171,10 @@ class ChainProgress:
 
     @contextmanager
     def stage(self, name: str) -> Iterator[Stage]:
-        """Run one stage: the bar shows it while it runs; its summary line is logged when it ends. A stage cut by an
-        exception (Ctrl-C included) logs how long it ran and that the same command resumes, then re-raises."""
+        """Run one stage, shown on the bar, its summary logged when it ends; a stage cut by an exception (Ctrl-C too)
+        logs
+        how long it ran and that the same command resumes.
+        """
         st = Stage(name, heartbeat=Heartbeat(self.log, f"stage {name}", enabled=self.heartbeat))
         step = f"{self.planned.index(name) + 1}/{len(self.planned)} " if name in self.planned else ""
         self.bar.set_description(f"stage {step}{name}", refresh=False)
@@ -212,13 +201,8 @@ class ChainProgress:
         self.bar.refresh()
 
     def generation(self, remaining: int | None) -> GenerationMeter:
-        """The meter of the generate stage over all its data folders (``meter.folder()`` gives each folder's callback
-        for ``pipelines.generate.generate(progress=...)``).
-
-        Args:
-            remaining: records still to generate over all folders (None: no budget, no ETA). At the first shard the
-                log says the rate and the ETA of the whole budget, so a budget that cannot finish in the time the user
-                has shows at once.
+        """The meter of the generate stage over its data folders (``meter.folder()`` is each folder's callback); with
+        ``remaining`` records the first shard logs the whole budget's ETA.
         """
         return GenerationMeter(self, remaining)
 
@@ -242,8 +226,7 @@ class ChainProgress:
 
 
 class GenerationMeter:
-    """Records, records/s and ETA of the generate stage, summed over its data folders (see
-    :meth:`ChainProgress.generation`)."""
+    """Records, records/s and ETA of the generate stage, summed over its data folders."""
 
     def __init__(self, chain: ChainProgress, remaining: int | None) -> None:
         self.chain, self.remaining = chain, remaining
@@ -259,8 +242,9 @@ class GenerationMeter:
         return self.on_shard
 
     def on_shard(self, event: dict) -> None:
-        """Called by the generator after each shard: {new_records, seconds, ...} counted from its start; an event
-        with ``in_shard`` (records labelled so far, sent while a shard runs) only moves the heartbeat."""
+        """The generator's callback after each shard (counts since its start); an ``in_shard`` event only moves the
+        heartbeat.
+        """
         if "in_shard" in event:
             self._beat(self.banked_records + int(event.get("new_records", 0)))
             return

@@ -1,7 +1,5 @@
-"""Prompt sources: HumanEval, MT-Bench, ShareGPT (offline, from installed packages), local JSONL / JSON / Parquet
-files and
-``datasets`` hub names; rendering to token ids (chat template, left truncation) and the by-prompt train / val / test
-split.
+"""Prompt sources (HumanEval, MT-Bench, ShareGPT from installed packages; local JSONL / JSON / Parquet files;
+``datasets`` hub names), their rendering to token ids, and the by-prompt train / val / test split.
 
 Usage::
 
@@ -81,18 +79,17 @@ class PromptSourceConfig:
     """Where prompts come from and how many."""
 
     name: str
-    """``humaneval``, ``mtbench``, ``sharegpt``, a local ``.jsonl`` / ``.json`` / ``.parquet`` path, or a ``datasets``
-    hub name."""
+    """``humaneval``, ``mtbench``, ``sharegpt``, a local ``.jsonl`` / ``.json`` / ``.parquet`` path, or a hub name."""
     limit: int | None = None
     """Maximum number of (non-empty) prompts taken from this source; None = all."""
     domain: str | None = None
     """Override the domain (``code`` or ``chat``); default: the source's own (local / hub files: chat)."""
     prompt_field: str | None = None
-    """Local / hub files: column holding the prompt (a string or a chat list); default: detected (messages,
-    conversations, prompt, instruction, question, query, text, input)."""
+    """Local / hub files: the column holding the prompt (a string or a chat list); default: detected."""
     answer_field: str | None = None
-    """Local / hub files: column holding a reference answer; default: detected (reference, canonical_solution,
-    response, output, answer, completion, chosen), or the assistant turn following the prompt in a chat list."""
+    """Local / hub files: the column holding a reference answer; default: detected, or the assistant turn after the
+    prompt in a chat list.
+    """
     split: str = "train"
     """Hub datasets: split name."""
     shuffle: bool = False
@@ -142,11 +139,7 @@ class PromptSourceConfig:
 
 
 def package_file(source: str, relpath: str) -> Path:
-    """A data file of an installed prompt package, located with importlib.
-
-    Raises:
-        FileNotFoundError: the package (or its file) is missing; the message holds the pip command.
-    """
+    """A data file of an installed prompt package; FileNotFoundError holding the pip command when it is missing."""
     module, pip = _PIP[source]
     spec = importlib.util.find_spec(module)
     if spec is not None and spec.submodule_search_locations:
@@ -200,10 +193,9 @@ def _mtbench() -> Iterator[tuple[int, dict]]:
 
 
 def iter_json_array(fp: TextIO, stats: dict | None = None, chunk_chars: int = 1 << 20) -> Iterator[Any]:
-    """Decode the elements of a top-level JSON array one by one, stopping cleanly where the file is cut off.
-
-    Only about one chunk plus one record is held in memory. ``stats`` (if given) receives ``records`` (decoded) and
-    ``truncated`` (True when the file ended inside a record or before the closing bracket).
+    """The elements of a top-level JSON array one by one, holding about one chunk in memory and stopping cleanly where
+    the
+    file is cut off (``stats`` gets ``records`` and ``truncated``).
     """
     decoder = json.JSONDecoder()
     buf = fp.read(chunk_chars)
@@ -354,21 +346,11 @@ def _iter_source(cfg: PromptSourceConfig, stats: dict) -> Iterator[tuple[int, di
 
 
 def load_prompts(sources: list[PromptSourceConfig], seed: int = 0) -> tuple[list[Prompt], dict]:
-    """Load prompts from every source, in order.
+    """Load prompts from every source, in order; returns (prompts, stats per source).
 
-    Args:
-        sources: the sources; each gives at most ``limit`` non-empty prompts (the first ones, or a seeded random pick
-            when ``shuffle``). Builtin sources stream, so a small limit reads only the start of ShareGPT.
-        seed: seed of the random pick.
-
-    Returns:
-        (prompts, stats) with stats ``{"total", "empty_skipped", "per_source": {label: {"prompts", "empty_skipped",
-        "domains": {domain: n}, ...}}}`` (ShareGPT also reports ``records`` decoded and whether the file was
-        ``truncated``).
-
-    Raises:
-        ValueError: two sources with the same label (set ``label``), or a bad file / field (the message names it).
-        FileNotFoundError: a prompt package or file is missing (the message holds the pip command).
+    Each source gives at most ``limit`` non-empty prompts, the first or a pick seeded by ``seed`` (builtin sources
+    stream, so a small limit reads only the start of ShareGPT). ValueError for two sources with one label or a bad file
+    or field; FileNotFoundError, with the pip command, for a missing package or file.
     """
     prompts: list[Prompt] = []
     stats: dict = {"total": 0, "empty_skipped": 0, "per_source": {}}
@@ -444,17 +426,8 @@ class TruncationCounter:
 
 
 def render_prompt(prompt: Prompt, tokenizer, use_chat_template: bool, max_prompt_tokens: int) -> tuple[list[int], bool]:
-    """Token ids of a prompt, left-truncated to ``max_prompt_tokens``.
-
-    Args:
-        prompt: the prompt.
-        tokenizer: a Hugging Face tokenizer.
-        use_chat_template: apply the tokenizer's chat template (with ``add_generation_prompt=True``) when it has one;
-            otherwise (or when it has none) tokenize the messages' text joined by blank lines.
-        max_prompt_tokens: keep at most this many tokens, dropping the oldest (left truncation).
-
-    Returns:
-        (ids, truncated).
+    """(token ids, truncated) of a prompt: the tokenizer's chat template when ``use_chat_template`` and it has one, else
+    the messages joined by blank lines; left-truncated to ``max_prompt_tokens``.
     """
     if max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens={max_prompt_tokens}: use a positive number of tokens")
@@ -472,10 +445,7 @@ def render_prompt(prompt: Prompt, tokenizer, use_chat_template: bool, max_prompt
 def render_prompts(
     prompts: list[Prompt], tokenizer, use_chat_template: bool, max_prompt_tokens: int
 ) -> tuple[list[list[int]], dict]:
-    """Render every prompt (see :func:`render_prompt`); warns once with the number truncated.
-
-    Returns:
-        (ids per prompt, {"rendered": n, "truncated": k}).
+    """(ids per prompt, {"rendered": n, "truncated": k}) by :func:`render_prompt`; warns once with the number truncated.
     """
     counter = TruncationCounter()
     out = []
@@ -493,13 +463,9 @@ SPLITS = ("train", "val", "test")
 
 
 def split_of(sample_id: str, fractions: tuple[float, float, float] = (0.8, 0.1, 0.1), seed: int = 0) -> str:
-    """``train``, ``val`` or ``test`` for a prompt id, from a hash of (seed, id): every record of a prompt lands in
-    one split.
-
-    Args:
-        sample_id: the prompt id (``source:index``).
-        fractions: train / val / test shares, non-negative, summing to 1.
-        seed: changes the assignment.
+    """``train``, ``val`` or ``test`` for a prompt id, from a hash of (seed, id) against ``fractions``, so every record
+    of a
+    prompt lands in one split.
     """
     if len(fractions) != 3 or any(f < 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-6:
         raise ValueError(f"fractions={fractions}: give three non-negative train / val / test shares summing to 1")
@@ -516,18 +482,14 @@ def fold_splits(
     sample_id: Sequence[str] | np.ndarray, strata: Sequence[str] | np.ndarray | None, folds: int, fold: int,
     seed: int = 0, train_fraction: float = 1.0,
 ) -> np.ndarray:
-    """Per-record split of grouped k-fold cross-validation over prompts: fold ``fold`` is ``test``, the next fold
-    ``val``, the rest ``train``.
+    """Per-record split of grouped k-fold cross-validation over prompts: fold ``fold`` is ``test``, the next ``val``,
+    the
+    rest ``train``.
 
-    Prompts (``sample_id`` groups) are ordered by a hash of (seed, id) within each stratum (e.g. the domain) and dealt
-    to the folds in turn, so every fold holds about 1/k of each stratum's prompts and every record of a prompt lands
-    in one fold. Over the k folds every prompt is tested exactly once. With ``train_fraction`` < 1 only that share of
-    the training prompts (within each stratum, the first in hash order: smaller fractions are subsets of larger ones)
-    stays ``train``; the rest become ``unused`` (a learning curve on the same test and val folds).
-
-    Usage::
-
-        split = fold_splits(cols["sample_id"], cols["domain"], folds=5, fold=0)   # array of train / val / test
+    Prompts are dealt to the folds in hash order within each stratum (e.g. the domain), so each prompt is tested once
+    over the k folds. With ``train_fraction`` < 1 only that nested share of the training prompts stays ``train``, the
+    rest
+    ``unused`` (a learning curve on the same test and val folds).
     """
     if folds < 3:
         raise ValueError(f"folds={folds}: cross-validation needs at least 3 folds (one test, one val, the rest train)")

@@ -1,10 +1,8 @@
 """Parquet shards of labelled draft tokens: atomic writes, resume, config guard and summary statistics.
 
-A shard holds the records of one chunk of prompts and is named by the chunk index (``shard-00042.parquet``), so any
-number of ranks can write into one folder and a restarted run skips every chunk whose shard exists. A shard is written
-to a temporary name and renamed when complete: a leftover temporary file is a partial shard, deleted and redone; a
-shard that no longer reads is moved aside (``*.corrupt``) and redone. ``complete.json`` records that a generation run
-finished a folder (its budget or its prompts), so that the main job skips it without loading any model.
+A shard holds one chunk of prompts (``shard-00042.parquet``), so any number of ranks write into one folder and a
+restarted run skips the chunks it has. A partial or unreadable shard is redone; ``complete.json`` lets the main job
+skip a finished folder without loading a model.
 
 Usage: ``writer = ShardWriter(out_dir, features); writer.write(chunk_index, records)``
 """
@@ -57,10 +55,7 @@ def read_data_config(data_dir: str | Path) -> dict | None:
 
 
 def prepare_out_dir(out_dir: Path, data_config: dict, resolved: dict, overwrite: bool) -> None:
-    """Create ``out_dir`` or check that its shards were made by the same data config.
-
-    Raises:
-        FileExistsError: the folder holds shards of a different config and ``overwrite`` is False.
+    """Create ``out_dir`` or check its shards were made by the same data config (FileExistsError unless ``overwrite``).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     fp = config_fingerprint(data_config)
@@ -95,11 +90,8 @@ def prepare_out_dir(out_dir: Path, data_config: dict, resolved: dict, overwrite:
 
 
 def wait_for_out_dir(out_dir: Path, data_config: dict, timeout_s: float = 600.0, poll_s: float = 0.2) -> None:
-    """A rank other than 0: wait until rank 0 has prepared ``out_dir`` for this data config (:func:`prepare_out_dir`
-    writes its config file last), so that no shard is written before the folder exists or is checked.
-
-    Raises:
-        TimeoutError: naming the folder, when rank 0 has not prepared it within ``timeout_s`` (it failed or hangs).
+    """A rank other than 0: wait until rank 0 has prepared ``out_dir`` for this config (TimeoutError naming the folder
+    after ``timeout_s``).
     """
     fp, cfg_file = config_fingerprint(data_config), out_dir / CONFIG_FILE
     deadline = time.monotonic() + timeout_s
@@ -116,10 +108,10 @@ def wait_for_out_dir(out_dir: Path, data_config: dict, timeout_s: float = 600.0,
 
 
 def finished_chunks(out_dir: Path, owns: Callable[[int], bool] | None = None) -> dict[int, int]:
-    """Chunk index -> row count of every complete shard; partial (temporary) shards are deleted (only of the chunks
-    ``owns`` says this rank writes: another rank's may be being written now), and a shard that no longer reads (cut
-    short, overwritten) is named in the log and moved aside (:func:`set_aside`), so that its chunk is generated
-    again."""
+    """Chunk index -> row count of every complete shard; this rank's partial shards are deleted and an unreadable shard
+    is
+    moved aside, so its chunk is generated again.
+    """
     for partial in out_dir.glob("*.parquet.tmp"):
         if owns is not None and not owns(int(partial.name.split(".")[0].split("-")[1])):
             continue
@@ -138,8 +130,10 @@ CORRUPT_SUFFIX = ".corrupt"
 
 
 def set_aside(shard: Path, error: BaseException | str) -> Path | None:
-    """Rename a shard that does not read to ``<name>.corrupt`` (with its cost accounting), logging which and why;
-    returns the new path (None when another process moved it first)."""
+    """Rename an unreadable shard (and its accounting) to ``<name>.corrupt``, logging why; None when another process
+    moved
+    it first.
+    """
     bad = shard.with_name(shard.name + CORRUPT_SUFFIX)
     try:
         os.replace(shard, bad)
@@ -161,8 +155,7 @@ class ShardWriter:
         self.features = features
 
     def write(self, chunk: int, records: dict[str, list], cost: dict | None = None) -> int:
-        """Write the chunk's shard; ``cost`` (its origin mix and seconds) goes beside it first, so that every complete
-        shard has its accounting and a stopped, resumed run still sums the whole folder's."""
+        """Write the chunk's shard, its ``cost`` accounting first, so every complete shard has its accounting."""
         cols = {k: records[k] for k in self.features}  # schema order; extra keys are not stored
         ds = datasets.Dataset.from_dict(cols, features=self.features)
         final = shard_path(self.out_dir, chunk)
@@ -184,8 +177,9 @@ def _shard_sizes(out_dir: Path) -> dict[str, int]:
 
 
 def mark_complete(out_dir: Path, fingerprint: str, max_records: int | None) -> None:
-    """Record that a generation run of the data config ``fingerprint`` with budget ``max_records`` finished
-    ``out_dir`` (every chunk done or the budget reached), with the name and size of every shard."""
+    """Record that a run of config ``fingerprint`` and budget ``max_records`` finished ``out_dir``, with its shards'
+    names and sizes.
+    """
     tmp = out_dir / (COMPLETE_FILE + ".tmp")
     tmp.write_text(json.dumps({"fingerprint": fingerprint, "max_records": max_records,
                                "shards": _shard_sizes(out_dir)}, indent=1))
@@ -193,8 +187,7 @@ def mark_complete(out_dir: Path, fingerprint: str, max_records: int | None) -> N
 
 
 def is_complete(out_dir: Path, fingerprint: str, max_records: int | None) -> bool:
-    """True when :func:`mark_complete` recorded this config and budget for ``out_dir`` and its shards are the same
-    files (names and sizes) as then: a shard removed, added or cut since means the folder must be generated again."""
+    """True when :func:`mark_complete` recorded this config and budget and the shards are still the same files."""
     f = out_dir / COMPLETE_FILE
     if not f.is_file():
         return False
@@ -219,9 +212,10 @@ def data_paths(data: DataPath) -> list[Path]:
 
 
 def shard_files(data_dir: DataPath) -> list[Path]:
-    """The Parquet files of a data folder: its ``shard-*.parquet`` files, else any ``*.parquet`` below it (a folder of
-    the user's own), or the path itself when it is one file; for a list of folders, theirs in order. The one place
-    every reader finds its shards."""
+    """The Parquet files of a data folder (``shard-*.parquet``, else any ``*.parquet`` below it, or the file itself), or
+    of
+    each folder of a list: where every reader finds its shards.
+    """
     if not isinstance(data_dir, (str, Path)):
         return [f for d in data_paths(data_dir) for f in shard_files(d)]
     root = Path(data_dir).expanduser()
@@ -250,14 +244,8 @@ def folder_columns(data_dir: DataPath) -> dict[Path, set[str]]:
 def read_columns(
     data_dir: DataPath, columns: Sequence[str], splits: Sequence[str] | None = None, optional: Sequence[str] = ()
 ) -> dict[str, np.ndarray]:
-    """Columns of every shard under ``data_dir`` (a folder or a list of folders) as numpy arrays; vector columns 2-D.
-
-    Args:
-        columns: the columns to read; one missing from some folder's shards raises KeyError naming it.
-        splits: keep only rows whose ``split`` is one of these (None: all rows).
-        optional: columns read when every folder has them, left out of the result otherwise.
-    Raises:
-        FileNotFoundError: no shards.  KeyError: a required column is missing.  ValueError: the shards hold no rows.
+    """Columns of every shard under ``data_dir`` as numpy arrays (vector columns 2-D), only rows whose ``split`` is in
+    ``splits``; ``optional`` columns only when every folder has them. KeyError naming a missing column.
     """
     per_folder = folder_columns(data_dir)
     for folder, names in per_folder.items():
@@ -284,9 +272,10 @@ def read_columns(
 
 
 def folder_cost(data_dir: Path) -> dict:
-    """The cost accounting of every complete shard of a folder, added up: records kept and seconds spent per origin,
-    labelling seconds per model, records labelled but cut by the budget, wall seconds and records per second; shards
-    written without accounting are counted apart."""
+    """A folder's cost accounting added up: records and seconds per origin, labelling seconds per model, records cut by
+    the
+    budget, wall seconds, records/s.
+    """
     total: dict = {"shards": 0, "shards_without_cost": 0, "records": 0, "dropped_by_budget": 0, "wall_s": 0.0,
                    "origin": {}, "label_s_by_model": {}}
     for shard in sorted(Path(data_dir).glob(SHARD_GLOB)):
