@@ -1,18 +1,10 @@
 """How many sequences the generator decodes at once: ``gen_batch_size: auto`` resolved once per data folder from this
-host's own step curve, capped by memory, and lowered when a batch does not fit.
+host's step curve, capped by memory, and halved when a batch does not fit.
 
-A decoding step of the draft or the target reads every weight once whatever the rows, so where the GEMM is bound by
-memory a step of 16 rows costs about what a step of 8 does and half the steps read the same bytes. How far that holds
-depends on the host (its read bandwidth against its arithmetic, the GEMM's row blocking), so :func:`step_curve` times
-one draft step plus one target step at 1, 8, 16 and 32 rows, as the generator runs them (after
-``attention_for_labelling``, over a cache of ``PROBE_CONTEXT`` tokens a row), and :func:`pick_batch` takes the largest
-batch whose step costs at most ``STEP_RATIO`` x the one-row step (never under ``FLOOR_BATCH``, the fixed size before
-``auto``, unless memory says so), capped by :func:`memory_cap` and by the sequences a chunk holds.
-
-The batch changes which sequences share a forward, not what is generated: prompts, origins, prefix lengths, budget
-and seeds stay; greedy tokens and labels are the same up to the float rounding of a batched forward (docs/
-compute-path.md). A folder records the value it was generated with (``config.json``, ``resolved.gen_batch_size``),
-and a resume of it with ``auto`` reads that value back instead of probing again.
+A step reads every weight once whatever its rows, so where memory bounds it more rows cost little: the probe times a
+draft + target step at 1-32 rows and takes the largest batch within ``STEP_RATIO`` of one row. The batch changes the
+rounding of batched forwards, not what is generated; a folder records its value and a resume reuses it (the
+measurements: docs/compute-path.md, "The generator's batch").
 
 Usage: ``cfg = resolve_gen_batch(cfg, models, recorded_gen_batch(out_dir, cfg.data_config()))``
 """
@@ -40,11 +32,9 @@ log = logging.getLogger(__name__)
 CANDIDATES = (1, 8, 16, 32)
 """Batch sizes the probe times (rows of one decoding step)."""
 STEP_RATIO = 1.15
-"""The largest batch whose draft + target step costs at most this times the one-row step is chosen: another row there
-still costs little."""
+"""The chosen batch is the largest whose draft + target step costs at most this times the one-row step."""
 FLOOR_BATCH = 8
-"""``auto`` never goes below this (the fixed size before it) unless memory caps it: a batch of 8 reads each weight once
-for 8 rows, faster than fewer rows even where a row costs more than ``STEP_RATIO`` allows."""
+"""``auto`` never goes below this unless memory caps it: 8 rows reading each weight once beat fewer rows."""
 PROBE_CONTEXT = 64
 """Cached tokens per row during the probe (one prefill of one row, repeated into every row)."""
 PROBE_STEPS = 4
@@ -52,8 +42,9 @@ PROBE_STEPS = 4
 MEMORY_SHARE = 0.5
 """Share of the memory available at the start that one batch's caches, states and activations may take."""
 SLOW_READ_BYTES_S = 24e9
-"""Read bandwidth (bytes/s, torch's threads) under which the progress says that memory sets the generator's pace: below
-the 26-57 GB/s 2-core AMD EPYC hosts measure (Zen 3 to Zen 5), above a 2-core Xeon's 19.2 GB/s."""
+"""Read bandwidth (bytes/s) under which the progress says memory sets the generator's pace (2-core EPYC hosts: 26-57
+GB/s, a 2-core Xeon 19.2 GB/s).
+"""
 
 T = TypeVar("T")
 
@@ -61,7 +52,8 @@ T = TypeVar("T")
 @dataclass
 class BatchChoice:
     """The resolved rollout batch, the line saying why, and the probe's curve (rows -> seconds of a draft + target
-    step)."""
+    step).
+    """
 
     size: int
     reason: str
@@ -69,8 +61,9 @@ class BatchChoice:
 
 
 def recorded_gen_batch(out_dir: Path, data_config: dict) -> int | None:
-    """The ``gen_batch_size`` a folder of this data config was generated with (``config.json``), None for a new folder
-    or another config; read before the run rewrites the file."""
+    """The ``gen_batch_size`` a folder of this data config was generated with, None for a new folder or another config;
+    read before the run rewrites ``config.json``.
+    """
     path = Path(out_dir) / CONFIG_FILE
     if not path.is_file():
         return None
@@ -81,8 +74,7 @@ def recorded_gen_batch(out_dir: Path, data_config: dict) -> int | None:
 
 
 def record_gen_batch(out_dir: Path, size: int) -> None:
-    """Write the batch the folder's shards are generated with into its ``config.json`` (``resolved.gen_batch_size``),
-    so that a resume with ``auto`` uses it."""
+    """Write the folder's generation batch into its ``config.json``, so a resume with ``auto`` reuses it."""
     path = Path(out_dir) / CONFIG_FILE
     cfg = json.loads(path.read_text())
     cfg.setdefault("resolved", {})["gen_batch_size"] = int(size)
@@ -92,8 +84,9 @@ def record_gen_batch(out_dir: Path, size: int) -> None:
 
 
 def resolve_gen_batch(cfg: GenerateConfig, models: LabelModels, recorded: int | None = None) -> GenerateConfig:
-    """``cfg`` with an integer ``gen_batch_size``: the configured one, the folder's recorded one on a resume, or the
-    probe's choice (:func:`choose_batch`); logs the value and its reason once."""
+    """``cfg`` with an integer ``gen_batch_size``: the configured one, the folder's recorded one, or the probe's choice;
+    logs the value and why once.
+    """
     if cfg.gen_batch_size != AUTO:
         return cfg
     if recorded is not None:
@@ -121,8 +114,9 @@ def choose_batch(cfg: GenerateConfig, models: LabelModels, rows: tuple[int, ...]
 
 def pick_batch(curve: dict[int, float], ratio: float = STEP_RATIO, floor: int = FLOOR_BATCH,
                cap: int | None = None) -> int:
-    """The largest batch of ``curve`` (rows -> seconds of a step) whose step costs at most ``ratio`` x the smallest
-    batch's, at least ``floor``, at most ``cap``."""
+    """The largest batch of ``curve`` whose step costs at most ``ratio`` x the smallest's, at least ``floor``, at most
+    ``cap``.
+    """
     if not curve:
         raise ValueError("pick_batch needs a step curve with at least one batch size")
     base = curve[min(curve)]
@@ -133,8 +127,10 @@ def pick_batch(curve: dict[int, float], ratio: float = STEP_RATIO, floor: int = 
 
 def step_curve(models: LabelModels, rows: tuple[int, ...] = CANDIDATES, context: int = PROBE_CONTEXT,
                steps: int = PROBE_STEPS) -> dict[int, float]:
-    """Seconds of one draft decoding step plus one target step (forward and LM head) at each batch of ``rows``, over
-    a cache of ``context`` tokens a row: the fastest of ``steps`` timed steps after a warm-up."""
+    """Seconds of one draft step plus one target step at each batch of ``rows`` over ``context`` cached tokens a row
+    (the
+    fastest of ``steps``).
+    """
     draft = _model_steps(models.draft, rows, context, steps)
     target = _model_steps(models.target, rows, context, steps)
     return {r: draft[r] + target[r] for r in rows}
@@ -142,9 +138,10 @@ def step_curve(models: LabelModels, rows: tuple[int, ...] = CANDIDATES, context:
 
 @torch.inference_mode()
 def _model_steps(model: nn.Module, rows: tuple[int, ...], context: int, steps: int) -> dict[int, float]:
-    """Seconds of one decoding step of ``model`` at each batch of ``rows`` (one prefill, its cache repeated per row):
-    the batch sizes interleaved in each sweep, so that load from other processes spreads over all of them, and the
-    curve made non-decreasing in rows (``compute.timing.lower_envelope``: a step of fewer rows is never dearer)."""
+    """Seconds of one decoding step of ``model`` at each batch of ``rows``, the sizes interleaved so load spreads over
+    all,
+    made non-decreasing in rows.
+    """
     dev = next(model.parameters()).device
     vocab = int(model.config.vocab_size)
     g = torch.Generator().manual_seed(0)
@@ -166,8 +163,9 @@ def _model_steps(model: nn.Module, rows: tuple[int, ...], context: int, steps: i
 
 
 def row_bytes(model: nn.Module, width: int) -> int:
-    """Bytes one row of a batch of ``width`` tokens holds at its peak in a forward of ``model``: its KV cache and kept
-    states (float32), the MLP's and the attention's transient activations."""
+    """Peak bytes one row of ``width`` tokens holds in a forward of ``model``: KV cache, kept states, transient
+    activations.
+    """
     c = model.config
     layers, hidden = int(c.num_hidden_layers), int(c.hidden_size)
     heads = int(c.num_attention_heads)
@@ -179,8 +177,9 @@ def row_bytes(model: nn.Module, width: int) -> int:
 
 
 def available_bytes(device: torch.device) -> int | None:
-    """Memory free for new allocations on ``device`` (Linux ``MemAvailable`` on the CPU, the CUDA free memory), None
-    where it cannot be read."""
+    """Memory free for new allocations on ``device`` (``MemAvailable`` on the CPU, CUDA free memory), None if
+    unreadable.
+    """
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     try:
@@ -194,8 +193,9 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def memory_cap(cfg: GenerateConfig, models: LabelModels, share: float = MEMORY_SHARE) -> int:
-    """The most rows a generation batch may hold: ``share`` of the available memory over the bytes a row of the
-    longest sequence takes in the draft and the target (a large number where memory cannot be read)."""
+    """The most rows a batch may hold: ``share`` of available memory over a row of the longest sequence in draft and
+    target.
+    """
     width = cfg.max_prompt_tokens + max(cfg.prefix_tokens[1], (cfg.text_tokens or (0, 0))[1]) + cfg.rollout_len
     free = available_bytes(next(models.draft.parameters()).device)
     if free is None:
@@ -213,9 +213,10 @@ def out_of_memory(error: BaseException) -> bool:
 
 
 def fitting(cfg: GenerateConfig, run: Callable[[GenerateConfig], T], what: str) -> tuple[T, GenerateConfig]:
-    """``run(cfg)``, again with half the batch (``gen_batch_size`` and ``label_batch_tokens``) after each allocation
-    failure, saying so in one line; returns the result and the config it ran with. Raises when one sequence at a time
-    does not fit either."""
+    """``run(cfg)``, retried with half the batch after each allocation failure (said in one line); returns the result
+    and the
+    config it ran with.
+    """
     while True:
         try:
             return run(cfg), cfg
@@ -231,8 +232,10 @@ def fitting(cfg: GenerateConfig, run: Callable[[GenerateConfig], T], what: str) 
 
 
 def read_bandwidth_note(bandwidth: float | None, threshold: float = SLOW_READ_BYTES_S) -> str | None:
-    """One line for the progress where the host reads memory slowly (``bandwidth`` bytes/s under ``threshold``), None
-    otherwise: each decoding step reads every weight, so there the memory sets the generator's pace, not the code."""
+    """One line for the progress when the host reads memory slowly (each step reads every weight, so memory sets the
+    pace),
+    else None.
+    """
     if not bandwidth or bandwidth >= threshold:
         return None
     return (f"this host reads memory at {bandwidth / 1e9:.1f} GB/s on {torch.get_num_threads()} threads (under "

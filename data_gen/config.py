@@ -33,27 +33,20 @@ class ModelsConfig:
     cache_dir: str = "~/.cache/specstop"
     """Cache of the packaged models (joined GGUF converted once to safetensors)."""
     compute: str = "auto"
-    """CPU compute path (compute.compute_path): auto (oneDNN-packed linears, bfloat16 weights where the CPU computes
-    bf16 natively), packed (fp32), packed-bf16, or eager (off: torch's default kernels)."""
+    """CPU compute path: ``auto``, ``packed-bf16``, ``packed`` or ``eager`` (docs/compute-path.md)."""
     bf16_draft_head: bool = True
-    """On packed-bf16, the draft's and companion's LM heads compute in bfloat16 too (the head is a large share of a
-    draft step; on oneDNN their logits are rounded to bfloat16, on specstop's kernel they are its fp32 sums). Data and
-    predictors record it (``head_dtype``)."""
+    """On packed-bf16, the draft's and companion's LM heads in bf16 too (recorded as ``head_dtype``)."""
     bf16_target_head: bool = True
-    """On specstop's bf16 kernel, the target's LM head computes in bfloat16 too, returning fp32 logits (an fp32 head
-    is a large share of a target step); elsewhere, where bf16 logits would be rounded, it stays fp32. Recorded as the
-    target's ``head_dtype``."""
+    """On specstop's bf16 kernel, the target's LM head in bf16 returning fp32 logits (recorded as ``head_dtype``)."""
     fuse_linears: bool = True
-    """On a packed path, q/k/v and gate/up run as one GEMM each (same bits as separate packs; the draft's small k/v,
-    eager fp32 when packed one by one, compute in the pack's dtype). Recorded as ``pack_layout``."""
+    """On a packed path, q/k/v and gate/up run as one GEMM each (recorded as ``pack_layout``)."""
     native_gemm: bool = True
-    """On packed-bf16, the linears run on specstop's batch-invariant bf16 kernel (``compute.bf16_gemm``: weights
-    streamed once for up to 16 rows) where the CPU has AVX512-BF16; false: oneDNN's. Recorded as ``gemm``."""
+    """On packed-bf16, linears run on specstop's bf16 kernel where the CPU has it, else oneDNN's (recorded as ``gemm``).
+    """
     int8_draft: bool = True
-    """On specstop's bf16 kernel, the draft's and companion's weights are stored as int8 with one scale per output
-    channel (``compute.bf16_gemm.pack_int8``): half the bytes of a draft step, whose cost is mostly reading them;
-    the target keeps bf16 (exact decoding emits the target's tokens whatever the draft proposes). Recorded as
-    ``weights``."""
+    """On specstop's kernel, draft and companion weights as int8 with per-channel scales, half a draft step's bytes; the
+    target keeps bf16 (recorded as ``weights``).
+    """
 
     def spec(self, name: str, role: str = "target") -> ModelSpec:
         """The ModelSpec of ``name`` loaded as ``role`` (draft, target or companion)."""
@@ -87,11 +80,9 @@ class GenerateConfig:
     sequences_per_prompt: int = 2
     """Sequences (each one origin) planned per prompt."""
     prefix_tokens: tuple[int, int] = (8, 64)
-    """Range of m, the continuation tokens before the rollout (draft, target and spec origins: generated
-    sequentially)."""
+    """Range of m, the continuation tokens before the rollout (draft, target, spec origins)."""
     text_tokens: tuple[int, int] | None = None
-    """Range of m for the text origin (dataset answers cost no generation, so long spans are cheap); None:
-    prefix_tokens."""
+    """Range of m for the text origin (answers cost no generation); None: ``prefix_tokens``."""
     rollout_len: int = 40
     """L, the draft rollout length after the prefix (SVIP's maximum draft length is 40)."""
     label_prefix: bool = True
@@ -101,8 +92,7 @@ class GenerateConfig:
     top_p: float = 1.0
     """Nucleus sampling mass for sampled drafts and continuations."""
     sample_draw: bool = False
-    """Greedy data only: at every labelled position also record a token sampled from q (draw "sample") beside the argmax
-    one, so the sampling labels (q/p <= lambda, min(1, p/q)) get their own tokens at no extra model pass."""
+    """Greedy data only: also record a token sampled from q at every labelled position (draw ``sample``)."""
     top_k: int = 10
     """Top-k draft probabilities stored per token."""
     store_hidden: bool = True
@@ -112,13 +102,12 @@ class GenerateConfig:
     prompts_per_shard: int = 8
     """Prompts per chunk; one shard per chunk (the unit of resume)."""
     gen_batch_size: int | str = AUTO
-    """Sequences decoded together in a continuation or rollout batch: an integer, or ``auto``: the largest batch whose
-    draft + target step costs at most 1.15x a one-row step on this host (a short probe at the start, at least 8),
-    capped by memory (``data_gen.batch_sizing``); a folder records the value and a resume reuses it. Not part of the
-    data config: a batch changes the float rounding of its forwards, not the prompts, origins, budget or seeds."""
+    """Sequences decoded together in a batch, or ``auto`` (``data_gen.batch_sizing``); not part of the data config,
+    since
+    it changes rounding, not records.
+    """
     label_batch_tokens: int = 4096
-    """Memory budget of one labelling pass: padded tokens (batch x longest) per forward; halved with the batch when a
-    pass does not fit in memory."""
+    """Padded tokens (batch x longest) per labelling pass; halved with the batch when a pass does not fit."""
     split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
     """train / val / test shares, assigned by prompt."""
     seed: int = 0

@@ -1,9 +1,5 @@
-"""Sequential generation the labelling needs: draft / target continuations and speculative-decoding trajectories.
-
-Only producing a continuation is sequential; labelling it is one parallel pass (``data_gen.labelling``). Batched draft
-and target continuations use transformers' ``generate`` (KV cache, left padding, attention mask); speculative-decoding
-trajectories use transformers' assisted generation (``assistant_model=draft``, batch size 1 there), which is a real
-trajectory: draft tokens the target accepted interleaved with target corrections.
+"""Sequential generation the labelling needs: batched draft / target continuations with transformers' ``generate``,
+and speculative-decoding trajectories with its assisted generation (batch 1).
 
 Usage: ``conts, stats = continue_batch(model, prompts, max_new_tokens=[64, 32], pad_token_id=0, eos_token_id=2)``
 """
@@ -67,10 +63,8 @@ def continue_batch(
     temperature: float = 0.0,
     top_p: float = 1.0,
 ) -> tuple[list[list[int]], GenStats]:
-    """Continue each prompt with ``model`` (left-padded batch), up to its own ``max_new_tokens`` (0 allowed).
-
-    Returns:
-        (new tokens per prompt, cut at EOS; stats).
+    """Continue each prompt with ``model`` (left-padded batch) up to its own ``max_new_tokens``; returns (new tokens per
+    prompt cut at EOS, stats).
     """
     out: list[list[int]] = [[] for _ in prompts]
     todo = [i for i, n in enumerate(max_new_tokens) if n > 0]

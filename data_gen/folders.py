@@ -1,11 +1,7 @@
-"""What a job checks of its data folders before reading them: whether another data config made a folder's shards
-(:func:`check_same_config`), the identity of the folders read as one data set, the data and the models that made it
-(:func:`data_identity`), and whether they hold given columns (:func:`has_columns`).
+"""What a job checks of its data folders before reading them: the data config that made them, their identity
+(data and model fingerprints), and whether they hold given columns.
 
-Usage::
-
-    check_same_config(Path("outputs/default/data"), gen, config_fingerprint(gen.data_config()))
-    ident = data_identity([Path("outputs/default/data")])   # {"data_fingerprint", "records", "draft", ...}
+Usage: ``ident = data_identity([Path("outputs/default/data")])   # {"data_fingerprint", "records", "draft", ...}``
 """
 from __future__ import annotations
 
@@ -20,8 +16,9 @@ __all__ = ["check_same_config", "data_identity", "has_columns"]
 
 
 def check_same_config(data_dir: Path, gen: GenerateConfig, fp: str) -> None:
-    """Refuse a data folder whose shards another data config made (unless ``--data.overwrite true``), before any
-    model loads; ``fp`` is ``gen``'s data-config fingerprint."""
+    """Refuse a data folder another data config made (unless ``--data.overwrite true``), before any model loads; ``fp``
+    is ``gen``'s fingerprint.
+    """
     f = data_dir / CONFIG_FILE
     if gen.overwrite or not f.is_file() or not any(data_dir.glob(SHARD_GLOB)):
         return
@@ -35,9 +32,7 @@ def check_same_config(data_dir: Path, gen: GenerateConfig, fp: str) -> None:
 
 
 def data_identity(data_dirs: list[Path]) -> dict[str, Any]:
-    """Fingerprints of the data and of the models that made it (from the generators' config.json / summary.json).
-
-    Several folders must come from the same draft / target / companion; their data fingerprints are joined."""
+    """Fingerprints of the data and of the models that made it; several folders must share the models."""
 
     def read(d: Path, name: str) -> dict:
         return json.loads((d / name).read_text()) if (d / name).exists() else {}

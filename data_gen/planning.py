@@ -1,8 +1,5 @@
-"""Plan a chunk's sequences and cut them into batches.
-
-:func:`plan_prompt` draws each sequence's origin and prefix length (deterministic in the seed and the prompt's id);
-:func:`batches_from_longest` cuts sequential generation into batches of few decoding steps; :func:`label_batches`
-packs sequences into labelling passes within a token budget, a prompt's sequences together.
+"""Plan a chunk's sequences (origins and prefix lengths, deterministic in the seed and prompt id) and cut them into
+generation batches and labelling passes.
 """
 from __future__ import annotations
 
@@ -59,9 +56,9 @@ def batches(items: list, size: int) -> Iterator[list]:
 
 
 def batches_from_longest(items: list, size: int) -> Iterator[list]:
-    """Batches of at most ``size`` of ``items`` (sorted by length, ascending) cut from the longest down, so that the
-    one short batch holds the shortest: a decoding batch runs as many steps as its longest member, and this makes
-    ceil(n / size) batches with the fewest steps."""
+    """Batches of at most ``size`` of length-sorted ``items`` cut from the longest down: ceil(n / size) batches with the
+    fewest decoding steps.
+    """
     if items:
         first = len(items) % size or size
         yield items[:first]
@@ -69,11 +66,8 @@ def batches_from_longest(items: list, size: int) -> Iterator[list]:
 
 
 def label_batches(seqs: list[SequenceSpec], budget_tokens: int) -> list[list[SequenceSpec]]:
-    """Pack sequences into labelling passes within a token budget.
-
-    Sequences of one prompt go together: their common prompt is passed once and its KV cache shared
-    (``data_gen.labelling``), so such a pass costs shared + batch x (longest - shared) tokens. The remaining sequences
-    are packed by length so that batch x longest stays within the budget.
+    """Pack sequences into labelling passes within ``budget`` tokens, a prompt's sequences together (their prompt passes
+    once), the rest by length.
     """
     by_prompt: dict[str, list[SequenceSpec]] = defaultdict(list)
     for s in seqs:

@@ -1,7 +1,5 @@
-"""The per-draft-token record: column names, meanings and Arrow types of the Parquet shards.
-
-Labels are derived, not stored (see ``predictors.labels``): greedy match (DISCO), q/p <= lambda (SPRINTER),
-min(1, p/q) (SV, SpecDec++).
+"""The per-draft-token record: column names, meanings and Arrow types of the Parquet shards. Labels are derived
+from the raw columns when read (``predictors.labels``).
 """
 from __future__ import annotations
 
@@ -11,12 +9,8 @@ DRAWS = ("greedy", "sample")
 """How a record's drafted token was drawn from q: argmax (greedy decoding) or a sample (speculative sampling)."""
 
 ORIGINS = ("prompt", "draft", "target", "spec", "text")
-"""Where the tokens before a labelled position come from.
-
-prompt: the prompt alone, then a draft rollout; draft / target / spec: the prompt plus a draft-generated,
-target-generated or
-speculative-decoding continuation (then a draft rollout, or teacher-forced labelling along it); text: the prompt plus a
-dataset answer (ShareGPT reply, HumanEval canonical solution), teacher-forced.
+"""Where the tokens before a labelled position come from: the prompt alone, a draft / target / speculative
+continuation, or dataset text (docs/methods.md).
 """
 
 COLUMNS: dict[str, str] = {
