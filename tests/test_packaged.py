@@ -275,9 +275,14 @@ def test_tensor_table_matches_gguf_reader(tmp_path):
     ]
 
 
-def test_convert_writes_what_transformers_writes(tmp_path):
+@pytest.mark.parametrize("torch_dequant", [True, False], ids=["torch-dequant", "gguf-dequant"])
+def test_convert_writes_what_transformers_writes(tmp_path, monkeypatch, torch_dequant):
     """The direct conversion and transformers' load + save_pretrained give the same files, the weights bit for bit
-    (every tensor type of the packaged pair)."""
+    (every tensor type of the packaged pair), with transformers' torch dequantisation and with gguf's alone."""
+    if not torch_dequant:
+        monkeypatch.setattr(packaged, "_torch_dequantizers", lambda: None)
+    elif packaged._torch_dequantizers() is None:
+        pytest.skip("this transformers has no torch GGUF dequantisation")
     gguf_file = write_tiny_qwen2_gguf(tmp_path / "tiny.gguf")
     facts = packaged.convert_gguf(gguf_file, tmp_path / "direct")
     reference = packaged.convert_gguf_transformers(gguf_file, tmp_path / "reference")
