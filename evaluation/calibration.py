@@ -1,16 +1,13 @@
-"""Calibration of every predictor and training-free score: maps fitted outside the test split (on the validation
-split, or on the training and validation prompts with a learned predictor's scores there out of fold:
-:func:`cross_fitted_scores`), their expected calibration error and reliability curves on the test split, and the
-cost-aware (``goodput``) policies they make.
+"""Calibration of every predictor and training-free score: maps fitted outside the test split, their ECE and
+reliability on the test split, and the cost-aware (``goodput``) policies they make.
 
-Each map calibrates the acceptance a decoding mode uses (``predictors.calibration``): greedy match on the argmax draws
-for greedy decoding, min(1, p/q) on the sampled draws for speculative sampling.
+A map turns a score into the acceptance a decoding mode uses: greedy match on argmax draws for greedy decoding,
+min(1, p/q) on sampled draws for speculative sampling. A learned predictor's maps are fitted on its out-of-fold scores
+(:func:`cross_fitted_scores`), since it scores its own training rows too well.
 
 Usage::
 
-    from evaluation.calibration import calibrate_policies, calibrated_scores
     res = calibrate_policies({"disco": disco, **calibrated_scores()}, val_columns, test_columns)
-    res.table          # policy, mode, label, method, n, ece_raw, ece
     res.maps["disco"]  # {"greedy": Calibrator, "sampling": Calibrator}
 """
 from __future__ import annotations
@@ -50,8 +47,9 @@ __all__ = ["CalibrationResult", "calibrated_scores", "fit_maps", "cross_fitted_s
 
 
 def calibrated_scores() -> dict[str, StopPolicy]:
-    """The training-free scores that get a calibration map (and a ``goodput`` row): top-1 probability, q(x) and the
-    entropy through SVIP's and AdaEDL's bounds; each can be exported (``predictors.baselines``)."""
+    """The training-free scores that get a calibration map and a ``goodput`` row: top-1 probability, q(x), SVIP's and
+    AdaEDL's bounds.
+    """
     return {"max-prob": MaxConfidence(threshold=0.4), "draft-prob": DraftProb(threshold=0.4),
             "svip": SVIP(h=0.3, gamma=0.15), "adaedl-bound": AdaEDL(lam=0.6, gamma=0.2, online=False)}
 
@@ -66,10 +64,10 @@ def _rows(columns: Mapping[str, Any], mask: np.ndarray) -> dict[str, Any]:
 
 def fit_maps(policy: StopPolicy, columns: Mapping[str, Any], modes: Sequence[str] = MODES,
              method: str = "auto", scores: np.ndarray | None = None) -> dict[str, Calibrator]:
-    """Mode -> map of ``policy``'s raw score to that mode's acceptance, fitted on ``columns``.
-
-    ``scores``: [rows of columns] the scores to fit on instead of the policy's own (a learned predictor's out-of-fold
-    scores, :func:`cross_fitted_scores`). A mode whose rows are missing or hold too few tokens gets no map."""
+    """Mode -> map of ``policy``'s score (or the given ``scores``) to that mode's acceptance, fitted on ``columns``; a
+    mode
+    with too few tokens gets none.
+    """
     maps: dict[str, Calibrator] = {}
     for mode in modes:
         if ("greedy_match" if mode == "greedy" else "accept_prob") not in columns:
@@ -85,15 +83,12 @@ def fit_maps(policy: StopPolicy, columns: Mapping[str, Any], modes: Sequence[str
 
 def cross_fitted_scores(kind: str, cfg: Any, data_dir: Any, out_dir: str | Path, columns: Mapping[str, Any],
                         folds: int = 5, within: Sequence[str] = ("train", "val")) -> np.ndarray:
-    """[rows of ``columns``] each row's score by a copy of the predictor that never saw its prompt.
+    """[rows of ``columns``] each row's score by a copy of the predictor that never saw its prompt (NaN outside the
+    folds).
 
-    The prompts of the stored ``within`` splits are dealt to ``folds`` grouped folds (``data_gen.prompts.fold_splits``,
-    stratified by domain); for fold i a predictor of ``kind`` trains with ``cfg`` on the other folds (early-stopping on
-    fold i + 1) and scores fold i's rows of ``columns``. A calibration map fitted on these scores sees as many tokens
-    as the training prompts hold, in the way the final predictor scores prompts it has not seen (scikit-learn's
-    ``CalibratedClassifierCV(ensemble=False)``); the test split stays out of every fit. Rows of prompts outside the
-    folds score NaN. The scores are kept in ``<out_dir>/<kind>/out-of-fold.npz`` under a digest of the kind, the
-    config, the folds and every column given, so a second run on the same data trains nothing.
+    The ``within`` splits' prompts are dealt to ``folds`` grouped folds; fold i is scored by a predictor trained on the
+    others, as ``CalibratedClassifierCV(ensemble=False)`` does, so a map sees all training tokens and never the test
+    split. Cached in ``<out_dir>/<kind>/out-of-fold.npz`` under a digest of kind, config, folds and columns.
     """
     ids = np.asarray(columns["sample_id"]).astype(str)
     cache = Path(out_dir) / kind / "out-of-fold.npz"
@@ -139,9 +134,9 @@ class CalibrationResult:
     maps: dict[str, dict[str, Calibrator]] = field(default_factory=dict)
     """policy name -> mode -> map (fitted outside the test split)."""
     table: pd.DataFrame = field(default_factory=pd.DataFrame)
-    """policy, mode, label, method, n, n_fit, mean_label, ece_raw (raw score, when a probability), ece, ece_floor
-    (the ECE of perfect calibration by chance on these tokens), ece_lo / ece_hi (95% interval over resampled test
-    prompts, when the columns name them)."""
+    """policy, mode, label, method, n, n_fit, mean_label, ece_raw, ece, ece_floor (perfect calibration's ECE by chance),
+    ece_lo / ece_hi (95% over test prompts).
+    """
     curves: dict[tuple[str, str], dict[str, np.ndarray]] = field(default_factory=dict)
     """(policy, mode) -> reliability bins of the calibrated acceptance on the test split."""
     notes: list[str] = field(default_factory=list)
@@ -150,11 +145,9 @@ class CalibrationResult:
 def calibrate_policies(policies: Mapping[str, StopPolicy | None], fit_columns: Mapping[str, Any],
                        test_columns: Mapping[str, Any], method: str = "auto", n_bins: int = 15,
                        fit_scores: Mapping[str, np.ndarray] | None = None) -> CalibrationResult:
-    """Fit each policy's maps on ``fit_columns`` and score them on ``test_columns``.
-
-    ``fit_scores``: policy name -> [rows of fit_columns] scores to fit that policy's maps on instead of its own
-    (:func:`cross_fitted_scores`: a learned predictor scores its own training rows too well); rows scoring NaN are
-    left out. Policies that miss columns or do not score (oracles, static lengths) are skipped with a note."""
+    """Fit each policy's maps on ``fit_columns`` (or on ``fit_scores``, NaN rows left out) and score them on
+    ``test_columns``; policies that miss columns or do not score are skipped with a note.
+    """
     res = CalibrationResult()
     rows = []
     for name, pol in policies.items():
@@ -183,8 +176,7 @@ def calibrate_policies(policies: Mapping[str, StopPolicy | None], fit_columns: M
 
 def goodput_policies(policies: Mapping[str, StopPolicy | None], maps: Mapping[str, Mapping[str, Calibrator]]
                      ) -> dict[str, StopPolicy]:
-    """``<name> (goodput)``: every calibrated policy under the cost-aware rule (SV's own table included, since it is a
-    goodput policy already it is listed as is)."""
+    """``<name> (goodput)``: every calibrated policy under the cost-aware rule (SV, goodput already, as is)."""
     out: dict[str, StopPolicy] = {}
     for name, m in maps.items():
         pol = policies.get(name)

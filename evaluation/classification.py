@@ -1,35 +1,11 @@
 """How well each policy's score separates accepted from rejected draft tokens, per label family.
 
-For every scorer (the training-free score columns below, plus any policy passed in) and every label (greedy match,
-q/p <= lambda, min(1, p/q)): ROC AUC, PR-AUC (average precision), F1 at the policy's own threshold and at its
-F1-optimal threshold, bootstrap confidence intervals over prompts (``sample_id`` groups resampled with replacement),
-and a per-origin / per-domain breakdown.
+For every scorer (the training-free scores and any policy passed in) and label (greedy match, q/p <= lambda,
+min(1, p/q)): ROC AUC, PR-AUC, F1 at the policy's own and its F1-optimal threshold, bootstrap intervals over prompts,
+a breakdown per origin and domain, the best static length's F1 (DISCO's comparison) and SPRINTER's theorems on the
+data. Soft labels and the formulas: docs/methods.md.
 
-Built-in scores (all "higher = more likely accepted"): ``neg-entropy`` (-H(q), no own threshold), ``svip`` (1 -
-sqrt(0.15 H), threshold 1 - h = 0.7), ``adaedl-bound`` (1 - sqrt(0.2 H), initial lambda 0.6), ``max-prob`` (top-1
-draft probability, as AdaEDL's Max-Confidence, threshold 0.4), ``draft-prob`` (q(x), the drafted token's probability,
-as transformers' ConfidenceCriteria; equal to ``max-prob`` on greedy draws). Learned policies are scored with
-``policy.score`` on ``predictors.base.as_tensor_dict(columns)``; the SV table is one of them when the companion
-columns exist.
-
-Soft labels (min(1, p/q)): every token counts as a positive with weight a and as a negative with weight 1 - a (its
-Bernoulli expectation). ROC AUC is then the weighted probability that a positive outranks a negative, PR-AUC and F1
-are computed from the expected confusion counts. Hard labels are the special case a in {0, 1}; the same weights carry
-the bootstrap multiplicities.
-
-DISCO's comparison: a static draft length k predicts "accept" for tokens whose ``position`` (tokens the draft produced
-before this one in its run) is < k; the best static F1 over k = 1..40 is reported next to each policy's F1.
-
-SPRINTER (:func:`sprinter_table`): measured TPR / FPR of the policy at its threshold against q/p <= lambda, Theorem 1's
-TV bound eta_FP * mean TV(p, q) and acceptance 1 - (1 - eta_FP) mean TV, and Theorem 2's expected tokens before a
-target call, E[N | r] = sum_{i=1..r} eta_TP^i + eta_TP^r eta_FP / (1 - eta_FP) (equal to the paper's eq. 3,
-(eta_TP - eta_TP^r) / (1 - eta_TP) + eta_TP^r / (1 - eta_FP)), with r the measured run of acceptable tokens of each
-round, against the replayed count along the draft's rollouts.
-
-Usage::
-
-    from evaluation.classification import score_table
-    table = score_table(columns, {"disco": policy}, n_boot=200)
+Usage: ``table = score_table(columns, {"disco": policy}, n_boot=200)``
 """
 from __future__ import annotations
 
@@ -77,8 +53,7 @@ DEFAULT_LABEL_SPECS: tuple[tuple[str, float], ...] = (
 
 
 FREE_SCORES = {"max-prob": "draft_max_prob", "draft-prob": "q", "neg-entropy": "draft_entropy"}
-"""The training-free scores a learned predictor is compared with, by name, and the record column each reads (the
-entropy enters negated; SVIP's and AdaEDL's bounds rank tokens as -entropy does)."""
+"""The training-free scores a learned predictor is compared with, by name, and the record column each reads."""
 
 
 class NegEntropy(StopPolicy):
@@ -132,17 +107,15 @@ def _ap_from_levels(P: np.ndarray, N: np.ndarray) -> float:
 
 
 def weighted_auc(inv: np.ndarray, n_levels: int, wp: np.ndarray, wn: np.ndarray) -> float:
-    """ROC AUC with positive weights ``wp`` and negative weights ``wn`` per row (ties count one half).
-
-    ``inv`` is the ascending score level of each row (from ``np.unique(..., return_inverse=True)``). NaN when either
-    class has zero weight.
+    """ROC AUC with positive weights ``wp`` and negative weights ``wn`` per row, ties counting one half; ``inv`` is each
+    row's
+    ascending score level. NaN when a class has no weight.
     """
     return _auc_from_levels(np.bincount(inv, wp, n_levels), np.bincount(inv, wn, n_levels))
 
 
 def weighted_ap(inv: np.ndarray, n_levels: int, wp: np.ndarray, wn: np.ndarray) -> float:
-    """Average precision (sum over descending thresholds of recall gain x precision), as sklearn; NaN without
-    positives."""
+    """Average precision (recall gain x precision over descending thresholds), as sklearn; NaN without positives."""
     return _ap_from_levels(np.bincount(inv, wp, n_levels), np.bincount(inv, wn, n_levels))
 
 
@@ -171,8 +144,8 @@ def f1_optimal(levels: np.ndarray, inv: np.ndarray, wp: np.ndarray, wn: np.ndarr
 
 
 def _sk_metrics(scores: np.ndarray, y: np.ndarray, threshold: float) -> dict[str, float]:
-    """Point estimates with scikit-learn (soft labels: each row duplicated as positive (weight a) and negative (1 -
-    a))."""
+    """Point estimates with scikit-learn, a soft-labelled row counted as a positive (weight a) and a negative (1 - a).
+    """
     s2 = np.concatenate([scores, scores])
     y2 = np.concatenate([np.ones_like(y), np.zeros_like(y)])
     w2 = np.concatenate([y, 1.0 - y])
@@ -228,10 +201,9 @@ def _group_codes(columns: Mapping[str, Any], n: int) -> np.ndarray:
 def static_f1(
     columns: Mapping[str, Any], family: str, lam: float = 1.0, max_k: int = 40
 ) -> tuple[int, float, np.ndarray]:
-    """DISCO's static-length F1: length k predicts accept where ``position < k``.
-
-    Returns:
-        (best k, its F1, [max_k] F1 for k = 1..max_k); (0, NaN, ...) without a ``position`` column or positives.
+    """DISCO's static-length F1 (length k predicts accept where ``position < k``): (best k, its F1, [max_k] F1 per k);
+    (0,
+    NaN, ...) without positions or positives.
     """
     if "position" not in columns:
         return 0, float("nan"), np.full(max_k, np.nan)
@@ -255,23 +227,17 @@ def score_table(
     breakdown: Sequence[str] = ("origin", "domain"),
     ci: float = 0.95,
 ) -> pd.DataFrame:
-    """Classification metrics of every scorer against every label family.
+    """Classification metrics of every scorer against every label family, on ``columns`` already cut to one split.
 
     Args:
-        columns: record columns (``data_gen.schema``) as numpy arrays, already restricted to the split to evaluate.
-        policies: name -> policy (None: a row saying it was not loaded); scored with ``policy.score``.
+        policies: name -> policy scored with ``policy.score`` (None: a row saying it was not loaded).
         label_specs: (family, lambda) pairs for ``predictors.labels.derive_label``.
-        n_boot: bootstrap resamples of prompts (``sample_id`` groups) for the confidence intervals (0: none).
-        seed: bootstrap seed.
-        builtins: add :func:`builtin_scorers` before the given policies.
-        breakdown: columns to break the metrics down by (rows with ``group_by`` set to the column; no CIs there).
-        ci: confidence level of the intervals.
+        n_boot, seed, ci: bootstrap resamples of prompts (0: no intervals), their seed and confidence level.
+        builtins: add the training-free scorers first.
+        breakdown: columns to break the metrics down by (rows with ``group_by`` set to that column, no intervals).
     Returns:
-        long frame, one row per (group_by, group, policy, label): n, pos_rate, auc, auc_lo, auc_hi, pr_auc, pr_auc_lo,
-        pr_auc_hi, threshold, f1_own, f1_own_lo, f1_own_hi, f1_opt, thr_f1_opt, static_best_k, f1_static_best,
-        f1_gain_vs_static (F1-optimal minus best static), f1_own_vs_static (F1 at the own threshold minus best static),
-        reason (why a metric is NaN, or which columns are missing).
-        ``group_by == "all"`` holds the headline rows.
+        a long frame, one row per (group_by, group, policy, label), columns :data:`SCORE_TABLE_COLUMNS`
+        (``reason`` says why a metric is NaN); ``group_by == "all"`` holds the headline rows.
     """
     n = len(np.asarray(next(iter(columns.values()))))
     scorers: dict[str, StopPolicy | None] = {}
@@ -307,8 +273,9 @@ SCORE_TABLE_COLUMNS = (
 
 @dataclass
 class _TableData:
-    """What every scorer of :func:`score_table` is measured against: labels, prompt groups and their bootstrap
-    resamples, static-length baselines, breakdown columns."""
+    """What every scorer of :func:`score_table` is measured against: labels, prompt groups and their paired bootstrap
+    resamples, static-length baselines, breakdown columns.
+    """
 
     columns: Mapping[str, np.ndarray]
     groups: np.ndarray
@@ -365,8 +332,9 @@ def _scores_or_reason(pol: StopPolicy | None, columns: Mapping[str, Any], feats:
 
 def _headline_row(row: dict[str, Any], data: _TableData, spec: tuple[str, float], scores: np.ndarray,
                   levels: np.ndarray, inv: np.ndarray) -> dict[str, Any]:
-    """``row`` completed with the metrics of ``scores`` on label ``spec`` over all rows, the static-length
-    comparison and the bootstrap intervals."""
+    """``row`` completed with the metrics of ``scores`` on label ``spec`` over all rows, the static comparison and
+    intervals.
+    """
     y = data.labels[spec]
     thr = row["threshold"]
     row.update(pos_rate=float(y.mean()), reason=_class_reason(y))
@@ -443,8 +411,10 @@ def roc_points(
     lam: float = 1.0,
     builtins: bool = True,
 ) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
-    """name -> (fpr, tpr, auc) with sklearn's roc_curve (soft labels weighted as in :func:`score_table`); scorers that
-    cannot be scored or whose labels have one class are left out."""
+    """name -> (fpr, tpr, auc) by sklearn's roc_curve (soft labels weighted as in :func:`score_table`); scorers without
+    scores
+    or with one-class labels left out.
+    """
     y = derive_label(columns, family, lam).astype(np.float64)
     if _class_reason(y):
         return {}
@@ -470,9 +440,8 @@ def roc_points(
 
 
 def sprinter_expected_tokens(tpr: float, fpr: float, r: int | np.ndarray) -> np.ndarray:
-    """SPRINTER Theorem 2: expected tokens generated before the target is called when the first r tokens are acceptable.
-
-    E[N] = sum_{i=1..r} tpr^i + tpr^r * fpr / (1 - fpr) (= (tpr - tpr^r)/(1 - tpr) + tpr^r/(1 - fpr), paper's eq. 3).
+    """SPRINTER's Theorem 2: expected tokens before a target call when the first r are acceptable,
+    sum_{i=1..r} tpr^i + tpr^r * fpr / (1 - fpr).
     """
     r = np.asarray(r, dtype=np.float64)
     if tpr >= 1.0:
@@ -495,17 +464,10 @@ def sprinter_table(
     builtins: bool = True,
     max_draft_len: int = 40,
 ) -> pd.DataFrame:
-    """SPRINTER's theory checked on the data, per policy (at its own threshold) and lambda.
-
-    Replayed tokens before a target call: SPRINTER-style rounds along the draft's rollouts (``rollout == True``
-    sequences when that column exists, else all): from offset s the draft continues while the policy keeps drafting;
-    N = leading tokens the policy lets through (capped at ``max_draft_len``), r = leading acceptable tokens (q/p <=
-    lambda); the next round starts at s + N + 1. Rounds where N or r run into the end of the observed sequence are
-    censored and left out.
-
-    Returns:
-        one row per (policy, lambda): tpr, fpr, mean_tv, tv_bound (Theorem 1: fpr * mean TV), accept_rate_thm1
-        (1 - (1 - fpr) mean TV), rounds, censored_rounds, mean_r, e_tokens_theorem2, e_tokens_replayed, reason.
+    """SPRINTER's theory checked on the data, one row per (policy at its threshold, lambda): TPR, FPR, Theorem 1's TV
+    bound
+    and acceptance, Theorem 2's expected tokens against rounds replayed along the draft's rollouts (censored rounds left
+    out).
     """
     scorers: dict[str, StopPolicy | None] = {**(builtin_scorers() if builtins else {}), **policies}
     cols = dict(columns)
@@ -540,8 +502,8 @@ def sprinter_table(
 
 def _sprinter_row(data: ReplayData, sorted_cols: Mapping[str, np.ndarray], keep: np.ndarray, y: np.ndarray,
                   max_draft_len: int) -> dict[str, Any]:
-    """One policy's measured rates at one lambda (``y``: q/p <= lambda), Theorem 1's bound and Theorem 2's expected
-    tokens against the replayed rounds."""
+    """One policy's rates at one lambda, Theorem 1's bound and Theorem 2's expected tokens against the replayed rounds.
+    """
     n_pos, n_neg = int(y.sum()), int((~y).sum())
     tpr = float(keep[y].mean()) if n_pos else float("nan")
     fpr = float(keep[~y].mean()) if n_neg else float("nan")

@@ -1,25 +1,11 @@
 """Grouped k-fold cross-validation over prompts: does a learned predictor beat the training-free scores, and by how
 much?
 
-One train / val / test split of a few hundred prompts leaves about a tenth of them for the test, and the comparison
-that matters (a learned predictor against the top-1 probability on the same tokens) then differs by less than its
-noise. Cross-validation tests every prompt once: the prompts are dealt to k folds within each domain
-(``data_gen.prompts.fold_splits``); for fold i the predictor trains on k - 2 folds, early-stops on fold i + 1 and
-scores fold i. The out-of-fold scores of all folds are compared with the training-free scores (top-1
-probability, the drafted token's q, -entropy) on the same rows and labels: AUC overall and per domain (the mean over
-folds of the AUC within each fold: scores of different folds come from different models), the difference to
-the best training-free score with a paired bootstrap over prompts (the same resampled prompts for both scores), the
-share of resamples in which the learned predictor wins, and in how many folds it wins on its own.
+Every prompt is tested once (fold i scored by a predictor trained on k - 2 folds, early-stopped on fold i + 1); the
+out-of-fold AUCs are compared with the best training-free score's by a paired bootstrap over prompts (why and how:
+docs/methods.md).
 
-Usage::
-
-    from evaluation.crossval import crossvalidate, summarise
-    oof = crossvalidate({"disco": ("disco", DiscoConfig(...))}, ["outputs/default/data"], "out/cv", folds=5)
-    table = summarise(oof, n_boot=200)
-
-The job (what ``python -m pipelines.crossval --config configs/crossval.yaml`` and the main job's ``crossval_folds``
-run): :class:`CrossValConfig` and :func:`run_crossval`, which trains every run on every fold, summarises, writes the
-tables and plots and logs them to MLflow.
+Usage: python -m pipelines.crossval --config configs/crossval.yaml
 """
 from __future__ import annotations
 
@@ -60,18 +46,12 @@ def crossvalidate(
     predictors: Mapping[str, tuple[str, Any]], data_dir: Any, out_dir: str | Path, folds: int = 5,
     train_fraction: float = 1.0,
 ) -> pd.DataFrame:
-    """Train every predictor on each of ``folds`` grouped folds and collect its out-of-fold scores.
+    """Train every predictor (name -> (kind, config)) on each of ``folds`` >= 3 grouped folds of ``data_dir`` and
+    collect its
+    out-of-fold scores, checkpoints under ``<out_dir>/<name>/fold-<i>``.
 
-    Args:
-        predictors: display name -> (kind, training config) (``predictors.training.CONFIGS``; disco or sprinter).
-        data_dir: a folder of shards or a list of folders read as one data set.
-        out_dir: checkpoints and CSV logs, ``<out_dir>/<name>/fold-<i>``.
-        folds: k >= 3.
-        train_fraction: train on this share of each fold's training prompts (the same test and val folds; smaller
-            shares are subsets of larger ones): a learning curve.
-    Returns:
-        one row per (predictor, test token): predictor, label, draw, train_fraction, n_train (training tokens of the
-        fold), fold, sample_id, domain, y (its own label), score (the learned logit) and the training-free scores.
+    ``train_fraction`` < 1 trains on a nested share of each fold's training prompts (a learning curve). Returns one row
+    per (predictor, test token): fold, sample_id, domain, label y, the learned score and the training-free scores.
     """
     parts = []
     t0 = time.perf_counter()
@@ -109,9 +89,10 @@ def crossvalidate(
 
 def _calibrated_out_of_fold(val_score: np.ndarray, val_raw: Mapping[str, np.ndarray], test_score: np.ndarray,
                             test_raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``cal_<mode>[_<free score>]`` columns: the fold's learned score and each training-free score mapped to a decoding
-    mode's acceptance by a map fitted on the fold's validation prompts (``predictors.calibration``, method auto),
-    applied to its test prompts (NaN on rows of another draw, and for a mode whose draw the fold's rows lack)."""
+    """``cal_<mode>[_<free score>]`` columns: each fold's scores mapped to a decoding mode's acceptance by a map fitted
+    on
+    that fold's validation prompts (NaN on rows of another draw).
+    """
     out: dict[str, np.ndarray] = {}
     scorers = {"": (val_score, test_score)}
     scorers.update({f"_{f}": (_free_score(f, val_raw[c]), _free_score(f, test_raw[c]))
@@ -135,9 +116,10 @@ def _calibrated_out_of_fold(val_score: np.ndarray, val_raw: Mapping[str, np.ndar
 
 
 def calibration_summary(oof: pd.DataFrame, n_bins: int = 15) -> pd.DataFrame:
-    """Expected calibration error of the out-of-fold calibrated acceptances (every prompt tested once), per predictor
-    and training-free score and decoding mode: one row each with n, mean label, ECE and its noise floor (the ECE
-    of perfect calibration by chance on as many tokens)."""
+    """ECE of the out-of-fold calibrated acceptances per predictor, training-free score and decoding mode: n, mean
+    label,
+    ECE and its noise floor.
+    """
     rows = []
     for name, frame in oof.groupby("predictor", sort=False):
         for col in [c for c in frame.columns if c.startswith("cal_")]:
@@ -182,8 +164,10 @@ def _fold_ranks(frame: pd.DataFrame, names: Sequence[str]) -> FoldRanks:
 
 
 def _aucs(y: np.ndarray, ranks: FoldRanks, names: Sequence[str], weights: np.ndarray | None = None) -> dict[str, float]:
-    """Mean over folds of each scorer's AUC within the fold (weighted by the fold's token weight): the learned scores
-    of different folds come from different models, so only tokens of one fold are ranked against each other."""
+    """Mean over folds of each scorer's AUC within the fold, weighted by the fold's token weight (scores of different
+    folds
+    come from different models).
+    """
     w = np.ones(len(y)) if weights is None else weights
     sums, total = dict.fromkeys(names, 0.0), 0.0
     for m, ranked in ranks:
@@ -198,17 +182,13 @@ def _aucs(y: np.ndarray, ranks: FoldRanks, names: Sequence[str], weights: np.nda
 
 
 def summarise(oof: pd.DataFrame, n_boot: int = 200, seed: int = 0, ci: float = 0.95) -> pd.DataFrame:
-    """AUC of each predictor's out-of-fold scores against the training-free scores, per domain.
+    """AUC of each predictor's out-of-fold scores against the training-free scores, per domain; each AUC a mean over
+    folds of
+    the AUC within the fold.
 
-    Every AUC is the mean over folds of the AUC within the fold (tokens of one fold ranked against each other), for
-    the learned and the training-free scores alike.
-
-    Returns:
-        one row per (predictor, train_fraction, group: all or a domain): label, draw, n_train (mean training tokens
-        per fold), n, prompts, auc (learned), auc_<free> for each
-        training-free score, best_free (highest AUC in that group), auc_best_free, diff = auc - auc_best_free,
-        diff_lo / diff_hi (paired bootstrap over prompts), p_win (share of resamples with diff > 0), folds_won
-        (folds whose own test AUC favours the learned predictor; group "all" only) and folds.
+    Returns one row per (predictor, train_fraction, group): auc, ``auc_<free>`` per training-free score, best_free,
+    diff = auc - auc_best_free with its paired-bootstrap interval (diff_lo, diff_hi), p_win (share of resamples with
+    diff > 0) and folds_won.
     """
     rows = []
     rng = np.random.default_rng(seed)
@@ -316,8 +296,7 @@ class CrossValConfig(TrackingConfig):
     folds: int = 5
     """Folds of prompts (>= 3: one tested, one for early stopping, the rest for training)."""
     train_fractions: list[float] = field(default_factory=lambda: [1.0])
-    """Shares of each fold's training prompts to train on, e.g. [0.25, 0.5, 1.0]: a learning curve on the same test
-    and val folds (does more data close the gap?)."""
+    """Shares of each fold's training prompts to train on, e.g. [0.25, 0.5, 1.0]: a learning curve."""
     n_boot: int = 200
     """Bootstrap resamples of prompts for the intervals."""
     seed: int = 0

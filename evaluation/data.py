@@ -1,9 +1,5 @@
 """What the evaluation reads of a data folder: the record columns as numpy arrays, rows of a split or a draw, and the
-data config's draft fingerprint and sampling temperature.
-
-Every reader of stored records for scoring, replay, calibration or tuning (``pipelines.evaluate``,
-``pipelines.calibrate``, the benchmark's tuning, the studies under ``benchmarks/``) loads them here, so they all read
-the same columns.
+data config's draft fingerprint and temperature; every scorer, replay and tuning reads records here.
 
 Usage::
 
@@ -57,8 +53,9 @@ BASE_COLUMNS = (
 def load_columns(
     data_dir: DataPath, splits: list[str] | None = None, extra_columns: tuple[str, ...] = ()
 ) -> dict[str, np.ndarray]:
-    """Record columns of the shards in ``data_dir`` (a folder or a list; rows of ``splits`` only), as numpy arrays
-    (vectors 2-D): :data:`BASE_COLUMNS` and ``extra_columns`` (e.g. ``draft_hidden``), those present."""
+    """Record columns of the shards in ``data_dir`` (rows of ``splits`` only) as numpy arrays: :data:`BASE_COLUMNS` and
+    ``extra_columns``, those present.
+    """
     return read_columns(data_dir, (), splits=splits, optional=(*BASE_COLUMNS, *extra_columns))
 
 
@@ -71,7 +68,9 @@ def label_specs_by_draw(
     columns: Mapping[str, np.ndarray], label_specs: list[tuple[str, float]]
 ) -> dict[str, tuple[dict[str, np.ndarray], list[tuple[str, float]]]]:
     """draw -> (its rows, the label specs scored on them): greedy match on argmax draws, q/p <= lambda and min(1, p/q)
-    on sampled draws (``predictors.labels.label_draw``); data with one draw per position is one group, "all"."""
+    on
+    sampled ones; one draw per position is one group, "all".
+    """
     out: dict[str, tuple[dict[str, np.ndarray], list[tuple[str, float]]]] = {}
     for fam, lam in label_specs:
         draw = label_draw(fam)

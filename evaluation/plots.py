@@ -1,11 +1,7 @@
-"""PNG plots of the evaluation report (matplotlib, Agg backend): ROC overlay, threshold vs predicted speedup, oracle
-draft
-length histogram, acceptance against draft entropy (SVIP's Figure 2).
+"""PNG plots of the evaluation report (matplotlib, Agg): ROC overlay, threshold vs predicted speedup, oracle lengths,
+acceptance against entropy, cross-validation, reliability.
 
-Usage::
-
-    from evaluation.plots import plot_roc
-    plot_roc(roc_points(columns, policies), "out/roc.png")
+Usage: ``plot_roc(roc_points(columns, policies), "out/roc.png")``
 """
 from __future__ import annotations
 
@@ -90,8 +86,9 @@ def plot_oracle_hist(columns: Mapping[str, Any], path: str | Path, max_len: int 
 
 
 def plot_accept_vs_entropy(columns: Mapping[str, Any], path: str | Path, bins: int = 20) -> Path:
-    """SVIP Figure 2 style: draft entropy (equal-count bins) against mean acceptance min(1, p/q) and greedy-match rate,
-    with SVIP's 1 - sqrt(0.15 H) and AdaEDL's 1 - sqrt(0.2 H) bounds for reference."""
+    """SVIP's Figure 2: mean acceptance and greedy-match rate against draft entropy (equal-count bins), with SVIP's and
+    AdaEDL's bounds.
+    """
     fig, ax = plt.subplots(figsize=(6, 4.5))
     if "draft_entropy" in columns and len(np.asarray(columns["draft_entropy"])):
         H = np.asarray(columns["draft_entropy"], dtype=np.float64)
@@ -115,9 +112,9 @@ def plot_accept_vs_entropy(columns: Mapping[str, Any], path: str | Path, bins: i
 
 
 def plot_crossval(table: pd.DataFrame, path: str | Path) -> Path:
-    """Cross-validated AUC difference (learned minus the best training-free score) with its bootstrap interval, one
-    row per predictor and group (``evaluation.crossval.summarise``; the largest training share when there are
-    several); right of the zero line the learned one wins."""
+    """Cross-validated AUC difference (learned minus best training-free) with its interval, one row per predictor and
+    group; right of zero the learned one wins.
+    """
     rows = table[np.isfinite(table.get("diff", pd.Series(np.nan, index=table.index)))] if len(table) else table
     if len(rows) and "train_fraction" in rows:
         rows = rows[rows["train_fraction"] == rows["train_fraction"].max()]
@@ -142,9 +139,9 @@ def plot_crossval(table: pd.DataFrame, path: str | Path) -> Path:
 
 
 def plot_learning_curve(table: pd.DataFrame, path: str | Path) -> Path:
-    """Cross-validated AUC difference (learned - best training-free, group "all") against the training tokens per
-    fold, one line per predictor with its bootstrap interval as a band (``pipelines.crossval`` with several
-    ``train_fractions``)."""
+    """Cross-validated AUC difference against training tokens per fold, one line per predictor with its interval as a
+    band.
+    """
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     rows = table[(table["group"] == "all") & np.isfinite(table.get("diff", pd.Series(np.nan, index=table.index)))] \
         if len(table) else table
@@ -165,8 +162,10 @@ def plot_learning_curve(table: pd.DataFrame, path: str | Path) -> Path:
 
 def plot_reliability(curves: Mapping[tuple[str, str], Mapping[str, np.ndarray]], path: str | Path,
                      ece: Mapping[tuple[str, str], float] | None = None) -> Path:
-    """Reliability diagrams, one panel per decoding mode: mean acceptance against mean calibrated prediction per bin
-    (``predictors.calibration.reliability_bins``), one line per policy; the diagonal is perfect calibration."""
+    """Reliability diagrams, one panel per decoding mode: mean acceptance against mean calibrated prediction per bin,
+    one
+    line per policy.
+    """
     modes = sorted({m for _, m in curves}) or ["greedy"]
     fig, axes = plt.subplots(1, len(modes), figsize=(5.2 * len(modes), 4.8), squeeze=False)
     for ax, mode in zip(axes[0], modes):
@@ -187,8 +186,9 @@ def plot_reliability(curves: Mapping[tuple[str, str], Mapping[str, np.ndarray]],
 
 def plot_expected_vs_measured(round_tokens: Mapping[str, Sequence[tuple[float, float]]], path: str | Path,
                               n_bins: int = 8) -> Path:
-    """Per cost-aware policy: the tokens its rounds expected (calibrated acceptance of the verified prefix + 1)
-    against the tokens the replay measured, binned by expectation (mean of each bin); the diagonal is agreement."""
+    """Per cost-aware policy: tokens a round expected (calibrated acceptance of the verified prefix + 1) against tokens
+    the replay measured, binned.
+    """
     fig, ax = plt.subplots(figsize=(5.5, 5))
     top = 1.0
     for name, pairs in sorted(round_tokens.items()):

@@ -1,11 +1,6 @@
 """The evaluation report: report.md with the measured tables, PNG plots and CSVs in one folder, logged to MLflow.
 
-Usage::
-
-    from evaluation.report import ReportInputs, write_report
-    path = write_report("runs/eval", ReportInputs(classification=cls_df, replay=rep_df, sweep=sweep_df,
-                        sprinter=spr_df, cost_model=cm, columns=columns, policies=policies,
-                        command="python -m pipelines.evaluate --data_dir data --out_dir runs/eval"))
+Usage: ``path = write_report("runs/eval", ReportInputs(classification=cls_df, replay=rep_df, ...))``
 """
 from __future__ import annotations
 
@@ -91,7 +86,8 @@ def _metric_key(s: str) -> str:
 def report_metrics(classification: pd.DataFrame | None, replay: pd.DataFrame | None,
                    calibration: pd.DataFrame | None = None) -> dict[str, float]:
     """Flat metrics for MLflow: ``auc/<label>/<policy>``, ``pr_auc/...``, ``f1_opt/...``, ``speedup/<policy>``,
-    ``tokens_per_call/<policy>``, ``ece/<mode>/<policy>``."""
+    ``ece/<mode>/<policy>``, ...
+    """
     out: dict[str, float] = {}
     if calibration is not None and len(calibration):
         for _, r in calibration.iterrows():
@@ -164,8 +160,9 @@ def _calibration_section(calibration: pd.DataFrame | None) -> list[str]:
 
 @dataclass
 class ReportInputs:
-    """What :func:`write_report` writes: the evaluation's tables, the records and policies behind the plots, and the
-    lines of the report's header."""
+    """What :func:`write_report` writes: the evaluation's tables, the records and policies behind the plots, the header
+    lines.
+    """
 
     classification: pd.DataFrame | None = None
     """:func:`evaluation.classification.score_table` output."""
@@ -205,8 +202,9 @@ PLOT_TITLES = {"roc": "ROC overlay", "sweep": "threshold vs predicted speedup", 
 
 
 def write_report(out_dir: str | Path, inputs: ReportInputs, tracking: bool = True) -> Path:
-    """Write report.md, plots/*.png and the tables as CSV into ``out_dir`` (created); with ``tracking``, log the folder
-    (``mlflow.log_artifacts``) and the metrics to the active MLflow run. Returns the path of report.md."""
+    """Write report.md, plots/*.png and CSV tables into ``out_dir``; with ``tracking`` log them and the metrics to the
+    active MLflow run. Returns the path of report.md.
+    """
     out = Path(out_dir)
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
