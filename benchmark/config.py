@@ -1,5 +1,6 @@
-"""What ``python -m pipelines.benchmark`` runs: :class:`BenchmarkConfig` (``configs/benchmark*.yaml`` mirror it), and
-which policy specs the benchmark tunes on validation data (:func:`needs_tuning`)."""
+"""What the benchmarks share (:class:`HarnessConfig`, which llama.cpp's and vLLM's configs extend), what
+``python -m pipelines.benchmark`` runs (:class:`BenchmarkConfig`; ``configs/benchmark*.yaml`` mirror them), and which
+policy specs the benchmark tunes on validation data (:func:`needs_tuning`)."""
 from __future__ import annotations
 
 import re
@@ -14,19 +15,18 @@ TUNABLE_BASELINES = ("svip", "adaedl", "max_confidence", "draft_prob")
 
 
 @dataclass
-class BenchmarkConfig(TrackingConfig):
-    """Everything ``python -m pipelines.benchmark`` does; configs/benchmark*.yaml mirror it."""
+class HarnessConfig:
+    """What every benchmark shares (the engine benchmark, llama.cpp's and vLLM's extend it): where it writes, the
+    model pair, the prompts, their lengths, the policies, the run order's repeats, the curve and the intervals."""
 
     out_dir: str = "outputs/benchmark"
-    """Folder for benchmark.md / .json, speedup.png, cost_model.json and config.yaml (created)."""
+    """Folder for benchmark.md / .json, the run's curve and config.yaml (created)."""
     models: ModelsConfig = field(default_factory=ModelsConfig)
-    """Draft / target / companion model names, dtype, device and compute path."""
+    """Draft / target model names (and the fields the runtime reads: dtype, device, compute path, cache_dir)."""
     prompts: list[PromptSourceConfig] = field(
         default_factory=lambda: [PromptSourceConfig("humaneval"), PromptSourceConfig("mtbench")]
     )
     """Prompt sources (see data_gen.prompts); prompts are filtered to ``split`` and taken round-robin across sources."""
-    prompt_texts: list[str] | None = None
-    """Plain prompt strings used instead of ``prompts`` (no split filter)."""
     split: str | None = "test"
     """Keep only prompts of this split (train / val / test by prompt id; held-out = test); None keeps all."""
     n_prompts: int = 8
@@ -35,6 +35,40 @@ class BenchmarkConfig(TrackingConfig):
     """Render prompts with the tokenizer's chat template."""
     max_prompt_tokens: int = 512
     """Prompts longer than this are left-truncated."""
+    max_new_tokens: int = 128
+    """New tokens per prompt (fewer when the target ends the answer)."""
+    policies: list[str] = field(default_factory=list)
+    """specstop policies the benchmark runs (decoding.policies.build_policy specs)."""
+    repeats: int = 2
+    """Runs of every row per prompt, in plan order and then reversed, keeping each row's faster run (the minimum, as
+    ``timeit`` advises: a shared host's slow phases fall on early and late rows alike; the outputs must agree)."""
+    cost_file: str | None = None
+    """The runtime's verification curve (python -m pipelines.measure_costs); measured at the start of the run when
+    unset."""
+    n_boot: int = 1000
+    """Bootstrap resamples of the prompts for the intervals."""
+    seed: int = 0
+    """Seed of the bootstrap's resamples and of sampling (per prompt: seed + index)."""
+
+    def __post_init__(self) -> None:
+        if self.n_prompts < 1:
+            raise ValueError(f"n_prompts={self.n_prompts}: must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats}: must be >= 1 (runs of every row per prompt)")
+        if self.n_boot < 1:
+            raise ValueError(f"n_boot={self.n_boot}: must be >= 1")
+
+
+@dataclass
+class BenchmarkConfig(HarnessConfig, TrackingConfig):
+    """Everything ``python -m pipelines.benchmark`` does; configs/benchmark*.yaml mirror it."""
+
+    out_dir: str = "outputs/benchmark"
+    """Folder for benchmark.md / .json, speedup.png, cost_model.json and config.yaml (created)."""
+    prompt_texts: list[str] | None = None
+    """Plain prompt strings used instead of ``prompts`` (no split filter)."""
     max_new_tokens: int = 96
     """New tokens per prompt."""
     temperature: float = 0.0
@@ -65,22 +99,15 @@ class BenchmarkConfig(TrackingConfig):
     reference_max_new_tokens: int | None = None
     """New tokens per prompt of the reference row (None: max_new_tokens); fewer keep a slow reference short."""
     order: str = "prompt"
-    """prompt: every row on one prompt before the next (drift hits all rows alike); row: one row over all prompts."""
-    repeats: int = 2
-    """order prompt: runs of every row per prompt, in plan order then reversed, keeping each row's faster run (the
-    minimum, as ``timeit`` advises: a shared host's slow phases fall on early and late rows alike). The reference row
-    runs once."""
+    """prompt: every row on one prompt before the next (drift hits all rows alike), ``repeats`` times (the reference
+    row once); row: one row over all prompts."""
     batch_size: int = 1
     """Engine rows decode this many prompts per batch (left padding, per-sequence draft lengths)."""
-    cost_file: str | None = None
-    """Verification curve JSON (pipelines.measure_costs); measured at the start of the run when missing."""
     tune_data_dir: str | None = None
     """Labelled data folder whose validation split tunes static:best and <baseline>:tuned (by replay under this run's
     curve); the main job's is outputs/default/data."""
     max_static: int = 10
     """static:best tries lengths 1 .. max_static."""
-    n_boot: int = 1000
-    """Bootstrap resamples of the prompts for the intervals."""
     replay_check: bool = False
     """At the end, label the prompts along target-only's output and replay every engine row's policy offline under this
     run's curve (and each hf row's transformers rule under transformers' curve, with ``hf_curve``): predicted against
@@ -101,18 +128,13 @@ class BenchmarkConfig(TrackingConfig):
     """Load predictors trained for another draft model anyway."""
     warmup: bool = True
     """Run each path once on a short generation before timing."""
-    seed: int = 0
-    """Sampling seed (per prompt: seed + index)."""
     results_dir: str | None = None
     """Also store the run's summary in this folder (e.g. results), which ``python -m pipelines.results`` renders."""
     experiment: str = field(default="specstop-benchmark", kw_only=True)
     """MLflow experiment of the run (the field: ``predictors.tracking``)."""
 
     def __post_init__(self) -> None:
-        if self.n_prompts < 1:
-            raise ValueError(f"n_prompts={self.n_prompts}: must be >= 1")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        super().__post_init__()
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature}: must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -125,10 +147,8 @@ class BenchmarkConfig(TrackingConfig):
             raise ValueError("order=prompt decodes one prompt at a time: use batch_size 1, or order row for batches")
         if self.reference_max_new_tokens is not None and self.reference_max_new_tokens < 1:
             raise ValueError(f"reference_max_new_tokens={self.reference_max_new_tokens}: must be >= 1 (or null)")
-        if self.max_static < 1 or self.n_boot < 1:
-            raise ValueError(f"max_static={self.max_static} and n_boot={self.n_boot} must be >= 1")
-        if self.repeats < 1:
-            raise ValueError(f"repeats={self.repeats}: must be >= 1 (runs of every row per prompt)")
+        if self.max_static < 1:
+            raise ValueError(f"max_static={self.max_static}: must be >= 1")
         for r in self.hf_rows:
             if r not in ("heuristic", "default", "recommended") and not re.fullmatch(r"static:\d+", r):
                 raise ValueError(f"hf_rows: {r!r} is not one of static:K, heuristic, default, recommended")

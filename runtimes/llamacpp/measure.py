@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from benchmark.bench import Bench, DecodeSettings, RunOrder, load_benchmark_prompts
-from benchmark.config import BenchmarkConfig
+from benchmark.config import BenchmarkConfig, HarnessConfig
 from benchmark.plan import Runner, run_rows
 from benchmark.records import bootstrap_indices
 from benchmark.report import finish_rows, markdown_table
@@ -48,7 +48,6 @@ from compute.cpu import cpuinfo_fields
 from compute.gguf_files import ensure_gguf, gguf_stop_ids, gguf_tokenizer
 from compute.timing import CostModel
 from data_gen.config import ModelsConfig
-from data_gen.prompts import PromptSourceConfig
 from data_gen.shards import read_data_config
 from decoding.policies import build_policy, policy_label
 from decoding.stats import DecodeStats
@@ -71,27 +70,17 @@ DEFAULT_SPEC = LlamaCppRule().spec()
 
 
 @dataclass
-class LlamaCppBenchConfig:
-    """What ``python -m pipelines.llamacpp_bench`` runs; configs/benchmark-llamacpp.yaml mirrors it."""
+class LlamaCppBenchConfig(HarnessConfig):
+    """What ``python -m pipelines.llamacpp_bench`` runs (the shared fields: ``benchmark.config.HarnessConfig``);
+    configs/benchmark-llamacpp.yaml mirrors it."""
 
     out_dir: str = "outputs/benchmark-llamacpp"
     """Folder for benchmark.md / .json, cost_model.llamacpp.json and config.yaml (created)."""
     models: ModelsConfig = field(default_factory=ModelsConfig)
     """models.draft / models.target: packaged:<name> (joined once into <cache_dir>/gguf) or .gguf paths; the
     tokenizer is the target's (transformers). The other fields are not used."""
-    prompts: list[PromptSourceConfig] = field(
-        default_factory=lambda: [PromptSourceConfig("humaneval"), PromptSourceConfig("mtbench")])
-    """Prompt sources (data_gen.prompts), filtered to ``split`` and taken round-robin, as pipelines.benchmark does."""
     prompt_texts: list[str] | None = None
     """Plain prompt strings used instead of ``prompts``."""
-    split: str | None = "test"
-    """Keep only prompts of this split; None keeps all."""
-    n_prompts: int = 8
-    use_chat_template: bool = True
-    max_prompt_tokens: int = 512
-    """Prompts longer than this are left-truncated."""
-    max_new_tokens: int = 128
-    """New tokens per prompt (fewer when the target ends the answer)."""
     settings: list[str] = field(default_factory=list)
     """llama.cpp draft-simple settings to run beside its defaults: ``llamacpp:N_MAX,N_MIN,P_MIN``."""
     recommend_data: str | None = None
@@ -107,8 +96,6 @@ class LlamaCppBenchConfig:
     calibration_dir: str | None = None
     """Folder of calibrated training-free exports for ``goodput:<score name>`` (the main job's
     <out_dir>/train/calibrated)."""
-    cost_file: str | None = None
-    """llama.cpp's curve (python -m pipelines.measure_costs --runtime llamacpp); measured at the start when unset."""
     max_draft_len: int = 16
     """Cap on one round's drafts for the specstop policies (a llamacpp:N_MAX row drafts up to N_MAX)."""
     top_k_features: int = 10
@@ -117,17 +104,13 @@ class LlamaCppBenchConfig:
     """llama.cpp's threads (default: torch's thread count)."""
     n_ctx: int = 0
     """Context of the llama.cpp models; 0: the longest prompt + max_new_tokens + drafts, at least 512."""
-    repeats: int = 2
-    """Runs of every row per prompt, in plan order and then reversed, the faster kept (outputs checked equal)."""
     order: str = "prompt"
     """prompt: every row on one prompt before the next (drift hits all rows alike); row: one row over all prompts."""
-    n_boot: int = 1000
-    """Bootstrap resamples of the prompts for the intervals."""
     warmup: bool = True
     """Decode a few tokens with every model before timing."""
-    seed: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for spec in self.settings:
             if not spec.startswith("llamacpp:"):
                 raise ValueError(f"settings: {spec!r} is not llamacpp:N_MAX,N_MIN,P_MIN (specstop policies go to "

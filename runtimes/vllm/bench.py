@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmark.config import HarnessConfig
 from data_gen.config import ModelsConfig
-from data_gen.prompts import PromptSourceConfig
 from runtimes.vllm import proposer as vllm_proposer
 from runtimes.vllm.engine import EngineSpec, StepClock, StepLog, build_engine, generate, release, spec_counters
 
@@ -46,22 +46,14 @@ TARGET_ALONE = "vLLM target alone"
 
 
 @dataclass
-class VllmBenchConfig:
-    """What ``python -m pipelines.vllm_bench`` runs; configs/benchmark-vllm.yaml mirrors it."""
+class VllmBenchConfig(HarnessConfig):
+    """What ``python -m pipelines.vllm_bench`` runs (the shared fields: ``benchmark.config.HarnessConfig``);
+    configs/benchmark-vllm.yaml mirrors it."""
 
     out_dir: str = "outputs/benchmark-vllm"
     """Folder for benchmark.md / .json, cost_model.vllm.json and config.yaml (created)."""
     models: ModelsConfig = field(default_factory=ModelsConfig)
     """models.draft / models.target: packaged:<name> (converted once to Hugging Face folders) or folders; device."""
-    prompts: list[PromptSourceConfig] = field(
-        default_factory=lambda: [PromptSourceConfig(name="humaneval"), PromptSourceConfig(name="mtbench")])
-    """Prompt sources (as the benchmark's)."""
-    split: str | None = "test"
-    """Only prompts of this split (the main job's held-out prompts)."""
-    n_prompts: int = 8
-    use_chat_template: bool = True
-    max_prompt_tokens: int = 512
-    max_new_tokens: int = 128
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4])
     """Concurrent requests: 1 runs the prompts one by one; B sends B prompts together (n_prompts / B groups)."""
     static_k: list[int] = field(default_factory=lambda: [1, 3, 5])
@@ -93,27 +85,19 @@ class VllmBenchConfig:
     """Calibrated training-free exports for goodput:<score> policies."""
     policy_k: int = 8
     """num_speculative_tokens of the engine the policies run in (the cap of a round)."""
-    cost_file: str | None = None
-    """vLLM's curve (python -m pipelines.measure_costs --runtime vllm); measured at the start when null."""
     curve_batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     """Batch sizes of the curve measured at the start."""
-    repeats: int = 2
-    """Passes over the engines in alternating order, each row once on each prompt (group) a pass; the faster run of
-    each prompt is kept."""
     kv_cache_gb: int = 2
     """vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE on the CPU, a whole number)."""
-    n_boot: int = 1000
-    seed: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # repeats: passes over the engines in alternating order, each prompt's faster run kept
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"--batch_sizes {self.batch_sizes}: give batch sizes >= 1")
         if any(self.n_prompts % b for b in self.batch_sizes):
             raise ValueError(f"--n_prompts {self.n_prompts} must be a multiple of every batch size {self.batch_sizes}")
         if min(self.static_k, default=1) < 1 or self.default_k < 1 or self.policy_k < 1:
             raise ValueError("static_k, default_k and policy_k must be >= 1 (K = 0 is the target-alone row)")
-        if self.repeats < 1:
-            raise ValueError(f"--repeats {self.repeats}: must be >= 1")
         if self.acceptance_prompts < 0:
             raise ValueError(f"--acceptance_prompts {self.acceptance_prompts}: give 0 (tune on recommend_data) or more")
         if self.acceptance_prompts and self.acceptance_split == self.split:
