@@ -298,11 +298,11 @@ def comparisons(rows: list[Row], boot: np.ndarray, recommended: str | None = Non
     """Every row against llama.cpp's defaults (target-only too), and each specstop policy against the recommended row
     (``recommended``, its name; None: the fastest ``llamacpp:`` row but the default, the default itself when none
     ran): ratio of tokens/s, 95% paired interval. The recommended row is named so (``(recommended)``)."""
-    default = next(r for r in rows if r.name.endswith("(default)"))
+    default = next(r for r in rows if r.spec == DEFAULT_SPEC)  # the first row at the defaults: the one named so
     if recommended is not None:
         ref = next(r for r in rows if r.name == recommended)
     else:
-        settings = [r for r in rows if r.spec.startswith("llamacpp:") and r is not default]
+        settings = [r for r in rows if r.kind == LlamaCppRule.kind and r is not default]
         ref = max(settings, key=lambda r: r.tokens_per_s) if settings else default
 
     def label(r: Row) -> str:
@@ -310,7 +310,7 @@ def comparisons(rows: list[Row], boot: np.ndarray, recommended: str | None = Non
 
     out = []
     for r in rows:
-        alone = r.spec.startswith("llamacpp:") or r.name == TARGET_ONLY or ref is default
+        alone = r.kind == LlamaCppRule.kind or r is rows[0] or ref is default  # rows[0]: target-only
         refs = [default] if alone else [default, ref]
         for x in refs:
             if r is not x:
