@@ -117,7 +117,7 @@ class Row:
             unpriced = round(1000 * rest / d.tokens, 2)
         hist = Counter()  # new tokens (verified drafts + 1) of the passes after the prompts' (those are the prefill's)
         if passes and d is not None:
-            hist = Counter(k + 1 for k in d.verified_lengths) - Counter(k + 1 for k in d.prompt_pass_lengths)
+            hist = Counter(k + 1 for k in d.sent_lengths) - Counter(k + 1 for k in d.prompt_pass_lengths)
         n = sum(hist.values())
         return {
             "draft_ms_per_step": round(1000 * d.draft_time / d.draft_forwards, 2) if d and d.draft_forwards else None,

@@ -165,13 +165,13 @@ def run_hf_policy(bench: Bench, spec: str) -> Row:
 
     row = timed_prompts(bench, Row(f"hfp:{spec}", "transformers + policy", kind=policy.kind), decode)
     for st in per_prompt:
-        rounds = [(d, a) for d, a in zip(st["draft_lengths"], st["accepted_lengths"]) if d > 0]
+        rounds = [(d, a) for d, a in zip(st.drafted_lengths, st.accepted_lengths) if d > 0]
         row.count_prompt(len(rounds), sum(d for d, _ in rounds), sum(a for _, a in rounds))
         row.rounds += len(rounds)
-        row.target_calls += len(st["accepted_lengths"])
+        row.target_calls += len(st.accepted_lengths)
         row.draft_tokens += sum(d for d, _ in rounds)
         row.accepted += sum(a for _, a in rounds)
-    row.note = f"stop time {sum(st['stop_time'] for st in per_prompt):.3f}s"
+    row.note = f"stop time {sum(st.stop_time for st in per_prompt):.3f}s"
     return row
 
 
@@ -211,7 +211,7 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
         if st.analysis_time > 0:  # sampling oracle: the look-ahead replaced by one priced verification per round
             assert bench.cost_model is not None
             seconds = st.wall_time - st.analysis_time - st.target_time
-            seconds += sum(bench.cost_model.target_time(k + 1) for k in st.draft_lengths)
+            seconds += sum(bench.cost_model.target_time(k + 1) for k in st.drafted_lengths)
         for b in range(len(chunk)):  # a batch's time is shared by its prompts in proportion to their tokens
             row.outputs.append(new_tokens(bench, out[b], width))
         n_new = [len(o) for o in row.outputs[-len(chunk):]]

@@ -3,7 +3,7 @@
 A runtime that drafts token by token itself (llama.cpp's draft-model hook, ``runtimes.llamacpp.draft``; vLLM's draft
 proposer, ``runtimes.vllm.proposer``) hands each step's draft logits here: :func:`step_features` picks the greedy token
 and computes its features with ``data_gen.features.token_features`` (the one feature function of data generation and
-the engine, plus ``position``), :func:`take_candidate` takes it or not into the round (:class:`DraftedRound`) and says
+the engine, plus ``position``), :func:`take_candidate` takes it or not into the round (:class:`RequestRound`) and says
 whether to draft another, as the policy's round rule says (``policy.round_rule``, ``predictors.round_rules``):
 
 - ``threshold`` (DISCO, SVIP, AdaEDL, max confidence, static...): the token is drafted, then drafting stops when
@@ -13,16 +13,16 @@ whether to draft another, as the policy's round rule says (``policy.round_rule``
 - ``prefix`` (llama.cpp's draft-simple rule): a candidate whose score is below the threshold stops the round and is
   not taken; the rule (``predictors.round_rules.PrefixRule``) says how many are sent.
 
-:func:`verified_count` is how many of a finished round's tokens go to the target (``verified``, the word of
+:func:`sent_count` is how many of a finished round's tokens go to the target (``sent``, the word of
 ``predictors.counts``).
 
 Usage::
 
-    rnd = DraftedRound()
+    rnd = RequestRound()
     tok, feats = step_features(logits, policy, top_k=10, position=len(rnd.tokens))
     more = take_candidate(policy, tok, feats, rnd, cap, cost)
     ...
-    rnd.verified = verified_count(rnd, policy, cost)
+    rnd.sent = sent_count(rnd, policy, cost)
 """
 from __future__ import annotations
 
@@ -36,16 +36,17 @@ from data_gen.features import token_features
 from predictors import goodput
 from predictors.base import StopPolicy
 
-__all__ = ["DraftedRound", "check_policy", "draft_step", "step_features", "take_candidate", "verified_count"]
+__all__ = ["RequestRound", "check_policy", "draft_step", "step_features", "take_candidate", "sent_count"]
 
 
 @dataclass
-class DraftedRound:
-    """One round of drafting."""
+class RequestRound:
+    """One request's round of drafting in a runtime's hook (the engine's round of a batch is
+    ``decoding.state.BatchRound``)."""
 
     tokens: list[int] = field(default_factory=list)
     """Tokens drafted (taken), in order."""
-    verified: int = 0
+    sent: int = 0
     """How many of them go to the target (a prefix)."""
     scores: list[float] = field(default_factory=list)
     """Per stop decision, the policy's score (goodput and prefix rules; the dropped candidate's too)."""
@@ -84,7 +85,7 @@ def step_features(logits: Tensor, policy: StopPolicy, top_k: int, position: int)
     return int(tok[0]), feats
 
 
-def draft_step(logits: Tensor, policy: StopPolicy, rnd: DraftedRound, top_k: int, cap: int,
+def draft_step(logits: Tensor, policy: StopPolicy, rnd: RequestRound, top_k: int, cap: int,
                cost: goodput.RoundCost | None, token: int | None = None) -> bool:
     """One drafted position of one request from its [1, V] draft ``logits``: the greedy token goes into ``rnd`` (or,
     for a prefix rule, not) and the answer says whether to draft another. A length rule (``policy.fixed_length``:
@@ -99,7 +100,7 @@ def draft_step(logits: Tensor, policy: StopPolicy, rnd: DraftedRound, top_k: int
     return take_candidate(policy, tok, feats, rnd, cap, cost)
 
 
-def take_candidate(policy: StopPolicy, tok: int, feats: dict[str, Tensor], rnd: DraftedRound, cap: int,
+def take_candidate(policy: StopPolicy, tok: int, feats: dict[str, Tensor], rnd: RequestRound, cap: int,
                    cost: goodput.RoundCost | None, score: float | None = None) -> bool:
     """Take the candidate or not (into ``rnd``) and say whether to draft another, by the policy's round rule (the
     engine's decision for one row; a prefix rule's candidate below its threshold ends the round untaken).
@@ -115,6 +116,6 @@ def take_candidate(policy: StopPolicy, tok: int, feats: dict[str, Tensor], rnd: 
     return bool(keep)
 
 
-def verified_count(rnd: DraftedRound, policy: StopPolicy, cost: goodput.RoundCost | None) -> int:
+def sent_count(rnd: RequestRound, policy: StopPolicy, cost: goodput.RoundCost | None) -> int:
     """How many of the round's drafted tokens go to the target, as the policy's round rule says."""
     return policy.round_rule.sent(policy, rnd.scores, len(rnd.tokens), cost)

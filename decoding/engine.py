@@ -20,7 +20,7 @@ never its kind:
   greedy decoding emits that output token for token) and the oracle's rounds verify like any other's: measured time.
 
 Phases of ``SpeculativeDecoder.generate`` (in the manner of gpt-fast's generate.py): prefill; then per round
-``_draft_round`` (draft steps, each ``_draft_step`` with the stop decision ``_decide``), ``_verification_lengths``,
+``_draft_batch`` (draft steps, each ``_draft_step`` with the stop decision ``_decide``), ``_verification_lengths``,
 ``Verifier.verify_round`` (one target pass, per-sequence ``Verifier.verify``, ``decoding.verification``) and
 ``Decoding.settle`` (statistics, cache bookkeeping, limits; ``decoding.state``). The counters are
 ``decoding.stats.DecodeStats``, the caches ``decoding.streams.Stream``, token choice ``decoding.sampling``.
@@ -48,7 +48,7 @@ from compute.models import shared_depth
 from compute.timing import CostModel, clock, measure_cost_model
 from data_gen.features import COMPANION_COLUMNS, token_features
 from decoding.sampling import TokenSampler
-from decoding.state import Decoding, DraftRound
+from decoding.state import BatchRound, Decoding
 from decoding.stats import DecodeStats
 from decoding.streams import Stream
 from decoding.verification import Verifier
@@ -202,7 +202,7 @@ class SpeculativeDecoder:
         st.stats.prefill_time = clock(st.device) - t_start
         self._use_reference(st, reference)
         while not all(st.done):
-            rnd = self._draft_round(st)
+            rnd = self._draft_batch(st)
             n_sent = self._verification_lengths(st, rnd)
             self.verifier.verify_round(st, rnd, n_sent)
             for s in st.streams():
@@ -285,7 +285,7 @@ class SpeculativeDecoder:
         return new
 
     # ------------------------------------------------------------------ drafting
-    def _draft_round(self, st: Decoding) -> DraftRound:
+    def _draft_batch(self, st: Decoding) -> BatchRound:
         """Draft step by step until every live sequence stopped (policy decision or cap)."""
         caps = [0] * st.batch
         for b in range(st.batch):
@@ -293,14 +293,14 @@ class SpeculativeDecoder:
                 caps[b] = self.policy.round_cap(self.max_draft_len, st.max_new_tokens - len(st.outputs[b]) - 1)
         cost = self._rule_cost()
         caps = [self.rule.affordable(self.policy, c, cost) for c in caps]  # 0: no round could pay on this curve
-        rnd = DraftRound.start(caps)
+        rnd = BatchRound.start(caps)
         step = 0
         while any(rnd.active):
             self._draft_step(st, rnd, step)
             step += 1
         return rnd
 
-    def _draft_step(self, st: Decoding, rnd: DraftRound, step: int) -> None:
+    def _draft_step(self, st: Decoding, rnd: BatchRound, step: int) -> None:
         """One batched draft forward pass (B sequences), the stop decision, and the drafted tokens appended."""
         t0 = clock(st.device)
         feed = rnd.feed(st.d_pending, step)
@@ -353,7 +353,7 @@ class SpeculativeDecoder:
             if len(rnd.drafted[b]) >= rnd.caps[b] or not keep[b]:
                 rnd.active[b] = False
 
-    def _peek_target(self, st: Decoding, rnd: DraftRound, step: int) -> Tensor:
+    def _peek_target(self, st: Decoding, rnd: BatchRound, step: int) -> Tensor:
         """Analysis only: the target's [B, V] logits at the token each active sequence feeds (one step)."""
         t0 = clock(st.device)
         tl, _, tidx = st.tgt.forward(rnd.feed(st.t_pending, step), left_pad=True)
@@ -362,13 +362,13 @@ class SpeculativeDecoder:
         st.stats.analysis_time += clock(st.device) - t0
         return tl[:, -1]
 
-    def _decide(self, feats: dict[str, Tensor], rnd: DraftRound) -> tuple[list[bool], list[float] | None]:
+    def _decide(self, feats: dict[str, Tensor], rnd: BatchRound) -> tuple[list[bool], list[float] | None]:
         """[B] draft another token after this one, and the [B] scores the round rule keeps (goodput: calibrated
         acceptances; prefix: the scores that choose the tokens sent), as the replay and the hooks decide."""
         return self.rule.decide(self.policy, feats, rnd.scores, rnd.caps, rnd.active, self._rule_cost())
 
     # ------------------------------------------------------------------ verification
-    def _verification_lengths(self, st: Decoding, rnd: DraftRound) -> list[int]:
+    def _verification_lengths(self, st: Decoding, rnd: BatchRound) -> list[int]:
         """[B] drafted tokens sent to the target, as the round rule says: all of them, the goodput rule's best prefix
         (across a batch sharing one target pass, ``predictors.goodput.batch_lengths``), or the prefix rule's."""
         n = self.rule.sent_batch(self.policy, rnd.scores, [len(d) for d in rnd.drafted],

@@ -1,5 +1,5 @@
 """The state of one ``SpeculativeDecoder.generate`` call: what outlives a round (``Decoding``: caches, pending
-tokens, outputs, limits, statistics) and what one round drafted (``DraftRound``); ``Decoding.settle`` books a
+tokens, outputs, limits, statistics) and what one round drafted (``BatchRound``); ``Decoding.settle`` books a
 verified round into both (statistics, cache holes, limits)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import Tensor
 from decoding.stats import DecodeStats
 from decoding.streams import Stream
 
-__all__ = ["Decoding", "DraftRound"]
+__all__ = ["Decoding", "BatchRound"]
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Decoding:
     def streams(self) -> list[Stream]:
         return [s for s in (self.tgt, self.drf, self.cmp) if s is not None]
 
-    def reference_match(self, rnd: DraftRound, tok: Tensor) -> Tensor:
+    def reference_match(self, rnd: BatchRound, tok: Tensor) -> Tensor:
         """[B] the drafted token equals the target-only output at its position (False past its end)."""
         assert self.reference is not None
         match = []
@@ -57,7 +57,7 @@ class Decoding:
             match.append(pos < len(self.reference[b]) and self.reference[b][pos] == t)
         return torch.tensor(match, device=tok.device)
 
-    def settle(self, rnd: DraftRound, b: int, emitted: list[int], n_acc: int) -> None:
+    def settle(self, rnd: BatchRound, b: int, emitted: list[int], n_acc: int) -> None:
         """Sequence b after verification: statistics, caches keep pending + accepted tokens, limits."""
         n_drafted = len(rnd.drafted[b])
         stats = self.stats
@@ -67,7 +67,7 @@ class Decoding:
         stats.accepted += n_acc
         stats.wasted += n_drafted - n_acc
         stats.accepted_lengths.append(n_acc)
-        stats.draft_lengths.append(n_drafted)
+        stats.drafted_lengths.append(n_drafted)
         self.tgt.discard(b, rnd.t_idx[b][len(self.t_pending[b]) + n_acc :])  # pending (the prompt at first) + accepted
         self.t_pending[b] = emitted[n_acc:]
         self.prompt_pending[b] = False
@@ -97,8 +97,9 @@ class Decoding:
 
 
 @dataclass
-class DraftRound:
-    """What one round drafted, per sequence b of the batch (lists of length B; n_b drafted tokens for sequence b)."""
+class BatchRound:
+    """What one round of the engine drafted, per sequence b of the batch (a runtime hook's round of one request is
+    ``decoding.draft_steps.RequestRound``) (lists of length B; n_b drafted tokens for sequence b)."""
 
     caps: list[int]
     """[B] most tokens sequence b may draft this round."""
@@ -111,7 +112,8 @@ class DraftRound:
     q_x: list[list[float]]
     """[B][n_b] q(x) of each drafted token (policy feedback)."""
     scores: list[list[float]]
-    """[B][n_b] goodput policies: calibrated acceptance of each drafted token."""
+    """[B][n_b] the scores the round rule keeps (``RoundRule.decide``): a goodput policy's calibrated acceptance, a
+    prefix rule's scores; empty for the other rules."""
     peek_logits: list[list[Tensor]]
     """[B][n_b] of [V]: analysis only, the target's logits at each drafted token."""
     t_idx: list[list[int]]
@@ -120,7 +122,7 @@ class DraftRound:
     """[B] draft (and companion) cache index of the tokens fed this round."""
 
     @classmethod
-    def start(cls, caps: list[int]) -> DraftRound:
+    def start(cls, caps: list[int]) -> BatchRound:
         def empty() -> list:
             return [[] for _ in caps]
 

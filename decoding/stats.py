@@ -13,8 +13,9 @@ __all__ = ["DecodeStats"]
 class DecodeStats(RoundCounts):
     """Counters and timings of one or more ``generate`` calls (add them with ``+``).
 
-    The round counts (``rounds``, ``tokens``, ``drafted``, ``verified``, ``accepted``) are those of
-    ``predictors.counts.RoundCounts``, whole numbers here, summed over all sequences."""
+    The round counts (``rounds``, ``tokens``, ``drafted``, ``sent``, ``accepted``) are those of
+    ``predictors.counts.RoundCounts``, whole numbers here, summed over all sequences; the per-round lists use the same
+    words (``drafted_lengths``, ``sent_lengths``, ``accepted_lengths``)."""
 
     target_calls: int = 0
     """Target forward passes (verification rounds; prefill not counted)."""
@@ -22,15 +23,15 @@ class DecodeStats(RoundCounts):
     """Draft tokens proposed but not emitted (rejected or cut by SV's goodput length)."""
     accepted_lengths: list[int] = field(default_factory=list)
     """Accepted draft tokens per sequence-round."""
-    draft_lengths: list[int] = field(default_factory=list)
+    drafted_lengths: list[int] = field(default_factory=list)
     """Drafted tokens per sequence-round."""
-    verified_lengths: list[int] = field(default_factory=list)
+    sent_lengths: list[int] = field(default_factory=list)
     """Drafted tokens sent to the target per sequence-round (fewer than drafted under the goodput rule)."""
     prompt_passes: int = 0
     """Sequence-rounds verified inside the target's pass over the prompt (each sequence's first: the target reads its
     prompt together with the first drafts, so that pass's time is in ``prefill_time``, not ``target_time``)."""
     prompt_pass_lengths: list[int] = field(default_factory=list)
-    """Drafted tokens verified in those passes (also in ``verified_lengths``)."""
+    """Drafted tokens sent in those passes (also in ``sent_lengths``)."""
     expected_tokens: list[float] = field(default_factory=list)
     """Goodput policies: tokens each sequence-round was expected to emit (1 + E[accepted] of the verified prefix)."""
     draft_forwards: int = 0
@@ -87,7 +88,7 @@ class DecodeStats(RoundCounts):
         return {
             "tokens": self.tokens,
             "rounds": self.rounds,
-            "verified": self.verified,
+            "sent": self.sent,
             "tokens_per_s": self.tokens_per_s,
             "mean_accepted": self.mean_accepted,
             "target_calls_per_token": self.target_calls_per_token,

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from compute.timing import clock
 from decoding.sampling import TokenSampler
-from decoding.state import Decoding, DraftRound
+from decoding.state import BatchRound, Decoding
 from predictors.base import RoundFeedback, StopPolicy
 
 __all__ = ["Verifier"]
@@ -22,7 +22,7 @@ class Verifier:
     def __init__(self, sampler: TokenSampler, policy: StopPolicy, sequential: bool) -> None:
         self.sampler, self.policy, self.sequential = sampler, policy, sequential
 
-    def verify_round(self, st: Decoding, rnd: DraftRound, n_sent: list[int]) -> None:
+    def verify_round(self, st: Decoding, rnd: BatchRound, n_sent: list[int]) -> None:
         """One target forward pass over every live sequence's window, then per-sequence verification and bookkeeping."""
         live = [b for b in range(st.batch) if not st.done[b]]
         if st.peek:  # the target has seen every drafted token but the last
@@ -47,8 +47,8 @@ class Verifier:
             else:
                 logit_rows = [tl[b, keep - k - 1 + j] for j in range(k + 1)]
             emitted, n_acc, flags = self.verify(rnd.drafted[b][:k], rnd.q_rows[b][:k], logit_rows, st.gen)
-            st.stats.verified += k
-            st.stats.verified_lengths.append(k)
+            st.stats.sent += k
+            st.stats.sent_lengths.append(k)
             if b in prompt:
                 st.stats.prompt_passes += 1
                 st.stats.prompt_pass_lengths.append(k)

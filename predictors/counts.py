@@ -1,17 +1,19 @@
-"""One vocabulary for the counts of speculative decoding rounds, shared by the engine and the offline replay.
+"""One vocabulary for the counts of speculative decoding rounds: every counter of a run extends :class:`RoundCounts`.
 
-``decoding.engine.DecodeStats`` (what a real run did) and ``evaluation.replay.ReplayResult`` (what the replay
-predicts) both extend :class:`RoundCounts`, so a count has one name wherever it is read (``pipelines.replay_check``
-compares the two side by side). The class lives here, in ``predictors``, the lowest layer both ``decoding`` and
-``evaluation`` import. The records of the runtime hooks use the same words without being totals of this kind: a
-llama.cpp call (``runtimes.llamacpp.draft.DraftCall``) is one round's drafted, verified and accepted tokens, which
-``SpecstopDraftModel.decode_stats`` sums into ``DecodeStats``; the vLLM stopper's ``StopperCounts`` sums rounds,
-drafted, verified and accepted tokens but cannot know the tokens emitted (vLLM does).
+- ``decoding.stats.DecodeStats``: what a real run did (the engine; llama.cpp's hook and transformers' integration
+  report theirs in it too);
+- ``evaluation.replay.ReplayResult``: what the replay predicts (``pipelines.replay_check`` compares the two);
+- ``runtimes.vllm.stopper.StopperCounts``: what the vLLM stopper decided (vLLM, not the stopper, counts ``tokens``);
+- ``runtimes.llamacpp.draft.DraftCall``: one call of the llama.cpp hook, one round.
+
+The words: a round is one sequence's draft-then-verify; ``drafted`` tokens the draft proposed, ``sent`` of them went
+to the target, ``accepted`` of those were accepted (or taken unverified under sequential verification), and the round
+emitted ``tokens``: the accepted ones plus the target's correction or bonus token. The class lives here, in
+``predictors``, the lowest layer every counter's room imports.
 
 Types: ``rounds`` is a whole number everywhere. The token counts are typed ``float``: under sampling the replay holds
-expectations (``E[accepted]`` and what follows from it); the engine counts what happened and keeps whole numbers
-(int values, which the ``float`` annotation admits), so its records and reports print them as integers. The defaults
-are ``0`` for that reason; the replay adds its counts as floats.
+expectations (``E[accepted]`` and what follows from it); the real runs count what happened and keep whole numbers
+(int values, which the ``float`` annotation admits), so their records and reports print them as integers.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ class RoundCounts:
     """Tokens emitted: accepted drafts plus one target token (correction or bonus) per round."""
     drafted: float = 0
     """Tokens the draft proposed."""
-    verified: float = 0
-    """Drafted tokens sent to the target (fewer than drafted when the goodput rule verifies a prefix)."""
+    sent: float = 0
+    """Drafted tokens sent to the target (fewer than drafted when the round rule sends a prefix)."""
     accepted: float = 0
-    """Drafted tokens accepted (taken unverified under sequential verification; expected in sampling replay)."""
+    """Sent tokens accepted (taken unverified under sequential verification; expected in sampling replay)."""

@@ -41,7 +41,7 @@ def _plan(calls: list[tuple[int, str]], fail_at: int | None = None):
 
 def test_a_row_survives_the_round_trip_through_json():
     row = Row("a", "engine", kind="svip", seconds=[1.5], outputs=[[1, 2]], threshold=0.3,
-              decode=DecodeStats(tokens=2, verified_lengths=[3, 1], stop_time=0.01))
+              decode=DecodeStats(tokens=2, sent_lengths=[3, 1], stop_time=0.01))
     import json
 
     again = row_from_dict(json.loads(json.dumps(row_to_dict(row))))

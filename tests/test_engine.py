@@ -74,11 +74,11 @@ def test_greedy_equals_target_only(pair, spec):
     assert stats.accepted + stats.wasted == stats.drafted
     assert stats.accepted + stats.rounds == stats.tokens  # each round adds accepted + one target token
     assert len(stats.accepted_lengths) == stats.rounds == stats.target_calls
-    assert stats.verified == sum(stats.verified_lengths) and stats.accepted <= stats.verified <= stats.drafted
+    assert stats.sent == sum(stats.sent_lengths) and stats.accepted <= stats.sent <= stats.drafted
 
 
 def test_stats_read_back_from_their_dict():
-    st = DecodeStats(tokens=6, drafted=9, verified=8, rounds=3, accepted=4, verified_lengths=[3, 3, 2])
+    st = DecodeStats(tokens=6, drafted=9, sent=8, rounds=3, accepted=4, sent_lengths=[3, 3, 2])
     assert DecodeStats.from_dict(asdict(st)) == st
 
 
@@ -95,7 +95,7 @@ def test_greedy_draft_steps_take_token_and_features_from_one_native_call(pair):
         elif not dec._fused_greedy:
             pytest.skip("native statistics unavailable (no compiler)")
         out, stats = dec.generate(PROMPT, None, max_new_tokens=20, eos_token_id=None, seed=0)
-        runs.append((out.tolist(), stats.draft_lengths, pol.seen))
+        runs.append((out.tolist(), stats.drafted_lengths, pol.seen))
     assert runs[0][:2] == runs[1][:2]
     for a, b in zip(runs[0][2], runs[1][2], strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -114,8 +114,8 @@ def test_the_target_reads_each_prompt_with_the_first_drafts_in_one_pass(pair):
     finally:
         hook.remove()
     assert len(calls) == stats.target_calls == stats.rounds  # every target pass verifies
-    assert calls[0] == PROMPT.shape[1] + stats.draft_lengths[0] and stats.prompt_passes == 1
-    assert stats.prompt_pass_lengths == stats.verified_lengths[:1] and stats.prefill_time > 0
+    assert calls[0] == PROMPT.shape[1] + stats.drafted_lengths[0] and stats.prompt_passes == 1
+    assert stats.prompt_pass_lengths == stats.sent_lengths[:1] and stats.prefill_time > 0
     short = PROMPT[:, 4:]
     batch = torch.cat([PROMPT, torch.cat([torch.full((1, 4), 256), short], 1)])
     mask = torch.cat([torch.ones_like(PROMPT), torch.cat([torch.zeros(1, 4), torch.ones_like(short)], 1)]).long()
@@ -134,9 +134,9 @@ def test_oracle_reads_the_reference_output_instead_of_target_steps(pair):
     out_peek, peek = dec.generate(PROMPT, None, 24, None, 0)
     out_ref, read = dec.generate(PROMPT, None, 24, None, 0, reference=[ref])
     assert out_ref.tolist() == out_peek.tolist() and out_ref[0, PROMPT.shape[1]:].tolist() == ref
-    assert read.draft_lengths == peek.draft_lengths and read.accepted_lengths == peek.accepted_lengths
+    assert read.drafted_lengths == peek.drafted_lengths and read.accepted_lengths == peek.accepted_lengths
     assert peek.analysis_time > 0 and read.analysis_time == 0 and read.prefill_time > 0
-    assert all(a == d or a == d - 1 for a, d in zip(read.accepted_lengths, read.draft_lengths))
+    assert all(a == d or a == d - 1 for a, d in zip(read.accepted_lengths, read.drafted_lengths))
     with pytest.raises(ValueError, match="greedy decoding only"):
         SpeculativeDecoder(draft, target, build_policy("oracle"), temperature=1.0).generate(
             PROMPT, None, 4, None, 0, reference=[ref])
@@ -146,10 +146,10 @@ def test_mixed_acceptance_and_draft_cap(pair):
     """The pair really rejects sometimes, and static k never drafts more than k."""
     draft, target = pair
     _, stats = SpeculativeDecoder(draft, target, build_policy("static:4")).generate(PROMPT, None, 30, None, 0)
-    assert max(stats.draft_lengths) <= 4
+    assert max(stats.drafted_lengths) <= 4
     assert 0 < stats.wasted < stats.drafted
     _, st2 = SpeculativeDecoder(draft, target, build_policy("static:8"), max_draft_len=3).generate(PROMPT, None, 20)
-    assert max(st2.draft_lengths) <= 3
+    assert max(st2.drafted_lengths) <= 3
 
 
 def test_features_match_data_generation_path(pair):
@@ -209,7 +209,7 @@ def test_batch_equals_per_sequence(pair, spec):
         assert out[b, 9:].tolist() == o1[0, single.shape[1]:].tolist()
     assert stats.tokens == 36
     if spec != "static:3":
-        assert len(set(stats.draft_lengths)) > 1  # per-sequence draft lengths
+        assert len(set(stats.drafted_lengths)) > 1  # per-sequence draft lengths
 
 
 def test_eos_and_max_new_tokens(pair):

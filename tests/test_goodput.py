@@ -265,12 +265,12 @@ def test_goodput_policy_is_exact_in_greedy_mode_and_replay_agrees_with_the_engin
     out, stats = dec.generate(PROMPT, None, 30, None, 0)
     ref = target.generate(PROMPT, do_sample=False, max_new_tokens=30, pad_token_id=256)
     assert out.tolist() == ref.tolist()
-    assert len(set(stats.draft_lengths)) > 1 and len(stats.expected_tokens) == stats.rounds
-    assert stats.verified_lengths == pol.verified
+    assert len(set(stats.drafted_lengths)) > 1 and len(stats.expected_tokens) == stats.rounds
+    assert stats.sent_lengths == pol.verified
     # the offline replay of each engine round (its raw scores stored as draft_max_prob, every token a match, the
     # sequence long enough for the engine's cap) drafts and verifies what the engine did
     produced, compared = 0, 0
-    for i, (raw, drafted, verified) in enumerate(zip(pol.rounds, stats.draft_lengths, pol.verified)):
+    for i, (raw, drafted, verified) in enumerate(zip(pol.rounds, stats.drafted_lengths, pol.verified)):
         acc = stats.accepted_lengths[i]
         cap = min(8, 30 - produced - 1)
         produced += acc + 1

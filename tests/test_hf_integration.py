@@ -40,7 +40,7 @@ def test_greedy_output_equals_target_only(pair, spec):
     out, stats = generate_with_policy(target, draft, PROMPT, policy, do_sample=False, max_new_tokens=24,
                                       pad_token_id=256)
     assert out.tolist() == ref.tolist()
-    assert sum(stats["draft_lengths"]) > 0
+    assert sum(stats.drafted_lengths) > 0
     assert not hasattr(target, "_get_candidate_generator") or "_get_candidate_generator" not in vars(target)
 
 
@@ -50,7 +50,7 @@ def test_policy_changes_draft_lengths(pair):
                                   pad_token_id=256)
     _, st1 = generate_with_policy(target, draft, PROMPT, build_policy("static:1"), do_sample=False, max_new_tokens=24,
                                   pad_token_id=256)
-    assert max(st3["draft_lengths"]) == 3 and max(st1["draft_lengths"]) == 1
+    assert max(st3.drafted_lengths) == 3 and max(st1.drafted_lengths) == 1
 
     class StopAtSecond(StopPolicy):
         """Stops after the token at window position 1: exactly two draft tokens per round."""
@@ -62,7 +62,7 @@ def test_policy_changes_draft_lengths(pair):
 
     _, st = generate_with_policy(target, draft, PROMPT, StopAtSecond(threshold=0.5, max_draft_len=10),
                                  do_sample=False, max_new_tokens=24, pad_token_id=256)
-    assert set(st["draft_lengths"][:-1]) <= {2} and st["draft_lengths"][0] == 2
+    assert set(st.drafted_lengths[:-1]) <= {2} and st.drafted_lengths[0] == 2
 
 
 def test_refuses_policies_it_cannot_run(pair):
@@ -100,4 +100,4 @@ def test_goodput_policy_in_assisted_generation(pair):
         out, stats = generate_with_policy(target, draft, PROMPT, policy, cost_model=cm, do_sample=False,
                                           max_new_tokens=24, pad_token_id=256)
         assert out.tolist() == ref.tolist()
-        assert max(stats["draft_lengths"]) <= 8
+        assert max(stats.drafted_lengths) <= 8

@@ -21,7 +21,7 @@ from predictors.base import StopPolicy
 from predictors.baselines import StaticLength
 from predictors.round_rules import GOODPUT, SEQUENTIAL
 from predictors.runtime_rules import LlamaCppRule
-from runtimes.llamacpp.draft import SpecstopDraftModel, check_policy, draft_round, step_features
+from runtimes.llamacpp.draft import SpecstopDraftModel, check_policy, draft_greedily, step_features
 from runtimes.llamacpp.llama import (
     INSTALL_COMMAND,
     LlamaCppMissing,
@@ -64,30 +64,30 @@ PS = [0.9, 0.8, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9]
 
 def run(policy: StopPolicy, ps: list[float] = PS, cap: int = 8, cost: goodput.RoundCost | None = None):
     s = Script(ps)
-    return draft_round(s.rows[0], s.feed, policy, policy.round_cap(cap), cost), s
+    return draft_greedily(s.rows[0], s.feed, policy, policy.round_cap(cap), cost), s
 
 
 def test_prefix_rule_drops_the_candidate_below_p_min():
     rnd, s = run(LlamaCppRule(8, 0, 0.5))
-    assert rnd.tokens == [1, 2] and rnd.verified == 2 and rnd.steps == 3  # the third step is paid, its token dropped
+    assert rnd.tokens == [1, 2] and rnd.sent == 2 and rnd.steps == 3  # the third step is paid, its token dropped
     assert s.fed == [1, 2]
     assert rnd.scores[:2] == pytest.approx([0.9, 0.8], abs=1e-5)
 
 
 def test_prefix_rule_n_max_and_n_min():
     rnd, s = run(LlamaCppRule(2, 0, 0.0))
-    assert rnd.tokens == [1, 2] and rnd.verified == 2 and s.fed == [1]  # the n_max-th token is not read, as llama.cpp
+    assert rnd.tokens == [1, 2] and rnd.sent == 2 and s.fed == [1]  # the n_max-th token is not read, as llama.cpp
     rnd, _ = run(LlamaCppRule(8, 3, 0.5))
-    assert rnd.tokens == [1, 2] and rnd.verified == 0  # fewer than n_min: nothing sent
+    assert rnd.tokens == [1, 2] and rnd.sent == 0  # fewer than n_min: nothing sent
     rnd, _ = run(LlamaCppRule(3, 0, 0.0))  # the defaults: three tokens whatever their probability
-    assert rnd.tokens == [1, 2, 3] and rnd.verified == 3
+    assert rnd.tokens == [1, 2, 3] and rnd.sent == 3
 
 
 def test_threshold_policy_keeps_the_token_that_stops_it():
     rnd, s = run(build_policy("max_confidence_fixed:0.5"))
-    assert rnd.tokens == [1, 2, 3] and rnd.verified == 3 and s.fed == [1, 2]
+    assert rnd.tokens == [1, 2, 3] and rnd.sent == 3 and s.fed == [1, 2]
     rnd, s = run(StaticLength(4))
-    assert rnd.tokens == [1, 2, 3, 4] and rnd.verified == 4 and s.fed == [1, 2, 3]
+    assert rnd.tokens == [1, 2, 3, 4] and rnd.sent == 4 and s.fed == [1, 2, 3]
     rnd, _ = run(StaticLength(4), cap=2)
     assert rnd.tokens == [1, 2]
 
@@ -111,7 +111,7 @@ def test_goodput_policy_drafts_and_sends_as_the_rule():
     for ps in (PS, [0.95, 0.95, 0.9, 0.95, 0.9, 0.9, 0.9, 0.9], [0.2] * 8):
         rnd, _ = run(pol, ps, cap=8, cost=cost)
         acc = [pol.score_list(step_features(logits_row(j + 1, p), pol, 10, j)[1])[0] for j, p in enumerate(ps)]
-        assert (len(rnd.tokens), rnd.verified) == goodput.window_round(acc, cost, 8)
+        assert (len(rnd.tokens), rnd.sent) == goodput.window_round(acc, cost, 8)
         assert rnd.scores == pytest.approx(acc[: len(rnd.tokens)])
 
 
@@ -183,7 +183,7 @@ def test_hook_keeps_its_cache_hears_the_outcome_and_resets():
     assert spy.updates == [(3, 2)] and draft.evals[3] == [42]
     hook.finish([5, 6, 7, 8, 9, 42, 43, 44, 45, 46])
     st = hook.decode_stats(hook.calls[0].started, 1.0, 5)
-    assert (st.rounds, st.drafted, st.verified, st.accepted) == (2, 6, 6, 5)
+    assert (st.rounds, st.drafted, st.sent, st.accepted) == (2, 6, 6, 5)
     assert st.draft_forwards == 5 and st.stop_decisions == 6  # the prompt's read is the prefill
     resets = spy.resets
     hook(np.array([1, 2], dtype=np.intc))  # does not extend the last input: a new sequence
@@ -282,7 +282,7 @@ def test_hook_output_equals_target_only(real_pair):
         finally:
             target.draft_model = None
         assert out == ref, spec
-        assert hook.calls and sum(c.verified for c in hook.calls) > 0
+        assert hook.calls and sum(c.sent for c in hook.calls) > 0
 
 
 @pytest.mark.real

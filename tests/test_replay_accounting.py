@@ -94,8 +94,8 @@ def test_the_replay_charges_the_engines_forwards_at_the_curves_price(run, kind, 
         clock.close()
         monkeypatch.undo()
     engine_s = sum(st.wall_time - st.prefill_time for st in runs)  # decoding after each prompt's pass
-    drafted = [k for st in runs for k in st.draft_lengths]
-    verified = [k for st in runs for k in st.verified_lengths]
+    drafted = [k for st in runs for k in st.drafted_lengths]
+    verified = [k for st in runs for k in st.sent_lengths]
     accepted = [k for st in runs for k in st.accepted_lengths]
     res = replay_policy(copy.deepcopy(policy), data, CURVE, "greedy", max_draft_len=CAP)
     assert (res.rounds, res.drafted, res.accepted) == (len(drafted), sum(drafted), sum(accepted))
@@ -114,7 +114,7 @@ def test_the_check_sets_the_engines_unpriced_time_beside_its_step_costs():
     from benchmark.rows import Row
     from decoding.stats import DecodeStats
 
-    stats = DecodeStats(tokens=100, rounds=30, target_calls=31, prompt_passes=1, verified_lengths=[2] * 31,
+    stats = DecodeStats(tokens=100, rounds=30, target_calls=31, prompt_passes=1, sent_lengths=[2] * 31,
                         prompt_pass_lengths=[2], draft_forwards=60, wall_time=10.0, prefill_time=1.0, draft_time=4.0,
                         target_time=4.5, stop_time=0.3)
     row = Row("disco", "engine", rounds=30, accepted=40, draft_tokens=60, decode=stats)

@@ -59,10 +59,10 @@ def test_llamacpp_replay_hand_computed():
     r = replay_policy(LlamaCppRule(4, 0, 0.5), data, CONST, "greedy")
     # round 0: 3 steps, 2 sent, both match -> emits 3 (next at 3), 3 * 1 + 4 = 7 s; round 3: rows 3..5 (room 3),
     # 3 steps, 3 sent, all match -> emits 3 (clipped to the end): 3 + 4 = 7 s
-    assert (r.rounds, r.tokens, r.drafted, r.verified, r.time_s) == (2, 6, 6, 5, 14)
+    assert (r.rounds, r.tokens, r.drafted, r.sent, r.time_s) == (2, 6, 6, 5, 14)
     r2 = replay_policy(LlamaCppRule(4, 3, 0.5), data, CONST, "greedy")
     # round 0 now sends nothing (2 < n_min): emits 1 after 3 steps + a one-token target pass
-    assert r2.verified < r.verified and r2.time_s > r.time_s
+    assert r2.sent < r.sent and r2.time_s > r.time_s
 
 
 def test_transformers_roc_retuning_follows_its_formula():
@@ -110,7 +110,7 @@ def test_greedy_equals_target_only_in_the_engine(spec):
     out, stats = SpeculativeDecoder(draft, target, build_policy(spec)).generate(prompt, None, 20, None, 0)
     assert out.tolist() == ref.tolist()
     assert stats.accepted + stats.rounds == stats.tokens
-    assert stats.accepted <= stats.verified <= stats.drafted
+    assert stats.accepted <= stats.sent <= stats.drafted
 
 
 def test_hf_integration_refuses_llamacpp_rule():

@@ -1,6 +1,6 @@
 """The replay's round loop: ``replay_policy`` runs ``_replay_sequence`` per stored sequence, which runs rounds
 (``_replay_round``: ``_round_rows`` gives the rows the round drafts from, ``_round_lengths`` decides the drafted and
-verified counts (the schedule, the oracle's acceptable run, else ``policy.round_rule.replay_round``), then
+sent counts (the schedule, the oracle's acceptable run, else ``policy.round_rule.replay_round``), then
 ``_accepted`` and the cost model count acceptance and time into a ``ReplayResult``).
 
 What one policy's replay adds up to (:class:`ReplayResult`): the shared round counts of ``predictors.counts`` plus the
@@ -43,21 +43,21 @@ class ReplayResult(RoundCounts):
     round_tokens: list[tuple[float, float]] = field(default_factory=list)
     """Goodput policies: (expected, replayed) tokens of every round."""
     round_lengths: list[tuple[int, int]] = field(default_factory=list)
-    """Goodput policies: (drafted, verified) tokens of every round (to compare with the engine's)."""
+    """Goodput policies: (drafted, sent) tokens of every round (to compare with the engine's)."""
     expected_tokens: float = 0.0
     """Goodput policies: tokens the rounds expected to emit (calibrated acceptance of the verified prefixes)."""
     first_verify_s: float = 0.0
     """Seconds of each sequence's first verification pass under the cost model (in ``time_s``): the engine runs it
     inside the target's pass over the prompt, so a comparison with its measured prefill leaves it out."""
 
-    def add_round(self, emitted: float, accepted: float, drafted: float, verified: float, seconds: float,
+    def add_round(self, emitted: float, accepted: float, drafted: float, sent: float, seconds: float,
                   target_s_per_token: float, hist_key: int) -> None:
         """Count one verification round."""
         self.rounds += 1
         self.tokens += float(emitted)
         self.accepted += float(accepted)
         self.drafted += float(drafted)
-        self.verified += float(verified)
+        self.sent += float(sent)
         self.time_s += seconds
         self.target_only_s += emitted * target_s_per_token
         self.draft_len_hist[hist_key] = self.draft_len_hist.get(hist_key, 0) + 1
@@ -262,7 +262,7 @@ def _replay_round(rp: _Replay, a0: int, s: int, b0: int, plan: dict[int, int] | 
     rem = b0 - s
     cap = rp.policy.round_cap(_room(rp, a0, s, b0), rp.max_draft_len)
     rows = _round_rows(rp, a0, s, b0, cap)  # the rows the round drafts from, in draft order
-    n, nv = _round_lengths(rp, s, rows, rem, plan)  # drafted, verified
+    n, nv = _round_lengths(rp, s, rows, rem, plan)  # drafted, sent
     v = rows[:nv]
     acc, a_int = _accepted(rp, v)
     t = n * rp.per_draft + rp.cm.target_time(nv + 1) + (rp.cm.catchup_time(rp.pending) if n else 0.0)
@@ -336,7 +336,7 @@ def _round_rows(rp: _Replay, a0: int, s: int, b0: int, cap: int) -> np.ndarray:
 
 def _round_lengths(rp: _Replay, s: int, rows: np.ndarray, rem: int, plan: dict[int, int] | None
                    ) -> tuple[int, int]:
-    """(drafted, verified) tokens of the round starting at row s whose candidate rows are ``rows``: the schedule's,
+    """(drafted, sent) tokens of the round starting at row s whose candidate rows are ``rows``: the schedule's,
     the oracle's, or the policy's round rule over those rows' scores (``RoundRule.replay_round``)."""
     if plan is not None:
         return plan[s], plan[s]

@@ -4,7 +4,7 @@
 passes and verifies the returned tokens itself (greedy match, llama.cpp's own exact verification, untouched). The hook
 (:class:`SpecstopDraftModel`) keeps a draft ``Llama`` with its own KV cache: on each call it keeps the common prefix
 of its cached tokens and ``input_ids`` (rolling ``n_tokens`` back) and reads the rest, then drafts greedily token by
-token (:func:`draft_round`), each step's features computed from the draft's logits by
+token (:func:`draft_greedily`), each step's features computed from the draft's logits by
 ``data_gen.features.token_features`` (the one feature function of data generation and the engine, plus
 ``position``) and the round stopped as the policy's round rule says (``policy.round_rule``, ``predictors.round_rules``):
 
@@ -20,9 +20,9 @@ token (:func:`draft_round`), each step's features computed from the draft's logi
 
 Online policies hear each round's outcome (``policy.update``) at the next call, the accepted count read from how many
 of the sent tokens begin the new input; a call whose input does not extend the previous one starts a new sequence
-(``policy.reset``). Each call is recorded (:class:`DraftCall`: tokens drafted, verified (sent) and accepted, the words
-of ``predictors.counts.RoundCounts``; draft and stop-decision seconds), and :meth:`SpecstopDraftModel.decode_stats`
-sums one generation's calls into ``decoding.stats.DecodeStats``.
+(``policy.reset``). Each call is recorded (:class:`DraftCall`, a ``predictors.counts.RoundCounts`` of one round:
+tokens drafted, sent and accepted; draft and stop-decision seconds), and :meth:`SpecstopDraftModel.decode_stats` sums
+one generation's calls into ``decoding.stats.DecodeStats``.
 
 Limits: greedy decoding only (the draft's argmax is drafted; llama-cpp-python's target samples by its own sampler);
 policies that read the draft's hidden state, a companion or the target are refused; the drafting loop runs in Python,
@@ -48,11 +48,12 @@ import torch
 from torch import Tensor
 
 from compute.timing import CostModel
-from decoding.draft_steps import DraftedRound, draft_step, step_features, verified_count
+from decoding.draft_steps import RequestRound, draft_step, sent_count, step_features
 from decoding.draft_steps import check_policy as check_runtime_policy
 from decoding.stats import DecodeStats
 from predictors import goodput
 from predictors.base import RoundFeedback, StopPolicy
+from predictors.counts import RoundCounts
 from runtimes.llamacpp.llama import llama_cpp_module
 
 try:  # optional dependency (the llamacpp extra): the hook's base class; the drafting loop runs without it
@@ -62,23 +63,22 @@ except ImportError:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DraftCall", "DraftedRound", "SpecstopDraftModel", "check_policy", "draft_round", "step_features"]
+__all__ = ["DraftCall", "RequestRound", "SpecstopDraftModel", "check_policy", "draft_greedily", "step_features"]
 
 Feed = Callable[[int], Tensor]
 """Reads one drafted token into the draft and returns the [1, V] logits of the next position."""
 
 
 @dataclass
-class DraftCall:
-    """One call of the hook: one round of llama.cpp's speculative loop."""
+class DraftCall(RoundCounts):
+    """One call of the hook: one round of llama.cpp's speculative loop (``drafted``, ``sent``, ``accepted``; its
+    ``tokens`` are llama.cpp's to count)."""
 
-    started: float
+    rounds: int = 1
+    started: float = 0.0
     """``time.perf_counter()`` when the call began."""
-    drafted: int = 0
-    verified: int = 0
-    """How many of them were sent to the target (a prefix)."""
-    accepted: int | None = None
-    """How many verified tokens the target accepted (read at the next call, or by :meth:`SpecstopDraftModel.finish`)."""
+    heard: bool = False
+    """``accepted`` is known: read at the next call, or by :meth:`SpecstopDraftModel.finish`."""
     steps: int = 0
     sync_tokens: int = 0
     """Tokens of the input the draft read to catch up (the prompt on a sequence's first call)."""
@@ -94,11 +94,11 @@ def check_policy(policy: StopPolicy) -> None:
     check_runtime_policy(policy, "llama.cpp")
 
 
-def draft_round(logits: Tensor, feed: Feed, policy: StopPolicy, cap: int, cost: goodput.RoundCost | None = None,
-                top_k: int = 10) -> DraftedRound:
+def draft_greedily(logits: Tensor, feed: Feed, policy: StopPolicy, cap: int, cost: goodput.RoundCost | None = None,
+                top_k: int = 10) -> RequestRound:
     """Draft greedily from the [1, V] ``logits`` of the first position, ``feed`` reading each drafted token that is
     followed by another, at most ``cap`` tokens, stopped and cut by the policy (see the module docstring)."""
-    rnd = DraftedRound()
+    rnd = RequestRound()
     while len(rnd.tokens) < cap:
         t0 = time.perf_counter()
         more = draft_step(logits, policy, rnd, top_k, cap, cost)
@@ -110,7 +110,7 @@ def draft_round(logits: Tensor, feed: Feed, policy: StopPolicy, cap: int, cost: 
         logits = feed(rnd.tokens[-1])  # the token just taken (a step that takes none ends the round)
         rnd.draft_s += time.perf_counter() - t0
         rnd.draft_evals += 1
-    rnd.verified = verified_count(rnd, policy, cost)
+    rnd.sent = sent_count(rnd, policy, cost)
     return rnd
 
 
@@ -180,16 +180,16 @@ class SpecstopDraftModel(LlamaDraftModel):
         ids = np.array(input_ids, dtype=np.intc)  # a copy: the target's buffer changes under us
         self._feedback(ids)
         cap = self._round_cap(len(ids))
-        rnd = DraftedRound()
+        rnd = RequestRound()
         if cap > 0:
             t0 = time.perf_counter()
             call.sync_tokens = self._catch_up(ids)
             call.sync_s = time.perf_counter() - t0
-            rnd = draft_round(self._logits(), self._feed, self.policy, cap, self.cost, self.top_k)
-        call.drafted, call.verified, call.steps = len(rnd.tokens), rnd.verified, rnd.steps
+            rnd = draft_greedily(self._logits(), self._feed, self.policy, cap, self.cost, self.top_k)
+        call.drafted, call.sent, call.steps = len(rnd.tokens), rnd.sent, rnd.steps
         call.draft_s, call.draft_evals, call.stop_s = rnd.draft_s, rnd.draft_evals, rnd.stop_s
         self.calls.append(call)
-        self._prev, self._sent, self._sent_q = ids, rnd.tokens[: rnd.verified], rnd.q[: rnd.verified]
+        self._prev, self._sent, self._sent_q = ids, rnd.tokens[: rnd.sent], rnd.q[: rnd.sent]
         return np.asarray(self._sent, dtype=np.intc)
 
     def _feedback(self, ids: np.ndarray) -> None:
@@ -197,16 +197,16 @@ class SpecstopDraftModel(LlamaDraftModel):
         prev = self._prev
         if prev is not None and len(ids) > len(prev) and np.array_equal(ids[: len(prev)], prev):
             k = _accepted(ids[len(prev):], self._sent)
-            self.calls[-1].accepted = k
+            self.calls[-1].accepted, self.calls[-1].heard = k, True
             self.policy.update(RoundFeedback.leading(len(self._sent), k, list(self._sent_q)))
         elif prev is not None:
             self.policy.reset()
 
     def finish(self, sequence: Sequence[int]) -> None:
         """Book the last round's accepted tokens from the final sequence (prompt + output; no call follows it)."""
-        if self.calls and self.calls[-1].accepted is None and self._prev is not None:
+        if self.calls and not self.calls[-1].heard and self._prev is not None:
             seq = np.asarray(sequence, dtype=np.intc)
-            self.calls[-1].accepted = _accepted(seq[len(self._prev):], self._sent)
+            self.calls[-1].accepted, self.calls[-1].heard = _accepted(seq[len(self._prev):], self._sent), True
 
     def _catch_up(self, ids: np.ndarray) -> int:
         """Roll the draft's cache back to its common prefix with ``ids`` (leaving at least the last token to read, whose
@@ -235,10 +235,10 @@ class SpecstopDraftModel(LlamaDraftModel):
         target's passes the time left over."""
         st = DecodeStats(rounds=len(self.calls), tokens=tokens, wall_time=wall_s, target_calls=len(self.calls))
         for j, c in enumerate(self.calls):
-            acc = c.accepted or 0
-            st.drafted, st.verified, st.accepted = st.drafted + c.drafted, st.verified + c.verified, st.accepted + acc
-            st.draft_lengths.append(c.drafted)
-            st.verified_lengths.append(c.verified)
+            acc = int(c.accepted)
+            st.drafted, st.sent, st.accepted = st.drafted + c.drafted, st.sent + c.sent, st.accepted + acc
+            st.drafted_lengths.append(int(c.drafted))
+            st.sent_lengths.append(int(c.sent))
             st.accepted_lengths.append(acc)
             st.wasted += c.drafted - acc
             st.draft_forwards += c.draft_evals + (1 if j and c.sync_tokens else 0)

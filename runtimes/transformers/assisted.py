@@ -34,6 +34,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from data_gen.features import COMPANION_COLUMNS, TARGET_COLUMNS, token_features
+from decoding.stats import DecodeStats
 from predictors import goodput
 from predictors.base import RoundFeedback, StopPolicy
 from predictors.calibration import mode_of
@@ -85,8 +86,8 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         cost_model: the measured verification curve (cost-aware policies only).
         other arguments: those of ``AssistedCandidateGenerator``.
     Attributes:
-        draft_lengths / accepted_lengths: per round, tokens drafted / accepted (for analysis).
-        stop_time: seconds spent in feature computation and policy decisions.
+        stats: the rounds' counts (``decoding.stats.DecodeStats``: rounds, drafted, sent, accepted, their per-round
+            lengths, and ``stop_time``, the seconds in feature computation and policy decisions).
     """
 
     def __init__(self, *args: Any, policy: StopPolicy, top_k_features: int = 10, cost_model: Any = None,
@@ -96,16 +97,14 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         self.policy = policy
         self.rule = policy.round_rule
         self.cost = goodput.RoundCost.from_cost_model(cost_model) if self.rule.needs_cost_model else None
-        self._acc: list[float] = []
+        self._scores: list[float] = []
         self.top_k_features = top_k_features
         # The policy alone decides: no transformers confidence criterion (0 disables it; None would be replaced by the
         # global default 0.4), no schedule.
         self.generation_config.assistant_confidence_threshold = 0.0
         self.assistant_generation_config.assistant_confidence_threshold = 0.0
         self.assistant_generation_config.num_assistant_tokens_schedule = "constant"
-        self.draft_lengths: list[int] = []
-        self.accepted_lengths: list[int] = []
-        self.stop_time = 0.0
+        self.stats = DecodeStats()
         self._q: list[float] = []
         self._hidden: Tensor | None = None
         self._hook = None
@@ -125,11 +124,12 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs: Any) -> tuple[torch.LongTensor, Tensor | None]:
         self.num_assistant_tokens = max(1, min(self.policy.draft_cap(), self.policy.max_draft_len))
         self._start = input_ids.shape[-1]
-        self._q, self._acc = [], []
+        self._q, self._scores = [], []
         ids, logits = super().get_candidates(input_ids, **kwargs)
-        self.draft_lengths.append(ids.shape[-1] - self._start)
         drafted = ids.shape[-1] - self._start
-        n = self.rule.sent(self.policy, self._acc[:drafted], drafted, self.cost)
+        self.stats.drafted += drafted
+        self.stats.drafted_lengths.append(drafted)
+        n = self.rule.sent(self.policy, self._scores[:drafted], drafted, self.cost)
         if n < drafted:  # the rule verifies a prefix only (the goodput rule's best prefix)
             ids = ids[:, : self._start + n]
             logits = logits[:, :n] if logits is not None else None
@@ -149,17 +149,21 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         feats["position"] = torch.full_like(tok, len(scores) - 1)
         self._q.extend(feats["q"].tolist())
         cap = max(1, min(self.policy.draft_cap(), self.policy.max_draft_len))
-        keep, scores = self.rule.decide(self.policy, feats, [self._acc], [cap], [True], self.cost)
+        keep, scores = self.rule.decide(self.policy, feats, [self._scores], [cap], [True], self.cost)
         if scores is not None:
-            self._acc.extend(scores)
+            self._scores.extend(scores)
         stop = ~torch.tensor(keep, dtype=torch.bool, device=input_ids.device)
-        self.stop_time += time.perf_counter() - t0
+        self.stats.stop_time += time.perf_counter() - t0
+        self.stats.stop_decisions += 1
         return stop
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: Tensor, num_matches: int) -> None:
         n = scores.shape[1] - 1  # candidates verified this round
         n_acc = int(num_matches)
-        self.accepted_lengths.append(n_acc)
+        st = self.stats
+        st.rounds, st.sent, st.accepted = st.rounds + 1, st.sent + n, st.accepted + n_acc
+        st.sent_lengths.append(n)
+        st.accepted_lengths.append(n_acc)
         self.policy.update(
             RoundFeedback(
                 n_drafted=n, n_accepted=n_acc, draft_probs=self._q[:n], accepted=[i < n_acc for i in range(n)]
@@ -175,7 +179,7 @@ def generate_with_policy(
     top_k_features: int = 10,
     cost_model: Any = None,
     **generate_kwargs: Any,
-) -> tuple[Tensor, dict[str, Any]]:
+) -> tuple[Tensor, DecodeStats]:
     """``target.generate(input_ids, assistant_model=draft, **generate_kwargs)`` with drafting stopped by ``policy``.
 
     The candidate generator is swapped in for this call only (``target._get_candidate_generator`` is overridden on the
@@ -189,7 +193,8 @@ def generate_with_policy(
         cost_model: the measured verification curve (``compute.timing.CostModel``), needed by cost-aware policies.
         generate_kwargs: passed to ``generate`` (``max_new_tokens``, ``do_sample``, ``attention_mask``...).
     Returns:
-        (generate's output, stats) with stats = {"draft_lengths", "accepted_lengths", "stop_time"}.
+        (generate's output, the rounds' ``DecodeStats``: rounds, drafted, sent, accepted, their per-round lengths,
+        ``stop_time``; the other fields are the engine's).
     """
     check_hf_policy(policy, cost_model)
     if input_ids.shape[0] != 1:
@@ -223,10 +228,4 @@ def generate_with_policy(
         del target._get_candidate_generator
         for g in made:
             g.close()
-    gen = made[0] if made else None
-    stats = {
-        "draft_lengths": gen.draft_lengths if gen else [],
-        "accepted_lengths": gen.accepted_lengths if gen else [],
-        "stop_time": gen.stop_time if gen else 0.0,
-    }
-    return out, stats
+    return out, made[0].stats if made else DecodeStats()

@@ -42,11 +42,12 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from compute.timing import CostModel
-from decoding.draft_steps import DraftedRound, check_policy, draft_step, step_features, take_candidate, verified_count
+from decoding.draft_steps import RequestRound, check_policy, draft_step, sent_count, step_features, take_candidate
 from predictors import goodput
 from predictors.base import RoundFeedback, StopPolicy
 from predictors.batch_goodput import BatchCost, batch_keep_drafting, batch_rate, send_lengths, worth_drafting
 from predictors.calibration import Calibrator
+from predictors.counts import RoundCounts
 from runtimes.vllm.traces import TraceWriter
 
 __all__ = ["RequestStopper", "StopperCounts", "curve_for_batch"]
@@ -59,19 +60,11 @@ def curve_for_batch(curves: dict[int, CostModel], batch: int) -> CostModel:
 
 
 @dataclass
-class StopperCounts:
-    """What the stopper decided over its life (summed over requests and rounds); ``rounds``, ``drafted``, ``verified``
-    and ``accepted`` are the words of ``predictors.counts.RoundCounts`` (not a subclass: vLLM, not the stopper, knows
-    the tokens emitted)."""
+class StopperCounts(RoundCounts):
+    """What the stopper decided over its life, summed over requests and rounds (``predictors.counts.RoundCounts``):
+    ``rounds`` are proposals (one per request per target step with drafting), ``drafted`` the policies' choice,
+    ``sent`` went to verification, ``accepted`` as far as heard back; ``tokens`` stays 0 (vLLM counts them)."""
 
-    rounds: int = 0
-    """Proposals made (one per request per target step with drafting)."""
-    drafted: int = 0
-    """Tokens drafted by the policies' choice."""
-    verified: int = 0
-    """Tokens sent to verification."""
-    accepted: int = 0
-    """Sent tokens the target accepted (as far as heard back)."""
     draft_steps: int = 0
     """Draft positions computed for the batch (one draft forward each after the first)."""
     idle_rows: int = 0
@@ -82,7 +75,7 @@ class StopperCounts:
     """Request id -> the number of tokens sent in each of its rounds."""
     steps: list[tuple[int, int, float]] = field(default_factory=list)
     """Per proposal of the batch: (requests, draft forwards run: 0 where the step skipped the draft, at least 1
-    otherwise, mean tokens a request verifies next: verified + 1), what a curve prices (``runtimes.vllm.check``)."""
+    otherwise, mean tokens a request verifies next: sent + 1), what a curve prices (``runtimes.vllm.check``)."""
     batch_stops: int = 0
     """Proposals whose draft loop the batch rule ended while some request's own rule would have drafted on."""
     skipped_steps: int = 0
@@ -132,13 +125,13 @@ class RequestStopper:
         self._recent: dict[str, list[float]] = {}
         self._batch_costs: dict[int, BatchCost] = {}
         self._batch: BatchCost | None = None
-        self._acc: list[list[float]] = []
+        self._acceptance: list[list[float]] = []
         self._feats: list[list[dict[str, float]]] = []
         self._costs: dict[int, goodput.RoundCost] = {}
         self._policies: dict[str, StopPolicy] = {}
         self._sent: dict[str, tuple[int, list[float], list[float]]] = {}
         self._ids: list[str] = []
-        self._rounds: list[DraftedRound] = []
+        self._rounds: list[RequestRound] = []
         self._caps: list[int] = []
         self._cost: goodput.RoundCost | None = None
         self._positions, self._skipped = 0, False
@@ -162,7 +155,7 @@ class RequestStopper:
         self._cost = self._round_cost(len(ids))
         self._batch = self._batch_cost(len(ids))
         self._ids, self._rounds, self._caps, self._positions, self._skipped = ids, [], [], 0, False
-        self._acc, self._feats = [[] for _ in ids], [[] for _ in ids]
+        self._acceptance, self._feats = [[] for _ in ids], [[] for _ in ids]
         for i, rid in enumerate(ids):
             pol = self._policies.get(rid)
             if pol is None:
@@ -181,9 +174,9 @@ class RequestStopper:
             if self._batch is None:  # one request's round priced alone; the batch rule prices the first forward as paid
                 cap = self.rule.affordable(pol, cap, self._cost)
             self._caps.append(cap)
-            self._rounds.append(DraftedRound(done=cap == 0))
+            self._rounds.append(RequestRound(done=cap == 0))
         if self.skip_idle and self._batch is not None and not self.all_stopped() and not batch_keep_drafting(
-                self._acc, [not r.done for r in self._rounds], self._batch, max(self._caps),
+                self._acceptance, [not r.done for r in self._rounds], self._batch, max(self._caps),
                 forecast=[self._forecast(rid) for rid in ids]):
             self.counts.skipped_steps += 1
             self._skipped = True
@@ -240,7 +233,7 @@ class RequestStopper:
                                                                  first_forward_paid=not self.skip_idle)
         return self._batch_costs[batch]
 
-    def _scored_step(self, i: int, logits: Tensor, rnd: DraftedRound, cap: int) -> bool:
+    def _scored_step(self, i: int, logits: Tensor, rnd: RequestRound, cap: int) -> bool:
         """One request's drafted position with its calibrated acceptance kept (the batch rule's input) and its
         features kept for the trace; returns its own rule's answer (a goodput policy's is the batch rule's)."""
         pol = self._policies[self._ids[i]]
@@ -248,7 +241,7 @@ class RequestStopper:
             return draft_step(logits, pol, rnd, self.top_k, cap, self._cost)
         tok, feats = step_features(logits.float(), pol, self.top_k, len(rnd.tokens))
         raw = pol.score_list(feats)[0]
-        self._acc[i].append(raw if self.rule.cost_aware or self.acceptance is None
+        self._acceptance[i].append(raw if self.rule.cost_aware or self.acceptance is None
                             else self.acceptance.apply_one(raw))
         if self.traces is not None:
             self._feats[i].append({k: (v.reshape(-1).tolist() if v.numel() > 1 else float(v.reshape(-1)[0]))
@@ -268,14 +261,14 @@ class RequestStopper:
         live = [i for i, r in enumerate(self._rounds) if not r.done]
         if not live:
             return
-        now = batch_rate(self._acc, self._batch, self._positions)  # the rate both decisions compare with
+        now = batch_rate(self._acceptance, self._batch, self._positions)  # the rate both decisions compare with
         if self.rule.cost_aware:  # the batch rule decides which requests draft on
-            worth = worth_drafting(self._acc, self._batch, self._positions, now)
+            worth = worth_drafting(self._acceptance, self._batch, self._positions, now)
             for i in live:
                 self._rounds[i].done = not worth[i]
         drafting = [not r.done for r in self._rounds]
         cap = max(self._caps[i] for i in live)
-        if any(drafting) and not batch_keep_drafting(self._acc, drafting, self._batch, cap, now=now):
+        if any(drafting) and not batch_keep_drafting(self._acceptance, drafting, self._batch, cap, now=now):
             self.counts.batch_stops += 1
             for r in self._rounds:
                 r.done = True
@@ -287,19 +280,19 @@ class RequestStopper:
     def proposals(self) -> list[list[int]]:
         """Per request, the drafted tokens to verify (a prefix of its round, as its policy says)."""
         out: list[list[int]] = []
-        batch_sends = (send_lengths(self._acc, self._batch, self._positions)
+        batch_sends = (send_lengths(self._acceptance, self._batch, self._positions)
                        if self._batch is not None and self.rule.cost_aware else None)
         for i, (rid, rnd) in enumerate(zip(self._ids, self._rounds)):
             if batch_sends is not None:
                 n = min(batch_sends[i], len(rnd.tokens))
             else:
-                n = verified_count(rnd, self._policies[rid], self._cost) if rnd.tokens else 0
-            self._sent[rid] = (n, rnd.q[:n], self._acc[i][:n] if len(self._acc[i]) >= n else [])
+                n = sent_count(rnd, self._policies[rid], self._cost) if rnd.tokens else 0
+            self._sent[rid] = (n, rnd.q[:n], self._acceptance[i][:n] if len(self._acceptance[i]) >= n else [])
             if self.traces is not None and n:
                 self.traces.sent(rid, self._feats[i][:n], len(self._ids))
             self.counts.rounds += 1
             self.counts.drafted += len(rnd.tokens)
-            self.counts.verified += n
+            self.counts.sent += n
             self.counts.per_request.setdefault(rid, []).append(n)
             out.append(rnd.tokens[:n])
         if out:
