@@ -1,24 +1,14 @@
-"""Calibrated acceptance: a monotone map from a policy's score to the probability that the drafted token is accepted.
+"""Calibrated acceptance: a monotone map from a policy's score to the probability that the drafted token is accepted,
+in the decoding mode's sense (``greedy``: greedy match on argmax draws; ``sampling``: min(1, p/q) on sampled draws).
 
-The label a map calibrates is the acceptance the decoding mode uses (:data:`MODES`):
-
-- ``greedy``: greedy match (draft token == target argmax) on the argmax draws (``draw == "greedy"``);
-- ``sampling``: min(1, p/q), the acceptance probability of exact speculative sampling, on the sampled draws.
-
-Maps are fitted outside the test split (``pipelines.evaluate --calibration_fit``) with scikit-learn (isotonic
-regression or Platt scaling; by default ``auto`` picks the one with the lower 5-fold cross-validated Brier score on the
-fit rows: isotonic overfits a few hundred tokens, Platt underfits a curved score) and stored as plain JSON
-(breakpoints, or the two sigmoid coefficients), so an export loads them with numpy alone:
-``predictor.json`` holds ``{"calibration": {"greedy": {...}, "sampling": {...}}}``. The cost-aware rule
-(``predictors.goodput``) reads the calibrated acceptance; the evaluation reports each map's expected calibration error
-and reliability diagram.
+Maps are isotonic or Platt, ``auto`` picking the lower cross-validated Brier score (isotonic overfits a few hundred
+tokens, Platt underfits a curved score), and stored as plain JSON in ``predictor.json`` so an export loads them with
+numpy alone. The goodput rule reads them; the evaluation reports their ECE.
 
 Usage::
 
     cal = fit_calibrator(val_scores, val_labels)               # method="auto": isotonic or Platt by CV
-    probs = cal(test_scores)
-    expected_calibration_error(probs, test_labels)            # 0.012
-    Calibrator.from_dict(cal.to_dict())                        # round trip through JSON
+    expected_calibration_error(cal(test_scores), test_labels)  # 0.012
 """
 from __future__ import annotations
 
@@ -51,10 +41,9 @@ def mode_of(temperature: float) -> str:
 
 @dataclass
 class Calibrator:
-    """A monotone map score -> acceptance probability, in [0, 1].
-
-    ``isotonic``: piecewise linear through the breakpoints (x ascending, y non-decreasing), clipped outside them;
-    ``platt``: sigmoid(a * score + b).
+    """A monotone map score -> acceptance in [0, 1]: ``isotonic`` piecewise linear through its breakpoints (clipped
+    outside),
+    or ``platt`` sigmoid(a * score + b).
     """
 
     method: str
@@ -88,8 +77,8 @@ class Calibrator:
         return 1.0 if self.method == "platt" else min(max(float(self._y.max()), 0.0), 1.0)
 
     def apply_one(self, score: float) -> float:
-        """:meth:`apply` of one score in Python floats (np.interp's rule: clipped outside the breakpoints, else
-        slope * (x - x_j) + y_j on the segment x_j <= x < x_j+1): a per-token decision calls it with no numpy call."""
+        """:meth:`apply` of one score in Python floats, np.interp's rule, so a per-token decision makes no numpy call.
+        """
         if self.method == "platt":
             return 1.0 / (1.0 + math.exp(-(self.a * score + self.b)))
         xs, ys = self.x, self.y
@@ -126,15 +115,9 @@ class Calibrator:
 
 def fit_calibrator(scores: np.ndarray, labels: np.ndarray, method: str = "auto", label: str = "",
                    cv_folds: int = 5) -> Calibrator:
-    """Fit a map from raw scores to acceptance (labels 0/1 or soft in [0, 1]) with scikit-learn.
-
-    Args:
-        scores: [N] raw policy scores (non-finite rows are dropped).
-        labels: [N] acceptance: greedy match (0/1) or min(1, p/q) (soft).
-        method: 'isotonic' (monotone, non-parametric), 'platt' (logistic on the score; soft labels enter as a
-            weighted positive and negative copy of each token) or 'auto': the one of the two with the lower mean
-            Brier score over ``cv_folds`` contiguous folds of the rows (rows come grouped by prompt, so contiguous
-            folds keep most prompts whole), refitted on all rows.
+    """Fit a map from [N] scores (non-finite rows dropped) to [N] acceptance labels (0/1 or soft) with scikit-learn.
+    ``method``: ``isotonic``, ``platt`` (soft labels as weighted positive and negative copies) or ``auto``: the lower
+    Brier score over ``cv_folds`` contiguous folds (which keep most prompts whole), refitted on all rows.
     """
     s = np.asarray(scores, dtype=np.float64).reshape(-1)
     y = np.asarray(labels, dtype=np.float64).reshape(-1)
@@ -188,9 +171,10 @@ def _cross_validated_method(s: np.ndarray, y: np.ndarray, folds: int) -> str:
 
 
 def ece_noise_floor(probs: np.ndarray, n_bins: int = 15, draws: int = 200, seed: int = 0) -> float:
-    """The ECE a perfectly calibrated predictor scores on these ``probs`` by chance: the mean ECE of labels drawn as
-    Bernoulli(probs) (an upper bound for soft labels, which vary less). With a few hundred tokens it is about 0.03, so
-    an ECE below it cannot be told from perfect calibration."""
+    """The ECE a perfectly calibrated predictor scores on ``probs`` by chance (labels drawn as Bernoulli(probs)); about
+    0.03
+    on a few hundred tokens.
+    """
     p = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), 0.0, 1.0)
     if p.size == 0:
         return float("nan")
@@ -201,12 +185,10 @@ def ece_noise_floor(probs: np.ndarray, n_bins: int = 15, draws: int = 200, seed:
 
 def ece_interval(probs: np.ndarray, labels: np.ndarray, groups: np.ndarray, n_bins: int = 15, n_boot: int = 200,
                  seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Percentile interval of the ECE over resamples of whole prompts (``groups``, one id per token).
-
-    Tokens of one prompt share its topic and acceptance level, so a test split of a few dozen prompts gives an ECE
-    that moves with which prompts it holds far more than :func:`ece_noise_floor` (independent tokens) says. The
-    bootstrap ECE is biased upward like the ECE itself: the interval shows how far the split's ECE could move, and
-    whether a bound such as 0.03 lies inside it. (nan, nan) with fewer than two prompts."""
+    """Percentile interval of the ECE over resamples of whole prompts (``groups``): tokens of a prompt move together, so
+    it
+    is wider than the noise floor says; (nan, nan) under two prompts.
+    """
     p = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), 0.0, 1.0)
     y = np.asarray(labels, dtype=np.float64).reshape(-1)
     codes = np.unique(np.asarray(groups).astype(str).reshape(-1), return_inverse=True)[1]
@@ -225,7 +207,9 @@ def ece_interval(probs: np.ndarray, labels: np.ndarray, groups: np.ndarray, n_bi
 def reliability_bins(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15,
                      weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Equal-width bins of predicted acceptance: per bin the token count, mean prediction and mean label (``weights``:
-    each token counted that many times, e.g. its prompt's multiplicity in a bootstrap resample)."""
+    token
+    multiplicities).
+    """
     p = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), 0.0, 1.0)
     y = np.asarray(labels, dtype=np.float64).reshape(-1)
     idx = np.minimum((p * n_bins).astype(np.int64), n_bins - 1)
@@ -245,8 +229,9 @@ def reliability_bins(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15,
 
 def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15,
                                weights: np.ndarray | None = None) -> float:
-    """ECE: sum over equal-width bins of (tokens in bin / N) * |mean prediction - mean label| (soft labels allowed;
-    ``weights`` as in :func:`reliability_bins`)."""
+    """ECE: sum over equal-width bins of (tokens in bin / N) * |mean prediction - mean label| (soft labels allowed,
+    ``weights`` as in :func:`reliability_bins`).
+    """
     b = reliability_bins(probs, labels, n_bins, weights)
     n = b["count"].sum()
     if n <= 0:
@@ -256,8 +241,10 @@ def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, n_bins: in
 
 
 def calibration_label(columns: Mapping[str, object], mode: str) -> tuple[np.ndarray, np.ndarray]:
-    """(row mask, acceptance label) a ``mode`` map is fitted / scored on: greedy match on the argmax draws, or
-    min(1, p/q) on the sampled draws (every row when the data has one draw per position)."""
+    """(row mask, acceptance label) a ``mode`` map is fitted and scored on: greedy match on argmax draws or min(1, p/q)
+    on
+    sampled ones.
+    """
     if mode not in MODES:
         raise ValueError(f"decoding mode {mode!r}: use one of {MODES}")
     n = len(np.asarray(columns["q"]))
@@ -273,9 +260,9 @@ def calibration_label(columns: Mapping[str, object], mode: str) -> tuple[np.ndar
 
 def calibration_rows(name: str, cal: Calibrator, scores: np.ndarray, labels: np.ndarray, mode: str,
                      n_bins: int = 15, groups: np.ndarray | None = None) -> dict[str, Any]:
-    """One row of the calibration table: ECE of the raw score (when it is a probability) and of the map, the ECE
-    a perfectly calibrated map would score on these tokens by chance (``ece_floor``) and, given the tokens' prompt
-    ids (``groups``), the 95% interval of the map's ECE over resampled prompts (``ece_lo``, ``ece_hi``)."""
+    """One row of the calibration table: ECE of the raw score and of the map, the chance floor ``ece_floor`` and, given
+    prompt ``groups``, the 95% interval ``ece_lo`` / ``ece_hi``.
+    """
     raw = np.asarray(scores, dtype=np.float64)
     raw_is_prob = bool(raw.size and np.nanmin(raw) >= 0 and np.nanmax(raw) <= 1)
     cal_probs = cal.apply(raw)

@@ -1,17 +1,10 @@
-"""LightningDataModule over the Parquet shards of labelled draft tokens.
-
-Loads every ``*.parquet`` under a folder with ``datasets`` (only the needed columns), splits by the ``split`` column
-(assigned per prompt: the same ``sample_id`` never appears in two splits, checked here), builds the predictor's input
-features (``predictors.inputs``) and the labels of a family / lambda (``predictors.labels``).
+"""LightningDataModule over the Parquet shards of labelled draft tokens: the needed columns, split by prompt (a
+``sample_id`` in two splits is refused), the predictor's input features and the labels of a family and lambda.
 
 Usage::
 
     dm = ShardDataModule("data/shards", kind="sprinter", label_family="ratio", lam=1.2, batch_size=256)
     dm.setup("fit")
-    dm.spec, dm.tensors["train"], dm.label_counts("val")
-
-Errors: no shards / empty data, missing columns, an empty train or val split (test only when testing), a sample id in
-two splits, single-class labels (the message names the family, lambda and counts), NaN features.
 """
 from __future__ import annotations
 
@@ -48,10 +41,9 @@ def _checked_width(columns: dict[str, np.ndarray], column: str, option: str, wan
 
 
 def make_spec(kind: str, columns: dict[str, np.ndarray], **options: Any) -> FeatureSpec:
-    """FeatureSpec for ``kind`` with widths read from the data.
-
-    options: top_k, position_scale, extra, with_hidden (DISCO's hybrid head); hidden_size, with_disco (SPRINTER with
-    the DISCO features as explicit inputs)."""
+    """FeatureSpec for ``kind`` with widths read from the data; ``options``: top_k, position_scale, extra, with_hidden
+    (DISCO), hidden_size, with_disco (SPRINTER).
+    """
     scale, extra = options.get("position_scale", 40.0), tuple(options.get("extra", ()))
     if kind == "disco":
         top_k = _checked_width(columns, "draft_topk", "top_k", options.get("top_k"))
@@ -96,22 +88,21 @@ class ShardDataModule(pl.LightningDataModule):
         folds: tuple[int, int] | tuple[int, int, float] | None = None,
         fold_within: Sequence[str] | None = None,
     ) -> None:
-        """
+        """Check and keep the settings; :meth:`setup` reads the shards.
+
         Args:
-            data_dir: folder of Parquet shards, or a list of folders read as one data set.
+            data_dir: folder of Parquet shards, or a list read as one data set.
             kind: disco, sprinter or sv (which input features).
-            label_family: greedy, ratio or soft (``predictors.labels``); lam: lambda of the ratio family.
-            batch_size, num_workers: DataLoader settings; seed: the train shuffle's seed.
-            tv_target: also load the ``tv`` column (DISCO's TV regression term); zeros otherwise.
-            feature_options: top_k / position_scale / extra (DISCO), hidden_size (SPRINTER) checked against the data.
-            extra_columns: raw columns kept per split in ``self.raw`` (evaluation labels), when present.
-            draw: train on the records of this draw (greedy or sample) when the data holds several per position;
-                None: the label family's own (``predictors.labels.label_draw``).
-            folds: ``(k, i)``: ignore the stored ``split`` column and split by grouped k-fold cross-validation over
-                prompts, stratified by ``domain`` (``data_gen.prompts.fold_splits``): fold i is test, fold i+1 val;
-                ``(k, i, f)`` trains on the share f of the training prompts (a learning curve).
-            fold_within: with ``folds``, deal only the prompts of these stored splits to the folds and leave the others
-                out (``unused``): ``("train", "val")`` cross-fits within the training prompts, the test split untouched.
+            label_family, lam: the label (``predictors.labels``).
+            batch_size, num_workers, seed: DataLoader settings and the train shuffle's seed.
+            tv_target: also load ``tv`` (DISCO's TV regression term).
+            feature_options: top_k, position_scale, extra, hidden_size, checked against the data.
+            extra_columns: raw columns kept per split in ``self.raw``, when present.
+            draw: train on this draw when the data holds several per position (None: the family's own).
+            folds: ``(k, i)`` or ``(k, i, f)``: split by grouped k-fold over prompts instead of ``split`` (fold i test,
+                i+1 val, share f of the training prompts).
+            fold_within: with ``folds``, deal only these stored splits' prompts (``("train", "val")`` leaves the test
+                split out).
         """
         super().__init__()
         if kind not in FEATURE_KINDS:

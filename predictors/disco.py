@@ -1,13 +1,10 @@
-"""DISCO: a 2-layer FFN on the top-k draft probabilities, their entropy and the position (+ optional explicit scores).
-
-Trained with BCE on greedy-match labels (class imbalance via pos_weight), optionally with a TV-distance regression term
-(the paper mentions a loss against the TV distance between draft and target). The policy's score is the sigmoid output,
-compared with a threshold (0.5 by default, tuned on validation later), with a hard cap on the draft length.
+"""DISCO: a 2-layer FFN on the top-k draft probabilities, their entropy and the position (optionally a training-free
+prior and the draft's hidden state), trained with BCE on greedy-match labels and an optional TV regression term; the
+policy drafts while sigmoid(score) >= threshold, up to ``max_draft_len``.
 
 Usage::
 
-    net = DiscoNet(in_dim=spec.width, hidden_size=64)
-    policy = DiscoPolicy(net, spec, threshold=0.5, max_draft_len=40)
+    policy = DiscoPolicy(DiscoNet(in_dim=spec.width, hidden_size=64), spec, threshold=0.5, max_draft_len=40)
     keep = policy.keep_drafting(features)   # features: record columns as tensors
 """
 from __future__ import annotations
@@ -50,10 +47,9 @@ class Standardise(nn.Module):
 
 
 class PriorLogit(nn.Module):
-    """``scale * logit(x[:, index]) + bias``: a training-free probability among the raw inputs, as a logit.
-
-    A predictor with a prior adds its learned output to this term and starts with that output at zero, so it starts
-    ranking tokens exactly as the training-free score does and moves away only as far as training takes it.
+    """``scale * logit(x[:, index]) + bias``: a training-free probability as a logit, to which a predictor adds its
+    learned
+    output, so it starts ranking as that score does.
     """
 
     def __init__(self, index: int) -> None:
@@ -70,15 +66,8 @@ class PriorLogit(nn.Module):
 
 
 class DiscoNet(nn.Module):
-    """Standardise -> Linear(in, hidden) -> ReLU -> Linear(hidden, 1 [+1 TV head]); forward gives [N] logits.
-
-    Hybrid head: with ``hidden_dim`` > 0 the last ``hidden_dim`` inputs are the draft's hidden state, projected to
-    ``hidden_rank`` values (a linear map, dropout) before joining the DISCO features; a linear skip from the DISCO
-    features to the logit keeps the training-free scores' ranking reachable by a small model.
-
-    Prior: with ``prior_index`` >= 0 the input column at that index (a probability, e.g. the drafted token's q) enters
-    the logit as :class:`PriorLogit` and the FFN's logit output starts at zero: the untrained net ranks exactly as the
-    training-free score, and the FFN learns a correction to it.
+    """Standardise -> Linear -> ReLU -> Linear (+ a TV head) giving [N] logits; optionally a hybrid head projecting the
+    draft's hidden state (``hidden_dim``, ``hidden_rank``) and a :class:`PriorLogit` the FFN learns a correction to.
     """
 
     def __init__(
@@ -137,10 +126,10 @@ class DiscoNet(nn.Module):
 
     @torch.no_grad()
     def folded(self) -> tuple[tuple[Tensor, Tensor, Tensor, float], tuple[int, float, float]]:
-        """The plain head's logit as ``compute.draft_stats.disco_score`` takes it, from the current weights: ((w1 = W /
-        std [H, D], b1 = b - w1 mean [H], w2 [H] (the logit's row of the output layer), b2), prior (index, scale,
-        bias; index -1 without one)). ReLU(x w1^T + b1) . w2 + b2 + prior equals :meth:`forward` to float32
-        rounding (tested)."""
+        """The plain head's weights as ``compute.draft_stats.disco_score`` takes them, standardisation folded into the
+        first
+        layer, and the prior (index -1 without one); equal to :meth:`forward` to float32 rounding (tested).
+        """
         if self.hidden_dim:
             raise ValueError("DiscoNet.folded: the hybrid head (hidden_dim > 0) has no folded form; use forward")
         first = self.body[0]
@@ -154,17 +143,9 @@ class DiscoNet(nn.Module):
 class DiscoPolicy(LearnedPolicy):
     """DISCO stop policy: keep drafting while sigmoid(FFN(features)) >= threshold, at most ``max_draft_len`` tokens.
 
-    Two scoring paths, both the same function of the record columns (equal to float32 rounding, tested):
-
-    - the native call (``compute.draft_stats.disco_score``): the inputs and the network in one C++ call, for the plain
-      head on the CPU in eval mode. A stop decision runs once per drafted token right after a draft forward, where
-      each small torch op costs several times its warm cost; ``benchmarks/bench_stop_decision.py --compare_paths``
-      measures the decision both ways (docs/compute-path.md gives the figures).
-    - :meth:`DiscoNet.forward` on :func:`~predictors.inputs.build_features`' matrix (``LearnedPolicy.score``): the
-      hybrid head, a net on another device or in training mode, no native build, or ``native = False``.
-
-    The native call reads the weights :meth:`prepare` took from the net (the constructor and :meth:`to` call it);
-    after changing the net's weights in place, call :meth:`prepare` again.
+    The plain head on the CPU scores in one native call (``disco_score``), faster right after a draft forward;
+    elsewhere the net's forward does; both agree to float32 rounding. After changing the net's weights in place, call
+    :meth:`prepare`.
     """
 
     kind = "disco"
@@ -185,8 +166,9 @@ class DiscoPolicy(LearnedPolicy):
         self.prepare()
 
     def prepare(self) -> None:
-        """Take the native call's weights from the net (:meth:`DiscoNet.folded`), or none where the call does not
-        apply (the hybrid head, parameters off the CPU)."""
+        """Take the native call's weights from the net, or none where the call does not apply (hybrid head, off the
+        CPU).
+        """
         applies = self.spec.parts == ("disco",) and not self.net.hidden_dim and self.device().type == "cpu"
         self._weights, self._prior = self.net.folded() if applies else (None, (-1, 1.0, 0.0))
 

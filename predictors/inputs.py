@@ -1,26 +1,14 @@
-"""Input features of the learned predictors, built from a column mapping.
+"""Input features of the learned predictors, built from record columns: the same code serves numpy batches in training
+and the decoder's tensors, so a predictor sees identical inputs on both paths.
 
-The same code serves Parquet batches at training time (numpy arrays from ``datasets``) and the decode-time features dict
-(torch tensors from ``data_gen.features.token_features`` plus ``position``), so a predictor sees identical inputs on
-both paths.
-
-An input is made of parts, concatenated in order:
-
-- ``disco``: ``draft_topk`` (k) + entropy of the renormalised top-k + ``position / position_scale``
-  [+ optional explicit training-free scores, e.g. ``draft_max_prob`` and ``draft_entropy``] -> k + 2 + len(extra);
-- ``hidden``: ``draft_hidden`` as float32 -> H;
-- ``sv``: ``companion_sim`` and ``companion_accept`` -> 2.
-
-DISCO reads ``disco`` (optionally followed by ``hidden``: the hybrid head), SPRINTER ``hidden`` (optionally followed
-by ``disco``: the training-free scores as explicit inputs of the linear verifier), SV ``sv``.
+An input is parts concatenated in order: ``disco`` (top-k, their entropy, scaled position, optional training-free
+scores), ``hidden`` (the draft's hidden state), ``sv`` (companion similarity and acceptance). :class:`LearnedPolicy`
+is the StopPolicy the learned predictors share.
 
 Usage::
 
     spec = FeatureSpec.for_disco(top_k=10)
-    x = build_features(spec, columns)   # [N, spec.width] float32, errors on missing columns, wrong width, NaN
-
-:class:`LearnedPolicy` is the StopPolicy shared by the learned predictors: it builds the inputs with its spec, runs its
-module and turns the output into a continue score.
+    x = build_features(spec, columns)   # [N, spec.width] float32
 """
 from __future__ import annotations
 
@@ -51,11 +39,13 @@ __all__ = [
 
 FEATURE_KINDS = ("disco", "sprinter", "sv")
 PARTS = ("disco", "hidden", "sv")
-"""Building blocks of an input (see the module docstring)."""
+"""Building blocks of an input, with the builder of each."""
 DEFAULT_PARTS = {"disco": ("disco",), "sprinter": ("hidden",), "sv": ("sv",)}
 DISCO_EXTRAS = ("draft_max_prob", "draft_entropy", "q", "log_max_prob", "log_q")
-"""Training-free scores that may be appended to the DISCO input as explicit features; ``log_<col>`` is the natural log
-of the column (floored at 1e-9): q/p <= lambda is a threshold on log q - log p, linear in log q."""
+"""Training-free scores the DISCO input may append; ``log_<col>`` is the log of the column floored at 1e-9 (q/p <=
+lambda
+is linear in log q).
+"""
 LOG_PREFIX = "log_"
 
 
@@ -73,9 +63,10 @@ def disco_columns(extra: Sequence[str]) -> tuple[str, ...]:
 
 
 def disco_scalars(spec: FeatureSpec) -> tuple[tuple[str, ...], list[float], list[bool]]:
-    """The ``disco`` part's scalar inputs after its top-k and their entropy, as :func:`build_features` orders them:
-    (record columns, divisors, log flags) of the position and each explicit input (the arguments of the native
-    ``compute.draft_stats.disco_score``)."""
+    """The ``disco`` part's scalar inputs in :func:`build_features`' order: (columns, divisors, log flags), the
+    arguments of
+    the native ``disco_score``.
+    """
     return (("position", *(extra_column(e) for e in spec.extra)), [spec.position_scale, *(1.0 for _ in spec.extra)],
             [False, *(e.startswith(LOG_PREFIX) for e in spec.extra)])
 
@@ -139,8 +130,9 @@ class FeatureSpec:
     def for_disco(
         cls, top_k: int = 10, position_scale: float = 40.0, extra: Sequence[str] = (), hidden_size: int = 0
     ) -> FeatureSpec:
-        """DISCO input: top-k probabilities, their entropy, scaled position, optional explicit scores; with
-        ``hidden_size`` > 0 the draft's hidden state follows (the hybrid head)."""
+        """DISCO input: top-k, their entropy, scaled position, optional explicit scores; then the hidden state when
+        ``hidden_size`` > 0.
+        """
         names = cls._disco_names(top_k, extra) + (cls._hidden_names(hidden_size) if hidden_size else ())
         return cls("disco", len(names), top_k=top_k, position_scale=position_scale, extra=tuple(extra),
                    hidden_size=hidden_size, names=names, parts=("disco", "hidden") if hidden_size else ("disco",))
@@ -247,8 +239,7 @@ def _scalar(columns: Mapping[str, object], spec: FeatureSpec, name: str, n: int)
 
 
 def topk_entropy(topk: Tensor) -> Tensor:
-    """[N, k] top-k probabilities (>= 0) -> [N] natural-log entropy of the renormalised top-k (``entr``: -t log t,
-    0 at t = 0)."""
+    """[N, k] top-k probabilities -> [N] natural-log entropy of the renormalised top-k."""
     return torch.special.entr(topk / topk.sum(-1, keepdim=True).clamp_min(1e-12)).sum(-1)
 
 
@@ -273,11 +264,9 @@ def _part(spec: FeatureSpec, part: str, columns: Mapping[str, object]) -> Tensor
 
 
 def build_features(spec: FeatureSpec, columns: Mapping[str, object]) -> Tensor:
-    """[N, spec.width] float32 input matrix for ``spec`` from record columns (numpy arrays, lists or torch tensors).
-
-    Raises:
-        KeyError: a column the spec needs is missing (the message lists the missing and available columns).
-        ValueError: a vector column's width differs from the trained width, or the features contain NaN / inf.
+    """[N, spec.width] float32 inputs for ``spec`` from record columns; KeyError listing missing columns, ValueError for
+    a
+    wrong vector width or NaN / inf.
     """
     blocks = [_part(spec, p, columns) for p in spec.parts]
     n = blocks[0].shape[0]
@@ -301,10 +290,8 @@ def build_features(spec: FeatureSpec, columns: Mapping[str, object]) -> Tensor:
 
 
 class LearnedPolicy(StopPolicy):
-    """A StopPolicy backed by a torch module on the inputs of a :class:`FeatureSpec`.
-
-    Subclasses set ``kind`` and ``output`` ("logit": the score is sigmoid(module(x)); "prob": the module already
-    returns the score).
+    """A StopPolicy backed by a torch module on a :class:`FeatureSpec`'s inputs; subclasses set ``kind`` and ``output``
+    (``logit``: the score is sigmoid(module(x)); ``prob``: the module's output).
     """
 
     kind: ClassVar[str] = "learned"
@@ -318,8 +305,7 @@ class LearnedPolicy(StopPolicy):
         self.spec = spec
         self.required_columns = spec.columns  # type: ignore[misc]  # instance-level, per spec
         self.train_info: dict[str, Any] = {}
-        """Filled by training: resolved config, label family / lambda, validation metrics (exported with the
-        weights)."""
+        """Filled by training: resolved config, label, validation metrics (exported with the weights)."""
 
     @property
     def vector_columns(self) -> Mapping[str, int]:

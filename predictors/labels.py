@@ -14,16 +14,18 @@ LABEL_FAMILIES = ("greedy", "ratio", "soft")
 
 
 def label_draw(family: str) -> str:
-    """The draw (``data_gen.schema.DRAWS``) a family's labels are meant for: greedy match judges argmax draft tokens
-    (greedy decoding); q/p <= lambda and min(1, p/q) judge sampled tokens (speculative sampling)."""
+    """The draw a family's labels judge: greedy match judges argmax tokens (greedy decoding); q/p <= lambda and min(1,
+    p/q)
+    judge sampled ones.
+    """
     if family not in LABEL_FAMILIES:
         raise ValueError(f"unknown label family {family!r}; use one of {LABEL_FAMILIES}")
     return "greedy" if family == "greedy" else "sample"
 
 
 def draw_mask(columns: Mapping[str, object], draw: str) -> np.ndarray | None:
-    """Boolean row mask of the records drawn as ``draw``; None when every row is to be used: the data has no ``draw``
-    column (one draw per position) or holds only other draws (e.g. all sampled, at a temperature > 0)."""
+    """Row mask of the records drawn as ``draw``; None when every row is used (no ``draw`` column, or only other draws).
+    """
     if "draw" not in columns:
         return None
     d = np.asarray(columns["draw"]).astype(str)

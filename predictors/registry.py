@@ -1,20 +1,14 @@
-"""MLflow model registry for exported predictors.
+"""MLflow model registry for exported predictors: an export folder logged as a pyfunc model (``predict`` takes feature
+columns, returns continue scores), registered per predictor kind and draft model, with the alias ``champion`` moved
+only when the new version's validation metric beats it.
 
-``register_predictor`` logs an export folder (``predictors.export``) as an MLflow pyfunc model whose ``predict`` takes a
-DataFrame of feature columns (vector columns either as list-valued columns or flattened to ``<column>_<i>``) and returns
-the continue scores; the model has a signature inferred from an example; the export folder is its artifact. The model is
-registered under a name per predictor kind and draft model (:func:`registry_name`), its validation metric is stored as
-a model-version tag, and the alias ``champion`` moves to the new version only when it beats the current champion.
-
-The default tracking URI, when none is configured, is ``sqlite:///mlflow.db`` (embedded, supports the registry); any
-URI works, a remote ``mlflow server`` included. An unreachable server raises :class:`TrackingUnreachable` naming the
-URI; the export folder on disk is never touched.
+The tracking URI defaults to ``sqlite:///mlflow.db``; an unreachable server raises :class:`TrackingUnreachable`
+naming it, and the export folder is never touched.
 
 Usage::
 
-    name = registry_name("disco", draft_fingerprint)          # "specstop-disco-qwen2.5-coder-0.5b-instruct"
-    info = register_predictor(folder, name, metrics["val_auc"], run_id=mlf_logger.run_id)
-    policy = load_reference(f"models:/{name}@champion")
+    info = register_predictor(folder, registry_name("disco", draft_fp), metrics["val_auc"], run_id=run_id)
+    policy = load_reference(f"models:/{info['name']}@champion")
 """
 from __future__ import annotations
 
@@ -126,8 +120,10 @@ def _uris(uri: str) -> Iterator[None]:
 
 # ---- the pyfunc wrapper ---------------------------------------------------------------------------------------------
 def frame_to_columns(frame: pd.DataFrame, policy: StopPolicy) -> dict[str, Any]:
-    """Record columns for ``policy`` from a DataFrame: scalar columns as is; a vector column either list-valued under
-    its own name or flattened into ``<name>_0 .. <name>_{w-1}``."""
+    """Record columns for ``policy`` from a DataFrame: scalar columns as is, a vector column list-valued or flattened
+    into
+    ``<name>_0 .. <name>_{w-1}``.
+    """
     vectors = policy.vector_columns
     cols: dict[str, Any] = {}
     for c in policy.required_columns:
@@ -192,22 +188,12 @@ def register_predictor(
     run_id: str | None = None,
     tracking_uri: str | None = None,
 ) -> dict:
-    """Log the export ``folder`` as a pyfunc model, register it under ``name`` and maybe move ``champion`` to it.
+    """Log the export ``folder`` as a pyfunc model, register it under ``name`` and move ``champion`` to it when
+    ``val_metric`` strictly beats the champion's (by ``higher_is_better``).
 
-    Args:
-        folder: an export folder (``predictors.export.export_predictor``).
-        name: registered-model name (see :func:`registry_name`).
-        val_metric: the new version's validation metric (stored as the model-version tag ``metric_name``).
-        metric_name: tag name of the metric; champions are compared on it.
-        higher_is_better: direction of the comparison (the alias moves only on a strict improvement).
-        run_id: log the model into this run (e.g. ``MLFlowLogger.run_id``); None starts a new run.
-        tracking_uri: tracking / registry URI; default :func:`resolve_tracking_uri`.
-    Returns:
-        {"name", "version", "champion" (this version is now champion), "champion_version", "previous_champion",
-        "model_uri", "run_id", "tracking_uri"}.
-    Raises:
-        TrackingUnreachable: the server does not answer (the folder stays on disk).
-        RegistryError: MLflow refused to log / register.
+    The metric is stored as the version tag ``metric_name``; ``run_id`` logs into that run (None: a new one). Returns
+    the name, version, champion state, model URI, run id and tracking URI. Raises :class:`TrackingUnreachable` (the
+    folder stays on disk) or :class:`RegistryError`.
     """
     folder = Path(folder)
     uri = resolve_tracking_uri(tracking_uri)
@@ -243,8 +229,10 @@ def register_predictor(
 
 
 def _log_model(uri: str, folder: Path, name: str, signature: Any, run_id: str | None) -> tuple[Any, str]:
-    """Log ``folder`` as a pyfunc model registered under ``name``, into run ``run_id`` (the caller's active run is
-    left open; another id is resumed) or a new run; returns (the model info, the run's id)."""
+    """Log ``folder`` as a pyfunc model registered under ``name`` into run ``run_id`` (resumed, or the caller's active
+    one)
+    or a new run; returns (model info, run id).
+    """
     with _uris(uri):
         active = mlflow.active_run()
         if run_id and active is not None and active.info.run_id == run_id:
@@ -267,8 +255,7 @@ def _log_model(uri: str, folder: Path, name: str, signature: Any, run_id: str | 
 
 
 def _version_tags(policy: StopPolicy, metric_name: str, val_metric: float, higher_is_better: bool) -> dict[str, str]:
-    """The model version's tags: its metric (champions are compared on it), the policy's kind, the direction, the
-    draft model and the label."""
+    """The version's tags: its metric, the policy's kind, the direction, the draft model and the label."""
     meta = policy.metadata
     label = (meta.get("label") or {}).get("name", "") if isinstance(meta.get("label"), dict) else ""
     return {metric_name: repr(float(val_metric)), "kind": str(policy.kind), "higher_is_better": str(higher_is_better),
@@ -277,8 +264,10 @@ def _version_tags(policy: StopPolicy, metric_name: str, val_metric: float, highe
 
 def _maybe_promote(client: MlflowClient, name: str, version: str, metric_name: str, val_metric: float,
                    higher_is_better: bool) -> tuple[str | None, bool]:
-    """Move the ``champion`` alias to ``version`` when its metric beats the current champion's (or there is none);
-    returns (the previous champion's version or None, whether the alias moved)."""
+    """Move ``champion`` to ``version`` when its metric beats the current champion's (or there is none); returns
+    (previous
+    champion or None, moved).
+    """
     previous: str | None = None
     old_metric: float | None = None
     try:
@@ -295,8 +284,10 @@ def _maybe_promote(client: MlflowClient, name: str, version: str, metric_name: s
 
 
 def download_model(ref: str, tracking_uri: str | None = None, dst: str | Path | None = None) -> Path:
-    """Download a registered model's artifacts (``models:/<name>@<alias>`` or ``models:/<name>/<version>``) and return
-    the export folder inside (the one holding ``predictor.json``)."""
+    """Download a registered model's artifacts (``models:/<name>@<alias>`` or ``/<version>``) and return the export
+    folder
+    inside.
+    """
     uri = resolve_tracking_uri(tracking_uri)
     check_reachable(uri)
     dst = Path(dst) if dst else Path(tempfile.mkdtemp(prefix="specstop-model-"))
@@ -315,13 +306,8 @@ def download_model(ref: str, tracking_uri: str | None = None, dst: str | Path | 
 def load_reference(
     ref: str | Path, draft_fingerprint: dict | None = None, force: bool = False, tracking_uri: str | None = None
 ) -> StopPolicy:
-    """Load a policy from an export folder or an MLflow model URI (``models:/<name>@<alias>``,
-    ``models:/<name>/<version>``; artifacts downloaded first, then ``predictors.export.load_predictor``).
-
-    Args:
-        ref: the folder or URI.
-        draft_fingerprint, force: as ``predictors.export.load_predictor``.
-        tracking_uri: MLflow tracking / registry URI for ``models:/`` refs (:func:`resolve_tracking_uri`).
+    """Load a policy from an export folder or a ``models:/`` URI (downloaded first), as
+    ``predictors.export.load_predictor`` with ``draft_fingerprint`` and ``force``.
     """
     if isinstance(ref, str) and ref.startswith(REGISTRY_PREFIXES):
         return load_predictor(download_model(ref, tracking_uri=tracking_uri), draft_fingerprint, force)

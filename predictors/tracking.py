@@ -1,18 +1,7 @@
-"""The MLflow fields of the entry-point configs, declared once, and the one way an entry point opens its MLflow run.
-
-Each field is a small keyword-only dataclass an entry point's config inherits, so the fields stay flat on the command
-line and in the YAML files (``--tracking``, ``--tracking_uri``, ``--experiment``) and an entry point takes only those
-it uses: :class:`TrackingConfig` (all three: evaluate, crossval, benchmark), :class:`TrackingURI` with
-:class:`Experiment` (the main job, which always tracks), :class:`TrackingURI` with :class:`TrackingSwitch` (the
-replay check, which logs into the benchmark's experiment), :class:`TrackingURI` alone (calibrate, for ``models:/``
-references). An entry point whose default differs restates that default only
-(``experiment: str = field(default="specstop-evaluate", kw_only=True)``).
+"""The MLflow fields of the entry points' configs, declared once as keyword-only dataclasses a config inherits (flat on
+the command line: ``--tracking``, ``--tracking_uri``, ``--experiment``), and the one way an entry point opens its run.
 
 Usage::
-
-    @dataclass
-    class EvaluateConfig(TrackingConfig):
-        data_dir: str
 
     with mlflow_run(cfg.tracking_uri, cfg.experiment, "evaluate") as mlflow:
         mlflow.log_metric("x", 1.0)
@@ -36,8 +25,9 @@ class TrackingSwitch:
 @dataclass(kw_only=True)
 class TrackingURI:
     tracking_uri: str | None = None
-    """MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db; a remote server works too); also
-    where ``models:/`` references are read."""
+    """MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db); also where ``models:/`` refs are
+    read.
+    """
 
 
 @dataclass(kw_only=True)
@@ -52,8 +42,9 @@ class TrackingConfig(Experiment, TrackingURI, TrackingSwitch):
 
 
 def mlflow_api() -> ModuleType:
-    """The ``mlflow`` module, imported on first use: it takes seconds to import, so an entry point that does not log
-    (``--tracking false``, a config error) never pays for it."""
+    """The ``mlflow`` module, imported on first use: its import takes seconds an entry point that does not log never
+    pays.
+    """
     import mlflow  # heavy: on first use only
 
     return mlflow
@@ -61,8 +52,9 @@ def mlflow_api() -> ModuleType:
 
 @contextmanager
 def mlflow_run(tracking_uri: str | None, experiment: str, run_name: str) -> Iterator[ModuleType]:
-    """Point MLflow at ``tracking_uri`` (resolved by ``predictors.registry.resolve_tracking_uri``) and ``experiment``,
-    and run the body inside a new run named ``run_name``; yields the ``mlflow`` module to log with."""
+    """Run the body in a new MLflow run ``run_name`` at ``tracking_uri`` and ``experiment``; yields the ``mlflow``
+    module.
+    """
     from predictors.registry import resolve_tracking_uri  # imports mlflow: only when a run is logged
 
     mlflow = mlflow_api()

@@ -1,14 +1,8 @@
-"""Training of the learned predictors with a Lightning Trainer (EarlyStopping + ModelCheckpoint, seeds fixed).
+"""Training of the learned predictors with a Lightning Trainer (early stopping, best checkpoint, fixed seeds): one
+predictor from a folder of shards to ``(policy, metrics)``; the caller exports and registers it. The distributed
+setup is config (``accelerator``, ``strategy``, ``devices`` go to the Trainer as given).
 
-``fit_predictor(kind, cfg, data_dir, out_dir, logger)`` trains one predictor from a folder of Parquet shards and returns
-``(policy, metrics)``; the caller (``python -m pipelines.train``) exports, registers and aggregates. The distributed
-setup is config, not code: ``accelerator`` / ``strategy`` / ``devices`` are passed to the Trainer as given
-(e.g. ``strategy="ddp", devices=2``).
-
-Usage::
-
-    policy, metrics = fit_predictor("disco", DiscoConfig(max_epochs=20), "data/shards", "runs/disco", logger=mlf_logger)
-    metrics["val_auc"], metrics["val_loss"]
+Usage: python -m pipelines.train --config configs/smoke.yaml
 """
 from __future__ import annotations
 
@@ -71,7 +65,7 @@ class TrainConfig:
     patience: int = 3
     """EarlyStopping patience in epochs without a lower val_loss."""
     label_family: str = "greedy"
-    """Label family (predictors.labels): greedy, ratio (q/p <= lam) or soft (min(1, p/q))."""
+    """Label family (``predictors.labels``): greedy, ratio (q/p <= lam) or soft (min(1, p/q))."""
     lam: float = 1.0
     """Lambda of the ratio family (SPRINTER: 1, 1.2 or 1.5; larger accepts more)."""
     pos_weight: float | None = None
@@ -95,12 +89,11 @@ class TrainConfig:
     deterministic: bool = True
     """Lightning deterministic mode."""
     monitor: str = "val_loss"
-    """Checkpoint and early-stopping metric: val_loss (lower is better) or val_auc (higher is better; the metric the
-    predictors are compared by)."""
+    """Checkpoint and early-stopping metric: ``val_loss`` (lower is better) or ``val_auc`` (higher is better)."""
     prior: str | None = None
-    """DISCO / SPRINTER: start from a training-free score (q or draft_max_prob, which must be among the explicit
-    inputs): its logit joins the output and the learned part starts at zero, so the untrained predictor ranks exactly
-    as the score; if no epoch beats it on the monitored metric, the predictor keeps these initial weights."""
+    """DISCO / SPRINTER: start from a training-free score (``q`` or ``draft_max_prob``, among the explicit inputs); the
+    untrained predictor ranks as it, and keeps those weights if no epoch beats it.
+    """
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -155,13 +148,12 @@ class DiscoConfig(TrainConfig):
     position_scale: float = 40.0
     """The position enters as position / position_scale."""
     extra_features: tuple[str, ...] = ()
-    """Training-free scores appended as explicit inputs: any of draft_max_prob, draft_entropy, q (the drafted token's
-    probability, which differs from the top-1 on sampled draws), log_max_prob, log_q."""
+    """Training-free scores appended as explicit inputs: draft_max_prob, draft_entropy, q, log_max_prob, log_q."""
     tv_weight: float = 0.0
     """Weight of the TV-distance regression term (0 = BCE only); adds a TV head."""
     hidden_rank: int = 0
-    """> 0: hybrid head, the draft's hidden state projected to this many values joins the inputs (needs
-    draft_hidden)."""
+    """> 0: hybrid head, the draft's hidden state projected to this many values joins the inputs (needs draft_hidden).
+    """
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -280,8 +272,9 @@ def binary_metrics(scores: np.ndarray, labels: np.ndarray, threshold: float, pre
 
 
 def baseline_aucs(raw: dict[str, np.ndarray], labels: np.ndarray, prefix: str = "val_") -> dict[str, float]:
-    """AUC of the training-free scores on the same labels: top-1 draft probability (max-confidence) and negative draft
-    entropy (SVIP / AdaEDL rank tokens by it), the bars a learned predictor should beat."""
+    """AUC of the training-free scores on the same labels (top-1 probability, -entropy): the bars a learned predictor
+    should beat.
+    """
     y = (np.asarray(labels) > 0.5).astype(int)
     out: dict[str, float] = {}
     if len(np.unique(y)) < 2:
@@ -317,8 +310,9 @@ def _trainer(
 
 
 def make_datamodule(kind: str, cfg: TrainConfig, data_dir: DataPath, **kwargs: Any) -> ShardDataModule:
-    """The :class:`~predictors.datamodule.ShardDataModule` a predictor of ``kind`` trains on with ``cfg``; ``kwargs``
-    go to the DataModule (e.g. ``folds=(5, 0)``, ``extra_columns=(...)``)."""
+    """The :class:`~predictors.datamodule.ShardDataModule` a predictor of ``kind`` trains on with ``cfg``; ``kwargs`` go
+    to it.
+    """
     options: dict[str, Any] = {}
     if isinstance(cfg, DiscoConfig):
         options = {"top_k": cfg.top_k, "position_scale": cfg.position_scale, "extra": cfg.extra_features,
@@ -336,25 +330,13 @@ def fit_predictor(
     kind: str, cfg: TrainConfig, data_dir: DataPath, out_dir: str | Path, logger: Any = None, datamodule: Any = None,
     on_epoch: Callable[[int, int], None] | None = None,
 ) -> tuple[StopPolicy, dict[str, float]]:
-    """Train one predictor on the shards under ``data_dir``; checkpoints and logs go to ``out_dir``.
+    """Train one predictor of ``kind`` (disco, sprinter, sv) with its config on the shards under ``data_dir``;
+    checkpoints
+    and, without a ``logger``, CSV logs go to ``out_dir``.
 
-    Args:
-        kind: "disco", "sprinter" or "sv".
-        cfg: the matching config (DiscoConfig, SprinterConfig, SVTableConfig).
-        data_dir: folder of Parquet shards, or a list of folders read as one (``predictors.datamodule``).
-        out_dir: checkpoints (``out_dir/checkpoints``) and, without a logger, CSV logs (``out_dir/logs``).
-        logger: a Lightning logger (MLFlowLogger in the main job) receiving the module hyperparameters, per-epoch
-            metrics and the summary metrics (prefixed ``final_``); None logs to CSV under ``out_dir``. Use one logger
-            (one MLflow run) per predictor: MLflow refuses to change a param's value within a run, and the metric
-            names (val_loss, val_auc...) are the same for every kind.
-        on_epoch: called after each training epoch with (epochs done, max epochs), e.g. to move a progress line.
-    Returns:
-        (policy, metrics): the policy carries the best-val-loss weights, ``cfg.threshold`` and ``policy.train_info``
-        (resolved config, label, metrics, checkpoint path; exported by ``predictors.export``). metrics include
-        ``val_auc`` (scikit-learn, val split), ``val_loss`` (the checkpointed val loss), ``val_bce``/``f1``/...,
-        ``best_epoch``, ``epochs_run``, ``n_train``, ``n_val``, ``train_pos_rate``, ``pos_weight``,
-        ``val_auc_max_prob`` / ``val_auc_neg_entropy`` (the training-free scores' AUC on the same labels); for SV
-        also the information gain in bits on train and val.
+    Use one logger (one MLflow run) per predictor: MLflow refuses to change a param within a run. ``on_epoch`` gets
+    (epochs done, max epochs). Returns (policy with the best weights, ``cfg.threshold`` and ``train_info``; metrics:
+    ``val_auc``, ``val_loss``, ``best_epoch``, the training-free scores' AUC, and for SV the information gain).
     """
     if kind not in CONFIGS:
         raise ValueError(f"unknown predictor kind {kind!r}; use one of {sorted(CONFIGS)}")
