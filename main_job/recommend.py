@@ -1,19 +1,9 @@
-"""A runtime's speculative settings tuned for a model pair and a machine: each runtime's own rule
-(``predictors.runtime_rules``) replayed exactly over the labelled draft tokens under a measured curve, the fastest
-setting on the validation split chosen, and that setting, the runtime's defaults, the learned policies given and the
-oracle scored on the test split.
+"""A runtime's speculative settings tuned for a model pair and a machine: its own rule (``predictors.runtime_rules``)
+replayed over labelled draft tokens under a measured curve, the fastest setting on validation chosen, and it, the
+runtime's defaults, the learned policies and the oracle scored on test. The main job and the llama.cpp benchmark run
+it too.
 
-The job (:class:`RecommendConfig`, :func:`recommend_runtimes`): each runtime's settings tuned on a data folder's
-validation split under the curve found beside it, beside the learned policies of a training folder; ``python -m
-pipelines.recommend`` runs it from the command line, the main job (``pipelines.train``) for the runtimes whose curve
-its data folder holds, and the llama.cpp benchmark under its own curve.
-
-Usage::
-
-    cols = load_columns("outputs/default/data", splits=["val", "test"])
-    rec = recommend("llamacpp", cols, CostModel.from_json("outputs/default/data/cost_model.llamacpp.json"),
-                    compare={"goodput DISCO": goodput_disco})
-    print("\\n".join(rec.lines("qwen2.5-coder-0.5b-instruct.gguf")))
+Usage: python -m pipelines.recommend --data_dir outputs/default/data --runtime all
 """
 from __future__ import annotations
 
@@ -49,8 +39,7 @@ __all__ = ["Recommendation", "recommend", "tune_rule", "coarse_rules", "SPECULAT
            "recommend_runtimes", "draft_name", "write_recommendations"]
 
 SPECULATE_MIN = 1.0
-"""A setting is recommended only when its replayed speedup over target-only on the validation split exceeds this;
-otherwise the recommendation is target-only (do not speculate)."""
+"""Replayed speedup over target-only on validation a setting must exceed to be recommended (else: do not speculate)."""
 
 Progress = Callable[[int, int], None]
 """Called with (settings replayed, settings to replay) while tuning."""
@@ -75,8 +64,10 @@ def coarse_rules(runtime: str) -> list[RuntimeRule]:
 
 
 def fine_rules(best: RuntimeRule) -> list[RuntimeRule]:
-    """Settings around the best coarse one: llama.cpp's minimum draft and a finer probability floor; transformers'
-    length one either side; none for vLLM (its grid is complete)."""
+    """Settings around the best coarse one: llama.cpp's minimum draft and a finer probability floor, transformers'
+    length
+    one either side, none for vLLM.
+    """
     if isinstance(best, LlamaCppRule):
         ps = sorted({round(min(max(best.p_min + d, 0.0), 0.99), 3) for d in (-0.05, -0.025, 0.0, 0.025, 0.05)})
         return [LlamaCppRule(best.n_max, m, p) for m, p in itertools.product(range(0, min(best.n_max, 3) + 1), ps)]
@@ -89,8 +80,10 @@ def fine_rules(best: RuntimeRule) -> list[RuntimeRule]:
 
 def tune_rule(runtime: str, data: ReplayData, cm: CostModel, mode: str = "greedy",
               progress: Progress | None = None) -> tuple[RuntimeRule, float, list[dict[str, Any]]]:
-    """(the fastest setting, its replayed speedup, one row per setting tried) of ``runtime`` over ``data``: a coarse
-    grid, then a finer one around its best."""
+    """(fastest setting, its replayed speedup, one row per setting tried) of ``runtime`` over ``data``: a coarse grid,
+    then a
+    finer one around its best.
+    """
     rows: list[dict[str, Any]] = []
     scores: dict[str, np.ndarray | None] = {}
 
@@ -114,8 +107,10 @@ def tune_rule(runtime: str, data: ReplayData, cm: CostModel, mode: str = "greedy
 
 @dataclass
 class Recommendation:
-    """A runtime's tuned setting and what it is worth on the test split, beside its defaults, the learned policies
-    and the oracle (speedups over target-only replayed under one curve)."""
+    """A runtime's tuned setting and its test-split worth beside its defaults, the learned policies and the oracle
+    (speedups
+    over target-only under one curve).
+    """
 
     runtime: str
     rule: RuntimeRule
@@ -191,9 +186,10 @@ class Recommendation:
 def recommend(runtime: str, columns: Mapping[str, object], cm: CostModel, *,
               compare: Mapping[str, StopPolicy] | None = None, mode: str = "greedy",
               progress: Progress | None = None) -> Recommendation:
-    """Tune ``runtime``'s setting on the ``val`` rows of ``columns`` under ``cm`` and score it, the runtime's
-    defaults, the ``compare`` policies and the oracle on the ``test`` rows (ValueError when a split is missing).
-    vLLM's K comes from the acceptance vLLM measured on validation prompts where ``cm`` holds it (greedy)."""
+    """Tune ``runtime``'s setting on the ``val`` rows under ``cm`` and score it, the defaults, the ``compare`` policies
+    and the
+    oracle on ``test``; vLLM's K uses vLLM's measured acceptance where ``cm`` holds it.
+    """
     splits = set(np.asarray(columns.get("split", np.array([]))).astype(str).tolist())
     missing = [s for s in ("val", "test") if s not in splits]
     if missing:
@@ -227,8 +223,8 @@ RUNTIME_COST_FILES = {"llamacpp": ("cost_model.llamacpp.json",),
                       "transformers": ("cost_model.transformers.json", "cost_model.json"),
                       "vllm": ("cost_model.vllm.json", "cost_model.json")}
 """The curves beside a data folder a runtime's recommendation is priced with, first found first: its own
-(``pipelines.measure_costs --runtime R --data_dir D`` writes ``cost_model.R.json``), else the data's own specstop
-curve (transformers' forward passes without its overheads; any other runtime: with a warning)."""
+(``cost_model.R.json``), else the data's specstop curve (a warning for any runtime but transformers).
+"""
 
 
 @dataclass
@@ -240,11 +236,13 @@ class RecommendConfig:
     runtime: str = "all"
     """llamacpp, transformers, vllm, or all (each runtime whose curve is found)."""
     cost_file: str | None = None
-    """The curve to price rounds with (default: <data_dir>/cost_model.llamacpp.json for llama.cpp, else
-    <data_dir>/cost_model.json); a curve of another runtime is used with a warning naming both."""
+    """The curve to price rounds with (default: the runtime's own beside ``data_dir``, else ``cost_model.json``; another
+    runtime's warns).
+    """
     train_dir: str | None = None
-    """A main job's output folder whose DISCO export (and its cost-aware form) the settings are compared with
-    (default: the ``train`` folder beside data_dir, when it exists)."""
+    """A main job's output folder whose DISCO export (and cost-aware form) the settings are compared with (default:
+    ``train`` beside data_dir).
+    """
     compare: list[str] = field(default_factory=list)
     """More policy specs to compare with (decoding.policies.build_policy)."""
     mode: str = "greedy"
@@ -266,8 +264,9 @@ class RecommendConfig:
 
 
 def cost_file_for(cfg: RecommendConfig, runtime: str) -> Path | None:
-    """The curve a runtime's recommendation is priced with: the one given, else the first of
-    :data:`RUNTIME_COST_FILES` beside the data (a llama.cpp recommendation needs llama.cpp's own)."""
+    """The curve a runtime's recommendation is priced with: the one given, else the first of :data:`RUNTIME_COST_FILES`
+    found.
+    """
     if cfg.cost_file is not None:
         return Path(cfg.cost_file)
     data = Path(cfg.data_dir)
@@ -278,8 +277,9 @@ def cost_file_for(cfg: RecommendConfig, runtime: str) -> Path | None:
 
 
 def compare_policies(cfg: RecommendConfig) -> dict[str, StopPolicy]:
-    """The learned policies the settings are compared with: the training folder's DISCO export at its tuned
-    threshold and its cost-aware form (when the export holds calibration maps), and ``cfg.compare``."""
+    """The policies compared with: the training folder's DISCO export at its tuned threshold, its cost-aware form, and
+    ``cfg.compare``.
+    """
     train = Path(cfg.train_dir) if cfg.train_dir else Path(cfg.data_dir).parent / "train"
     specs: dict[str, str] = {}
     export = train / "disco" / "export"
@@ -300,8 +300,7 @@ def compare_policies(cfg: RecommendConfig) -> dict[str, StopPolicy]:
 
 
 def recommend_runtimes(cfg: RecommendConfig, runtimes: Iterable[str] | None = None) -> dict[str, Recommendation]:
-    """Tune and score each runtime (``cfg.runtime``, or ``runtimes``) whose curve is found; a runtime without one is
-    logged with the command that measures it."""
+    """Tune and score each runtime whose curve is found; one without is logged with the command that measures it."""
     wanted = list(runtimes) if runtimes is not None else (list(RUNTIMES) if cfg.runtime == "all" else [cfg.runtime])
     files = {rt: cost_file_for(cfg, rt) for rt in wanted}
     for rt in [rt for rt, f in files.items() if f is None]:
@@ -332,8 +331,9 @@ def recommend_runtimes(cfg: RecommendConfig, runtimes: Iterable[str] | None = No
 
 def vllm_batch_picks(cols: Mapping[str, object], curves: dict[int, CostModel], mode: str = "greedy"
                      ) -> list[BatchPick]:
-    """vLLM's K tuned at each batch size of ``curves`` on the validation rows, 0 where no K beats the target alone
-    by ``MARGINAL`` (``runtimes.vllm.settings``)."""
+    """vLLM's K tuned at each batch size of ``curves`` on validation, 0 where no K beats the target alone by
+    ``MARGINAL``.
+    """
     picks = []
     for b in sorted(curves):
         rec = recommend("vllm", cols, curves[b], mode=mode)
@@ -344,10 +344,10 @@ def vllm_batch_picks(cols: Mapping[str, object], curves: dict[int, CostModel], m
 
 
 def draft_name(cfg: RecommendConfig, runtime: str = "transformers") -> str:
-    """The draft as the printed settings name it: ``cfg.draft``, else the data folder's draft model; a packaged draft
-    as each runtime loads it: llama.cpp its joined GGUF file (``compute.gguf_files``), vLLM the Hugging Face folder it
-    was converted to (``compute.packaged.ensure_packaged``, what ``pipelines.vllm_bench`` loads), transformers its
-    ``packaged:`` name."""
+    """The draft as the printed settings name it: ``cfg.draft``, else the data's draft, a packaged one as each runtime
+    loads it
+    (llama.cpp: its GGUF file; vLLM: its converted folder).
+    """
     if cfg.draft:
         return cfg.draft
     models = (read_data_config(cfg.data_dir) or {}).get("resolved", {}).get("models", {})

@@ -1,21 +1,11 @@
-"""A llama.cpp model seen through the three calls the data generator's labelling makes of a transformers causal LM,
-so that ``data_gen.continuation_labels.label_continuation`` labels with llama.cpp's own logits (the replay check of the
-llama.cpp benchmark rows: ``runtimes.llamacpp.replay_check``).
+"""A llama.cpp model behind the three calls the labeller makes of a transformers causal LM, so the replay check of the
+llama.cpp rows labels with llama.cpp's own logits.
 
-The labeller reads a causal LM through ``get_decoder()(input_ids, attention_mask).last_hidden_state``, then
-``get_output_embeddings()`` on the rows it labels, and the draft's rollouts through ``generate``. Here the "hidden
-state" of a position is llama.cpp's logits row and the output embedding the identity, so the labeller's heads give
-llama.cpp's logits unchanged; ``generate`` continues greedily. Each sequence is read on top of the longest prefix
-already in llama.cpp's cache (``Llama.n_tokens`` rolled back to it, as ``runtimes.llamacpp.draft`` does), so the many
-rollouts of one prompt re-read only their own tail. The model must be loaded with ``logits_all`` (every position's
-logits kept in ``Llama.scores``).
+A position's "hidden state" is its logits row and the output embedding the identity, so the labeller's heads return
+llama.cpp's logits; each sequence reads on top of the longest prefix already cached. Load the model with
+``logits_all``.
 
-Usage::
-
-    llm = load_llama(path, n_threads=2, n_ctx=1024, logits_all=True)
-    models = LabelModels(LlamaCausalLM(draft_llm), LlamaCausalLM(target_llm))
-    records, stats = label_continuation(models, prompt, output, LabelOptions(min_shared_prefix=0, store_hidden=False),
-                                        sample_id="p0", rollout_len=16, label_batch_tokens=1)
+Usage: ``models = LabelModels(LlamaCausalLM(draft_llm), LlamaCausalLM(target_llm))``
 """
 from __future__ import annotations
 
@@ -54,8 +44,9 @@ class LlamaCausalLM(nn.Module):
         return nn.Identity()
 
     def read(self, tokens: list[int]) -> np.ndarray:
-        """[len(tokens), V] logits of every position of ``tokens`` (row j predicts token j + 1), reading only what
-        follows the longest prefix already cached."""
+        """[len(tokens), V] logits of every position (row j predicts token j + 1), reading only what follows the cached
+        prefix.
+        """
         llm = self.llm
         cached = llm.input_ids[: llm.n_tokens].tolist()
         keep = 0
@@ -82,8 +73,10 @@ class LlamaCausalLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor, attention_mask: Tensor, generation_config: Any, **_: Any) -> Tensor:
-        """Greedy continuations of left-padded rows, ``generation_config.max_new_tokens`` each (no stop at an end of
-        sequence: the rollouts a speculative draft would make); returns [B, W + new] ids as transformers does."""
+        """Greedy continuations of left-padded rows, ``max_new_tokens`` each, not stopped at EOS (a draft's rollouts);
+        [B, W +
+        new] ids as transformers returns.
+        """
         if getattr(generation_config, "do_sample", False):
             raise ValueError("LlamaCausalLM generates greedily only (branch rollouts follow greedy decoding)")
         new = int(generation_config.max_new_tokens)

@@ -1,27 +1,12 @@
-"""llama.cpp as a runtime of the pair, through llama-cpp-python (an optional extra, ``bash scripts/setup.sh
---llamacpp``): loading the two GGUF files (:func:`load_pair`, refused before any work when their vocabularies
-differ: :func:`check_same_vocab`), greedy decoding with ``Llama.generate`` (:func:`generate_greedy`), and the
-verification curve of llama.cpp's own forward passes (:func:`measure_llamacpp_curve`) in the cost file format of
-:class:`compute.timing.CostModel` with ``runtime="llamacpp"``.
+"""llama.cpp as a runtime of the pair, through llama-cpp-python (``bash scripts/setup.sh --llamacpp``): loading two GGUF
+files (refused when their vocabularies differ), greedy decoding, llama.cpp's own verification curve as a
+``CostModel`` with ``runtime="llamacpp"``, and a check that the installed build decodes on this CPU.
 
-The curve times what a speculative round costs in llama.cpp: the draft's one-token step over a KV cache, and the
-target's forward of L = 1..17 new tokens (a round of 16 drafts verifies 17) over a cached prefix of random tokens
-(``Llama.eval`` of L tokens, then the cache rolled back by setting ``Llama.n_tokens``: ``eval`` begins by removing
-every cached position from ``n_tokens`` on). The target is loaded with ``logits_all=True``, as llama-cpp-python's
-speculative decoding needs (the logits of every verified position), so each forward also copies its L rows of
-logits, as verification does.
+The curve times a draft step and the target's forward of L = 1..17 new tokens with ``logits_all`` (as speculative
+verification reads every position), the cache rolled back through ``Llama.n_tokens``. The build check and its
+message: docs/llamacpp.md.
 
-Before the first pair loads, :func:`check_llama_build` decodes a few tokens of a generated GGUF with the packaged
-target's widths (:func:`write_check_gguf`) in a child process, once per process: a build that dies there (SIGILL from
-ggml's AMX kernels as the pinned llama-cpp-python compiles them under ``-march=native``, or a build made for another
-CPU) raises :class:`LlamaCppBuildBroken`, one line naming the build's flags (``scripts/setup.sh`` keeps them in
-:data:`BUILD_STAMP`) and the rebuild command, instead of killing the run.
-
-Usage::
-
-    draft, target = load_pair(Path("draft.gguf"), Path("target.gguf"), n_threads=2, n_ctx=512)
-    cm = measure_llamacpp_curve(draft, target, repeats=3)
-    cm.to_json("outputs/cost_model.llamacpp.json")
+Usage: python -m pipelines.measure_costs --runtime llamacpp --data_dir outputs/default/data
 """
 from __future__ import annotations
 
@@ -55,8 +40,7 @@ __all__ = ["INSTALL_COMMAND", "LlamaCppMissing", "llama_cpp_module", "llama_cpp_
            "rebuild_command", "write_check_gguf", "decode_in_child", "broken_message", "check_llama_build"]
 
 INSTALL_COMMAND = "bash scripts/setup.sh --llamacpp"
-"""How llama-cpp-python is installed (the version pyproject.toml's ``llamacpp`` extra pins, built from source once for
-this CPU)."""
+"""How llama-cpp-python is installed (the pinned version, built from source for this CPU)."""
 
 
 class LlamaCppMissing(ValueError):
@@ -69,8 +53,10 @@ def llama_cpp_available() -> bool:
 
 
 def llama_cpp_module() -> ModuleType:
-    """The ``llama_cpp`` module, imported on first use with llama.cpp's own log lines silenced (failures raise);
-    :class:`LlamaCppMissing` naming :data:`INSTALL_COMMAND` when it is absent."""
+    """The ``llama_cpp`` module, imported on first use with llama.cpp's log silenced; :class:`LlamaCppMissing` naming
+    the
+    install command when absent.
+    """
     try:
         import llama_cpp  # optional dependency (the llamacpp extra): loads llama.cpp's native library
     except ImportError as e:
@@ -92,8 +78,9 @@ class Vocabulary(Protocol):
 
 def check_same_vocab(draft: Vocabulary, target: Vocabulary, draft_name: str, target_name: str,
                      samples: int = 4096) -> None:
-    """ValueError naming both files when the vocabularies differ: their sizes, or the text of any of ``samples``
-    token ids (the first and last 256, where special tokens live, and a fixed random draw of the rest)."""
+    """ValueError naming both files when the vocabularies differ: in size, or in the text of ``samples`` token ids (both
+    ends, where special tokens live, and a fixed random draw).
+    """
     n_d, n_t = draft.n_vocab(), target.n_vocab()
     if n_d != n_t:
         raise ValueError(f"the draft {draft_name} and the target {target_name} have different vocabularies "
@@ -136,17 +123,19 @@ class GGUFVocab:
 
 
 def load_llama(path: Path, n_threads: int, n_ctx: int, logits_all: bool = False) -> Any:
-    """A ``llama_cpp.Llama`` on ``path`` with ``n_threads`` threads for decoding and prompt batches alike, its own log
-    silenced; ``logits_all`` keeps every position's logits (a speculative target's verification reads them)."""
+    """A ``llama_cpp.Llama`` on ``path`` with ``n_threads`` threads, its log silenced; ``logits_all`` keeps every
+    position's
+    logits for verification.
+    """
     lib = llama_cpp_module()
     return lib.Llama(model_path=str(path), n_ctx=int(n_ctx), n_threads=int(n_threads), n_threads_batch=int(n_threads),
                      logits_all=logits_all, verbose=False)
 
 
 def load_pair(draft: Path, target: Path, n_threads: int, n_ctx: int) -> tuple[Any, Any]:
-    """(draft, target) ``llama_cpp.Llama`` objects of two GGUF files, the target with ``logits_all=True``; their
-    vocabularies are compared first (ValueError naming both files, before any weights load), and the build is checked
-    on this CPU once per process (:func:`check_llama_build`: one line where it dies, not a crash of the caller)."""
+    """(draft, target) Llama objects of two GGUF files, the target with ``logits_all``: vocabularies compared before any
+    weights load, the build checked once per process.
+    """
     check_llama_build(int(n_threads))
     with GGUFVocab(draft) as d_vocab, GGUFVocab(target) as t_vocab:
         check_same_vocab(d_vocab, t_vocab, str(draft), str(target))
@@ -154,10 +143,10 @@ def load_pair(draft: Path, target: Path, n_threads: int, n_ctx: int) -> tuple[An
 
 
 def prefill(llm: Any, prompt: Sequence[int]) -> None:
-    """Read the prompt into a reset ``logits_all`` ``llm`` (a speculative target) with the last position's logits
-    only: ``Llama.generate`` would compute and copy every prompt position's, which nothing reads and llama.cpp's own
-    speculative decoding does not compute. ``generate`` then samples from the cached prompt; the prompt is read in
-    one pass, as target-only's ``generate`` reads it (the same numbers: a pass split elsewhere can flip a near-tie)."""
+    """Read the prompt into a reset ``logits_all`` target in one pass keeping only the last position's logits, as
+    llama.cpp's
+    speculative decoding does (``generate`` would copy every row).
+    """
     llm.reset()
     if not prompt or not getattr(llm, "_logits_all", False):
         return
@@ -170,10 +159,9 @@ def prefill(llm: Any, prompt: Sequence[int]) -> None:
 
 def generate_greedy(llm: Any, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int],
                     first_token_at: list[float] | None = None) -> list[int]:
-    """Greedy decoding with ``Llama.generate`` from a reset state (with the llm's ``draft_model``, if set; the prompt
-    read as :func:`prefill` does): the new tokens up to ``max_new_tokens``, cut after the first of ``stop_ids``
-    (included). ``first_token_at`` gets the ``time.perf_counter()`` of the first new token (the prompt's pass ends
-    there)."""
+    """Greedy decoding with ``Llama.generate`` from a reset state (with its ``draft_model``, if set), up to
+    ``max_new_tokens``, cut after the first of ``stop_ids``; ``first_token_at`` gets the first token's time.
+    """
     prefill(llm, prompt)
     stop, out = set(int(t) for t in stop_ids), []
     for tok in llm.generate(list(prompt), temp=0.0, reset=True):
@@ -196,8 +184,8 @@ def file_type(llm: Any) -> str:
 
 def _time_draft(llm: Any, prompt: list[int], steps: int, repeats: int, rng: np.random.Generator,
                 vocab: int) -> list[float]:
-    """Raw seconds of the draft's one-token steps over a cache of ``prompt``: ``repeats`` times a fresh prefill, a
-    warm-up step and ``steps`` timed ones."""
+    """Raw seconds of the draft's one-token steps over a cache of ``prompt``, ``repeats`` times after a fresh prefill.
+    """
     times = []
     for _ in range(repeats):
         llm.reset()
@@ -213,9 +201,10 @@ def _time_draft(llm: Any, prompt: list[int], steps: int, repeats: int, rng: np.r
 
 def _time_target(llm: Any, prompt: list[int], lengths: list[int], repeats: int, rng: np.random.Generator,
                  vocab: int) -> dict[int, list[float]]:
-    """Raw seconds of the target's forward of L new tokens over the cached ``prompt``, by L: ``repeats`` sweeps after
-    a warm-up one, the lengths interleaved so that load spikes spread over all of them; the cache rolled back to the
-    prompt before each forward."""
+    """Raw seconds of the target's forward of L new tokens over the cached ``prompt``, by L, the lengths interleaved so
+    load
+    spreads over all.
+    """
     llm.reset()
     llm.eval(prompt)
     new = {L: rng.integers(0, vocab, L).tolist() for L in lengths}
@@ -236,17 +225,12 @@ def measure_llamacpp_curve(
     draft: Any, target: Any, lengths: Sequence[int] = tuple(range(1, 18)), prompt_len: int = 128, repeats: int = 5,
     decode_steps: int = 8, n_threads: int = 0, draft_name: str = "", target_name: str = "",
 ) -> CostModel:
-    """The verification curve of llama.cpp on this machine: the draft's step, the draft's forward of two tokens over
-    one of one (its catch-up after a fully accepted round: ``draft_catchup_s``) and the target's forward of each L in
-    ``lengths`` over a cached prefix of ``prompt_len`` random tokens, the minimum of ``repeats`` kept and the curve
-    made non-decreasing in L (:meth:`CostModel.with_statistic`), the raw timings in ``extra``.
+    """llama.cpp's verification curve on this machine: the draft's step and catch-up, the target's forward of each L
+    over
+    ``prompt_len`` cached tokens, the minimum of ``repeats``, made non-decreasing in L.
 
-    Args:
-        draft, target: ``llama_cpp.Llama`` objects (:func:`load_pair`), their context at least ``prompt_len +
-            max(lengths) + decode_steps + 2`` tokens.
-        n_threads: the threads they run on (recorded in ``machine``).
-        draft_name, target_name: how the run names the models (``packaged:<name>`` or the file), for
-            :meth:`CostModel.mismatch`.
+    The contexts must hold ``prompt_len + max(lengths) + decode_steps + 2`` tokens; ``draft_name`` / ``target_name``
+    name the models as the run does, for :meth:`CostModel.mismatch`.
     """
     lengths = sorted(set(int(x) for x in lengths))
     if not lengths or lengths[0] < 1 or repeats < 1 or prompt_len < 1 or decode_steps < 1:
@@ -286,14 +270,13 @@ def measure_llamacpp_curve(
 
 
 BUILD_STAMP = ".specstop-llamacpp"
-"""The file in the virtual environment (``sys.prefix``) where ``scripts/setup.sh`` keeps the llama-cpp-python build's
-version, CMake flags, CPU and instruction sets (``key=value`` lines)."""
+"""The file under ``sys.prefix`` where ``scripts/setup.sh`` records the build's version, CMake flags, CPU and ISA."""
 ISA_PREFIXES = ("sse", "ssse", "avx", "amx", "fma", "f16c", "bmi")
 """The /proc/cpuinfo flags a build depends on, as ``scripts/setup.sh`` records them (``isa=``)."""
 CHECK_WIDTHS = {"hidden": 1536, "ffn": 8960, "heads": 12, "kv_heads": 2, "layers": 2, "vocab": 1024}
 """The check GGUF's shape: Qwen2.5-Coder-1.5B's widths (the packaged target), two layers, a small vocabulary."""
 CHECK_PROMPT = 48
-"""Tokens of the check's prompt pass: one batch of more than 2 x 16 rows, ggml's AMX tile kernel where it is built."""
+"""Tokens of the check's prompt pass: more than 2 x 16 rows, so ggml's AMX tile kernel runs where it is built."""
 _CHILD = """
 import json, sys
 import numpy as np
@@ -315,9 +298,9 @@ out = last()
 print(json.dumps({"finite": bool(np.isfinite(out).all() and np.isfinite(batched).all()), "argmax": int(out.argmax()),
                   "batch_vs_step": float(np.abs(batched - stepped).max() / (batched.std() or 1.0))}))
 """
-"""The check's child: the prompt in one batch (ggml's batched kernels), again with its last token alone (the one-row
-kernels on the same cache), then three one-token steps; prints whether the logits are finite, the last argmax and
-the largest difference of the prompt's last logits between the two, in units of their standard deviation."""
+"""The check's child: the prompt in one batch, its last token again alone, three steps; prints whether the logits are
+finite, the last argmax and the batch-vs-step difference.
+"""
 
 
 class LlamaCppBuildBroken(ValueError):
@@ -325,8 +308,7 @@ class LlamaCppBuildBroken(ValueError):
 
 
 def build_stamp() -> dict[str, str]:
-    """What ``scripts/setup.sh`` recorded of the installed build (``llama-cpp-python``, ``cmake_args``, ``cpu``,
-    ``isa``); empty when it kept none (built by hand, or by an older script)."""
+    """What ``scripts/setup.sh`` recorded of the installed build; empty when it kept none (built by hand)."""
     path = Path(sys.prefix) / BUILD_STAMP
     if not path.is_file():
         return {}
@@ -334,14 +316,15 @@ def build_stamp() -> dict[str, str]:
 
 
 def host_isa() -> str:
-    """This CPU's instruction-set flags as ``scripts/setup.sh`` records them: the build-relevant /proc/cpuinfo flags,
-    sorted, space-separated."""
+    """This CPU's build-relevant /proc/cpuinfo flags, sorted and space-separated, as ``scripts/setup.sh`` records them.
+    """
     return " ".join(sorted(f for f in cpuinfo_fields().get("flags", "").split() if f.startswith(ISA_PREFIXES)))
 
 
 def rebuild_command(stamp: dict[str, str]) -> str:
-    """The command that rebuilds llama-cpp-python so that it runs here: the setup script (which rebuilds for this CPU
-    when the stamp names another) or, for a build made here already, one that changes its flags."""
+    """The command that rebuilds llama-cpp-python to run here: the setup script, or one changing the flags of a build
+    made here.
+    """
     here = stamp.get("isa") == host_isa() and stamp.get("cpu") == cpuinfo_fields().get("model name", "")
     if not stamp or not here:
         return INSTALL_COMMAND
@@ -352,8 +335,10 @@ def rebuild_command(stamp: dict[str, str]) -> str:
 
 def _random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, rows: int, cols: int,
                    scale: float) -> np.ndarray:
-    """``rows x cols`` weights of type ``qtype`` (Q8_0 or Q4_K) as GGUF bytes: random quants, every block's f16 scale
-    (and Q4_K's f16 min) ``scale``, so that the activations stay small and finite."""
+    """``rows x cols`` Q8_0 or Q4_K weights as GGUF bytes: random quants with every block scale ``scale``, so
+    activations stay
+    small and finite.
+    """
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     scales = np.full(2 if qtype == GGMLQuantizationType.Q4_K else 1, scale, dtype=np.float16).view(np.uint8)
@@ -362,9 +347,10 @@ def _random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, rows: 
 
 
 def write_check_gguf(path: Path, widths: dict[str, int] | None = None, seed: int = 0) -> Path:
-    """A llama-architecture GGUF of random Q4_K (attention, gate, up) and Q8_0 (down, embedding) weights at
-    :data:`CHECK_WIDTHS`: every matmul has the packaged target's shape and a type ggml's AMX kernels take (where they
-    are compiled in; the AVX-512 / AVX2 kernels elsewhere). Its output is meaningless; that it decodes is the point."""
+    """A llama-architecture GGUF of random Q4_K / Q8_0 weights at the packaged target's widths, so every matmul takes
+    the
+    kernels a real run does; its output is meaningless.
+    """
     w = {**CHECK_WIDTHS, **(widths or {})}
     h, ffn, heads, kv, vocab = w["hidden"], w["ffn"], w["heads"], w["kv_heads"], w["vocab"]
     head_dim = h // heads
@@ -420,9 +406,10 @@ def _no_core_file() -> None:
 
 def decode_in_child(gguf: Path, n_threads: int, prompt_len: int = CHECK_PROMPT,
                     timeout_s: float = 300.0) -> dict[str, Any]:
-    """Load ``gguf`` with llama-cpp-python in a child process and decode as :data:`_CHILD` does; its result
-    (``finite``, ``argmax``, ``batch_vs_step``), or :class:`LlamaCppBuildBroken` where the child dies by a signal
-    (ValueError with its last line where it fails otherwise)."""
+    """Decode ``gguf`` in a child process as :data:`_CHILD` does; its result, or :class:`LlamaCppBuildBroken` where it
+    dies
+    by a signal (ValueError where it fails otherwise).
+    """
     cmd = [sys.executable, "-c", _CHILD, str(gguf), str(int(n_threads)), str(int(prompt_len))]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, preexec_fn=_no_core_file)
@@ -457,8 +444,10 @@ def broken_message(signum: int) -> str:
 
 @functools.cache
 def check_llama_build(n_threads: int = 2) -> None:
-    """Decode :func:`write_check_gguf`'s file in a child process with ``n_threads`` threads, once per process and
-    thread count: :class:`LlamaCppBuildBroken` (one line: flags, rebuild command) where the build dies on this CPU."""
+    """Decode the check GGUF in a child process once per process and thread count; :class:`LlamaCppBuildBroken` (one
+    line:
+    flags, rebuild command) where the build dies here.
+    """
     if not llama_cpp_available():
         raise LlamaCppMissing(f"llama-cpp-python is not installed; install it (built from source for this CPU) with: "
                               f"{INSTALL_COMMAND}")
