@@ -1,20 +1,12 @@
 """transformers' assisted generation as a runtime with a curve of its own: its forward passes as ``generate`` runs
-them, plus what ``generate`` adds around them, per round and per drafted token.
+them, plus what ``generate`` adds around them per round and per drafted token.
 
-Assisted generation runs the draft and the target through transformers' own ``generate`` loop: the assistant's
-``generate`` call each round, attention masks and position ids built per call, logits processors, stopping criteria,
-cache cropping and the candidate check. Its forward passes do not cost what specstop's engine pays for the same models
-(the engine's curve, ``compute.timing.measure_cost_model``), and the work between them is not in that curve at all,
-so a replay priced with it over-predicts transformers' speed. :func:`measure_transformers_costs` times real
-generation instead: target-only ``generate`` for the one-token step, and assisted generation at fixed draft lengths
-(a constant schedule, no confidence threshold), every forward pass timed by hooks with the number of new tokens it
-reads. The curve is the median forward at each length, and the time outside the forward passes, fitted as
-``rounds x per_round + drafted x per_draft`` (least squares over the lengths), is added to each target forward and
-draft step. It is named ``runtime="transformers"``: the replay priced with it predicts transformers' rows.
+specstop's engine curve leaves out ``generate``'s work between forwards (assistant calls, masks, logits processors,
+cache cropping), so a replay priced with it over-predicts transformers. Here real target-only and fixed-length
+assisted runs are timed by forward hooks; the curve is the median forward per length plus the outside time fitted
+as ``rounds x per_round + drafted x per_draft``.
 
-Usage::
-
-    cm = measure_transformers_costs(draft, target)   # runtime "transformers", the runs and the fit in extra
+Usage: python -m pipelines.measure_costs --runtime transformers --data_dir outputs/default/data
 """
 from __future__ import annotations
 
@@ -31,8 +23,7 @@ __all__ = ["measure_transformers_costs", "ForwardTimer"]
 
 
 class ForwardTimer:
-    """Times a module's forward calls (pre and post forward hooks): each call's new tokens (the width of its
-    ``input_ids``) and seconds."""
+    """Times a module's forward calls by hooks: each call's new tokens (its ``input_ids`` width) and seconds."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.calls: list[tuple[int, float]] = []
@@ -60,8 +51,10 @@ class ForwardTimer:
 
 @dataclass
 class _Run:
-    """One generation: the target's calls after the prefill (rounds) and the draft's calls (drafted tokens), each as
-    (new tokens, seconds), and the seconds outside every forward pass."""
+    """One generation: the target's calls after the prefill and the draft's calls, each (new tokens, seconds), and the
+    seconds
+    outside every forward.
+    """
 
     target: list[tuple[int, float]]
     draft: list[tuple[int, float]]
@@ -77,8 +70,9 @@ class _Run:
 
 
 def _generate(draft: Any, target: Any, prompt: torch.Tensor, k: int, new_tokens: int) -> _Run:
-    """``new_tokens`` of greedy generation, timed: assisted at ``k`` drafts a round (constant, no threshold), or the
-    target alone for ``k == 0``."""
+    """``new_tokens`` of greedy generation, timed: assisted at ``k`` drafts a round (no threshold), or target alone for
+    ``k == 0``.
+    """
     gc = draft.generation_config
     saved = {n: getattr(gc, n, None) for n in ("num_assistant_tokens", "num_assistant_tokens_schedule",
                                                 "assistant_confidence_threshold")}
@@ -98,8 +92,10 @@ def _generate(draft: Any, target: Any, prompt: torch.Tensor, k: int, new_tokens:
 
 
 def _curve(runs: dict[int, _Run], prompt_len: int) -> tuple[dict[int, float], float]:
-    """(target seconds by new tokens L: the median of the calls reading L tokens, made non-decreasing in L; the
-    draft's median one-step seconds) over every run (prefills left out)."""
+    """(target seconds by L: median of the calls reading L tokens, non-decreasing; the draft's median step) over every
+    run,
+    prefills left out.
+    """
     by_len: dict[int, list[float]] = {}
     for run in runs.values():
         for n, sec in run.target:
@@ -115,10 +111,10 @@ def _curve(runs: dict[int, _Run], prompt_len: int) -> tuple[dict[int, float], fl
 def measure_transformers_costs(draft: Any, target: Any, lengths: tuple[int, ...] = (1, 2, 4, 8, 16),
                                new_tokens: int = 64, prompt_len: int = 128, repeats: int = 2,
                                base: CostModel | None = None) -> CostModel:
-    """transformers' curve of a pair: target-only and assisted ``generate`` at each draft length of ``lengths`` (the
-    run with the least time outside the forward passes of ``repeats`` kept), every forward timed (see the module
-    docstring); ``runtime="transformers"``, names, device and machine from ``base`` when given, the runs and the fit
-    in ``extra``."""
+    """transformers' curve of a pair: target-only and assisted ``generate`` at each of ``lengths`` (of ``repeats``, the
+    run
+    with the least outside time kept); ``runtime="transformers"``, the runs and the fit in ``extra``.
+    """
     if len(lengths) < 2 or min(lengths) < 1:
         raise ValueError(f"lengths={lengths}: give at least two draft lengths >= 1 to fit two overheads")
     dev = next(target.parameters()).device

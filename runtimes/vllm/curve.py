@@ -1,30 +1,12 @@
-"""vLLM's own verification curve on this machine, per batch size: ``python -m pipelines.measure_costs --runtime vllm``.
+"""vLLM's own verification curve on this machine, per batch size, and the acceptance vLLM's draft meets on validation
+prompts.
 
-Two in-process engines on the pair's folders, each step of vLLM's timed (``runtimes.vllm.engine.StepClock``):
+The target alone gives ``target_s[1]`` at batch B; the pair with specstop's proposer running ``static:k`` splits each
+step into the draft's forwards and the rest (``target_s[k + 1]``, vLLM's overheads inside). The two engines are timed
+in turn over ``rounds`` and each figure keeps its fastest round, since a shared host's step time moves by a third
+within minutes (docs/vllm.md). Prompts are random ids: decode cost depends on the cached length, not the text.
 
-- the target alone: B requests decoding together, one step = one target forward of one token each:
-  ``target_s[1]`` at batch B;
-- the pair with draft-model speculation at ``num_speculative_tokens = max_length - 1``, specstop's proposer in it
-  (``runtimes.vllm.proposer``) running ``static:k`` for k = 1 .. max_length - 1: every request drafts exactly k tokens
-  a step, and the step splits into the draft's forwards (timed inside the proposer: ``draft_s_per_token`` at batch B
-  is their time over k) and the rest, the target's verification of k + 1 tokens a request with vLLM's sampling,
-  rejection and scheduling around it (``target_s[k + 1]`` at batch B).
-
-On a shared 2-core host the same step's time moves by a third within minutes, so the two engines are loaded in turn
-``rounds`` times (target alone, speculative, target alone, ...) and each figure keeps its fastest round's median, as
-the benchmark keeps each prompt's faster run. The target side is kept as its lower monotone envelope over L
-(``compute.timing.lower_envelope``: a shorter verification timed slower than a longer one met load; the raw medians
-stay in ``extra.raw_target_s``). So a round of k drafts costs ``k * draft + target(k + 1)`` at its batch size, the
-form every specstop replay prices (``compute.timing.CostModel``); vLLM's per-step overheads are inside ``target_s``.
-The prompts are random token ids of ``prompt_len`` (decode cost depends on the cached length, not the text: timed
-side by side with chat prompts, the steps differed no more than one prompt kind's two rounds did). Each batch size's
-curve is a ``CostModel`` with ``runtime: vllm``; the file holds batch 1's at its top level and every batch's under
-``extra.batch_curves``.
-
-Usage (in ``.venv-vllm``)::
-
-    cm = measure_vllm_curve(VllmCurveSettings(target=T, draft=D, batches=(1, 2, 4, 8), max_length=9))
-    cm.to_json("outputs/default/data/cost_model.vllm.json")
+Usage: .venv-vllm/bin/python -m pipelines.measure_costs --runtime vllm --data_dir outputs/default/data
 """
 from __future__ import annotations
 
@@ -79,8 +61,10 @@ def _add(engine: Any, n: int, prompt_len: int, tag: str) -> list[str]:
 
 def time_steps(llm: Any, clock: StepClock, batch: int, steps: int, prompt_len: int, tag: str,
                on_step: Callable[[], float] | None = None) -> tuple[float, float]:
-    """Median seconds of ``steps`` decode steps of ``batch`` requests (and the median of ``on_step()``'s reading
-    per step: the draft's seconds in that step), after their prefill and two warm-up steps."""
+    """Median seconds of ``steps`` decode steps of ``batch`` requests, and the median of ``on_step()`` (the draft's
+    seconds)
+    per step, after prefill and two warm-up steps.
+    """
     engine = llm.llm_engine
     ids = _add(engine, batch, prompt_len, tag)
     clock.take()
@@ -136,8 +120,10 @@ def _speculative(s: VllmCurveSettings) -> dict[int, tuple[dict[int, float], dict
 
 
 def _fastest_rounds(s: VllmCurveSettings) -> tuple[dict[int, float], dict[int, tuple[float, dict[int, float]]]]:
-    """Both engines timed ``s.rounds`` times in turn; per batch size the fastest round of the target alone, and per
-    (batch, L) the fastest round's step split into draft and target (from the same round)."""
+    """Both engines timed ``s.rounds`` times in turn: per batch the fastest round of the target alone, per (batch, L)
+    the
+    fastest round's draft / target split.
+    """
     alone: dict[int, float] = {}
     steps: dict[int, dict[int, tuple[float, float]]] = {}  # batch -> L -> (draft a token, target side)
     for r in range(s.rounds):
@@ -156,7 +142,7 @@ def _fastest_rounds(s: VllmCurveSettings) -> tuple[dict[int, float], dict[int, t
 
 
 def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
-    """vLLM's curve at each batch size (see the module docstring); batch 1's at the top level."""
+    """vLLM's curve at each batch size, batch 1's at the top level and every batch's under ``extra.batch_curves``."""
     import vllm
 
     alone, spec = _fastest_rounds(s)
@@ -180,9 +166,9 @@ def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
 
 def measure_vllm_acceptance(target: str, draft: str, prompts: list[list[int]], k: int = 8, max_new_tokens: int = 128,
                             device: str = "cpu") -> dict[str, Any]:
-    """How far vLLM's own draft-model speculation gets accepted on ``prompts`` (greedy, one at a time, K = ``k``),
-    from vLLM's counters: ``survival[j - 1]`` = S(j), the share of draft rounds whose first j drafts were all
-    accepted (``runtimes.vllm.settings.ACCEPTANCE`` is where a curve file keeps it)."""
+    """How far vLLM's draft-model speculation is accepted on ``prompts`` (greedy, K = ``k``), from vLLM's counters:
+    ``survival[j - 1]`` = S(j), the share of rounds whose first j drafts were all accepted.
+    """
     uninstall()  # vLLM's own proposer: K drafts every round
     llm = build_engine(EngineSpec(target=target, draft=draft, k=k, max_num_seqs=2, device=device))
     for p in prompts:

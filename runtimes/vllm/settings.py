@@ -1,25 +1,12 @@
-"""What to set in vLLM for a pair on this machine, per batch size: ``num_speculative_tokens`` at batch 1 and
-``num_speculative_tokens_per_batch_size`` (vLLM's batch-size Dynamic SD), each K tuned on a data folder's validation
-split under vLLM's own curve at that batch size (``runtimes.vllm.curve``), K = 0 (no drafting) wherever no K beats
-the target alone by ``MARGINAL`` (``main_job.recommend.vllm_batch_picks`` tunes them).
+"""What to set in vLLM for a pair on this machine: ``num_speculative_tokens`` at batch 1 and
+``num_speculative_tokens_per_batch_size``, each K tuned under vLLM's own curve at that batch size, K = 0 where none
+beats the target alone by ``MARGINAL``.
 
-At B concurrent requests every request runs the same K each step and a step costs ``K * draft + target(K + 1)`` at
-batch B; each request's rounds are replayed over the labelled draft tokens (the replay of every runtime's rule), so a
-batch's tokens/s is B times a sequence's and the speedup over the target alone is the sequence's (the ragged end of a
-batch, where requests finish at different steps, is left out).
+Each K is priced with the acceptance vLLM measured on validation prompts where the curve file holds it (a step of K
+drafts yields ``1 + S(1) + ... + S(K)`` tokens a request), else by replaying the labelled data; why the measured one
+is preferred: docs/vllm.md.
 
-Where vLLM's curve file also holds the acceptance vLLM itself measured on validation prompts (``ACCEPTANCE`` in its
-``extra``: ``runtimes.vllm.curve.measure_vllm_acceptance``), :func:`acceptance_picks` prices each K with it instead:
-with S(j) the share of vLLM's draft rounds whose first j drafts were all accepted, a step of K drafts yields
-``1 + S(1) + ... + S(K)`` tokens a request. The labelled data's tokens come from another mix (rollouts from prefixes
-of several origins, drafted by specstop's int8 draft) whose acceptance can sit far from what vLLM's bfloat16 draft
-meets on a user's prompts; vLLM's own counters on the validation prompts are the closer estimate.
-
-Usage::
-
-    picks = acceptance_picks(curves[1].extra[ACCEPTANCE]["survival"], curves)   # vLLM's acceptance
-    picks = vllm_batch_picks(load_columns("outputs/default/data", ["val", "test"]), curves)
-    print("\\n".join(paste_lines(picks, "DRAFT", max_num_seqs=8)))
+Usage: .venv-vllm/bin/python -m pipelines.recommend --data_dir outputs/default/data --runtime vllm
 """
 from __future__ import annotations
 
@@ -33,14 +20,15 @@ __all__ = ["BatchPick", "ACCEPTANCE", "MARGINAL", "measured_survival", "acceptan
            "paste_lines"]
 
 MARGINAL = 1.15
-"""The predicted speedup a K must reach to be recommended over the target alone: a step's price on a shared 2-core
-CPU is off by up to about 7% (the vLLM benchmark's replay check) and a speedup is the ratio of two such prices, so a
-smaller predicted gain is inside the curve's error, while the target alone risks nothing. The fastest K is still kept
-(``best_k``) for the schedule."""
+"""Predicted speedup a K must reach to be recommended over the target alone: a step's price on a shared 2-core CPU is
+off
+by up to ~7%, so a smaller gain is inside the curve's error.
+"""
 
 ACCEPTANCE = "vllm_acceptance"
-"""Key in a vLLM curve's ``extra``: ``{"survival": [S(1), ..., S(K)], "drafts": n, "k": K, "prompts": n, "split":
-"val"}``, measured by vLLM's counters on validation prompts."""
+"""Key in a vLLM curve's ``extra``: ``{"survival": [S(1), ..., S(K)], "drafts", "k", "prompts", "split"}`` from vLLM's
+counters on validation prompts.
+"""
 
 
 @dataclass(frozen=True)
@@ -51,30 +39,33 @@ class BatchPick:
     k: int
     """num_speculative_tokens (0: do not speculate at this batch size)."""
     val_speedup: float
-    """The tuned K's replayed speedup over the target alone on the validation split (at this batch's curve)."""
+    """The tuned K's replayed speedup over the target alone on validation, at this batch's curve."""
     test_speedup: float
     """The same K on the test split (1.0 for K = 0)."""
     best_k: int
     """The fastest K on validation, even where it does not beat the target alone."""
     source: str = "replay"
-    """``replay`` (the labelled data's validation split replayed) or ``vllm acceptance`` (priced with the acceptance
-    vLLM measured on validation prompts: both speedups are that prediction)."""
+    """``replay`` (the labelled validation split replayed) or ``vllm acceptance`` (priced with vLLM's measured
+    acceptance).
+    """
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def measured_survival(cm: CostModel, mode: str = "greedy") -> list[float] | None:
-    """S(1..K) of the acceptance vLLM measured on validation prompts, kept in its curve's ``extra`` (``ACCEPTANCE``);
-    None where it was not measured, or for ``mode`` other than greedy (it was measured greedy)."""
+    """S(1..K) of vLLM's measured acceptance from its curve's ``extra``; None where not measured or ``mode`` is not
+    greedy.
+    """
     measured = cm.extra.get(ACCEPTANCE)
     return list(measured["survival"]) if measured and mode == "greedy" else None
 
 
 def acceptance_picks(survival: Sequence[float], curves: Mapping[int, CostModel]) -> list[BatchPick]:
-    """K per batch size priced with vLLM's measured acceptance (see the module docstring): the K with the most
-    tokens/s against the target alone's step, 0 where none is predicted at least ``MARGINAL`` times as fast; K up to
-    ``len(survival)`` and to the longest verification the curve measured."""
+    """K per batch size priced with vLLM's measured acceptance: the most tokens/s against the target alone's step, 0
+    where
+    none reaches ``MARGINAL``; K bounded by ``survival`` and the curve.
+    """
     picks = []
     for b in sorted(curves):
         cm = curves[b]
@@ -89,11 +80,11 @@ def acceptance_picks(survival: Sequence[float], curves: Mapping[int, CostModel])
 
 
 def schedule_ranges(picks: list[BatchPick], max_num_seqs: int) -> tuple[tuple[int, int, int], ...]:
-    """``num_speculative_tokens_per_batch_size``: each measured batch size's K from it up to the next one's (the
-    last up to ``max_num_seqs``), neighbours with the same K merged; the first range starts at 1. Where no K pays, the
-    range takes the best K (``best_k``, at least 1), not 0: in vLLM 0.32.0 a step scheduled with K = 0 still runs the
-    draft model's forward over the accepted tokens (it keeps the draft's KV cache in step), measured slower at
-    4 concurrent requests than K = 1 (docs/vllm.md); the target alone is the answer there, without speculation."""
+    """``num_speculative_tokens_per_batch_size``: each batch size's K up to the next one's (the last to
+    ``max_num_seqs``),
+    equal neighbours merged. Where no K pays the range takes ``best_k``, not 0: vLLM 0.32.0 still runs the draft's
+    forward at K = 0, slower than K = 1 (docs/vllm.md).
+    """
     ranges: list[list[int]] = []
     ordered = sorted(picks, key=lambda p: p.batch)
     for i, p in enumerate(ordered):
