@@ -55,7 +55,12 @@ class DecodeStats(RoundCounts):
 
     @classmethod
     def from_dict(cls, d: dict) -> DecodeStats:
-        """Stats from their ``dataclasses.asdict`` form."""
+        """Stats from their ``dataclasses.asdict`` form; ValueError naming the fields this version does not hold (a
+        file written by an older version: measure it again)."""
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"decode stats with fields {unknown} that this version does not hold (written by an older "
+                             "version; run it again into a new out_dir)")
         return cls(**d)
 
     @property
