@@ -1,11 +1,10 @@
-"""The bfloat16 GEMM of the packed-bf16 path: y = x W^T with fp32 accumulation, batch-invariant, one native kernel
-per ISA (``csrc/bf16_gemm.cpp``: AVX512-BF16 and AMX tiles; ``csrc/bf16_gemm_avx2.cpp``: AVX2 + FMA).
+"""The bfloat16 GEMM of the packed-bf16 path: y = x W^T with fp32 accumulation, batch-invariant, one native kernel per
+ISA (``csrc/bf16_gemm.cpp``: AVX512-BF16 and AMX tiles; ``csrc/bf16_gemm_avx2.cpp``: AVX2 + FMA).
 
-Up to 16 rows stream the weights once, and each output is the same chain over K whatever the row count, so a row has
-the same bits alone or in a verification forward (oneDNN re-reads the weights past ~6 rows, and has no bf16 pack on
-AVX2). The kernels sum in other orders, so a process uses one for all its packs and records which (:func:`gemm_name`);
-a pack is multiplied by the kernel that made it. ISA choice and ``SPECSTOP_ISA`` / ``SPECSTOP_AMX``:
-docs/compute-path.md.
+Up to 16 rows stream the weights once, and each output is the same chain over K whatever the row count, so a row has the
+same bits alone or in a verification forward (oneDNN re-reads the weights past ~6 rows, and has no bf16 pack on AVX2).
+The kernels sum in other orders, so a process uses one for all its packs and records which (:func:`gemm_name`); a pack
+is multiplied by the kernel that made it. ISA choice and ``SPECSTOP_ISA`` / ``SPECSTOP_AMX``: docs/compute-path.md.
 
 Usage::
 
@@ -38,9 +37,7 @@ _EXTS = {
 
 def isa() -> str:
     """The ISA specstop's kernels run on in this process: ``SPECSTOP_ISA`` when set, else the best the CPU has
-    (``avx512``,
-    ``avx2``) or ``none``; ValueError for an ISA unknown or missing on this CPU.
-    """
+    (``avx512``, ``avx2``) or ``none``; ValueError for an ISA unknown or missing on this CPU."""
     return _isa(os.environ.get("SPECSTOP_ISA", ""), tuple(cpu.cpu_model()["simd_flags"]), cpu.is_x86())
 
 
@@ -86,9 +83,7 @@ def unavailable_reason(which: str | None = None) -> str:
 
 def chain(which: str | None = None) -> str:
     """The instructions bf16 packs run on with that kernel: ``amx``, ``avx512-bf16``, ``avx2`` or ``none``; decided once
-    per
-    process.
-    """
+    per process."""
     _, ext = _ext(which)
     if ext is None or not available(which):
         return "none"
@@ -121,8 +116,7 @@ def pack(weight: Tensor, which: str | None = None) -> Tensor:
 
 def pack_int8(weight: Tensor, which: str | None = None) -> tuple[Tensor, Tensor]:
     """[N, K] weight -> (int8 pack, fp32 scales [ceil(N / 16) * 16]): each output row symmetric-quantised by ``max|w| /
-    127``, in the ISA's byte order; half the bytes of :func:`pack`, still batch-invariant.
-    """
+    127``, in the ISA's byte order; half the bytes of :func:`pack`, still batch-invariant."""
     return _module("pack_int8", weight, which).pack_int8(weight.detach())
 
 
@@ -146,9 +140,7 @@ def _built(what: str, which: str | None) -> Any:
 def gemm(x: Tensor, packed: Tensor, out_features: int, scale: Tensor | None = None, fp32_out: bool = False,
          which: str | None = None) -> Tensor:
     """[M, K] bf16 rows times a pack of the same ISA (int8 with its ``scale``) -> [M, out_features] bf16, or the fp32
-    sums
-    unrounded with ``fp32_out`` (for LM heads).
-    """
+    sums unrounded with ``fp32_out`` (for LM heads)."""
     mod = _built("gemm", which)
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         x = x.to(torch.bfloat16).contiguous()

@@ -1,10 +1,10 @@
-"""The CPU compute path: a loaded model's large linears run on one prepacked weight (oneDNN's, or specstop's bf16
-GEMM) and its attention on the row-invariant kernel.
+"""The CPU compute path: a loaded model's large linears run on one prepacked weight (oneDNN's, or specstop's bf16 GEMM)
+and its attention on the row-invariant kernel.
 
 A pack made once for every row count keeps a target forward of up to 16 tokens near the cost of one, so verification
-stays cheap; on the packed paths a forward is batch-invariant, so greedy speculative decoding reproduces the path's
-own one-token decoding bit for bit. The paths (``packed-bf16``, ``packed``, ``eager``, ``auto``) and why each piece
-exists: docs/compute-path.md. The names of ``path_choice``, ``packed_layers``, ``row_attention`` and ``precision`` are
+stays cheap; on the packed paths a forward is batch-invariant, so greedy speculative decoding reproduces the path's own
+one-token decoding bit for bit. The paths (``packed-bf16``, ``packed``, ``eager``, ``auto``) and why each piece exists:
+docs/compute-path.md. The names of ``path_choice``, ``packed_layers``, ``row_attention`` and ``precision`` are
 importable from here.
 
 Usage::
@@ -82,8 +82,7 @@ MIN_PACK_ELEMENTS = 1 << 18
 
 def use_row_invariant_attention(model: nn.Module, on: bool = True) -> bool:
     """Switch a packed model's attention to :func:`row_invariant_attention` (``on``) or back to SDPA; returns whether it
-    runs it. A long teacher-forced pass that needs no batch invariance runs faster on SDPA.
-    """
+    runs it. A long teacher-forced pass that needs no batch invariance runs faster on SDPA."""
     cfg = getattr(model, "config", None)
     if compute_path_of(model) == "eager" or cfg is None or not hasattr(model, "set_attn_implementation"):
         return False
@@ -278,8 +277,7 @@ def _pack_or_explain(model: nn.Module, what: str, need: int, pack: Any, *args: A
 
 def _detach_from_file(model: nn.Module) -> None:
     """Copy the remaining weights into the process's own memory, so the safetensors file's mapping (and its resident
-    pages) is released once nothing points into it.
-    """
+    pages) is released once nothing points into it."""
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, PackedLinear):  # its buffers are copies already

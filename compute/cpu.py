@@ -66,9 +66,7 @@ def isas_of(flags: set[str] | list[str]) -> list[str]:
 
 def requested_isa() -> str | None:
     """The kernel ISA ``SPECSTOP_ISA`` asks for, None when unset or ``auto``; ValueError for another value or an ISA
-    this
-    CPU lacks.
-    """
+    this CPU lacks."""
     return _checked_isa(os.environ.get("SPECSTOP_ISA", "").strip().lower(), tuple(cpu_model()["simd_flags"]),
                         cpu_model()["model_name"], is_x86())
 

@@ -1,9 +1,9 @@
-"""The draft statistics of a stop decision in one native call (``csrc/draft_stats.cpp``): entropy, q(token) and top-k
-of softmax(z / T) without materialising the probabilities, and DISCO's score on them.
+"""The draft statistics of a stop decision in one native call (``csrc/draft_stats.cpp``): entropy, q(token) and top-k of
+softmax(z / T) without materialising the probabilities, and DISCO's score on them.
 
-Right after a draft forward every small torch op costs several times its warm cost, so one call with two passes over
-the vocabulary replaces a dozen kernels. Each function returns None where the native path does not apply (not a CPU
-tensor, no compiler, ``SPECSTOP_NATIVE=0``) and callers use the torch ops of ``data_gen.features``.
+Right after a draft forward every small torch op costs several times its warm cost, so one call with two passes over the
+vocabulary replaces a dozen kernels. Each function returns None where the native path does not apply (not a CPU tensor,
+no compiler, ``SPECSTOP_NATIVE=0``) and callers use the torch ops of ``data_gen.features``.
 
 Usage::
 
@@ -39,9 +39,7 @@ def native_available() -> bool:
 
 def draft_stats(logits: Tensor, tokens: Tensor, k: int, temperature: float = 0.0) -> Tensor | None:
     """[..., V] logits, [...] tokens -> [..., 2 + k] float32: entropy, q(token), top-k probabilities of softmax(logits /
-    T)
-    (NaN where a row holds NaN or inf); None when the native path does not apply.
-    """
+    T) (NaN where a row holds NaN or inf); None when the native path does not apply."""
     if logits.device.type != "cpu" or k < 1:
         return None
     mod = _load()
@@ -54,9 +52,7 @@ def draft_stats(logits: Tensor, tokens: Tensor, k: int, temperature: float = 0.0
 
 def greedy_draft_stats(logits: Tensor, k: int, name: str = "draft") -> tuple[Tensor, Tensor] | None:
     """Greedy decoding's draft step: [B, V] logits -> ([B] first argmax, [B, 2 + k] its :func:`draft_stats`) in one
-    call;
-    FloatingPointError naming ``name`` for a non-finite row, None when not native.
-    """
+    call; FloatingPointError naming ``name`` for a non-finite row, None when not native."""
     if logits.device.type != "cpu" or k < 1 or logits.dim() != 2:
         return None
     mod = _load()
@@ -73,9 +69,7 @@ def greedy_draft_stats(logits: Tensor, k: int, name: str = "draft") -> tuple[Ten
 def pair_stats(draft_logits: Tensor, other_logits: Tensor, tokens: Tensor, temperature: float = 0.0
                ) -> tuple[Tensor, Tensor] | None:
     """The draft against another model on the same positions: ([..., 4] the other's p(token), entropy, TV and overlap
-    sum
-    min(p, q); [...] its argmax), no [..., V] temporaries; None when not native.
-    """
+    sum min(p, q); [...] its argmax), no [..., V] temporaries; None when not native."""
     if draft_logits.device.type != "cpu" or other_logits.device.type != "cpu":
         return None
     mod = _load()
@@ -91,9 +85,8 @@ def disco_score(topk: Tensor, scalars: list[Tensor], divisors: list[float], logs
                 weights: tuple[Tensor, Tensor, Tensor, float], prior: tuple[int, float, float],
                 sigmoid: bool = True, hidden: Tensor | None = None, hidden_w: Tensor | None = None) -> Tensor | None:
     """[N] DISCO scores in one native call (``DiscoPolicy.score``): the top-k features through the folded MLP, plus
-    ``prior`` and SPRINTER's ``hidden . hidden_w`` term, through a sigmoid when ``sigmoid``. None when not native or
-    an input is not finite (the torch path then names the column).
-    """
+    ``prior`` and SPRINTER's ``hidden . hidden_w`` term, through a sigmoid when ``sigmoid``. None when not native or an
+    input is not finite (the torch path then names the column)."""
     if topk.device.type != "cpu" or topk.dtype != torch.float32 or topk.dim() != 2:
         return None
     mod = _load()
@@ -116,9 +109,7 @@ def _rows(t: Tensor, v: int) -> Tensor:
 
 def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator | None = None) -> Tensor | None:
     """[..., V] logits -> [...] int64: one draw per row from softmax(logits / temperature) by inversion against block
-    sums;
-    None when not native.
-    """
+    sums; None when not native."""
     if logits.device.type != "cpu" or temperature <= 0:
         return None
     mod = _load()

@@ -39,8 +39,7 @@ _EXTS = {
 
 LAYERS = ("Qwen2DecoderLayer", "LlamaDecoderLayer")
 """Decoder layer classes whose forward the native layer reproduces (pre-norm RMSNorm, rotary q/k, causal attention,
-gated MLP).
-"""
+gated MLP)."""
 
 
 def installed(model: nn.Module) -> int:
@@ -50,9 +49,7 @@ def installed(model: nn.Module) -> int:
 
 def install(model: nn.Module) -> int:
     """Make every qualifying decoder layer of a packed model one native call; returns how many. Install after the
-    weights
-    stop viewing the safetensors file, or the whole mapped file stays resident.
-    """
+    weights stop viewing the safetensors file, or the whole mapped file stays resident."""
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "_attn_implementation", None) != ROW_INVARIANT_ATTENTION:
         return 0
@@ -134,8 +131,7 @@ CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 def _native_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The decoder layer's forward: native when that gives transformers' result, else transformers' own with the same
-    arguments.
-    """
+    arguments."""
     attention_mask = kwargs.get("attention_mask")
     position_embeddings = kwargs.get("position_embeddings")
     past = next((kwargs[k] for k in CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
@@ -155,8 +151,7 @@ def _native_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **
 
 def _native_inputs(layer: nn.Module, h: torch.Tensor, position_embeddings: Any) -> bool:
     """This call is one the native layer computes: inference, fp32 [B, L, H] on the CPU, rotary embeddings given, a
-    native object present.
-    """
+    native object present."""
     if layer.specstop_native is None or position_embeddings is None or layer.training:
         return False
     if h.dtype != torch.float32 or h.device.type != "cpu" or h.dim() != 3:

@@ -17,15 +17,12 @@ __all__ = ["FUSED_GROUPS", "GATED_MLPS", "MIN_ROWS", "FusedLinears", "GatedMLP",
 
 MIN_ROWS = 4
 """Rows a call is zero-padded to on oneDNN's kernels, whose one-row GEMV sums in another order (any value >= 2 keeps a
-forward batch-invariant; 4 is oneDNN's fastest small size).
-"""
+forward batch-invariant; 4 is oneDNN's fastest small size)."""
 
 
 class PackedLinear(nn.Module):
     """``nn.Linear`` for inference whose weight lives once in a kernel's layout (oneDNN's fp32/bf16, or specstop's
-    bf16/int8
-    GEMM); fp32 in and out, each row's bits independent of the row count. No autograd.
-    """
+    bf16/int8 GEMM); fp32 in and out, each row's bits independent of the row count. No autograd."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype, native: bool = False, int8: bool = False,
                  fp32_out: bool = False) -> None:
@@ -111,16 +108,14 @@ class PackedLinear(nn.Module):
 
 
 FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""Sibling linears that read one input (q, k, v; gate, up), packed as one GEMM that reads the input once; the same
-bits as separate layers (tested).
-"""
+"""Sibling linears that read one input (q, k, v; gate, up), packed as one GEMM that reads the input once; the same bits
+as separate layers (tested)."""
 
 
 class FusedLinears:
     """One :class:`PackedLinear` over sibling linears' concatenated weights, each sibling replaced by a
     :class:`PackedSlice`; the GEMM's output is reused until every slice has read its part, and recomputed for another
-    input.
-    """
+    input."""
 
     def __init__(self, linears: list[nn.Linear], dtype: torch.dtype, native: bool = False, int8: bool = False
                  ) -> None:
@@ -177,15 +172,13 @@ class PackedSlice(nn.Module):
 
 GATED_MLPS = ("Qwen2MLP", "Qwen3MLP", "LlamaMLP", "MistralMLP")
 """MLP classes computing ``down_proj(silu(gate_proj(x)) * up_proj(x))``; with gate and up fused they run as
-:class:`GatedMLP`.
-"""
+:class:`GatedMLP`."""
 
 
 class GatedMLP(nn.Module):
     """A gated MLP over a fused gate/up whose silu(gate) * up runs in cache-sized row chunks, in place, into the down
-    GEMM's
-    input: transformers' operations on the same values (same bits, tested) without four passes over large tensors.
-    """
+    GEMM's input: transformers' operations on the same values (same bits, tested) without four passes over large
+    tensors."""
 
     CHUNK_ELEMENTS = 1 << 19
     """Intermediate values per chunk (2 MiB in fp32); rows = CHUNK_ELEMENTS // I."""

@@ -1,7 +1,7 @@
 """Which compute path a device and CPU run (``--models.compute``), and the machine facts a timing or benchmark records.
 
-``auto`` picks the fastest exact path this CPU runs; an explicit path the device or CPU lacks is refused with the
-value that works (the paths: docs/compute-path.md).
+``auto`` picks the fastest exact path this CPU runs; an explicit path the device or CPU lacks is refused with the value
+that works (the paths: docs/compute-path.md).
 
 Usage::
 
@@ -27,9 +27,7 @@ COMPUTE_PATHS = ("auto", "packed", "packed-bf16", "eager")
 
 def cpu_info() -> dict[str, Any]:
     """:func:`compute.cpu.cpu_model`, the torch threads in use now and the instructions specstop's bf16 GEMM runs on
-    here
-    (``bf16_chain``).
-    """
+    here (``bf16_chain``)."""
     model = cpu.cpu_model()
     # a CPU with neither kernel ISA runs no chain: no build of a kernel just to say so (where the flags are unknown, no
     # /proc/cpuinfo, bf16_gemm.isa asks the kernels)
@@ -46,8 +44,7 @@ def native_bf16() -> bool:
 
 def resolve_compute_path(path: str, device: torch.device | str) -> str:
     """The concrete path for ``path`` on ``device``: ``auto`` picks, an explicit path is checked (ValueError naming
-    ``--models.compute`` and the value that works).
-    """
+    ``--models.compute`` and the value that works)."""
     if path not in COMPUTE_PATHS:
         raise ValueError(f"models.compute={path!r}: use one of {', '.join(COMPUTE_PATHS)}")
     dev = torch.device(device)
@@ -71,9 +68,7 @@ def resolve_compute_path(path: str, device: torch.device | str) -> str:
 
 def auto_cpu_path() -> str:
     """The fastest exact path this CPU runs: ``packed-bf16`` on specstop's kernel or oneDNN's bf16, else ``packed``,
-    else
-    ``eager``; anything but specstop's kernel is logged with its reason.
-    """
+    else ``eager``; anything but specstop's kernel is logged with its reason."""
     if not torch.backends.mkldnn.is_available():
         path, why = "eager", "this torch build has no oneDNN"
     elif bf16_gemm.available():

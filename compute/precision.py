@@ -25,8 +25,7 @@ def compute_path_of(model: nn.Module) -> str:
 
 def pack_layout_of(model: nn.Module) -> str:
     """``fused`` (q/k/v and gate/up as one GEMM each), ``per-layer`` or ``eager``; the two packed layouts differ in bits
-    where fusing packs small k/v layers per-layer packing left eager.
-    """
+    where fusing packs small k/v layers per-layer packing left eager."""
     if compute_path_of(model) == "eager":
         return "eager"
     return str(getattr(model, "specstop_pack_layout", "per-layer"))
@@ -65,9 +64,7 @@ def precision_option(key: str, role: str = "draft") -> str:
 
 def gemm_resume_hint(was: str, now: str) -> str | None:
     """How to compute again with the kernel ISA a folder's ``gemm`` names when this process runs another; None when the
-    ISA
-    is not what differs.
-    """
+    ISA is not what differs."""
     wanted = bf16_gemm.isa_of_gemm(was)
     if wanted is None or wanted == bf16_gemm.isa_of_gemm(now) or (now == "onednn" and wanted == bf16_gemm.isa()):
         return None
@@ -83,9 +80,7 @@ def gemm_resume_hint(was: str, now: str) -> str | None:
 
 def precision_diffs(stored: dict, current: dict) -> dict[str, tuple[str, str]]:
     """key -> (stored, current) for each precision field that differs between two fingerprints; nothing when either has
-    no
-    ``compute_path``.
-    """
+    no ``compute_path``."""
     if not stored.get("compute_path") or not current.get("compute_path"):
         return {}
     out = {}
@@ -107,8 +102,7 @@ def precision_diffs(stored: dict, current: dict) -> dict[str, tuple[str, str]]:
 
 def layer_head_dtype(head: nn.Module | None) -> str:
     """What a packed LM head computes in: ``float32``, ``bfloat16`` (oneDNN, logits rounded) or ``bfloat16-fp32-logits``
-    (specstop's kernel, fp32 sums).
-    """
+    (specstop's kernel, fp32 sums)."""
     if not isinstance(head, PackedLinear) or head.pack_dtype != torch.bfloat16:
         return "float32"
     return "bfloat16-fp32-logits" if head.fp32_out else "bfloat16"

@@ -37,8 +37,7 @@ def row_invariant_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention with each query row summed over exactly the keys before it, in an order of its own, so a row has
-    the
-    same bits alone, in a verification forward or in the prompt (SDPA picks kernels by the number of rows).
+    the same bits alone, in a verification forward or in the prompt (SDPA picks kernels by the number of rows).
 
     One native call per layer on the CPU, else one SDPA call per row. Shapes: query [B, H, q, d]; key, value [B, Hkv, T,
     d]; attention_mask None or [B|1, 1, q, T]. Returns ([B, q, H, d], None) as transformers expects.
@@ -73,8 +72,7 @@ ATTENTION = NativeExtension("specstop_row_attention", "row_attention.cpp", "nati
 def _native_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       mask: torch.Tensor | None) -> Any:
     """The native kernel when it applies to these tensors (fp32 CPU, bool or no mask, key and value laid out alike),
-    else None.
-    """
+    else None."""
     if query.device.type != "cpu" or not (query.dtype == key.dtype == value.dtype == torch.float32):
         return None
     if mask is not None and mask.dtype != torch.bool:

@@ -45,14 +45,12 @@ class CostModel:
     """Seconds of one draft decode step (one new token over a KV cache)."""
     target_s: dict[int, float]
     """Seconds of a target forward of L new tokens over a cached prefix, by L >= 1 (interpolated, extrapolated
-    linearly).
-    """
+    linearly)."""
     companion_s_per_token: float = 0.0
     """Seconds of one companion decode step (0 when no companion was measured)."""
     draft_catchup_s: float = 0.0
     """Extra seconds of a draft forward of two tokens over one of one: the catch-up after a round whose drafts were all
-    accepted (on llama.cpp two tokens run other kernels and cost much more); 0 when not measured.
-    """
+    accepted (on llama.cpp two tokens run other kernels and cost much more); 0 when not measured."""
     device: str = "cpu"
     """Device the timings were taken on."""
     dtype: str = "float32"
@@ -69,8 +67,7 @@ class CostModel:
     """Compute path of the target during the timings (``compute.compute_path``)."""
     runtime: str = "specstop"
     """The runtime whose forwards were timed: ``specstop`` (its engine and transformers' ``generate``), ``llamacpp``, or
-    another; pricing one runtime with another's curve warns (:meth:`runtime_mismatch`).
-    """
+    another; pricing one runtime with another's curve warns (:meth:`runtime_mismatch`)."""
     machine: dict[str, Any] = field(default_factory=dict)
     """Where it was measured: CPU model name, SIMD flags, torch version and CPU capability, threads."""
     assumed: bool = False
@@ -114,18 +111,14 @@ class CostModel:
 
     def round_time(self, n_draft: int, n_verify: int | None = None, companion: bool = False) -> float:
         """Seconds of a round that drafts ``n_draft`` tokens and verifies ``n_verify`` of them (default all; SV verifies
-        fewer),
-        with one companion step per drafted token when ``companion``.
-        """
+        fewer), with one companion step per drafted token when ``companion``."""
         n_verify = n_draft if n_verify is None else n_verify
         per_draft = self.draft_s_per_token + (self.companion_s_per_token if companion else 0.0)
         return n_draft * per_draft + self.target_time(n_verify + 1)
 
     def catchup_time(self, pending: int) -> float:
         """Extra seconds of a round's first draft forward when it reads ``pending`` tokens (2 after a round whose drafts
-        were
-        all accepted), each past the first at ``draft_catchup_s``.
-        """
+        were all accepted), each past the first at ``draft_catchup_s``."""
         return max(pending - 1, 0) * self.draft_catchup_s
 
     @property
@@ -135,9 +128,7 @@ class CostModel:
 
     def curve_table(self, floor: bool = False) -> str:
         """The verification curve as text: L, milliseconds, ratio to L = 1; with ``floor``, each figure's memory floor
-        and
-        ratio to it.
-        """
+        and ratio to it."""
         base = self.target_time(1)
         floors = self.floors() if floor else None
         lines = [f"{'L':>3} {'ms':>9} {'x L=1':>7}" + (f" {'floor ms':>9} {'x floor':>8}" if floors else "")]
@@ -162,9 +153,7 @@ class CostModel:
 
     def floors(self) -> dict[str, float] | None:
         """The memory floor of a draft step and of a target forward in seconds (bytes read over the measured bandwidth;
-        the
-        same for every L), None when not measured.
-        """
+        the same for every L), None when not measured."""
         if not all(self.extra.get(k) for k in ("draft_bytes", "target_bytes", "read_bandwidth")):
             return None
         bw = float(self.extra["read_bandwidth"])
@@ -173,8 +162,7 @@ class CostModel:
     def mismatch(self, draft_name: str, target_name: str, compute_path: str | None = None,
                  machine: dict[str, Any] | None = None) -> list[str]:
         """What differs between this measurement and a run with these models, path and machine (empty: none), each entry
-        naming both sides, e.g. ``"target: measured packaged:a, run packaged:b"``.
-        """
+        naming both sides, e.g. ``"target: measured packaged:a, run packaged:b"``."""
         out = []
         for what, mine, theirs in (("draft", self.draft_name, draft_name), ("target", self.target_name, target_name),
                                    ("compute path", self.compute_path, compute_path)):
@@ -191,8 +179,7 @@ class CostModel:
 
     def runtime_mismatch(self, runtime: str) -> str | None:
         """A one-line warning when this curve was measured on another runtime than ``runtime`` (None: it fits; a
-        ``specstop`` curve prices transformers' ``generate`` too).
-        """
+        ``specstop`` curve prices transformers' ``generate`` too)."""
         fits = {self.runtime} | ({"transformers"} if self.runtime == "specstop" else set())
         if runtime in fits:
             return None
@@ -232,9 +219,7 @@ class CostModel:
 
     def with_statistic(self, statistic: str) -> CostModel:
         """The same measurement summarised by ``min``, ``median`` or ``mean`` of its raw timings in ``extra``
-        (ValueError
-        without them).
-        """
+        (ValueError without them)."""
         if statistic not in STATISTICS:
             raise ValueError(f"statistic={statistic!r}: use one of {', '.join(STATISTICS)}")
         raw_t = {int(k.removeprefix("target_raw_s_L")): v for k, v in self.extra.items()
@@ -265,9 +250,8 @@ class CostModel:
 
 def pool_cost_models(models: list[CostModel], statistic: str = "mean") -> CostModel:
     """One curve from several measurements of one pair, their raw timings pooled per length and summarised by
-    ``statistic``
-    (mean: the expected cost on a host whose speed moves; median: a typical step; min: the fastest moment).
-    """
+    ``statistic`` (mean: the expected cost on a host whose speed moves; median: a typical step; min: the fastest
+    moment)."""
     if not models:
         raise ValueError("pool_cost_models: no cost models to pool")
     pooled: dict[str, list[float]] = {}
@@ -286,9 +270,7 @@ def pool_cost_models(models: list[CostModel], statistic: str = "mean") -> CostMo
 
 def assumed_cost_model() -> CostModel:
     """A labelled assumption for when no measured cost model exists: the Qwen2.5-Coder 0.5B / 1.5B pair's CPU fp32
-    figures
-    (150 / 375 ms a token), verification assumed to grow 5% a token.
-    """
+    figures (150 / 375 ms a token), verification assumed to grow 5% a token."""
     base = 0.375
     return CostModel(
         draft_s_per_token=0.150,
@@ -302,8 +284,7 @@ def assumed_cost_model() -> CostModel:
 
 def clock(device: Any) -> float:
     """perf_counter after the device finished its queued work: the one timer of the cost model, the engine and the
-    benchmark.
-    """
+    benchmark."""
     if getattr(device, "type", str(device)).startswith("cuda"):
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -340,9 +321,7 @@ def _catchup(one: list[float], two: list[float], statistic: str) -> float:
 
 def _monotone(lengths: list[int], times: list[float]) -> list[float]:
     """Lower monotone envelope T(L) = min over L' >= L: a shorter pass timed slower than a longer one met load from
-    other
-    processes, so it takes the longer one's time.
-    """
+    other processes, so it takes the longer one's time."""
     order = np.argsort(lengths)
     t = np.asarray(times, dtype=np.float64)[order]
     env = np.minimum.accumulate(t[::-1])[::-1]
@@ -365,8 +344,7 @@ def _curve(raw: dict[int, list[float]], statistic: str) -> dict[int, float]:
 
 def _time_head(model: Any, repeats: int, statistic: str) -> tuple[float, list[float]]:
     """Seconds of a model's final norm and LM head on one hidden state: the step of a companion that shares the draft's
-    layers.
-    """
+    layers."""
     p = next(model.parameters())
     h = torch.randn(1, 1, int(model.config.hidden_size), generator=torch.Generator().manual_seed(0)).to(p.device)
     norm, head = model.get_decoder().norm, model.get_output_embeddings()
@@ -471,9 +449,7 @@ def _name(model: Any) -> str:
 def _time_companion(companion: Any, draft: Any, prompt: Any, steps: int, repeats: int, statistic: str,
                     extra: dict[str, Any]) -> float:
     """Seconds of a companion's step (raw timings into ``extra``): its head alone when it shares the draft's layers,
-    else
-    its own decode step; 0 without one.
-    """
+    else its own decode step; 0 without one."""
     if companion is None:
         return 0.0
     if shared_depth(companion, draft):
@@ -488,9 +464,7 @@ def _time_companion(companion: Any, draft: Any, prompt: Any, steps: int, repeats
 def _time_target(target: Any, prompt: Any, lengths: list[int], repeats: int, vocab: int, g: torch.Generator
                  ) -> dict[int, list[float]]:
     """Raw seconds of a target forward of L new tokens over the cached prompt, by L; the lengths interleaved so load
-    spikes
-    spread over all of them.
-    """
+    spikes spread over all of them."""
     dev = prompt.device
     cache = prefill(target, prompt)
     prompt_len = prompt.shape[1]
@@ -509,8 +483,7 @@ def _time_target(target: Any, prompt: Any, lengths: list[int], repeats: int, voc
 
 def forward_bytes(model: nn.Module) -> int:
     """Bytes of weights a one-token forward of ``model`` reads: every parameter and buffer once, but one row of an input
-    embedding the head does not share; the KV cache left out.
-    """
+    embedding the head does not share; the KV cache left out."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     lookup = {id(t) for t in emb.parameters()} if emb is not None else set()
@@ -529,8 +502,7 @@ _PROBE = NativeExtension("specstop_read_bandwidth", "read_bandwidth.cpp", "nativ
 
 def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
     """Bytes per second this machine reads from memory on torch's threads: the fastest of ``repeats`` reads of a ``mib``
-    MiB buffer by the native probe, or by torch's ``amax`` (slower, so its floor is too low).
-    """
+    MiB buffer by the native probe, or by torch's ``amax`` (slower, so its floor is too low)."""
     x = torch.ones(mib * 2**20, dtype=torch.int8)
     probe = _PROBE.module()
     if probe is not None:

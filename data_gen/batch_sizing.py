@@ -43,8 +43,7 @@ MEMORY_SHARE = 0.5
 """Share of the memory available at the start that one batch's caches, states and activations may take."""
 SLOW_READ_BYTES_S = 24e9
 """Read bandwidth (bytes/s) under which the progress says memory sets the generator's pace (2-core EPYC hosts: 26-57
-GB/s, a 2-core Xeon 19.2 GB/s).
-"""
+GB/s, a 2-core Xeon 19.2 GB/s)."""
 
 T = TypeVar("T")
 
@@ -52,8 +51,7 @@ T = TypeVar("T")
 @dataclass
 class BatchChoice:
     """The resolved rollout batch, the line saying why, and the probe's curve (rows -> seconds of a draft + target
-    step).
-    """
+    step)."""
 
     size: int
     reason: str
@@ -62,8 +60,7 @@ class BatchChoice:
 
 def recorded_gen_batch(out_dir: Path, data_config: dict) -> int | None:
     """The ``gen_batch_size`` a folder of this data config was generated with, None for a new folder or another config;
-    read before the run rewrites ``config.json``.
-    """
+    read before the run rewrites ``config.json``."""
     path = Path(out_dir) / CONFIG_FILE
     if not path.is_file():
         return None
@@ -85,8 +82,7 @@ def record_gen_batch(out_dir: Path, size: int) -> None:
 
 def resolve_gen_batch(cfg: GenerateConfig, models: LabelModels, recorded: int | None = None) -> GenerateConfig:
     """``cfg`` with an integer ``gen_batch_size``: the configured one, the folder's recorded one, or the probe's choice;
-    logs the value and why once.
-    """
+    logs the value and why once."""
     if cfg.gen_batch_size != AUTO:
         return cfg
     if recorded is not None:
@@ -115,8 +111,7 @@ def choose_batch(cfg: GenerateConfig, models: LabelModels, rows: tuple[int, ...]
 def pick_batch(curve: dict[int, float], ratio: float = STEP_RATIO, floor: int = FLOOR_BATCH,
                cap: int | None = None) -> int:
     """The largest batch of ``curve`` whose step costs at most ``ratio`` x the smallest's, at least ``floor``, at most
-    ``cap``.
-    """
+    ``cap``."""
     if not curve:
         raise ValueError("pick_batch needs a step curve with at least one batch size")
     base = curve[min(curve)]
@@ -128,9 +123,7 @@ def pick_batch(curve: dict[int, float], ratio: float = STEP_RATIO, floor: int = 
 def step_curve(models: LabelModels, rows: tuple[int, ...] = CANDIDATES, context: int = PROBE_CONTEXT,
                steps: int = PROBE_STEPS) -> dict[int, float]:
     """Seconds of one draft step plus one target step at each batch of ``rows`` over ``context`` cached tokens a row
-    (the
-    fastest of ``steps``).
-    """
+    (the fastest of ``steps``)."""
     draft = _model_steps(models.draft, rows, context, steps)
     target = _model_steps(models.target, rows, context, steps)
     return {r: draft[r] + target[r] for r in rows}
@@ -139,9 +132,7 @@ def step_curve(models: LabelModels, rows: tuple[int, ...] = CANDIDATES, context:
 @torch.inference_mode()
 def _model_steps(model: nn.Module, rows: tuple[int, ...], context: int, steps: int) -> dict[int, float]:
     """Seconds of one decoding step of ``model`` at each batch of ``rows``, the sizes interleaved so load spreads over
-    all,
-    made non-decreasing in rows.
-    """
+    all, made non-decreasing in rows."""
     dev = next(model.parameters()).device
     vocab = int(model.config.vocab_size)
     g = torch.Generator().manual_seed(0)
@@ -164,8 +155,7 @@ def _model_steps(model: nn.Module, rows: tuple[int, ...], context: int, steps: i
 
 def row_bytes(model: nn.Module, width: int) -> int:
     """Peak bytes one row of ``width`` tokens holds in a forward of ``model``: KV cache, kept states, transient
-    activations.
-    """
+    activations."""
     c = model.config
     layers, hidden = int(c.num_hidden_layers), int(c.hidden_size)
     heads = int(c.num_attention_heads)
@@ -178,8 +168,7 @@ def row_bytes(model: nn.Module, width: int) -> int:
 
 def available_bytes(device: torch.device) -> int | None:
     """Memory free for new allocations on ``device`` (``MemAvailable`` on the CPU, CUDA free memory), None if
-    unreadable.
-    """
+    unreadable."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     try:
@@ -194,8 +183,7 @@ def available_bytes(device: torch.device) -> int | None:
 
 def memory_cap(cfg: GenerateConfig, models: LabelModels, share: float = MEMORY_SHARE) -> int:
     """The most rows a batch may hold: ``share`` of available memory over a row of the longest sequence in draft and
-    target.
-    """
+    target."""
     width = cfg.max_prompt_tokens + max(cfg.prefix_tokens[1], (cfg.text_tokens or (0, 0))[1]) + cfg.rollout_len
     free = available_bytes(next(models.draft.parameters()).device)
     if free is None:
@@ -214,9 +202,7 @@ def out_of_memory(error: BaseException) -> bool:
 
 def fitting(cfg: GenerateConfig, run: Callable[[GenerateConfig], T], what: str) -> tuple[T, GenerateConfig]:
     """``run(cfg)``, retried with half the batch after each allocation failure (said in one line); returns the result
-    and the
-    config it ran with.
-    """
+    and the config it ran with."""
     while True:
         try:
             return run(cfg), cfg
@@ -233,9 +219,7 @@ def fitting(cfg: GenerateConfig, run: Callable[[GenerateConfig], T], what: str) 
 
 def read_bandwidth_note(bandwidth: float | None, threshold: float = SLOW_READ_BYTES_S) -> str | None:
     """One line for the progress when the host reads memory slowly (each step reads every weight, so memory sets the
-    pace),
-    else None.
-    """
+    pace), else None."""
     if not bandwidth or bandwidth >= threshold:
         return None
     return (f"this host reads memory at {bandwidth / 1e9:.1f} GB/s on {torch.get_num_threads()} threads (under "

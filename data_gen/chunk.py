@@ -74,8 +74,7 @@ def produce_chunk(
     on_step: StepCallback | None = None,
 ) -> tuple[dict[str, list], ChunkStats]:
     """Plan, generate and label the sequences of one chunk of prompts; returns its records and cost accounting.
-    ``on_step`` is a heartbeat after each batch and takes no part in the records.
-    """
+    ``on_step`` is a heartbeat after each batch and takes no part in the records."""
     ctx = ChunkContext(cfg, models, rendered, tok.pad_token_id, tok.eos_token_id, on_step=on_step)
     torch.manual_seed(cfg.seed * 100_003 + chunk)
     plans = plan_chunk(ctx, tok, prompts, chunk_indices)
@@ -107,8 +106,7 @@ def plan_chunk(ctx: ChunkContext, tok, prompts: list, chunk_indices: list[int]) 
 
 def target_continuations(ctx: ChunkContext, plans: list[Planned]) -> list[tuple[CachedPass, list[Planned]]]:
     """The target's continuations, in batches of similar length, with each batch's pass (whose cache the rollouts are
-    fed
-    to later).
+    fed to later).
 
     In greedy decoding exact speculative decoding emits the target's greedy continuation token for token, so spec
     trajectories are made here too, batched, instead of one assisted generation per prompt. The pass over the prompt is
@@ -131,9 +129,7 @@ def target_continuations(ctx: ChunkContext, plans: list[Planned]) -> list[tuple[
 
 def sampled_spec_trajectories(ctx: ChunkContext, plans: list[Planned]) -> None:
     """With sampling, each spec-origin prefix is a real assisted-generation trajectory, one prompt at a time (greedy
-    ones
-    come from :func:`target_continuations`).
-    """
+    ones come from :func:`target_continuations`)."""
     cfg, st = ctx.cfg, ctx.stats
     if cfg.temperature == 0:
         return
@@ -148,16 +144,13 @@ def sampled_spec_trajectories(ctx: ChunkContext, plans: list[Planned]) -> None:
 
 def _device(ctx: ChunkContext) -> torch.device:
     """The models' device, where a chunk's seeded random streams live (``torch.multinomial`` draws on its input's
-    device).
-    """
+    device)."""
     return next(ctx.models.draft.parameters()).device
 
 
 def draft_side(ctx: ChunkContext, plans: list[Planned], chunk: int) -> None:
     """The draft's side, one pass a sequence: its states over the prefix, then its own tokens decoded from that cache (m
-    + L
-    for the draft origin, L for the others), reused by labelling.
-    """
+    + L for the draft origin, L for the others), reused by labelling."""
     cfg, st, eos, L = ctx.cfg, ctx.stats, ctx.eos, ctx.cfg.rollout_len
     rng = torch.Generator(device=_device(ctx)).manual_seed(cfg.seed * 104_729 + chunk)
     todo = sorted(plans, key=lambda p: len(ctx.rendered[p.prompt_index]) + len(p.cont))
@@ -181,8 +174,7 @@ def draft_side(ctx: ChunkContext, plans: list[Planned], chunk: int) -> None:
 
 def feed_target_rollouts(ctx: ChunkContext, target_runs: list[tuple[CachedPass, list[Planned]]]) -> None:
     """The draft's rollouts of target-written sequences fed through the target's continuation caches (no second prefix
-    pass).
-    """
+    pass)."""
     for run, group in target_runs:
         run.feed([p.rollout for p in group])
         for r, p in enumerate(group):
@@ -194,8 +186,7 @@ def feed_target_rollouts(ctx: ChunkContext, target_runs: list[tuple[CachedPass, 
 def sequence_specs(cfg: GenerateConfig, prompts: list, rendered: list[list[int]],
                    plans: list[Planned]) -> list[SequenceSpec]:
     """The sequences to label: prompt + continuation + rollout, with their segments (the continuation with
-    ``label_prefix``) and the states the models computed already.
-    """
+    ``label_prefix``) and the states the models computed already."""
     seqs: list[SequenceSpec] = []
     for p in plans:
         prompt = prompts[p.prompt_index]
@@ -251,8 +242,7 @@ def _charge_by_origin(st: ChunkStats, group: list[Planned], conts: list[list[int
 def _charge_labelling(st: ChunkStats, group: list[Planned], rendered: list[list[int]], role: str,
                       seconds: float) -> None:
     """Count a CachedPass's prefix pass and fed tokens as ``role``'s labelling time, split over origins by prompt
-    length.
-    """
+    length."""
     st.label_seconds[role] += seconds
     width = sum(len(rendered[p.prompt_index]) for p in group) or 1
     for p in group:
@@ -261,9 +251,7 @@ def _charge_labelling(st: ChunkStats, group: list[Planned], rendered: list[list[
 
 def cut_to_budget(records: dict[str, list], limit: int) -> dict[str, list]:
     """The first whole positions of a chunk's records within ``limit`` records: both draws of a position are kept or
-    dropped
-    together.
-    """
+    dropped together."""
     first: dict[tuple, int] = {}
     rank = [first.setdefault(key, len(first)) for key in zip(records["seq_id"], records["prefix_len"])]
     sizes = Counter(rank)

@@ -45,8 +45,7 @@ class ModelsConfig:
     """
     int8_draft: bool = True
     """On specstop's kernel, draft and companion weights as int8 with per-channel scales, half a draft step's bytes; the
-    target keeps bf16 (recorded as ``weights``).
-    """
+    target keeps bf16 (recorded as ``weights``)."""
 
     def spec(self, name: str, role: str = "target") -> ModelSpec:
         """The ModelSpec of ``name`` loaded as ``role`` (draft, target or companion)."""
@@ -103,9 +102,7 @@ class GenerateConfig:
     """Prompts per chunk; one shard per chunk (the unit of resume)."""
     gen_batch_size: int | str = AUTO
     """Sequences decoded together in a batch, or ``auto`` (``data_gen.batch_sizing``); not part of the data config,
-    since
-    it changes rounding, not records.
-    """
+    since it changes rounding, not records."""
     label_batch_tokens: int = 4096
     """Padded tokens (batch x longest) per labelling pass; halved with the batch when a pass does not fit."""
     split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)

@@ -29,8 +29,7 @@ class ContinuationStats:
 
 def branch_offsets(records: dict[str, list], draw: str = "greedy") -> list[int]:
     """Offsets where the ``draw`` record fails greedy match, and the end: where a greedy decoder's draft leaves the
-    continuation.
-    """
+    continuation."""
     rows = [(o, m) for o, m, d, r in zip(records["offset"], records["greedy_match"], records["draw"],
                                          records["rollout"]) if d == draw and not r]
     return sorted({o for o, m in rows if not m} | {len(rows)})
@@ -39,9 +38,7 @@ def branch_offsets(records: dict[str, list], draw: str = "greedy") -> list[int]:
 def draft_rollouts(draft: PreTrainedModel, prefixes: list[list[int]], length: int, *, pad_token_id: int,
                    batch_size: int = 8) -> list[list[int]]:
     """The draft's greedy continuation of ``length`` tokens after each prefix, not stopped at EOS (a decoder's draft
-    drafts
-    on past one), in batches.
-    """
+    drafts on past one), in batches."""
     out: list[list[int]] = []
     for group in batches(prefixes, batch_size):
         conts, _ = continue_batch(draft, group, [length] * len(group), pad_token_id=pad_token_id, eos_token_id=[])
@@ -67,8 +64,7 @@ def label_continuation(
 ) -> tuple[dict[str, list], ContinuationStats]:
     """Records of origin ``target`` along ``continuation``, labelled teacher-forced as a target-origin prefix, plus with
     ``branches`` a ``rollout_len``-token draft rollout from every branch point (same ``seq_id``), which the replay
-    follows past a round's first mismatch. Needs greedy data; returns (record columns, stats).
-    """
+    follows past a round's first mismatch. Needs greedy data; returns (record columns, stats)."""
     if not prompt or not continuation:
         raise ValueError(f"{sample_id}: label_continuation needs a non-empty prompt and continuation")
     if branches and opts.temperature > 0:

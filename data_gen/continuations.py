@@ -1,5 +1,5 @@
-"""Sequential generation the labelling needs: batched draft / target continuations with transformers' ``generate``,
-and speculative-decoding trajectories with its assisted generation (batch 1).
+"""Sequential generation the labelling needs: batched draft / target continuations with transformers' ``generate``, and
+speculative-decoding trajectories with its assisted generation (batch 1).
 
 Usage: ``conts, stats = continue_batch(model, prompts, max_new_tokens=[64, 32], pad_token_id=0, eos_token_id=2)``
 """
@@ -64,8 +64,7 @@ def continue_batch(
     top_p: float = 1.0,
 ) -> tuple[list[list[int]], GenStats]:
     """Continue each prompt with ``model`` (left-padded batch) up to its own ``max_new_tokens``; returns (new tokens per
-    prompt cut at EOS, stats).
-    """
+    prompt cut at EOS, stats)."""
     out: list[list[int]] = [[] for _ in prompts]
     todo = [i for i, n in enumerate(max_new_tokens) if n > 0]
     stats = GenStats()

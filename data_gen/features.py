@@ -1,5 +1,5 @@
-"""The one feature function shared by data generation and decoding: every per-token input a predictor sees and every
-raw label quantity comes from :func:`token_features`.
+"""The one feature function shared by data generation and decoding: every per-token input a predictor sees and every raw
+label quantity comes from :func:`token_features`.
 
 The labeller calls it with target logits over whole sequences, the engine without them on each drafted token, so a
 predictor sees the same features in training and in decoding (tested). On a CPU without a nucleus cut the softmax
@@ -28,9 +28,7 @@ TARGET_COLUMNS = ("p", "accept_prob", "target_argmax", "greedy_match", "tv")
 
 def probs_from_logits(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0) -> Tensor:
     """[..., V] float32 probabilities of the distribution a model samples from: softmax(logits / temperature)
-    (temperature
-    0: greedy, softmax(logits)), cut to the ``top_p`` nucleus and renormalised.
-    """
+    (temperature 0: greedy, softmax(logits)), cut to the ``top_p`` nucleus and renormalised."""
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
@@ -47,9 +45,7 @@ def probs_from_logits(logits: Tensor, temperature: float = 1.0, top_p: float = 1
 
 def probs_and_entropy(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0) -> tuple[Tensor, Tensor]:
     """(:func:`probs_from_logits`, [...] their entropy); without a nucleus cut the entropy is log s - sum p (z - m),
-    with
-    log s = -log max p, which skips log_softmax's pass over the vocabulary.
-    """
+    with log s = -log max p, which skips log_softmax's pass over the vocabulary."""
     probs = probs_from_logits(logits, temperature, top_p)
     if top_p < 1.0:
         return probs, entropy(probs)
@@ -64,9 +60,7 @@ def probs_and_entropy(logits: Tensor, temperature: float = 1.0, top_p: float = 1
 
 def topk_values(x: Tensor, k: int, block: int = 128) -> Tensor:
     """[..., V] -> [..., k] largest values, descending, as ``torch.topk``: the top-k of the k blocks with the largest
-    maxima,
-    which hold them all; several times faster over a vocabulary. Inputs must be NaN-free.
-    """
+    maxima, which hold them all; several times faster over a vocabulary. Inputs must be NaN-free."""
     v = x.shape[-1]
     k = min(int(k), v)
     if v < 16 * block or k > 64:
@@ -173,9 +167,7 @@ def _add_target_columns(out: dict[str, Tensor], draft_logits: Tensor, target_log
 
 def _check_finite(name: str, t: Tensor) -> None:
     """FloatingPointError naming the model when ``t`` holds NaN or inf: one reduction instead of a [..., V] bool mask
-    (finite
-    LM logits cannot overflow an fp32 sum).
-    """
+    (finite LM logits cannot overflow an fp32 sum)."""
     if not math.isfinite(t.sum(dtype=torch.float32)):
         raise FloatingPointError(f"{name} logits contain NaN or inf")
 
@@ -184,8 +176,7 @@ def _draft_columns(
     logits: Tensor, tokens: Tensor, k: int, temperature: float, top_p: float, want_entropy: bool, want_topk: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """The torch-ops path (a nucleus cut, a GPU, no native build): (q(token), entropy or None, top-k or None, all
-    probabilities).
-    """
+    probabilities)."""
     if want_entropy:
         q_all, entropy_ = probs_and_entropy(logits, temperature, top_p)
         # without a nucleus cut the entropy is NaN for NaN, +inf or -inf logits (p (z - m) = 0 x -inf): the check

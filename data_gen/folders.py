@@ -1,5 +1,5 @@
-"""What a job checks of its data folders before reading them: the data config that made them, their identity
-(data and model fingerprints), and whether they hold given columns.
+"""What a job checks of its data folders before reading them: the data config that made them, their identity (data and
+model fingerprints), and whether they hold given columns.
 
 Usage: ``ident = data_identity([Path("outputs/default/data")])   # {"data_fingerprint", "records", "draft", ...}``
 """
@@ -17,8 +17,7 @@ __all__ = ["check_same_config", "data_identity", "has_columns"]
 
 def check_same_config(data_dir: Path, gen: GenerateConfig, fp: str) -> None:
     """Refuse a data folder another data config made (unless ``--data.overwrite true``), before any model loads; ``fp``
-    is ``gen``'s fingerprint.
-    """
+    is ``gen``'s fingerprint."""
     f = data_dir / CONFIG_FILE
     if gen.overwrite or not f.is_file() or not any(data_dir.glob(SHARD_GLOB)):
         return

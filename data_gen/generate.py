@@ -92,8 +92,9 @@ def load_pair(draft: str, target: str, **settings: Any) -> tuple[PreTrainedModel
     """Draft, target and their tokenizer loaded as the main job loads them (int8 draft weights and bf16 heads on
     packed-bf16), so an exported predictor runs on the precision it was trained on.
 
-    Usage: ``draft, target, tok = load_pair("packaged:qwen2.5-coder-0.5b-instruct",
-    "packaged:qwen2.5-coder-1.5b-instruct")``
+    Usage::
+
+        draft, target, tok = load_pair("packaged:qwen2.5-coder-0.5b-instruct", "packaged:qwen2.5-coder-1.5b-instruct")
     """
     fields = {f.name for f in dataclasses.fields(ModelsConfig)} - {"draft", "target", "companion"}
     unknown = sorted(set(settings) - fields)
@@ -107,9 +108,7 @@ def load_pair(draft: str, target: str, **settings: Any) -> tuple[PreTrainedModel
 
 def attention_for_labelling(models: LabelModels) -> None:
     """Run the generator's models on SDPA, which is faster on long teacher-forced passes; labels need no batch
-    invariance
-    (call it after measuring the cost model, which must run as decoding does).
-    """
+    invariance (call it after measuring the cost model, which must run as decoding does)."""
     for model in (models.draft, models.target, models.companion):
         if model is not None:
             use_row_invariant_attention(model, False)
@@ -117,9 +116,7 @@ def attention_for_labelling(models: LabelModels) -> None:
 
 def check_same_precision(out_dir: Path, fingerprints: dict[str, dict]) -> None:
     """Refuse to add shards labelled at another precision (compute path, head dtype, pack layout, GEMM, weights) than
-    the
-    folder's, so no folder mixes two (``compute: auto`` may resolve differently on two hosts).
-    """
+    the folder's, so no folder mixes two (``compute: auto`` may resolve differently on two hosts)."""
     stored = read_data_config(out_dir)
     if stored is None or not any(out_dir.glob("shard-*.parquet")):
         return
@@ -154,8 +151,7 @@ def run_generation(cfg: GenerateConfig, rank: int = 0, world_size: int = 1, devi
 
     Each rank takes the chunks congruent to its rank and an even share of the budget. ``progress`` replaces the bar: it
     gets a dict after each shard (``chunk``, ``chunks``, ``records``, ``have``, ``budget``, ``new_records``,
-    ``seconds``)
-    and, with the key ``in_shard``, after each batch inside a shard (with its ``phase``).
+    ``seconds``) and, with the key ``in_shard``, after each batch inside a shard (with its ``phase``).
     """
     out_dir = Path(cfg.out_dir)
     models, tok = load_models(cfg, device)
@@ -216,8 +212,7 @@ def _shard(cfg: GenerateConfig, *, models: LabelModels, tok: PreTrainedTokenizer
 def _sized(cfg: GenerateConfig, models: LabelModels, recorded: int | None, out_dir: Path,
            rank: int) -> GenerateConfig:
     """``cfg`` with the rollout batch resolved (the folder's recorded value, else this host's step curve) and recorded;
-    says in one line when memory sets the pace.
-    """
+    says in one line when memory sets the pace."""
     sized = resolve_gen_batch(cfg, models, recorded)
     if rank != 0:
         return sized
@@ -249,8 +244,7 @@ def _ordered_prompts(cfg: GenerateConfig, tok: PreTrainedTokenizerBase) -> tuple
 def _prepare_folder(cfg: GenerateConfig, models: LabelModels, tok: PreTrainedTokenizerBase, out_dir: Path,
                     rank: int) -> tuple[dict[str, dict], datasets.Features]:
     """Check and prepare ``out_dir`` (rank 0 creates it, the others wait) and measure its cost model once; returns the
-    models' fingerprints and the shards' schema.
-    """
+    models' fingerprints and the shards' schema."""
     resolved = dataclasses.asdict(cfg)
     fingerprints = {"draft": model_fingerprint(models.draft, tok), "target": model_fingerprint(models.target, tok)}
     if models.companion is not None:
@@ -346,9 +340,7 @@ def _fabric_worker(fabric, cfg: GenerateConfig) -> dict:
 
 def generate(cfg: GenerateConfig, progress: Callable[[dict], None] | None = None) -> dict:
     """Run generation on one process, or on ``cfg.devices`` x ``cfg.num_nodes`` Fabric ranks, each writing its own
-    shards
-    (rank 0 summarises); ``progress`` is used on one process only.
-    """
+    shards (rank 0 summarises); ``progress`` is used on one process only."""
     if cfg.devices * cfg.num_nodes <= 1:
         return run_generation(cfg, progress=progress)
     from lightning_fabric import Fabric  # heavy: only a multi-process run needs it

@@ -1,10 +1,10 @@
 """Label draft tokens by parallel passes: draft, target and companion each run once over a whole sequence.
 
-A record depends only on its prefix and the drafted token, so any sequence (a rollout, a continuation, dataset text)
-is labelled by one forward of each model over the padded batch; at position j the logits at j - 1 score the token.
-In a rollout segment the drafted token is ``tokens[j]``; in a teacher-forced one it is drawn from q at j while the
-sequence goes on with ``tokens[j]``. With ``sample_draw`` greedy data also records a token sampled from q at every
-position, at no model cost.
+A record depends only on its prefix and the drafted token, so any sequence (a rollout, a continuation, dataset text) is
+labelled by one forward of each model over the padded batch; at position j the logits at j - 1 score the token. In a
+rollout segment the drafted token is ``tokens[j]``; in a teacher-forced one it is drawn from q at j while the sequence
+goes on with ``tokens[j]``. With ``sample_draw`` greedy data also records a token sampled from q at every position, at
+no model cost.
 
 Usage: ``records, stats = label_sequences(LabelModels(draft, target), seqs, LabelOptions())``
 """
@@ -49,9 +49,7 @@ class SequenceSpec:
     segments: list[Segment]
     states: dict[str, Tensor] = field(default_factory=dict)
     """Role -> that model's final-norm hidden states over the sequence, when it already ran over it
-    (:class:`CachedPass`);
-    its labelling pass then skips the sequence.
-    """
+    (:class:`CachedPass`); its labelling pass then skips the sequence."""
 
 
 @dataclass
@@ -64,9 +62,7 @@ class LabelModels:
 
     def companion_tap(self) -> tuple[int, nn.Module] | None:
         """(layers, final norm) of a companion whose layers are the draft's first N, so its states come from the draft's
-        own
-        pass; None otherwise.
-        """
+        own pass; None otherwise."""
         depth = shared_depth(self.companion, self.draft)
         return (depth, self.companion.get_decoder().norm) if depth and self.companion is not None else None
 
@@ -89,8 +85,7 @@ class LabelOptions:
     """Labelled positions sent through the LM heads at once (bounds the [N, V] logits memory)."""
     sample_draw: bool = False
     """With greedy data: also record a token sampled from q (draw ``sample``) at every labelled position, at no model
-    cost.
-    """
+    cost."""
     min_shared_prefix: int = 16
     """Shortest prefix common to a batch's sequences that is passed once and its KV cache shared; 0 turns sharing off.
     """
@@ -103,17 +98,14 @@ class LabelStats:
     sequences: int = 0
     tokens_passed: int = 0
     """Tokens of the batch (a shared prompt once) each model passes, here or earlier for sequences carrying their
-    states.
-    """
+    states."""
     records: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "target": 0.0, "companion": 0.0})
 
 
 def _body_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, shared: int = 0) -> Tensor:
     """[B, T, H] final-norm hidden states of a causal LM, without the LM head; the first ``shared`` tokens, common to
-    all
-    rows, pass once and their KV cache is repeated over the batch.
-    """
+    all rows, pass once and their KV cache is repeated over the batch."""
     decoder = model.get_decoder()
     if shared <= 0:
         return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
@@ -154,9 +146,7 @@ def label_sequences(
     models: LabelModels, seqs: list[SequenceSpec], opts: LabelOptions, generator: torch.Generator | None = None
 ) -> tuple[dict[str, list], LabelStats]:
     """Label every segment position of ``seqs`` (no segment at 0) with one pass of each model over the right-padded
-    batch;
-    returns (record columns in ``data_gen.schema`` order, stats).
-    """
+    batch; returns (record columns in ``data_gen.schema`` order, stats)."""
     stats = LabelStats(sequences=len(seqs))
     if opts.sample_draw and opts.temperature > 0:
         raise ValueError("sample_draw adds a sampled token beside the argmax one of greedy data; with temperature "
@@ -224,8 +214,7 @@ class _LabelBatch:
 
 def _role_states(model: PreTrainedModel, role: str, batch: _LabelBatch) -> Tensor:
     """[N, H] the ``role`` model's state predicting each labelled row's token: from the states a sequence carries, else
-    one pass over the others.
-    """
+    one pass over the others."""
     seqs, lens = batch.seqs, batch.lens
     need = [b for b, s in enumerate(seqs) if role not in s.states]  # sequences this model has not run over yet
     per_seq: dict[int, Tensor] = {b: s.states[role] for b, s in enumerate(seqs) if role in s.states}
@@ -245,8 +234,7 @@ def _label_rows(
     generator: torch.Generator | None, stats: LabelStats,
 ) -> tuple[dict[str, dict[str, list[Tensor]]], Tensor]:
     """Features of every labelled row, per draw, through the LM heads ``opts.head_chunk`` rows at a time, and [N] the
-    sequence's own token at each row.
-    """
+    sequence's own token at each row."""
     device = batch.ids.device
     feats: dict[str, dict[str, list[Tensor]]] = {d: {} for d in draws}
     seq_tokens = batch.ids[torch.tensor(batch.rows_b, device=device), torch.tensor(batch.rows_j, device=device)]
@@ -282,8 +270,7 @@ def _label_rows(
 def _head_logits(models: LabelModels, hidden: dict[str, Tensor], sl: slice,
                  stats: LabelStats) -> tuple[Tensor, Tensor, Tensor | None]:
     """float32 logits of rows ``sl`` from the draft's, target's and companion's heads, each head's time counted as its
-    model's.
-    """
+    model's."""
     t0 = time.perf_counter()
     d_logits = models.draft.get_output_embeddings()(hidden["draft"][sl]).float()
     stats.seconds["draft"] += time.perf_counter() - t0
@@ -309,8 +296,7 @@ class PassStats:
 
 class CachedPass:
     """A batch of sequences through one model once: a prefix pass, then tokens decoded or fed per row on the same KV
-    cache,
-    every hidden state kept for labelling, so no token goes through the model twice.
+    cache, every hidden state kept for labelling, so no token goes through the model twice.
 
     Usage::
 
@@ -373,9 +359,7 @@ class CachedPass:
     def decode(self, n_new: list[int], *, eos_token_id: int | list[int] | None, temperature: float = 0.0,
                top_p: float = 1.0, generator: torch.Generator | None = None) -> list[list[int]]:
         """Decode up to ``n_new[r]`` tokens of each row's continuation (greedy or sampled), a row stopping at EOS
-        (kept); once,
-        right after the prefix pass.
-        """
+        (kept); once, right after the prefix pass."""
         if len(n_new) != self.batch or any(p is not None for p in self.pending) or len(self._states[0]) > 1:
             raise ValueError("CachedPass.decode runs once, right after the prefix pass, with one count per row")
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
@@ -401,9 +385,7 @@ class CachedPass:
     @torch.no_grad()
     def feed(self, tails: list[list[int]]) -> None:
         """Each row's sequence goes on with ``tails[r]``: one forward over the pending decoded token and the tail but
-        its last
-        token (whose state would score nothing).
-        """
+        its last token (whose state would score nothing)."""
         if len(tails) != self.batch:
             raise ValueError(f"CachedPass.feed needs one token list per row ({self.batch}), got {len(tails)}")
         todo = [([p] if p is not None else []) + list(t[:-1]) if t else [] for p, t in zip(self.pending, tails)]
@@ -438,9 +420,7 @@ def draft_pass(
     tap: tuple[int, nn.Module] | None = None,
 ) -> tuple[list[list[int]], list[Tensor], PassStats, list[Tensor]]:
     """A :class:`CachedPass` decoding ``n_new`` tokens a row: (new tokens, per row its states, stats, the same rows'
-    states
-    of a truncation of the draft, e.g. the companion).
-    """
+    states of a truncation of the draft, e.g. the companion)."""
     run = CachedPass(draft, prefixes, pad_token_id=pad_token_id, tap=tap)
     new = run.decode(n_new, eos_token_id=eos_token_id, temperature=temperature, top_p=top_p, generator=generator)
     n = [len(p) + len(c) - 1 for p, c in zip(prefixes, new)]
@@ -477,8 +457,7 @@ def draw_draft_tokens(
 
 def run_positions(follows: np.ndarray, restart: np.ndarray) -> np.ndarray:
     """Draft position of each token: how many immediately preceding tokens the draft produced (``follows``), restarting
-    where ``restart``.
-    """
+    where ``restart``."""
     pos = np.zeros(len(follows), dtype=np.int32)
     for j in range(1, len(follows)):
         pos[j] = 0 if restart[j] or not follows[j - 1] else pos[j - 1] + 1
@@ -487,9 +466,7 @@ def run_positions(follows: np.ndarray, restart: np.ndarray) -> np.ndarray:
 
 def oracle_lengths(match: np.ndarray, follows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Oracle draft length from each token of one segment (tokens while every one greedy-matches), and whether the end
-    of
-    observation cut it (censored).
-    """
+    of observation cut it (censored)."""
     n = len(match)
     length = np.zeros(n, dtype=np.int32)
     censored = np.zeros(n, dtype=bool)

@@ -1,6 +1,5 @@
 """Plan a chunk's sequences (origins and prefix lengths, deterministic in the seed and prompt id) and cut them into
-generation batches and labelling passes.
-"""
+generation batches and labelling passes."""
 from __future__ import annotations
 
 import zlib
@@ -57,8 +56,7 @@ def batches(items: list, size: int) -> Iterator[list]:
 
 def batches_from_longest(items: list, size: int) -> Iterator[list]:
     """Batches of at most ``size`` of length-sorted ``items`` cut from the longest down: ceil(n / size) batches with the
-    fewest decoding steps.
-    """
+    fewest decoding steps."""
     if items:
         first = len(items) % size or size
         yield items[:first]
@@ -67,8 +65,7 @@ def batches_from_longest(items: list, size: int) -> Iterator[list]:
 
 def label_batches(seqs: list[SequenceSpec], budget_tokens: int) -> list[list[SequenceSpec]]:
     """Pack sequences into labelling passes within ``budget`` tokens, a prompt's sequences together (their prompt passes
-    once), the rest by length.
-    """
+    once), the rest by length."""
     by_prompt: dict[str, list[SequenceSpec]] = defaultdict(list)
     for s in seqs:
         by_prompt[s.sample_id].append(s)

@@ -51,8 +51,7 @@ def heartbeat_default() -> bool:
 
 class Heartbeat:
     """A log line every :data:`HEARTBEAT_S` seconds from a daemon thread while long work runs, with its rate and ETA
-    once
-    :meth:`update` gives them; ``enabled=False`` starts no thread.
+    once :meth:`update` gives them; ``enabled=False`` starts no thread.
 
     Usage::
 
@@ -77,9 +76,7 @@ class Heartbeat:
     def update(self, done: float, total: float | None = None, note: str = "", unit: str | None = None,
                resumed: float | None = None) -> None:
         """Record ``done`` units of ``total`` (kept when None); ``note`` ends the line; ``resumed`` units were read back
-        and
-        stay out of the rate.
-        """
+        and stay out of the rate."""
         self.done = done
         if resumed is not None:
             self.resumed = resumed
@@ -122,9 +119,7 @@ class Heartbeat:
 @dataclass
 class Stage:
     """A running stage: the caller sets ``summary`` (e.g. ``"8 epochs, val AUC 0.66"``) and may set ``records`` (for a
-    rate),
-    ``reused`` or ``resumed``.
-    """
+    rate), ``reused`` or ``resumed``."""
 
     name: str
     summary: str = ""
@@ -144,8 +139,7 @@ class Stage:
 
 class ChainProgress:
     """The bar over the planned ``stages`` and the per-stage summary lines to ``log``; the bar shows only on a terminal
-    unless ``disable`` says, and ``heartbeat`` (default: off a terminal) logs in every stage.
-    """
+    unless ``disable`` says, and ``heartbeat`` (default: off a terminal) logs in every stage."""
 
     def __init__(self, stages: list[str], log: logging.Logger, disable: bool | None = None,
                  heartbeat: bool | None = None) -> None:
@@ -172,9 +166,7 @@ class ChainProgress:
     @contextmanager
     def stage(self, name: str) -> Iterator[Stage]:
         """Run one stage, shown on the bar, its summary logged when it ends; a stage cut by an exception (Ctrl-C too)
-        logs
-        how long it ran and that the same command resumes.
-        """
+        logs how long it ran and that the same command resumes."""
         st = Stage(name, heartbeat=Heartbeat(self.log, f"stage {name}", enabled=self.heartbeat))
         step = f"{self.planned.index(name) + 1}/{len(self.planned)} " if name in self.planned else ""
         self.bar.set_description(f"stage {step}{name}", refresh=False)
@@ -202,8 +194,7 @@ class ChainProgress:
 
     def generation(self, remaining: int | None) -> GenerationMeter:
         """The meter of the generate stage over its data folders (``meter.folder()`` is each folder's callback); with
-        ``remaining`` records the first shard logs the whole budget's ETA.
-        """
+        ``remaining`` records the first shard logs the whole budget's ETA."""
         return GenerationMeter(self, remaining)
 
     def times(self) -> dict[str, float]:
@@ -243,8 +234,7 @@ class GenerationMeter:
 
     def on_shard(self, event: dict) -> None:
         """The generator's callback after each shard (counts since its start); an ``in_shard`` event only moves the
-        heartbeat.
-        """
+        heartbeat."""
         if "in_shard" in event:
             self._beat(self.banked_records + int(event.get("new_records", 0)))
             return

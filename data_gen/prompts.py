@@ -88,8 +88,7 @@ class PromptSourceConfig:
     """Local / hub files: the column holding the prompt (a string or a chat list); default: detected."""
     answer_field: str | None = None
     """Local / hub files: the column holding a reference answer; default: detected, or the assistant turn after the
-    prompt in a chat list.
-    """
+    prompt in a chat list."""
     split: str = "train"
     """Hub datasets: split name."""
     shuffle: bool = False
@@ -194,9 +193,7 @@ def _mtbench() -> Iterator[tuple[int, dict]]:
 
 def iter_json_array(fp: TextIO, stats: dict | None = None, chunk_chars: int = 1 << 20) -> Iterator[Any]:
     """The elements of a top-level JSON array one by one, holding about one chunk in memory and stopping cleanly where
-    the
-    file is cut off (``stats`` gets ``records`` and ``truncated``).
-    """
+    the file is cut off (``stats`` gets ``records`` and ``truncated``)."""
     decoder = json.JSONDecoder()
     buf = fp.read(chunk_chars)
     pos = len(buf) - len(buf.lstrip())
@@ -427,8 +424,7 @@ class TruncationCounter:
 
 def render_prompt(prompt: Prompt, tokenizer, use_chat_template: bool, max_prompt_tokens: int) -> tuple[list[int], bool]:
     """(token ids, truncated) of a prompt: the tokenizer's chat template when ``use_chat_template`` and it has one, else
-    the messages joined by blank lines; left-truncated to ``max_prompt_tokens``.
-    """
+    the messages joined by blank lines; left-truncated to ``max_prompt_tokens``."""
     if max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens={max_prompt_tokens}: use a positive number of tokens")
     if use_chat_template and getattr(tokenizer, "chat_template", None):
@@ -464,9 +460,7 @@ SPLITS = ("train", "val", "test")
 
 def split_of(sample_id: str, fractions: tuple[float, float, float] = (0.8, 0.1, 0.1), seed: int = 0) -> str:
     """``train``, ``val`` or ``test`` for a prompt id, from a hash of (seed, id) against ``fractions``, so every record
-    of a
-    prompt lands in one split.
-    """
+    of a prompt lands in one split."""
     if len(fractions) != 3 or any(f < 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-6:
         raise ValueError(f"fractions={fractions}: give three non-negative train / val / test shares summing to 1")
     digest = hashlib.sha256(f"{seed}:{sample_id}".encode()).digest()
@@ -483,13 +477,11 @@ def fold_splits(
     seed: int = 0, train_fraction: float = 1.0,
 ) -> np.ndarray:
     """Per-record split of grouped k-fold cross-validation over prompts: fold ``fold`` is ``test``, the next ``val``,
-    the
-    rest ``train``.
+    the rest ``train``.
 
     Prompts are dealt to the folds in hash order within each stratum (e.g. the domain), so each prompt is tested once
     over the k folds. With ``train_fraction`` < 1 only that nested share of the training prompts stays ``train``, the
-    rest
-    ``unused`` (a learning curve on the same test and val folds).
+    rest ``unused`` (a learning curve on the same test and val folds).
     """
     if folds < 3:
         raise ValueError(f"folds={folds}: cross-validation needs at least 3 folds (one test, one val, the rest train)")

@@ -1,6 +1,5 @@
-"""The per-draft-token record: column names, meanings and Arrow types of the Parquet shards. Labels are derived
-from the raw columns when read (``predictors.labels``).
-"""
+"""The per-draft-token record: column names, meanings and Arrow types of the Parquet shards. Labels are derived from the
+raw columns when read (``predictors.labels``)."""
 from __future__ import annotations
 
 import datasets
@@ -9,9 +8,8 @@ DRAWS = ("greedy", "sample")
 """How a record's drafted token was drawn from q: argmax (greedy decoding) or a sample (speculative sampling)."""
 
 ORIGINS = ("prompt", "draft", "target", "spec", "text")
-"""Where the tokens before a labelled position come from: the prompt alone, a draft / target / speculative
-continuation, or dataset text (docs/methods.md).
-"""
+"""Where the tokens before a labelled position come from: the prompt alone, a draft / target / speculative continuation,
+or dataset text (docs/methods.md)."""
 
 COLUMNS: dict[str, str] = {
     "sample_id": "prompt id (source:index); splits are by prompt",

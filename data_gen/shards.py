@@ -1,8 +1,8 @@
 """Parquet shards of labelled draft tokens: atomic writes, resume, config guard and summary statistics.
 
 A shard holds one chunk of prompts (``shard-00042.parquet``), so any number of ranks write into one folder and a
-restarted run skips the chunks it has. A partial or unreadable shard is redone; ``complete.json`` lets the main job
-skip a finished folder without loading a model.
+restarted run skips the chunks it has. A partial or unreadable shard is redone; ``complete.json`` lets the main job skip
+a finished folder without loading a model.
 
 Usage: ``writer = ShardWriter(out_dir, features); writer.write(chunk_index, records)``
 """
@@ -91,8 +91,7 @@ def prepare_out_dir(out_dir: Path, data_config: dict, resolved: dict, overwrite:
 
 def wait_for_out_dir(out_dir: Path, data_config: dict, timeout_s: float = 600.0, poll_s: float = 0.2) -> None:
     """A rank other than 0: wait until rank 0 has prepared ``out_dir`` for this config (TimeoutError naming the folder
-    after ``timeout_s``).
-    """
+    after ``timeout_s``)."""
     fp, cfg_file = config_fingerprint(data_config), out_dir / CONFIG_FILE
     deadline = time.monotonic() + timeout_s
     while True:
@@ -109,9 +108,7 @@ def wait_for_out_dir(out_dir: Path, data_config: dict, timeout_s: float = 600.0,
 
 def finished_chunks(out_dir: Path, owns: Callable[[int], bool] | None = None) -> dict[int, int]:
     """Chunk index -> row count of every complete shard; this rank's partial shards are deleted and an unreadable shard
-    is
-    moved aside, so its chunk is generated again.
-    """
+    is moved aside, so its chunk is generated again."""
     for partial in out_dir.glob("*.parquet.tmp"):
         if owns is not None and not owns(int(partial.name.split(".")[0].split("-")[1])):
             continue
@@ -131,9 +128,7 @@ CORRUPT_SUFFIX = ".corrupt"
 
 def set_aside(shard: Path, error: BaseException | str) -> Path | None:
     """Rename an unreadable shard (and its accounting) to ``<name>.corrupt``, logging why; None when another process
-    moved
-    it first.
-    """
+    moved it first."""
     bad = shard.with_name(shard.name + CORRUPT_SUFFIX)
     try:
         os.replace(shard, bad)
@@ -178,8 +173,7 @@ def _shard_sizes(out_dir: Path) -> dict[str, int]:
 
 def mark_complete(out_dir: Path, fingerprint: str, max_records: int | None) -> None:
     """Record that a run of config ``fingerprint`` and budget ``max_records`` finished ``out_dir``, with its shards'
-    names and sizes.
-    """
+    names and sizes."""
     tmp = out_dir / (COMPLETE_FILE + ".tmp")
     tmp.write_text(json.dumps({"fingerprint": fingerprint, "max_records": max_records,
                                "shards": _shard_sizes(out_dir)}, indent=1))
@@ -213,9 +207,7 @@ def data_paths(data: DataPath) -> list[Path]:
 
 def shard_files(data_dir: DataPath) -> list[Path]:
     """The Parquet files of a data folder (``shard-*.parquet``, else any ``*.parquet`` below it, or the file itself), or
-    of
-    each folder of a list: where every reader finds its shards.
-    """
+    of each folder of a list: where every reader finds its shards."""
     if not isinstance(data_dir, (str, Path)):
         return [f for d in data_paths(data_dir) for f in shard_files(d)]
     root = Path(data_dir).expanduser()
@@ -245,8 +237,7 @@ def read_columns(
     data_dir: DataPath, columns: Sequence[str], splits: Sequence[str] | None = None, optional: Sequence[str] = ()
 ) -> dict[str, np.ndarray]:
     """Columns of every shard under ``data_dir`` as numpy arrays (vector columns 2-D), only rows whose ``split`` is in
-    ``splits``; ``optional`` columns only when every folder has them. KeyError naming a missing column.
-    """
+    ``splits``; ``optional`` columns only when every folder has them. KeyError naming a missing column."""
     per_folder = folder_columns(data_dir)
     for folder, names in per_folder.items():
         missing = [c for c in columns if c not in names]
@@ -273,9 +264,7 @@ def read_columns(
 
 def folder_cost(data_dir: Path) -> dict:
     """A folder's cost accounting added up: records and seconds per origin, labelling seconds per model, records cut by
-    the
-    budget, wall seconds, records/s.
-    """
+    the budget, wall seconds, records/s."""
     total: dict = {"shards": 0, "shards_without_cost": 0, "records": 0, "dropped_by_budget": 0, "wall_s": 0.0,
                    "origin": {}, "label_s_by_model": {}}
     for shard in sorted(Path(data_dir).glob(SHARD_GLOB)):

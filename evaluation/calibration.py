@@ -1,8 +1,8 @@
-"""Calibration of every predictor and training-free score: maps fitted outside the test split, their ECE and
-reliability on the test split, and the cost-aware (``goodput``) policies they make.
+"""Calibration of every predictor and training-free score: maps fitted outside the test split, their ECE and reliability
+on the test split, and the cost-aware (``goodput``) policies they make.
 
-A map turns a score into the acceptance a decoding mode uses: greedy match on argmax draws for greedy decoding,
-min(1, p/q) on sampled draws for speculative sampling. A learned predictor's maps are fitted on its out-of-fold scores
+A map turns a score into the acceptance a decoding mode uses: greedy match on argmax draws for greedy decoding, min(1,
+p/q) on sampled draws for speculative sampling. A learned predictor's maps are fitted on its out-of-fold scores
 (:func:`cross_fitted_scores`), since it scores its own training rows too well.
 
 Usage::
@@ -48,8 +48,7 @@ __all__ = ["CalibrationResult", "calibrated_scores", "fit_maps", "cross_fitted_s
 
 def calibrated_scores() -> dict[str, StopPolicy]:
     """The training-free scores that get a calibration map and a ``goodput`` row: top-1 probability, q(x), SVIP's and
-    AdaEDL's bounds.
-    """
+    AdaEDL's bounds."""
     return {"max-prob": MaxConfidence(threshold=0.4), "draft-prob": DraftProb(threshold=0.4),
             "svip": SVIP(h=0.3, gamma=0.15), "adaedl-bound": AdaEDL(lam=0.6, gamma=0.2, online=False)}
 
@@ -65,9 +64,7 @@ def _rows(columns: Mapping[str, Any], mask: np.ndarray) -> dict[str, Any]:
 def fit_maps(policy: StopPolicy, columns: Mapping[str, Any], modes: Sequence[str] = MODES,
              method: str = "auto", scores: np.ndarray | None = None) -> dict[str, Calibrator]:
     """Mode -> map of ``policy``'s score (or the given ``scores``) to that mode's acceptance, fitted on ``columns``; a
-    mode
-    with too few tokens gets none.
-    """
+    mode with too few tokens gets none."""
     maps: dict[str, Calibrator] = {}
     for mode in modes:
         if ("greedy_match" if mode == "greedy" else "accept_prob") not in columns:
@@ -135,8 +132,7 @@ class CalibrationResult:
     """policy name -> mode -> map (fitted outside the test split)."""
     table: pd.DataFrame = field(default_factory=pd.DataFrame)
     """policy, mode, label, method, n, n_fit, mean_label, ece_raw, ece, ece_floor (perfect calibration's ECE by chance),
-    ece_lo / ece_hi (95% over test prompts).
-    """
+    ece_lo / ece_hi (95% over test prompts)."""
     curves: dict[tuple[str, str], dict[str, np.ndarray]] = field(default_factory=dict)
     """(policy, mode) -> reliability bins of the calibrated acceptance on the test split."""
     notes: list[str] = field(default_factory=list)
@@ -146,8 +142,7 @@ def calibrate_policies(policies: Mapping[str, StopPolicy | None], fit_columns: M
                        test_columns: Mapping[str, Any], method: str = "auto", n_bins: int = 15,
                        fit_scores: Mapping[str, np.ndarray] | None = None) -> CalibrationResult:
     """Fit each policy's maps on ``fit_columns`` (or on ``fit_scores``, NaN rows left out) and score them on
-    ``test_columns``; policies that miss columns or do not score are skipped with a note.
-    """
+    ``test_columns``; policies that miss columns or do not score are skipped with a note."""
     res = CalibrationResult()
     rows = []
     for name, pol in policies.items():

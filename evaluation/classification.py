@@ -1,9 +1,9 @@
 """How well each policy's score separates accepted from rejected draft tokens, per label family.
 
-For every scorer (the training-free scores and any policy passed in) and label (greedy match, q/p <= lambda,
-min(1, p/q)): ROC AUC, PR-AUC, F1 at the policy's own and its F1-optimal threshold, bootstrap intervals over prompts,
-a breakdown per origin and domain, the best static length's F1 (DISCO's comparison) and SPRINTER's theorems on the
-data. Soft labels and the formulas: docs/methods.md.
+For every scorer (the training-free scores and any policy passed in) and label (greedy match, q/p <= lambda, min(1,
+p/q)): ROC AUC, PR-AUC, F1 at the policy's own and its F1-optimal threshold, bootstrap intervals over prompts, a
+breakdown per origin and domain, the best static length's F1 (DISCO's comparison) and SPRINTER's theorems on the data.
+Soft labels and the formulas: docs/methods.md.
 
 Usage: ``table = score_table(columns, {"disco": policy}, n_boot=200)``
 """
@@ -108,9 +108,7 @@ def _ap_from_levels(P: np.ndarray, N: np.ndarray) -> float:
 
 def weighted_auc(inv: np.ndarray, n_levels: int, wp: np.ndarray, wn: np.ndarray) -> float:
     """ROC AUC with positive weights ``wp`` and negative weights ``wn`` per row, ties counting one half; ``inv`` is each
-    row's
-    ascending score level. NaN when a class has no weight.
-    """
+    row's ascending score level. NaN when a class has no weight."""
     return _auc_from_levels(np.bincount(inv, wp, n_levels), np.bincount(inv, wn, n_levels))
 
 
@@ -202,9 +200,7 @@ def static_f1(
     columns: Mapping[str, Any], family: str, lam: float = 1.0, max_k: int = 40
 ) -> tuple[int, float, np.ndarray]:
     """DISCO's static-length F1 (length k predicts accept where ``position < k``): (best k, its F1, [max_k] F1 per k);
-    (0,
-    NaN, ...) without positions or positives.
-    """
+    (0, NaN, ...) without positions or positives."""
     if "position" not in columns:
         return 0, float("nan"), np.full(max_k, np.nan)
     y = derive_label(columns, family, lam).astype(np.float64)
@@ -274,8 +270,7 @@ SCORE_TABLE_COLUMNS = (
 @dataclass
 class _TableData:
     """What every scorer of :func:`score_table` is measured against: labels, prompt groups and their paired bootstrap
-    resamples, static-length baselines, breakdown columns.
-    """
+    resamples, static-length baselines, breakdown columns."""
 
     columns: Mapping[str, np.ndarray]
     groups: np.ndarray
@@ -333,8 +328,7 @@ def _scores_or_reason(pol: StopPolicy | None, columns: Mapping[str, Any], feats:
 def _headline_row(row: dict[str, Any], data: _TableData, spec: tuple[str, float], scores: np.ndarray,
                   levels: np.ndarray, inv: np.ndarray) -> dict[str, Any]:
     """``row`` completed with the metrics of ``scores`` on label ``spec`` over all rows, the static comparison and
-    intervals.
-    """
+    intervals."""
     y = data.labels[spec]
     thr = row["threshold"]
     row.update(pos_rate=float(y.mean()), reason=_class_reason(y))
@@ -412,9 +406,7 @@ def roc_points(
     builtins: bool = True,
 ) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
     """name -> (fpr, tpr, auc) by sklearn's roc_curve (soft labels weighted as in :func:`score_table`); scorers without
-    scores
-    or with one-class labels left out.
-    """
+    scores or with one-class labels left out."""
     y = derive_label(columns, family, lam).astype(np.float64)
     if _class_reason(y):
         return {}
@@ -440,9 +432,8 @@ def roc_points(
 
 
 def sprinter_expected_tokens(tpr: float, fpr: float, r: int | np.ndarray) -> np.ndarray:
-    """SPRINTER's Theorem 2: expected tokens before a target call when the first r are acceptable,
-    sum_{i=1..r} tpr^i + tpr^r * fpr / (1 - fpr).
-    """
+    """SPRINTER's Theorem 2: expected tokens before a target call when the first r are acceptable, sum_{i=1..r} tpr^i +
+    tpr^r * fpr / (1 - fpr)."""
     r = np.asarray(r, dtype=np.float64)
     if tpr >= 1.0:
         head = r
@@ -465,10 +456,8 @@ def sprinter_table(
     max_draft_len: int = 40,
 ) -> pd.DataFrame:
     """SPRINTER's theory checked on the data, one row per (policy at its threshold, lambda): TPR, FPR, Theorem 1's TV
-    bound
-    and acceptance, Theorem 2's expected tokens against rounds replayed along the draft's rollouts (censored rounds left
-    out).
-    """
+    bound and acceptance, Theorem 2's expected tokens against rounds replayed along the draft's rollouts (censored
+    rounds left out)."""
     scorers: dict[str, StopPolicy | None] = {**(builtin_scorers() if builtins else {}), **policies}
     cols = dict(columns)
     if "rollout" in cols and np.asarray(cols["rollout"], dtype=bool).any():

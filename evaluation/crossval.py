@@ -47,8 +47,7 @@ def crossvalidate(
     train_fraction: float = 1.0,
 ) -> pd.DataFrame:
     """Train every predictor (name -> (kind, config)) on each of ``folds`` >= 3 grouped folds of ``data_dir`` and
-    collect its
-    out-of-fold scores, checkpoints under ``<out_dir>/<name>/fold-<i>``.
+    collect its out-of-fold scores, checkpoints under ``<out_dir>/<name>/fold-<i>``.
 
     ``train_fraction`` < 1 trains on a nested share of each fold's training prompts (a learning curve). Returns one row
     per (predictor, test token): fold, sample_id, domain, label y, the learned score and the training-free scores.
@@ -90,9 +89,7 @@ def crossvalidate(
 def _calibrated_out_of_fold(val_score: np.ndarray, val_raw: Mapping[str, np.ndarray], test_score: np.ndarray,
                             test_raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``cal_<mode>[_<free score>]`` columns: each fold's scores mapped to a decoding mode's acceptance by a map fitted
-    on
-    that fold's validation prompts (NaN on rows of another draw).
-    """
+    on that fold's validation prompts (NaN on rows of another draw)."""
     out: dict[str, np.ndarray] = {}
     scorers = {"": (val_score, test_score)}
     scorers.update({f"_{f}": (_free_score(f, val_raw[c]), _free_score(f, test_raw[c]))
@@ -117,9 +114,7 @@ def _calibrated_out_of_fold(val_score: np.ndarray, val_raw: Mapping[str, np.ndar
 
 def calibration_summary(oof: pd.DataFrame, n_bins: int = 15) -> pd.DataFrame:
     """ECE of the out-of-fold calibrated acceptances per predictor, training-free score and decoding mode: n, mean
-    label,
-    ECE and its noise floor.
-    """
+    label, ECE and its noise floor."""
     rows = []
     for name, frame in oof.groupby("predictor", sort=False):
         for col in [c for c in frame.columns if c.startswith("cal_")]:
@@ -165,9 +160,7 @@ def _fold_ranks(frame: pd.DataFrame, names: Sequence[str]) -> FoldRanks:
 
 def _aucs(y: np.ndarray, ranks: FoldRanks, names: Sequence[str], weights: np.ndarray | None = None) -> dict[str, float]:
     """Mean over folds of each scorer's AUC within the fold, weighted by the fold's token weight (scores of different
-    folds
-    come from different models).
-    """
+    folds come from different models)."""
     w = np.ones(len(y)) if weights is None else weights
     sums, total = dict.fromkeys(names, 0.0), 0.0
     for m, ranked in ranks:
@@ -183,12 +176,11 @@ def _aucs(y: np.ndarray, ranks: FoldRanks, names: Sequence[str], weights: np.nda
 
 def summarise(oof: pd.DataFrame, n_boot: int = 200, seed: int = 0, ci: float = 0.95) -> pd.DataFrame:
     """AUC of each predictor's out-of-fold scores against the training-free scores, per domain; each AUC a mean over
-    folds of
-    the AUC within the fold.
+    folds of the AUC within the fold.
 
-    Returns one row per (predictor, train_fraction, group): auc, ``auc_<free>`` per training-free score, best_free,
-    diff = auc - auc_best_free with its paired-bootstrap interval (diff_lo, diff_hi), p_win (share of resamples with
-    diff > 0) and folds_won.
+    Returns one row per (predictor, train_fraction, group): auc, ``auc_<free>`` per training-free score, best_free, diff
+    = auc - auc_best_free with its paired-bootstrap interval (diff_lo, diff_hi), p_win (share of resamples with diff >
+    0) and folds_won.
     """
     rows = []
     rng = np.random.default_rng(seed)

@@ -54,8 +54,7 @@ def load_columns(
     data_dir: DataPath, splits: list[str] | None = None, extra_columns: tuple[str, ...] = ()
 ) -> dict[str, np.ndarray]:
     """Record columns of the shards in ``data_dir`` (rows of ``splits`` only) as numpy arrays: :data:`BASE_COLUMNS` and
-    ``extra_columns``, those present.
-    """
+    ``extra_columns``, those present."""
     return read_columns(data_dir, (), splits=splits, optional=(*BASE_COLUMNS, *extra_columns))
 
 
@@ -68,9 +67,7 @@ def label_specs_by_draw(
     columns: Mapping[str, np.ndarray], label_specs: list[tuple[str, float]]
 ) -> dict[str, tuple[dict[str, np.ndarray], list[tuple[str, float]]]]:
     """draw -> (its rows, the label specs scored on them): greedy match on argmax draws, q/p <= lambda and min(1, p/q)
-    on
-    sampled ones; one draw per position is one group, "all".
-    """
+    on sampled ones; one draw per position is one group, "all"."""
     out: dict[str, tuple[dict[str, np.ndarray], list[tuple[str, float]]]] = {}
     for fam, lam in label_specs:
         draw = label_draw(fam)

@@ -87,8 +87,7 @@ def plot_oracle_hist(columns: Mapping[str, Any], path: str | Path, max_len: int 
 
 def plot_accept_vs_entropy(columns: Mapping[str, Any], path: str | Path, bins: int = 20) -> Path:
     """SVIP's Figure 2: mean acceptance and greedy-match rate against draft entropy (equal-count bins), with SVIP's and
-    AdaEDL's bounds.
-    """
+    AdaEDL's bounds."""
     fig, ax = plt.subplots(figsize=(6, 4.5))
     if "draft_entropy" in columns and len(np.asarray(columns["draft_entropy"])):
         H = np.asarray(columns["draft_entropy"], dtype=np.float64)
@@ -113,8 +112,7 @@ def plot_accept_vs_entropy(columns: Mapping[str, Any], path: str | Path, bins: i
 
 def plot_crossval(table: pd.DataFrame, path: str | Path) -> Path:
     """Cross-validated AUC difference (learned minus best training-free) with its interval, one row per predictor and
-    group; right of zero the learned one wins.
-    """
+    group; right of zero the learned one wins."""
     rows = table[np.isfinite(table.get("diff", pd.Series(np.nan, index=table.index)))] if len(table) else table
     if len(rows) and "train_fraction" in rows:
         rows = rows[rows["train_fraction"] == rows["train_fraction"].max()]
@@ -140,8 +138,7 @@ def plot_crossval(table: pd.DataFrame, path: str | Path) -> Path:
 
 def plot_learning_curve(table: pd.DataFrame, path: str | Path) -> Path:
     """Cross-validated AUC difference against training tokens per fold, one line per predictor with its interval as a
-    band.
-    """
+    band."""
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     rows = table[(table["group"] == "all") & np.isfinite(table.get("diff", pd.Series(np.nan, index=table.index)))] \
         if len(table) else table
@@ -163,9 +160,7 @@ def plot_learning_curve(table: pd.DataFrame, path: str | Path) -> Path:
 def plot_reliability(curves: Mapping[tuple[str, str], Mapping[str, np.ndarray]], path: str | Path,
                      ece: Mapping[tuple[str, str], float] | None = None) -> Path:
     """Reliability diagrams, one panel per decoding mode: mean acceptance against mean calibrated prediction per bin,
-    one
-    line per policy.
-    """
+    one line per policy."""
     modes = sorted({m for _, m in curves}) or ["greedy"]
     fig, axes = plt.subplots(1, len(modes), figsize=(5.2 * len(modes), 4.8), squeeze=False)
     for ax, mode in zip(axes[0], modes):
@@ -187,8 +182,7 @@ def plot_reliability(curves: Mapping[tuple[str, str], Mapping[str, np.ndarray]],
 def plot_expected_vs_measured(round_tokens: Mapping[str, Sequence[tuple[float, float]]], path: str | Path,
                               n_bins: int = 8) -> Path:
     """Per cost-aware policy: tokens a round expected (calibrated acceptance of the verified prefix + 1) against tokens
-    the replay measured, binned.
-    """
+    the replay measured, binned."""
     fig, ax = plt.subplots(figsize=(5.5, 5))
     top = 1.0
     for name, pairs in sorted(round_tokens.items()):

@@ -86,8 +86,7 @@ def _metric_key(s: str) -> str:
 def report_metrics(classification: pd.DataFrame | None, replay: pd.DataFrame | None,
                    calibration: pd.DataFrame | None = None) -> dict[str, float]:
     """Flat metrics for MLflow: ``auc/<label>/<policy>``, ``pr_auc/...``, ``f1_opt/...``, ``speedup/<policy>``,
-    ``ece/<mode>/<policy>``, ...
-    """
+    ``ece/<mode>/<policy>``, ..."""
     out: dict[str, float] = {}
     if calibration is not None and len(calibration):
         for _, r in calibration.iterrows():
@@ -161,8 +160,7 @@ def _calibration_section(calibration: pd.DataFrame | None) -> list[str]:
 @dataclass
 class ReportInputs:
     """What :func:`write_report` writes: the evaluation's tables, the records and policies behind the plots, the header
-    lines.
-    """
+    lines."""
 
     classification: pd.DataFrame | None = None
     """:func:`evaluation.classification.score_table` output."""
@@ -203,8 +201,7 @@ PLOT_TITLES = {"roc": "ROC overlay", "sweep": "threshold vs predicted speedup", 
 
 def write_report(out_dir: str | Path, inputs: ReportInputs, tracking: bool = True) -> Path:
     """Write report.md, plots/*.png and CSV tables into ``out_dir``; with ``tracking`` log them and the metrics to the
-    active MLflow run. Returns the path of report.md.
-    """
+    active MLflow run. Returns the path of report.md."""
     out = Path(out_dir)
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)

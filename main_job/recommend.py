@@ -1,7 +1,7 @@
 """A runtime's speculative settings tuned for a model pair and a machine: its own rule (``predictors.runtime_rules``)
 replayed over labelled draft tokens under a measured curve, the fastest setting on validation chosen, and it, the
-runtime's defaults, the learned policies and the oracle scored on test. The main job and the llama.cpp benchmark run
-it too.
+runtime's defaults, the learned policies and the oracle scored on test. The main job and the llama.cpp benchmark run it
+too.
 
 Usage: python -m pipelines.recommend --data_dir outputs/default/data --runtime all
 """
@@ -65,9 +65,7 @@ def coarse_rules(runtime: str) -> list[RuntimeRule]:
 
 def fine_rules(best: RuntimeRule) -> list[RuntimeRule]:
     """Settings around the best coarse one: llama.cpp's minimum draft and a finer probability floor, transformers'
-    length
-    one either side, none for vLLM.
-    """
+    length one either side, none for vLLM."""
     if isinstance(best, LlamaCppRule):
         ps = sorted({round(min(max(best.p_min + d, 0.0), 0.99), 3) for d in (-0.05, -0.025, 0.0, 0.025, 0.05)})
         return [LlamaCppRule(best.n_max, m, p) for m, p in itertools.product(range(0, min(best.n_max, 3) + 1), ps)]
@@ -81,9 +79,7 @@ def fine_rules(best: RuntimeRule) -> list[RuntimeRule]:
 def tune_rule(runtime: str, data: ReplayData, cm: CostModel, mode: str = "greedy",
               progress: Progress | None = None) -> tuple[RuntimeRule, float, list[dict[str, Any]]]:
     """(fastest setting, its replayed speedup, one row per setting tried) of ``runtime`` over ``data``: a coarse grid,
-    then a
-    finer one around its best.
-    """
+    then a finer one around its best."""
     rows: list[dict[str, Any]] = []
     scores: dict[str, np.ndarray | None] = {}
 
@@ -108,9 +104,7 @@ def tune_rule(runtime: str, data: ReplayData, cm: CostModel, mode: str = "greedy
 @dataclass
 class Recommendation:
     """A runtime's tuned setting and its test-split worth beside its defaults, the learned policies and the oracle
-    (speedups
-    over target-only under one curve).
-    """
+    (speedups over target-only under one curve)."""
 
     runtime: str
     rule: RuntimeRule
@@ -187,9 +181,7 @@ def recommend(runtime: str, columns: Mapping[str, object], cm: CostModel, *,
               compare: Mapping[str, StopPolicy] | None = None, mode: str = "greedy",
               progress: Progress | None = None) -> Recommendation:
     """Tune ``runtime``'s setting on the ``val`` rows under ``cm`` and score it, the defaults, the ``compare`` policies
-    and the
-    oracle on ``test``; vLLM's K uses vLLM's measured acceptance where ``cm`` holds it.
-    """
+    and the oracle on ``test``; vLLM's K uses vLLM's measured acceptance where ``cm`` holds it."""
     splits = set(np.asarray(columns.get("split", np.array([]))).astype(str).tolist())
     missing = [s for s in ("val", "test") if s not in splits]
     if missing:
@@ -223,8 +215,7 @@ RUNTIME_COST_FILES = {"llamacpp": ("cost_model.llamacpp.json",),
                       "transformers": ("cost_model.transformers.json", "cost_model.json"),
                       "vllm": ("cost_model.vllm.json", "cost_model.json")}
 """The curves beside a data folder a runtime's recommendation is priced with, first found first: its own
-(``cost_model.R.json``), else the data's specstop curve (a warning for any runtime but transformers).
-"""
+(``cost_model.R.json``), else the data's specstop curve (a warning for any runtime but transformers)."""
 
 
 @dataclass
@@ -237,12 +228,10 @@ class RecommendConfig:
     """llamacpp, transformers, vllm, or all (each runtime whose curve is found)."""
     cost_file: str | None = None
     """The curve to price rounds with (default: the runtime's own beside ``data_dir``, else ``cost_model.json``; another
-    runtime's warns).
-    """
+    runtime's warns)."""
     train_dir: str | None = None
     """A main job's output folder whose DISCO export (and cost-aware form) the settings are compared with (default:
-    ``train`` beside data_dir).
-    """
+    ``train`` beside data_dir)."""
     compare: list[str] = field(default_factory=list)
     """More policy specs to compare with (decoding.policies.build_policy)."""
     mode: str = "greedy"
@@ -265,8 +254,7 @@ class RecommendConfig:
 
 def cost_file_for(cfg: RecommendConfig, runtime: str) -> Path | None:
     """The curve a runtime's recommendation is priced with: the one given, else the first of :data:`RUNTIME_COST_FILES`
-    found.
-    """
+    found."""
     if cfg.cost_file is not None:
         return Path(cfg.cost_file)
     data = Path(cfg.data_dir)
@@ -278,8 +266,7 @@ def cost_file_for(cfg: RecommendConfig, runtime: str) -> Path | None:
 
 def compare_policies(cfg: RecommendConfig) -> dict[str, StopPolicy]:
     """The policies compared with: the training folder's DISCO export at its tuned threshold, its cost-aware form, and
-    ``cfg.compare``.
-    """
+    ``cfg.compare``."""
     train = Path(cfg.train_dir) if cfg.train_dir else Path(cfg.data_dir).parent / "train"
     specs: dict[str, str] = {}
     export = train / "disco" / "export"
@@ -332,8 +319,7 @@ def recommend_runtimes(cfg: RecommendConfig, runtimes: Iterable[str] | None = No
 def vllm_batch_picks(cols: Mapping[str, object], curves: dict[int, CostModel], mode: str = "greedy"
                      ) -> list[BatchPick]:
     """vLLM's K tuned at each batch size of ``curves`` on validation, 0 where no K beats the target alone by
-    ``MARGINAL``.
-    """
+    ``MARGINAL``."""
     picks = []
     for b in sorted(curves):
         rec = recommend("vllm", cols, curves[b], mode=mode)
@@ -345,9 +331,7 @@ def vllm_batch_picks(cols: Mapping[str, object], curves: dict[int, CostModel], m
 
 def draft_name(cfg: RecommendConfig, runtime: str = "transformers") -> str:
     """The draft as the printed settings name it: ``cfg.draft``, else the data's draft, a packaged one as each runtime
-    loads it
-    (llama.cpp: its GGUF file; vLLM: its converted folder).
-    """
+    loads it (llama.cpp: its GGUF file; vLLM: its converted folder)."""
     if cfg.draft:
         return cfg.draft
     models = (read_data_config(cfg.data_dir) or {}).get("resolved", {}).get("models", {})

@@ -1,5 +1,5 @@
-"""Calibrated acceptance: a monotone map from a policy's score to the probability that the drafted token is accepted,
-in the decoding mode's sense (``greedy``: greedy match on argmax draws; ``sampling``: min(1, p/q) on sampled draws).
+"""Calibrated acceptance: a monotone map from a policy's score to the probability that the drafted token is accepted, in
+the decoding mode's sense (``greedy``: greedy match on argmax draws; ``sampling``: min(1, p/q) on sampled draws).
 
 Maps are isotonic or Platt, ``auto`` picking the lower cross-validated Brier score (isotonic overfits a few hundred
 tokens, Platt underfits a curved score), and stored as plain JSON in ``predictor.json`` so an export loads them with
@@ -42,9 +42,7 @@ def mode_of(temperature: float) -> str:
 @dataclass
 class Calibrator:
     """A monotone map score -> acceptance in [0, 1]: ``isotonic`` piecewise linear through its breakpoints (clipped
-    outside),
-    or ``platt`` sigmoid(a * score + b).
-    """
+    outside), or ``platt`` sigmoid(a * score + b)."""
 
     method: str
     x: list[float] = field(default_factory=list)
@@ -117,8 +115,7 @@ def fit_calibrator(scores: np.ndarray, labels: np.ndarray, method: str = "auto",
                    cv_folds: int = 5) -> Calibrator:
     """Fit a map from [N] scores (non-finite rows dropped) to [N] acceptance labels (0/1 or soft) with scikit-learn.
     ``method``: ``isotonic``, ``platt`` (soft labels as weighted positive and negative copies) or ``auto``: the lower
-    Brier score over ``cv_folds`` contiguous folds (which keep most prompts whole), refitted on all rows.
-    """
+    Brier score over ``cv_folds`` contiguous folds (which keep most prompts whole), refitted on all rows."""
     s = np.asarray(scores, dtype=np.float64).reshape(-1)
     y = np.asarray(labels, dtype=np.float64).reshape(-1)
     if s.shape != y.shape:
@@ -172,9 +169,7 @@ def _cross_validated_method(s: np.ndarray, y: np.ndarray, folds: int) -> str:
 
 def ece_noise_floor(probs: np.ndarray, n_bins: int = 15, draws: int = 200, seed: int = 0) -> float:
     """The ECE a perfectly calibrated predictor scores on ``probs`` by chance (labels drawn as Bernoulli(probs)); about
-    0.03
-    on a few hundred tokens.
-    """
+    0.03 on a few hundred tokens."""
     p = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), 0.0, 1.0)
     if p.size == 0:
         return float("nan")
@@ -186,9 +181,7 @@ def ece_noise_floor(probs: np.ndarray, n_bins: int = 15, draws: int = 200, seed:
 def ece_interval(probs: np.ndarray, labels: np.ndarray, groups: np.ndarray, n_bins: int = 15, n_boot: int = 200,
                  seed: int = 0, level: float = 0.95) -> tuple[float, float]:
     """Percentile interval of the ECE over resamples of whole prompts (``groups``): tokens of a prompt move together, so
-    it
-    is wider than the noise floor says; (nan, nan) under two prompts.
-    """
+    it is wider than the noise floor says; (nan, nan) under two prompts."""
     p = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), 0.0, 1.0)
     y = np.asarray(labels, dtype=np.float64).reshape(-1)
     codes = np.unique(np.asarray(groups).astype(str).reshape(-1), return_inverse=True)[1]
@@ -207,9 +200,7 @@ def ece_interval(probs: np.ndarray, labels: np.ndarray, groups: np.ndarray, n_bi
 def reliability_bins(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15,
                      weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Equal-width bins of predicted acceptance: per bin the token count, mean prediction and mean label (``weights``:
-    token
-    multiplicities).
-    """
+    token multiplicities)."""
     p = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), 0.0, 1.0)
     y = np.asarray(labels, dtype=np.float64).reshape(-1)
     idx = np.minimum((p * n_bins).astype(np.int64), n_bins - 1)
@@ -230,8 +221,7 @@ def reliability_bins(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15,
 def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15,
                                weights: np.ndarray | None = None) -> float:
     """ECE: sum over equal-width bins of (tokens in bin / N) * |mean prediction - mean label| (soft labels allowed,
-    ``weights`` as in :func:`reliability_bins`).
-    """
+    ``weights`` as in :func:`reliability_bins`)."""
     b = reliability_bins(probs, labels, n_bins, weights)
     n = b["count"].sum()
     if n <= 0:
@@ -242,9 +232,7 @@ def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, n_bins: in
 
 def calibration_label(columns: Mapping[str, object], mode: str) -> tuple[np.ndarray, np.ndarray]:
     """(row mask, acceptance label) a ``mode`` map is fitted and scored on: greedy match on argmax draws or min(1, p/q)
-    on
-    sampled ones.
-    """
+    on sampled ones."""
     if mode not in MODES:
         raise ValueError(f"decoding mode {mode!r}: use one of {MODES}")
     n = len(np.asarray(columns["q"]))
@@ -261,8 +249,7 @@ def calibration_label(columns: Mapping[str, object], mode: str) -> tuple[np.ndar
 def calibration_rows(name: str, cal: Calibrator, scores: np.ndarray, labels: np.ndarray, mode: str,
                      n_bins: int = 15, groups: np.ndarray | None = None) -> dict[str, Any]:
     """One row of the calibration table: ECE of the raw score and of the map, the chance floor ``ece_floor`` and, given
-    prompt ``groups``, the 95% interval ``ece_lo`` / ``ece_hi``.
-    """
+    prompt ``groups``, the 95% interval ``ece_lo`` / ``ece_hi``."""
     raw = np.asarray(scores, dtype=np.float64)
     raw_is_prob = bool(raw.size and np.nanmin(raw) >= 0 and np.nanmax(raw) <= 1)
     cal_probs = cal.apply(raw)

@@ -42,8 +42,7 @@ def _checked_width(columns: dict[str, np.ndarray], column: str, option: str, wan
 
 def make_spec(kind: str, columns: dict[str, np.ndarray], **options: Any) -> FeatureSpec:
     """FeatureSpec for ``kind`` with widths read from the data; ``options``: top_k, position_scale, extra, with_hidden
-    (DISCO), hidden_size, with_disco (SPRINTER).
-    """
+    (DISCO), hidden_size, with_disco (SPRINTER)."""
     scale, extra = options.get("position_scale", 40.0), tuple(options.get("extra", ()))
     if kind == "disco":
         top_k = _checked_width(columns, "draft_topk", "top_k", options.get("top_k"))

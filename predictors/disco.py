@@ -48,9 +48,7 @@ class Standardise(nn.Module):
 
 class PriorLogit(nn.Module):
     """``scale * logit(x[:, index]) + bias``: a training-free probability as a logit, to which a predictor adds its
-    learned
-    output, so it starts ranking as that score does.
-    """
+    learned output, so it starts ranking as that score does."""
 
     def __init__(self, index: int) -> None:
         super().__init__()
@@ -67,8 +65,7 @@ class PriorLogit(nn.Module):
 
 class DiscoNet(nn.Module):
     """Standardise -> Linear -> ReLU -> Linear (+ a TV head) giving [N] logits; optionally a hybrid head projecting the
-    draft's hidden state (``hidden_dim``, ``hidden_rank``) and a :class:`PriorLogit` the FFN learns a correction to.
-    """
+    draft's hidden state (``hidden_dim``, ``hidden_rank``) and a :class:`PriorLogit` the FFN learns a correction to."""
 
     def __init__(
         self, in_dim: int, hidden_size: int = 64, dropout: float = 0.0, tv_head: bool = False,
@@ -127,9 +124,7 @@ class DiscoNet(nn.Module):
     @torch.no_grad()
     def folded(self) -> tuple[tuple[Tensor, Tensor, Tensor, float], tuple[int, float, float]]:
         """The plain head's weights as ``compute.draft_stats.disco_score`` takes them, standardisation folded into the
-        first
-        layer, and the prior (index -1 without one); equal to :meth:`forward` to float32 rounding (tested).
-        """
+        first layer, and the prior (index -1 without one); equal to :meth:`forward` to float32 rounding (tested)."""
         if self.hidden_dim:
             raise ValueError("DiscoNet.folded: the hybrid head (hidden_dim > 0) has no folded form; use forward")
         first = self.body[0]
@@ -143,8 +138,8 @@ class DiscoNet(nn.Module):
 class DiscoPolicy(LearnedPolicy):
     """DISCO stop policy: keep drafting while sigmoid(FFN(features)) >= threshold, at most ``max_draft_len`` tokens.
 
-    The plain head on the CPU scores in one native call (``disco_score``), faster right after a draft forward;
-    elsewhere the net's forward does; both agree to float32 rounding. After changing the net's weights in place, call
+    The plain head on the CPU scores in one native call (``disco_score``), faster right after a draft forward; elsewhere
+    the net's forward does; both agree to float32 rounding. After changing the net's weights in place, call
     :meth:`prepare`.
     """
 
@@ -167,8 +162,7 @@ class DiscoPolicy(LearnedPolicy):
 
     def prepare(self) -> None:
         """Take the native call's weights from the net, or none where the call does not apply (hybrid head, off the
-        CPU).
-        """
+        CPU)."""
         applies = self.spec.parts == ("disco",) and not self.net.hidden_dim and self.device().type == "cpu"
         self._weights, self._prior = self.net.folded() if applies else (None, (-1, 1.0, 0.0))
 

@@ -2,8 +2,8 @@
 and the decoder's tensors, so a predictor sees identical inputs on both paths.
 
 An input is parts concatenated in order: ``disco`` (top-k, their entropy, scaled position, optional training-free
-scores), ``hidden`` (the draft's hidden state), ``sv`` (companion similarity and acceptance). :class:`LearnedPolicy`
-is the StopPolicy the learned predictors share.
+scores), ``hidden`` (the draft's hidden state), ``sv`` (companion similarity and acceptance). :class:`LearnedPolicy` is
+the StopPolicy the learned predictors share.
 
 Usage::
 
@@ -43,9 +43,7 @@ PARTS = ("disco", "hidden", "sv")
 DEFAULT_PARTS = {"disco": ("disco",), "sprinter": ("hidden",), "sv": ("sv",)}
 DISCO_EXTRAS = ("draft_max_prob", "draft_entropy", "q", "log_max_prob", "log_q")
 """Training-free scores the DISCO input may append; ``log_<col>`` is the log of the column floored at 1e-9 (q/p <=
-lambda
-is linear in log q).
-"""
+lambda is linear in log q)."""
 LOG_PREFIX = "log_"
 
 
@@ -64,9 +62,7 @@ def disco_columns(extra: Sequence[str]) -> tuple[str, ...]:
 
 def disco_scalars(spec: FeatureSpec) -> tuple[tuple[str, ...], list[float], list[bool]]:
     """The ``disco`` part's scalar inputs in :func:`build_features`' order: (columns, divisors, log flags), the
-    arguments of
-    the native ``disco_score``.
-    """
+    arguments of the native ``disco_score``."""
     return (("position", *(extra_column(e) for e in spec.extra)), [spec.position_scale, *(1.0 for _ in spec.extra)],
             [False, *(e.startswith(LOG_PREFIX) for e in spec.extra)])
 
@@ -131,8 +127,7 @@ class FeatureSpec:
         cls, top_k: int = 10, position_scale: float = 40.0, extra: Sequence[str] = (), hidden_size: int = 0
     ) -> FeatureSpec:
         """DISCO input: top-k, their entropy, scaled position, optional explicit scores; then the hidden state when
-        ``hidden_size`` > 0.
-        """
+        ``hidden_size`` > 0."""
         names = cls._disco_names(top_k, extra) + (cls._hidden_names(hidden_size) if hidden_size else ())
         return cls("disco", len(names), top_k=top_k, position_scale=position_scale, extra=tuple(extra),
                    hidden_size=hidden_size, names=names, parts=("disco", "hidden") if hidden_size else ("disco",))
@@ -265,9 +260,7 @@ def _part(spec: FeatureSpec, part: str, columns: Mapping[str, object]) -> Tensor
 
 def build_features(spec: FeatureSpec, columns: Mapping[str, object]) -> Tensor:
     """[N, spec.width] float32 inputs for ``spec`` from record columns; KeyError listing missing columns, ValueError for
-    a
-    wrong vector width or NaN / inf.
-    """
+    a wrong vector width or NaN / inf."""
     blocks = [_part(spec, p, columns) for p in spec.parts]
     n = blocks[0].shape[0]
     if any(b.shape[0] != n for b in blocks):
@@ -291,8 +284,7 @@ def build_features(spec: FeatureSpec, columns: Mapping[str, object]) -> Tensor:
 
 class LearnedPolicy(StopPolicy):
     """A StopPolicy backed by a torch module on a :class:`FeatureSpec`'s inputs; subclasses set ``kind`` and ``output``
-    (``logit``: the score is sigmoid(module(x)); ``prob``: the module's output).
-    """
+    (``logit``: the score is sigmoid(module(x)); ``prob``: the module's output)."""
 
     kind: ClassVar[str] = "learned"
     output: ClassVar[str] = "logit"

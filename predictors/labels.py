@@ -15,9 +15,7 @@ LABEL_FAMILIES = ("greedy", "ratio", "soft")
 
 def label_draw(family: str) -> str:
     """The draw a family's labels judge: greedy match judges argmax tokens (greedy decoding); q/p <= lambda and min(1,
-    p/q)
-    judge sampled ones.
-    """
+    p/q) judge sampled ones."""
     if family not in LABEL_FAMILIES:
         raise ValueError(f"unknown label family {family!r}; use one of {LABEL_FAMILIES}")
     return "greedy" if family == "greedy" else "sample"

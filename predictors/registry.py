@@ -1,9 +1,9 @@
 """MLflow model registry for exported predictors: an export folder logged as a pyfunc model (``predict`` takes feature
-columns, returns continue scores), registered per predictor kind and draft model, with the alias ``champion`` moved
-only when the new version's validation metric beats it.
+columns, returns continue scores), registered per predictor kind and draft model, with the alias ``champion`` moved only
+when the new version's validation metric beats it.
 
-The tracking URI defaults to ``sqlite:///mlflow.db``; an unreachable server raises :class:`TrackingUnreachable`
-naming it, and the export folder is never touched.
+The tracking URI defaults to ``sqlite:///mlflow.db``; an unreachable server raises :class:`TrackingUnreachable` naming
+it, and the export folder is never touched.
 
 Usage::
 
@@ -121,9 +121,7 @@ def _uris(uri: str) -> Iterator[None]:
 # ---- the pyfunc wrapper ---------------------------------------------------------------------------------------------
 def frame_to_columns(frame: pd.DataFrame, policy: StopPolicy) -> dict[str, Any]:
     """Record columns for ``policy`` from a DataFrame: scalar columns as is, a vector column list-valued or flattened
-    into
-    ``<name>_0 .. <name>_{w-1}``.
-    """
+    into ``<name>_0 .. <name>_{w-1}``."""
     vectors = policy.vector_columns
     cols: dict[str, Any] = {}
     for c in policy.required_columns:
@@ -230,9 +228,7 @@ def register_predictor(
 
 def _log_model(uri: str, folder: Path, name: str, signature: Any, run_id: str | None) -> tuple[Any, str]:
     """Log ``folder`` as a pyfunc model registered under ``name`` into run ``run_id`` (resumed, or the caller's active
-    one)
-    or a new run; returns (model info, run id).
-    """
+    one) or a new run; returns (model info, run id)."""
     with _uris(uri):
         active = mlflow.active_run()
         if run_id and active is not None and active.info.run_id == run_id:
@@ -265,9 +261,7 @@ def _version_tags(policy: StopPolicy, metric_name: str, val_metric: float, highe
 def _maybe_promote(client: MlflowClient, name: str, version: str, metric_name: str, val_metric: float,
                    higher_is_better: bool) -> tuple[str | None, bool]:
     """Move ``champion`` to ``version`` when its metric beats the current champion's (or there is none); returns
-    (previous
-    champion or None, moved).
-    """
+    (previous champion or None, moved)."""
     previous: str | None = None
     old_metric: float | None = None
     try:
@@ -285,9 +279,7 @@ def _maybe_promote(client: MlflowClient, name: str, version: str, metric_name: s
 
 def download_model(ref: str, tracking_uri: str | None = None, dst: str | Path | None = None) -> Path:
     """Download a registered model's artifacts (``models:/<name>@<alias>`` or ``/<version>``) and return the export
-    folder
-    inside.
-    """
+    folder inside."""
     uri = resolve_tracking_uri(tracking_uri)
     check_reachable(uri)
     dst = Path(dst) if dst else Path(tempfile.mkdtemp(prefix="specstop-model-"))
@@ -307,8 +299,7 @@ def load_reference(
     ref: str | Path, draft_fingerprint: dict | None = None, force: bool = False, tracking_uri: str | None = None
 ) -> StopPolicy:
     """Load a policy from an export folder or a ``models:/`` URI (downloaded first), as
-    ``predictors.export.load_predictor`` with ``draft_fingerprint`` and ``force``.
-    """
+    ``predictors.export.load_predictor`` with ``draft_fingerprint`` and ``force``."""
     if isinstance(ref, str) and ref.startswith(REGISTRY_PREFIXES):
         return load_predictor(download_model(ref, tracking_uri=tracking_uri), draft_fingerprint, force)
     return load_predictor(ref, draft_fingerprint, force)

@@ -26,8 +26,7 @@ class TrackingSwitch:
 class TrackingURI:
     tracking_uri: str | None = None
     """MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db); also where ``models:/`` refs are
-    read.
-    """
+    read."""
 
 
 @dataclass(kw_only=True)
@@ -43,8 +42,7 @@ class TrackingConfig(Experiment, TrackingURI, TrackingSwitch):
 
 def mlflow_api() -> ModuleType:
     """The ``mlflow`` module, imported on first use: its import takes seconds an entry point that does not log never
-    pays.
-    """
+    pays."""
     import mlflow  # heavy: on first use only
 
     return mlflow
@@ -53,8 +51,7 @@ def mlflow_api() -> ModuleType:
 @contextmanager
 def mlflow_run(tracking_uri: str | None, experiment: str, run_name: str) -> Iterator[ModuleType]:
     """Run the body in a new MLflow run ``run_name`` at ``tracking_uri`` and ``experiment``; yields the ``mlflow``
-    module.
-    """
+    module."""
     from predictors.registry import resolve_tracking_uri  # imports mlflow: only when a run is logged
 
     mlflow = mlflow_api()

@@ -1,6 +1,6 @@
 """Training of the learned predictors with a Lightning Trainer (early stopping, best checkpoint, fixed seeds): one
-predictor from a folder of shards to ``(policy, metrics)``; the caller exports and registers it. The distributed
-setup is config (``accelerator``, ``strategy``, ``devices`` go to the Trainer as given).
+predictor from a folder of shards to ``(policy, metrics)``; the caller exports and registers it. The distributed setup
+is config (``accelerator``, ``strategy``, ``devices`` go to the Trainer as given).
 
 Usage: python -m pipelines.train --config configs/smoke.yaml
 """
@@ -92,8 +92,7 @@ class TrainConfig:
     """Checkpoint and early-stopping metric: ``val_loss`` (lower is better) or ``val_auc`` (higher is better)."""
     prior: str | None = None
     """DISCO / SPRINTER: start from a training-free score (``q`` or ``draft_max_prob``, among the explicit inputs); the
-    untrained predictor ranks as it, and keeps those weights if no epoch beats it.
-    """
+    untrained predictor ranks as it, and keeps those weights if no epoch beats it."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -273,8 +272,7 @@ def binary_metrics(scores: np.ndarray, labels: np.ndarray, threshold: float, pre
 
 def baseline_aucs(raw: dict[str, np.ndarray], labels: np.ndarray, prefix: str = "val_") -> dict[str, float]:
     """AUC of the training-free scores on the same labels (top-1 probability, -entropy): the bars a learned predictor
-    should beat.
-    """
+    should beat."""
     y = (np.asarray(labels) > 0.5).astype(int)
     out: dict[str, float] = {}
     if len(np.unique(y)) < 2:
@@ -311,8 +309,7 @@ def _trainer(
 
 def make_datamodule(kind: str, cfg: TrainConfig, data_dir: DataPath, **kwargs: Any) -> ShardDataModule:
     """The :class:`~predictors.datamodule.ShardDataModule` a predictor of ``kind`` trains on with ``cfg``; ``kwargs`` go
-    to it.
-    """
+    to it."""
     options: dict[str, Any] = {}
     if isinstance(cfg, DiscoConfig):
         options = {"top_k": cfg.top_k, "position_scale": cfg.position_scale, "extra": cfg.extra_features,
@@ -331,8 +328,7 @@ def fit_predictor(
     on_epoch: Callable[[int, int], None] | None = None,
 ) -> tuple[StopPolicy, dict[str, float]]:
     """Train one predictor of ``kind`` (disco, sprinter, sv) with its config on the shards under ``data_dir``;
-    checkpoints
-    and, without a ``logger``, CSV logs go to ``out_dir``.
+    checkpoints and, without a ``logger``, CSV logs go to ``out_dir``.
 
     Use one logger (one MLflow run) per predictor: MLflow refuses to change a param within a run. ``on_epoch`` gets
     (epochs done, max epochs). Returns (policy with the best weights, ``cfg.threshold`` and ``train_info``; metrics:

@@ -2,8 +2,7 @@
 llama.cpp rows labels with llama.cpp's own logits.
 
 A position's "hidden state" is its logits row and the output embedding the identity, so the labeller's heads return
-llama.cpp's logits; each sequence reads on top of the longest prefix already cached. Load the model with
-``logits_all``.
+llama.cpp's logits; each sequence reads on top of the longest prefix already cached. Load the model with ``logits_all``.
 
 Usage: ``models = LabelModels(LlamaCausalLM(draft_llm), LlamaCausalLM(target_llm))``
 """
@@ -45,8 +44,7 @@ class LlamaCausalLM(nn.Module):
 
     def read(self, tokens: list[int]) -> np.ndarray:
         """[len(tokens), V] logits of every position (row j predicts token j + 1), reading only what follows the cached
-        prefix.
-        """
+        prefix."""
         llm = self.llm
         cached = llm.input_ids[: llm.n_tokens].tolist()
         keep = 0
@@ -74,9 +72,7 @@ class LlamaCausalLM(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: Tensor, attention_mask: Tensor, generation_config: Any, **_: Any) -> Tensor:
         """Greedy continuations of left-padded rows, ``max_new_tokens`` each, not stopped at EOS (a draft's rollouts);
-        [B, W +
-        new] ids as transformers returns.
-        """
+        [B, W + new] ids as transformers returns."""
         if getattr(generation_config, "do_sample", False):
             raise ValueError("LlamaCausalLM generates greedily only (branch rollouts follow greedy decoding)")
         new = int(generation_config.max_new_tokens)

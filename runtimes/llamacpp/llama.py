@@ -1,10 +1,10 @@
 """llama.cpp as a runtime of the pair, through llama-cpp-python (``bash scripts/setup.sh --llamacpp``): loading two GGUF
-files (refused when their vocabularies differ), greedy decoding, llama.cpp's own verification curve as a
-``CostModel`` with ``runtime="llamacpp"``, and a check that the installed build decodes on this CPU.
+files (refused when their vocabularies differ), greedy decoding, llama.cpp's own verification curve as a ``CostModel``
+with ``runtime="llamacpp"``, and a check that the installed build decodes on this CPU.
 
 The curve times a draft step and the target's forward of L = 1..17 new tokens with ``logits_all`` (as speculative
-verification reads every position), the cache rolled back through ``Llama.n_tokens``. The build check and its
-message: docs/llamacpp.md.
+verification reads every position), the cache rolled back through ``Llama.n_tokens``. The build check and its message:
+docs/llamacpp.md.
 
 Usage: python -m pipelines.measure_costs --runtime llamacpp --data_dir outputs/default/data
 """
@@ -54,9 +54,7 @@ def llama_cpp_available() -> bool:
 
 def llama_cpp_module() -> ModuleType:
     """The ``llama_cpp`` module, imported on first use with llama.cpp's log silenced; :class:`LlamaCppMissing` naming
-    the
-    install command when absent.
-    """
+    the install command when absent."""
     try:
         import llama_cpp  # optional dependency (the llamacpp extra): loads llama.cpp's native library
     except ImportError as e:
@@ -79,8 +77,7 @@ class Vocabulary(Protocol):
 def check_same_vocab(draft: Vocabulary, target: Vocabulary, draft_name: str, target_name: str,
                      samples: int = 4096) -> None:
     """ValueError naming both files when the vocabularies differ: in size, or in the text of ``samples`` token ids (both
-    ends, where special tokens live, and a fixed random draw).
-    """
+    ends, where special tokens live, and a fixed random draw)."""
     n_d, n_t = draft.n_vocab(), target.n_vocab()
     if n_d != n_t:
         raise ValueError(f"the draft {draft_name} and the target {target_name} have different vocabularies "
@@ -124,9 +121,7 @@ class GGUFVocab:
 
 def load_llama(path: Path, n_threads: int, n_ctx: int, logits_all: bool = False) -> Any:
     """A ``llama_cpp.Llama`` on ``path`` with ``n_threads`` threads, its log silenced; ``logits_all`` keeps every
-    position's
-    logits for verification.
-    """
+    position's logits for verification."""
     lib = llama_cpp_module()
     return lib.Llama(model_path=str(path), n_ctx=int(n_ctx), n_threads=int(n_threads), n_threads_batch=int(n_threads),
                      logits_all=logits_all, verbose=False)
@@ -134,8 +129,7 @@ def load_llama(path: Path, n_threads: int, n_ctx: int, logits_all: bool = False)
 
 def load_pair(draft: Path, target: Path, n_threads: int, n_ctx: int) -> tuple[Any, Any]:
     """(draft, target) Llama objects of two GGUF files, the target with ``logits_all``: vocabularies compared before any
-    weights load, the build checked once per process.
-    """
+    weights load, the build checked once per process."""
     check_llama_build(int(n_threads))
     with GGUFVocab(draft) as d_vocab, GGUFVocab(target) as t_vocab:
         check_same_vocab(d_vocab, t_vocab, str(draft), str(target))
@@ -144,9 +138,7 @@ def load_pair(draft: Path, target: Path, n_threads: int, n_ctx: int) -> tuple[An
 
 def prefill(llm: Any, prompt: Sequence[int]) -> None:
     """Read the prompt into a reset ``logits_all`` target in one pass keeping only the last position's logits, as
-    llama.cpp's
-    speculative decoding does (``generate`` would copy every row).
-    """
+    llama.cpp's speculative decoding does (``generate`` would copy every row)."""
     llm.reset()
     if not prompt or not getattr(llm, "_logits_all", False):
         return
@@ -160,8 +152,7 @@ def prefill(llm: Any, prompt: Sequence[int]) -> None:
 def generate_greedy(llm: Any, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int],
                     first_token_at: list[float] | None = None) -> list[int]:
     """Greedy decoding with ``Llama.generate`` from a reset state (with its ``draft_model``, if set), up to
-    ``max_new_tokens``, cut after the first of ``stop_ids``; ``first_token_at`` gets the first token's time.
-    """
+    ``max_new_tokens``, cut after the first of ``stop_ids``; ``first_token_at`` gets the first token's time."""
     prefill(llm, prompt)
     stop, out = set(int(t) for t in stop_ids), []
     for tok in llm.generate(list(prompt), temp=0.0, reset=True):
@@ -202,9 +193,7 @@ def _time_draft(llm: Any, prompt: list[int], steps: int, repeats: int, rng: np.r
 def _time_target(llm: Any, prompt: list[int], lengths: list[int], repeats: int, rng: np.random.Generator,
                  vocab: int) -> dict[int, list[float]]:
     """Raw seconds of the target's forward of L new tokens over the cached ``prompt``, by L, the lengths interleaved so
-    load
-    spreads over all.
-    """
+    load spreads over all."""
     llm.reset()
     llm.eval(prompt)
     new = {L: rng.integers(0, vocab, L).tolist() for L in lengths}
@@ -226,8 +215,7 @@ def measure_llamacpp_curve(
     decode_steps: int = 8, n_threads: int = 0, draft_name: str = "", target_name: str = "",
 ) -> CostModel:
     """llama.cpp's verification curve on this machine: the draft's step and catch-up, the target's forward of each L
-    over
-    ``prompt_len`` cached tokens, the minimum of ``repeats``, made non-decreasing in L.
+    over ``prompt_len`` cached tokens, the minimum of ``repeats``, made non-decreasing in L.
 
     The contexts must hold ``prompt_len + max(lengths) + decode_steps + 2`` tokens; ``draft_name`` / ``target_name``
     name the models as the run does, for :meth:`CostModel.mismatch`.
@@ -299,8 +287,7 @@ print(json.dumps({"finite": bool(np.isfinite(out).all() and np.isfinite(batched)
                   "batch_vs_step": float(np.abs(batched - stepped).max() / (batched.std() or 1.0))}))
 """
 """The check's child: the prompt in one batch, its last token again alone, three steps; prints whether the logits are
-finite, the last argmax and the batch-vs-step difference.
-"""
+finite, the last argmax and the batch-vs-step difference."""
 
 
 class LlamaCppBuildBroken(ValueError):
@@ -323,8 +310,7 @@ def host_isa() -> str:
 
 def rebuild_command(stamp: dict[str, str]) -> str:
     """The command that rebuilds llama-cpp-python to run here: the setup script, or one changing the flags of a build
-    made here.
-    """
+    made here."""
     here = stamp.get("isa") == host_isa() and stamp.get("cpu") == cpuinfo_fields().get("model name", "")
     if not stamp or not here:
         return INSTALL_COMMAND
@@ -336,9 +322,7 @@ def rebuild_command(stamp: dict[str, str]) -> str:
 def _random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, rows: int, cols: int,
                    scale: float) -> np.ndarray:
     """``rows x cols`` Q8_0 or Q4_K weights as GGUF bytes: random quants with every block scale ``scale``, so
-    activations stay
-    small and finite.
-    """
+    activations stay small and finite."""
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     scales = np.full(2 if qtype == GGMLQuantizationType.Q4_K else 1, scale, dtype=np.float16).view(np.uint8)
@@ -348,9 +332,7 @@ def _random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, rows: 
 
 def write_check_gguf(path: Path, widths: dict[str, int] | None = None, seed: int = 0) -> Path:
     """A llama-architecture GGUF of random Q4_K / Q8_0 weights at the packaged target's widths, so every matmul takes
-    the
-    kernels a real run does; its output is meaningless.
-    """
+    the kernels a real run does; its output is meaningless."""
     w = {**CHECK_WIDTHS, **(widths or {})}
     h, ffn, heads, kv, vocab = w["hidden"], w["ffn"], w["heads"], w["kv_heads"], w["vocab"]
     head_dim = h // heads
@@ -407,9 +389,7 @@ def _no_core_file() -> None:
 def decode_in_child(gguf: Path, n_threads: int, prompt_len: int = CHECK_PROMPT,
                     timeout_s: float = 300.0) -> dict[str, Any]:
     """Decode ``gguf`` in a child process as :data:`_CHILD` does; its result, or :class:`LlamaCppBuildBroken` where it
-    dies
-    by a signal (ValueError where it fails otherwise).
-    """
+    dies by a signal (ValueError where it fails otherwise)."""
     cmd = [sys.executable, "-c", _CHILD, str(gguf), str(int(n_threads)), str(int(prompt_len))]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, preexec_fn=_no_core_file)
@@ -445,9 +425,7 @@ def broken_message(signum: int) -> str:
 @functools.cache
 def check_llama_build(n_threads: int = 2) -> None:
     """Decode the check GGUF in a child process once per process and thread count; :class:`LlamaCppBuildBroken` (one
-    line:
-    flags, rebuild command) where the build dies here.
-    """
+    line: flags, rebuild command) where the build dies here."""
     if not llama_cpp_available():
         raise LlamaCppMissing(f"llama-cpp-python is not installed; install it (built from source for this CPU) with: "
                               f"{INSTALL_COMMAND}")

@@ -1,10 +1,10 @@
-"""transformers' assisted generation as a runtime with a curve of its own: its forward passes as ``generate`` runs
-them, plus what ``generate`` adds around them per round and per drafted token.
+"""transformers' assisted generation as a runtime with a curve of its own: its forward passes as ``generate`` runs them,
+plus what ``generate`` adds around them per round and per drafted token.
 
 specstop's engine curve leaves out ``generate``'s work between forwards (assistant calls, masks, logits processors,
-cache cropping), so a replay priced with it over-predicts transformers. Here real target-only and fixed-length
-assisted runs are timed by forward hooks; the curve is the median forward per length plus the outside time fitted
-as ``rounds x per_round + drafted x per_draft``.
+cache cropping), so a replay priced with it over-predicts transformers. Here real target-only and fixed-length assisted
+runs are timed by forward hooks; the curve is the median forward per length plus the outside time fitted as ``rounds x
+per_round + drafted x per_draft``.
 
 Usage: python -m pipelines.measure_costs --runtime transformers --data_dir outputs/default/data
 """
@@ -52,9 +52,7 @@ class ForwardTimer:
 @dataclass
 class _Run:
     """One generation: the target's calls after the prefill and the draft's calls, each (new tokens, seconds), and the
-    seconds
-    outside every forward.
-    """
+    seconds outside every forward."""
 
     target: list[tuple[int, float]]
     draft: list[tuple[int, float]]
@@ -71,8 +69,7 @@ class _Run:
 
 def _generate(draft: Any, target: Any, prompt: torch.Tensor, k: int, new_tokens: int) -> _Run:
     """``new_tokens`` of greedy generation, timed: assisted at ``k`` drafts a round (no threshold), or target alone for
-    ``k == 0``.
-    """
+    ``k == 0``."""
     gc = draft.generation_config
     saved = {n: getattr(gc, n, None) for n in ("num_assistant_tokens", "num_assistant_tokens_schedule",
                                                 "assistant_confidence_threshold")}
@@ -93,9 +90,7 @@ def _generate(draft: Any, target: Any, prompt: torch.Tensor, k: int, new_tokens:
 
 def _curve(runs: dict[int, _Run], prompt_len: int) -> tuple[dict[int, float], float]:
     """(target seconds by L: median of the calls reading L tokens, non-decreasing; the draft's median step) over every
-    run,
-    prefills left out.
-    """
+    run, prefills left out."""
     by_len: dict[int, list[float]] = {}
     for run in runs.values():
         for n, sec in run.target:
@@ -112,9 +107,7 @@ def measure_transformers_costs(draft: Any, target: Any, lengths: tuple[int, ...]
                                new_tokens: int = 64, prompt_len: int = 128, repeats: int = 2,
                                base: CostModel | None = None) -> CostModel:
     """transformers' curve of a pair: target-only and assisted ``generate`` at each of ``lengths`` (of ``repeats``, the
-    run
-    with the least outside time kept); ``runtime="transformers"``, the runs and the fit in ``extra``.
-    """
+    run with the least outside time kept); ``runtime="transformers"``, the runs and the fit in ``extra``."""
     if len(lengths) < 2 or min(lengths) < 1:
         raise ValueError(f"lengths={lengths}: give at least two draft lengths >= 1 to fit two overheads")
     dev = next(target.parameters()).device

@@ -2,9 +2,9 @@
 prompts.
 
 The target alone gives ``target_s[1]`` at batch B; the pair with specstop's proposer running ``static:k`` splits each
-step into the draft's forwards and the rest (``target_s[k + 1]``, vLLM's overheads inside). The two engines are timed
-in turn over ``rounds`` and each figure keeps its fastest round, since a shared host's step time moves by a third
-within minutes (docs/vllm.md). Prompts are random ids: decode cost depends on the cached length, not the text.
+step into the draft's forwards and the rest (``target_s[k + 1]``, vLLM's overheads inside). The two engines are timed in
+turn over ``rounds`` and each figure keeps its fastest round, since a shared host's step time moves by a third within
+minutes (docs/vllm.md). Prompts are random ids: decode cost depends on the cached length, not the text.
 
 Usage: .venv-vllm/bin/python -m pipelines.measure_costs --runtime vllm --data_dir outputs/default/data
 """
@@ -62,9 +62,7 @@ def _add(engine: Any, n: int, prompt_len: int, tag: str) -> list[str]:
 def time_steps(llm: Any, clock: StepClock, batch: int, steps: int, prompt_len: int, tag: str,
                on_step: Callable[[], float] | None = None) -> tuple[float, float]:
     """Median seconds of ``steps`` decode steps of ``batch`` requests, and the median of ``on_step()`` (the draft's
-    seconds)
-    per step, after prefill and two warm-up steps.
-    """
+    seconds) per step, after prefill and two warm-up steps."""
     engine = llm.llm_engine
     ids = _add(engine, batch, prompt_len, tag)
     clock.take()
@@ -121,9 +119,7 @@ def _speculative(s: VllmCurveSettings) -> dict[int, tuple[dict[int, float], dict
 
 def _fastest_rounds(s: VllmCurveSettings) -> tuple[dict[int, float], dict[int, tuple[float, dict[int, float]]]]:
     """Both engines timed ``s.rounds`` times in turn: per batch the fastest round of the target alone, per (batch, L)
-    the
-    fastest round's draft / target split.
-    """
+    the fastest round's draft / target split."""
     alone: dict[int, float] = {}
     steps: dict[int, dict[int, tuple[float, float]]] = {}  # batch -> L -> (draft a token, target side)
     for r in range(s.rounds):
@@ -167,8 +163,7 @@ def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
 def measure_vllm_acceptance(target: str, draft: str, prompts: list[list[int]], k: int = 8, max_new_tokens: int = 128,
                             device: str = "cpu") -> dict[str, Any]:
     """How far vLLM's draft-model speculation is accepted on ``prompts`` (greedy, K = ``k``), from vLLM's counters:
-    ``survival[j - 1]`` = S(j), the share of rounds whose first j drafts were all accepted.
-    """
+    ``survival[j - 1]`` = S(j), the share of rounds whose first j drafts were all accepted."""
     uninstall()  # vLLM's own proposer: K drafts every round
     llm = build_engine(EngineSpec(target=target, draft=draft, k=k, max_num_seqs=2, device=device))
     for p in prompts:

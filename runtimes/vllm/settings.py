@@ -3,8 +3,8 @@
 beats the target alone by ``MARGINAL``.
 
 Each K is priced with the acceptance vLLM measured on validation prompts where the curve file holds it (a step of K
-drafts yields ``1 + S(1) + ... + S(K)`` tokens a request), else by replaying the labelled data; why the measured one
-is preferred: docs/vllm.md.
+drafts yields ``1 + S(1) + ... + S(K)`` tokens a request), else by replaying the labelled data; why the measured one is
+preferred: docs/vllm.md.
 
 Usage: .venv-vllm/bin/python -m pipelines.recommend --data_dir outputs/default/data --runtime vllm
 """
@@ -21,14 +21,11 @@ __all__ = ["BatchPick", "ACCEPTANCE", "MARGINAL", "measured_survival", "acceptan
 
 MARGINAL = 1.15
 """Predicted speedup a K must reach to be recommended over the target alone: a step's price on a shared 2-core CPU is
-off
-by up to ~7%, so a smaller gain is inside the curve's error.
-"""
+off by up to ~7%, so a smaller gain is inside the curve's error."""
 
 ACCEPTANCE = "vllm_acceptance"
 """Key in a vLLM curve's ``extra``: ``{"survival": [S(1), ..., S(K)], "drafts", "k", "prompts", "split"}`` from vLLM's
-counters on validation prompts.
-"""
+counters on validation prompts."""
 
 
 @dataclass(frozen=True)
@@ -46,8 +43,7 @@ class BatchPick:
     """The fastest K on validation, even where it does not beat the target alone."""
     source: str = "replay"
     """``replay`` (the labelled validation split replayed) or ``vllm acceptance`` (priced with vLLM's measured
-    acceptance).
-    """
+    acceptance)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,17 +51,14 @@ class BatchPick:
 
 def measured_survival(cm: CostModel, mode: str = "greedy") -> list[float] | None:
     """S(1..K) of vLLM's measured acceptance from its curve's ``extra``; None where not measured or ``mode`` is not
-    greedy.
-    """
+    greedy."""
     measured = cm.extra.get(ACCEPTANCE)
     return list(measured["survival"]) if measured and mode == "greedy" else None
 
 
 def acceptance_picks(survival: Sequence[float], curves: Mapping[int, CostModel]) -> list[BatchPick]:
     """K per batch size priced with vLLM's measured acceptance: the most tokens/s against the target alone's step, 0
-    where
-    none reaches ``MARGINAL``; K bounded by ``survival`` and the curve.
-    """
+    where none reaches ``MARGINAL``; K bounded by ``survival`` and the curve."""
     picks = []
     for b in sorted(curves):
         cm = curves[b]
@@ -81,10 +74,8 @@ def acceptance_picks(survival: Sequence[float], curves: Mapping[int, CostModel])
 
 def schedule_ranges(picks: list[BatchPick], max_num_seqs: int) -> tuple[tuple[int, int, int], ...]:
     """``num_speculative_tokens_per_batch_size``: each batch size's K up to the next one's (the last to
-    ``max_num_seqs``),
-    equal neighbours merged. Where no K pays the range takes ``best_k``, not 0: vLLM 0.32.0 still runs the draft's
-    forward at K = 0, slower than K = 1 (docs/vllm.md).
-    """
+    ``max_num_seqs``), equal neighbours merged. Where no K pays the range takes ``best_k``, not 0: vLLM 0.32.0 still
+    runs the draft's forward at K = 0, slower than K = 1 (docs/vllm.md)."""
     ranges: list[list[int]] = []
     ordered = sorted(picks, key=lambda p: p.batch)
     for i, p in enumerate(ordered):
