@@ -1,17 +1,10 @@
-"""Which code a measurement ran on: the git commit of specstop's checkout and whether its tracked files had
-uncommitted changes, so a stored result names the code that measured it.
+"""Which code a measurement ran on: the git commit of specstop's checkout and whether its tracked files had uncommitted
+changes, recorded at a run's start so a stored result names the code that measured it.
 
-Outside a git checkout of specstop (an installed wheel, no ``git`` on the PATH) both are ``None``: recording never
-fails. Untracked files do not count as changes (outputs, virtual environments and scratch folders would mark every run
-dirty); a new module that the code imports shows up as a change to the tracked file that imports it.
+Outside a git checkout both are ``None`` and recording never fails; untracked files do not count as changes.
 
-A run records the code and host at its start (``record_start(out_dir)``, each resumed start beside the first) and
-its end and duration (``record_end``); its stored summary reads that record (``run_code(out_dir)``), so a result names
-the code that measured it even when the tree changed before the summary was stored.
-
-Usage: ``code_version()`` -> ``{"commit": "429b58c...", "dirty": False}``; ``in_history("429b58c")`` -> True when that
-commit is HEAD or one of its ancestors; ``record_start(out_dir)`` at a run's start, ``record_end(out_dir)`` at its
-end, ``run_code(out_dir)`` when its summary is stored.
+Usage: ``record_start(out_dir)`` at a run's start, ``record_end(out_dir)`` at its end, ``run_code(out_dir)`` when its
+summary is stored.
 """
 from __future__ import annotations
 
@@ -37,8 +30,7 @@ def _git(root: Path, *args: str) -> subprocess.CompletedProcess[str] | None:
 
 
 def _checkout(root: Path) -> bool:
-    """Whether ``root`` is the top level of a git checkout (not a folder inside another repository, e.g. a
-    site-packages under a checkout's virtual environment)."""
+    """Whether ``root`` is the top level of a git checkout (not a folder inside another repository)."""
     top = _git(root, "rev-parse", "--show-toplevel")
     return top is not None and top.returncode == 0 and Path(top.stdout.strip()).resolve() == root.resolve()
 
@@ -58,8 +50,8 @@ def code_version(root: Path = ROOT) -> dict[str, str | bool | None]:
 
 @functools.lru_cache(maxsize=64)
 def in_history(commit: str, root: Path = ROOT) -> bool | None:
-    """True when ``commit`` is HEAD or an ancestor of HEAD, False when it is not (or this repository does not know
-    it), None when that cannot be told: outside a git checkout, or in a shallow clone that lacks the commit."""
+    """True when ``commit`` is HEAD or an ancestor, False when not, None when that cannot be told (no checkout, a
+    shallow clone)."""
     if not _checkout(root):
         return None
     known = _git(root, "cat-file", "-e", f"{commit}^{{commit}}")
@@ -84,8 +76,8 @@ def _now() -> str:
 
 
 def host_facts() -> dict[str, Any]:
-    """The host a run starts on, as lscpu names it: CPU model, vendor, family and model number, the SIMD flags that
-    decide the compute path, and the logical CPUs (read from /proc/cpuinfo without loading torch)."""
+    """The host a run starts on as lscpu names it: CPU model, vendor, family, model number, SIMD flags and logical CPUs
+    (from /proc/cpuinfo)."""
     fields: dict[str, str] = {}
     path = Path("/proc/cpuinfo")
     if path.is_file():
@@ -117,8 +109,8 @@ def _write(out_dir: Path, record: dict[str, Any]) -> None:
 
 
 def record_start(out_dir: str | Path, root: Path = ROOT) -> dict[str, Any]:
-    """Add this start (commit, dirty, UTC time, host) to ``out_dir/code_version.json`` and return its code; a new
-    start clears an earlier end (the run goes on)."""
+    """Add this start (commit, dirty, UTC time, host) to ``out_dir/code_version.json`` and return its code; a new start
+    clears an earlier end."""
     record = _record(Path(out_dir))
     now = code_version(root)
     record["starts"].append({**now, "date": _now(), "host": host_facts()})
@@ -128,16 +120,16 @@ def record_start(out_dir: str | Path, root: Path = ROOT) -> dict[str, Any]:
 
 
 def new_run(out_dir: str | Path) -> None:
-    """This start begins a new run in ``out_dir`` (nothing of an earlier run there is continued): keep only its start,
-    so the run names its own code, not the first run's in that folder."""
+    """This start begins a new run in ``out_dir``: keep only its start, so the run names its own code, not an earlier
+    run's."""
     record = _record(Path(out_dir))
     if len(record["starts"]) > 1:
         _write(Path(out_dir), {"starts": record["starts"][-1:]})
 
 
 def record_end(out_dir: str | Path, duration_s: float | None) -> dict[str, Any]:
-    """Record the run's end (UTC time) and its duration as the run measured it (a resumed benchmark adds its stored
-    prompts' time; None: this run cannot tell its whole duration) in ``out_dir/code_version.json``."""
+    """Record the run's end and its duration as the run measured it (None: it cannot tell its whole duration) in
+    ``out_dir/code_version.json``."""
     record = _record(Path(out_dir))
     record["end"] = {"date": _now(), "duration_s": None if duration_s is None else round(float(duration_s), 1)}
     _write(Path(out_dir), record)
@@ -145,11 +137,9 @@ def record_end(out_dir: str | Path, duration_s: float | None) -> dict[str, Any]:
 
 
 def run_code(out_dir: str | Path, root: Path = ROOT) -> dict[str, Any]:
-    """A stored summary's provenance for the run in ``out_dir``, as the run recorded it: ``commit`` and ``dirty`` of
-    its first start (dirty when any start was), ``started`` (UTC), ``ended`` and ``duration_s`` from its end record,
-    ``host`` of its first start, ``resumed_at`` the other commits it was resumed at (only when there are some), and
-    ``code_recorded``: ``at start`` from the run's record, ``at storing`` (the code at this moment) for a run that
-    recorded no start."""
+    """A stored summary's provenance for the run in ``out_dir``: its first start's commit, dirty (any start dirty), host
+    and time, its end and duration, the commits it was resumed at, and ``code_recorded`` (``at start`` or ``at
+    storing``)."""
     record = _record(Path(out_dir))
     starts = record["starts"]
     if not starts:

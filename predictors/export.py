@@ -1,16 +1,11 @@
-"""Export and load stop policies: a folder with ``predictor.json`` (+ ``weights.safetensors`` for learned ones).
-
-The folder loads with torch + safetensors alone (MLflow is imported only for ``models:/`` references). Metadata:
-format version, kind, feature spec (input width and columns), draft model fingerprint {name, vocab_size, hidden_size,
-vocab_sha}, training label family + lambda, the chosen threshold, draft cap, validation metrics, the resolved config,
-plus whatever the caller adds. The training-free baselines export as kind + constructor parameters (no weights), so
-evaluation and decoding load any policy the same way.
+"""Export and load stop policies: a folder with ``predictor.json`` (and ``weights.safetensors`` for learned ones) that
+loads with torch and safetensors alone, so evaluation and decoding load any policy, learned or training-free, one way.
+The metadata names the draft model it was trained for, and a predictor for another draft is refused.
 
 Usage::
 
-    folder = export_predictor(policy, "runs/disco/export", {"draft_fingerprint": fp, "data_fingerprint": "..."})
-    update_metadata(folder, threshold=0.62)                       # e.g. the speedup-tuned threshold
-    policy = load_predictor(folder, draft_fingerprint=fp)         # models:/ refs: predictors.registry.load_reference
+    folder = export_predictor(policy, "runs/disco/export", {"draft_fingerprint": fp})
+    policy = load_predictor(folder, draft_fingerprint=fp)
 """
 from __future__ import annotations
 
@@ -85,16 +80,8 @@ def baseline_params(policy: StopPolicy) -> dict[str, Any]:
 
 
 def export_predictor(policy: StopPolicy, folder: str | Path, metadata: dict) -> Path:
-    """Write ``policy`` to ``folder`` (created): ``predictor.json`` and, for learned kinds, ``weights.safetensors``.
-
-    Args:
-        policy: a learned policy (DiscoPolicy, SprinterPolicy, SVPolicy) or a training-free baseline.
-        folder: destination folder.
-        metadata: extra fields, e.g. ``draft_fingerprint`` (compute.models.model_fingerprint), data fingerprint, target
-            and companion identities, ``metrics``, ``config``; given keys override the ones taken from the policy
-            (``policy.train_info`` supplies label, metrics and config after ``fit_predictor``).
-    Returns:
-        The folder path.
+    """Write ``policy`` to ``folder``: ``predictor.json`` and, for learned kinds, ``weights.safetensors``; ``metadata``
+    (draft fingerprint, metrics, config, ...) overrides what the policy's ``train_info`` supplies. Returns the folder.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -164,10 +151,8 @@ def update_metadata(folder: str | Path, **fields: Any) -> dict[str, Any]:
 
 
 def check_fingerprint(stored: Mapping | None, current: Mapping | None, force: bool = False, where: str = "") -> None:
-    """Refuse (FingerprintMismatch) a predictor trained for another draft model: name, vocab_size or hidden_size differ.
-
-    Nothing is checked when either fingerprint is missing; ``force=True`` turns the error into a warning.
-    """
+    """Refuse (FingerprintMismatch) a predictor trained for another draft model (name, vocab_size or hidden_size);
+    nothing is checked when a fingerprint is missing, and ``force`` only warns."""
     if not stored or not current:
         return
     diffs = [f"{k}: {stored.get(k)!r} vs {current.get(k)!r}" for k in FINGERPRINT_KEYS
@@ -192,14 +177,8 @@ def check_fingerprint(stored: Mapping | None, current: Mapping | None, force: bo
 
 
 def load_predictor(folder: str | Path, draft_fingerprint: dict | None = None, force: bool = False) -> StopPolicy:
-    """Load a policy from an export folder (``models:/`` references: ``predictors.registry.load_reference``).
-
-    Args:
-        folder: an export folder (``predictor.json`` + weights).
-        draft_fingerprint: the draft model in use (``compute.models.model_fingerprint``); a predictor trained for a
-            different draft (name, vocab_size or hidden_size) is refused with FingerprintMismatch unless ``force``.
-        force: load despite a fingerprint mismatch (logs a warning).
-    """
+    """Load a policy from an export folder, refusing one trained for another draft than ``draft_fingerprint`` unless
+    ``force`` (``models:/`` refs: ``predictors.registry.load_reference``)."""
     ref = folder
     if isinstance(folder, str) and folder.startswith(REGISTRY_PREFIXES):
         raise ValueError(f"{folder} is a registry reference: load it with predictors.registry.load_reference")
