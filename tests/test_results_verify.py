@@ -16,7 +16,7 @@ from benchmark.rows import Row
 from pipelines import results as results_cli
 from pipelines.results import verify_summary
 from rendering.result_store import Summary, load_summaries, summarize_benchmark, write_summary
-from runtimes.vllm.bench import TARGET_ALONE, RowRun
+from runtimes.vllm.bench import TARGET_ALONE, RowRole, RowRun
 from runtimes.vllm.bench_report import table_entries, unit_records
 from runtimes.vllm.results import VLLM_ROW_FIELDS, verify_vllm_summary
 
@@ -125,8 +125,9 @@ def test_a_summary_without_records_says_how_to_remeasure(tmp_path):
     assert problem == "no per-prompt records: re-measure with python -m pipelines.benchmark --config c.yaml"
 
 
-def vllm_row(name: str, batch: int, rng: random.Random, ref: list[list[int]]) -> RowRun:
-    row = RowRun(name=name, batch=batch, spec=name)
+def vllm_row(role: RowRole, batch: int, rng: random.Random, ref: list[list[int]]) -> RowRun:
+    name = role.name
+    row = RowRun(name=name, batch=batch, spec=name, role=role)
     for i in range(0, len(ref), batch):
         outs = [o if rng.random() < 0.8 or name == TARGET_ALONE else o[:-1] for o in ref[i:i + batch]]
         row.add_unit((outs, rng.uniform(0.5, 1.0) * batch, [], {"drafts": 3.0, "draft_tokens": 9.0, "accepted": 5.0},
@@ -137,7 +138,8 @@ def vllm_row(name: str, batch: int, rng: random.Random, ref: list[list[int]]) ->
 def test_a_vllm_summary_recomputes_from_its_unit_records():
     rng = random.Random(2)
     ref = [[rng.randrange(50) for _ in range(12)] for _ in range(8)]
-    rows = [vllm_row(name, b, rng, ref) for b in (1, 4) for name in (TARGET_ALONE, "vllm:3", "disco")]
+    roles = (RowRole("target"), RowRole("static", k=3), RowRole("policy", spec="disco"))
+    rows = [vllm_row(role, b, rng, ref) for b in (1, 4) for role in roles]
     table = table_entries(rows, [1, 4], 0, 300, [])
     data = {"batch_sizes": [1, 4], "seed": 0, "n_boot": 300,
             "rows": json.loads(json.dumps([{k: t[k] for k in VLLM_ROW_FIELDS if k in t} for t in table]))}

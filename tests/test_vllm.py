@@ -242,13 +242,13 @@ def test_a_predictor_for_another_draft_is_refused(tmp_path) -> None:
 
 
 def test_passes_alternate_the_engine_order_and_keep_each_prompts_faster_run(tmp_path) -> None:
-    from runtimes.vllm.bench import EngineRows
+    from runtimes.vllm.bench import EngineRows, RowRole
     from runtimes.vllm.engine import EngineSpec
     from runtimes.vllm.run import _run_passes
 
     cfg = VllmBenchConfig(out_dir=str(tmp_path), batch_sizes=[1], n_prompts=2, repeats=2)
-    plan = [EngineRows(EngineSpec(target="T"), {"a": None}), EngineRows(EngineSpec(target="T", draft="D", k=3),
-                                                                         {"b": None})]
+    plan = [EngineRows(EngineSpec(target="T"), [RowRole("policy", spec="a")]),
+            EngineRows(EngineSpec(target="T", draft="D", k=3), [RowRole("policy", spec="b")])]
     order: list[str] = []
     times = {("a", 0): [2.0, 1.0], ("a", 1): [1.5, 3.0], ("b", 0): [1.0, 1.0], ("b", 1): [2.0, 0.5]}
 
@@ -316,8 +316,9 @@ def test_only_the_plugin_engine_builds_specstops_proposer(monkeypatch) -> None:
 
     monkeypatch.setattr(vb, "build_engine", build)
     cfg = VllmBenchConfig(batch_sizes=[1], n_prompts=1)
-    groups = [EngineRows(EngineSpec(target="T", draft="D", k=3), {"vllm:3": None}),
-              EngineRows(EngineSpec(target="T", draft="D", k=8), {"adaedl:0.6": "adaedl:0.6"}, plugin=True)]
+    groups = [EngineRows(EngineSpec(target="T", draft="D", k=3), [vb.RowRole("static", k=3)]),
+              EngineRows(EngineSpec(target="T", draft="D", k=8), [vb.RowRole("policy", spec="adaedl:0.6")],
+                         plugin=True)]
     for group in groups:
         with pytest.raises(Built):
             vb.run_engine(group, {1: [[[1]]]}, cfg,

@@ -39,10 +39,52 @@ from runtimes.vllm.engine import EngineSpec, StepClock, StepLog, build_engine, g
 
 log = logging.getLogger("pipelines.vllm_bench")
 
-__all__ = ["VllmBenchConfig", "EngineRows", "RowRun", "run_engine", "run_unit", "row_from_dict", "merge_passes",
-           "TARGET_ALONE"]
+__all__ = ["VllmBenchConfig", "EngineRows", "RowRole", "RowRun", "run_engine", "run_unit", "row_from_dict",
+           "merge_passes", "TARGET_ALONE"]
 
 TARGET_ALONE = "vLLM target alone"
+
+
+@dataclass(frozen=True)
+class RowRole:
+    """What a vLLM row runs, as typed values: its name is formatted from them (:attr:`name`) and never read back."""
+
+    what: str
+    """``target`` (vLLM's target alone), ``static`` (its own num_speculative_tokens ``k``), ``per_batch`` (the
+    recommended K per batch size in one engine) or ``policy`` (a specstop policy ``spec`` in its proposer)."""
+    k: int = 0
+    spec: str = ""
+    recommended: bool = False
+    defaults: bool = False
+    """The static K standing for vLLM's defaults."""
+    again: bool = False
+    """The target alone's second row, run last (the run's noise floor)."""
+    per_request: bool = False
+    """A policy whose requests stop by their own rule alone, not their batch's."""
+
+    @property
+    def name(self) -> str:
+        if self.what == "target":
+            return TARGET_ALONE + (" (again)" if self.again else "")
+        if self.what == "static":
+            return (f"vllm:{self.k}" + (" (recommended)" if self.recommended else "")
+                    + (" (defaults)" if self.defaults else ""))
+        if self.what == "per_batch":
+            return "vllm per-batch (recommended)"
+        return self.spec + (" (per request)" if self.per_request else "")
+
+    @property
+    def fixed(self) -> bool:
+        """vLLM's own fixed settings: the target alone (its first row; the second measures the noise) and a static K."""
+        return (self.what == "target" and not self.again) or self.what == "static"
+
+    @property
+    def proposer_spec(self) -> str | None:
+        """The policy set in specstop's proposer before the row (``again`` keys the target's second row apart from its
+        first in the stored engines; None: vLLM's own proposer or the target alone)."""
+        if self.what == "policy":
+            return self.spec
+        return "again" if self.again else None
 
 
 @dataclass
@@ -134,6 +176,8 @@ class RowRun:
     unit_positions: list[dict[str, list[float]]] = field(default_factory=list)
     """Per unit, the kept run's judged tokens by draft position: position -> [judged, predicted acceptance summed,
     accepted] (``runtimes.vllm.stopper.StopperCounts.by_position``; policy rows with a calibrated acceptance)."""
+    role: RowRole | None = None
+    """What the row runs (its name is formatted from it)."""
 
     def add_unit(self, run: UnitRun) -> None:
         """Append one unit's kept run (as :func:`run_unit` returns it)."""
@@ -198,13 +242,14 @@ def row_from_dict(d: dict[str, Any]) -> RowRun:
     d["rounds"] = [[tuple(r) for r in unit] for unit in d.get("rounds", [])]
     d["unit_idle"] = [tuple(u) for u in d.get("unit_idle", [])]
     d["unit_positions"] = d.get("unit_positions", [])
+    d["role"] = RowRole(**d["role"]) if d.get("role") else None
     return RowRun(**d)
 
 
 def merge_passes(runs: list[RowRun]) -> RowRun:
     """One row from its runs in several passes (same name, batch and units): each unit's faster run kept."""
     first = runs[0]
-    out = RowRun(name=first.name, batch=first.batch, spec=first.spec)
+    out = RowRun(name=first.name, batch=first.batch, spec=first.spec, role=first.role)
     for i in range(len(first.seconds)):
         out.add_unit(min((r.unit(i) for r in runs if i < len(r.seconds)), key=lambda u: u[1]))
     return out
@@ -212,13 +257,17 @@ def merge_passes(runs: list[RowRun]) -> RowRun:
 
 @dataclass
 class EngineRows:
-    """The rows one engine runs: ``rows`` maps a row name to the policy spec set in specstop's proposer before it
-    (None for vLLM's own proposer or the target alone); ``batch_rule`` False: each request stops by its own rule."""
+    """The rows one engine runs (``roles``, in order); ``batch_rule`` False: each request stops by its own rule."""
 
     engine: EngineSpec
-    rows: dict[str, str | None]
+    roles: list[RowRole]
     plugin: bool = False
     batch_rule: bool = True
+
+    @property
+    def rows(self) -> dict[str, str | None]:
+        """Row name -> the policy spec set in specstop's proposer before it (:attr:`RowRole.proposer_spec`)."""
+        return {r.name: r.proposer_spec for r in self.roles}
 
 
 def _positions(proposer: Any) -> dict[str, list[float]]:
@@ -260,9 +309,10 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
     proposer = vllm_proposer.active() if group.plugin else None
     generate(llm, [units[min(units)][0][0]], 8)  # warm-up: vLLM's first step runs slower
     out = []
-    for name, spec in group.rows.items():
+    for role in group.roles:
+        name, spec = role.name, role.proposer_spec
         for batch, batch_units in units.items():
-            row = RowRun(name=name, batch=batch, spec=spec or name)
+            row = RowRun(name=name, batch=batch, spec=spec or name, role=role)
             for prompts in batch_units:
                 if proposer is not None:
                     proposer.set_policy(settings_of(spec, group.batch_rule))

@@ -19,7 +19,7 @@ import numpy as np
 from benchmark.records import output_hash
 from benchmark.rows import Row, ratio_ci
 from compute.timing import CostModel
-from runtimes.vllm.bench import TARGET_ALONE, RowRun, VllmBenchConfig
+from runtimes.vllm.bench import RowRole, RowRun, VllmBenchConfig
 from runtimes.vllm.settings import BatchPick
 
 __all__ = ["VllmReport", "build_report", "markdown", "table_entries", "unit_records"]
@@ -59,6 +59,7 @@ def row_entry(r: RowRun, ref: RowRun, boot: np.ndarray, check: dict[str, Any]) -
             "idle_share": round(r.idle_rows / r.draft_rows, 4) if r.draft_rows else None,
             "replayed_tokens_per_s": check.get("replayed_tokens_per_s"), "replay_ratio": check.get("ratio"),
             "unit_seconds": [round(s, 4) for s in r.seconds], "records": unit_records(r),
+            "role": None if r.role is None else asdict(r.role),
             "by_position": {str(j): [n, round(pred, 4), round(obs, 4)] for j, (n, pred, obs) in r.by_position.items()}}
 
 
@@ -76,17 +77,21 @@ def unit_records(r: RowRun) -> dict[str, Any]:
             "output_sha1": [output_hash(o) for unit in r.outputs for o in unit]}
 
 
-def _fixed(name: str) -> bool:
-    """vLLM's own fixed settings: the target alone (its first row; the second measures the noise) and a static K."""
-    return name == TARGET_ALONE or name.startswith("vllm:")
+def role_of(entry: dict[str, Any]) -> RowRole:
+    """A report entry's row role (``RowRole``: what the row runs, as typed values)."""
+    return RowRole(**entry["role"])
+
+
+def _first_target(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((t for t in entries if role_of(t).what == "target" and not role_of(t).again), None)
 
 
 def against_fastest_fixed(at_b: list[RowRun], entries: list[dict], boot: np.ndarray) -> None:
     """Each other row's speedup over the fastest of vLLM's fixed settings at this batch size, with its interval."""
-    fixed = [r for r in at_b if _fixed(r.name)]
+    fixed = [r for r in at_b if r.role is not None and r.role.fixed]
     fastest = max(fixed, key=lambda r: r.tokens_per_s)
     for r, e in zip(at_b, entries):
-        if not _fixed(r.name):
+        if not (r.role is not None and r.role.fixed):
             sp, lo, hi = ratio_ci(_as_row(r), _as_row(fastest), boot)
             e["vs_fastest_fixed"] = [None if x is None else round(x, 4) for x in (sp, lo, hi)]
             e["fastest_fixed"] = fastest.name
@@ -101,8 +106,8 @@ def _rec_row(table: list[dict], batch: int, picks: list[BatchPick]) -> dict | No
     if pick is None:
         return None
     if pick.k == 0:
-        return next((t for t in rows if t["row"] == TARGET_ALONE), None)
-    return next((t for t in rows if t["row"].split(" ")[0] == f"vllm:{pick.k}"), None)
+        return _first_target(rows)
+    return next((t for t in rows if role_of(t).what == "static" and role_of(t).k == pick.k), None)
 
 
 def _tie_goals(ties: list[dict]) -> dict[str, Any]:
@@ -126,13 +131,14 @@ def _goals(table: list[dict], picks: list[BatchPick], cfg: VllmBenchConfig, ties
     ratios, per_ratios = [], []
     for b in cfg.batch_sizes:
         rows = [t for t in table if t["batch"] == b]
-        fixed = [t for t in rows if _fixed(t["row"])]
+        fixed = [t for t in rows if role_of(t).fixed]
         fastest = max(fixed, key=lambda t: t["tokens_per_s"])
         rec = _rec_row(table, b, picks)
-        default = next((t for t in rows if "(defaults)" in t["row"]), None)
-        alone = next(t for t in rows if t["row"] == TARGET_ALONE)
+        default = next((t for t in rows if role_of(t).defaults), None)
+        alone = _first_target(rows)
+        assert alone is not None, f"batch {b}: no target-alone row"
         g = {"fastest_fixed": fastest["row"], "recommended_row": rec and rec["row"]}
-        per = next((t for t in rows if t["row"].startswith("vllm per-batch")), None)
+        per = next((t for t in rows if role_of(t).what == "per_batch"), None)
         if per is not None and default is not None:
             g["per_batch_vs_defaults"] = round(per["tokens_per_s"] / default["tokens_per_s"], 4)
             g["per_batch_vs_target_alone"] = round(per["tokens_per_s"] / alone["tokens_per_s"], 4)
@@ -145,7 +151,7 @@ def _goals(table: list[dict], picks: list[BatchPick], cfg: VllmBenchConfig, ties
                 ratios.append(g["recommended_vs_defaults"])
         g["policies_vs_fastest_fixed"] = {t["row"]: t["vs_fastest_fixed"] for t in rows if "vs_fastest_fixed" in t}
         g["calibration_gap"] = {t["row"]: _calibration_gap(t) for t in rows if t.get("by_position")}
-        policies = [t for t in rows if t["row"] in cfg.policies]
+        policies = [t for t in rows if role_of(t).what == "policy" and not role_of(t).per_request]
         if policies and rec is not None:
             best = max(policies, key=lambda t: t["tokens_per_s"])
             g["best_policy"] = best["row"]
@@ -172,7 +178,7 @@ def table_entries(rows: list[RowRun], batch_sizes: list[int], seed: int, n_boot:
     rng = np.random.default_rng(seed)
     for b in batch_sizes:
         at_b = [r for r in rows if r.batch == b]
-        ref = next(r for r in at_b if r.name == TARGET_ALONE)
+        ref = next(r for r in at_b if r.role is not None and r.role.what == "target" and not r.role.again)
         boot = rng.integers(0, len(ref.seconds), size=(n_boot, len(ref.seconds)))
         entries = [row_entry(r, ref, boot, next((x for x in check if x["row"] == r.name and x["batch"] == b), {}))
                    for r in at_b]

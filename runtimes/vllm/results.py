@@ -27,7 +27,7 @@ from rendering.result_store import (
     newest,
     provenance,
 )
-from runtimes.vllm.bench import RowRun
+from runtimes.vllm.bench import RowRole, RowRun
 from runtimes.vllm.bench_report import table_entries
 
 __all__ = ["summarize_vllm_benchmark", "verify_vllm_summary", "vllm_block", "vllm_readme_lines"]
@@ -38,7 +38,7 @@ VERIFIED = ("tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "identical", 
 
 VLLM_ROW_FIELDS = ("row", "batch", "spec", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "identical",
                    "prompts", "acceptance", "idle_share", "replayed_tokens_per_s", "replay_ratio", "tokens",
-                   "unit_seconds", "vs_fastest_fixed", "fastest_fixed", "by_position", "records")
+                   "unit_seconds", "vs_fastest_fixed", "fastest_fixed", "by_position", "records", "role")
 
 
 def _read(path: Path) -> Any:
@@ -81,7 +81,7 @@ def row_from_records(entry: dict[str, Any]) -> RowRun:
         raise MissingRecords(f"row {entry.get('row')!r} has no per-unit records")
     outs = stand_ins(rec)
     size = rec["unit_size"]
-    row = RowRun(name=entry["row"], batch=entry["batch"], spec=entry.get("spec") or "")
+    row = RowRun(name=entry["row"], batch=entry["batch"], spec=entry.get("spec") or "", role=RowRole(**entry["role"]))
     row.outputs = [outs[i:i + size] for i in range(0, len(outs), size)]  # type: ignore[misc]
     row.seconds = list(rec["seconds"])
     row.unit_counters = [{"drafts": r, "draft_tokens": d, "accepted": a}
@@ -242,5 +242,8 @@ def vllm_readme_lines(summaries: list[Summary]) -> list[str]:
 
 
 def _policy_rows(d: dict) -> set[str]:
-    """The rows that run a specstop policy (not vLLM's own settings, nor the target alone's second row)."""
+    """The rows that run a specstop policy (not vLLM's own settings, nor the target alone's second row): by their
+    role; a summary stored before rows carried one is read by the names its run gave them."""
+    if all(r.get("role") for r in d["rows"]):
+        return {r["row"] for r in d["rows"] if r["role"]["what"] == "policy"}
     return {r["row"] for r in d["rows"] if not r["row"].startswith(("vLLM target alone", "vllm:", "vllm per-batch"))}

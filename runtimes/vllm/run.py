@@ -22,8 +22,8 @@ from data_gen.prompts import PromptSourceConfig
 from evaluation.data import load_columns
 from main_job.recommend import vllm_batch_picks
 from runtimes.vllm.bench import (
-    TARGET_ALONE,
     EngineRows,
+    RowRole,
     RowRun,
     VllmBenchConfig,
     merge_passes,
@@ -121,24 +121,24 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
     base = EngineSpec(target=target, max_num_seqs=max(seqs, 2), device=cfg.models.device)
     ks = sorted({*cfg.static_k, cfg.default_k, *(p.k for p in picks if p.batch == 1 and p.k)})
     one = next((p.k for p in picks if p.batch == 1), None)
-    groups = [EngineRows(base, {TARGET_ALONE: None})]
+    groups = [EngineRows(base, [RowRole("target")])]
     for k in ks:
-        names = {f"vllm:{k}" + (" (recommended)" if k == one else "") + (" (defaults)" if k == cfg.default_k else "")}
-        groups.append(EngineRows(replace(base, draft=draft, k=k), dict.fromkeys(names)))
+        role = RowRole("static", k=k, recommended=k == one, defaults=k == cfg.default_k)
+        groups.append(EngineRows(replace(base, draft=draft, k=k), [role]))
     if picks:
         ranges = schedule_ranges(picks, base.max_num_seqs)
         top = max(r[2] for r in ranges)
         if top and len({r[2] for r in ranges}) > 1:
             groups.append(EngineRows(replace(base, draft=draft, k=top, per_batch=ranges),
-                                     {"vllm per-batch (recommended)": None}))
+                                     [RowRole("per_batch", recommended=True)]))
     if cfg.policies:
-        groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k), {p: p for p in cfg.policies},
-                                 plugin=True))
+        groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k),
+                                 [RowRole("policy", spec=p) for p in cfg.policies], plugin=True))
     if cfg.per_request_policies:
         groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k),
-                                 {f"{p} (per request)": p for p in cfg.per_request_policies}, plugin=True,
-                                 batch_rule=False))
-    groups.append(EngineRows(base, {f"{TARGET_ALONE} (again)": "again"}))  # its own stored rows, not the first's
+                                 [RowRole("policy", spec=p, per_request=True) for p in cfg.per_request_policies],
+                                 plugin=True, batch_rule=False))
+    groups.append(EngineRows(base, [RowRole("target", again=True)]))  # its own stored rows, not the first's
     return groups
 
 
@@ -169,9 +169,9 @@ def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, pass_n
     if path.is_file():
         stored = json.loads(path.read_text())
         if len(stored["rows"]) == len(group.rows) * len(cfg.batch_sizes):
-            names = [name for name in group.rows for _ in cfg.batch_sizes]
+            roles = [role for role in group.roles for _ in cfg.batch_sizes]
             log.info("%s read back from %s", what, path)
-            return [replace(row_from_dict(r), name=name) for r, name in zip(stored["rows"], names)]
+            return [replace(row_from_dict(r), name=role.name, role=role) for r, role in zip(stored["rows"], roles)]
     log.info("%s", what)
     try:
         rows = run()
