@@ -26,12 +26,6 @@ def _read(path: Path) -> Any:
 def summarize_device_check(path: str | Path, command: str = "bash scripts/device_check.sh") -> dict[str, Any]:
     """The summary of ``scripts/device_check.sh``'s ``device-check.json`` (its commit as it recorded it)."""
     d = _read(Path(path))
-    md = Path(path).with_suffix(".md")  # the script's own one-line description of each step
-    told = {}
-    for line in md.read_text().splitlines() if md.is_file() else []:
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and cells[1] in ("pass", "fail", "skip"):
-            told[cells[0]] = cells[3]
     host = d.get("host") or {}
     commit = d.get("commit") or {}
     return {
@@ -42,7 +36,7 @@ def summarize_device_check(path: str | Path, command: str = "bash scripts/device
         "compute_path": d.get("device", "cuda"), "pair": {"draft": "tiny:1", "target": "tiny:2:32:3"},
         "result": d.get("result"), "seconds": d.get("seconds"),
         "steps": [{"step": st["name"], "status": st["status"], "seconds": st["seconds"],
-                   "details": told.get(st["name"], "")} for st in d.get("steps", [])],
+                   "details": st.get("line", "")} for st in d.get("steps", [])],
     }
 
 

@@ -298,7 +298,7 @@ def markdown(summary: dict) -> str:
         f"{summary['seconds']:.0f} s of a {summary['budget_s']} s budget", "",
         "| step | status | seconds | details |", "| --- | --- | ---: | --- |",
     ]
-    lines += [f"| {s['name']} | {s['status']} | {s['seconds']:.1f} | {step_line(Step(**s))} |"
+    lines += [f"| {s['name']} | {s['status']} | {s['seconds']:.1f} | {s['line']} |"
               for s in summary["steps"]]
     errors = [s for s in summary["steps"] if s["tail"]]
     if errors:
@@ -315,7 +315,8 @@ def write_summary(steps: list[Step], facts: dict, device: str, budget: int, t0: 
         "kind": "device_check", "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": commit_facts(), "device": device, "host": facts, "budget_s": budget,
         "seconds": round(time.monotonic() - t0, 1), "passed_steps": passed,
-        "result": "PASS" if passed == len(steps) else "FAIL", "steps": [asdict(s) for s in steps],
+        "result": "PASS" if passed == len(steps) else "FAIL",
+        "steps": [{**asdict(s), "line": step_line(s)} for s in steps],  # line: the details as the tables print them
     }
     out = out_dir()
     (out / "device-check.json").write_text(json.dumps(summary, indent=1) + "\n")

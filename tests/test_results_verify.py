@@ -165,3 +165,23 @@ def test_an_estimated_time_is_marked_in_every_table():
     assert "| oracle | 31.13* |" in benchmark_table(s)  # a summary stored before the field: its note says so
     rows[1]["estimated"] = False
     assert "| oracle | 31.13 |" in benchmark_table(s) and ESTIMATED_NOTE not in _verdicts(s)
+
+
+def test_the_gpu_checks_summary_reads_each_steps_line_from_its_json(tmp_path, monkeypatch):
+    """scripts/device_check.py writes each step's details line into device-check.json; the summary reads it there
+    (no Markdown is read back)."""
+    import time
+
+    from rendering.device_results import summarize_device_check
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import device_check as dc
+
+    monkeypatch.setattr(dc, "out_dir", lambda: tmp_path)
+    monkeypatch.setattr(dc, "commit_facts", lambda: {"commit": "abc", "dirty": False})
+    step = dc.Step(name="pytest", cap=10, argv=["x"], status="pass", seconds=3.0, returncode=0, tail="",
+                   details={"passed": 21, "failures": 0, "errors": 0, "skipped": 0})
+    dc.write_summary([step], {"gpu": "H200", "torch": "2", "python": "3.12"}, "cuda", 600, time.monotonic())
+    (tmp_path / "device-check.md").unlink()
+    (st,) = summarize_device_check(tmp_path / "device-check.json")["steps"]
+    assert st["details"] == "21 passed, 0 failed, 0 errors, 0 skipped"
