@@ -17,8 +17,9 @@ from pipelines import results as results_cli
 from pipelines.results import verify_summary
 from rendering.result_store import Summary, load_summaries, summarize_benchmark, write_summary
 from runtimes.vllm.bench import TARGET_ALONE, RowRole, RowRun
-from runtimes.vllm.bench_report import table_entries, unit_records
+from runtimes.vllm.bench_report import goals_of, table_entries, unit_records
 from runtimes.vllm.results import VLLM_ROW_FIELDS, verify_vllm_summary
+from runtimes.vllm.settings import BatchPick
 
 ROOT = Path(__file__).resolve().parents[1]
 STORED = sorted((ROOT / "results").glob("*.json"))
@@ -141,10 +142,14 @@ def test_a_vllm_summary_recomputes_from_its_unit_records():
     roles = (RowRole("target"), RowRole("static", k=3), RowRole("policy", spec="disco"))
     rows = [vllm_row(role, b, rng, ref) for b in (1, 4) for role in roles]
     table = table_entries(rows, [1, 4], 0, 300, [])
-    data = {"batch_sizes": [1, 4], "seed": 0, "n_boot": 300,
-            "rows": json.loads(json.dumps([{k: t[k] for k in VLLM_ROW_FIELDS if k in t} for t in table]))}
+    picks = [BatchPick(1, 3, 1.2, 1.1, 3), BatchPick(4, 3, 1.1, 1.0, 3)]
+    data = {"batch_sizes": [1, 4], "seed": 0, "n_boot": 300, "picks": [p.to_dict() for p in picks],
+            "rows": json.loads(json.dumps([{k: t[k] for k in VLLM_ROW_FIELDS if k in t} for t in table])),
+            "goals": json.loads(json.dumps(goals_of(table, picks, [1, 4], [])))}
     assert all(t["records"] == unit_records(r) for t, r in zip(table, rows))
-    assert verify_vllm_summary(data) is None
+    assert data["goals"]["batch_1"]["recommended_row"] == "vllm:3" and verify_vllm_summary(data) is None
+    data["goals"]["batch_4"]["recommended_vs_fastest"] += 0.01
+    assert verify_vllm_summary(data).field == "batch_4.recommended_vs_fastest"
     data["rows"][5]["vs_fastest_fixed"][1] -= 0.01
     first = verify_vllm_summary(data)
     assert (first.row, first.field) == ("disco at batch 4", "vs_fastest_fixed")

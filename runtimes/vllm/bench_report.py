@@ -22,7 +22,7 @@ from compute.timing import CostModel
 from runtimes.vllm.bench import RowRole, RowRun, VllmBenchConfig
 from runtimes.vllm.settings import BatchPick
 
-__all__ = ["VllmReport", "build_report", "markdown", "table_entries", "unit_records"]
+__all__ = ["VllmReport", "build_report", "goals_of", "markdown", "table_entries", "unit_records"]
 
 
 @dataclass
@@ -126,10 +126,13 @@ def _calibration_gap(entry: dict[str, Any], positions: int = 4) -> float | None:
     return round(max(gaps), 4) if gaps else None
 
 
-def _goals(table: list[dict], picks: list[BatchPick], cfg: VllmBenchConfig, ties: list[dict]) -> dict[str, Any]:
+def goals_of(table: list[dict], picks: list[BatchPick], batch_sizes: list[int], ties: list[dict]) -> dict[str, Any]:
+    """The issue's checks from the report's entries: per batch size the recommended setting against the fastest fixed
+    one, the per-batch schedule and the recommendation against vLLM's defaults, the policies against them; exact
+    outputs, the differing outputs' ties, replay agreement."""
     goals: dict[str, Any] = {}
     ratios, per_ratios = [], []
-    for b in cfg.batch_sizes:
+    for b in batch_sizes:
         rows = [t for t in table if t["batch"] == b]
         fixed = [t for t in rows if role_of(t).fixed]
         fastest = max(fixed, key=lambda t: t["tokens_per_s"])
@@ -192,7 +195,8 @@ def build_report(cfg: VllmBenchConfig, rows: list[RowRun], names: list[str], pic
                  ties: list[dict] | None = None) -> VllmReport:
     """The report of a finished run, written to ``cfg.out_dir``."""
     table = table_entries(rows, cfg.batch_sizes, cfg.seed, cfg.n_boot, check)
-    rep = VllmReport(table=table, goals=_goals(table, picks, cfg, ties or []), recommendation=recommendation,
+    rep = VllmReport(table=table, goals=goals_of(table, picks, cfg.batch_sizes, ties or []),
+                     recommendation=recommendation,
                      picks=[p.to_dict() for p in picks], replay_check=check,
                      curves={str(b): cm.to_dict() for b, cm in curves.items()}, prompts=names, ties=ties or [])
     out = Path(cfg.out_dir)

@@ -28,7 +28,8 @@ from rendering.result_store import (
     provenance,
 )
 from runtimes.vllm.bench import RowRole, RowRun
-from runtimes.vllm.bench_report import table_entries
+from runtimes.vllm.bench_report import goals_of, table_entries
+from runtimes.vllm.settings import BatchPick
 
 __all__ = ["summarize_vllm_benchmark", "verify_vllm_summary", "vllm_block", "vllm_readme_lines"]
 
@@ -97,13 +98,29 @@ def verify_vllm_summary(data: dict[str, Any]) -> Disagreement | None:
     if data.get("seed") is None or data.get("n_boot") is None:
         raise MissingRecords("no seed and n_boot of its bootstrap")
     rows = [row_from_records(r) for r in data["rows"]]
-    table = table_entries(rows, data["batch_sizes"], int(data["seed"]), int(data["n_boot"]), [])
+    replay = [{"row": r["row"], "batch": r["batch"], "ratio": r.get("replay_ratio"),
+               "replayed_tokens_per_s": r.get("replayed_tokens_per_s")} for r in data["rows"]]  # the replay's own
+    table = json.loads(json.dumps(table_entries(rows, data["batch_sizes"], int(data["seed"]), int(data["n_boot"]),
+                                                replay)))  # as stored: tuples as lists, positions keyed by strings
     for stored, new in zip(data["rows"], table):
-        new = json.loads(json.dumps(new))  # as stored: tuples as lists, positions keyed by strings
         for key in VERIFIED:
             if key in stored and not same(stored[key], new.get(key)):
                 return Disagreement(f"{stored['row']} at batch {stored['batch']}", key, stored[key], new.get(key))
-    return None
+    picks = [BatchPick(**p) for p in data.get("picks") or []]
+    goals = json.loads(json.dumps(goals_of(table, picks, data["batch_sizes"], [])))
+    stored = {k: v for k, v in (data.get("goals") or {}).items() if not k.startswith("differing")}  # ties: logits
+    return goal_difference(stored, {k: goals.get(k) for k in stored}, "goals")
+
+
+def goal_difference(stored: Any, new: Any, path: str) -> Disagreement | None:
+    """The first goal (``goals.batch_4.recommended_vs_fastest``) whose stored value the recomputed one is not."""
+    if isinstance(stored, dict) and isinstance(new, dict):
+        for k, v in stored.items():
+            found = goal_difference(v, new.get(k), f"{path}.{k}")
+            if found is not None:
+                return found
+        return None
+    return None if same(stored, new) else Disagreement("goals", path.removeprefix("goals."), stored, new)
 
 
 def _rows_table(s: Summary, batch: int) -> list[str]:
