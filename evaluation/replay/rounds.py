@@ -162,7 +162,7 @@ class _Replay:
     mode: str
     rule: RoundRule
     """The policy's round rule."""
-    goodput: goodput.RoundCost | None
+    cost: goodput.RoundCost | None
     """The goodput rule's round cost (cost-aware policies), else None."""
     max_draft_len: int | None
     scores: np.ndarray | None
@@ -218,7 +218,7 @@ def replay_policy(
     rule = policy.round_rule
     cost = _goodput_cost(decision_cost_model or cm, companion) if rule.needs_cost_model else None
     rp = _Replay(
-        policy=policy, data=data, cm=cm, mode=mode, rule=rule, goodput=cost, max_draft_len=max_draft_len,
+        policy=policy, data=data, cm=cm, mode=mode, rule=rule, cost=cost, max_draft_len=max_draft_len,
         scores=scores if scores is not None else scores_for(policy, data, max_draft_len),
         per_draft=cm.draft_s_per_token + (cm.companion_s_per_token if companion else 0.0),
         companion=companion, online=overrides(policy, "update"), res=ReplayResult(n_seqs=data.n_seqs),
@@ -271,7 +271,7 @@ def _replay_round(rp: _Replay, a0: int, s: int, b0: int, plan: dict[int, int] | 
         rp.res.first_verify_s += rp.cm.target_time(nv + 1)
     # tokens past the stored end are not counted
     rp.res.add_round(min(acc + 1, rem), acc, n, nv, t, rp.cm.target_only_s_per_token, n)
-    if rp.goodput is not None:
+    if rp.rule.cost_aware:
         _count_expected(rp, v, min(acc + 1, rem))
         rp.res.round_lengths.append((n, nv))
     if rp.online:
@@ -349,7 +349,7 @@ def _round_lengths(rp: _Replay, s: int, rows: np.ndarray, rem: int, plan: dict[i
     if cap == 0:
         return 0, 0
     return rp.rule.replay_round(rp.policy, _window_scores(rp, rows),
-                                lambda: window_features(rp.data.features, rows), rp.goodput)
+                                lambda: window_features(rp.data.features, rows), rp.cost)
 
 
 def _goodput_cost(cm: CostModel, companion: bool) -> goodput.RoundCost:
