@@ -30,7 +30,7 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -361,26 +361,67 @@ def _torch_dequantizers() -> tuple[Callable[..., Any], Container[int]] | None:
     return dequantize, GGML_BLOCK
 
 
-def dequantize_gguf_tensor(data: np.ndarray, info: GgufTensorInfo) -> np.ndarray:
-    """One tensor as float32 in torch order, the values transformers' GGUF loader gives bit for bit.
+_CHUNK_VALUES = 1 << 18
+"""Values dequantised at a time (1 MB of float32): small temporaries, reused, and no full-size copy in memory."""
 
-    The loader dequantises with gguf's numpy code (``gguf.quants.dequantize``), in 16-row steps. transformers' torch
-    dequantisation computes the same float32 products and the same one rounded subtraction in the same order, in about
-    half the time: it serves the types it takes (Q4_K, Q6_K, Q8_0 here), gguf the others (Q5_0, F32). ``data`` is the
-    whole file as a uint8 memmap.
+
+def dequantize_gguf_tensor(data: np.ndarray, info: GgufTensorInfo) -> Iterator[np.ndarray]:
+    """One tensor's values as float32, in row order, a few hundred rows at a time: the values transformers' GGUF
+    loader gives, bit for bit.
+
+    The loader dequantises with gguf's numpy code (``gguf.quants.dequantize``). transformers' torch dequantisation
+    computes the same float32 products and the same one rounded subtraction in the same order, faster: it serves the
+    types it takes (Q4_K, Q6_K, Q8_0 here), gguf the others (Q5_0, F32). ``data`` is the whole file as a uint8 memmap.
     """
     import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
-    raw = data[info.start:info.start + info.nbytes]
-    fast = _torch_dequantizers()
-    if fast is not None and info.ggml_type in fast[1]:
-        values = fast[0](torch.from_numpy(np.array(raw)), info.ggml_type)  # a copy: the memmap is read-only
-        return values.numpy().reshape(info.shape)
     qtype = GGMLQuantizationType(info.ggml_type)
     block, block_bytes = GGML_QUANT_SIZES[qtype]
-    rows = raw.reshape(math.prod(info.shape[:-1]), info.shape[-1] // block * block_bytes)
-    return np.ascontiguousarray(dequantize(rows, qtype), dtype=np.float32).reshape(info.shape)
+    row_bytes = info.shape[-1] // block * block_bytes
+    rows = math.prod(info.shape[:-1])
+    step = max(1, _CHUNK_VALUES // info.shape[-1])
+    fast = _torch_dequantizers()
+    for first in range(0, rows, step):
+        n = min(step, rows - first)
+        raw = data[info.start + first * row_bytes:info.start + (first + n) * row_bytes]
+        if fast is not None and info.ggml_type in fast[1]:
+            yield fast[0](torch.from_numpy(np.array(raw)), info.ggml_type).numpy()  # a copy: the memmap is read-only
+        else:
+            yield np.ascontiguousarray(dequantize(raw.reshape(n, row_bytes), qtype), dtype=np.float32).reshape(-1)
+
+
+def write_float32_safetensors(path: Path, tensors: dict[str, tuple[tuple[int, ...], Iterable[np.ndarray]]]) -> None:
+    """Write float32 tensors, each given as its shape and its values in chunks, into one safetensors file, laid out
+    byte for byte as ``safetensors.numpy.save_file(..., metadata={"format": "pt"})`` lays them out.
+
+    safetensors' writer needs every tensor in memory at once (7 GB for the packaged target, and as many page faults);
+    this streams each chunk to the file as it is dequantised. The layout is the library's: an 8-byte little-endian
+    header size, the compact JSON header (``__metadata__`` first, then the tensors sorted by name, as for one dtype),
+    padded with spaces to a multiple of 8, then the data in that order.
+
+    Raises:
+        ValueError: a tensor's chunks do not hold its shape's number of values.
+    """
+    names = sorted(tensors)
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        size = math.prod(tensors[name][0]) * 4
+        header[name] = {"dtype": "F32", "shape": list(tensors[name][0]), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for name in names:
+            written = 0
+            for chunk in tensors[name][1]:
+                f.write(memoryview(np.ascontiguousarray(chunk, dtype=np.float32)).cast("B"))
+                written += chunk.size
+            if written != math.prod(tensors[name][0]):
+                raise ValueError(f"{path}: tensor {name} gave {written} values, its shape "
+                                 f"{list(tensors[name][0])} holds {math.prod(tensors[name][0])}")
 
 
 def _hf_names(gguf_arch: str, state_keys: list[str], n_layers: int) -> dict[str, str] | None:
@@ -402,19 +443,20 @@ def _hf_names(gguf_arch: str, state_keys: list[str], n_layers: int) -> dict[str,
 
 
 def convert_gguf(gguf_file: Path, out_dir: Path) -> dict:
-    """Convert a GGUF file to a safetensors model + tokenizer folder ``out_dir``, the same files
-    :func:`convert_gguf_transformers` writes, weights bit for bit, in a fraction of its time.
+    """Convert a GGUF file to a safetensors model + tokenizer folder ``out_dir``: the files
+    :func:`convert_gguf_transformers` writes, byte for byte, in a fraction of its time and memory.
 
     transformers parses the GGUF's metadata three times for one ``from_pretrained`` + tokenizer load (config, weights,
-    tokenizer: about 7 s each for a Qwen vocabulary) and copies every weight into a model before saving it. Here the
-    config is parsed once (transformers' own mapping), the tokenizer is read by its class directly, the tensor table by
-    :func:`read_gguf_tensor_table`, every tensor is dequantised by gguf (float32, as the loader does) and written with
-    safetensors, no model built. An architecture whose GGUF tensors transformers reshapes (a tensor processor other
-    than the identity, e.g. llama's q/k permutation) or whose names do not all map goes the transformers way instead.
+    tokenizer: about 7 s each for a Qwen vocabulary), holds every weight twice (its state dict, then the model) and
+    saves them. Here the config is parsed once (transformers' own mapping), the tokenizer is read by its class
+    directly, the tensor table by :func:`read_gguf_tensor_table`, and every tensor is dequantised
+    (:func:`dequantize_gguf_tensor`, float32 as the loader gives it) in chunks straight into the safetensors file
+    (:func:`write_float32_safetensors`); no model is built. An architecture whose GGUF tensors transformers reshapes
+    (a tensor processor other than the identity, e.g. llama's q/k permutation) or whose names do not all map goes the
+    transformers way instead.
     Returns facts for the marker file.
     """
     import torch
-    from safetensors.numpy import save_file
     from transformers import AutoConfig, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
@@ -436,14 +478,13 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> dict:
         log.info("%s: its tensors do not map one to one onto %s's parameters; converting through transformers",
                  gguf_file.name, type(skeleton).__name__)
         return convert_gguf_transformers(gguf_file, out_dir)
-    # one tensor after another: on two cores, Python threads (a config parse beside the dequantisation, or two
-    # dequantisations) were no faster, as gguf dequantises in 16-row numpy steps that hand the GIL back and forth
+    # one tensor after another, each dequantised in chunks straight into the file: on two cores, Python threads (a
+    # config parse beside the dequantisation, or two dequantisations) were no faster, passing the GIL back and forth
     data = np.memmap(gguf_file, dtype=np.uint8, mode="r")
-    tensors = {names[info.name]: dequantize_gguf_tensor(data, info) for info in infos}
-    t_dequant = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors, data
+    write_float32_safetensors(out_dir / "model.safetensors",
+                              {names[i.name]: (i.shape, dequantize_gguf_tensor(data, i)) for i in infos})
+    del data
     t_write = time.perf_counter()
     # the config and generation config as save_pretrained writes them for a float32 model of this class
     config.architectures = [type(skeleton).__name__]
@@ -454,8 +495,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, tokenizer_type=config.model_type)
     tok.save_pretrained(out_dir)
     t_end = time.perf_counter()
-    stages = {"config_s": t_config - t0, "dequantize_s": t_dequant - t_config, "write_s": t_write - t_dequant,
-              "tokenizer_s": t_end - t_write}
+    stages = {"config_s": t_config - t0, "dequantize_write_s": t_write - t_config, "tokenizer_s": t_end - t_write}
     return {"dtype": "float32", "vocab_size": int(skeleton.get_output_embeddings().weight.shape[0]),
             "tokenizer_size": len(tok), "chat_template": bool(tok.chat_template),
             "stages": {k: round(v, 1) for k, v in stages.items()}}

@@ -246,7 +246,7 @@ def write_tiny_qwen2_gguf(path: Path, seed: int = 0) -> Path:
 
 
 def _same_folders(a: Path, b: Path) -> None:
-    """Every safetensors tensor of ``a`` and ``b`` equal bit for bit (compared as int32), every other file byte for
+    """Every safetensors tensor of ``a`` and ``b`` equal bit for bit (compared as int32), and every file byte for
     byte."""
     import torch
     from safetensors import safe_open
@@ -257,6 +257,7 @@ def _same_folders(a: Path, b: Path) -> None:
             x, y = fa.get_tensor(key), fb.get_tensor(key)
             assert x.dtype == y.dtype == torch.float32 and x.shape == y.shape, key
             assert torch.equal(x.view(torch.int32), y.view(torch.int32)), key
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()  # the layout too
     others = sorted(p.name for p in a.iterdir() if p.name != "model.safetensors")
     assert others == sorted(p.name for p in b.iterdir() if p.name != "model.safetensors")
     for name in others:
@@ -288,7 +289,7 @@ def test_convert_writes_what_transformers_writes(tmp_path, monkeypatch, torch_de
     facts = packaged.convert_gguf(gguf_file, tmp_path / "direct")
     reference = packaged.convert_gguf_transformers(gguf_file, tmp_path / "reference")
     _same_folders(tmp_path / "direct", tmp_path / "reference")
-    assert set(facts.pop("stages")) == {"config_s", "dequantize_s", "write_s", "tokenizer_s"}
+    assert set(facts.pop("stages")) == {"config_s", "dequantize_write_s", "tokenizer_s"}
     assert facts == reference
 
 
@@ -302,6 +303,21 @@ def test_convert_goes_through_transformers_where_it_reshapes(tmp_path, monkeypat
     monkeypatch.setattr(packaged, "convert_gguf_transformers", lambda g, out: calls.append(g) or {})
     packaged.convert_gguf(gguf_file, tmp_path / "out")
     assert calls == [gguf_file] and not (tmp_path / "out").exists()
+
+
+def test_streamed_safetensors_are_what_safetensors_writes(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    arrays = {name: rng.normal(size=shape).astype(np.float32)
+              for name, shape in [("b.weight", (3, 5)), ("a.bias", (7,)), ("model.x", (2, 2, 2)), ("lm_head", (9, 4))]}
+    save_file(arrays, str(tmp_path / "library.safetensors"), metadata={"format": "pt"})
+    packaged.write_float32_safetensors(tmp_path / "streamed.safetensors", {
+        name: (a.shape, iter(np.array_split(a.reshape(-1), 3))) for name, a in arrays.items()})
+    assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "library.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=r"tensor a gave 5 values, its shape \[2, 3\] holds 6"):
+        packaged.write_float32_safetensors(tmp_path / "short.safetensors", {"a": ((2, 3), [np.zeros(5, np.float32)])})
 
 
 def test_tensor_table_refuses_a_file_that_is_not_gguf(tmp_path):
