@@ -8,7 +8,7 @@ import torch
 
 from compute.timing import CostModel
 from decoding.policies import build_policy
-from runtimes.vllm.bench import RowRun, VllmBenchConfig
+from runtimes.vllm.bench import RowRole, RowRun, VllmBenchConfig
 from runtimes.vllm.check import check_rows, predicted_seconds, step_levels, step_price
 from runtimes.vllm.engine import StepLog
 from runtimes.vllm.proposer import PolicySettings, build_stopper, check_vllm, load_curves
@@ -120,6 +120,12 @@ def test_replay_check_prices_decode_steps_and_takes_prefill_as_measured() -> Non
                  rounds=[[(1, 2, 3.0), (1, 1, 1.0), (1, 0, 1.0)]])  # the last step skipped the draft's forward
     per = ((2 * 0.01 + cm.target_time(3.0)) + (1 * 0.01 + cm.target_time(1.0)) + cm.target_time(1.0)) / 3
     assert predicted_seconds(pol, {1: cm}, None) == [pytest.approx(0.5 + 2 * per)]
+    alone = RowRun(name="target", batch=1, spec="target", outputs=[[[1] * 8]], seconds=[0.9], steps=[steps],
+                   role=RowRole("target"))
+    assert predicted_seconds(alone, {1: cm}, lambda b: 0) == [pytest.approx(0.5 + 2 * cm.target_time(1))]
+    k0 = RowRun(name="per-batch", batch=1, spec="per-batch", outputs=[[[1] * 8]], seconds=[0.9], steps=[steps],
+                role=RowRole("per_batch"))  # vLLM's K = 0 still runs the draft's forward
+    assert predicted_seconds(k0, {1: cm}, lambda b: 0) == [pytest.approx(0.5 + 2 * (0.01 + cm.target_time(1)))]
 
 
 def test_replay_check_takes_the_curves_level_from_the_fixed_rows_steps() -> None:

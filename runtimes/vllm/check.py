@@ -83,10 +83,10 @@ def _unit_seconds(row: RowRun, curves: dict[int, CostModel], k_of: Callable[[int
             out.append((prefill, (_policy_step(rounds, curves) or 0.0) * len(decode)))
             continue
         total = 0.0
+        alone = row.role is not None and row.role.what == "target"  # no draft: every step is the target's
         for s in decode:
             cm, k = curve_for_batch(curves, s.batch), k_of(s.batch)
-            idle = (cm.draft_s_per_token + cm.target_time(1)) if row.spec != "target" and "alone" not in row.name \
-                else cm.target_time(1)
+            idle = cm.target_time(1) if alone else cm.draft_s_per_token + cm.target_time(1)
             total += share * step_price(cm, k) + (1 - share) * idle if k else idle
         out.append((prefill, total))
     return out
