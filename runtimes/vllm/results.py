@@ -235,27 +235,42 @@ def vllm_block(summaries: list[Summary]) -> str:
 
 
 def vllm_readme_lines(summaries: list[Summary]) -> list[str]:
-    """The README's vLLM paragraph: at each batch size the fastest of vLLM's fixed settings, and specstop's best
-    policy inside vLLM's proposer against it, with its interval."""
+    """The README's vLLM paragraph: at each batch size the fastest of specstop's policies inside vLLM's proposer
+    against the fastest of vLLM's fixed settings, with its interval, and the run's noise floor there (the target alone
+    against itself)."""
     s = newest(summaries, "vllm_benchmark")
     if s is None:
         return []
     d = s.data
+    policies = _policy_rows(d)
     cells = []
     for b in d["batch_sizes"]:
         rows = [r for r in d["rows"] if r["batch"] == b and (r.get("vs_fastest_fixed") or [None])[0] is not None
-                and r["row"] in _policy_rows(d)]
+                and r["row"] in policies]
         if not rows:
             continue
         best = max(rows, key=lambda r: r["tokens_per_s"])
         vf = best["vs_fastest_fixed"]
-        cells.append(f"at {b} concurrent request{'s' if b > 1 else ''} specstop's fastest policy, `{best['row']}`, "
-                     f"ran {vf[0]:.2f}x [{vf[1]:.2f}, {vf[2]:.2f}] vLLM's fastest fixed setting "
-                     f"(`{best['fastest_fixed']}`)")
+        ci = f"[{vf[1]:.2f}, {vf[2]:.2f}]" if vf[1] != vf[2] else "(one group of requests: no interval)"
+        n = len({r["row"] for r in rows})
+        cells.append(f"at {b} concurrent request{'s' if b > 1 else ''} the fastest of specstop's {n} policies, "
+                     f"`{best['row']}`, ran {vf[0]:.2f}x {ci} vLLM's fastest fixed setting (`{best['fastest_fixed']}`)"
+                     + _noise_floor(d, b))
     if not cells:
         return []
     return [f"vLLM, measured in vLLM itself ({dated(d)}, {cpu_label(d['machine'])}; "
             f"[docs/vllm.md](docs/vllm.md)): " + "; ".join(cells) + "."]
+
+
+def _noise_floor(d: dict, batch: int) -> str:
+    """", the target alone against itself Rx" at ``batch`` (its second row, run last, over its first), or ""."""
+    alone = [r for r in d["rows"] if r["batch"] == batch and (
+        r["role"]["what"] == "target" if r.get("role") else r["row"].startswith("vLLM target alone"))]
+    again = [r for r in alone if (r["role"].get("again") if r.get("role") else r["row"].endswith("(again)"))]
+    first = [r for r in alone if r not in again]
+    if not again or not first or not first[0]["tokens_per_s"]:
+        return ""
+    return f", the target alone against itself {again[0]['tokens_per_s'] / first[0]['tokens_per_s']:.2f}x"
 
 
 def _policy_rows(d: dict) -> set[str]:
