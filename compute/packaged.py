@@ -281,8 +281,16 @@ _GGUF_SCALAR_FORMAT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: 
 """GGUF metadata value type -> struct format of the fixed-size types (8 is a string, 9 an array)."""
 
 
+@dataclass(frozen=True)
+class GgufArray:
+    """A GGUF metadata array, by its length only (a vocabulary, a merge table)."""
+
+    length: int
+
+
 def read_gguf_tensor_table(path: Path) -> tuple[dict[str, object], list[GgufTensorInfo]]:
-    """The scalar and string metadata of a GGUF file (arrays left out) and its tensor table, without reading tensors.
+    """The metadata of a GGUF file (arrays by their length: :class:`GgufArray`) and its tensor table, without
+    reading tensors.
 
     gguf's ``GGUFReader`` turns every metadata value into numpy views, 300k of them for a Qwen vocabulary and merge
     table (about 7 s a file), and the conversion needs only the table: this walks the header with ``struct`` instead
@@ -329,6 +337,8 @@ def read_gguf_tensor_table(path: Path) -> tuple[dict[str, object], list[GgufTens
                 (meta[key],) = struct.unpack_from(_GGUF_SCALAR_FORMAT[vtype], buf, pos)
             elif vtype == 8:
                 meta[key] = string(pos)[0]
+            else:
+                meta[key] = GgufArray(struct.unpack_from("<Q", buf, pos + 4)[0])
             pos = skip(pos, vtype)
         table = []
         for _ in range(n_tensors):
@@ -424,6 +434,39 @@ def write_float32_safetensors(path: Path, tensors: dict[str, tuple[tuple[int, ..
                                  f"{list(tensors[name][0])} holds {math.prod(tensors[name][0])}")
 
 
+_PLAIN_CONFIG_ARCHS = frozenset({"qwen2"})
+"""GGUF architectures whose config transformers' GGUF loader maps key by key, with no case of its own."""
+
+
+def gguf_config_dict(meta: dict[str, object], tensor_names: list[str]) -> dict[str, object] | None:
+    """The config dict transformers' GGUF loader (``load_gguf_checkpoint``) makes of this metadata, by its own key
+    table, for an architecture of :data:`_PLAIN_CONFIG_ARCHS`; None for any other, or where a mapped value is an array.
+
+    The loader gets there through gguf's ``GGUFReader``, which first turns all 300k vocabulary and merge strings into
+    numpy views (7-16 s a file here); the config needs a few scalars and the vocabulary's length.
+    """
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    arch = meta.get("general.architecture")
+    if arch not in _PLAIN_CONFIG_ARCHS:
+        return None
+    config: dict[str, object] = {"tie_word_embeddings": "output.weight" not in tensor_names}
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}).items():
+        config.setdefault(key, value)
+    for key, value in meta.items():  # in file order: a later key wins, as in the loader
+        prefix, _, rest = key.partition(".")
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if renamed is None or renamed == -1:
+            continue
+        if isinstance(value, GgufArray):
+            return None
+        config[renamed] = value
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if "vocab_size" not in config and isinstance(tokens, GgufArray):
+        config["vocab_size"] = tokens.length
+    return config
+
+
 def _hf_names(gguf_arch: str, state_keys: list[str], n_layers: int) -> dict[str, str] | None:
     """GGUF tensor name -> transformers parameter name for ``state_keys`` (gguf's own name table, the one
     transformers' loader uses), or None when the architecture is unknown to gguf."""
@@ -448,8 +491,9 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> dict:
 
     transformers parses the GGUF's metadata three times for one ``from_pretrained`` + tokenizer load (config, weights,
     tokenizer: about 7 s each for a Qwen vocabulary), holds every weight twice (its state dict, then the model) and
-    saves them. Here the config is parsed once (transformers' own mapping), the tokenizer is read by its class
-    directly, the tensor table by :func:`read_gguf_tensor_table`, and every tensor is dequantised
+    saves them. Here the GGUF's header is read once (:func:`read_gguf_tensor_table`), the config is mapped from it by
+    transformers' own key table (:func:`gguf_config_dict`; ``AutoConfig`` for other architectures), the tokenizer is
+    read by its class directly, and every tensor is dequantised
     (:func:`dequantize_gguf_tensor`, float32 as the loader gives it) in chunks straight into the safetensors file
     (:func:`write_float32_safetensors`); no model is built. An architecture whose GGUF tensors transformers reshapes
     (a tensor processor other than the identity, e.g. llama's q/k permutation) or whose names do not all map goes the
@@ -457,7 +501,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> dict:
     Returns facts for the marker file.
     """
     import torch
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import CONFIG_MAPPING, AutoConfig, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
     t0 = time.perf_counter()
@@ -467,7 +511,11 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> dict:
         log.info("%s: transformers reshapes GGUF tensors of architecture %s; converting through it", gguf_file.name,
                  arch)
         return convert_gguf_transformers(gguf_file, out_dir)
-    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    config_dict = gguf_config_dict(meta, [i.name for i in infos])
+    if config_dict is not None:  # what AutoConfig.from_pretrained(gguf_file=) builds, without parsing the file again
+        config = CONFIG_MAPPING[str(config_dict["model_type"])].from_dict(config_dict)
+    else:
+        config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     t_config = time.perf_counter()
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)

@@ -305,6 +305,16 @@ def test_convert_goes_through_transformers_where_it_reshapes(tmp_path, monkeypat
     assert calls == [gguf_file] and not (tmp_path / "out").exists()
 
 
+def test_config_dict_is_the_loaders(tmp_path):
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = write_tiny_qwen2_gguf(tmp_path / "tiny.gguf")
+    meta, infos = packaged.read_gguf_tensor_table(path)
+    assert meta["tokenizer.ggml.tokens"] == packaged.GgufArray(261)
+    assert packaged.gguf_config_dict(meta, [i.name for i in infos]) == load_gguf_checkpoint(str(path))["config"]
+    assert packaged.gguf_config_dict({**meta, "general.architecture": "llama"}, []) is None  # not a plain one
+
+
 def test_streamed_safetensors_are_what_safetensors_writes(tmp_path):
     import numpy as np
     from safetensors.numpy import save_file
