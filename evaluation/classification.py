@@ -34,6 +34,7 @@ __all__ = [
     "builtin_scorers",
     "weighted_auc",
     "weighted_ap",
+    "label_auc",
     "f1_at",
     "f1_optimal",
     "score_table",
@@ -141,18 +142,32 @@ def f1_optimal(levels: np.ndarray, inv: np.ndarray, wp: np.ndarray, wn: np.ndarr
     return float(f1[i]), float(levels[::-1][i])
 
 
-def _sk_metrics(scores: np.ndarray, y: np.ndarray, threshold: float) -> dict[str, float]:
-    """Point estimates with scikit-learn, a soft-labelled row counted as a positive (weight a) and a negative (1 - a).
-    """
+def _weighted_rows(scores: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(scores, 0/1 labels, weights) with a soft-labelled row counted as a positive (weight y) and a negative (1 - y),
+    rows of weight 0 left out."""
     s2 = np.concatenate([scores, scores])
     y2 = np.concatenate([np.ones_like(y), np.zeros_like(y)])
     w2 = np.concatenate([y, 1.0 - y])
     keep = w2 > 0
-    s2, y2, w2 = s2[keep], y2[keep], w2[keep]
+    return s2[keep], y2[keep], w2[keep]
+
+
+def label_auc(scores: np.ndarray, y: np.ndarray) -> float:
+    """ROC AUC of ``scores`` against labels ``y`` in [0, 1] (soft ones weighted), by scikit-learn: the headline AUC of
+    :func:`score_table`, which a stored main job's test AUCs are recomputed with; NaN with one class."""
+    s2, y2, w2 = _weighted_rows(scores, y)
+    if not ((y2 == 1).any() and (y2 == 0).any()):
+        return float("nan")
+    return float(roc_auc_score(y2, s2, sample_weight=w2))
+
+
+def _sk_metrics(scores: np.ndarray, y: np.ndarray, threshold: float) -> dict[str, float]:
+    """Point estimates with scikit-learn, a soft-labelled row counted as a positive (weight a) and a negative (1 - a).
+    """
+    s2, y2, w2 = _weighted_rows(scores, y)
     out = {k: float("nan") for k in ("auc", "pr_auc", "f1_own", "f1_opt", "thr_f1_opt")}
-    has_pos, has_neg = (y2 == 1).any(), (y2 == 0).any()
-    if has_pos and has_neg:
-        out["auc"] = float(roc_auc_score(y2, s2, sample_weight=w2))
+    has_pos = (y2 == 1).any()
+    out["auc"] = label_auc(scores, y)
     if has_pos:
         out["pr_auc"] = float(average_precision_score(y2, s2, sample_weight=w2))
         prec, rec, thr = precision_recall_curve(y2, s2, sample_weight=w2)
@@ -222,6 +237,7 @@ def score_table(
     builtins: bool = True,
     breakdown: Sequence[str] = ("origin", "domain"),
     ci: float = 0.95,
+    scores_into: dict[str, np.ndarray] | None = None,
 ) -> pd.DataFrame:
     """Classification metrics of every scorer against every label family, on ``columns`` already cut to one split.
 
@@ -231,6 +247,8 @@ def score_table(
         n_boot, seed, ci: bootstrap resamples of prompts (0: no intervals), their seed and confidence level.
         builtins: add the training-free scorers first.
         breakdown: columns to break the metrics down by (rows with ``group_by`` set to that column, no intervals).
+        scores_into: filled with each scorer's per-row scores, those it has (the records a stored main job's test
+            AUCs are recomputed from).
     Returns:
         a long frame, one row per (group_by, group, policy, label), columns :data:`SCORE_TABLE_COLUMNS`
         (``reason`` says why a metric is NaN); ``group_by == "all"`` holds the headline rows.
@@ -246,6 +264,8 @@ def score_table(
     for name, pol in scorers.items():
         base = {"policy": name, "kind": getattr(pol, "kind", ""), "threshold": float(getattr(pol, "threshold", np.nan))}
         scores, reason = _scores_or_reason(pol, columns, feats, n)
+        if scores_into is not None and scores is not None:
+            scores_into[name] = scores
         levels, inv = score_levels(scores) if scores is not None else (None, None)
         for spec in label_specs:
             fam, lam = spec

@@ -308,7 +308,8 @@ class CrossValConfig(TrackingConfig):
 
 
 def run_crossval(cfg: CrossValConfig) -> dict[str, Any]:
-    """Train every run on every fold, summarise, write and log the results; returns {"table", "markdown", "files"}."""
+    """Train every run on every fold, summarise, write and log the results; returns {"table", "markdown", "files",
+    "oof": the out-of-fold scores the table summarises}."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = [cfg.data_dir, *cfg.extra_data_dirs] if cfg.extra_data_dirs else cfg.data_dir
@@ -339,7 +340,7 @@ def run_crossval(cfg: CrossValConfig) -> dict[str, Any]:
     if len(set(cfg.train_fractions)) > 1:
         files.append(plot_learning_curve(table, out / "learning_curve.png"))
     _log_mlflow(cfg, table, files)
-    return {"table": table, "markdown": markdown, "files": [str(f) for f in files]}
+    return {"table": table, "markdown": markdown, "files": [str(f) for f in files], "oof": oof}
 
 
 def _log_mlflow(cfg: CrossValConfig, table: Any, files: list[Path]) -> None:

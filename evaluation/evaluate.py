@@ -33,7 +33,7 @@ from evaluation.data import (
     load_columns,
     subset,
 )
-from evaluation.replay import ReplayConfig, replay_table, tune_threshold, with_threshold
+from evaluation.replay import ReplayConfig, ReplayResult, replay_table, tune_threshold, with_threshold
 from evaluation.report import ReportInputs, report_metrics, write_report
 from predictors.base import StopPolicy
 from predictors.export import export_predictor, update_metadata
@@ -41,7 +41,7 @@ from predictors.labels import draw_mask, label_name
 from predictors.tracking import TrackingConfig
 
 __all__ = ["EvaluateConfig", "run_evaluation", "load_policies", "load_cost_model", "store_calibrations",
-           "cost_aware_rows"]
+           "cost_aware_rows", "ScoredTokens"]
 
 log = logging.getLogger("pipelines.evaluate")
 
@@ -205,6 +205,16 @@ def load_policies(cfg: EvaluateConfig) -> tuple[dict[str, StopPolicy | None], di
 
 
 @dataclass
+class ScoredTokens:
+    """The tokens of one draw the classification table scores: their columns, the label specs scored on them and each
+    scorer's per-token scores (``score_table``'s ``scores_into``)."""
+
+    columns: dict[str, np.ndarray]
+    specs: list[tuple[str, float]]
+    scores: dict[str, np.ndarray]
+
+
+@dataclass
 class Inputs:
     """What one evaluation reads: its policies and their refs, the records, and the report's notes so far."""
 
@@ -284,7 +294,9 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
             ``cross_fit_folds`` folds; checkpoints under ``<out_dir>/cross-fit``.
     Returns:
         dict with report (path), classification, sprinter, replay, sweep (DataFrames), tuned (name -> (threshold,
-        val speedup)), metrics (flat dict), cost_model (or None), notes.
+        val speedup)), metrics (flat dict), cost_model (or None), notes; ``scored``: per draw the
+        :class:`ScoredTokens` the classification table was computed from, ``replayed``: per replay mode each row's
+        ``ReplayResult`` (the records a stored main job's figures are recomputed from).
     """
     ev = load_inputs(cfg, policies)
     by_draw = label_specs_by_draw(ev.cols, cfg.label_specs)
@@ -299,15 +311,16 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
                         "greedy replay is an approximation even on target sequences")
 
     log.info("classification tables on %d tokens", len(ev.cols["seq_id"]))
-    cls = pd.concat([score_table(c, ev.pols, specs, n_boot=cfg.n_boot, seed=cfg.seed).assign(draw=d)
-                     for d, (c, specs) in by_draw.items()], ignore_index=True)
+    scored = {d: ScoredTokens(c, specs, {}) for d, (c, specs) in by_draw.items()}
+    cls = pd.concat([score_table(t.columns, ev.pols, t.specs, n_boot=cfg.n_boot, seed=cfg.seed,
+                                 scores_into=t.scores).assign(draw=d) for d, t in scored.items()], ignore_index=True)
     spr = sprinter_table(ev.cols, ev.pols)
     replay_pols: dict[str, StopPolicy | None] = dict(ev.pols)
     if calib is not None:
         replay_pols.update(goodput_policies({**ev.pols, **calibrated_scores()}, calib.maps))
     replay_cm = cm if cm is not None else assumed_cost_model()
     tuned, tuned_rows = tune_thresholds(cfg, ev, replay_cm, replay_pols) if cfg.tune_thresholds else ({}, {})
-    replay, sweep, round_tokens = replay_modes(cfg, ev, replay_pols, replay_cm)
+    replay, sweep, round_tokens, replayed = replay_modes(cfg, ev, replay_pols, replay_cm)
     for df in (cls, spr, replay, sweep):
         add_refs(df, ev.refs, {row.label: row for row in tuned_rows.values()})
     if cm is None and replay is not None:
@@ -329,8 +342,10 @@ def run_evaluation(cfg: EvaluateConfig, policies: Mapping[str, StopPolicy | None
     return {
         "report": report,
         "classification": cls,
+        "scored": scored,
         "sprinter": spr,
         "replay": replay,
+        "replayed": replayed,
         "sweep": sweep,
         "tuned": tuned,
         "tuned_rows": tuned_rows,
@@ -381,12 +396,18 @@ def tune_thresholds(cfg: EvaluateConfig, ev: Inputs, replay_cm: CostModel, repla
     return tuned, rows
 
 
+Replayed = dict[str, dict[str, ReplayResult]]
+"""Per replay mode, each replayed row's result by name."""
+
+
 def replay_modes(cfg: EvaluateConfig, ev: Inputs, replay_pols: Mapping[str, StopPolicy | None], replay_cm: CostModel
-                 ) -> tuple[pd.DataFrame | None, pd.DataFrame | None, dict[str, Any]]:
-    """The replay table of every mode in ``cfg.replay_modes``, the threshold sweep (first mode) and the cost-aware
-    policies' (expected, replayed) tokens per round: (replay, sweep, round_tokens)."""
+                 ) -> tuple[pd.DataFrame | None, pd.DataFrame | None, dict[str, Any], Replayed]:
+    """The replay table of every mode in ``cfg.replay_modes``, the threshold sweep (first mode), the cost-aware
+    policies' (expected, replayed) tokens per round and each mode's rows' results: (replay, sweep, round_tokens,
+    replayed)."""
     reps, sweeps = [], []
     round_tokens: dict[str, Any] = {}
+    replayed: Replayed = {}
     for i, mode in enumerate(cfg.replay_modes):
         rcfg = ReplayConfig(mode=mode, origins=tuple(cfg.replay_origins) if cfg.replay_origins else None)
         try:
@@ -396,6 +417,7 @@ def replay_modes(cfg: EvaluateConfig, ev: Inputs, replay_pols: Mapping[str, Stop
         except (KeyError, ValueError) as e:
             ev.notes.append(f"replay ({mode}) not possible: {e}")
             continue
+        replayed[mode] = rep.attrs.pop("results", {})  # kept apart: the frame's attrs are copied with every operation
         reps.append(rep)
         round_tokens.update({f"{name} [{mode}]": v for name, v in rep.attrs.get("round_tokens", {}).items()})
         if len(sw):
@@ -403,7 +425,7 @@ def replay_modes(cfg: EvaluateConfig, ev: Inputs, replay_pols: Mapping[str, Stop
             sweeps.append(sw)
     replay = pd.concat(reps, ignore_index=True) if reps else None
     sweep = pd.concat(sweeps, ignore_index=True) if sweeps else None
-    return replay, sweep, round_tokens
+    return replay, sweep, round_tokens, replayed
 
 
 # ----------------------------------------------------------------------------------------------------- calibration

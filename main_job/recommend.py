@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from compute.gguf_files import GGUF_SUBDIR, PACKAGED_PREFIX
 from compute.packaged import get_packaged
@@ -28,6 +29,7 @@ from evaluation.data import load_columns
 from evaluation.replay.rounds import ReplayResult, replay_policy
 from evaluation.replay.scores import scores_for
 from evaluation.replay.sequences import ReplayConfig, ReplayData, prepare_replay_data
+from main_job.verify import replay_records
 from predictors.base import StopPolicy
 from predictors.baselines import Oracle
 from predictors.runtime_rules import RUNTIMES, LlamaCppRule, RuntimeRule, TransformersRule, VllmRule, runtime_rule
@@ -36,7 +38,7 @@ from runtimes.vllm.settings import MARGINAL, BatchPick, acceptance_picks, measur
 log = logging.getLogger("pipelines.recommend")
 
 __all__ = ["Recommendation", "recommend", "tune_rule", "coarse_rules", "SPECULATE_MIN", "RecommendConfig",
-           "recommend_runtimes", "draft_name", "write_recommendations"]
+           "recommend_runtimes", "draft_name", "write_recommendations", "recommendation_records"]
 
 SPECULATE_MIN = 1.0
 """Replayed speedup over target-only on validation a setting must exceed to be recommended (else: do not speculate)."""
@@ -341,6 +343,17 @@ def draft_name(cfg: RecommendConfig, runtime: str = "transformers") -> str:
     name = draft.removeprefix(PACKAGED_PREFIX)
     cache = Path(str(models.get("cache_dir") or "~/.cache/specstop"))
     return str(cache / GGUF_SUBDIR / f"{name}.gguf") if runtime == "llamacpp" else str(cache / get_packaged(name).name)
+
+
+def recommendation_records(runtime: str, rec: Recommendation) -> list[pd.DataFrame]:
+    """The per-sequence records of a recommendation's replayed figures (``main_job.verify``): the tuned setting's, the
+    defaults', each compared policy's and the oracle's on the test split."""
+    out = [replay_records(runtime, "speedup", rec.rule.spec(), rec.test),
+           replay_records(runtime, "default_speedup", rec.default.spec(), rec.default_test)]
+    out += [replay_records(runtime, f"compare:{name}", name, r) for name, r in rec.compare.items()]
+    if rec.oracle is not None:
+        out.append(replay_records(runtime, "oracle_speedup", "oracle", rec.oracle))
+    return out
 
 
 def write_recommendations(recs: dict[str, Recommendation], path: str | Path) -> Path:

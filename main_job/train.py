@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import pandas as pd
 from pytorch_lightning.loggers import MLFlowLogger
 
 import predictors.training as training
@@ -29,12 +30,20 @@ from data_gen.shards import finished_chunks, shard_path
 from evaluation.classification import DEFAULT_LABEL_SPECS, FREE_SCORES
 from evaluation.crossval import CrossValConfig, CrossValRun, run_crossval
 from evaluation.evaluate import EvaluateConfig, RowId, cost_aware_rows, run_evaluation, store_calibrations
-from main_job.recommend import RecommendConfig, draft_name, recommend_runtimes, write_recommendations
+from main_job.recommend import (
+    RecommendConfig,
+    draft_name,
+    recommend_runtimes,
+    recommendation_records,
+    write_recommendations,
+)
+from main_job.verify import best_free_score, cv_figures, cv_records, replay_records, test_records, write_records
 from predictors.export import export_predictor, load_predictor, read_metadata, update_metadata
 from predictors.labels import label_name
 from predictors.registry import check_reachable, register_predictor, registry_name, resolve_tracking_uri
 from predictors.tracking import Experiment, TrackingURI
 from predictors.training import DiscoConfig, SprinterConfig, SVTableConfig
+from rendering.result_store import MAIN_JOB_RECORDS
 from rendering.train_results import RESULTS_MD, fmt, results_markdown
 from runtimes.vllm.traces import trace_folder
 
@@ -156,12 +165,12 @@ def train_all(cfg: TrainJobConfig, extra_data: list[GenerateConfig], progress: b
         cv_kinds = [k for k in ("disco", "sprinter") if k in job.policies]
         if cfg.crossval_folds and cv_kinds:
             with chain.stage("crossval") as st:
-                _crossval(cfg, data_dirs, cv_kinds, job.rows, uri)
+                _crossval(cfg, data_dirs, cv_kinds, job, uri)
                 st.summary = f"{cfg.crossval_folds} folds x {', '.join(cv_kinds)}"
         recommendations: dict[str, list[str]] = {}
         if cfg.evaluate and cfg.recommend:
             with chain.stage("recommend") as st:
-                recommendations = _recommend(cfg, data_dirs[0])
+                recommendations = _recommend(cfg, data_dirs[0], job)
                 st.summary = ", ".join(recommendations) or "no runtime curve"
         if cfg.register and job.exports:
             with chain.stage("register") as st:
@@ -180,7 +189,18 @@ def train_all(cfg: TrainJobConfig, extra_data: list[GenerateConfig], progress: b
                   "recommendations": recommendations}
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
     (out / RESULTS_MD).write_text(results_markdown(cfg.out_dir, result))
+    _store_records(out, job)
     return result
+
+
+def _store_records(out: Path, job: Trained) -> None:
+    """The records the table's figures are recomputed from (``main_job.verify``) into ``<out>/records.parquet``;
+    a records file of an earlier run there is removed when this one has none (no evaluation)."""
+    path = out / MAIN_JOB_RECORDS
+    if job.records:
+        write_records(path, job.records, job.records_meta)
+    else:
+        path.unlink(missing_ok=True)
 
 
 @dataclass
@@ -193,6 +213,10 @@ class Trained:
     states: dict[str, dict[str, Any]] = field(default_factory=dict)
     """What each ``train_state.json`` holds (:data:`TRAIN_STATE`)."""
     rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+    records: list[pd.DataFrame] = field(default_factory=list)
+    """The sections of the records file (``main_job.verify``): test tokens, out-of-fold scores, replayed sequences."""
+    records_meta: dict[str, Any] = field(default_factory=dict)
+    """What the records file's metadata holds beside them (the cross-validation bootstrap's n_boot and seed)."""
 
 
 def _train_stages(cfg: TrainJobConfig, chain: ChainProgress, data_dirs: list[Path], ident: dict,
@@ -333,14 +357,13 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], job: Trained, uri: str
                           n_boot=cfg.n_boot, tracking=True, tracking_uri=uri, experiment=cfg.experiment)
     res = _evaluation_run(cfg, ecfg, policies, uri)
     table = res.get("classification")
+    replayed = _first_mode_results(res)
     for kind in policies:
         label = own[kind][0]
         rows[kind]["test_auc"] = _headline_auc(table, kind, label)
-        free = {name: _headline_auc(table, name, label) for name in FREE_SCORES}
-        free = {k: v for k, v in free.items() if v is not None}
-        if free:
-            best = max(free, key=free.__getitem__)
-            rows[kind].update(best_free=best, test_auc_best_free=free[best])
+        best = best_free_score({name: _headline_auc(table, name, label) for name in FREE_SCORES})
+        if best is not None:
+            rows[kind].update(best_free=best[0], test_auc_best_free=best[1])
         tuned = res.get("tuned", {}).get(kind)
         if tuned:
             thr, speed = tuned
@@ -349,12 +372,25 @@ def _evaluate(cfg: TrainJobConfig, data_dirs: list[Path], job: Trained, uri: str
             _update_metadata_if_changed(exports[kind], threshold=float(thr), tuned_val_speedup=float(speed))
         speed = _replayed_speedup(res.get("replay"), kind, res.get("tuned_rows", {}).get(kind))
         if speed is not None:
-            rows[kind]["test_speedup"] = speed
+            rows[kind]["test_speedup"] = speed[1]
             rows[kind]["decoding"] = "exact" if policies[kind].exact else "approximate"
+            job.records.append(replay_records(kind, "test_speedup", speed[0], replayed[speed[0]]))
     store_calibrations(res, {k: exports[k] for k in policies if k in exports}, Path(cfg.out_dir) / "calibrated")
     for name, row in cost_aware_rows(res, list(policies)).items():
         rows.setdefault(name, {"predictor": name}).update(row)
+        if "test_speedup" in row:
+            job.records.append(replay_records(name, "test_speedup", name, replayed[name]))
+    job.records += test_records(res.get("scored", {}), {k: own[k] for k in policies})
     return Path(res["report"])
+
+
+def _first_mode_results(res: dict[str, Any]) -> dict[str, Any]:
+    """Each replayed row's result in the first replay mode (the one the table's speedups are read from)."""
+    replay = res.get("replay")
+    if replay is None or not len(replay):
+        return {}
+    first = replay["mode"].iloc[0] if "mode" in replay else next(iter(res.get("replayed") or {}), None)
+    return (res.get("replayed") or {}).get(first, {})
 
 
 def _evaluation_run(cfg: TrainJobConfig, ecfg: EvaluateConfig, policies: dict[str, Any], uri: str) -> dict[str, Any]:
@@ -373,25 +409,29 @@ def _evaluation_run(cfg: TrainJobConfig, ecfg: EvaluateConfig, policies: dict[st
         mlflow.set_tracking_uri(previous_uri)
 
 
-def _crossval(cfg: TrainJobConfig, data_dirs: list[Path], kinds: list[str], rows: dict, uri: str) -> None:
-    """Cross-validate the job's DISCO / SPRINTER configs; the cv_* columns of the table (group "all")."""
+def _crossval(cfg: TrainJobConfig, data_dirs: list[Path], kinds: list[str], job: Trained, uri: str) -> None:
+    """Cross-validate the job's DISCO / SPRINTER configs; the cv_* columns of the table (group "all"), the out-of-fold
+    scores kept as records."""
     runs = [CrossValRun(kind, kind, **{kind: getattr(cfg, kind)}) for kind in kinds]
     ccfg = CrossValConfig(data_dir=str(data_dirs[0]), extra_data_dirs=[str(d) for d in data_dirs[1:]],
                           out_dir=str(Path(cfg.out_dir) / "crossval"), runs=runs, folds=cfg.crossval_folds,
                           n_boot=cfg.n_boot, tracking=True, tracking_uri=uri, experiment=cfg.experiment)
-    table = run_crossval(ccfg)["table"]
-    for r in table[table["group"] == "all"].to_dict("records"):
-        keys = ("auc", "best_free", "auc_best_free", "diff", "diff_lo", "diff_hi")
-        rows[r["predictor"]].update({f"cv_{k}": r.get(k) for k in keys})
+    run = run_crossval(ccfg)
+    for predictor, figures in cv_figures(run["table"]).items():
+        job.rows[predictor].update(figures)
+    job.records.append(cv_records(run["oof"]))
+    job.records_meta.update(cv_n_boot=ccfg.n_boot, cv_seed=ccfg.seed)
 
 
-def _recommend(cfg: TrainJobConfig, data_dir: Path) -> dict[str, list[str]]:
+def _recommend(cfg: TrainJobConfig, data_dir: Path, job: Trained) -> dict[str, list[str]]:
     """Each runtime's tuned settings (those whose curve the data folder holds) as the lines to print, also written
-    to ``<out_dir>/recommend.json``."""
+    to ``<out_dir>/recommend.json``; their replayed sequences kept as records."""
     rcfg = RecommendConfig(data_dir=str(data_dir), train_dir=cfg.out_dir)
     recs = recommend_runtimes(rcfg)
     if recs:
         write_recommendations(recs, Path(cfg.out_dir) / "recommend.json")
+    for rt, rec in recs.items():
+        job.records += recommendation_records(rt, rec)
     return {rt: rec.lines(draft_name(rcfg, rt)) for rt, rec in recs.items()}
 
 
@@ -410,14 +450,14 @@ def _headline_auc(table: Any, policy: str, label: str = "greedy match") -> float
     return float(sel["auc"].iloc[0]) if len(sel) else None
 
 
-def _replayed_speedup(replay: Any, kind: str, tuned: RowId | None) -> float | None:
-    """Speedup of the val-tuned policy (its row: ``tuned``; else the policy as trained) in the first replay mode on the
-    test split."""
+def _replayed_speedup(replay: Any, kind: str, tuned: RowId | None) -> tuple[str, float] | None:
+    """(row, speedup) of the val-tuned policy (its row: ``tuned``; else the policy as trained) in the first replay mode
+    on the test split."""
     if replay is None or not len(replay) or "speedup" not in replay:
         return None
     first = replay[replay["mode"] == replay["mode"].iloc[0]] if "mode" in replay else replay
     for name in ([tuned.label] if tuned else []) + [kind]:
         sel = first[first["policy"] == name]
         if len(sel) and sel["speedup"].notna().iloc[0]:
-            return float(sel["speedup"].iloc[0])
+            return name, float(sel["speedup"].iloc[0])
     return None

@@ -21,12 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmark.verify import MissingRecords, recomputed_summary, verify_benchmark
+from main_job.verify import NoRecords, verify_main_job
 from pipelines.cli import parse_config, setup_logging, user_errors
 from rendering.device_results import summarize_device_check
 from rendering.result_store import (
     Summary,
     SummaryError,
     load_summaries,
+    main_job_records,
+    sidecar_path,
     summarize_benchmark,
     summarize_main_job,
     write_summary,
@@ -72,7 +75,7 @@ def store_runs(cfg: ResultsConfig) -> None:
         name = cfg.config_name or "default"
         cmd = cfg.command or f"python -m pipelines.train --config configs/{name}.yaml"
         summary = summarize_main_job(cfg.main_job, cmd, name)
-        log.info("stored %s", write_summary(summary, cfg.results_dir))
+        log.info("stored %s", write_summary(summary, cfg.results_dir, main_job_records(cfg.main_job)))
     if cfg.device_check:
         summary = summarize_device_check(cfg.device_check)
         log.info("stored %s", write_summary(summary, cfg.results_dir))
@@ -109,8 +112,8 @@ def render(cfg: ResultsConfig) -> list[Path]:
 def verify_summary(s: Summary) -> str | None:
     """What in a stored summary its records do not give (None: every rendered figure recomputes): the first
     disagreeing figure (row, field, stored and recomputed value), a verdict that reads otherwise, or a summary that
-    holds no per-prompt records (stored by older code, or a main job's, whose figures are computed from per-token
-    scores no summary holds)."""
+    holds no per-prompt records (stored by older code; a main job's are in its sidecar file,
+    ``main_job.verify``)."""
     remeasure = f"no per-prompt records: re-measure with {s.data['command']}"
     try:
         if s.kind == "benchmark":
@@ -121,10 +124,10 @@ def verify_summary(s: Summary) -> str | None:
         elif s.kind == "vllm_benchmark":
             first = verify_vllm_summary(s.data)
         elif s.kind == "main_job":
-            return remeasure + " (a main job's figures are computed from per-token scores, kept in its out_dir)"
+            first = verify_main_job(s.data, sidecar_path(s.path))
         else:
             return None  # the GPU check stores its steps' statuses: nothing in it is computed
-    except MissingRecords:
+    except (MissingRecords, NoRecords):
         return remeasure
     return None if first is None else first.line("first disagreeing figure")
 

@@ -31,7 +31,7 @@ from compute.code_version import record_end
 from data_gen.config import GenerateConfig
 from main_job.train import TrainJobConfig, train_all
 from pipelines.cli import parse_config, setup_logging, user_errors
-from rendering.result_store import invocation, summarize_main_job, write_summary
+from rendering.result_store import invocation, main_job_records, summarize_main_job, write_summary
 from rendering.train_results import RESULTS_MD, SUMMARY_NOTE, format_summary
 
 PROG = "python -m pipelines.train"
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         command, name = invocation("pipelines.train", argv)
         with user_errors(PROG):
             summary = summarize_main_job(cfg.out_dir, command, name, seconds)
-            print(f"results summary: {write_summary(summary, cfg.results_dir)}")
+            stored = write_summary(summary, cfg.results_dir, main_job_records(cfg.out_dir))
+            print(f"results summary: {stored}")
     return result
 
 

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import shlex
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,6 +261,12 @@ def summarize_main_job(out_dir: str | Path, command: str, config_name: str = "de
     }
 
 
+def best_of(speedups: dict[str, float]) -> tuple[str, float] | None:
+    """(name, speedup) of the fastest of a recommendation's compared policies (its "best learned policy"), None
+    without any."""
+    return max(speedups.items(), key=lambda kv: kv[1], default=None)
+
+
 def _recommendations(path: Path) -> list[dict[str, Any]]:
     """Each runtime's recommendation of a main job (``recommend.json``, ``pipelines.recommend``): the setting, its
     replayed test speedup beside the runtime's defaults', the best learned policy's and the oracle's, the curve's
@@ -268,11 +275,11 @@ def _recommendations(path: Path) -> list[dict[str, Any]]:
         return []
     out = []
     for runtime, r in _read_json(path).items():
-        best = max(r.get("compare", {}).items(), key=lambda kv: kv[1]["speedup"], default=None)
+        best = best_of({name: c["speedup"] for name, c in r.get("compare", {}).items()})
         out.append({"runtime": runtime, "speculate": r["speculate"], "paste": r["paste"], "spec": r["spec"],
                     "speedup": r["speedup"], "val_speedup": r["val_speedup"], "default_spec": r["default"]["spec"],
                     "default_speedup": r["default"]["speedup"], "best_learned": best[0] if best else None,
-                    "best_learned_speedup": best[1]["speedup"] if best else None,
+                    "best_learned_speedup": best[1] if best else None,
                     "oracle_speedup": (r.get("oracle") or {}).get("speedup"), "warnings": r.get("warnings", [])})
     return out
 
@@ -348,12 +355,37 @@ def compact_json(value: Any, indent: int = 0) -> str:
     return json.dumps(value)
 
 
-def write_summary(summary: dict[str, Any], results_dir: str | Path) -> Path:
-    """Write ``summary`` into ``results_dir`` (atomically); returns the file."""
+MAIN_JOB_RECORDS = "records.parquet"
+"""In a main job's out_dir: the per-token and per-sequence records its figures are recomputed from
+(``main_job.verify``), copied beside its stored summary (:func:`sidecar_path`)."""
+
+
+def sidecar_path(summary_path: Path) -> Path:
+    """``results/<summary name>.records.parquet``: a stored main job's records, named after its summary."""
+    return summary_path.with_name(summary_path.stem + ".records.parquet")
+
+
+def main_job_records(out_dir: str | Path) -> Path | None:
+    """A finished main job's records file (None when it wrote none: no evaluation)."""
+    path = Path(out_dir) / MAIN_JOB_RECORDS
+    return path if path.is_file() else None
+
+
+def write_summary(summary: dict[str, Any], results_dir: str | Path, records: Path | None = None) -> Path:
+    """Write ``summary`` into ``results_dir`` (atomically) and a main job's ``records`` beside it
+    (:func:`sidecar_path`; a sidecar left from another run of that name is removed when it has none); returns the
+    summary's file."""
     validate(summary, Path("<new summary>"))
     folder = Path(results_dir)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / summary_name(summary)
+    side = sidecar_path(path)
+    if records is not None:
+        tmp_side = side.with_name(side.name + ".tmp")
+        shutil.copyfile(records, tmp_side)
+        tmp_side.replace(side)
+    elif summary["kind"] == "main_job":
+        side.unlink(missing_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(compact_json(summary) + "\n")
     tmp.replace(path)

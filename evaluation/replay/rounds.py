@@ -9,6 +9,7 @@ hindsight bounds: the schedule oracle (:class:`OracleSchedule`, a dynamic progra
 fastest rounds under the cost model) and the sampling oracle's expected round (draft until the first rejection)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ from predictors.base import RoundFeedback, StopPolicy
 from predictors.counts import RoundCounts
 from predictors.round_rules import HINDSIGHT, RoundRule
 
-__all__ = ["ReplayResult", "OracleSchedule", "replay_policy"]
+__all__ = ["ReplayResult", "OracleSchedule", "replay_policy", "speedup_of", "pooled_speedup"]
 
 
 @dataclass
@@ -49,6 +50,17 @@ class ReplayResult(RoundCounts):
     first_verify_s: float = 0.0
     """Seconds of each sequence's first verification pass under the cost model (in ``time_s``): the engine runs it
     inside the target's pass over the prompt, so a comparison with its measured prefill leaves it out."""
+    seq_tokens: list[float] = field(default_factory=list)
+    """Tokens emitted on each stored sequence, in replay order (a stored main job's per-sequence records)."""
+    seq_time_s: list[float] = field(default_factory=list)
+    """Replayed seconds of each stored sequence, in replay order."""
+    target_s_per_token: float = float("nan")
+    """The cost model's target-only seconds per token the rounds were priced with."""
+
+    def start_sequence(self) -> None:
+        """Open the per-sequence totals of the next stored sequence."""
+        self.seq_tokens.append(0.0)
+        self.seq_time_s.append(0.0)
 
     def add_round(self, emitted: float, accepted: float, drafted: float, sent: float, seconds: float,
                   target_s_per_token: float, hist_key: int) -> None:
@@ -60,7 +72,11 @@ class ReplayResult(RoundCounts):
         self.sent += float(sent)
         self.time_s += seconds
         self.target_only_s += emitted * target_s_per_token
+        self.target_s_per_token = target_s_per_token
         self.draft_len_hist[hist_key] = self.draft_len_hist.get(hist_key, 0) + 1
+        if self.seq_tokens:
+            self.seq_tokens[-1] += float(emitted)
+            self.seq_time_s[-1] += seconds
 
     @property
     def tokens_per_call(self) -> float:
@@ -88,7 +104,7 @@ class ReplayResult(RoundCounts):
     @property
     def speedup(self) -> float:
         """Predicted speedup over target-only decoding."""
-        return self.target_only_s / self.time_s if self.time_s > 0 else float("nan")
+        return speedup_of(self.target_only_s, self.time_s)
 
     def as_row(self) -> dict[str, float]:
         return {
@@ -103,6 +119,18 @@ class ReplayResult(RoundCounts):
             "speedup": self.speedup,
             "expected_per_round": self.expected_per_round,
         }
+
+
+def speedup_of(target_only_s: float, time_s: float) -> float:
+    """Replayed speedup over target-only decoding: the seconds target-only decoding takes for the emitted tokens over
+    the replayed seconds (NaN without replayed time)."""
+    return target_only_s / time_s if time_s > 0 else float("nan")
+
+
+def pooled_speedup(seq_tokens: list[float], seq_time_s: list[float], target_s_per_token: float) -> float:
+    """:func:`speedup_of` over every sequence of a replay from its per-sequence tokens and seconds
+    (``ReplayResult.seq_tokens``, ``seq_time_s``): how a stored main job's speedups are recomputed."""
+    return speedup_of(math.fsum(seq_tokens) * target_s_per_token, math.fsum(seq_time_s))
 
 
 class OracleSchedule(StopPolicy):
@@ -232,6 +260,7 @@ def replay_policy(
 def _replay_sequence(rp: _Replay, a0: int, b0: int) -> None:
     """Rounds over rows [a0, b0) of one stored sequence, each starting where the previous one's emitted tokens end."""
     rp.policy.reset()
+    rp.res.start_sequence()
     rp.pending = 1
     plan = None
     if isinstance(rp.policy, OracleSchedule) and rp.mode == "greedy":

@@ -134,7 +134,8 @@ def replay_table(
     Returns:
         (table, sweep): one row per policy (policy, kind, threshold, ..., speedup, reason), and one row per
         (policy, threshold) of the sweep; ``table.attrs["round_tokens"]``: per goodput policy, the (expected, replayed)
-        tokens of each round.
+        tokens of each round; ``table.attrs["results"]``: per replayed row (``static-best`` too), its
+        :class:`ReplayResult` (the per-sequence tokens and seconds its speedup pools).
     """
     cfg = cfg or ReplayConfig()
     data = prepare_replay_data(columns, cfg)
@@ -176,6 +177,7 @@ def replay_table(
     static = table[table["policy"].str.startswith("static-") & table.get("speedup", pd.Series(dtype=float)).notna()]
     if len(static):
         best = static.loc[static["speedup"].idxmax()].to_dict()
+        results[f"static-best (k={best['policy'].removeprefix('static-')})"] = results[best["policy"]]
         best["policy"] = f"static-best (k={best['policy'].removeprefix('static-')})"
         table = pd.concat([table, pd.DataFrame([best])], ignore_index=True)
     if sweeps:
@@ -183,4 +185,5 @@ def replay_table(
     else:
         sweep_df = pd.DataFrame(columns=["policy", "threshold", "speedup"])
     table.attrs["round_tokens"] = {name: r.round_tokens for name, r in results.items() if r.round_tokens}
+    table.attrs["results"] = results
     return table, sweep_df
