@@ -108,8 +108,9 @@ def test_records(scored: Mapping[str, ScoredTokens], labels: Mapping[str, tuple[
         mine = {k: (name, spec) for k, (name, spec) in labels.items() if spec in tokens.specs}
         if not mine:
             continue
-        frame: dict[str, Any] = {"section": "test", "draw": draw,
-                                 "sample_id": np.asarray(tokens.columns["sample_id"]).astype(str)}
+        frame: dict[str, Any] = {"section": "test", "draw": draw}
+        if "sample_id" in tokens.columns:
+            frame["sample_id"] = np.asarray(tokens.columns["sample_id"]).astype(str)
         for name, spec in mine.values():
             frame[f"label:{name}"] = _compact(derive_label(tokens.columns, *spec).astype(np.float64))
         for scorer in [*mine, *FREE_SCORES]:
@@ -157,7 +158,10 @@ def read_records(path: Path) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
     """(section -> its rows with the columns it uses, the metadata) of a records file; NoRecords without one."""
     if not path.is_file():
         raise NoRecords(f"{path}: missing")
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{path}: not a readable records file ({e}); store the run again") from e
     meta = json.loads((table.schema.metadata or {}).get(META_KEY, b"{}"))
     if meta.get("schema") != SCHEMA:
         raise NoRecords(f"{path}: schema {meta.get('schema')!r}, expected {SCHEMA!r}")
