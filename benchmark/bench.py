@@ -18,6 +18,10 @@ from data_gen.prompts import Prompt, PromptSourceConfig, load_prompts, render_pr
 
 log = logging.getLogger("pipelines.benchmark")
 
+SAMPLE_SEED_STRIDE = 1_000_000
+"""Sample s of prompt i decodes with seed ``seed + i + s * SAMPLE_SEED_STRIDE``: sample 0 keeps ``seed + i``, and no
+seed depends on the number of prompts (a run extended to more prompts keeps every sample's seed)."""
+
 
 class SettingsOf:
     """A dataclass of settings a part of the benchmark reads, built only by :meth:`of` from the config the run was
@@ -39,7 +43,8 @@ class DecodeSettings(SettingsOf):
     temperature: float
     top_p: float
     seed: int
-    """Per prompt: ``seed + index`` (sampling)."""
+    """Per prompt: ``seed + index`` (sampling; further samples: :data:`SAMPLE_SEED_STRIDE`)."""
+    samples_per_prompt: int
     max_draft_len: int
     top_k_features: int
     batch_size: int
@@ -76,11 +81,22 @@ class Bench:
     hf_cost_model: CostModel | None = None
     """transformers' own curve (``hf_curve``), None when not measured."""
     offset: int = 0
-    """Index of ``prompts[0]`` in the run (seeds are ``decoding.seed + offset + i``)."""
+    """Index of ``prompts[0]`` among the run's decodes: decode u is sample ``u % samples_per_prompt`` of prompt
+    ``u // samples_per_prompt`` (``prompts`` repeats each prompt once per sample: :func:`sample_units`)."""
     reference: list[list[int]] | None = None
     """Target-only's outputs of ``prompts`` once its row ran (the greedy oracle's look-ahead)."""
     shared: dict[str, Any] = field(default_factory=dict)
     """State every per-prompt view of the bench shares (the reference target, loaded once)."""
+
+    def unit(self, i: int) -> tuple[int, int]:
+        """(prompt, sample) of ``prompts[i]``: the run's prompt index and which of its samples it is."""
+        return divmod(self.offset + i, self.decoding.samples_per_prompt)
+
+    def seed_of(self, i: int) -> int:
+        """The sampling seed of ``prompts[i]`` (``seed + prompt + sample * SAMPLE_SEED_STRIDE``), the same in every
+        row."""
+        prompt, sample = self.unit(i)
+        return self.decoding.seed + prompt + sample * SAMPLE_SEED_STRIDE
 
     def with_new_tokens(self, n: int, prompts: int | None = None) -> Bench:
         """A view of the bench that decodes ``n`` new tokens a prompt (of its first ``prompts`` prompts: all by
@@ -136,6 +152,19 @@ def load_benchmark_prompts(cfg: BenchmarkConfig | PromptChoice, tokenizer) -> tu
         names.append(p.id)
         n_trunc += int(truncated)
     return ids, names, {"prompts": len(ids), "truncated": n_trunc, "load": stats}
+
+
+def sample_units(prompts: list[list[int]], samples_per_prompt: int) -> list[list[int]]:
+    """Each prompt once per sample, prompt by prompt (its samples side by side): the decodes a run makes, in order."""
+    return [p for p in prompts for _ in range(samples_per_prompt)]
+
+
+def decode_units(n: int, samples_per_prompt: int) -> list[tuple[int, int]] | None:
+    """(prompt, sample) of each of a run's first ``n`` decodes (the bootstrap resamples the prompts, each with its
+    samples), None with one sample a prompt (each decode is its own prompt)."""
+    if samples_per_prompt == 1:
+        return None
+    return [divmod(u, samples_per_prompt) for u in range(n)]
 
 
 def stop_tokens(tokenizer: PreTrainedTokenizerBase, target: PreTrainedModel) -> list[int]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from benchmark.bench import DecodeSettings
+from benchmark.bench import DecodeSettings, sample_units
 from benchmark.config import BenchmarkConfig
 from benchmark.curve import CURVE_DURING_ROWS, HF_CURVE
 from benchmark.rows import HF_METHOD
@@ -63,11 +63,11 @@ class BenchFolder:
     rows: list[dict[str, Any]]
     """benchmark.json's rows."""
     names: list[str]
-    """Prompt ids."""
+    """Prompt ids (each once per sample, as ``prompts``)."""
     prompts: list[list[int]]
-    """Prompt token ids, as the benchmark decoded them."""
+    """Prompt token ids, as the benchmark decoded them: each prompt once per sample (``samples_per_prompt``)."""
     continuations: list[list[int]]
-    """target-only's output per prompt."""
+    """target-only's output per prompt (per sample)."""
     cost_model: CostModel
     """The curve the check prices with: the benchmark's probes between its prompts pooled (``cost_model_rows.json``)
     where it took them, else the curve it measured before the rows (``cost_model.json``)."""
@@ -114,8 +114,10 @@ def read_bench_folder(path: str | Path, read_config: Callable[[Path], BenchmarkC
     cm_file, cm = (during, CostModel.from_json(during)) if during.is_file() else (before, decided)
     hf = CostModel.from_json(path / HF_CURVE) if (path / HF_CURVE).is_file() else None
     cfg = read_config(path)
-    return BenchFolder(path, DecodeSettings.of(cfg), cfg.models, rows, list(report.get("prompts") or []),
-                       report["prompt_ids"], base["output_ids"], cm, cm_file, decided, hf)
+    k = int(report.get("samples_per_prompt") or 1)  # target-only's output per sample: each prompt once per sample
+    names = [n for n in report.get("prompts") or [] for _ in range(k)]
+    return BenchFolder(path, DecodeSettings.of(cfg), cfg.models, rows, names, sample_units(report["prompt_ids"], k),
+                       base["output_ids"], cm, cm_file, decided, hf)
 
 
 def read_json(path: Path) -> dict[str, Any]:

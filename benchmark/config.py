@@ -48,7 +48,8 @@ class HarnessConfig:
     n_boot: int = 1000
     """Bootstrap resamples of the prompts for the intervals."""
     seed: int = 0
-    """Seed of the bootstrap's resamples and of sampling (per prompt: seed + index)."""
+    """Seed of the bootstrap's resamples and of sampling (per prompt: seed + index; the engine benchmark's further
+    samples of a prompt: ``BenchmarkConfig.samples_per_prompt``)."""
 
     def __post_init__(self) -> None:
         if self.n_prompts < 1:
@@ -75,6 +76,11 @@ class BenchmarkConfig(HarnessConfig, TrackingConfig):
     """0 = greedy (exactness checked against target-only); > 0 = sampling."""
     top_p: float = 1.0
     """Nucleus mass for sampling."""
+    samples_per_prompt: int = 1
+    """Sampling: decodes of every prompt per row, each with its own seed, the same for every row (sample s of prompt i:
+    ``seed + i + s * benchmark.bench.SAMPLE_SEED_STRIDE``; sample 0 keeps ``seed + i``); the intervals resample
+    prompts with all their samples, so they narrow as the samples average out the sampled lengths. Greedy decoding
+    takes 1 (every sample would be the same run: ``repeats`` times those)."""
     max_draft_len: int = 16
     """Hard cap on draft tokens per round for the engine."""
     top_k_features: int = 10
@@ -139,6 +145,12 @@ class BenchmarkConfig(HarnessConfig, TrackingConfig):
             raise ValueError(f"temperature={self.temperature}: must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt={self.samples_per_prompt}: must be >= 1")
+        if self.samples_per_prompt > 1 and self.temperature == 0:
+            raise ValueError(f"samples_per_prompt={self.samples_per_prompt} with temperature 0: greedy decoding gives "
+                             f"every sample the same tokens; set --temperature > 0 or samples_per_prompt 1 (repeats "
+                             f"times the runs)")
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size}: must be >= 1")
         if self.order not in ("prompt", "row"):

@@ -54,16 +54,17 @@ def row_plan(cfg: BenchmarkConfig, bench: Bench) -> list[tuple[str, Runner]]:
 
 
 PromptDone = Callable[[list[Row], int], None]
-"""Called with the rows so far (plan order) and how many prompts they cover, after each prompt of ``order: prompt``."""
+"""Called with the rows so far (plan order) and how many decodes they cover (prompts, or with several samples a
+prompt (prompt, sample) pairs, prompt by prompt), after each one of ``order: prompt``."""
 
 
 def run_rows(plan: list[tuple[str, Runner]], bench: Bench, how: RunOrder,
              store: PromptStore | None = None, on_prompt: PromptDone | None = None,
              beat: Heartbeat | None = None) -> list[Row]:
-    """Every row on every prompt, in the order ``how`` says, with progress and an ETA; returns
-    the rows in plan order. With a ``store`` (order prompt), prompts it holds are read back instead of run and each
-    prompt run is saved to it. ``beat`` (a heartbeat, when stderr is not a terminal) is told the prompts (or rows)
-    done and the row running."""
+    """Every row on every prompt (each of its samples: ``bench.prompts`` holds one entry per decode), in the order
+    ``how`` says, with progress and an ETA; returns the rows in plan order. With a ``store`` (order prompt), decodes it
+    holds are read back instead of run and each one run is saved to it. ``beat`` (a heartbeat, when stderr is not a
+    terminal) is told the decodes (or rows) done and the row running."""
     t0 = time.perf_counter()
     if how.order == "row":
         rows: list[Row] = []
@@ -77,16 +78,19 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench, how: RunOrder,
         return rows
     merged: dict[str, Row] = {}
     n = len(bench.prompts)
+    k = bench.decoding.samples_per_prompt
     stored = set(store.done()) if store is not None else set()
     ran = 0
     for j, prompt in enumerate(bench.prompts):
+        i, s = bench.unit(j)
         if j in stored:
             assert store is not None
             rows_j, probe = store.load(j)
         else:
             t_prompt = time.perf_counter()
             view = replace(bench, prompts=[prompt], offset=j, reference=None)
-            rows_j, probe = run_prompt(plan, view, j, how, beat)
+            last = s == k - 1  # the curve is probed once a prompt, after its last sample
+            rows_j, probe = run_prompt(plan, view, how if last else replace(how, curve_probes=False), beat)
             if store is not None:
                 store.save(j, rows_j, probe, time.perf_counter() - t_prompt)
             ran += 1
@@ -102,32 +106,36 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench, how: RunOrder,
         line = ", ".join(f"{name} x{r.tokens_per_s / base.tokens_per_s:.2f}" for name, r in list(merged.items())[1:6]
                          if base.tokens_per_s)
         status = "read back from an earlier run" if j in stored else f"done ({done:.0f}s"
-        eta = "" if j in stored else f", ETA {done / ran * sum(1 for k in range(j + 1, n) if k not in stored):.0f}s)"
-        log.info("prompt %d/%d %s%s: target-only %.3f tokens/s; so far %s ...", j + 1, n, status, eta,
-                 base.tokens_per_s, line)
+        eta = "" if j in stored else f", ETA {done / ran * sum(1 for u in range(j + 1, n) if u not in stored):.0f}s)"
+        what = f"{j + 1}/{n}" if k == 1 else f"{i + 1}/{n // k} sample {s + 1}/{k}"
+        log.info("prompt %s %s%s: target-only %.3f tokens/s; so far %s ...", what, status, eta, base.tokens_per_s,
+                 line)
         if on_prompt is not None and j not in stored:
             on_prompt([merged[name] for name, _ in plan], j + 1)
         if beat is not None:
-            beat.update(j + 1, n, unit="prompts", resumed=sum(1 for k in stored if k <= j))
+            beat.update(j + 1, n, unit="prompts" if k == 1 else "samples",
+                        resumed=sum(1 for u in stored if u <= j))
     return [merged[name] for name, _ in plan]
 
 
-def run_prompt(plan: list[tuple[str, Runner]], view: Bench, j: int, how: RunOrder,
+def run_prompt(plan: list[tuple[str, Runner]], view: Bench, how: RunOrder,
                beat: Heartbeat | None = None) -> tuple[dict[str, Row], CostModel | None]:
-    """Every row of the plan on the one prompt of ``view`` (prompt j of the run), ``repeats`` times in alternating
-    order, each row's faster run kept; then the curve probed once (``curve_probes``, else None)."""
+    """Every row of the plan on the one prompt of ``view`` (one decode of the run: a prompt, or one of its samples),
+    ``repeats`` times in alternating order, each row's faster run kept; then the curve probed once (``curve_probes``,
+    else None)."""
+    label = _decode_label(view)
     rows_j: dict[str, Row] = {}
     for r in range(how.repeats):  # target-only first in the first pass: the greedy oracle's look-ahead
         for name, runner in plan if r % 2 == 0 else plan[::-1]:
             if name in rows_j and rows_j[name].reference:
                 continue
             if beat is not None:
-                beat.note = f"prompt {j + 1}, pass {r + 1}, row {name}"
+                beat.note = f"{label}, pass {r + 1}, row {name}"
             row = runner(view)
             if name not in rows_j:
                 rows_j[name] = row
                 continue
-            kept = _faster(rows_j[name], row, j)
+            kept = _faster(rows_j[name], row, label)
             kept.runs = rows_j[name].runs + 1
             rows_j[name] = kept
     if how.repeats > 1:
@@ -137,12 +145,18 @@ def run_prompt(plan: list[tuple[str, Runner]], view: Bench, j: int, how: RunOrde
     return rows_j, probe
 
 
-def _faster(first: Row, again: Row, j: int) -> Row:
-    """One row run twice on prompt j: the faster run (a shared VM slows down for several seconds now and then:
-    neither a row nor the denominator of its ratios must carry such a spike), or the first when the outputs differ
-    (then only one run decoded each output; logged)."""
+def _decode_label(view: Bench) -> str:
+    """``prompt 3`` (one sample a prompt) or ``prompt 3, sample 2`` for the one decode of a per-prompt view."""
+    i, s = view.unit(0)
+    return f"prompt {i + 1}" if view.decoding.samples_per_prompt == 1 else f"prompt {i + 1}, sample {s + 1}"
+
+
+def _faster(first: Row, again: Row, label: str) -> Row:
+    """One row run twice on one decode (``label``: its prompt and sample): the faster run (a shared VM slows down for
+    several seconds now and then: neither a row nor the denominator of its ratios must carry such a spike), or the
+    first when the outputs differ (then only one run decoded each output; logged)."""
     if again.outputs != first.outputs:
-        log.warning("%s gave other tokens on prompt %d the second time; keeping the first run", first.name, j + 1)
+        log.warning("%s gave other tokens on %s the second time; keeping the first run", first.name, label)
         return first
     return again if sum(again.seconds) < sum(first.seconds) else first
 

@@ -3,13 +3,15 @@ stored summary's figures can be recomputed from what it holds (``benchmark.verif
 
 A row's records are columns of lists, one entry a prompt (or a unit of prompts decoded together): tokens, seconds
 (full precision: the figures were computed from these very values), rounds, drafted and accepted draft tokens, and a
-short hash of each output's token ids (outputs equal iff hashes equal, without storing the tokens).
+short hash of each output's token ids (outputs equal iff hashes equal, without storing the tokens). A run that samples
+each prompt several times has one entry per sample, and two more columns: ``prompt`` (the run's prompt index, what
+the bootstrap resamples: a prompt's samples go with it) and ``sample``.
 
 Usage::
 
-    rec = row_records(outputs, seconds, rounds, drafted, accepted)
-    boot = bootstrap_indices(seed=0, n_boot=1000, n=len(seconds))
-    mid, lo, hi = paired_ratio(tok, sec, ref_tok, ref_sec, boot)
+    rec = row_records(outputs, seconds, rounds, drafted, accepted, units=[(0, 0), (0, 1), (1, 0), (1, 1)])
+    boot = bootstrap_indices(seed=0, n_boot=1000, n=n_prompts(rec.get("prompt"), len(seconds)))
+    mid, lo, hi = paired_ratio(tok, sec, ref_tok, ref_sec, boot, rec.get("prompt"))
 """
 from __future__ import annotations
 
@@ -30,17 +32,28 @@ def output_hash(tokens: Sequence[int]) -> str:
 
 
 def row_records(outputs: Sequence[Sequence[int]], seconds: Sequence[float], rounds: Sequence[int | None],
-                drafted: Sequence[int | None], accepted: Sequence[int | None]) -> dict[str, list[Any]]:
+                drafted: Sequence[int | None], accepted: Sequence[int | None],
+                units: Sequence[tuple[int, int]] | None = None) -> dict[str, list[Any]]:
     """A row's per-prompt records as columns of lists; counters shorter than the prompts (a row read back from an
-    older stored prompt) are stored as None per prompt."""
+    older stored prompt) are stored as None per prompt. ``units``: each entry's (prompt, sample), when a prompt has
+    several samples (the ``prompt`` and ``sample`` columns)."""
     n = len(outputs)
 
     def column(values: Sequence[int | None]) -> list[int | None]:
         return [None if v is None else int(v) for v in values] if len(values) == n else [None] * n
 
-    return {"tokens": [len(o) for o in outputs], "seconds": [float(s) for s in seconds],
-            "rounds": column(rounds), "drafted": column(drafted), "accepted": column(accepted),
-            "output_sha1": [output_hash(o) for o in outputs]}
+    rec: dict[str, list[Any]] = {"tokens": [len(o) for o in outputs], "seconds": [float(s) for s in seconds],
+                                 "rounds": column(rounds), "drafted": column(drafted), "accepted": column(accepted),
+                                 "output_sha1": [output_hash(o) for o in outputs]}
+    if units is not None:
+        rec["prompt"] = [int(p) for p, _ in units[:n]]
+        rec["sample"] = [int(s) for _, s in units[:n]]
+    return rec
+
+
+def n_prompts(prompts: Sequence[int] | None, n_entries: int) -> int:
+    """How many prompts the bootstrap resamples: one per entry without a prompt index, else the prompts indexed."""
+    return n_entries if prompts is None else max(prompts, default=-1) + 1
 
 
 def bootstrap_indices(seed: int, n_boot: int, n: int) -> np.ndarray:
@@ -48,12 +61,34 @@ def bootstrap_indices(seed: int, n_boot: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, n, (n_boot, n))
 
 
+def prompt_sums(values: Sequence[float], prompts: Sequence[int] | None) -> np.ndarray:
+    """Per prompt, the sum of its entries' values (``prompts``: each entry's prompt index; None: one entry a prompt,
+    the values as they are)."""
+    v = np.asarray(values, float)
+    if prompts is None:
+        return v
+    return np.bincount(np.asarray(prompts, int), weights=v, minlength=max(prompts, default=-1) + 1)
+
+
+def prompt_means(values: Sequence[float | bool | None], prompts: Sequence[int] | None) -> list[float | bool | None]:
+    """Per prompt, the mean of its entries' scores (a HumanEval pass share, a ROUGE-L), in prompt order; None where a
+    prompt has no score (not a HumanEval prompt). One entry a prompt (``prompts`` None): the scores as they are."""
+    if prompts is None:
+        return list(values)
+    by_prompt: dict[int, list[float]] = {}
+    for p, v in zip(prompts, values):
+        if v is not None:
+            by_prompt.setdefault(int(p), []).append(float(v))
+    return [sum(by_prompt[p]) / len(by_prompt[p]) if p in by_prompt else None for p in sorted(set(prompts))]
+
+
 def paired_ratio(tok: Sequence[float], sec: Sequence[float], ref_tok: Sequence[float], ref_sec: Sequence[float],
-                 boot: np.ndarray) -> tuple[float, float, float]:
+                 boot: np.ndarray, prompts: Sequence[int] | None = None) -> tuple[float, float, float]:
     """tokens/s over the reference's, and its 95% paired bootstrap interval over the prompts (``boot``: resampled
-    prompt indices, the same for both rows)."""
+    prompt indices, the same for both rows; ``prompts``: each entry's prompt index when a prompt has several samples,
+    which are resampled together: a cluster bootstrap over the prompts' summed tokens and seconds)."""
     point = (sum(tok) / sum(sec)) / (sum(ref_tok) / sum(ref_sec))
-    t, s, rt, rs = (np.asarray(x, float) for x in (tok, sec, ref_tok, ref_sec))
+    t, s, rt, rs = (prompt_sums(x, prompts) for x in (tok, sec, ref_tok, ref_sec))
     ratios = (t[boot].sum(1) / s[boot].sum(1)) / (rt[boot].sum(1) / rs[boot].sum(1))
     lo, hi = np.percentile(ratios, [2.5, 97.5])
     return float(point), float(lo), float(hi)

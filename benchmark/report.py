@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmark.bench import Bench, RunOrder
+from benchmark.bench import SAMPLE_SEED_STRIDE, Bench, RunOrder, decode_units
 from benchmark.humaneval_check import humaneval_passes, pass_rate
 from benchmark.plots import plot_speedups
-from benchmark.records import bootstrap_indices
+from benchmark.records import bootstrap_indices, n_prompts, prompt_means
 from benchmark.resume import PROMPTS_DIR
 from benchmark.rows import Row, ratio_ci
 from compute.compute_path import compute_path_of, cpu_info
@@ -103,23 +103,26 @@ def mean_or_zero(values: list[float]) -> float:
 def finish_rows(rows: list[Row], bench: Bench, n_boot: int = 1000, quiet: bool = False,
                 names: list[str] | None = None) -> list[dict[str, Any]]:
     """Exactness and ROUGE-L against target-only, HumanEval's tests on each row's answers (where ``names``, the
-    prompts' ids, hold HumanEval prompts), the bootstrap intervals (``n_boot`` resamples of the prompts), the best
-    entropy row: the report rows (``quiet``: without logging the cost-aware line)."""
+    prompts' ids, hold HumanEval prompts), the bootstrap intervals (``n_boot`` resamples of the prompts, each with its
+    samples), the best entropy row: the report rows (``quiet``: without logging the cost-aware line)."""
     greedy = bench.decoding.temperature == 0
+    units = decode_units(len(bench.prompts), bench.decoding.samples_per_prompt)
+    prompts = None if units is None else [p for p, _ in units]
     if greedy:
         mark_identical(rows)
     for r in compared_rows(rows):
         r.prompt_rouge_l = rouge_l(r.outputs, rows[0].outputs, bench.tokenizer)
-        r.rouge_l = mean_or_zero(r.prompt_rouge_l)
     if names and any(n.startswith("humaneval:") for n in names):
+        unit_names = names if prompts is None else [names[p] for p in prompts]
         for r in rows:
             if r.outputs:
                 replies = [bench.tokenizer.decode(o, skip_special_tokens=True) for o in r.outputs]
-                r.prompt_humaneval = humaneval_passes(names[:len(replies)], replies)
-                r.humaneval_pass = pass_rate(r.prompt_humaneval)
+                r.prompt_humaneval = humaneval_passes(unit_names[:len(replies)], replies)
+    for r in rows:
+        score_means(r, prompts)
     best_entropy, best_thr = reference_rows(rows)
-    boot = bootstrap_indices(bench.decoding.seed, n_boot, len(bench.prompts))
-    table = [r.metrics(rows[0], best_entropy, boot, best_thr) for r in rows]
+    boot = bootstrap_indices(bench.decoding.seed, n_boot, n_prompts(prompts, len(bench.prompts)))
+    table = [r.metrics(rows[0], best_entropy, boot, best_thr, units) for r in rows]
     # target-only's tokens, and in greedy decoding those of every row whose output differs (an approximate policy's):
     # what pipelines.replay_check labels
     for t, r in zip(table, rows):
@@ -128,8 +131,17 @@ def finish_rows(rows: list[Row], bench: Bench, n_boot: int = 1000, quiet: bool =
     line = cost_aware_line(table, best_thr.name if best_thr else None)
     if line and not quiet:
         log.info(line)
-    against_defaults(rows, table, boot, quiet)
+    against_defaults(rows, table, boot, quiet, prompts)
     return table
+
+
+def score_means(row: Row, prompts: list[int] | None) -> None:
+    """The row's ROUGE-L and HumanEval pass share from its per-entry scores (where scored): each prompt's samples
+    averaged, then the prompts (``prompts``: each entry's prompt index; None: one entry a prompt)."""
+    if row.prompt_rouge_l:
+        row.rouge_l = mean_or_zero([float(v) for v in prompt_means(row.prompt_rouge_l, prompts) if v is not None])
+    if row.prompt_humaneval:
+        row.humaneval_pass = pass_rate(prompt_means(row.prompt_humaneval, prompts))
 
 
 def compared_rows(rows: list[Row]) -> list[Row]:
@@ -154,14 +166,16 @@ def reference_rows(rows: list[Row]) -> tuple[Row | None, Row | None]:
             max(thresholded, key=lambda r: r.tokens_per_s) if thresholded else None)
 
 
-def against_defaults(rows: list[Row], table: list[dict[str, Any]], boot: np.ndarray, quiet: bool) -> None:
+def against_defaults(rows: list[Row], table: list[dict[str, Any]], boot: np.ndarray, quiet: bool,
+                     prompts: list[int] | None = None) -> None:
     """The ``hf:recommended`` row against ``hf:default`` (tokens/s ratio and its paired interval, in its report entry
-    as ``vs_defaults``), logged in one line."""
+    as ``vs_defaults``; ``prompts``: each entry's prompt index when a prompt has several samples), logged in one
+    line."""
     by_name = {r.name: (r, t) for r, t in zip(rows, table)}
     if "hf:recommended" not in by_name or "hf:default" not in by_name:
         return
     (rec, entry), (default, _) = by_name["hf:recommended"], by_name["hf:default"]
-    mid, lo, hi = ratio_ci(rec, default, boot)
+    mid, lo, hi = ratio_ci(rec, default, boot, prompts)
     if mid is None:
         return
     entry.update(vs_defaults=round(mid, 3), vs_defaults_lo=round(lo, 3), vs_defaults_hi=round(hi, 3))
@@ -200,13 +214,18 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
     entropy = [r for r in table if r["kind"] in ENTROPY_KINDS and r["method"] == "engine"]
     best_e = max(entropy, key=lambda r: r["tokens_per_s"])["row"] if entropy else "none"
     best_t = best_thresholded(table)
+    k = d.samples_per_prompt
+    samples = (f" x {k} samples each (sample s of prompt i seeded seed + i + s x {SAMPLE_SEED_STRIDE}, the same in "
+               f"every row; intervals resample the prompts with their samples)") if k > 1 else ""
     partial = (f"**Partial: the first {len(names)} of {of} prompts.** The run goes on, or was stopped: the same "
-               f"command continues it (`{PROMPTS_DIR}/` keeps every finished prompt).\n") if of else ""
+               f"command continues it (`{PROMPTS_DIR}/` keeps every finished prompt{' and sample' if k > 1 else ''})."
+               "\n") if of else ""
     md = [
         "# Decoding benchmark\n",
         *([partial] if partial else []),
         f"draft `{models.draft}`, target `{models.target}`, companion `{models.companion}`; "
-        f"{len(names)} prompts ({', '.join(names)}), {d.max_new_tokens} new tokens, temperature {d.temperature}, "
+        f"{len(names)} prompts ({', '.join(names)}){samples}, {d.max_new_tokens} new tokens, temperature "
+        f"{d.temperature}, "
         f"device {models.device}, compute path {compute_path_of(bench.target)} (fp32 activations), batch size "
         f"{d.batch_size}; CPU {info['model_name']} ({info['torch_cpu_capability']}, {torch.get_num_threads()} "
         f"threads), torch {info['torch']}.\n",
@@ -225,8 +244,8 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
     if cm is not None:
         md += ["\n```", cm.curve_table(), "```"]
     (out_dir / "benchmark.md").write_text("\n".join(md) + "\n")
-    report = {"rows": table, "prompts": names, "prompt_ids": bench.prompts, "cpu": info,
-              "prompts_of_run": of or len(names)}
+    report = {"rows": table, "prompts": names, "prompt_ids": bench.prompts[::k], "samples_per_prompt": k,
+              "cpu": info, "prompts_of_run": of or len(names)}
     (out_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
     plot_speedups(table, out_dir / "speedup.png")
 

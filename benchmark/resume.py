@@ -1,5 +1,7 @@
-"""A benchmark run kept prompt by prompt in ``<out_dir>/prompts`` so a stopped run continues at its first unfinished
-prompt, on the curve it began with; another config, other prompts, rows or machine are refused, naming what differs.
+"""A benchmark run kept prompt by prompt (with several samples a prompt, sample by sample) in ``<out_dir>/prompts`` so
+a stopped run continues at its first unfinished prompt (or sample), on the curve it began with; another config (another
+``samples_per_prompt``, seed or temperature among its fields), other prompts, rows or machine are refused, naming what
+differs.
 
 Usage: rerun the same command (``python -m pipelines.benchmark --config configs/benchmark-full.yaml``).
 """
@@ -24,7 +26,8 @@ log = logging.getLogger(__name__)
 __all__ = ["PromptStore", "run_identity"]
 
 PROMPTS_DIR = "prompts"
-"""The folder under ``out_dir`` with ``run.json`` and one ``prompt-NNNN.json`` per finished prompt."""
+"""The folder under ``out_dir`` with ``run.json`` and one ``prompt-NNNN.json`` per finished prompt (with several
+samples a prompt: ``prompt-NNNN-sS.json`` per finished sample)."""
 
 NOT_IDENTITY = ("out_dir", "resume", "replay_check", "n_boot", "tracking", "tracking_uri", "experiment", "n_prompts",
                 "results_dir")
@@ -61,17 +64,23 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 class PromptStore:
-    """The prompts finished so far of one benchmark run under ``folder`` (``<out_dir>/prompts``)."""
+    """The decodes finished so far of one benchmark run under ``folder`` (``<out_dir>/prompts``), indexed as the run
+    makes them: decode j is sample ``j % samples_per_prompt`` of prompt ``j // samples_per_prompt``."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, samples_per_prompt: int = 1) -> None:
         self.folder = Path(folder)
+        self.samples_per_prompt = samples_per_prompt
 
     @property
     def run_file(self) -> Path:
         return self.folder / "run.json"
 
     def prompt_file(self, j: int) -> Path:
-        return self.folder / f"prompt-{j:04d}.json"
+        """Decode j's file: ``prompt-NNNN.json``, or ``prompt-NNNN-sS.json`` with several samples a prompt."""
+        if self.samples_per_prompt == 1:
+            return self.folder / f"prompt-{j:04d}.json"
+        i, s = divmod(j, self.samples_per_prompt)
+        return self.folder / f"prompt-{i:04d}-s{s}.json"
 
     def set_aside(self) -> Path | None:
         """Move an earlier run's files to ``prompts.old-<time>`` (starting over loses nothing); returns where."""
@@ -123,18 +132,22 @@ class PromptStore:
                              f"another --out_dir")
 
     def done(self) -> list[int]:
-        """Indices of the prompts with a file, in order."""
-        return sorted(int(p.stem.removeprefix("prompt-")) for p in self.folder.glob("prompt-*.json"))
+        """Indices of the decodes with a file (prompts, or (prompt, sample) pairs in run order), in order."""
+        out = []
+        for p in self.folder.glob("prompt-*.json"):
+            i, _, s = p.stem.removeprefix("prompt-").partition("-s")
+            out.append(int(i) * self.samples_per_prompt + int(s or 0))
+        return sorted(out)
 
     def load(self, j: int) -> tuple[dict[str, Row], CostModel | None]:
-        """Prompt j's rows by name and the curve probed after them (None if none was)."""
+        """Decode j's rows by name and the curve probed after them (None if none was)."""
         d = json.loads(self.prompt_file(j).read_text())
         probe = d.get("probe")
         return ({name: row_from_dict(r) for name, r in d["rows"].items()},
                 None if probe is None else CostModel.from_dict(probe))
 
     def save(self, j: int, rows: dict[str, Row], probe: CostModel | None, wall_s: float | None = None) -> None:
-        """Prompt j's rows and probe, and the wall seconds the prompt took, whole or not at all."""
+        """Decode j's rows and probe, and the wall seconds it took, whole or not at all."""
         d = {"rows": {name: row_to_dict(r) for name, r in rows.items()},
              "probe": None if probe is None else probe.to_dict(), "wall_s": wall_s}
         _write_atomic(self.prompt_file(j), json.dumps(d))

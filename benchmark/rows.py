@@ -89,9 +89,11 @@ class Row:
         self.prompt_drafted.append(drafted)
         self.prompt_accepted.append(accepted)
 
-    def records(self) -> dict[str, list[Any]]:
-        """The row's per-prompt records (``benchmark.records``), with ROUGE-L and HumanEval per prompt where scored."""
-        rec = row_records(self.outputs, self.seconds, self.prompt_rounds, self.prompt_drafted, self.prompt_accepted)
+    def records(self, units: list[tuple[int, int]] | None = None) -> dict[str, list[Any]]:
+        """The row's per-prompt records (``benchmark.records``; ``units``: each entry's (prompt, sample) when a prompt
+        has several samples), with ROUGE-L and HumanEval per entry where scored."""
+        rec = row_records(self.outputs, self.seconds, self.prompt_rounds, self.prompt_drafted, self.prompt_accepted,
+                          units)
         if self.prompt_rouge_l:
             rec["rouge_l"] = list(self.prompt_rouge_l)
         if self.prompt_humaneval:
@@ -137,12 +139,15 @@ class Row:
         return self.tokens / total if total > 0 else 0.0
 
     def metrics(self, base: Row, best_entropy: Row | None, boot: np.ndarray,
-                best_thresholded: Row | None = None) -> dict[str, Any]:
-        """The row's report entry; ``boot`` [n_boot, n_prompts] resampled prompt indices for the intervals."""
-        speed = ratio_ci(self, base, boot)
-        vs_ent = ratio_ci(self, best_entropy, boot) if best_entropy is not None and self.kind else (None, None, None)
+                best_thresholded: Row | None = None, units: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+        """The row's report entry; ``boot`` [n_boot, n_prompts] resampled prompt indices for the intervals;
+        ``units``: each entry's (prompt, sample) when a prompt has several samples (resampled with their prompt)."""
+        prompts = None if units is None else [p for p, _ in units]
+        speed = ratio_ci(self, base, boot, prompts)
+        vs_ent = (ratio_ci(self, best_entropy, boot, prompts) if best_entropy is not None and self.kind
+                  else (None, None, None))
         cost_aware = self.method == "engine" and rule_named(self.verification).cost_aware
-        vs_thr = ratio_ci(self, best_thresholded, boot) if cost_aware else (None, None, None)
+        vs_thr = ratio_ci(self, best_thresholded, boot, prompts) if cost_aware else (None, None, None)
         wasted = self.draft_tokens - self.accepted
         return {
             "row": self.name, "method": self.method, "kind": self.kind,
@@ -169,7 +174,7 @@ class Row:
             "prompt_tokens": [len(o) for o in self.outputs], "prompt_seconds": [round(x, 4) for x in self.seconds],
             "prefill_seconds": [round(x, 4) for x in self.prefill_seconds] or None,
             "prompt_passes": self.decode.prompt_passes if self.decode is not None else None,
-            **self.step_costs(), "records": self.records(),
+            **self.step_costs(), "records": self.records(units),
         }
 
 
@@ -177,9 +182,11 @@ def _round(v: float | None) -> float | None:
     return None if v is None else round(float(v), 3)
 
 
-def ratio_ci(row: Row, ref: Row | None, boot: np.ndarray) -> tuple[float | None, float | None, float | None]:
+def ratio_ci(row: Row, ref: Row | None, boot: np.ndarray, prompts: list[int] | None = None
+             ) -> tuple[float | None, float | None, float | None]:
     """tokens/s of ``row`` over ``ref``'s, and its 95% paired bootstrap interval over prompts
-    (``benchmark.records.paired_ratio``)."""
+    (``benchmark.records.paired_ratio``; ``prompts``: each entry's prompt index when a prompt has several samples)."""
     if ref is None or not row.seconds or len(row.seconds) != len(ref.seconds) or ref.tokens_per_s <= 0:
         return None, None, None
-    return paired_ratio([len(o) for o in row.outputs], row.seconds, [len(o) for o in ref.outputs], ref.seconds, boot)
+    return paired_ratio([len(o) for o in row.outputs], row.seconds, [len(o) for o in ref.outputs], ref.seconds, boot,
+                        prompts)

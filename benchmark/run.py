@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmark.bench import Bench, DecodeSettings, RunOrder, load_benchmark_prompts, stop_tokens
+from benchmark.bench import Bench, DecodeSettings, RunOrder, load_benchmark_prompts, sample_units, stop_tokens
 from benchmark.check import run_check
 from benchmark.check_inputs import read_bench_folder
 from benchmark.check_report import write_check
@@ -40,7 +40,7 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
     out_dir.mkdir(parents=True, exist_ok=True)
     store = None
     if cfg.order == "prompt":
-        store = PromptStore(out_dir / PROMPTS_DIR)
+        store = PromptStore(out_dir / PROMPTS_DIR, cfg.samples_per_prompt)
         if not cfg.resume:
             store.set_aside()
     bench, names, p_stats = load_bench(cfg, store)
@@ -48,8 +48,9 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
     bench.cost_model.to_json(out_dir / "cost_model.json")
     if cfg.hf_curve:
         bench.hf_cost_model = load_hf_curve(bench, out_dir, cfg.resume)
-    log.info("benchmark: %d prompts x %d new tokens, device %s, compute path %s", len(bench.prompts),
-             cfg.max_new_tokens, cfg.models.device, cfg.models.compute)
+    k = cfg.samples_per_prompt
+    log.info("benchmark: %d prompts%s x %d new tokens, device %s, compute path %s", len(names),
+             f" x {k} samples" if k > 1 else "", cfg.max_new_tokens, cfg.models.device, cfg.models.compute)
     with Heartbeat(log, "benchmark set-up (warm-up, thresholds tuned on validation)"):
         if cfg.warmup:
             warm_up(bench)
@@ -59,14 +60,14 @@ def run_benchmark(cfg: BenchmarkConfig) -> tuple[list[dict[str, Any]], dict[str,
         store.check_rows([name for name, _ in plan])
         read_back = store.wall_seconds()
 
-    def report_so_far(rows: list[Row], k: int) -> None:  # a run stopped now leaves the report of its first k prompts
-        if k < len(bench.prompts):
-            view = replace(bench, prompts=bench.prompts[:k])
-            write_report(finish_rows(rows, view, cfg.n_boot, quiet=True, names=names[:k]), view, names[:k], out_dir,
-                         cfg.models, how, of=len(bench.prompts))
+    def report_so_far(rows: list[Row], done: int) -> None:  # a run stopped now leaves its finished prompts' report
+        if done < len(bench.prompts) and done % k == 0:
+            view, first = replace(bench, prompts=bench.prompts[:done]), names[:done // k]
+            write_report(finish_rows(rows, view, cfg.n_boot, quiet=True, names=first), view, first, out_dir,
+                         cfg.models, how, of=len(names))
 
     try:
-        with Heartbeat(log, "benchmark", total=len(bench.prompts), unit="prompts") as beat:
+        with Heartbeat(log, "benchmark", total=len(bench.prompts), unit="prompts" if k == 1 else "samples") as beat:
             rows = run_rows(plan, bench, how, store, report_so_far, beat)
     finally:
         release_reference(bench)
@@ -85,15 +86,15 @@ def load_bench(cfg: BenchmarkConfig, store: PromptStore | None = None) -> tuple[
     or measured now."""
     models, tok = load_models(GenerateConfig(models=cfg.models))
     prompts, names, p_stats = load_benchmark_prompts(cfg, tok)
-    bench = Bench(DecodeSettings.of(cfg), models.draft, models.target, models.companion, tok, prompts,
-                  stop_tokens(tok, models.target))
+    bench = Bench(DecodeSettings.of(cfg), models.draft, models.target, models.companion, tok,
+                  sample_units(prompts, cfg.samples_per_prompt), stop_tokens(tok, models.target))
     identity = run_identity(cfg, prompts) if store is not None else None
     if store is not None:
         bench.cost_model = store.resume(identity, cpu_info(), str(bench.draft.config.name_or_path),
                                         str(bench.target.config.name_or_path), compute_path_of(bench.target))
         if bench.cost_model is not None:
-            log.info("benchmark: continuing the run in %s (%d of %d prompts done) on its first curve", store.folder,
-                     len(store.done()), len(prompts))
+            log.info("benchmark: continuing the run in %s (%d of %d %s done) on its first curve", store.folder,
+                     len(store.done()), len(bench.prompts), "prompts" if cfg.samples_per_prompt == 1 else "samples")
             return bench, names, p_stats
     new_run(cfg.out_dir)  # nothing stored is continued: the run's code is this start's
     bench.cost_model = load_cost_model(cfg.cost_file, bench)

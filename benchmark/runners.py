@@ -46,7 +46,7 @@ def timed_prompts(bench: Bench, row: Row, decode: Callable[[int, torch.Tensor], 
     dev = bench.target.device
     for i, ids in enumerate(bench.prompts):
         x = torch.tensor([ids], device=dev)
-        torch.manual_seed(bench.decoding.seed + bench.offset + i)
+        torch.manual_seed(bench.seed_of(i))
         t0 = clock(dev)
         with torch.inference_mode():  # every row alike: the engine decodes in inference mode (fewer dispatch steps)
             out = decode(i, x)
@@ -203,7 +203,7 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
         look_ahead = None
         if pol.needs_target and d.temperature == 0 and bench.reference is not None:
             look_ahead = bench.reference[start : start + len(chunk)]  # the greedy oracle: no target steps
-        out, st = dec.generate(x, m, d.max_new_tokens, bench.eos, d.seed + bench.offset + start,
+        out, st = dec.generate(x, m, d.max_new_tokens, bench.eos, bench.seed_of(start),
                                reference=look_ahead)
         total = st if total is None else total + st
         seconds = st.wall_time

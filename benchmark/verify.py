@@ -1,7 +1,8 @@
 """Recompute a stored benchmark summary's figures from its per-prompt records (``benchmark.records``), with the
-benchmark's own routines: each row's tokens/s, its ratios and their seeded bootstrap intervals (``Row.metrics``),
-outputs equal to target-only's (the output hashes), accepted and drafted tokens a round, ROUGE-L and HumanEval from
-their per-prompt scores, the ratios between rows (llama.cpp's comparisons, transformers' tuned row against its
+benchmark's own routines: each row's tokens/s, its ratios and their seeded bootstrap intervals (``Row.metrics``: over
+the prompts, each with its samples where the records hold several), outputs equal to target-only's (the output hashes),
+accepted and drafted tokens a round, ROUGE-L and HumanEval from their per-prompt scores (a prompt's samples averaged
+first), the ratios between rows (llama.cpp's comparisons, transformers' tuned row against its
 defaults) and the verdict sentence. ``python -m pipelines.results --verify`` runs it on every file in ``results/``.
 
 Usage::
@@ -14,9 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from benchmark.humaneval_check import pass_rate
-from benchmark.records import bootstrap_indices
-from benchmark.report import against_defaults, mark_identical, mean_or_zero, reference_rows
+from benchmark.records import bootstrap_indices, n_prompts
+from benchmark.report import against_defaults, mark_identical, reference_rows, score_means
 from benchmark.rows import Row, ratio_ci
 
 FIGURES = ("tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "vs_best_entropy", "vs_best_entropy_lo",
@@ -72,11 +72,17 @@ def row_from_records(entry: dict[str, Any]) -> Row:
             setattr(row, total, sum(rec[name]))
     if rec.get("rouge_l"):
         row.prompt_rouge_l = list(rec["rouge_l"])
-        row.rouge_l = mean_or_zero(row.prompt_rouge_l)
     if rec.get("humaneval_pass"):
         row.prompt_humaneval = list(rec["humaneval_pass"])
-        row.humaneval_pass = pass_rate(row.prompt_humaneval)
+    score_means(row, rec.get("prompt"))
     return row
+
+
+def record_units(data: dict[str, Any]) -> list[tuple[int, int]] | None:
+    """Each entry's (prompt, sample) from the first row's records (a run sampling each prompt several times stores
+    them), None with one entry a prompt."""
+    rec = data["rows"][0]["records"]
+    return None if rec.get("prompt") is None else list(zip(rec["prompt"], rec["sample"]))
 
 
 def recompute_rows(data: dict[str, Any]) -> tuple[list[Row], list[dict[str, Any]]]:
@@ -86,9 +92,11 @@ def recompute_rows(data: dict[str, Any]) -> tuple[list[Row], list[dict[str, Any]
     if data.get("temperature", 0) == 0:
         mark_identical(rows)
     best_entropy, best_thr = reference_rows(rows)
-    boot = bootstrap_indices(int(data["seed"]), int(data["n_boot"]), len(rows[0].seconds))
-    table = [r.metrics(rows[0], best_entropy, boot, best_thr) for r in rows]
-    against_defaults(rows, table, boot, quiet=True)
+    units = record_units(data)
+    prompts = None if units is None else [p for p, _ in units]
+    boot = bootstrap_indices(int(data["seed"]), int(data["n_boot"]), n_prompts(prompts, len(rows[0].seconds)))
+    table = [r.metrics(rows[0], best_entropy, boot, best_thr, units) for r in rows]
+    against_defaults(rows, table, boot, quiet=True, prompts=prompts)
     return rows, table
 
 
@@ -105,11 +113,13 @@ def verify_benchmark(data: dict[str, Any]) -> Disagreement | None:
                 continue
             if key in stored and not same(stored[key], new.get(key)):
                 return Disagreement(stored["row"], key, stored[key], new.get(key))
-    boot = bootstrap_indices(int(data["seed"]), int(data["n_boot"]), len(rows[0].seconds))
+    units = record_units(data)
+    prompts = None if units is None else [p for p, _ in units]
+    boot = bootstrap_indices(int(data["seed"]), int(data["n_boot"]), n_prompts(prompts, len(rows[0].seconds)))
     by_name = {r.name: r for r in rows}
     for c in data.get("comparisons") or []:
         row, against = (by_name[n] for n in c["rows"])
-        for key, value in zip(("ratio", "lo", "hi"), ratio_ci(row, against, boot)):
+        for key, value in zip(("ratio", "lo", "hi"), ratio_ci(row, against, boot, prompts)):
             if not same(c.get(key), value):
                 return Disagreement(f"{c['row']} against {c['against']}", key, c.get(key), value)
     return None

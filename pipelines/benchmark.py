@@ -35,10 +35,15 @@ prompts' token ids and target-only's output ids), ``speedup.png``, ``cost_model.
 curve probed between the prompts) and the resolved ``config.yaml``
 to ``out_dir``; logs them to MLflow. The console shows a table within 100 columns; the full one is in ``benchmark.md``.
 
-A stopped run continues: with ``order: prompt`` every finished prompt's rows are kept in ``<out_dir>/prompts`` and the
-report is rewritten after each prompt (marked partial); the same command on the same machine reads them back and
-goes on at the first unfinished prompt, on the curve the run began with (``benchmark.resume``; ``--resume
-false`` starts over).
+Under sampling, ``samples_per_prompt`` decodes every prompt several times per row, sample s of prompt i with seed
+``seed + i + s * 1000000`` in every row (sample 0 keeps ``seed + i``); the records keep every sample, and the
+intervals resample prompts with all their samples, so they narrow as the samples average out the sampled texts.
+
+A stopped run continues: with ``order: prompt`` every finished prompt's rows (every finished sample's) are kept in
+``<out_dir>/prompts`` and the report is rewritten after each prompt (marked partial); the same command on the same
+machine reads them back and goes on at the first unfinished prompt (or sample), on the curve the run began with
+(``benchmark.resume``; another ``samples_per_prompt``, seed or temperature is refused; ``--resume false`` starts
+over).
 
 With ``replay_check`` the run ends with the replay check (``benchmark.check``; on a finished run:
 ``python -m pipelines.replay_check``): the benchmark's prompts labelled along target-only's output, every engine row's

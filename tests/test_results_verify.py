@@ -81,7 +81,8 @@ def benchmark_folder(tmp_path: Path, n: int = 9) -> Path:
             engine_row("goodput:disco", "goodput-disco", rng, ref, verification="goodput")]
     for r in rows[1:3]:
         r.method = "transformers assisted"
-    bench = SimpleNamespace(decoding=SimpleNamespace(temperature=0.0, seed=3), prompts=[[1]] * n, tokenizer=Tokens())
+    bench = SimpleNamespace(decoding=SimpleNamespace(temperature=0.0, seed=3, samples_per_prompt=1), prompts=[[1]] * n,
+                            tokenizer=Tokens())
     table = finish_rows(rows, bench, n_boot=200, quiet=True)
     out = tmp_path / "bench"
     out.mkdir()
