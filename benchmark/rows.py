@@ -19,7 +19,8 @@ HF_METHOD = "transformers assisted"
 
 @dataclass
 class Row:
-    """One benchmark row: per-prompt outputs, tokens and seconds, and the round counters."""
+    """One benchmark row: per-prompt outputs, tokens and seconds, and the round counters (with several samples a
+    prompt, every per-prompt list holds one entry per sample, prompt by prompt)."""
 
     name: str
     method: str
