@@ -194,9 +194,10 @@ def _blocks(rng, qtype, rows: int, cols: int):
     return raw.reshape(rows, cols // block * size)
 
 
-def write_tiny_qwen2_gguf(path: Path, seed: int = 0) -> Path:
+def write_tiny_qwen2_gguf(path: Path, seed: int = 0, arch: str = "qwen2") -> Path:
     """A 1-layer qwen2 GGUF with a byte-level BPE vocabulary and every tensor type of the packaged pair (Q4_K, Q6_K,
-    Q5_0, Q8_0 weights, F32 norms and biases), laid out as llama.cpp writes a Qwen2.5 file."""
+    Q5_0, Q8_0 weights, F32 norms and biases), laid out as llama.cpp writes a Qwen2.5 file (``arch`` names another
+    architecture in its header)."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFWriter, TokenType
@@ -207,7 +208,7 @@ def write_tiny_qwen2_gguf(path: Path, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     tokens = _byte_alphabet() + ["Ġt", "es", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = len(tokens)
-    gw = GGUFWriter(str(path), "qwen2")
+    gw = GGUFWriter(str(path), arch)
     gw.add_name("tiny qwen2")
     gw.add_context_length(512)
     gw.add_embedding_length(h)
@@ -295,10 +296,7 @@ def test_convert_writes_what_transformers_writes(tmp_path, monkeypatch, torch_de
 
 def test_convert_goes_through_transformers_where_it_reshapes(tmp_path, monkeypatch):
     """A llama GGUF (transformers permutes its q/k rows) is converted by transformers, not directly."""
-    from runtimes.llamacpp.llama import write_check_gguf
-
-    gguf_file = write_check_gguf(tmp_path / "llama.gguf", {"hidden": 256, "ffn": 512, "heads": 4, "kv_heads": 2,
-                                                         "vocab": 300, "layers": 1})
+    gguf_file = write_tiny_qwen2_gguf(tmp_path / "llama.gguf", arch="llama")
     calls = []
     monkeypatch.setattr(packaged, "convert_gguf_transformers", lambda g, out: calls.append(g) or {})
     packaged.convert_gguf(gguf_file, tmp_path / "out")
