@@ -36,8 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from filelock import FileLock
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGMLQuantizationType, dequantize, get_tensor_name_map
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
 log = logging.getLogger(__name__)
 
@@ -299,8 +303,6 @@ def read_gguf_tensor_table(path: Path) -> tuple[dict[str, object], list[GgufTens
     Raises:
         ValueError: the file is not GGUF v2/v3, or holds a value or tensor type this reader does not know.
     """
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (its first bytes are not 'GGUF')")
@@ -365,7 +367,7 @@ def _torch_dequantizers() -> tuple[Callable[..., Any], Container[int]] | None:
     """transformers' torch dequantisation of GGUF blocks and the ggml types it takes, where this transformers has it
     (``transformers.integrations.gguf.dequant``, 5.x), else None."""
     try:
-        from transformers.integrations.gguf.dequant import GGML_BLOCK, dequantize
+        from transformers.integrations.gguf.dequant import GGML_BLOCK, dequantize  # transformers >= 5.x only
     except ImportError:
         return None
     return dequantize, GGML_BLOCK
@@ -383,9 +385,6 @@ def dequantize_gguf_tensor(data: np.ndarray, info: GgufTensorInfo) -> Iterator[n
     computes the same float32 products and the same one rounded subtraction in the same order, faster: it serves the
     types it takes (Q4_K, Q6_K, Q8_0 here), gguf the others (Q5_0, F32). ``data`` is the whole file as a uint8 memmap.
     """
-    import torch
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
-
     qtype = GGMLQuantizationType(info.ggml_type)
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     row_bytes = info.shape[-1] // block * block_bytes
@@ -445,8 +444,6 @@ def gguf_config_dict(meta: dict[str, object], tensor_names: list[str]) -> dict[s
     The loader gets there through gguf's ``GGUFReader``, which first turns all 300k vocabulary and merge strings into
     numpy views (7-16 s a file here); the config needs a few scalars and the vocabulary's length.
     """
-    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
-
     arch = meta.get("general.architecture")
     if arch not in _PLAIN_CONFIG_ARCHS:
         return None
@@ -470,8 +467,6 @@ def gguf_config_dict(meta: dict[str, object], tensor_names: list[str]) -> dict[s
 def _hf_names(gguf_arch: str, state_keys: list[str], n_layers: int) -> dict[str, str] | None:
     """GGUF tensor name -> transformers parameter name for ``state_keys`` (gguf's own name table, the one
     transformers' loader uses), or None when the architecture is unknown to gguf."""
-    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
-
     arch = next((a for a, n in MODEL_ARCH_NAMES.items() if n == gguf_arch), None)
     if arch is None:
         return None
@@ -500,10 +495,6 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> dict:
     transformers way instead.
     Returns facts for the marker file.
     """
-    import torch
-    from transformers import CONFIG_MAPPING, AutoConfig, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
-
     t0 = time.perf_counter()
     meta, infos = read_gguf_tensor_table(gguf_file)
     arch = str(meta.get("general.architecture", ""))
