@@ -306,6 +306,7 @@ def summarize_benchmark(out_dir: str | Path, command: str, config_name: str = "b
         "pair": {"draft": config["models"]["draft"], "target": config["models"]["target"]},
         "n_prompts": len(bench.get("prompt_ids") or []), "max_new_tokens": config["max_new_tokens"],
         "temperature": config.get("temperature", 0.0), "prompts_of_run": bench.get("prompts_of_run"),
+        "samples_per_prompt": config.get("samples_per_prompt", 1),
         "partial": (bench.get("prompts_of_run") or 0) > len(bench.get("prompt_ids") or []),
         "n_boot": config.get("n_boot"), "seed": config.get("seed"),
         "rows": [_pick(r, ROW_FIELDS) for r in bench["rows"]],

@@ -178,7 +178,9 @@ def _benchmark_heading(s: Summary) -> str:
     partial = ""
     if d.get("partial"):
         partial = f" (partial: the first {d['n_prompts']} of the run's {d.get('prompts_of_run')})"
-    return f"{d['n_prompts']} prompts x {d['max_new_tokens']} new tokens, {mode}{partial}"
+    samples = d.get("samples_per_prompt", 1)
+    each = f" x {samples} samples" if samples > 1 else ""
+    return f"{d['n_prompts']} prompts{each} x {d['max_new_tokens']} new tokens, {mode}{partial}"
 
 
 def headline(summaries: list[Summary]) -> tuple[Summary | None, Summary | None]:
@@ -241,7 +243,7 @@ def render_readme(summaries: list[Summary], runtime_lines: list[str] = ()) -> st
                   benchmark_table(sampled), "", _verdicts(sampled)]
     elif bench is not None:
         parts += ["", "At temperature 1 no headline run is stored yet: `python -m pipelines.benchmark --config "
-                  "configs/benchmark-full-t1.yaml --results_dir results` measures it (about 50 minutes on 2 cores)."]
+                  "configs/benchmark-full-t1.yaml --results_dir results` measures it."]
     for line in runtime_lines:
         parts += ["", line]
     times = times_table(summaries)
