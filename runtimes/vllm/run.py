@@ -239,7 +239,8 @@ def _trace_and_refit(cfg: VllmBenchConfig, target: str, draft: str, settings_of:
     if not list(traces.glob("shard-*.parquet")):
         prompts, _ = _prompts(cfg, target, cfg.acceptance_split, cfg.trace_prompts)
         group = EngineRows(EngineSpec(target=target, draft=draft, k=cfg.policy_k, max_num_seqs=2,
-                                      device=cfg.models.device), {"trace": str(export)}, plugin=True, batch_rule=False)
+                                      device=cfg.models.device), [RowRole("policy", spec=str(export))], plugin=True,
+                           batch_rule=False)
         log.info("tracing %s in vLLM on %d %s prompts into %s", export, len(prompts), cfg.acceptance_split, traces)
         run_engine(group, {1: [[p] for p in prompts]}, cfg,
                    lambda spec, batch_rule: settings_of(spec, False, traces_dir=str(traces), trace_all=True))
