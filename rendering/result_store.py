@@ -127,11 +127,8 @@ ESTIMATED_NOTE = ("\\* estimated, not measured: the row's time is the curve's pr
 
 
 def estimated(row: dict[str, Any]) -> bool:
-    """A row whose seconds are estimated rather than measured: its ``estimated`` field, or in a summary stored before
-    that field its analysis-only note (the sampling oracle's)."""
-    if "estimated" in row:
-        return bool(row["estimated"])
-    return str(row.get("note") or "").startswith("analysis only")
+    """A row whose seconds are estimated rather than measured (the sampling oracle's analysis-only time)."""
+    return bool(row.get("estimated"))
 
 
 def tokens_cell(row: dict[str, Any]) -> str:
