@@ -146,8 +146,8 @@ def predicted_tokens_per_s(row: dict[str, Any], curve_s_per_token: float) -> flo
     """The engine row's tokens/s as the replay predicts it: the row's tokens at the replay's seconds per token under
     the curve (its rounds' draft steps and verification passes; the caller leaves out each prompt's first
     verification pass, which the engine runs inside the target's pass over the prompt), plus the row's own measured
-    prefill (draft cache filled with the prompt, the target's pass over it: not in the curve). Rows without prefill
-    times: the replay's own tokens/s.
+    prefill (draft cache filled with the prompt, the target's pass over it: not in the curve). Rows that time no
+    prefill apart (transformers'): the replay's own tokens/s.
 
     Not anchored on target-only's measured time (that time over the replayed speedup): target-only is timed through
     ``generate`` and bracketed (the faster of two runs per prompt), so its per-token time sits below the curve's

@@ -1,6 +1,6 @@
-"""The replay check in the benchmark's report: a section of ``benchmark.md`` (replaced when the check runs again), the
-``replay_check`` entry of ``benchmark.json``, ``replay_check.png`` (predicted against measured tokens/s), and a
-console table within 100 columns."""
+"""The replay check in the benchmark's report: ``replay_check.md`` beside ``benchmark.md``, the ``replay_check`` entry
+of ``benchmark.json``, ``replay_check.png`` (predicted against measured tokens/s), and a console table within 100
+columns; a rerun rewrites all three."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,9 @@ from benchmark.check_inputs import read_json
 from benchmark.plots import plot_check
 
 SECTION = "## Replay check"
-"""The heading of the check's section in benchmark.md (replaced when the check runs again)."""
+"""The heading of the check's report."""
 
-
+REPORT = "replay_check.md"
 PLOT = "replay_check.png"
 
 
@@ -23,7 +23,7 @@ def _fmt(v: Any, digits: int = 3) -> str:
 
 
 def markdown_section(result: dict[str, Any]) -> str:
-    """The check's section of benchmark.md: what was replayed, one table row per engine row, the summary line."""
+    """The check's report: what was replayed, one table row per engine row, the summary line."""
     s = result["summary"]
     lines = [
         SECTION, "",
@@ -79,14 +79,10 @@ def console_table(result: dict[str, Any], width: int = 100) -> str:
 
 
 def write_check(result: dict[str, Any], bench_dir: str | Path) -> None:
-    """Add the check to benchmark.json (``replay_check``) and benchmark.md (its section, replaced on a rerun) and
-    write replay_check.png."""
+    """Add the check to benchmark.json (``replay_check``) and write replay_check.md and replay_check.png."""
     bench_dir = Path(bench_dir)
     report = read_json(bench_dir / "benchmark.json")
     report["replay_check"] = result
     (bench_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
-    md_path = bench_dir / "benchmark.md"
-    md = md_path.read_text() if md_path.is_file() else ""
-    md = md.split(f"\n{SECTION}\n")[0].rstrip("\n")
-    md_path.write_text(f"{md}\n\n{markdown_section(result)}")
+    (bench_dir / REPORT).write_text(markdown_section(result) + "\n")
     plot_check(result, bench_dir / PLOT)

@@ -262,7 +262,8 @@ def score_table(
     data = _TableData.of(columns, n, label_specs, n_boot, seed, ci, breakdown)
     rows: list[dict[str, Any]] = []
     for name, pol in scorers.items():
-        base = {"policy": name, "kind": getattr(pol, "kind", ""), "threshold": float(getattr(pol, "threshold", np.nan))}
+        base = {"policy": name, "kind": pol.kind if pol is not None else "",  # None: a policy that did not load
+                "threshold": float(pol.threshold) if pol is not None else np.nan}
         scores, reason = _scores_or_reason(pol, columns, feats, n)
         if scores_into is not None and scores is not None:
             scores_into[name] = scores
@@ -493,7 +494,8 @@ def sprinter_table(
         return pd.DataFrame([{"policy": n, "reason": str(e)} for n in scorers])
     sorted_cols = {k: v.numpy() for k, v in data.features.items()}
     for name, pol in scorers.items():
-        base = {"policy": name, "threshold": float(getattr(pol, "threshold", np.nan)), "sequences": seq_note}
+        base = {"policy": name, "threshold": float(pol.threshold) if pol is not None else np.nan,
+                "sequences": seq_note}
         if pol is None:
             rows += [{**base, "lam": lam, "reason": "policy not loaded"} for lam in lams]
             continue

@@ -48,7 +48,7 @@ over).
 With ``replay_check`` the run ends with the replay check (``benchmark.check``; on a finished run:
 ``python -m pipelines.replay_check``): the benchmark's prompts labelled along target-only's output, every engine row's
 policy replayed offline under this run's curve, predicted against measured tokens/s (``replay_check`` in
-benchmark.json and benchmark.md, ``replay_check.png``).
+benchmark.json, ``replay_check.md``, ``replay_check.png``).
 
 Usage:
     python -m pipelines.benchmark --config configs/benchmark.yaml

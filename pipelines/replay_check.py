@@ -17,11 +17,11 @@ engine's own trajectory (same rounds, drafted and accepted tokens), so what rema
 tokens/s is the cost curve and what it leaves out (stop decisions, the decoder's own overhead).
 
 Per engine row: predicted tokens/s = the row's tokens over (those tokens at the replay's seconds per token under the
-curve + the row's measured prefill; older reports without prefill times: the replay's own tokens/s);
+curve + the row's measured prefill; rows that time no prefill apart, transformers': the replay's own tokens/s);
 measured tokens/s; predicted / measured; predicted and measured mean accepted and mean drafted tokens per round and
 rounds (a miss in acceptance or in drafting is the trajectory's, the rest is the curve's); ``curve_tokens_per_s``, the
-replay's own tokens/s under the curve. Written to ``benchmark.json`` (``replay_check``), a section of
-``benchmark.md`` and ``replay_check.png`` (predicted against measured, identity line and +-10% band); logged to
+replay's own tokens/s under the curve. Written to ``benchmark.json`` (``replay_check``), ``replay_check.md``
+and ``replay_check.png`` (predicted against measured, identity line and +-10% band); logged to
 MLflow. The labelling logs one line per prompt with an ETA, the check one summary line (worst |predicted / measured -
 1| and its row).
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(console_table(result))
     print(textwrap.fill(summary_line(result["summary"]), 100, subsequent_indent="  ", break_long_words=False,
                         break_on_hyphens=False))
-    print(f"full table: {folder.path / 'benchmark.md'}")
+    print(f"full table: {folder.path / 'replay_check.md'}")
     return result
 
 

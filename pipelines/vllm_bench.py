@@ -4,7 +4,8 @@ against the target alone's (``runtimes.vllm.run``). Needs vLLM: ``bash scripts/s
 ``.venv-vllm/bin/python``.
 
 Writes ``benchmark.md``, ``benchmark.json`` (rows, intervals, the recommendation, the replay check, the checks) and
-``cost_model.vllm.json`` to ``out_dir``; with ``--results_dir results`` a summary for ``python -m pipelines.results``.
+``cost_model.vllm.json`` to ``out_dir``; ``python -m pipelines.results --benchmark OUT_DIR --config_name
+benchmark-vllm`` stores its summary in ``results/``.
 
 Usage:
     .venv-vllm/bin/python -m pipelines.vllm_bench --config configs/benchmark-vllm.yaml

@@ -7,6 +7,7 @@ accepted; for learned policies an estimated acceptance probability) and a decisi
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -56,6 +57,8 @@ class StopPolicy:
     """How a round is drafted and verified (``predictors.round_rules``)."""
     has_threshold: ClassVar[bool] = True
     """The decision is ``score >= threshold`` (False for static lengths, the +2/-1 heuristic and the oracles)."""
+    threshold: float = math.nan
+    """The decision's threshold (nan for a policy without one)."""
     fixed_length: ClassVar[bool] = False
     """A round's length is its cap alone (``static:K``, vLLM's K): a hook computes no feature for it."""
     online_roc: bool = False

@@ -46,7 +46,7 @@ FREE_SHORT = {"max-prob": "top-1", "draft-prob": "q(x)", "neg-entropy": "-entrop
 
 def summary_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     """The console table's cells: one list per result row (header first). A row that was not trained shows its status
-    in place of the numbers; a label is cut at its first comma. Add a row and it shows on the console; every field
+    in place of the numbers. Add a row and it shows on the console; every field
     also goes to :func:`format_table`."""
     out = [["predictor", "label", "test AUC", "best free", "cv diff [95% CI]", "speedup", "reg."]]
     for r in rows:
@@ -63,7 +63,7 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
             speed += " approx."
         version = f"v{r['registry_version']}" if r.get("registry_version") is not None else ""
         version += "*" if r.get("champion") else ""
-        label = str(r.get("label") or "").split(",")[0]
+        label = str(r.get("label") or "")
         out.append([str(r.get("predictor")), label, fmt(r.get("test_auc")), best, cv, speed, version])
     return out
 

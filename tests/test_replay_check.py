@@ -101,8 +101,9 @@ def test_replay_follows_the_engine_for_static_thresholded_and_cost_aware_policie
     assert max(entropy) == 1.0 and all(r["curve_vs_best_entropy"] > 0 for r in rows.values())
     best = max((r for n, r in rows.items() if n != "oracle"), key=lambda r: r["curve_vs_best_entropy"])
     assert s["best_curve_row"] == best["row"] and s["best_curve_vs_best_entropy"] == best["curve_vs_best_entropy"]
-    md = (out / "benchmark.md").read_text()
+    md = (out / "replay_check.md").read_text()
     assert md.count("## Replay check") == 1 and "replay check: worst |predicted/measured - 1|" in md
+    assert "## Replay check" not in (out / "benchmark.md").read_text()
     assert (out / "replay_check.png").is_file() and result["stats"]["replay_check"]["summary"] == s
 
 
@@ -190,7 +191,7 @@ def test_standalone_check_on_a_finished_benchmark(bench_run, capsys):
             b["predicted_tokens_per_s"], b["predicted_mean_drafted"])
     out = capsys.readouterr().out
     assert "replay check: worst" in out and max(len(x) for x in out.splitlines()) <= 100
-    assert (tmp / "bench" / "benchmark.md").read_text().count("## Replay check") == 1
+    assert (tmp / "bench" / "replay_check.md").read_text().count("## Replay check") == 1
     assert (tmp / "bench" / "replay_check_records.npz").is_file()  # the second check reused the first's records
     # the pooled probes' curve is their mean; --statistic resummarises its raw timings
     fastest = check_main(["--bench_dir", str(tmp / "bench"), "--tracking", "false", "--statistic", "min"])
