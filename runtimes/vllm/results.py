@@ -264,9 +264,8 @@ def vllm_readme_lines(summaries: list[Summary]) -> list[str]:
 
 def _noise_floor(d: dict, batch: int) -> str:
     """", the target alone against itself Rx" at ``batch`` (its second row, run last, over its first), or ""."""
-    alone = [r for r in d["rows"] if r["batch"] == batch and (
-        r["role"]["what"] == "target" if r.get("role") else r["row"].startswith("vLLM target alone"))]
-    again = [r for r in alone if (r["role"].get("again") if r.get("role") else r["row"].endswith("(again)"))]
+    alone = [r for r in d["rows"] if r["batch"] == batch and r["role"]["what"] == "target"]
+    again = [r for r in alone if r["role"].get("again")]
     first = [r for r in alone if r not in again]
     if not again or not first or not first[0]["tokens_per_s"]:
         return ""
@@ -274,8 +273,5 @@ def _noise_floor(d: dict, batch: int) -> str:
 
 
 def _policy_rows(d: dict) -> set[str]:
-    """The rows that run a specstop policy (not vLLM's own settings, nor the target alone's second row): by their
-    role; a summary stored before rows carried one is read by the names its run gave them."""
-    if all(r.get("role") for r in d["rows"]):
-        return {r["row"] for r in d["rows"] if r["role"]["what"] == "policy"}
-    return {r["row"] for r in d["rows"] if not r["row"].startswith(("vLLM target alone", "vllm:", "vllm per-batch"))}
+    """The rows that run a specstop policy (not vLLM's own settings, nor the target alone's second row)."""
+    return {r["row"] for r in d["rows"] if r["role"]["what"] == "policy"}
