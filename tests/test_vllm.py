@@ -199,14 +199,14 @@ def test_a_stored_vllm_run_renders_its_rows_and_goals(tmp_path) -> None:
     out.mkdir()
     rows = [{"row": "vLLM target alone", "batch": 1, "tokens_per_s": 10.0, "speedup": 1.0, "speedup_lo": 1.0,
              "speedup_hi": 1.0, "identical": 8, "prompts": 8, "acceptance": None, "idle_share": None,
-             "replay_ratio": 1.0},
+             "replay_ratio": 1.0, "role": {"what": "target"}},
             {"row": "vllm:3 (recommended)", "batch": 1, "tokens_per_s": 12.0, "speedup": 1.2, "speedup_lo": 1.1,
              "speedup_hi": 1.3, "identical": 8, "prompts": 8, "acceptance": 0.8, "idle_share": None,
-             "replay_ratio": 0.97},
+             "replay_ratio": 0.97, "role": {"what": "static", "k": 3, "recommended": True}},
             {"row": "adaedl:0.6", "batch": 1, "tokens_per_s": 13.2, "speedup": 1.32, "speedup_lo": 1.2,
              "speedup_hi": 1.4, "identical": 8, "prompts": 8, "acceptance": 0.9, "idle_share": 0.0,
              "replay_ratio": 1.0, "vs_fastest_fixed": [1.1, 1.02, 1.19], "fastest_fixed": "vllm:3 (recommended)",
-             "by_position": {"1": [100, 0.86, 0.84]}}]
+             "by_position": {"1": [100, 0.86, 0.84]}, "role": {"what": "policy", "spec": "adaedl:0.6"}}]
     goals = {"batch_1": {"fastest_fixed": "vllm:3 (recommended)", "recommended_row": "vllm:3 (recommended)",
                          "recommended_vs_fastest": 1.0, "recommended_vs_target_alone": 1.2}}
     (out / "benchmark.json").write_text(json.dumps({"table": rows, "goals": goals, "recommendation": ["batch 1: K"]}))
