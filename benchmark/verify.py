@@ -12,12 +12,12 @@ Usage::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from benchmark.records import bootstrap_indices, n_prompts
 from benchmark.report import against_defaults, mark_identical, reference_rows, score_means
 from benchmark.rows import Row, ratio_ci
+from rendering.result_store import Disagreement
 
 FIGURES = ("tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "vs_best_entropy", "vs_best_entropy_lo",
            "vs_best_entropy_hi", "vs_best_thresholded", "vs_best_thresholded_lo", "vs_best_thresholded_hi",
@@ -28,20 +28,6 @@ FIGURES = ("tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "vs_best_entro
 
 class MissingRecords(ValueError):
     """A summary stored without per-prompt records: nothing to recompute its figures from."""
-
-
-@dataclass(frozen=True)
-class Disagreement:
-    """A stored figure that its records do not give."""
-
-    row: str
-    field: str
-    stored: Any
-    recomputed: Any
-
-    def line(self, where: str) -> str:
-        return (f"{where}: row {self.row!r}, field {self.field!r}: stored {self.stored!r}, recomputed "
-                f"{self.recomputed!r}")
 
 
 def same(a: Any, b: Any) -> bool:

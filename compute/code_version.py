@@ -16,6 +16,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from compute.cpu import cpuinfo_fields
+
 ROOT = Path(__file__).resolve().parents[1]
 """The folder holding specstop's packages: a git checkout's top level when run from one."""
 
@@ -78,12 +80,7 @@ def _now() -> str:
 def host_facts() -> dict[str, Any]:
     """The host a run starts on as lscpu names it: CPU model, vendor, family, model number, SIMD flags and logical CPUs
     (from /proc/cpuinfo)."""
-    fields: dict[str, str] = {}
-    path = Path("/proc/cpuinfo")
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            key, _, val = line.partition(":")
-            fields.setdefault(key.strip(), val.strip())
+    fields = cpuinfo_fields()
     flags = sorted(f for f in fields.get("flags", "").split() if f.startswith(("avx", "amx", "fma")))
     return {"model_name": fields.get("model name", ""), "vendor": fields.get("vendor_id", ""),
             "family": fields.get("cpu family", ""), "model": fields.get("model", ""), "simd_flags": flags,

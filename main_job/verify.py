@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from evaluation.crossval import summarise
 from evaluation.evaluate import ScoredTokens
 from evaluation.replay.rounds import ReplayResult, pooled_speedup
 from predictors.labels import derive_label
-from rendering.result_store import best_of
+from rendering.result_store import Disagreement, best_of
 
 __all__ = ["NoRecords", "Disagreement", "best_free_score", "cv_figures", "test_records", "cv_records",
            "replay_records", "write_records", "verify_main_job"]
@@ -57,20 +56,6 @@ CV_COLUMNS = ("predictor", "train_fraction", "label", "draw", "fold", "sample_id
 
 class NoRecords(ValueError):
     """A main-job summary without its records file: nothing to recompute its figures from."""
-
-
-@dataclass(frozen=True)
-class Disagreement:
-    """A stored figure that its records do not give."""
-
-    row: str
-    field: str
-    stored: Any
-    recomputed: Any
-
-    def line(self, where: str) -> str:
-        return (f"{where}: row {self.row!r}, field {self.field!r}: stored {self.stored!r}, recomputed "
-                f"{self.recomputed!r}")
 
 
 # ------------------------------------------------------------------------------------------- the job's own figures

@@ -431,3 +431,17 @@ def newest(summaries: list[Summary], kind: str) -> Summary | None:
     """The last stored summary of ``kind`` (summaries load oldest first), or None."""
     runs = [s for s in summaries if s.kind == kind]
     return runs[-1] if runs else None
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """A stored figure that its records do not give."""
+
+    row: str
+    field: str
+    stored: Any
+    recomputed: Any
+
+    def line(self, where: str) -> str:
+        return (f"{where}: row {self.row!r}, field {self.field!r}: stored {self.stored!r}, recomputed "
+                f"{self.recomputed!r}")
