@@ -362,7 +362,7 @@ def fit_predictor(
         "config": asdict(cfg),
         "label": {"family": cfg.label_family, "lam": cfg.lam, "name": label_name(cfg.label_family, cfg.lam)},
         "metrics": metrics,
-        "data_dir": str(data_dir) if isinstance(data_dir, (str, Path)) else [str(d) for d in data_dir],
+        "data_dir": [str(data_dir)] if isinstance(data_dir, (str, Path)) else [str(d) for d in data_dir],
         "checkpoint": checkpoint,
     }
     resolved = {"kind": kind, "feature_spec": dm.spec.to_dict(), **policy.train_info}

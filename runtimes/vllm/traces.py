@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from evaluation.calibration import fit_maps
 from evaluation.data import draft_fingerprint, load_columns, subset
-from predictors.export import load_predictor, update_metadata
+from predictors.export import load_predictor, read_metadata, update_metadata
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +137,7 @@ def is_trace_folder(path: str | Path) -> bool:
 def fit_splits(export: str | Path | None, traces: str | Path) -> list[str]:
     """The splits of a trace folder a calibration map is fitted on: ``train`` and ``val``, or only ``val`` where the
     predictor learned from this folder's ``train`` requests (its export's ``data_dir`` names it)."""
-    meta_file = Path(export) / "predictor.json" if export is not None else None
-    meta = json.loads(meta_file.read_text()) if meta_file is not None and meta_file.is_file() else {}
-    seen = meta.get("data_dir") or []
-    seen = [seen] if isinstance(seen, str) else seen
+    seen = read_metadata(export).get("data_dir", []) if export is not None else []
     return ["val"] if any(Path(d).resolve() == Path(traces).resolve() for d in seen) else ["train", "val"]
 
 
