@@ -367,3 +367,54 @@ def test_a_k_predicted_inside_the_curves_error_is_not_recommended() -> None:
     one, four = acceptance_picks(survival, {1: base, 4: slim})
     assert one.k >= 1 and one.test_speedup >= MARGINAL
     assert 1.0 < four.val_speedup < MARGINAL and four.k == 0 and four.best_k >= 1
+
+
+def test_every_engines_units_run_beside_the_target_alone_in_alternating_order(monkeypatch) -> None:
+    """The target alone's engine stays loaded; it runs each unit beside the other engine's rows (first on even
+    units, last on odd), the rows take turns, and the target's second row is paired with its first."""
+    import runtimes.vllm.bench as vb
+    from runtimes.vllm.engine import EngineSpec
+
+    calls: list[str] = []
+    monkeypatch.setattr(vb, "_load", lambda spec: f"engine k={spec.k}")
+    monkeypatch.setattr(vb, "StepClock", lambda llm: "clock")
+    monkeypatch.setattr(vb, "release", lambda llm: None)
+    monkeypatch.setattr(vb.vllm_proposer, "install", lambda s: None)
+    monkeypatch.setattr(vb.vllm_proposer, "uninstall", lambda: None)
+
+    class Proposer:
+        spec = ""
+
+        def set_policy(self, settings: PolicySettings) -> None:
+            self.spec = settings.spec
+
+        def close_traces(self) -> None:
+            pass
+
+    proposer = Proposer()
+    monkeypatch.setattr(vb.vllm_proposer, "active", lambda: proposer)
+
+    def run_unit(llm, clock, prop, prompts, max_new):  # noqa: ANN001, ANN202
+        who = prop.spec if prop is not None else llm
+        calls.append(who)
+        wall = {"engine k=0": 2.0}.get(who, 1.0) * len(calls)  # the host slows down call by call
+        return [[1] * 4 for _ in prompts], wall, [], {}, [], (0, 0), {}
+
+    monkeypatch.setattr(vb, "run_unit", run_unit)
+    cfg = VllmBenchConfig(batch_sizes=[1], n_prompts=2)
+    settings = lambda spec, batch_rule: PolicySettings(spec=spec, batch_rule=batch_rule)  # noqa: E731
+    target = EngineSpec(target="T")
+    ref = vb.Reference(target)
+    alone = vb.run_engine(vb.EngineRows(target, [vb.RowRole("target"), vb.RowRole("target", again=True)]),
+                          {1: [[[1]], [[2]]]}, cfg, settings, ref)
+    assert calls == ["engine k=0"] * 4 and alone[0].beside == [] and alone[1].beside == [2.0, 8.0]
+    calls.clear()
+    rows = vb.run_engine(vb.EngineRows(EngineSpec(target="T", draft="D", k=8),
+                                       [vb.RowRole("policy", spec="a"), vb.RowRole("policy", spec="b")], plugin=True),
+                         {1: [[[1]], [[2]]]}, cfg, settings, ref)
+    assert calls == ["engine k=0", "a", "b", "b", "a", "engine k=0"]
+    assert [r.beside for r in rows] == [[2.0, 12.0], [2.0, 12.0]]
+    from runtimes.vllm.bench_report import paired_rows
+
+    paired = paired_rows([alone[0], *rows])
+    assert paired[1].seconds == pytest.approx([2.0 * 2.0 / 2.0, 5.0 * 8.0 / 12.0])  # as if at the target's own pace

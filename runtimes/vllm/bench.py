@@ -12,15 +12,17 @@ prompts, greedy, at each batch size (1: one request at a time; B: B requests sen
 - each ``policies`` entry inside vLLM: specstop's proposer (``runtimes.vllm.proposer``) at
   ``num_speculative_tokens = policy_k``, each request's drafting stopped by its own copy of the policy.
 
-One engine per configuration (an engine's speculative config is fixed when it loads). The engines run in ``repeats``
-passes in alternating order (first to last, then last to first, ...), each row once on every prompt a pass, and each
-prompt's faster run is kept: a slow phase of the host (on a shared 2-core machine the same step's time moves by a
-third within minutes) then lands on the two runs of a row at different times instead of on a whole row. The
-target-alone engine is the first and the last of the plan: its two rows are two measurements of one setting, and
-their ratio shows the run's noise floor. Each output is
-checked against target-alone's at the same batch size. vLLM's metrics count drafts and accepted tokens; every engine
-step is timed (``runtimes.vllm.engine.StepClock``) so that ``runtimes.vllm.check`` can price the row's own steps
-with vLLM's curve (the replay check).
+One engine per configuration (an engine's speculative config is fixed when it loads). The target alone's engine
+stays loaded for the whole run and runs each unit (a prompt at batch 1, a group of B prompts at batch B) beside every
+other engine's rows on it, in alternating order (first on even units, last on odd ones): each row's time on a unit is
+paired with the target alone's on the same unit seconds apart (``RowRun.beside``), so that a slow phase of the host
+(on a shared 2-core machine the same step's time moves by a third within minutes) scales both and cancels in their
+ratio (``runtimes.vllm.bench_report.paired_rows``). The rows of one engine (the policies in specstop's proposer) take
+turns on each unit as well. The target alone runs every unit twice in its own engine, its two rows paired the same
+way: their ratio is the run's noise floor. With ``repeats`` > 1 the engines run again in reverse order and each
+unit's faster run is kept. Each output is checked against target-alone's at the same batch size. vLLM's metrics
+count drafts and accepted tokens; every engine step is timed (``runtimes.vllm.engine.StepClock``) so that
+``runtimes.vllm.check`` can price the row's own steps with vLLM's curve (the replay check).
 
 Writes ``benchmark.json`` / ``benchmark.md``, ``cost_model.vllm.json`` (measured at the start when ``cost_file`` is
 null) and ``config.yaml`` to ``out_dir``.
@@ -39,8 +41,8 @@ from runtimes.vllm.engine import EngineSpec, StepClock, StepLog, build_engine, g
 
 log = logging.getLogger("pipelines.vllm_bench")
 
-__all__ = ["VllmBenchConfig", "EngineRows", "RowRole", "RowRun", "run_engine", "run_unit", "row_from_dict",
-           "merge_passes", "TARGET_ALONE"]
+__all__ = ["VllmBenchConfig", "EngineRows", "Reference", "RowRole", "RowRun", "run_engine", "run_unit",
+           "row_from_dict", "merge_passes", "TARGET_ALONE"]
 
 TARGET_ALONE = "vLLM target alone"
 
@@ -58,7 +60,7 @@ class RowRole:
     defaults: bool = False
     """The static K standing for vLLM's defaults."""
     again: bool = False
-    """The target alone's second row, run last (the run's noise floor)."""
+    """The target alone's second row, run beside its first on every unit (the run's noise floor)."""
     per_request: bool = False
     """A policy whose requests stop by their own rule alone, not their batch's."""
 
@@ -178,10 +180,15 @@ class RowRun:
     accepted] (``runtimes.vllm.stopper.StopperCounts.by_position``; policy rows with a calibrated acceptance)."""
     role: RowRole | None = None
     """What the row runs (its name is formatted from it)."""
+    beside: list[float] = field(default_factory=list)
+    """Per unit, the target alone's seconds on the same unit, run beside this row's run of it (the drift reference;
+    for the target alone's second row, its first row's run; empty for the first row)."""
 
-    def add_unit(self, run: UnitRun) -> None:
-        """Append one unit's kept run (as :func:`run_unit` returns it)."""
+    def add_unit(self, run: UnitRun, beside: float | None = None) -> None:
+        """Append one unit's kept run (as :func:`run_unit` returns it) and the target alone's seconds beside it."""
         outs, wall, steps, counters, rounds, idle, positions = run
+        if beside is not None:
+            self.beside.append(beside)
         self.outputs.append(outs)
         self.seconds.append(wall)
         self.steps.append(steps)
@@ -251,7 +258,8 @@ def merge_passes(runs: list[RowRun]) -> RowRun:
     first = runs[0]
     out = RowRun(name=first.name, batch=first.batch, spec=first.spec, role=first.role)
     for i in range(len(first.seconds)):
-        out.add_unit(min((r.unit(i) for r in runs if i < len(r.seconds)), key=lambda u: u[1]))
+        kept = min((r for r in runs if i < len(r.seconds)), key=lambda r: r.seconds[i])
+        out.add_unit(kept.unit(i), kept.beside[i] if i < len(kept.beside) else None)
     return out
 
 
@@ -293,34 +301,77 @@ def run_unit(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]]
             {j: cell for j, cell in positions.items() if cell[0]})
 
 
+@dataclass
+class Reference:
+    """The target alone's engine, loaded once and kept for the run: every other engine's units run beside it."""
+
+    spec: EngineSpec
+    llm: Any = None
+    clock: StepClock | None = None
+
+    def engine(self) -> tuple[Any, StepClock]:
+        """The loaded engine and its clock (loaded and warmed up on first use)."""
+        if self.llm is None:
+            self.llm = _load(self.spec)
+            self.clock = StepClock(self.llm)
+        assert self.clock is not None
+        return self.llm, self.clock
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.clock = None
+            release(self.llm)
+            self.llm = None
+
+
+def _load(spec: EngineSpec) -> Any:
+    t0 = time.perf_counter()
+    llm = build_engine(spec)
+    log.info("engine %s loaded in %.0f s", spec.speculative_config() or "target alone", time.perf_counter() - t0)
+    generate(llm, [[1, 2, 3, 4]], 8)  # warm-up: vLLM's first step runs slower
+    return llm
+
+
 def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: VllmBenchConfig,
-               settings_of: Any) -> list[RowRun]:
-    """Load ``group``'s engine, run each of its rows once on every unit of every batch size (one pass), release the
-    engine. ``settings_of(spec, batch_rule)`` gives the proposer's ``PolicySettings`` for a policy row."""
+               settings_of: Any, reference: Reference | None = None) -> list[RowRun]:
+    """Run each of ``group``'s rows once on every unit of every batch size (one pass), the rows taking turns on each
+    unit, and beside them the target alone on the same unit (``reference``; the target alone's own group runs in
+    that engine). ``settings_of(spec, batch_rule)`` gives the proposer's ``PolicySettings`` for a policy row."""
+    own = reference is not None and group.engine == reference.spec and not group.plugin
     if group.plugin:  # specstop's proposer for this engine, vLLM's own for every other speculative one
         vllm_proposer.install(settings_of(next(iter(group.rows.values())), group.batch_rule))
     else:
         vllm_proposer.uninstall()
-    t0 = time.perf_counter()
-    llm = build_engine(group.engine)
-    log.info("engine %s loaded in %.0f s", group.engine.speculative_config() or "target alone",
-             time.perf_counter() - t0)
-    clock = StepClock(llm)
+    llm, clock = reference.engine() if own else (None, None)
+    if llm is None:
+        llm = _load(group.engine)
+        clock = StepClock(llm)
     proposer = vllm_proposer.active() if group.plugin else None
-    generate(llm, [units[min(units)][0][0]], 8)  # warm-up: vLLM's first step runs slower
+    ref = reference.engine() if reference is not None and not own else None
     out = []
-    for role in group.roles:
-        name, spec = role.name, role.proposer_spec
-        for batch, batch_units in units.items():
-            row = RowRun(name=name, batch=batch, spec=spec or name, role=role)
-            for prompts in batch_units:
+    for batch, batch_units in units.items():
+        rows = [RowRun(name=r.name, batch=batch, spec=r.proposer_spec or r.name, role=r) for r in group.roles]
+        for u, prompts in enumerate(batch_units):
+            turn = rows[u % len(rows):] + rows[:u % len(rows)]  # each row first on some units
+            runs, beside = {}, 0.0
+            if ref is not None and u % 2 == 0:
+                beside = run_unit(ref[0], ref[1], None, prompts, cfg.max_new_tokens)[1]
+            for row in turn:
                 if proposer is not None:
-                    proposer.set_policy(settings_of(spec, group.batch_rule))
-                row.add_unit(run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens))
-            log.info("%s at batch %d: %.2f tokens/s", name, batch, row.tokens_per_s)
-            out.append(row)
+                    proposer.set_policy(settings_of(row.role.proposer_spec, group.batch_rule))
+                runs[row.name] = run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens)
+            if ref is not None and u % 2 == 1:
+                beside = run_unit(ref[0], ref[1], None, prompts, cfg.max_new_tokens)[1]
+            for row in rows:
+                first = own and row.role.again  # the target's second row is paired with its first
+                row.add_unit(runs[row.name], runs[rows[0].name][1] if first else beside if ref is not None else None)
+        for row in rows:
+            log.info("%s at batch %d: %.2f tokens/s", row.name, batch, row.tokens_per_s)
+        out += rows
     if proposer is not None:
         proposer.close_traces()
-    del clock, proposer
-    release(llm)
+    del proposer
+    if not own:
+        del clock
+        release(llm)
     return out

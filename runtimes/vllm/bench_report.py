@@ -1,5 +1,6 @@
-"""The vLLM benchmark's report: per batch size each row's tokens/s, its speedup over vLLM's target alone with a 95%
-paired bootstrap interval over units (prompts at batch 1, groups at batch B), identical outputs, vLLM's acceptance
+"""The vLLM benchmark's report: per batch size each row's tokens/s at the target alone's pace (:func:`paired_rows`),
+its speedup over vLLM's target alone with a 95% paired bootstrap interval over units (prompts at batch 1, groups at
+batch B), identical outputs, vLLM's acceptance
 counters, the replay check, and for policy rows the share of draft rows that stopped requests rode; then the
 issue's checks (``goals``): the recommendation against the fastest static K, the per-batch setting against one
 fixed K, the best policy against the recommended static K, exact outputs, replay agreement.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from compute.timing import CostModel
 from runtimes.vllm.bench import RowRole, RowRun, VllmBenchConfig
 from runtimes.vllm.settings import BatchPick
 
-__all__ = ["VllmReport", "build_report", "goals_of", "markdown", "table_entries", "unit_records"]
+__all__ = ["VllmReport", "build_report", "goals_of", "markdown", "paired_rows", "table_entries", "unit_records"]
 
 
 @dataclass
@@ -46,11 +47,29 @@ def _as_row(r: RowRun) -> Row:
                outputs=[[t for o in unit for t in o] for unit in r.outputs])
 
 
-def row_entry(r: RowRun, ref: RowRun, boot: np.ndarray, check: dict[str, Any]) -> dict[str, Any]:
+def paired_rows(rows: list[RowRun]) -> list[RowRun]:
+    """Each row's seconds on a unit scaled by the target alone's first row's seconds on it over the target alone's
+    seconds beside it (``RowRun.beside``): every row as if run at the pace the target alone's own row ran at, so
+    that a row's ratio to the target alone is the ratio measured seconds apart on each unit. Rows without ``beside``
+    (older runs, the first target row) are kept as measured."""
+    first = {r.batch: r for r in rows if r.role is not None and r.role.what == "target" and not r.role.again}
+    out = []
+    for r in rows:
+        ref = first.get(r.batch)
+        if not r.beside or ref is None or len(r.beside) != len(r.seconds) or len(ref.seconds) != len(r.seconds):
+            out.append(r)
+            continue
+        scaled = [s * t / b for s, t, b in zip(r.seconds, ref.seconds, r.beside)]
+        out.append(replace(r, seconds=scaled))
+    return out
+
+
+def row_entry(r: RowRun, ref: RowRun, boot: np.ndarray, check: dict[str, Any], measured: RowRun) -> dict[str, Any]:
     sp, lo, hi = ratio_ci(_as_row(r), _as_row(ref), boot)
     same = sum(a == b for u, v in zip(r.outputs, ref.outputs) for a, b in zip(u, v))
     c = r.counters
     return {"row": r.name, "batch": r.batch, "spec": r.spec, "tokens_per_s": round(r.tokens_per_s, 3),
+            "measured_tokens_per_s": round(measured.tokens_per_s, 3),
             "speedup": None if sp is None else round(sp, 4), "speedup_lo": None if lo is None else round(lo, 4),
             "speedup_hi": None if hi is None else round(hi, 4), "identical": same,
             "prompts": sum(len(u) for u in r.outputs), "tokens": r.tokens, "seconds": round(sum(r.seconds), 3),
@@ -58,7 +77,7 @@ def row_entry(r: RowRun, ref: RowRun, boot: np.ndarray, check: dict[str, Any]) -
             "acceptance": round(c["accepted"] / c["draft_tokens"], 4) if c.get("draft_tokens") else None,
             "idle_share": round(r.idle_rows / r.draft_rows, 4) if r.draft_rows else None,
             "replayed_tokens_per_s": check.get("replayed_tokens_per_s"), "replay_ratio": check.get("ratio"),
-            "unit_seconds": [round(s, 4) for s in r.seconds], "records": unit_records(r),
+            "unit_seconds": [round(s, 4) for s in measured.seconds], "records": unit_records(measured),
             "role": None if r.role is None else asdict(r.role),
             "by_position": {str(j): [n, round(pred, 4), round(obs, 4)] for j, (n, pred, obs) in r.by_position.items()}}
 
@@ -68,6 +87,7 @@ def unit_records(r: RowRun) -> dict[str, Any]:
     counters per unit, tokens and an output hash per prompt (``benchmark.records``)."""
     counters = [r.unit_counters[i] if i < len(r.unit_counters) else {} for i in range(len(r.seconds))]
     return {"unit_size": r.batch, "seconds": [float(s) for s in r.seconds],
+            "beside_seconds": [float(s) for s in r.beside] or None,
             "rounds": [int(c.get("drafts", 0)) for c in counters],
             "drafted": [int(c.get("draft_tokens", 0)) for c in counters],
             "accepted": [int(c.get("accepted", 0)) for c in counters],
@@ -175,16 +195,19 @@ def goals_of(table: list[dict], picks: list[BatchPick], batch_sizes: list[int], 
 
 def table_entries(rows: list[RowRun], batch_sizes: list[int], seed: int, n_boot: int,
                   check: list[dict]) -> list[dict[str, Any]]:
-    """Each row's report entry, batch size by batch size, its intervals drawn from one seeded generator in that order
-    (the report's and ``python -m pipelines.results --verify``'s)."""
+    """Each row's report entry, batch size by batch size (its times paired with the target alone's:
+    :func:`paired_rows`), its intervals drawn from one seeded generator in that order (the report's and ``python -m
+    pipelines.results --verify``'s)."""
     table = []
     rng = np.random.default_rng(seed)
+    paired = dict(zip(map(id, rows), paired_rows(rows)))
     for b in batch_sizes:
-        at_b = [r for r in rows if r.batch == b]
+        measured = [r for r in rows if r.batch == b]
+        at_b = [paired[id(r)] for r in measured]
         ref = next(r for r in at_b if r.role is not None and r.role.what == "target" and not r.role.again)
         boot = rng.integers(0, len(ref.seconds), size=(n_boot, len(ref.seconds)))
-        entries = [row_entry(r, ref, boot, next((x for x in check if x["row"] == r.name and x["batch"] == b), {}))
-                   for r in at_b]
+        entries = [row_entry(r, ref, boot, next((x for x in check if x["row"] == r.name and x["batch"] == b), {}), m)
+                   for r, m in zip(at_b, measured)]
         against_fastest_fixed(at_b, entries, boot)
         table += entries
     return table

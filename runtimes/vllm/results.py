@@ -33,11 +33,13 @@ from runtimes.vllm.settings import BatchPick
 
 __all__ = ["summarize_vllm_benchmark", "verify_vllm_summary", "vllm_block", "vllm_readme_lines"]
 
-VERIFIED = ("tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "identical", "prompts", "acceptance", "idle_share",
+VERIFIED = ("tokens_per_s", "measured_tokens_per_s",
+            "speedup", "speedup_lo", "speedup_hi", "identical", "prompts", "acceptance", "idle_share",
             "vs_fastest_fixed", "fastest_fixed", "by_position")
 """The fields of a stored vLLM row recomputed from its records."""
 
-VLLM_ROW_FIELDS = ("row", "batch", "spec", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "identical",
+VLLM_ROW_FIELDS = ("row", "batch", "spec", "tokens_per_s", "measured_tokens_per_s",
+                   "speedup", "speedup_lo", "speedup_hi", "identical",
                    "prompts", "acceptance", "idle_share", "replayed_tokens_per_s", "replay_ratio", "tokens",
                    "unit_seconds", "vs_fastest_fixed", "fastest_fixed", "by_position", "records", "role")
 
@@ -85,6 +87,7 @@ def row_from_records(entry: dict[str, Any]) -> RowRun:
     row = RowRun(name=entry["row"], batch=entry["batch"], spec=entry.get("spec") or "", role=RowRole(**entry["role"]))
     row.outputs = [outs[i:i + size] for i in range(0, len(outs), size)]  # type: ignore[misc]
     row.seconds = list(rec["seconds"])
+    row.beside = list(rec.get("beside_seconds") or [])
     row.unit_counters = [{"drafts": r, "draft_tokens": d, "accepted": a}
                          for r, d, a in zip(rec["rounds"], rec["drafted"], rec["accepted"])]
     row.unit_idle = list(zip(rec["idle_rows"], rec["draft_rows"]))
@@ -123,9 +126,16 @@ def goal_difference(stored: Any, new: Any, path: str) -> Disagreement | None:
     return None if same(stored, new) else Disagreement("goals", path.removeprefix("goals."), stored, new)
 
 
+def _paired(s: Summary) -> bool:
+    """The run paired every row's units with the target alone's run beside them."""
+    return any((r.get("records") or {}).get("beside_seconds") for r in s.data["rows"])
+
+
 def _rows_table(s: Summary, batch: int) -> list[str]:
-    lines = ["| row | tokens/s | vs target alone [95% CI] | vs fastest fixed setting [95% CI] | output = target alone "
-             "| acceptance | replayed / measured | rows of stopped requests |", "|---|---|---|---|---|---|---|---|"]
+    paired = _paired(s)
+    lines = ["| row | tokens/s" + (" (paired) | measured tokens/s" if paired else "") + " | vs target alone [95% CI] "
+             "| vs fastest fixed setting [95% CI] | output = target alone | acceptance | replayed / measured "
+             "| rows of stopped requests |", "|---|---|---|---|---|---|---|---|" + ("---|" if paired else "")]
     for r in (r for r in s.data["rows"] if r["batch"] == batch):
         ci = "" if r.get("speedup") is None else (
             f"{r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]")
@@ -134,8 +144,9 @@ def _rows_table(s: Summary, batch: int) -> list[str]:
         acc = "" if r.get("acceptance") is None else f"{r['acceptance']:.2f}"
         rr = "" if r.get("replay_ratio") is None else f"{r['replay_ratio']:.3f}"
         idle = "" if r.get("idle_share") is None else f"{r['idle_share']:.0%}"
-        lines.append(f"| `{r['row']}` | {r['tokens_per_s']:.2f} | {ci} | {fixed} | {r['identical']}/{r['prompts']} "
-                     f"| {acc} | {rr} | {idle} |")
+        measured = f" | {r.get('measured_tokens_per_s') or r['tokens_per_s']:.2f}" if paired else ""
+        lines.append(f"| `{r['row']}` | {r['tokens_per_s']:.2f}{measured} | {ci} | {fixed} "
+                     f"| {r['identical']}/{r['prompts']} | {acc} | {rr} | {idle} |")
     return lines
 
 
@@ -209,6 +220,11 @@ def vllm_section(s: Summary) -> str:
     parts = [f"Measured ({d['n_prompts']} test prompts x {d['max_new_tokens']} new tokens, greedy, vLLM "
              f"{d.get('vllm') or '?'} on {cpu_label(m)}, {m.get('threads', '?')} threads; {dated(d)}; "
              f"`{d['command']}`):", ""]
+    if _paired(s):
+        parts += ["Paired: the target alone ran each unit (a prompt, or a group of B prompts) beside every other "
+                  "row's run of it; tokens/s (paired) scales each unit's time by the target alone's own row over its "
+                  "run beside, so each ratio is measured seconds apart; the target alone's second row is paired with "
+                  "its first (the noise floor).", ""]
     for b in d["batch_sizes"]:
         parts += [f"{b} concurrent request{'s' if b > 1 else ''}:", "", *_rows_table(s, b), ""]
     calib = _calibration_table(s)
@@ -263,7 +279,7 @@ def vllm_readme_lines(summaries: list[Summary]) -> list[str]:
 
 
 def _noise_floor(d: dict, batch: int) -> str:
-    """", the target alone against itself Rx" at ``batch`` (its second row, run last, over its first), or ""."""
+    """", the target alone against itself Rx" at ``batch`` (its second row over its first), or ""."""
     alone = [r for r in d["rows"] if r["batch"] == batch and r["role"]["what"] == "target"]
     again = [r for r in alone if r["role"].get("again")]
     first = [r for r in alone if r not in again]

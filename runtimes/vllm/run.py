@@ -23,6 +23,7 @@ from evaluation.data import load_columns
 from main_job.recommend import vllm_batch_picks
 from runtimes.vllm.bench import (
     EngineRows,
+    Reference,
     RowRole,
     RowRun,
     VllmBenchConfig,
@@ -115,13 +116,13 @@ def _acceptance(cfg: VllmBenchConfig, cost_path: Path, target: str, draft: str) 
 
 
 def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick]) -> list[EngineRows]:
-    """The engines in the order they load: the target alone first and last, vLLM's static Ks, the recommended
-    schedule, specstop's policies."""
+    """The engines in the order they load: the target alone (its two rows; its engine stays loaded as every other
+    engine's reference), vLLM's static Ks, the recommended schedule, specstop's policies."""
     seqs = max(cfg.batch_sizes)
     base = EngineSpec(target=target, max_num_seqs=max(seqs, 2), device=cfg.models.device)
     ks = sorted({*cfg.static_k, cfg.default_k, *(p.k for p in picks if p.batch == 1 and p.k)})
     one = next((p.k for p in picks if p.batch == 1), None)
-    groups = [EngineRows(base, [RowRole("target")])]
+    groups = [EngineRows(base, [RowRole("target"), RowRole("target", again=True)])]
     for k in ks:
         role = RowRole("static", k=k, recommended=k == one, defaults=k == cfg.default_k)
         groups.append(EngineRows(replace(base, draft=draft, k=k), [role]))
@@ -138,7 +139,6 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
         groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k),
                                  [RowRole("policy", spec=p, per_request=True) for p in cfg.per_request_policies],
                                  plugin=True, batch_rule=False))
-    groups.append(EngineRows(base, [RowRole("target", again=True)]))  # its own stored rows, not the first's
     return groups
 
 
@@ -151,7 +151,8 @@ def _engine_key(group: EngineRows, cfg: VllmBenchConfig, pass_no: int) -> str:
     """What an engine's stored rows of one pass depend on: the run's prompts and lengths, its speculative config, the
     proposer and the policies in it (not the rows' names, which say what the plan recommends), the pass."""
     what = {"run": {k: getattr(cfg, k) for k in RUN_FIELDS}, "engine": asdict(group.engine), "plugin": group.plugin,
-            "specs": list(group.rows.values()), "pass": pass_no, "batch_rule": group.batch_rule}
+            "specs": list(group.rows.values()), "pass": pass_no, "batch_rule": group.batch_rule,
+            "paired": "target alone beside every unit"}
     curve = Path(cfg.out_dir) / COST_FILE
     if group.plugin and curve.is_file():  # cost-aware policies price rounds with the curve (not the acceptance)
         batches = CostModel.from_json(curve).extra.get(BATCH_CURVES)
@@ -169,7 +170,7 @@ def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, pass_n
     if path.is_file():
         stored = json.loads(path.read_text())
         if len(stored["rows"]) == len(group.rows) * len(cfg.batch_sizes):
-            roles = [role for role in group.roles for _ in cfg.batch_sizes]
+            roles = [role for _ in cfg.batch_sizes for role in group.roles]
             log.info("%s read back from %s", what, path)
             return [replace(row_from_dict(r), name=role.name, role=role) for r, role in zip(stored["rows"], roles)]
     log.info("%s", what)
@@ -219,7 +220,11 @@ def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
         install(settings_of(spec))
     plan = _plan(cfg, target, draft, picks)
     units = _units(prompts, cfg.batch_sizes)
-    rows = _run_passes(plan, cfg, lambda g: run_engine(g, units, cfg, settings_of))
+    reference = Reference(plan[0].engine)
+    try:
+        rows = _run_passes(plan, cfg, lambda g: run_engine(g, units, cfg, settings_of, reference))
+    finally:
+        reference.close()
     k_of = _k_of(plan)
     check = check_rows(rows, curves, k_of)
     return build_report(cfg, rows, names, picks, check, curves, paste_lines(picks, draft, max(cfg.batch_sizes))
