@@ -418,3 +418,22 @@ def test_every_engines_units_run_beside_the_target_alone_in_alternating_order(mo
 
     paired = paired_rows([alone[0], *rows])
     assert paired[1].seconds == pytest.approx([2.0 * 2.0 / 2.0, 5.0 * 8.0 / 12.0])  # as if at the target's own pace
+
+
+def test_the_batch_rule_prices_a_draft_forward_with_what_scoring_it_cost_here(monkeypatch) -> None:
+    """vLLM's curve times its own proposer, which scores nothing; the stopper's own seconds per drafted position are
+    measured as it runs and added to the draft forward's price at that batch size."""
+    import runtimes.vllm.stopper as vs
+    from predictors.calibration import Calibrator
+    from predictors.goodput import GoodputPolicy
+
+    policy = GoodputPolicy(build_policy("adaedl:0.5"), {"greedy": Calibrator("isotonic", x=[0.0, 1.0], y=[0.9, 0.9])})
+    stopper = RequestStopper(policy, {1: curve(draft=0.01)})
+    clock = iter([0.0, 0.0, 0.05] + [0.05] * 20)  # one position scored in 50 ms
+    monkeypatch.setattr(vs.time, "perf_counter", lambda: next(clock))
+    stopper.begin_round(["a"], None, 1)
+    assert stopper._batch.draft_s == pytest.approx(0.01)  # noqa: SLF001 - nothing measured yet
+    stopper.step(logits([0.9]))
+    stopper.proposals()
+    stopper.begin_round(["a"], [0], 1)
+    assert stopper._batch.draft_s == pytest.approx(0.06)  # noqa: SLF001

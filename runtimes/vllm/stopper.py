@@ -37,7 +37,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import Tensor
 
@@ -95,7 +95,9 @@ class RequestStopper:
         max_draft_len: cap on one round's drafts (vLLM's ``num_speculative_tokens`` caps it too).
         top_k: top-k draft probabilities in the features (the predictors' training data's).
         acceptance: a thresholded policy's calibration map (raw score -> acceptance) for the batch rule.
-        batch_rule: decide for the batch (``predictors.batch_goodput``) where curve and acceptance allow.
+        batch_rule: decide for the batch (``predictors.batch_goodput``) where curve and acceptance allow; a draft
+            forward is priced at the curve's plus what scoring a position has cost here at that batch size (measured
+            as it runs: the curve times vLLM's own proposer, which scores nothing).
         traces: where sent tokens' features and vLLM's verdicts are logged (None: not logged).
         draft_to_cap: every request drafts to its cap and sends it all (tracing: every position gets judged).
         skip_idle: a step that drafts nothing skips the draft's first forward (``runtimes.vllm.catch_up``), so the
@@ -125,6 +127,7 @@ class RequestStopper:
         self._recent: dict[str, list[float]] = {}
         self._batch_costs: dict[int, BatchCost] = {}
         self._batch: BatchCost | None = None
+        self._own_s: dict[int, float] = {}
         self._acceptance: list[list[float]] = []
         self._feats: list[list[dict[str, float]]] = []
         self._costs: dict[int, goodput.RoundCost] = {}
@@ -154,6 +157,8 @@ class RequestStopper:
             self._recent.pop(gone, None)
         self._cost = self._round_cost(len(ids))
         self._batch = self._batch_cost(len(ids))
+        if self._batch is not None and self._own_s.get(len(ids)):  # a draft forward costs our scoring of it too
+            self._batch = replace(self._batch, draft_s=self._batch.draft_s + self._own_s[len(ids)])
         self._ids, self._rounds, self._caps, self._positions, self._skipped = ids, [], [], 0, False
         self._acceptance, self._feats = [[] for _ in ids], [[] for _ in ids]
         for i, rid in enumerate(ids):
@@ -188,6 +193,7 @@ class RequestStopper:
         The token of a stopped request is its argmax too (computed, never sent)."""
         t0 = time.perf_counter()
         tokens = logits.argmax(dim=-1)
+        t1 = time.perf_counter()  # vLLM's own proposer takes the argmax too: the curve's draft forward holds it
         self.counts.draft_steps += 1
         self._positions += 1
         for i, (rnd, cap) in enumerate(zip(self._rounds, self._caps)):
@@ -203,7 +209,10 @@ class RequestStopper:
             rnd.done = not more or len(rnd.tokens) >= cap
         if self._batch is not None:
             self._decide_for_batch()
-        self.counts.decide_s += time.perf_counter() - t0
+        end = time.perf_counter()
+        self.counts.decide_s += end - t0
+        b, took = len(self._ids), end - t1  # what scoring a position costs beyond vLLM's draft forward, per batch size
+        self._own_s[b] = took if b not in self._own_s else 0.9 * self._own_s[b] + 0.1 * took
         return tokens, all(r.done for r in self._rounds)
 
     def _seen(self, rid: str, accepted: int, sent: int) -> None:
