@@ -34,9 +34,9 @@ def output_hash(tokens: Sequence[int]) -> str:
 def row_records(outputs: Sequence[Sequence[int]], seconds: Sequence[float], rounds: Sequence[int | None],
                 drafted: Sequence[int | None], accepted: Sequence[int | None],
                 units: Sequence[tuple[int, int]] | None = None) -> dict[str, list[Any]]:
-    """A row's per-prompt records as columns of lists; counters shorter than the prompts (a row read back from an
-    older stored prompt) are stored as None per prompt. ``units``: each entry's (prompt, sample), when a prompt has
-    several samples (the ``prompt`` and ``sample`` columns)."""
+    """A row's per-prompt records as columns of lists; a counter the row does not count per prompt (a runtime's own
+    generate, a batch sharing its counters) is stored as None per prompt. ``units``: each entry's (prompt, sample),
+    when a prompt has several samples (the ``prompt`` and ``sample`` columns)."""
     n = len(outputs)
 
     def column(values: Sequence[int | None]) -> list[int | None]:

@@ -32,7 +32,6 @@ from compute.packed_layers import (
 )
 from compute.path_choice import COMPUTE_PATHS, auto_cpu_path, cpu_info, native_bf16, resolve_compute_path
 from compute.precision import (
-    PRECISION_DEFAULTS,
     PRECISION_OPTIONS,
     compute_path_of,
     gemm_of,
@@ -52,7 +51,6 @@ __all__ = [
     "GATED_MLPS",
     "MIN_PACK_ELEMENTS",
     "MIN_ROWS",
-    "PRECISION_DEFAULTS",
     "PRECISION_OPTIONS",
     "ROW_INVARIANT_ATTENTION",
     "FusedLinears",

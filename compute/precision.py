@@ -14,7 +14,7 @@ from torch import nn
 from compute import bf16_gemm, cpu
 from compute.packed_layers import PackedLinear
 
-__all__ = ["PRECISION_DEFAULTS", "PRECISION_OPTIONS", "compute_path_of", "gemm_of", "gemm_resume_hint",
+__all__ = ["PRECISION_OPTIONS", "compute_path_of", "gemm_of", "gemm_resume_hint",
            "head_dtype_of", "layer_head_dtype", "pack_layout_of", "precision_diffs", "precision_option", "weights_of"]
 
 
@@ -38,6 +38,9 @@ def gemm_of(model: nn.Module) -> str:
     return str(getattr(model, "specstop_gemm", "onednn"))
 
 
+_PACK_DTYPES = {"packed": "float32", "packed-bf16": "bfloat16", "eager": "eager"}
+
+
 def weights_of(model: nn.Module) -> str:
     """What its packed linears store: ``int8``, the pack dtype (``bfloat16``, ``float32``) or ``eager``."""
     if compute_path_of(model) == "eager":
@@ -45,10 +48,6 @@ def weights_of(model: nn.Module) -> str:
     return str(getattr(model, "specstop_weights", _PACK_DTYPES.get(compute_path_of(model), "")))
 
 
-_PACK_DTYPES = {"packed": "float32", "packed-bf16": "bfloat16", "eager": "eager"}
-PRECISION_DEFAULTS = {"head_dtype": "float32", "pack_layout": "per-layer", "gemm": "onednn"}
-"""What a fingerprint without these keys computed with (written before they were recorded; ``weights``: the pack
-dtype of its compute path)."""
 PRECISION_OPTIONS = {"dtype": "--models.dtype", "compute_path": "--models.compute",
                      "head_dtype": "--models.bf16_draft_head", "pack_layout": "--models.fuse_linears",
                      "gemm": "--models.native_gemm", "weights": "--models.int8_draft"}
@@ -79,18 +78,13 @@ def gemm_resume_hint(was: str, now: str) -> str | None:
 
 
 def precision_diffs(stored: dict, current: dict) -> dict[str, tuple[str, str]]:
-    """key -> (stored, current) for each precision field that differs between two fingerprints; nothing when either has
-    no ``compute_path``."""
+    """key -> (stored, current) for each precision field both fingerprints record and that differs; nothing when
+    either has no ``compute_path``."""
     if not stored.get("compute_path") or not current.get("compute_path"):
         return {}
     out = {}
     for key in ("dtype", "compute_path", "head_dtype", "pack_layout", "gemm", "weights"):
-        default = PRECISION_DEFAULTS.get(key)
-        if key in ("pack_layout", "gemm") and stored["compute_path"] == "eager":
-            default = "eager"
-        if key == "weights":
-            default = _PACK_DTYPES.get(stored["compute_path"])
-        was, now = stored.get(key, default), current.get(key)
+        was, now = stored.get(key), current.get(key)
         if was and now and was != now:
             out[key] = (str(was), str(now))
     if "compute_path" in out:  # another path packs (or not) otherwise anyway

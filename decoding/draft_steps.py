@@ -36,7 +36,7 @@ from data_gen.features import token_features
 from predictors import goodput
 from predictors.base import StopPolicy
 
-__all__ = ["RequestRound", "check_policy", "draft_step", "step_features", "take_candidate", "sent_count"]
+__all__ = ["RequestRound", "check_policy", "draft_step", "keep_token", "step_features", "take_candidate", "sent_count"]
 
 
 @dataclass
@@ -111,9 +111,16 @@ def take_candidate(policy: StopPolicy, tok: int, feats: dict[str, Tensor], rnd: 
     if scores is not None:
         rnd.scores.append(scores[0])
     if rule.takes(keep):
-        rnd.tokens.append(tok)
-        rnd.q.append(float(feats["q"][0]))
+        keep_token(rnd, tok, feats)
     return bool(keep)
+
+
+def keep_token(rnd: RequestRound, tok: int, feats: dict[str, Tensor], score: float | None = None) -> None:
+    """Append a drafted token, its draft probability and (when given) its score to the round."""
+    rnd.tokens.append(tok)
+    rnd.q.append(float(feats["q"][0]))
+    if score is not None:
+        rnd.scores.append(score)
 
 
 def sent_count(rnd: RequestRound, policy: StopPolicy, cost: goodput.RoundCost | None) -> int:

@@ -175,7 +175,7 @@ class FeatureSpec:
     def from_dict(cls, d: Mapping[str, Any]) -> FeatureSpec:
         keys = {"kind", "width", "top_k", "position_scale", "extra", "hidden_size", "names", "parts"}
         kw = {k: v for k, v in d.items() if k in keys}
-        for k in ("extra", "names", "parts"):  # exports written before parts existed take the kind's default
+        for k in ("extra", "names", "parts"):  # JSON lists as the tuples the spec holds
             kw[k] = tuple(kw.get(k, ()))
         return cls(**kw)
 

@@ -41,8 +41,8 @@ def _f(x: Any, spec: str) -> str:
 
 
 def _is_learned(row: dict[str, Any]) -> bool:
-    kind = row.get("kind") or ""
-    return kind in LEARNED_KINDS or kind.startswith("goodput-")
+    """A learned stopper's row, priced by goodput or not (goodput over an entropy bound is not learned)."""
+    return (row.get("kind") or "").removeprefix("goodput-") in LEARNED_KINDS
 
 
 def _approximate(row: dict[str, Any]) -> bool:

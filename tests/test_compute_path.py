@@ -222,11 +222,12 @@ def test_a_data_folder_is_not_resumed_on_another_compute_path(tmp_path) -> None:
 
 
 def test_a_data_folder_is_not_resumed_with_another_head_dtype(tmp_path) -> None:
-    """Folders written before head_dtype was recorded had fp32 heads: a bf16-head draft may not add to them."""
+    """A folder labelled with float32 heads: a bf16-head draft or target may not add to it."""
 
     from data_gen.generate import check_same_precision
 
-    old = {"draft": {"compute_path": "packed-bf16"}, "target": {"compute_path": "packed-bf16"}}
+    old = {"draft": {"compute_path": "packed-bf16", "head_dtype": "float32"},
+           "target": {"compute_path": "packed-bf16", "head_dtype": "float32"}}
     _labelled_folder(tmp_path, old)
     now = {"draft": {"compute_path": "packed-bf16", "head_dtype": "bfloat16"},
            "target": {"compute_path": "packed-bf16", "head_dtype": "float32"}}
@@ -250,13 +251,13 @@ def test_a_data_folder_with_rounded_bf16_logits_is_not_resumed_with_fp32_logits(
 
 
 @pytest.mark.parametrize("role,recorded,key,now,option,same", [
-    ("target", {"pack_layout": "fused"}, "gemm", "specstop", "--models.native_gemm false", "onednn"),
-    ("draft", {"gemm": "specstop"}, "weights", "int8", "--models.int8_draft false", "bfloat16"),
+    ("target", {"pack_layout": "fused", "gemm": "onednn"}, "gemm", "specstop", "--models.native_gemm false", "onednn"),
+    ("draft", {"gemm": "specstop", "weights": "bfloat16"}, "weights", "int8", "--models.int8_draft false", "bfloat16"),
 ])
 def test_a_data_folder_is_not_resumed_with_another_gemm_kernel_or_weight_type(
         tmp_path, role: str, recorded: dict, key: str, now: str, option: str, same: str) -> None:
-    """Folders labelled before ``gemm`` / ``weights`` were recorded read as their old values (oneDNN's kernel; the
-    pack dtype): a model on specstop's kernel or with int8 weights may not add to them."""
+    """A folder labelled on oneDNN's kernel, or with bfloat16 weights: a model on specstop's kernel or with int8
+    weights may not add to it."""
     from data_gen.generate import check_same_precision
 
     old = {"compute_path": "packed-bf16", **recorded}
@@ -288,9 +289,11 @@ def test_a_data_folder_is_not_resumed_on_another_kernel_isa(tmp_path, monkeypatc
         check_same_precision(tmp_path, {"target": fp})
 
 
-def test_unrecorded_kernel_and_weights_read_as_their_paths_defaults() -> None:
+def test_precision_compares_the_fields_both_fingerprints_record() -> None:
     assert cp.precision_diffs({"compute_path": "eager"}, {"compute_path": "eager", "gemm": "eager"}) == {}
-    assert cp.precision_diffs({"compute_path": "packed"}, {"compute_path": "packed", "weights": "float32"}) == {}
+    assert cp.precision_diffs({"compute_path": "packed", "gemm": "onednn"}, {"compute_path": "packed",
+                                                                             "gemm": "specstop"}) == {
+        "gemm": ("onednn", "specstop")}
     assert cp.precision_diffs({"compute_path": "eager"}, {"compute_path": "packed", "weights": "float32"}) == {
         "compute_path": ("eager", "packed")}
 
@@ -322,11 +325,11 @@ def test_int8_weights_pack_every_linear_of_a_draft_and_stay_close_to_bf16(isa: s
 
 
 def test_a_data_folder_is_not_resumed_with_another_pack_layout(tmp_path) -> None:
-    """Folders written before fusion packed every linear on its own ("per-layer"): fused models may not add to them."""
+    """A folder whose draft packed every linear on its own ("per-layer"): a fused draft may not add to it."""
 
     from data_gen.generate import check_same_precision
 
-    old = {"draft": {"compute_path": "packed-bf16"}}
+    old = {"draft": {"compute_path": "packed-bf16", "pack_layout": "per-layer"}}
     _labelled_folder(tmp_path, old)
     with pytest.raises(FileExistsError, match="--models.fuse_linears false"):
         check_same_precision(tmp_path, {"draft": {"compute_path": "packed-bf16", "pack_layout": "fused"}})

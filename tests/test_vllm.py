@@ -376,9 +376,11 @@ def test_every_engines_units_run_beside_the_target_alone_in_alternating_order(mo
     from runtimes.vllm.engine import EngineSpec
 
     calls: list[str] = []
+    warmed: list[tuple[str, int]] = []
     monkeypatch.setattr(vb, "_load", lambda spec: f"engine k={spec.k}")
     monkeypatch.setattr(vb, "StepClock", lambda llm: "clock")
     monkeypatch.setattr(vb, "release", lambda llm: None)
+    monkeypatch.setattr(vb, "generate", lambda llm, prompts, n: warmed.append((llm, len(prompts))))
     monkeypatch.setattr(vb.vllm_proposer, "install", lambda s: None)
     monkeypatch.setattr(vb.vllm_proposer, "uninstall", lambda: None)
 
@@ -414,6 +416,7 @@ def test_every_engines_units_run_beside_the_target_alone_in_alternating_order(mo
                          {1: [[[1]], [[2]]]}, cfg, settings, ref)
     assert calls == ["engine k=0", "a", "b", "b", "a", "engine k=0"]
     assert [r.beside for r in rows] == [[2.0, 12.0], [2.0, 12.0]]
+    assert warmed == [("engine k=0", 1), ("engine k=8", 1), ("engine k=0", 1)]  # each engine, each batch size
     from runtimes.vllm.bench_report import paired_rows
 
     paired = paired_rows([alone[0], *rows])

@@ -328,7 +328,6 @@ def _load(spec: EngineSpec) -> Any:
     t0 = time.perf_counter()
     llm = build_engine(spec)
     log.info("engine %s loaded in %.0f s", spec.speculative_config() or "target alone", time.perf_counter() - t0)
-    generate(llm, [[1, 2, 3, 4]], 8)  # warm-up: vLLM's first step runs slower
     return llm
 
 
@@ -351,6 +350,8 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
     out = []
     for batch, batch_units in units.items():
         rows = [RowRun(name=r.name, batch=batch, spec=r.proposer_spec or r.name, role=r) for r in group.roles]
+        for engine in [llm] + ([ref[0]] if ref is not None else []):  # a batch size's first steps run slower
+            generate(engine, batch_units[0], 4)
         for u, prompts in enumerate(batch_units):
             turn = rows[u % len(rows):] + rows[:u % len(rows)]  # each row first on some units
             runs, beside = {}, 0.0

@@ -42,7 +42,15 @@ from dataclasses import dataclass, field, replace
 from torch import Tensor
 
 from compute.timing import CostModel
-from decoding.draft_steps import RequestRound, check_policy, draft_step, sent_count, step_features, take_candidate
+from decoding.draft_steps import (
+    RequestRound,
+    check_policy,
+    draft_step,
+    keep_token,
+    sent_count,
+    step_features,
+    take_candidate,
+)
 from predictors import goodput
 from predictors.base import RoundFeedback, StopPolicy
 from predictors.batch_goodput import BatchCost, batch_keep_drafting, batch_rate, send_lengths, worth_drafting
@@ -256,10 +264,7 @@ class RequestStopper:
             self._feats[i].append({k: (v.reshape(-1).tolist() if v.numel() > 1 else float(v.reshape(-1)[0]))
                                    for k, v in feats.items()})
         if self.draft_to_cap or (self._batch is not None and self.rule.cost_aware):  # the cap or the batch decides
-            rnd.tokens.append(tok)
-            rnd.q.append(float(feats["q"][0]))
-            if self.rule.cost_aware:
-                rnd.scores.append(raw)
+            keep_token(rnd, tok, feats, raw if self.rule.cost_aware else None)
             return True
         return take_candidate(pol, tok, feats, rnd, cap, self._cost, score=raw)
 
