@@ -51,7 +51,7 @@ def paired_rows(rows: list[RowRun]) -> list[RowRun]:
     """Each row's seconds on a unit scaled by the target alone's first row's seconds on it over the target alone's
     seconds beside it (``RowRun.beside``): every row as if run at the pace the target alone's own row ran at, so
     that a row's ratio to the target alone is the ratio measured seconds apart on each unit. Rows without ``beside``
-    (older runs, the first target row) are kept as measured."""
+    (the first target row itself) are kept as measured."""
     first = {r.batch: r for r in rows if r.role is not None and r.role.what == "target" and not r.role.again}
     out = []
     for r in rows:

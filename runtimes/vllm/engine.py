@@ -84,7 +84,8 @@ class EngineSpec:
 
 
 def build_engine(spec: EngineSpec) -> Any:
-    """An in-process ``vllm.LLM`` for ``spec`` (eager, greedy-friendly, spec-decode metrics on)."""
+    """An in-process ``vllm.LLM`` for ``spec`` (eager, greedy-friendly, spec-decode metrics on, no prefix caching: a
+    benchmark runs each prompt many times, and a cached prompt would skip the prefill its row is timed with)."""
     from vllm import LLM
 
     kwargs: dict[str, Any] = {}
@@ -92,7 +93,7 @@ def build_engine(spec: EngineSpec) -> Any:
         kwargs["device"] = spec.device
     return LLM(model=spec.target, tokenizer=spec.target, dtype=spec.dtype, max_model_len=spec.max_model_len,
                max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=4096, enforce_eager=True,
-               disable_log_stats=False, seed=0,
+               disable_log_stats=False, seed=0, enable_prefix_caching=False,
                speculative_config=spec.speculative_config(), **kwargs)
 
 
