@@ -310,7 +310,7 @@ class Reference:
     clock: StepClock | None = None
 
     def engine(self) -> tuple[Any, StepClock]:
-        """The loaded engine and its clock (loaded and warmed up on first use)."""
+        """The loaded engine and its clock (loaded on first use)."""
         if self.llm is None:
             self.llm = _load(self.spec)
             self.clock = StepClock(self.llm)
