@@ -2,8 +2,7 @@
 host's step curve, capped by memory, and halved when a batch does not fit.
 
 A step reads every weight once whatever its rows, so where memory bounds it more rows cost little: the probe times a
-draft + target step at 1-32 rows and takes the batch that decodes the most rows per second (the smallest within
-``THROUGHPUT_SLACK`` of the most). The batch changes the
+draft + target step at 1-32 rows and takes the largest batch within ``STEP_RATIO`` of one row. The batch changes the
 rounding of batched forwards, not what is generated; a folder records its value and a resume reuses it (the
 measurements: docs/compute-path.md, "The generator's batch").
 
@@ -32,9 +31,8 @@ log = logging.getLogger(__name__)
 
 CANDIDATES = (1, 8, 16, 32)
 """Batch sizes the probe times (rows of one decoding step)."""
-THROUGHPUT_SLACK = 0.05
-"""The chosen batch is the smallest whose rows per second of step are within this share of the best batch's (fewer
-rows pad less and hold less memory)."""
+STEP_RATIO = 1.15
+"""The chosen batch is the largest whose draft + target step costs at most this times the one-row step."""
 FLOOR_BATCH = 8
 """``auto`` never goes below this unless memory caps it: 8 rows reading each weight once beat fewer rows."""
 PROBE_CONTEXT = 64
@@ -104,22 +102,21 @@ def choose_batch(cfg: GenerateConfig, models: LabelModels, rows: tuple[int, ...]
     curve = step_curve(models, rows)
     size = pick_batch(curve, floor=min(FLOOR_BATCH, limit), cap=limit)
     steps = ", ".join(f"{r} rows {s * 1e3:.1f} ms" for r, s in curve.items())
-    rate = f"{size / curve[size]:.0f} rows/s" if size in curve else "not probed"
-    why = (f"a draft + target step of {size} rows decodes {rate} ({steps}; chosen: the most rows per second, the "
-           f"smallest within {THROUGHPUT_SLACK:.0%} of it, at least {FLOOR_BATCH}); memory allows {cap} rows, a chunk "
-           f"holds {most} sequences")
+    ratio = curve[size] / curve[min(curve)] if size in curve else float("nan")
+    why = (f"a draft + target step of {size} rows costs {ratio:.2f}x one row's ({steps}; chosen: the largest at most "
+           f"{STEP_RATIO:.2f}x, at least {FLOOR_BATCH}); memory allows {cap} rows, a chunk holds {most} sequences")
     return BatchChoice(size, why, curve)
 
 
-def pick_batch(curve: dict[int, float], slack: float = THROUGHPUT_SLACK, floor: int = FLOOR_BATCH,
+def pick_batch(curve: dict[int, float], ratio: float = STEP_RATIO, floor: int = FLOOR_BATCH,
                cap: int | None = None) -> int:
-    """The batch of ``curve`` (rows -> seconds of a step) decoding the most rows per second, the smallest within
-    ``slack`` of the most, at least ``floor``, at most ``cap``."""
+    """The largest batch of ``curve`` whose step costs at most ``ratio`` x the smallest's, at least ``floor``, at most
+    ``cap``."""
     if not curve:
         raise ValueError("pick_batch needs a step curve with at least one batch size")
-    usable = {r: s for r, s in curve.items() if cap is None or r <= cap} or {min(curve): curve[min(curve)]}
-    best = max(r / s for r, s in usable.items())
-    size = max(min(r for r, s in usable.items() if r / s >= (1 - slack) * best), floor)
+    base = curve[min(curve)]
+    cheap = [r for r, s in curve.items() if s <= ratio * base]
+    size = max(max(cheap, default=min(curve)), floor)
     return max(1, min(size, cap)) if cap is not None else size
 
 
