@@ -341,8 +341,9 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
         vllm_proposer.install(settings_of(next(iter(group.rows.values())), group.batch_rule))
     else:
         vllm_proposer.uninstall()
-    llm, clock = reference.engine() if own else (None, None)
-    if llm is None:
+    if own:
+        llm, clock = reference.engine()
+    else:
         llm = _load(group.engine)
         clock = StepClock(llm)
     proposer = vllm_proposer.active() if group.plugin else None

@@ -200,10 +200,10 @@ def table_entries(rows: list[RowRun], batch_sizes: list[int], seed: int, n_boot:
     pipelines.results --verify``'s)."""
     table = []
     rng = np.random.default_rng(seed)
-    paired = dict(zip(map(id, rows), paired_rows(rows)))
+    both = list(zip(rows, paired_rows(rows)))
     for b in batch_sizes:
-        measured = [r for r in rows if r.batch == b]
-        at_b = [paired[id(r)] for r in measured]
+        measured = [m for m, _ in both if m.batch == b]
+        at_b = [p for m, p in both if m.batch == b]
         ref = next(r for r in at_b if r.role is not None and r.role.what == "target" and not r.role.again)
         boot = rng.integers(0, len(ref.seconds), size=(n_boot, len(ref.seconds)))
         entries = [row_entry(r, ref, boot, next((x for x in check if x["row"] == r.name and x["batch"] == b), {}), m)

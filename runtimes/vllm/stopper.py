@@ -220,7 +220,7 @@ class RequestStopper:
         end = time.perf_counter()
         self.counts.decide_s += end - t0
         b, took = len(self._ids), end - t1  # what scoring a position costs beyond vLLM's draft forward, per batch size
-        self._own_s[b] = took if b not in self._own_s else 0.9 * self._own_s[b] + 0.1 * took
+        self._own_s[b] = 0.9 * self._own_s.get(b, took) + 0.1 * took
         return tokens, all(r.done for r in self._rounds)
 
     def _seen(self, rid: str, accepted: int, sent: int) -> None:
