@@ -137,10 +137,30 @@ def test_replay_check_takes_the_curves_level_from_the_fixed_rows_steps() -> None
     pol = RowRun(name="p", batch=1, spec="p", outputs=[[[1] * 8]], seconds=[0.9], steps=[pol_steps],
                  rounds=[[(1, 3, 4.0)]])
     k_of = {"vllm:3": lambda b: 3, "p": None}
-    assert step_levels([fixed, pol], {1: cm}, k_of) == {1: pytest.approx(1.5)}  # policy rows never set the level
-    rows = check_rows([fixed, pol], {1: cm}, k_of)
-    assert rows[0]["ratio"] == pytest.approx(1.0, abs=1e-3) and rows[0]["curve_level"] == pytest.approx(1.5)
+    # one speculative fixed row cannot tell the draft's level from the target's: one shared factor
+    assert step_levels([fixed, pol], {1: cm}, k_of) == {1: (pytest.approx(1.5), pytest.approx(1.5))}
+    rows = check_rows([fixed, pol], {1: cm}, k_of)  # policy rows never set the level
+    assert rows[0]["ratio"] == pytest.approx(1.0, abs=1e-3) and rows[0]["verify_level"] == pytest.approx(1.5)
     assert rows[1]["ratio"] == pytest.approx(0.9 / (0.5 + 1.5 * 2 * step_price(cm, 3)), abs=1e-3)
+
+
+def test_replay_check_fits_the_drafts_level_apart_from_the_targets() -> None:
+    """Beside another engine the target's steps slowed 1.3x and the draft's 0.9x: the target alone and vLLM's K = 3
+    recover both factors, and a policy's steps are priced with them."""
+    cm = curve()
+    price = {0: 1.3 * cm.target_time(1), 3: 0.9 * 3 * cm.draft_s_per_token + 1.3 * cm.target_time(4)}
+
+    def row(name: str, k: int, role: RowRole) -> RowRun:
+        steps = [StepLog(0.5, 1, False), *[StepLog(price[k], 1, True)] * 4]
+        return RowRun(name=name, batch=1, spec=name, outputs=[[[1] * 8]], seconds=[0.5 + 4 * price[k]],
+                      steps=[steps], role=role)
+
+    alone, k3 = row("target", 0, RowRole("target")), row("vllm:3", 3, RowRole("static", k=3))
+    pol = RowRun(name="p", batch=1, spec="p", outputs=[[[1] * 8]], seconds=[0.5 + 4 * price[3]],
+                 steps=[k3.steps[0]], rounds=[[(1, 3, 4.0)]])  # the same steps as K = 3
+    k_of = {"target": lambda b: 0, "vllm:3": lambda b: 3, "p": None}
+    assert step_levels([alone, k3, pol], {1: cm}, k_of)[1] == (pytest.approx(0.9), pytest.approx(1.3))
+    assert [r["ratio"] for r in check_rows([alone, k3, pol], {1: cm}, k_of)] == [pytest.approx(1.0)] * 3
 
 
 def test_curve_file_of_another_runtime_is_refused(tmp_path) -> None:
@@ -369,9 +389,10 @@ def test_a_k_predicted_inside_the_curves_error_is_not_recommended() -> None:
     assert 1.0 < four.val_speedup < MARGINAL and four.k == 0 and four.best_k >= 1
 
 
-def test_every_engines_units_run_beside_the_target_alone_in_alternating_order(monkeypatch) -> None:
-    """The target alone's engine stays loaded; it runs each unit beside the other engine's rows (first on even
-    units, last on odd), the rows take turns, and the target's second row is paired with its first."""
+def test_every_row_runs_each_unit_between_two_runs_of_the_target_alone(monkeypatch) -> None:
+    """The target alone's engine stays loaded; it runs each unit before the other engine's first row and after each,
+    a row is paired with the mean of the two runs around it, the rows take turns, and the target's second row is
+    paired with its first."""
     import runtimes.vllm.bench as vb
     from runtimes.vllm.engine import EngineSpec
 
@@ -414,13 +435,15 @@ def test_every_engines_units_run_beside_the_target_alone_in_alternating_order(mo
     rows = vb.run_engine(vb.EngineRows(EngineSpec(target="T", draft="D", k=8),
                                        [vb.RowRole("policy", spec="a"), vb.RowRole("policy", spec="b")], plugin=True),
                          {1: [[[1]], [[2]]]}, cfg, settings, ref)
-    assert calls == ["engine k=0", "a", "b", "b", "a", "engine k=0"]
-    assert [r.beside for r in rows] == [[2.0, 12.0], [2.0, 12.0]]
+    t = "engine k=0"
+    assert calls == [t, "a", t, "b", t, t, "b", t, "a", t]
+    # unit 0: a between runs 1 and 3 (2 s, 6 s), b between 3 and 5; unit 1 starts with b: 6 and 8, then a: 8 and 10
+    assert [r.beside for r in rows] == [[4.0, 18.0], [8.0, 14.0]]
     assert warmed == [("engine k=0", 1), ("engine k=8", 1), ("engine k=0", 1)]  # each engine, each batch size
     from runtimes.vllm.bench_report import paired_rows
 
     paired = paired_rows([alone[0], *rows])
-    assert paired[1].seconds == pytest.approx([2.0 * 2.0 / 2.0, 5.0 * 8.0 / 12.0])  # as if at the target's own pace
+    assert paired[1].seconds == pytest.approx([2.0 * 2.0 / 4.0, 9.0 * 8.0 / 18.0])  # as if at the target's own pace
 
 
 def test_the_batch_rule_prices_a_draft_forward_with_what_scoring_it_cost_here(monkeypatch) -> None:

@@ -13,13 +13,13 @@ prompts, greedy, at each batch size (1: one request at a time; B: B requests sen
   ``num_speculative_tokens = policy_k``, each request's drafting stopped by its own copy of the policy.
 
 One engine per configuration (an engine's speculative config is fixed when it loads). The target alone's engine
-stays loaded for the whole run and runs each unit (a prompt at batch 1, a group of B prompts at batch B) beside every
-other engine's rows on it, in alternating order (first on even units, last on odd ones): each row's time on a unit is
-paired with the target alone's on the same unit seconds apart (``RowRun.beside``), so that a slow phase of the host
+stays loaded for the whole run and runs each unit (a prompt at batch 1, a group of B prompts at batch B) before and
+after each of every other engine's rows on it: each row's time on a unit is paired with the mean of the target
+alone's two runs of the same unit that bracket it, seconds apart (``RowRun.beside``), so that a slow phase of the host
 (on a shared 2-core machine the same step's time moves by a third within minutes) scales both and cancels in their
 ratio (``runtimes.vllm.bench_report.paired_rows``). The rows of one engine (the policies in specstop's proposer) take
-turns on each unit as well. The target alone runs every unit twice in its own engine, its two rows paired the same
-way: their ratio is the run's noise floor. With ``repeats`` > 1 the engines run again in reverse order and each
+turns on each unit, one run of the target alone between two rows. The target alone runs every unit twice in its own
+engine, its two rows paired the same way: their ratio is the run's noise floor. With ``repeats`` > 1 the engines run again in reverse order and each
 unit's faster run is kept. Each output is checked against target-alone's at the same batch size. vLLM's metrics
 count drafts and accepted tokens; every engine step is timed (``runtimes.vllm.engine.StepClock``) so that
 ``runtimes.vllm.check`` can price the row's own steps with vLLM's curve (the replay check).
@@ -181,8 +181,8 @@ class RowRun:
     role: RowRole | None = None
     """What the row runs (its name is formatted from it)."""
     beside: list[float] = field(default_factory=list)
-    """Per unit, the target alone's seconds on the same unit, run beside this row's run of it (the drift reference;
-    for the target alone's second row, its first row's run; empty for the first row)."""
+    """Per unit, the target alone's mean seconds over its runs of the same unit right before and right after this
+    row's (the drift reference; for the target alone's second row, its first row's run; empty for the first row)."""
 
     def add_unit(self, run: UnitRun, beside: float | None = None) -> None:
         """Append one unit's kept run (as :func:`run_unit` returns it) and the target alone's seconds beside it."""
@@ -334,8 +334,9 @@ def _load(spec: EngineSpec) -> Any:
 def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: VllmBenchConfig,
                settings_of: Any, reference: Reference | None = None) -> list[RowRun]:
     """Run each of ``group``'s rows once on every unit of every batch size (one pass), the rows taking turns on each
-    unit, and beside them the target alone on the same unit (``reference``; the target alone's own group runs in
-    that engine). ``settings_of(spec, batch_rule)`` gives the proposer's ``PolicySettings`` for a policy row."""
+    unit, and the target alone on the same unit before the first row and after each (``reference``; the target
+    alone's own group runs in that engine). ``settings_of(spec, batch_rule)`` gives the proposer's ``PolicySettings``
+    for a policy row."""
     own = reference is not None and group.engine == reference.spec and not group.plugin
     if group.plugin:  # specstop's proposer for this engine, vLLM's own for every other speculative one
         vllm_proposer.install(settings_of(next(iter(group.rows.values())), group.batch_rule))
@@ -355,18 +356,18 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
             generate(engine, batch_units[0], 4)
         for u, prompts in enumerate(batch_units):
             turn = rows[u % len(rows):] + rows[:u % len(rows)]  # each row first on some units
-            runs, beside = {}, 0.0
-            if ref is not None and u % 2 == 0:
-                beside = run_unit(ref[0], ref[1], None, prompts, cfg.max_new_tokens)[1]
+            runs: dict[str, UnitRun] = {}
+            marks = [run_unit(*ref, None, prompts, cfg.max_new_tokens)[1]] if ref is not None else []
             for row in turn:
                 if proposer is not None:
                     proposer.set_policy(settings_of(row.role.proposer_spec, group.batch_rule))
                 runs[row.name] = run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens)
-            if ref is not None and u % 2 == 1:
-                beside = run_unit(ref[0], ref[1], None, prompts, cfg.max_new_tokens)[1]
-            for row in rows:
+                if ref is not None:  # the target alone after each row: the next row's run before too
+                    marks.append(run_unit(*ref, None, prompts, cfg.max_new_tokens)[1])
+            for i, row in enumerate(turn):
                 first = own and row.role.again  # the target's second row is paired with its first
-                row.add_unit(runs[row.name], runs[rows[0].name][1] if first else beside if ref is not None else None)
+                beside = (marks[i] + marks[i + 1]) / 2 if ref is not None else None
+                row.add_unit(runs[row.name], runs[rows[0].name][1] if first else beside)
         for row in rows:
             log.info("%s at batch %d: %.2f tokens/s", row.name, batch, row.tokens_per_s)
         out += rows

@@ -1,10 +1,12 @@
 """The vLLM benchmark's replay check: each row's own steps priced with vLLM's curve, beside its measured time.
 
 The curve gives the shape of a step's cost (a draft forward against a verification of L tokens, at each batch size);
-its level comes from the steps timed beside the rows: per batch size, the fixed rows' (the target alone, vLLM's K)
-measured decode seconds over their curve-priced seconds (:func:`step_levels`). A curve keeps its fastest round, timed
-apart from the rows; on a host whose speed moves by a third the rows then run 1.1-1.5x slower than it says, the same
-for every row of a batch size. The policy rows are priced by that level, never fitted to themselves.
+its levels come from the steps timed beside the rows: per batch size, one factor on the draft's forwards and one on
+the target's verifications, fitted to the fixed rows' (the target alone, vLLM's K) measured decode seconds
+(:func:`step_levels`). A curve keeps its fastest round, timed apart from the rows; on a host whose speed moves by a
+third the rows then run 1.1-1.5x slower than it says, and not by one factor: with two engines loaded the target's
+steps slowed more than the draft's (the target alone's rows ran 1.1-1.15x off a single level at 2-8 requests). The
+policy rows are priced by those levels, never fitted to themselves.
 
 A row's unit (a prompt at batch 1, a group at batch B) ran a sequence of engine steps (``StepClock``): its prefill
 steps are taken as measured (the curve prices decoding, not prefill), and each decode step is priced at the batch
@@ -24,11 +26,13 @@ their mean length.
 Usage::
 
     levels = step_levels(rows, curves, k_of)
-    predicted = predicted_seconds(row, curves, k_of=lambda b: 3, level=levels[row.batch])
+    predicted = predicted_seconds(row, curves, k_of=lambda b: 3, level=levels[row.batch])  # (draft, target) factors
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+
+import numpy as np
 
 from compute.timing import CostModel
 from runtimes.vllm.bench import RowRun
@@ -43,14 +47,17 @@ def step_price(cm: CostModel, k: int) -> float:
     return cm.target_time(1) if k == 0 else k * cm.draft_s_per_token + cm.target_time(k + 1)
 
 
-def _policy_step(rounds: list[tuple[int, int, float]], curves: dict[int, CostModel]) -> float | None:
+Level = tuple[float, float]
+"""Factors on the curve's draft forwards and on its target verifications."""
+
+
+def _policy_step(rounds: list[tuple[int, int, float]], curves: dict[int, CostModel]) -> tuple[float, float] | None:
+    """A policy row's mean step: (draft seconds, verification seconds) over its logged rounds."""
     if not rounds:
         return None
-    total = 0.0
-    for batch, positions, mean_len in rounds:
-        cm = curve_for_batch(curves, batch)
-        total += positions * cm.draft_s_per_token + cm.target_time(mean_len)
-    return total / len(rounds)
+    draft = sum(positions * curve_for_batch(curves, batch).draft_s_per_token for batch, positions, _ in rounds)
+    verify = sum(curve_for_batch(curves, batch).target_time(mean_len) for batch, _, mean_len in rounds)
+    return draft / len(rounds), verify / len(rounds)
 
 
 def drafted_share(row: RowRun) -> float:
@@ -63,61 +70,85 @@ def drafted_share(row: RowRun) -> float:
 
 
 def predicted_seconds(row: RowRun, curves: dict[int, CostModel], k_of: Callable[[int], int] | None,
-                      level: float = 1.0) -> list[float]:
-    """Per unit of ``row``, the seconds its steps cost under ``curves`` times ``level`` (``k_of(batch)``: vLLM's K at a
-    batch size, None for a policy row, priced by its logged rounds); prefill steps as measured. A speculative
-    engine's step that verified no draft (vLLM drafted none for it: :func:`drafted_share`) still runs the draft's
-    forward: ``draft + target(1)``."""
-    return [prefill + level * decode for prefill, decode in _unit_seconds(row, curves, k_of)]
+                      level: Level = (1.0, 1.0)) -> list[float]:
+    """Per unit of ``row``, the seconds its steps cost under ``curves``, the draft's forwards times ``level[0]`` and
+    the verifications times ``level[1]`` (``k_of(batch)``: vLLM's K at a batch size, None for a policy row, priced by
+    its logged rounds); prefill steps as measured. A speculative engine's step that verified no draft (vLLM drafted
+    none for it: :func:`drafted_share`) still runs the draft's forward: ``draft + target(1)``."""
+    units = _unit_seconds(row, curves, k_of)
+    return [prefill + level[0] * draft + level[1] * verify for prefill, draft, verify in units]
 
 
 def _unit_seconds(row: RowRun, curves: dict[int, CostModel], k_of: Callable[[int], int] | None,
-                  ) -> list[tuple[float, float]]:
-    """Per unit: (measured prefill seconds, curve-priced decode seconds)."""
+                  ) -> list[tuple[float, float, float]]:
+    """Per unit: (measured prefill seconds, curve-priced seconds of the draft's forwards, of the verifications)."""
     share = drafted_share(row)
+    alone = row.role is not None and row.role.what == "target"  # no draft: every step is the target's
     out = []
     for steps, rounds in zip(row.steps, row.rounds or [[] for _ in row.steps]):
         prefill = sum(s.wall_s for s in steps if not s.decode)
         decode: list[StepLog] = [s for s in steps if s.decode]
         if k_of is None:
-            out.append((prefill, (_policy_step(rounds, curves) or 0.0) * len(decode)))
+            draft, verify = _policy_step(rounds, curves) or (0.0, 0.0)
+            out.append((prefill, draft * len(decode), verify * len(decode)))
             continue
-        total = 0.0
-        alone = row.role is not None and row.role.what == "target"  # no draft: every step is the target's
+        draft = verify = 0.0
         for s in decode:
             cm, k = curve_for_batch(curves, s.batch), k_of(s.batch)
-            idle = cm.target_time(1) if alone else cm.draft_s_per_token + cm.target_time(1)
-            total += share * step_price(cm, k) + (1 - share) * idle if k else idle
-        out.append((prefill, total))
+            if alone:
+                verify += cm.target_time(1)
+                continue
+            drafted = share if k else 0.0  # vLLM's K = 0 still runs the draft's first forward
+            draft += cm.draft_s_per_token * (drafted * k + (1 - drafted))
+            verify += drafted * cm.target_time(k + 1) + (1 - drafted) * cm.target_time(1)
+        out.append((prefill, draft, verify))
     return out
 
 
 def step_levels(rows: list[RowRun], curves: dict[int, CostModel], k_of: dict[str, Callable[[int], int] | None],
-                ) -> dict[int, float]:
-    """Per batch size, the fixed rows' measured decode seconds over their curve-priced decode seconds: the level of
-    the curve on the host as the rows met it (1.0 at a batch size without a fixed row)."""
-    measured: dict[int, float] = {}
-    priced: dict[int, float] = {}
-    for row in rows:
-        fixed = k_of.get(row.name)
-        if fixed is None:
-            continue
-        measured[row.batch] = measured.get(row.batch, 0.0) + sum(
-            s.wall_s for steps in row.steps for s in steps if s.decode)
-        priced[row.batch] = priced.get(row.batch, 0.0) + sum(d for _, d in _unit_seconds(row, curves, fixed))
-    return {b: measured[b] / priced[b] if priced.get(b) else 1.0 for b in sorted({r.batch for r in rows})}
+                ) -> dict[int, Level]:
+    """Per batch size, the (draft, verification) factors that bring the fixed rows' curve-priced decode seconds
+    closest to their measured ones (least squares on each row's relative error); one shared factor where the rows
+    cannot tell the two apart (no speculative fixed row, or a fit that is not positive); (1, 1) without a fixed row."""
+    levels: dict[int, Level] = {}
+    for batch in sorted({r.batch for r in rows}):
+        parts, measured = [], []
+        for row in rows:
+            if row.batch != batch or k_of.get(row.name) is None:
+                continue
+            units = _unit_seconds(row, curves, k_of[row.name])
+            parts.append((sum(u[1] for u in units), sum(u[2] for u in units)))
+            measured.append(sum(s.wall_s for steps in row.steps for s in steps if s.decode))
+        levels[batch] = _fit(np.array(parts).reshape(-1, 2), np.array(measured))
+    return levels
+
+
+def _fit(parts: np.ndarray, measured: np.ndarray) -> Level:
+    """(draft, verification) factors minimising the fixed rows' relative errors, else one shared factor."""
+    keep = measured > 0
+    parts, measured = parts[keep], measured[keep]
+    if not len(measured) or not parts.sum():
+        return 1.0, 1.0
+    if len(measured) >= 2 and np.linalg.matrix_rank(parts / measured[:, None]) == 2:
+        (draft, verify), *_ = np.linalg.lstsq(parts / measured[:, None], np.ones(len(measured)), rcond=None)
+        if draft > 0 and verify > 0:
+            return float(draft), float(verify)
+    one = float(measured.sum() / parts.sum())
+    return one, one
 
 
 def check_rows(rows: list[RowRun], curves: dict[int, CostModel], k_of: dict[str, Callable[[int], int] | None],
                ) -> list[dict]:
     """Per row and batch size: measured and replayed tokens/s, their ratio (measured seconds / replayed) and the
-    curve's level at that batch size (:func:`step_levels`)."""
+    curve's levels at that batch size (:func:`step_levels`: on the draft's forwards, on the verifications)."""
     levels = step_levels(rows, curves, k_of)
     out = []
     for row in rows:
         pred = sum(predicted_seconds(row, curves, k_of.get(row.name), levels[row.batch]))
         meas = sum(row.seconds)
+        draft, verify = levels[row.batch]
         out.append({"row": row.name, "batch": row.batch, "measured_tokens_per_s": round(row.tokens_per_s, 3),
                     "replayed_tokens_per_s": round(row.tokens / pred, 3) if pred else None,
-                    "ratio": round(meas / pred, 4) if pred else None, "curve_level": round(levels[row.batch], 4)})
+                    "ratio": round(meas / pred, 4) if pred else None, "draft_level": round(draft, 4),
+                    "verify_level": round(verify, 4)})
     return out

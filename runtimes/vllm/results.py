@@ -221,10 +221,10 @@ def vllm_section(s: Summary) -> str:
              f"{d.get('vllm') or '?'} on {cpu_label(m)}, {m.get('threads', '?')} threads; {dated(d)}; "
              f"`{d['command']}`):", ""]
     if _paired(s):
-        parts += ["Paired: the target alone ran each unit (a prompt, or a group of B prompts) beside every other "
-                  "row's run of it; tokens/s (paired) scales each unit's time by the target alone's own row over its "
-                  "run beside, so each ratio is measured seconds apart; the target alone's second row is paired with "
-                  "its first (the noise floor).", ""]
+        parts += ["Paired: the target alone ran each unit (a prompt, or a group of B prompts) right before an "
+                  "engine's first row ran it and right after each row; tokens/s (paired) scales each unit's time by "
+                  "the target alone's own row over the mean of its two runs around the row, so each ratio is measured "
+                  "seconds apart; the target alone's second row is paired with its first (the noise floor).", ""]
     for b in d["batch_sizes"]:
         parts += [f"{b} concurrent request{'s' if b > 1 else ''}:", "", *_rows_table(s, b), ""]
     calib = _calibration_table(s)
