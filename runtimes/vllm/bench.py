@@ -15,14 +15,15 @@ prompts, greedy, at each batch size (1: one request at a time; B: B requests sen
 One engine per configuration (an engine's speculative config is fixed when it loads). The target alone's engine
 stays loaded for the whole run and runs each unit (a prompt at batch 1, a group of B prompts at batch B) before and
 after each of every other engine's rows on it: each row's time on a unit is paired with the mean of the target
-alone's two runs of the same unit that bracket it, seconds apart (``RowRun.beside``), so that a slow phase of the host
-(on a shared 2-core machine the same step's time moves by a third within minutes) scales both and cancels in their
-ratio (``runtimes.vllm.bench_report.paired_rows``). The rows of one engine (the policies in specstop's proposer) take
-turns on each unit, one run of the target alone between two rows. The target alone runs every unit twice in its own
-engine, its two rows paired the same way: their ratio is the run's noise floor. With ``repeats`` > 1 the engines run again in reverse order and each
-unit's faster run is kept. Each output is checked against target-alone's at the same batch size. vLLM's metrics
-count drafts and accepted tokens; every engine step is timed (``runtimes.vllm.engine.StepClock``) so that
-``runtimes.vllm.check`` can price the row's own steps with vLLM's curve (the replay check).
+alone's two runs of the same unit that bracket it, seconds apart (``RowRun.beside``), so that a slow phase of the
+host (on a shared 2-core machine the same step's time moves by a third within minutes) scales both and cancels in
+their ratio (``runtimes.vllm.bench_report.paired_rows``). The rows of one engine (the policies in specstop's
+proposer) take turns on each unit, one run of the target alone between two rows. The target alone runs every unit
+twice in its own engine, its two rows paired the same way: their ratio is the run's noise floor. With ``repeats`` >
+1 the engines run again in reverse order and each unit's faster run is kept. Each output is checked against
+target-alone's at the same batch size. vLLM's metrics count drafts and accepted tokens; every engine step is timed
+(``runtimes.vllm.engine.StepClock``) so that ``runtimes.vllm.check`` can price the row's own steps with vLLM's curve
+(the replay check).
 
 Writes ``benchmark.json`` / ``benchmark.md``, ``cost_model.vllm.json`` (measured at the start when ``cost_file`` is
 null) and ``config.yaml`` to ``out_dir``.
