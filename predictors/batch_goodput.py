@@ -24,7 +24,7 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from predictors.goodput import batch_lengths, check_cost_model
@@ -49,6 +49,13 @@ class BatchCost:
         """From the ``compute.timing.CostModel`` measured at ``batch`` requests."""
         check_cost_model(cm)
         return cls(float(cm.draft_s_per_token), cm.target_time, max(1, int(batch)), first_forward_paid)
+
+    def scaled(self, draft: float, verify: float, extra_draft_s: float = 0.0) -> BatchCost:
+        """This step with its draft forwards ``draft`` times and its verifications ``verify`` times as dear, plus
+        ``extra_draft_s`` a forward (what scoring a position adds)."""
+        target_time = self.target_time
+        return replace(self, draft_s=self.draft_s * draft + extra_draft_s,
+                       target_time=lambda n: verify * target_time(n))
 
     def verify_s(self, sent: float) -> float:
         """One target pass verifying ``sent`` drafted tokens over the batch (each request's + 1)."""

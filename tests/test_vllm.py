@@ -348,7 +348,7 @@ def test_only_the_plugin_engine_builds_specstops_proposer(monkeypatch) -> None:
     for group in groups:
         with pytest.raises(Built):
             vb.run_engine(group, {1: [[[1]]]}, cfg,
-                          lambda spec, batch_rule: PolicySettings(spec=spec, batch_rule=batch_rule))
+                          lambda spec, batch_rule, **kw: PolicySettings(spec=spec, batch_rule=batch_rule, **kw))
     assert calls == [("uninstall",), ("install", "adaedl:0.6")]
 
 
@@ -425,7 +425,7 @@ def test_every_row_runs_each_unit_between_two_runs_of_the_target_alone(monkeypat
 
     monkeypatch.setattr(vb, "run_unit", run_unit)
     cfg = VllmBenchConfig(batch_sizes=[1], n_prompts=2)
-    settings = lambda spec, batch_rule: PolicySettings(spec=spec, batch_rule=batch_rule)  # noqa: E731
+    settings = lambda spec, batch_rule, **kw: PolicySettings(spec=spec, batch_rule=batch_rule, **kw)  # noqa: E731
     target = EngineSpec(target="T")
     ref = vb.Reference(target)
     alone = vb.run_engine(vb.EngineRows(target, [vb.RowRole("target"), vb.RowRole("target", again=True)]),
@@ -446,6 +446,15 @@ def test_every_row_runs_each_unit_between_two_runs_of_the_target_alone(monkeypat
     assert paired[1].seconds == pytest.approx([2.0 * 2.0 / 4.0, 9.0 * 8.0 / 18.0])  # as if at the target's own pace
 
 
+class Clock:
+    """A stand-in for ``time.perf_counter`` that moves only when a test moves it."""
+
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def test_the_batch_rule_prices_a_draft_forward_with_what_scoring_it_cost_here(monkeypatch) -> None:
     """vLLM's curve times its own proposer, which scores nothing; the stopper's own seconds per drafted position are
     measured as it runs and added to the draft forward's price at that batch size."""
@@ -454,12 +463,58 @@ def test_the_batch_rule_prices_a_draft_forward_with_what_scoring_it_cost_here(mo
     from predictors.goodput import GoodputPolicy
 
     policy = GoodputPolicy(build_policy("adaedl:0.5"), {"greedy": Calibrator("isotonic", x=[0.0, 1.0], y=[0.9, 0.9])})
-    stopper = RequestStopper(policy, {1: curve(draft=0.01)})
-    clock = iter([0.0, 0.0, 0.05] + [0.05] * 20)  # one position scored in 50 ms
-    monkeypatch.setattr(vs.time, "perf_counter", lambda: next(clock))
+    stopper = RequestStopper(policy, {1: curve(draft=0.01)}, follow_costs=False)
+    clock = Clock()
+    monkeypatch.setattr(vs.time, "perf_counter", clock)
+    decide = stopper._decide_for_batch  # noqa: SLF001
+
+    def scoring() -> None:  # one position scored in 50 ms
+        clock.t += 0.05
+        decide()
+
+    monkeypatch.setattr(stopper, "_decide_for_batch", scoring)
     stopper.begin_round(["a"], None, 1)
     assert stopper._batch.draft_s == pytest.approx(0.01)  # noqa: SLF001 - nothing measured yet
     stopper.step(logits([0.9]))
     stopper.proposals()
     stopper.begin_round(["a"], [0], 1)
     assert stopper._batch.draft_s == pytest.approx(0.06)  # noqa: SLF001
+
+
+def test_the_batch_rule_prices_steps_at_the_factors_the_engine_meets(monkeypatch) -> None:
+    """A round's draft forwards timed from its start to its proposals (less the scoring) and its verification from the
+    proposals to the next round, each against the curve: the next rounds price the draft and the target at those
+    factors; a step that took a new request in (its prefill) is not counted as a verification."""
+    import runtimes.vllm.stopper as vs
+    from predictors.calibration import Calibrator
+    from predictors.goodput import GoodputPolicy
+    from runtimes.vllm.met_costs import MetCosts
+
+    cm = curve(draft=0.01)
+    policy = GoodputPolicy(build_policy("adaedl:0.5"), {"greedy": Calibrator("isotonic", x=[0.0, 1.0], y=[0.9, 0.9])})
+    clock = Clock()
+    monkeypatch.setattr(vs.time, "perf_counter", clock)
+    for follow in (True, False):
+        stopper = RequestStopper(policy, {1: cm}, follow_costs=follow)
+        stopper.begin_round(["a"], None, 1)
+        clock.t += 0.02  # the draft's forward: twice the curve's
+        stopper.step(logits([0.9]))
+        stopper.proposals()
+        length = stopper.counts.steps[-1][2]
+        clock.t += 1.5 * cm.target_time(length)  # the verification: 1.5x the curve's
+        stopper.begin_round(["a"], [0], 1)
+        assert stopper.met.levels(1) == (pytest.approx(2.0), pytest.approx(1.5))
+        batch = stopper._batch  # noqa: SLF001
+        expect = (0.02, 1.5 * cm.target_time(3.0)) if follow else (0.01, cm.target_time(3.0))
+        assert (batch.draft_s, batch.target_time(3.0)) == (pytest.approx(expect[0]), pytest.approx(expect[1]))
+    stopper.proposals()
+    clock.t += 10.0  # a new request's prefill in the step
+    stopper.begin_round(["a", "b"], [0, 0], 1)
+    assert stopper.met.seen[1][1] == 1  # the verifications counted: the first only
+    met = MetCosts()
+    assert met.levels(4) == (1.0, 1.0)
+    met.draft(4, 0.5)
+    assert met.levels(4) == (1.0, 1.0)  # the curve as measured until both are met
+    for f in [1.5] + [9.0] * 30:
+        met.verify(4, f)
+    assert met.levels(4) == (0.5, pytest.approx(4.0, abs=0.05))  # the latest weigh most, each kept within 4x

@@ -64,6 +64,8 @@ class RowRole:
     """The target alone's second row, run beside its first on every unit (the run's noise floor)."""
     per_request: bool = False
     """A policy whose requests stop by their own rule alone, not their batch's."""
+    curve_as_measured: bool = False
+    """A policy whose batch rule prices steps at vLLM's curve as measured, not at the factors its engine meets."""
 
     @property
     def name(self) -> str:
@@ -74,12 +76,18 @@ class RowRole:
                     + (" (defaults)" if self.defaults else ""))
         if self.what == "per_batch":
             return "vllm per-batch (recommended)"
-        return self.spec + (" (per request)" if self.per_request else "")
+        return (self.spec + (" (per request)" if self.per_request else "")
+                + (" (curve as measured)" if self.curve_as_measured else ""))
 
     @property
     def fixed(self) -> bool:
         """vLLM's own fixed settings: the target alone (its first row; the second measures the noise) and a static K."""
         return (self.what == "target" and not self.again) or self.what == "static"
+
+    @property
+    def ablation(self) -> bool:
+        """A policy run again with a part of specstop's rule turned off (what that part buys), never the best."""
+        return self.per_request or self.curve_as_measured
 
     @property
     def proposer_spec(self) -> str | None:
@@ -120,6 +128,9 @@ class VllmBenchConfig(HarnessConfig):
     curve and a calibrated acceptance allow (``predictors.batch_goodput``)."""
     per_request_policies: list[str] = field(default_factory=list)
     """Policies run again with each request stopping by its own rule alone (rows named ``<spec> (per request)``)."""
+    curve_as_measured_policies: list[str] = field(default_factory=list)
+    """Policies run again in the policies' engine with the batch rule pricing steps at vLLM's curve as measured, not
+    at the factors the engine meets (rows named ``<spec> (curve as measured)``)."""
     trace_predictor: str | None = None
     """An export whose features are traced in vLLM on ``trace_prompts`` prompts of ``acceptance_split`` (drafting to
     ``policy_k``), written to ``out_dir/traces``, and whose calibration is refitted on them into
@@ -336,8 +347,8 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
                settings_of: Any, reference: Reference | None = None) -> list[RowRun]:
     """Run each of ``group``'s rows once on every unit of every batch size (one pass), the rows taking turns on each
     unit, and the target alone on the same unit before the first row and after each (``reference``; the target
-    alone's own group runs in that engine). ``settings_of(spec, batch_rule)`` gives the proposer's ``PolicySettings``
-    for a policy row."""
+    alone's own group runs in that engine). ``settings_of(spec, batch_rule, **fields)`` gives the proposer's
+    ``PolicySettings`` for a policy row."""
     own = reference is not None and group.engine == reference.spec and not group.plugin
     if group.plugin:  # specstop's proposer for this engine, vLLM's own for every other speculative one
         vllm_proposer.install(settings_of(next(iter(group.rows.values())), group.batch_rule))
@@ -361,7 +372,8 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
             marks = [run_unit(*ref, None, prompts, cfg.max_new_tokens)[1]] if ref is not None else []
             for row in turn:
                 if proposer is not None:
-                    proposer.set_policy(settings_of(row.role.proposer_spec, group.batch_rule))
+                    proposer.set_policy(settings_of(row.role.proposer_spec, group.batch_rule,
+                                                    follow_costs=not row.role.curve_as_measured))
                 runs[row.name] = run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens)
                 if ref is not None:  # the target alone after each row: the next row's run before too
                     marks.append(run_unit(*ref, None, prompts, cfg.max_new_tokens)[1])

@@ -174,7 +174,7 @@ def goals_of(table: list[dict], picks: list[BatchPick], batch_sizes: list[int], 
                 ratios.append(g["recommended_vs_defaults"])
         g["policies_vs_fastest_fixed"] = {t["row"]: t["vs_fastest_fixed"] for t in rows if "vs_fastest_fixed" in t}
         g["calibration_gap"] = {t["row"]: _calibration_gap(t) for t in rows if t.get("by_position")}
-        policies = [t for t in rows if role_of(t).what == "policy" and not role_of(t).per_request]
+        policies = [t for t in rows if role_of(t).what == "policy" and not role_of(t).ablation]
         if policies and rec is not None:
             best = max(policies, key=lambda t: t["tokens_per_s"])
             g["best_policy"] = best["row"]

@@ -96,6 +96,9 @@ class PolicySettings:
     """Draft every request to the cap and send it all, so that every position is judged (tracing a predictor)."""
     skip_idle: bool = True
     """Under the batch rule, a step that drafts nothing skips the draft's forward (the draft catches up later)."""
+    follow_costs: bool = True
+    """Under the batch rule, price the curve's draft forwards and verifications at the factors the engine's own steps
+    meet (``runtimes.vllm.met_costs``); False: at the curve as measured."""
 
 
 _SETTINGS: PolicySettings | None = None
@@ -143,7 +146,8 @@ def build_stopper(settings: PolicySettings) -> RequestStopper:
     return RequestStopper(policy, load_curves(settings.costs), max_draft_len=settings.max_draft_len,
                           top_k=settings.top_k, acceptance=_acceptance_map(settings, policy),
                           batch_rule=settings.batch_rule, traces=_trace_writer(settings),
-                          draft_to_cap=settings.trace_all, skip_idle=settings.skip_idle, prior=_prior(settings.costs))
+                          draft_to_cap=settings.trace_all, skip_idle=settings.skip_idle, prior=_prior(settings.costs),
+                          follow_costs=settings.follow_costs)
 
 
 def _prior(costs: str | None) -> float:
@@ -216,7 +220,10 @@ def _make_class() -> type:
         def set_policy(self, policy: StopPolicy | PolicySettings) -> None:
             """Stop with another policy from the next proposal on (in-process runs between benchmark rows)."""
             self.close_traces()
+            met = self.stopper.met if self.stopper is not None else None  # the engine's, whatever the policy
             self.stopper = build_stopper(policy) if isinstance(policy, PolicySettings) else RequestStopper(policy)
+            if met is not None:
+                self.stopper.met = met
             self.draft_s = 0.0
 
         def close_traces(self) -> None:
@@ -320,7 +327,8 @@ def register() -> None:
         install(PolicySettings(spec=spec, costs=os.environ.get("SPECSTOP_VLLM_COSTS") or None,
                                traces_dir=os.environ.get("SPECSTOP_VLLM_TRACES") or None,
                                batch_rule=os.environ.get("SPECSTOP_VLLM_BATCH_RULE", "1") != "0",
-                               skip_idle=os.environ.get("SPECSTOP_VLLM_SKIP_IDLE", "1") != "0"))
+                               skip_idle=os.environ.get("SPECSTOP_VLLM_SKIP_IDLE", "1") != "0",
+                               follow_costs=os.environ.get("SPECSTOP_VLLM_FOLLOW_COSTS", "1") != "0"))
         log.info("specstop: vLLM's draft-model proposer stops each request with %s", spec)
 
 

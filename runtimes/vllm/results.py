@@ -289,5 +289,7 @@ def _noise_floor(d: dict, batch: int) -> str:
 
 
 def _policy_rows(d: dict) -> set[str]:
-    """The rows that run a specstop policy (not vLLM's own settings, nor the target alone's second row)."""
-    return {r["row"] for r in d["rows"] if r["role"]["what"] == "policy"}
+    """The rows that run a specstop policy (not vLLM's own settings, nor the target alone's second row, nor a policy
+    run again with a part of its rule off)."""
+    return {r["row"] for r in d["rows"] if r["role"]["what"] == "policy"
+            and not (r["role"].get("per_request") or r["role"].get("curve_as_measured"))}

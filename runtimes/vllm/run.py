@@ -132,9 +132,10 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
         if top and len({r[2] for r in ranges}) > 1:
             groups.append(EngineRows(replace(base, draft=draft, k=top, per_batch=ranges),
                                      [RowRole("per_batch", recommended=True)]))
-    if cfg.policies:
-        groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k),
-                                 [RowRole("policy", spec=p) for p in cfg.policies], plugin=True))
+    if cfg.policies or cfg.curve_as_measured_policies:
+        roles = [RowRole("policy", spec=p) for p in cfg.policies]
+        roles += [RowRole("policy", spec=p, curve_as_measured=True) for p in cfg.curve_as_measured_policies]
+        groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k), roles, plugin=True))
     if cfg.per_request_policies:
         groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k),
                                  [RowRole("policy", spec=p, per_request=True) for p in cfg.per_request_policies],
@@ -151,8 +152,9 @@ def _engine_key(group: EngineRows, cfg: VllmBenchConfig, pass_no: int) -> str:
     """What an engine's stored rows of one pass depend on: the run's prompts and lengths, its speculative config, the
     proposer and the policies in it (not the rows' names, which say what the plan recommends), the pass."""
     what = {"run": {k: getattr(cfg, k) for k in RUN_FIELDS}, "engine": asdict(group.engine), "plugin": group.plugin,
-            "specs": list(group.rows.values()), "pass": pass_no, "batch_rule": group.batch_rule,
-            "paired": "target alone beside every unit"}
+            "specs": [[r.proposer_spec, r.curve_as_measured] for r in group.roles], "pass": pass_no,
+            "batch_rule": group.batch_rule,
+            "paired": "target alone before and after every row"}
     curve = Path(cfg.out_dir) / COST_FILE
     if group.plugin and curve.is_file():  # cost-aware policies price rounds with the curve (not the acceptance)
         batches = CostModel.from_json(curve).extra.get(BATCH_CURVES)
@@ -216,7 +218,8 @@ def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
 
     if cfg.trace_predictor and cfg.trace_prompts:
         _trace_and_refit(cfg, target, draft, settings_of)
-    for spec in [*cfg.policies, *cfg.per_request_policies]:  # each builds before the rows: a bad spec fails in a line
+    # each builds before the rows: a bad spec fails in a line
+    for spec in [*cfg.policies, *cfg.per_request_policies, *cfg.curve_as_measured_policies]:
         install(settings_of(spec))
     plan = _plan(cfg, target, draft, picks)
     units = _units(prompts, cfg.batch_sizes)
@@ -248,7 +251,7 @@ def _trace_and_refit(cfg: VllmBenchConfig, target: str, draft: str, settings_of:
                            batch_rule=False)
         log.info("tracing %s in vLLM on %d %s prompts into %s", export, len(prompts), cfg.acceptance_split, traces)
         run_engine(group, {1: [[p] for p in prompts]}, cfg,
-                   lambda spec, batch_rule: settings_of(spec, False, traces_dir=str(traces), trace_all=True))
+                   lambda spec, batch_rule, **_: settings_of(spec, False, traces_dir=str(traces), trace_all=True))
     return refit_calibration(traces, export, dest)
 
 

@@ -14,14 +14,15 @@ specstop stop policy and its round in progress (``decoding.draft_steps``), so th
 - :meth:`RequestStopper.proposals`: per request, the tokens to verify (lists of different lengths).
 
 A request that has stopped still rides the batch's draft forwards while another drafts (its rows are computed and
-ignored): the loop is vLLM's, for the whole batch. So with vLLM's curve (``python -m pipelines.measure_costs --runtime
-vllm``, at the batch size nearest above the running one) and a calibrated acceptance per drafted token, the stopper
-decides for the batch (``predictors.batch_goodput``): after each position another draft forward runs only while the
-requests still drafting promise more tokens/s than stopping now, a thresholded policy's own stop choosing which
-requests those are and a goodput policy's calibrated acceptance both which and what each sends; the draft's first
-forward, which vLLM runs whatever is drafted, is priced as paid. Without a curve or a calibration (a static length, a
-policy with no map) each request stops by its own rule alone. With a :class:`runtimes.vllm.traces.TraceWriter`, every
-sent token's features and whether vLLM accepted it are logged.
+ignored): the loop is vLLM's, for the whole batch. So with vLLM's curve (``python -m pipelines.measure_costs
+--runtime vllm``, at the batch size nearest above the running one) and a calibrated acceptance per drafted token,
+the stopper decides for the batch (``predictors.batch_goodput``): after each position another draft forward runs
+only while the requests still drafting promise more tokens/s than stopping now, a thresholded policy's own stop
+choosing which requests those are and a goodput policy's calibrated acceptance both which and what each sends; the
+draft's first forward, which vLLM runs whatever is drafted, is priced as paid, and the curve's draft forwards and
+verifications at the factors the engine's own steps meet (``runtimes.vllm.met_costs``). Without a curve or a
+calibration (a static length, a policy with no map) each request stops by its own rule alone. With a
+:class:`runtimes.vllm.traces.TraceWriter`, every sent token's features and whether vLLM accepted it are logged.
 
 This module needs no vLLM (its tests run on plain tensors); ``runtimes.vllm.proposer`` plugs it into vLLM.
 
@@ -37,7 +38,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -56,6 +57,7 @@ from predictors.base import RoundFeedback, StopPolicy
 from predictors.batch_goodput import BatchCost, batch_keep_drafting, batch_rate, send_lengths, worth_drafting
 from predictors.calibration import Calibrator
 from predictors.counts import RoundCounts
+from runtimes.vllm.met_costs import MetCosts
 from runtimes.vllm.traces import TraceWriter
 
 __all__ = ["RequestStopper", "StopperCounts", "curve_for_batch"]
@@ -113,12 +115,14 @@ class RequestStopper:
             recent rounds around ``prior``.
         prior: the acceptance a request's forecast starts from (vLLM's measured first-position acceptance, where the
             curve file holds it).
+        follow_costs: the batch rule prices the curve's draft forwards and verifications at the factors this engine's
+            steps meet (:attr:`met`, measured as it runs); False: at the curve as measured.
     """
 
     def __init__(self, policy: StopPolicy, curves: dict[int, CostModel] | None = None, *, max_draft_len: int = 16,
                  top_k: int = 10, acceptance: Calibrator | None = None, batch_rule: bool = True,
                  traces: TraceWriter | None = None, draft_to_cap: bool = False, skip_idle: bool = False,
-                 prior: float = 0.5) -> None:
+                 prior: float = 0.5, follow_costs: bool = True) -> None:
         check_policy(policy, "vLLM")
         self.rule = policy.round_rule
         if self.rule.needs_cost_model and not curves:
@@ -132,6 +136,10 @@ class RequestStopper:
         self.batch_rule = bool(batch_rule and not draft_to_cap and self.curves and not policy.fixed_length
                                and (self.rule.cost_aware or acceptance is not None))
         self.skip_idle, self.prior = bool(skip_idle and self.batch_rule), min(max(float(prior), 0.0), 1.0)
+        self.follow_costs, self.met = bool(follow_costs and self.batch_rule), MetCosts()
+        self._t_begun, self._scoring = 0.0, 0.0
+        self._last: tuple[int, float, frozenset[str], float] | None = None
+        """The last proposal's (requests, mean tokens a request verifies, request ids, when it was sent)."""
         self._recent: dict[str, list[float]] = {}
         self._batch_costs: dict[int, BatchCost] = {}
         self._batch: BatchCost | None = None
@@ -159,14 +167,16 @@ class RequestStopper:
         (``rejected[i]``: how many of request i's verified drafts the target rejected; None when the last target
         step verified no drafts), fresh policies for new requests, each request's cap for this round."""
         ids = list(req_ids)
+        self._met_verification(ids, time.perf_counter())
         for gone in set(self._policies) - set(ids):
             del self._policies[gone]
             self._sent.pop(gone, None)
             self._recent.pop(gone, None)
         self._cost = self._round_cost(len(ids))
         self._batch = self._batch_cost(len(ids))
-        if self._batch is not None and self._own_s.get(len(ids)):  # a draft forward costs our scoring of it too
-            self._batch = replace(self._batch, draft_s=self._batch.draft_s + self._own_s[len(ids)])
+        if self._batch is not None:  # at the factors met; a draft forward costs our scoring of it too
+            levels = self.met.levels(len(ids)) if self.follow_costs else (1.0, 1.0)
+            self._batch = self._batch.scaled(*levels, self._own_s.get(len(ids), 0.0))
         self._ids, self._rounds, self._caps, self._positions, self._skipped = ids, [], [], 0, False
         self._acceptance, self._feats = [[] for _ in ids], [[] for _ in ids]
         for i, rid in enumerate(ids):
@@ -195,6 +205,7 @@ class RequestStopper:
             self._skipped = True
             for r in self._rounds:
                 r.done = True
+        self._t_begun, self._scoring = time.perf_counter(), 0.0
 
     def step(self, logits: Tensor) -> tuple[Tensor, bool]:
         """One drafted position: [B, V] draft ``logits`` -> ([B] greedy tokens, whether every request has stopped).
@@ -220,6 +231,7 @@ class RequestStopper:
         end = time.perf_counter()
         self.counts.decide_s += end - t0
         b, took = len(self._ids), end - t1  # what scoring a position costs beyond vLLM's draft forward, per batch size
+        self._scoring += took
         self._own_s[b] = 0.9 * self._own_s.get(b, took) + 0.1 * took
         return tokens, all(r.done for r in self._rounds)
 
@@ -228,6 +240,23 @@ class RequestStopper:
         cell = self._recent.setdefault(rid, [0.0, 0.0])
         cell[0] = 0.9 * cell[0] + accepted
         cell[1] = 0.9 * cell[1] + min(accepted + 1, sent)
+
+    def _met_verification(self, ids: list[str], now: float) -> None:
+        """The last proposal's verification step, timed from its sending to this round's start, against the curve; a
+        step that also took a new request in (its prefill) is left out."""
+        if self._last is None or not self.curves:
+            return
+        batch, length, before, sent = self._last
+        self._last = None
+        if ids and set(ids) <= before:
+            self.met.verify(batch, (now - sent) / curve_for_batch(self.curves, batch).target_time(length))
+
+    def _met_draft(self, forwards: int, now: float) -> None:
+        """This round's draft forwards, timed from its start to its proposals less the scoring, against the curve."""
+        if forwards and self.curves:
+            per_forward = (now - self._t_begun - self._scoring) / forwards
+            batch = len(self._ids)
+            self.met.draft(batch, per_forward / curve_for_batch(self.curves, batch).draft_s_per_token)
 
     def _forecast(self, rid: str) -> float:
         """A request's acceptance before its round drafts: its recent share, two pseudo-tokens at the prior."""
@@ -293,6 +322,7 @@ class RequestStopper:
 
     def proposals(self) -> list[list[int]]:
         """Per request, the drafted tokens to verify (a prefix of its round, as its policy says)."""
+        now = time.perf_counter()
         out: list[list[int]] = []
         batch_sends = (send_lengths(self._acceptance, self._batch, self._positions)
                        if self._batch is not None and self.rule.cost_aware else None)
@@ -311,5 +341,8 @@ class RequestStopper:
             out.append(rnd.tokens[:n])
         if out:
             forwards = 0 if self._skipped else max(1, self._positions)
-            self.counts.steps.append((len(out), forwards, sum(len(o) + 1 for o in out) / len(out)))
+            length = sum(len(o) + 1 for o in out) / len(out)
+            self.counts.steps.append((len(out), forwards, length))
+            self._met_draft(forwards, now)
+            self._last = (len(out), length, frozenset(self._ids), time.perf_counter())
         return out
