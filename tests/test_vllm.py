@@ -463,7 +463,7 @@ def test_the_batch_rule_prices_a_draft_forward_with_what_scoring_it_cost_here(mo
     from predictors.goodput import GoodputPolicy
 
     policy = GoodputPolicy(build_policy("adaedl:0.5"), {"greedy": Calibrator("isotonic", x=[0.0, 1.0], y=[0.9, 0.9])})
-    stopper = RequestStopper(policy, {1: curve(draft=0.01)}, follow_costs=False)
+    stopper = RequestStopper(policy, {1: curve(draft=0.01)}, follow=False)
     clock = Clock()
     monkeypatch.setattr(vs.time, "perf_counter", clock)
     decide = stopper._decide_for_batch  # noqa: SLF001
@@ -495,7 +495,7 @@ def test_the_batch_rule_prices_steps_at_the_factors_the_engine_meets(monkeypatch
     clock = Clock()
     monkeypatch.setattr(vs.time, "perf_counter", clock)
     for follow in (True, False):
-        stopper = RequestStopper(policy, {1: cm}, follow_costs=follow)
+        stopper = RequestStopper(policy, {1: cm}, follow=follow)
         stopper.begin_round(["a"], None, 1)
         clock.t += 0.02  # the draft's forward: twice the curve's
         stopper.step(logits([0.9]))
@@ -518,3 +518,27 @@ def test_the_batch_rule_prices_steps_at_the_factors_the_engine_meets(monkeypatch
     for f in [1.5] + [9.0] * 30:
         met.verify(4, f)
     assert met.levels(4) == (0.5, pytest.approx(4.0, abs=0.05))  # the latest weigh most, each kept within 4x
+
+
+def test_each_positions_acceptance_follows_vllms_verdicts_there() -> None:
+    """A map that says 0.9 where vLLM accepts half: after enough judged tokens the batch rule sees about half at that
+    position (20 tokens judged as calibrated start the tally); as measured, it keeps the map's 0.9."""
+    from predictors.calibration import Calibrator
+    from predictors.goodput import GoodputPolicy
+    from runtimes.vllm.stopper import PSEUDO_TOKENS
+
+    policy = GoodputPolicy(build_policy("adaedl:0.5"), {"greedy": Calibrator("isotonic", x=[0.0, 1.0], y=[0.9, 0.9])})
+    seen = {}
+    for follow in (True, False):
+        stopper = RequestStopper(policy, {1: curve(draft=0.001)}, max_draft_len=1, follow=follow)
+        rejected = None
+        for r in range(200):
+            stopper.begin_round(["a"], rejected, 1)
+            stopper.step(logits([0.9]))
+            sent = stopper.proposals()[0]
+            rejected = [len(sent) * (r % 2)]  # every other round's token rejected
+        seen[follow] = stopper._acceptance[0][0]  # noqa: SLF001 - the last round's acceptance at position 1
+        assert stopper.counts.per_request["a"] == [1] * 200  # each round sent its token
+        assert stopper.tally[1] == [pytest.approx(0.9 * 199), 100.0]  # rounds 0-198 judged, the even ones accepted
+    assert seen[False] == pytest.approx(0.9)
+    assert seen[True] == pytest.approx(0.9 * (100 + PSEUDO_TOKENS) / (0.9 * 199 + PSEUDO_TOKENS))

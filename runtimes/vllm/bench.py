@@ -64,8 +64,9 @@ class RowRole:
     """The target alone's second row, run beside its first on every unit (the run's noise floor)."""
     per_request: bool = False
     """A policy whose requests stop by their own rule alone, not their batch's."""
-    curve_as_measured: bool = False
-    """A policy whose batch rule prices steps at vLLM's curve as measured, not at the factors its engine meets."""
+    as_measured: bool = False
+    """A policy whose batch rule prices steps at vLLM's curve and its acceptance at the calibration as measured, not
+    as its engine meets them (``PolicySettings.follow``)."""
 
     @property
     def name(self) -> str:
@@ -77,7 +78,7 @@ class RowRole:
         if self.what == "per_batch":
             return "vllm per-batch (recommended)"
         return (self.spec + (" (per request)" if self.per_request else "")
-                + (" (curve as measured)" if self.curve_as_measured else ""))
+                + (" (as measured)" if self.as_measured else ""))
 
     @property
     def fixed(self) -> bool:
@@ -87,7 +88,7 @@ class RowRole:
     @property
     def ablation(self) -> bool:
         """A policy run again with a part of specstop's rule turned off (what that part buys), never the best."""
-        return self.per_request or self.curve_as_measured
+        return self.per_request or self.as_measured
 
     @property
     def proposer_spec(self) -> str | None:
@@ -128,9 +129,9 @@ class VllmBenchConfig(HarnessConfig):
     curve and a calibrated acceptance allow (``predictors.batch_goodput``)."""
     per_request_policies: list[str] = field(default_factory=list)
     """Policies run again with each request stopping by its own rule alone (rows named ``<spec> (per request)``)."""
-    curve_as_measured_policies: list[str] = field(default_factory=list)
-    """Policies run again in the policies' engine with the batch rule pricing steps at vLLM's curve as measured, not
-    at the factors the engine meets (rows named ``<spec> (curve as measured)``)."""
+    as_measured_policies: list[str] = field(default_factory=list)
+    """Policies run again in the policies' engine with the batch rule pricing at vLLM's curve and the calibration as
+    measured, not as the engine meets them (rows named ``<spec> (as measured)``)."""
     trace_predictor: str | None = None
     """An export whose features are traced in vLLM on ``trace_prompts`` prompts of ``acceptance_split`` (drafting to
     ``policy_k``), written to ``out_dir/traces``, and whose calibration is refitted on them into
@@ -373,7 +374,7 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
             for row in turn:
                 if proposer is not None:
                     proposer.set_policy(settings_of(row.role.proposer_spec, group.batch_rule,
-                                                    follow_costs=not row.role.curve_as_measured))
+                                                    follow=not row.role.as_measured))
                 runs[row.name] = run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens)
                 if ref is not None:  # the target alone after each row: the next row's run before too
                     marks.append(run_unit(*ref, None, prompts, cfg.max_new_tokens)[1])

@@ -96,9 +96,10 @@ class PolicySettings:
     """Draft every request to the cap and send it all, so that every position is judged (tracing a predictor)."""
     skip_idle: bool = True
     """Under the batch rule, a step that drafts nothing skips the draft's forward (the draft catches up later)."""
-    follow_costs: bool = True
+    follow: bool = True
     """Under the batch rule, price the curve's draft forwards and verifications at the factors the engine's own steps
-    meet (``runtimes.vllm.met_costs``); False: at the curve as measured."""
+    meet (``runtimes.vllm.met_costs``) and correct each draft position's calibrated acceptance by vLLM's verdicts
+    there so far; False: the curve and the calibration as measured."""
 
 
 _SETTINGS: PolicySettings | None = None
@@ -147,7 +148,7 @@ def build_stopper(settings: PolicySettings) -> RequestStopper:
                           top_k=settings.top_k, acceptance=_acceptance_map(settings, policy),
                           batch_rule=settings.batch_rule, traces=_trace_writer(settings),
                           draft_to_cap=settings.trace_all, skip_idle=settings.skip_idle, prior=_prior(settings.costs),
-                          follow_costs=settings.follow_costs)
+                          follow=settings.follow)
 
 
 def _prior(costs: str | None) -> float:
@@ -215,6 +216,7 @@ def _make_class() -> type:
             self.stopper = build_stopper(_SETTINGS) if _SETTINGS is not None else None
             self.catch_up = CatchUp(int(getattr(self, "max_num_tokens", 8192)))
             self.draft_s = 0.0
+            self.tallies: dict[tuple[str, bool], dict[int, list[float]]] = {}
             _ACTIVE[:] = [weakref.ref(self)]
 
         def set_policy(self, policy: StopPolicy | PolicySettings) -> None:
@@ -224,6 +226,8 @@ def _make_class() -> type:
             self.stopper = build_stopper(policy) if isinstance(policy, PolicySettings) else RequestStopper(policy)
             if met is not None:
                 self.stopper.met = met
+            if isinstance(policy, PolicySettings):  # vLLM's verdicts on a policy's acceptance, kept across its runs
+                self.stopper.tally = self.tallies.setdefault((policy.spec, policy.follow), self.stopper.tally)
             self.draft_s = 0.0
 
         def close_traces(self) -> None:
@@ -328,7 +332,7 @@ def register() -> None:
                                traces_dir=os.environ.get("SPECSTOP_VLLM_TRACES") or None,
                                batch_rule=os.environ.get("SPECSTOP_VLLM_BATCH_RULE", "1") != "0",
                                skip_idle=os.environ.get("SPECSTOP_VLLM_SKIP_IDLE", "1") != "0",
-                               follow_costs=os.environ.get("SPECSTOP_VLLM_FOLLOW_COSTS", "1") != "0"))
+                               follow=os.environ.get("SPECSTOP_VLLM_FOLLOW", "1") != "0"))
         log.info("specstop: vLLM's draft-model proposer stops each request with %s", spec)
 
 

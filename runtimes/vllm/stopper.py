@@ -20,7 +20,8 @@ the stopper decides for the batch (``predictors.batch_goodput``): after each pos
 only while the requests still drafting promise more tokens/s than stopping now, a thresholded policy's own stop
 choosing which requests those are and a goodput policy's calibrated acceptance both which and what each sends; the
 draft's first forward, which vLLM runs whatever is drafted, is priced as paid, and the curve's draft forwards and
-verifications at the factors the engine's own steps meet (``runtimes.vllm.met_costs``). Without a curve or a
+verifications at the factors the engine's own steps meet (``runtimes.vllm.met_costs``), each draft position's
+calibrated acceptance corrected by vLLM's verdicts there so far. Without a curve or a
 calibration (a static length, a policy with no map) each request stops by its own rule alone. With a
 :class:`runtimes.vllm.traces.TraceWriter`, every sent token's features and whether vLLM accepted it are logged.
 
@@ -60,7 +61,11 @@ from predictors.counts import RoundCounts
 from runtimes.vllm.met_costs import MetCosts
 from runtimes.vllm.traces import TraceWriter
 
-__all__ = ["RequestStopper", "StopperCounts", "curve_for_batch"]
+__all__ = ["RequestStopper", "StopperCounts", "curve_for_batch", "PSEUDO_TOKENS"]
+
+PSEUDO_TOKENS = 20.0
+"""Judged tokens a position's correction starts from, as if vLLM had accepted them just as calibrated: the correction
+moves as vLLM's verdicts outnumber them."""
 
 
 def curve_for_batch(curves: dict[int, CostModel], batch: int) -> CostModel:
@@ -115,14 +120,15 @@ class RequestStopper:
             recent rounds around ``prior``.
         prior: the acceptance a request's forecast starts from (vLLM's measured first-position acceptance, where the
             curve file holds it).
-        follow_costs: the batch rule prices the curve's draft forwards and verifications at the factors this engine's
-            steps meet (:attr:`met`, measured as it runs); False: at the curve as measured.
+        follow: the batch rule prices the curve's draft forwards and verifications at the factors this engine's
+            steps meet (:attr:`met`, measured as it runs), and corrects each draft position's calibrated acceptance
+            by vLLM's verdicts there so far (:attr:`tally`); False: the curve and the calibration as measured.
     """
 
     def __init__(self, policy: StopPolicy, curves: dict[int, CostModel] | None = None, *, max_draft_len: int = 16,
                  top_k: int = 10, acceptance: Calibrator | None = None, batch_rule: bool = True,
                  traces: TraceWriter | None = None, draft_to_cap: bool = False, skip_idle: bool = False,
-                 prior: float = 0.5, follow_costs: bool = True) -> None:
+                 prior: float = 0.5, follow: bool = True) -> None:
         check_policy(policy, "vLLM")
         self.rule = policy.round_rule
         if self.rule.needs_cost_model and not curves:
@@ -136,7 +142,11 @@ class RequestStopper:
         self.batch_rule = bool(batch_rule and not draft_to_cap and self.curves and not policy.fixed_length
                                and (self.rule.cost_aware or acceptance is not None))
         self.skip_idle, self.prior = bool(skip_idle and self.batch_rule), min(max(float(prior), 0.0), 1.0)
-        self.follow_costs, self.met = bool(follow_costs and self.batch_rule), MetCosts()
+        self.follow, self.met = bool(follow and self.batch_rule), MetCosts()
+        self.tally: dict[int, list[float]] = {}
+        """Draft position -> [calibrated acceptance summed, accepted] over the tokens vLLM judged there, before the
+        correction (what :meth:`_corrected` follows)."""
+        self._calibrated: list[list[float]] = []
         self._t_begun, self._scoring = 0.0, 0.0
         self._last: tuple[int, float, frozenset[str], float] | None = None
         """The last proposal's (requests, mean tokens a request verifies, request ids, when it was sent)."""
@@ -148,7 +158,8 @@ class RequestStopper:
         self._feats: list[list[dict[str, float]]] = []
         self._costs: dict[int, goodput.RoundCost] = {}
         self._policies: dict[str, StopPolicy] = {}
-        self._sent: dict[str, tuple[int, list[float], list[float]]] = {}
+        self._sent: dict[str, tuple[int, list[float], list[float], list[float]]] = {}
+        """Request id -> its last proposal: (tokens sent, their draft probabilities, acceptances used, calibrated)."""
         self._ids: list[str] = []
         self._rounds: list[RequestRound] = []
         self._caps: list[int] = []
@@ -175,20 +186,21 @@ class RequestStopper:
         self._cost = self._round_cost(len(ids))
         self._batch = self._batch_cost(len(ids))
         if self._batch is not None:  # at the factors met; a draft forward costs our scoring of it too
-            levels = self.met.levels(len(ids)) if self.follow_costs else (1.0, 1.0)
+            levels = self.met.levels(len(ids)) if self.follow else (1.0, 1.0)
             self._batch = self._batch.scaled(*levels, self._own_s.get(len(ids), 0.0))
         self._ids, self._rounds, self._caps, self._positions, self._skipped = ids, [], [], 0, False
-        self._acceptance, self._feats = [[] for _ in ids], [[] for _ in ids]
+        self._acceptance, self._calibrated, self._feats = [[] for _ in ids], [[] for _ in ids], [[] for _ in ids]
         for i, rid in enumerate(ids):
             pol = self._policies.get(rid)
             if pol is None:
                 pol = self._policies[rid] = copy.deepcopy(self.policy)
                 pol.reset()
             elif rid in self._sent:
-                n, qs, predicted = self._sent.pop(rid)
+                n, qs, predicted, calibrated = self._sent.pop(rid)
                 acc = max(0, n - int(rejected[i])) if rejected is not None and n else 0
                 self.counts.accepted += acc
                 self._judge(predicted, acc)
+                self._judge_calibration(calibrated, acc)
                 self._seen(rid, acc, n)
                 pol.update(RoundFeedback.leading(n, acc, qs))
                 if self.traces is not None:
@@ -271,6 +283,21 @@ class RequestStopper:
             cell[1] += a
             cell[2] += float(j <= accepted)
 
+    def _judge_calibration(self, calibrated: list[float], accepted: int) -> None:
+        """Tally each judged token's calibrated acceptance (before the correction) and vLLM's verdict by position."""
+        for j, a in enumerate(calibrated[: accepted + 1], 1):
+            cell = self.tally.setdefault(j, [0.0, 0.0])
+            cell[0] += a
+            cell[1] += float(j <= accepted)
+
+    def _corrected(self, position: int, calibrated: float) -> float:
+        """``calibrated`` scaled by vLLM's accepted tokens over the calibration's predicted sum at ``position`` so far,
+        ``PSEUDO_TOKENS`` added to both (the map as fitted until vLLM has judged more), at most 1."""
+        if not self.follow:
+            return calibrated
+        predicted, accepted = self.tally.get(position, (0.0, 0.0))
+        return min(1.0, calibrated * (accepted + PSEUDO_TOKENS) / (predicted + PSEUDO_TOKENS))
+
     def _batch_cost(self, batch: int) -> BatchCost | None:
         if not self.batch_rule:
             return None
@@ -287,8 +314,9 @@ class RequestStopper:
             return draft_step(logits, pol, rnd, self.top_k, cap, self._cost)
         tok, feats = step_features(logits.float(), pol, self.top_k, len(rnd.tokens))
         raw = pol.score_list(feats)[0]
-        self._acceptance[i].append(raw if self.rule.cost_aware or self.acceptance is None
-                            else self.acceptance.apply_one(raw))
+        calibrated = raw if self.rule.cost_aware or self.acceptance is None else self.acceptance.apply_one(raw)
+        self._calibrated[i].append(calibrated)
+        self._acceptance[i].append(self._corrected(len(self._calibrated[i]), calibrated))
         if self.traces is not None:
             self._feats[i].append({k: (v.reshape(-1).tolist() if v.numel() > 1 else float(v.reshape(-1)[0]))
                                    for k, v in feats.items()})
@@ -331,7 +359,9 @@ class RequestStopper:
                 n = min(batch_sends[i], len(rnd.tokens))
             else:
                 n = sent_count(rnd, self._policies[rid], self._cost) if rnd.tokens else 0
-            self._sent[rid] = (n, rnd.q[:n], self._acceptance[i][:n] if len(self._acceptance[i]) >= n else [])
+            judged = len(self._acceptance[i]) >= n  # a fixed-length policy keeps no acceptance
+            self._sent[rid] = (n, rnd.q[:n], self._acceptance[i][:n] if judged else [],
+                               self._calibrated[i][:n] if judged else [])
             if self.traces is not None and n:
                 self.traces.sent(rid, self._feats[i][:n], len(self._ids))
             self.counts.rounds += 1
