@@ -384,6 +384,9 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
                 row.add_unit(runs[row.name], runs[rows[0].name][1] if first else beside)
         for row in rows:
             log.info("%s at batch %d: %.2f tokens/s", row.name, batch, row.tokens_per_s)
+        if getattr(proposer, "stopper", None) is not None:  # what the batch rule priced steps at
+            log.info("steps met at batch %d: draft forwards %.2fx and verifications %.2fx vLLM's curve", batch,
+                     *proposer.stopper.met.levels(batch))
         out += rows
     if proposer is not None:
         proposer.close_traces()
