@@ -3,9 +3,9 @@ forwards and one on the target's verifications, each a running average of the st
 most).
 
 The curve keeps each figure's fastest round, timed apart from serving. On a shared host a step's price moves by a
-third within minutes, and not by one factor: in the stored vLLM run the target's steps ran 1.19-1.36x the curve's and
-the draft's forwards 0.76-1.35x. The batch rule weighs a draft forward against verification, so a curve off by
-different factors on the two drafts too much or too little; the stopper prices steps at the factors it meets
+third within minutes, and not by one factor for the draft and the target (with a second engine loaded beside it, the
+target's steps slowed more than the draft's). The batch rule weighs a draft forward against verification, so a curve
+off by different factors on the two drafts too much or too little; the stopper prices steps at the factors it meets
 (``runtimes.vllm.stopper``: a forward is timed from the round's start to its proposals, a verification from the
 proposals to the next round's start).
 
