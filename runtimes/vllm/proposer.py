@@ -96,10 +96,10 @@ class PolicySettings:
     """Draft every request to the cap and send it all, so that every position is judged (tracing a predictor)."""
     skip_idle: bool = True
     """Under the batch rule, a step that drafts nothing skips the draft's forward (the draft catches up later)."""
-    follow: bool = True
+    follow: bool = False
     """Under the batch rule, price the curve's draft forwards and verifications at the factors the engine's own steps
     meet (``runtimes.vllm.met_costs``) and correct each draft position's calibrated acceptance by vLLM's verdicts
-    there so far; False: the curve and the calibration as measured."""
+    there so far; False (the default: in the stored vLLM run following was slower): as measured."""
 
 
 _SETTINGS: PolicySettings | None = None
@@ -332,7 +332,7 @@ def register() -> None:
                                traces_dir=os.environ.get("SPECSTOP_VLLM_TRACES") or None,
                                batch_rule=os.environ.get("SPECSTOP_VLLM_BATCH_RULE", "1") != "0",
                                skip_idle=os.environ.get("SPECSTOP_VLLM_SKIP_IDLE", "1") != "0",
-                               follow=os.environ.get("SPECSTOP_VLLM_FOLLOW", "1") != "0"))
+                               follow=os.environ.get("SPECSTOP_VLLM_FOLLOW", "0") == "1"))
         log.info("specstop: vLLM's draft-model proposer stops each request with %s", spec)
 
 

@@ -128,7 +128,7 @@ class RequestStopper:
     def __init__(self, policy: StopPolicy, curves: dict[int, CostModel] | None = None, *, max_draft_len: int = 16,
                  top_k: int = 10, acceptance: Calibrator | None = None, batch_rule: bool = True,
                  traces: TraceWriter | None = None, draft_to_cap: bool = False, skip_idle: bool = False,
-                 prior: float = 0.5, follow: bool = True) -> None:
+                 prior: float = 0.5, follow: bool = False) -> None:
         check_policy(policy, "vLLM")
         self.rule = policy.round_rule
         if self.rule.needs_cost_model and not curves:
