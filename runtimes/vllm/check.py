@@ -39,12 +39,18 @@ from runtimes.vllm.bench import RowRun
 from runtimes.vllm.engine import StepLog
 from runtimes.vllm.stopper import curve_for_batch
 
-__all__ = ["predicted_seconds", "step_price", "step_levels", "check_rows"]
+__all__ = ["predicted_seconds", "step_price", "step_parts", "step_levels", "check_rows"]
+
+
+def step_parts(cm: CostModel, k: int) -> tuple[float, float]:
+    """(draft forwards, verification) seconds of a decode step with ``k`` drafts a request at ``cm``'s batch size
+    (k = 0: the target alone)."""
+    return k * cm.draft_s_per_token, cm.target_time(k + 1)
 
 
 def step_price(cm: CostModel, k: int) -> float:
     """Seconds of a decode step with ``k`` drafts a request at ``cm``'s batch size (k = 0: the target alone)."""
-    return cm.target_time(1) if k == 0 else k * cm.draft_s_per_token + cm.target_time(k + 1)
+    return sum(step_parts(cm, k))
 
 
 Level = tuple[float, float]
@@ -95,12 +101,11 @@ def _unit_seconds(row: RowRun, curves: dict[int, CostModel], k_of: Callable[[int
         draft = verify = 0.0
         for s in decode:
             cm, k = curve_for_batch(curves, s.batch), k_of(s.batch)
-            if alone:
-                verify += cm.target_time(1)
-                continue
-            drafted = share if k else 0.0  # vLLM's K = 0 still runs the draft's first forward
-            draft += cm.draft_s_per_token * (drafted * k + (1 - drafted))
-            verify += drafted * cm.target_time(k + 1) + (1 - drafted) * cm.target_time(1)
+            full = step_parts(cm, 0 if alone else k)
+            idle = (0.0 if alone else cm.draft_s_per_token, cm.target_time(1))  # vLLM's K = 0 still runs the draft
+            drafted = share if k and not alone else 0.0
+            draft += drafted * full[0] + (1 - drafted) * idle[0]
+            verify += drafted * full[1] + (1 - drafted) * idle[1]
         out.append((prefill, draft, verify))
     return out
 
