@@ -291,5 +291,5 @@ def _noise_floor(d: dict, batch: int) -> str:
 def _policy_rows(d: dict) -> set[str]:
     """The rows that run a specstop policy (not vLLM's own settings, nor the target alone's second row, nor a policy
     run again with a part of its rule off)."""
-    return {r["row"] for r in d["rows"] if r["role"]["what"] == "policy"
-            and not (r["role"].get("per_request") or r["role"].get("as_measured"))}
+    roles = {r["row"]: RowRole(**r["role"]) for r in d["rows"]}
+    return {name for name, role in roles.items() if role.what == "policy" and not role.ablation}
