@@ -539,6 +539,6 @@ def test_each_positions_acceptance_follows_vllms_verdicts_there() -> None:
             rejected = [len(sent) * (r % 2)]  # every other round's token rejected
         seen[follow] = stopper._acceptance[0][0]  # noqa: SLF001 - the last round's acceptance at position 1
         assert stopper.counts.per_request["a"] == [1] * 200  # each round sent its token
-        assert stopper.tally[1] == [pytest.approx(0.9 * 199), 100.0]  # rounds 0-198 judged, the even ones accepted
+        assert stopper.tally[1] == [199.0, pytest.approx(0.9 * 199), 100.0]  # rounds 0-198 judged, even ones accepted
     assert seen[False] == pytest.approx(0.9)
     assert seen[True] == pytest.approx(0.9 * (100 + PSEUDO_TOKENS) / (0.9 * 199 + PSEUDO_TOKENS))

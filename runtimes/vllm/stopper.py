@@ -144,8 +144,8 @@ class RequestStopper:
         self.skip_idle, self.prior = bool(skip_idle and self.batch_rule), min(max(float(prior), 0.0), 1.0)
         self.follow, self.met = bool(follow and self.batch_rule), MetCosts()
         self.tally: dict[int, list[float]] = {}
-        """Draft position -> [calibrated acceptance summed, accepted] over the tokens vLLM judged there, before the
-        correction (what :meth:`_corrected` follows)."""
+        """Draft position -> [tokens judged, calibrated acceptance summed, accepted] over the tokens vLLM judged there,
+        before the correction (what :meth:`_corrected` follows)."""
         self._calibrated: list[list[float]] = []
         self._t_begun, self._scoring = 0.0, 0.0
         self._last: tuple[int, float, frozenset[str], float] | None = None
@@ -199,8 +199,8 @@ class RequestStopper:
                 n, qs, predicted, calibrated = self._sent.pop(rid)
                 acc = max(0, n - int(rejected[i])) if rejected is not None and n else 0
                 self.counts.accepted += acc
-                self._judge(predicted, acc)
-                self._judge_calibration(calibrated, acc)
+                self._judge(self.counts.by_position, predicted, acc)
+                self._judge(self.tally, calibrated, acc)  # before the correction: what it follows
                 self._seen(rid, acc, n)
                 pol.update(RoundFeedback.leading(n, acc, qs))
                 if self.traces is not None:
@@ -275,27 +275,22 @@ class RequestStopper:
         acc, tried = self._recent.get(rid, (0.0, 0.0))
         return (acc + 2.0 * self.prior) / (tried + 2.0)
 
-    def _judge(self, predicted: list[float], accepted: int) -> None:
-        """Count each judged token's predicted acceptance and vLLM's verdict by draft position."""
+    @staticmethod
+    def _judge(cells: dict[int, list[float]], predicted: list[float], accepted: int) -> None:
+        """Count in ``cells`` each judged token's predicted acceptance and vLLM's verdict by draft position:
+        position -> [tokens judged, predictions summed, accepted]."""
         for j, a in enumerate(predicted[: accepted + 1], 1):
-            cell = self.counts.by_position.setdefault(j, [0.0, 0.0, 0.0])
+            cell = cells.setdefault(j, [0.0, 0.0, 0.0])
             cell[0] += 1
             cell[1] += a
             cell[2] += float(j <= accepted)
-
-    def _judge_calibration(self, calibrated: list[float], accepted: int) -> None:
-        """Tally each judged token's calibrated acceptance (before the correction) and vLLM's verdict by position."""
-        for j, a in enumerate(calibrated[: accepted + 1], 1):
-            cell = self.tally.setdefault(j, [0.0, 0.0])
-            cell[0] += a
-            cell[1] += float(j <= accepted)
 
     def _corrected(self, position: int, calibrated: float) -> float:
         """``calibrated`` scaled by vLLM's accepted tokens over the calibration's predicted sum at ``position`` so far,
         ``PSEUDO_TOKENS`` added to both (the map as fitted until vLLM has judged more), at most 1."""
         if not self.follow:
             return calibrated
-        predicted, accepted = self.tally.get(position, (0.0, 0.0))
+        _, predicted, accepted = self.tally.get(position, (0.0, 0.0, 0.0))
         return min(1.0, calibrated * (accepted + PSEUDO_TOKENS) / (predicted + PSEUDO_TOKENS))
 
     def _batch_cost(self, batch: int) -> BatchCost | None:
