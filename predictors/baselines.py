@@ -21,7 +21,8 @@ def entropy_bound(features: Mapping[str, Tensor], gamma: float) -> Tensor:
 
 
 class StaticLength(StopPolicy):
-    """Always draft exactly ``k`` tokens (the SL-k baselines)."""
+    """Always draft exactly ``k`` tokens (the SL-k baselines; ``k`` = 0: never draft, the target alone through a
+    speculative engine)."""
 
     kind = "static"
     has_threshold = False

@@ -63,7 +63,7 @@ class NamedPolicy:
 
 
 POLICIES: dict[str, NamedPolicy] = {
-    "static": NamedPolicy(StaticLength, "k", minimum=1),
+    "static": NamedPolicy(StaticLength, "k", minimum=0),  # static:0 never drafts (the target alone)
     "heuristic": NamedPolicy(HFHeuristic, "initial"),
     "max_confidence": NamedPolicy(MaxConfidence, "threshold", {"online_roc": True}),
     "max_confidence_fixed": NamedPolicy(MaxConfidence, "threshold", {"online_roc": False}),

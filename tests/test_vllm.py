@@ -542,3 +542,60 @@ def test_each_positions_acceptance_follows_vllms_verdicts_there() -> None:
         assert stopper.tally[1] == [199.0, pytest.approx(0.9 * 199), 100.0]  # rounds 0-198 judged, even ones accepted
     assert seen[False] == pytest.approx(0.9)
     assert seen[True] == pytest.approx(0.9 * (100 + PSEUDO_TOKENS) / (0.9 * 199 + PSEUDO_TOKENS))
+
+
+def test_static_zero_drafts_nothing_and_skips_the_drafts_forward() -> None:
+    """``static:0`` (the target alone in the policies' engine): no request drafts, so the step skips the draft's
+    first forward whatever the rule (the draft catches up later), and the step is recorded with no forward."""
+    stopper = RequestStopper(build_policy("static:0"), skip_idle=True)
+    stopper.begin_round(["a", "b"], None, num_speculative_tokens=8)
+    assert stopper.all_stopped() and not stopper.batch_rule
+    assert stopper.proposals() == [[], []]
+    assert stopper.counts.steps[-1] == (2, 0, 1.0)
+    kept = RequestStopper(build_policy("static:0"))  # without skipping, vLLM's first forward runs and is counted
+    kept.begin_round(["a"], None, 8)
+    kept.proposals()
+    assert kept.counts.steps[-1] == (1, 1, 1.0)
+
+
+def test_the_policies_engine_runs_static_ks_beside_the_policies() -> None:
+    from runtimes.vllm.run import _plan
+
+    cfg = VllmBenchConfig(batch_sizes=[1], n_prompts=1, policies=["adaedl:0.6"], following_policies=["goodput:x"],
+                          proposer_static_k=[0, 3])
+    groups = _plan(cfg, "T", "D", [])
+    engine = next(g for g in groups if g.plugin)
+    assert list(engine.rows.items()) == [("adaedl:0.6", "adaedl:0.6"), ("goodput:x (following)", "goodput:x"),
+                                         ("static:0 (policies' engine)", "static:0"),
+                                         ("static:3 (policies' engine)", "static:3")]
+    static = engine.roles[-1]
+    assert not static.fixed and static.in_policies_engine and not static.ablation  # not one of vLLM's own settings
+    assert engine.roles[1].ablation and engine.roles[1].following
+    with pytest.raises(ValueError, match="proposer_static_k"):
+        VllmBenchConfig(batch_sizes=[1], n_prompts=1, proposer_static_k=[9])
+
+
+def test_policies_compare_with_their_engines_fastest_static_k_as_measured() -> None:
+    """In one engine the rows took turns on each unit: the ratio to its fastest static K uses the measured seconds,
+    not the pairing with the target alone's engine (whose pace beside another engine moves)."""
+    import numpy as np
+
+    from runtimes.vllm.bench_report import against_engine_fixed
+
+    def row(role: RowRole, seconds: list[float]) -> RowRun:
+        r = RowRun(name=role.name, batch=1, spec=role.spec, role=role)
+        for s in seconds:
+            r.add_unit(([[1] * 10], s, [], {}, [], (0, 0), {}))
+        return r
+
+    rows = [row(RowRole("policy", spec="p"), [1.0, 2.0]), row(RowRole("static", k=0, in_proposer=True), [2.0, 4.0]),
+            row(RowRole("static", k=1, in_proposer=True), [1.5, 2.5]), row(RowRole("static", k=1), [0.1, 0.1]),
+            row(RowRole("policy", spec="p", per_request=True), [1.0, 1.0])]
+    entries: list[dict] = [{} for _ in rows]
+    against_engine_fixed(rows, entries, np.array([[0, 1], [1, 1]]))
+    assert entries[0]["engine_fixed"] == "static:1 (policies' engine)"
+    ratio, lo, hi = entries[0]["vs_engine_fixed"]
+    assert ratio == pytest.approx(4.0 / 3.0, abs=1e-4) and 1.25 <= lo <= hi <= 1.5  # units: 1.5/1.0 and 2.5/2.0
+    assert entries[1]["vs_engine_fixed"][0] == pytest.approx(4.0 / 6.0, abs=1e-4)
+    assert "vs_engine_fixed" not in entries[2] and "vs_engine_fixed" not in entries[3]  # the fastest; vLLM's own
+    assert "vs_engine_fixed" not in entries[4]  # another engine

@@ -65,30 +65,45 @@ class RowRole:
     per_request: bool = False
     """A policy whose requests stop by their own rule alone, not their batch's."""
     as_measured: bool = False
-    """A policy whose batch rule prices steps at vLLM's curve and its acceptance at the calibration as measured, not
-    as its engine meets them (``PolicySettings.follow``)."""
+    """A policy priced at vLLM's curve and the calibration as measured, run beside the same policy following what its
+    engine met (runs whose policy rows followed by default)."""
+    following: bool = False
+    """A policy whose batch rule prices steps at the factors its engine meets and corrects its calibration by vLLM's
+    verdicts (``PolicySettings.follow``), run beside the same policy as measured."""
+    in_proposer: bool = False
+    """A static K run by specstop's proposer in the policies' engine (``static:K``; K = 0 drafts nothing and skips
+    the draft's forward), taking turns with the policies on each unit: the fixed settings they compare with inside
+    one engine, free of what another engine's pace does to a cross-engine ratio."""
 
     @property
     def name(self) -> str:
         if self.what == "target":
             return TARGET_ALONE + (" (again)" if self.again else "")
+        if self.what == "static" and self.in_proposer:
+            return f"static:{self.k} (policies' engine)"
         if self.what == "static":
             return (f"vllm:{self.k}" + (" (recommended)" if self.recommended else "")
                     + (" (defaults)" if self.defaults else ""))
         if self.what == "per_batch":
             return "vllm per-batch (recommended)"
         return (self.spec + (" (per request)" if self.per_request else "")
-                + (" (as measured)" if self.as_measured else ""))
+                + (" (as measured)" if self.as_measured else "") + (" (following)" if self.following else ""))
 
     @property
     def fixed(self) -> bool:
         """vLLM's own fixed settings: the target alone (its first row; the second measures the noise) and a static K."""
-        return (self.what == "target" and not self.again) or self.what == "static"
+        return (self.what == "target" and not self.again) or (self.what == "static" and not self.in_proposer)
 
     @property
     def ablation(self) -> bool:
-        """A policy run again with a part of specstop's rule turned off (what that part buys), never the best."""
-        return self.per_request or self.as_measured
+        """A policy run again with a part of specstop's rule turned off or changed (what that part buys), never the
+        best."""
+        return self.per_request or self.as_measured or self.following
+
+    @property
+    def in_policies_engine(self) -> bool:
+        """The row ran in the policies' engine (a policy under the batch rule, or a static K there)."""
+        return (self.what == "policy" and not self.per_request) or self.in_proposer
 
     @property
     def proposer_spec(self) -> str | None:
@@ -96,6 +111,8 @@ class RowRole:
         first in the stored engines; None: vLLM's own proposer or the target alone)."""
         if self.what == "policy":
             return self.spec
+        if self.in_proposer:
+            return f"static:{self.k}"
         return "again" if self.again else None
 
 
@@ -129,9 +146,13 @@ class VllmBenchConfig(HarnessConfig):
     curve and a calibrated acceptance allow (``predictors.batch_goodput``)."""
     per_request_policies: list[str] = field(default_factory=list)
     """Policies run again with each request stopping by its own rule alone (rows named ``<spec> (per request)``)."""
-    as_measured_policies: list[str] = field(default_factory=list)
-    """Policies run again in the policies' engine with the batch rule pricing at vLLM's curve and the calibration as
-    measured, not as the engine meets them (rows named ``<spec> (as measured)``)."""
+    following_policies: list[str] = field(default_factory=list)
+    """Policies run again in the policies' engine with the batch rule following what the engine meets (its steps'
+    pace, vLLM's verdicts per draft position; rows named ``<spec> (following)``)."""
+    proposer_static_k: list[int] = field(default_factory=lambda: [0, 1, 3])
+    """Static Ks run by specstop's proposer in the policies' engine, taking turns with the policies on each unit
+    (rows ``static:K (policies' engine)``; 0: no drafting and no draft forward): the policies' fixed comparison
+    inside one engine."""
     trace_predictor: str | None = None
     """An export whose features are traced in vLLM on ``trace_prompts`` prompts of ``acceptance_split`` (drafting to
     ``policy_k``), written to ``out_dir/traces``, and whose calibration is refitted on them into
@@ -155,6 +176,9 @@ class VllmBenchConfig(HarnessConfig):
             raise ValueError(f"--n_prompts {self.n_prompts} must be a multiple of every batch size {self.batch_sizes}")
         if min(self.static_k, default=1) < 1 or self.default_k < 1 or self.policy_k < 1:
             raise ValueError("static_k, default_k and policy_k must be >= 1 (K = 0 is the target-alone row)")
+        if not all(0 <= k <= self.policy_k for k in self.proposer_static_k):
+            raise ValueError(f"--proposer_static_k {self.proposer_static_k}: each K from 0 to policy_k "
+                             f"({self.policy_k}), the cap of the policies' engine")
         if self.acceptance_prompts < 0:
             raise ValueError(f"--acceptance_prompts {self.acceptance_prompts}: give 0 (tune on recommend_data) or more")
         if self.acceptance_prompts and self.acceptance_split == self.split:
@@ -374,7 +398,7 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
             for row in turn:
                 if proposer is not None:
                     proposer.set_policy(settings_of(row.role.proposer_spec, group.batch_rule,
-                                                    follow=not row.role.as_measured))
+                                                    follow=row.role.following))
                 runs[row.name] = run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens)
                 if ref is not None:  # the target alone after each row: the next row's run before too
                     marks.append(run_unit(*ref, None, prompts, cfg.max_new_tokens)[1])

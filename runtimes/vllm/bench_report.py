@@ -1,9 +1,10 @@
 """The vLLM benchmark's report: per batch size each row's tokens/s at the target alone's pace (:func:`paired_rows`),
 its speedup over vLLM's target alone with a 95% paired bootstrap interval over units (prompts at batch 1, groups at
-batch B), identical outputs, vLLM's acceptance
-counters, the replay check, and for policy rows the share of draft rows that stopped requests rode; then the
-issue's checks (``goals``): the recommendation against the fastest static K, the per-batch setting against one
-fixed K, the best policy against the recommended static K, exact outputs, replay agreement.
+batch B), identical outputs, vLLM's acceptance counters, the replay check, and for policy rows the share of draft
+rows that stopped requests rode and their speed against the fastest static K run in their own engine
+(:func:`against_engine_fixed`); then the issue's checks (``goals``): the recommendation against the fastest static
+K, the per-batch setting against one fixed K, the best policy against the recommended static K, exact outputs,
+replay agreement.
 
 Writes ``benchmark.json`` and ``benchmark.md`` to the run's folder.
 """
@@ -23,7 +24,8 @@ from compute.timing import CostModel
 from runtimes.vllm.bench import RowRole, RowRun, VllmBenchConfig
 from runtimes.vllm.settings import BatchPick
 
-__all__ = ["VllmReport", "build_report", "goals_of", "markdown", "paired_rows", "table_entries", "unit_records"]
+__all__ = ["VllmReport", "build_report", "goals_of", "markdown", "paired_rows", "table_entries", "unit_records",
+           "against_engine_fixed"]
 
 
 @dataclass
@@ -117,6 +119,21 @@ def against_fastest_fixed(at_b: list[RowRun], entries: list[dict], boot: np.ndar
             e["fastest_fixed"] = fastest.name
 
 
+def against_engine_fixed(measured: list[RowRun], entries: list[dict], boot: np.ndarray) -> None:
+    """Each row of the policies' engine against the fastest static K its proposer ran there, with its interval: on
+    the seconds as measured, since the rows took turns on each unit seconds apart in one engine (no pairing with
+    another engine's pace enters the ratio)."""
+    fixed = [r for r in measured if r.role is not None and r.role.in_proposer]
+    if not fixed:
+        return
+    fastest = max(fixed, key=lambda r: r.tokens_per_s)
+    for r, e in zip(measured, entries):
+        if r.role is not None and r.role.in_policies_engine and r is not fastest:
+            sp, lo, hi = ratio_ci(_as_row(r), _as_row(fastest), boot)
+            e["vs_engine_fixed"] = [None if x is None else round(x, 4) for x in (sp, lo, hi)]
+            e["engine_fixed"] = fastest.name
+
+
 def _rec_row(table: list[dict], batch: int, picks: list[BatchPick]) -> dict | None:
     """The recommended setting's row at ``batch``: the target alone where no K pays there, else the static K picked
     for that batch size (the pick of the nearest measured batch size at or above it)."""
@@ -173,6 +190,10 @@ def goals_of(table: list[dict], picks: list[BatchPick], batch_sizes: list[int], 
                 g["recommended_vs_defaults"] = round(rec["tokens_per_s"] / default["tokens_per_s"], 4)
                 ratios.append(g["recommended_vs_defaults"])
         g["policies_vs_fastest_fixed"] = {t["row"]: t["vs_fastest_fixed"] for t in rows if "vs_fastest_fixed" in t}
+        in_engine = {t["row"]: t["vs_engine_fixed"] for t in rows if "vs_engine_fixed" in t}
+        if in_engine:
+            g["fastest_engine_fixed"] = next(t["engine_fixed"] for t in rows if "engine_fixed" in t)
+            g["policies_vs_engine_fixed"] = in_engine
         g["calibration_gap"] = {t["row"]: _calibration_gap(t) for t in rows if t.get("by_position")}
         policies = [t for t in rows if role_of(t).what == "policy" and not role_of(t).ablation]
         if policies and rec is not None:
@@ -209,6 +230,7 @@ def table_entries(rows: list[RowRun], batch_sizes: list[int], seed: int, n_boot:
         entries = [row_entry(r, ref, boot, next((x for x in check if x["row"] == r.name and x["batch"] == b), {}), m)
                    for r, m in zip(at_b, measured)]
         against_fastest_fixed(at_b, entries, boot)
+        against_engine_fixed(measured, entries, boot)
         table += entries
     return table
 

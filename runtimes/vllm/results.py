@@ -35,13 +35,14 @@ __all__ = ["summarize_vllm_benchmark", "verify_vllm_summary", "vllm_block", "vll
 
 VERIFIED = ("tokens_per_s", "measured_tokens_per_s",
             "speedup", "speedup_lo", "speedup_hi", "identical", "prompts", "acceptance", "idle_share",
-            "vs_fastest_fixed", "fastest_fixed", "by_position")
+            "vs_fastest_fixed", "fastest_fixed", "vs_engine_fixed", "engine_fixed", "by_position")
 """The fields of a stored vLLM row recomputed from its records."""
 
 VLLM_ROW_FIELDS = ("row", "batch", "spec", "tokens_per_s", "measured_tokens_per_s",
                    "speedup", "speedup_lo", "speedup_hi", "identical",
                    "prompts", "acceptance", "idle_share", "replayed_tokens_per_s", "replay_ratio", "tokens",
-                   "unit_seconds", "vs_fastest_fixed", "fastest_fixed", "by_position", "records", "role")
+                   "unit_seconds", "vs_fastest_fixed", "fastest_fixed", "vs_engine_fixed", "engine_fixed",
+                   "by_position", "records", "role")
 
 
 def _read(path: Path) -> Any:
@@ -131,22 +132,29 @@ def _paired(s: Summary) -> bool:
     return any((r.get("records") or {}).get("beside_seconds") for r in s.data["rows"])
 
 
+def _ratio(x: list | None) -> str:
+    """``1.02x [0.98, 1.06]`` of a stored [ratio, low, high] (empty where there is none)."""
+    return "" if not x or x[0] is None else f"{x[0]:.2f}x [{x[1]:.2f}, {x[2]:.2f}]"
+
+
 def _rows_table(s: Summary, batch: int) -> list[str]:
     paired = _paired(s)
+    rows = [r for r in s.data["rows"] if r["batch"] == batch]
+    engine = any(r.get("vs_engine_fixed") for r in rows)
     lines = ["| row | tokens/s" + (" (paired) | measured tokens/s" if paired else "") + " | vs target alone [95% CI] "
-             "| vs fastest fixed setting [95% CI] | output = target alone | acceptance | replayed / measured "
-             "| rows of stopped requests |", "|---|---|---|---|---|---|---|---|" + ("---|" if paired else "")]
-    for r in (r for r in s.data["rows"] if r["batch"] == batch):
+             "| vs fastest fixed setting [95% CI] " + ("| vs fastest static K in its engine [95% CI] " if engine else "")
+             + "| output = target alone | acceptance | replayed / measured | rows of stopped requests |",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if paired else "") + ("---|" if engine else "")]
+    for r in rows:
         ci = "" if r.get("speedup") is None else (
             f"{r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]")
-        vf = r.get("vs_fastest_fixed") or [None]
-        fixed = "" if vf[0] is None else f"{vf[0]:.2f}x [{vf[1]:.2f}, {vf[2]:.2f}]"
+        in_engine = f" | {_ratio(r.get('vs_engine_fixed'))}" if engine else ""
         acc = "" if r.get("acceptance") is None else f"{r['acceptance']:.2f}"
         rr = "" if r.get("replay_ratio") is None else f"{r['replay_ratio']:.3f}"
         idle = "" if r.get("idle_share") is None else f"{r['idle_share']:.0%}"
         measured = f" | {r.get('measured_tokens_per_s') or r['tokens_per_s']:.2f}" if paired else ""
-        lines.append(f"| `{r['row']}` | {r['tokens_per_s']:.2f}{measured} | {ci} | {fixed} "
-                     f"| {r['identical']}/{r['prompts']} | {acc} | {rr} | {idle} |")
+        lines.append(f"| `{r['row']}` | {r['tokens_per_s']:.2f}{measured} | {ci} | {_ratio(r.get('vs_fastest_fixed'))}"
+                     f"{in_engine} | {r['identical']}/{r['prompts']} | {acc} | {rr} | {idle} |")
     return lines
 
 
@@ -171,8 +179,9 @@ def _goal_lines(s: Summary) -> list[str]:
         x = g.get(f"batch_{b}") or {}
         for row, ratio in (x.get("policies_vs_fastest_fixed") or {}).items():
             if ratio and ratio[0] is not None:
-                out.append(f"- {b} concurrent: `{row}` ran {ratio[0]:.2f}x [{ratio[1]:.2f}, {ratio[2]:.2f}] the "
-                           f"fastest fixed setting (`{x.get('fastest_fixed')}`)")
+                out.append(f"- {b} concurrent: `{row}` ran {_ratio(ratio)} the fastest fixed setting "
+                           f"(`{x.get('fastest_fixed')}`)"
+                           + _in_engine(x, row))
         for row, gap in (x.get("calibration_gap") or {}).items():
             if gap is not None:
                 out.append(f"- {b} concurrent: `{row}`'s calibrated acceptance is within {gap:.3f} of vLLM's at "
@@ -195,6 +204,14 @@ def _goal_lines(s: Summary) -> list[str]:
         out.append(f"- replay against measurement: worst |replayed / measured - 1| = "
                    f"{g['replay_worst_abs_error']:.3f}")
     return out
+
+
+def _in_engine(goals_at_b: dict, row: str) -> str:
+    """", and 0.99x [..] the fastest static K in its own engine (`static:1 ...`)" where the row has that ratio."""
+    ratio = (goals_at_b.get("policies_vs_engine_fixed") or {}).get(row)
+    if not ratio or ratio[0] is None:
+        return ""
+    return f", {_ratio(ratio)} the fastest static K in its own engine (`{goals_at_b['fastest_engine_fixed']}`)"
 
 
 def _calibration_table(s: Summary, positions: int = 4) -> list[str]:
@@ -269,9 +286,12 @@ def vllm_readme_lines(summaries: list[Summary]) -> list[str]:
         vf = best["vs_fastest_fixed"]
         ci = f"[{vf[1]:.2f}, {vf[2]:.2f}]" if vf[1] != vf[2] else "(one group of requests: no interval)"
         n = len({r["row"] for r in rows})
+        ve = best.get("vs_engine_fixed")
+        engine = (f" and {_ratio(ve)} the fastest static K its engine ran (`{best['engine_fixed']}`)"
+                  if ve and ve[0] is not None else "")
         cells.append(f"at {b} concurrent request{'s' if b > 1 else ''} the fastest of specstop's {n} policies, "
                      f"`{best['row']}`, ran {vf[0]:.2f}x {ci} vLLM's fastest fixed setting (`{best['fastest_fixed']}`)"
-                     + _noise_floor(d, b))
+                     + engine + _noise_floor(d, b))
     if not cells:
         return []
     return [f"vLLM, measured in vLLM itself ({dated(d)}, {cpu_label(d['machine'])}; "

@@ -117,7 +117,8 @@ def _acceptance(cfg: VllmBenchConfig, cost_path: Path, target: str, draft: str) 
 
 def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick]) -> list[EngineRows]:
     """The engines in the order they load: the target alone (its two rows; its engine stays loaded as every other
-    engine's reference), vLLM's static Ks, the recommended schedule, specstop's policies."""
+    engine's reference), vLLM's static Ks, the recommended schedule, specstop's policies (with the static Ks run by
+    its proposer), the policies each request of which stops alone."""
     seqs = max(cfg.batch_sizes)
     base = EngineSpec(target=target, max_num_seqs=max(seqs, 2), device=cfg.models.device)
     ks = sorted({*cfg.static_k, cfg.default_k, *(p.k for p in picks if p.batch == 1 and p.k)})
@@ -132,9 +133,10 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
         if top and len({r[2] for r in ranges}) > 1:
             groups.append(EngineRows(replace(base, draft=draft, k=top, per_batch=ranges),
                                      [RowRole("per_batch", recommended=True)]))
-    if cfg.policies or cfg.as_measured_policies:
+    if cfg.policies or cfg.following_policies:  # the static Ks of the policies' engine only beside policies
         roles = [RowRole("policy", spec=p) for p in cfg.policies]
-        roles += [RowRole("policy", spec=p, as_measured=True) for p in cfg.as_measured_policies]
+        roles += [RowRole("policy", spec=p, following=True) for p in cfg.following_policies]
+        roles += [RowRole("static", k=k, in_proposer=True) for k in cfg.proposer_static_k]
         groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k), roles, plugin=True))
     if cfg.per_request_policies:
         groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k),
@@ -152,7 +154,7 @@ def _engine_key(group: EngineRows, cfg: VllmBenchConfig, pass_no: int) -> str:
     """What an engine's stored rows of one pass depend on: the run's prompts and lengths, its speculative config, the
     proposer and the policies in it (not the rows' names, which say what the plan recommends), the pass."""
     what = {"run": {k: getattr(cfg, k) for k in RUN_FIELDS}, "engine": asdict(group.engine), "plugin": group.plugin,
-            "specs": [[r.proposer_spec, r.as_measured] for r in group.roles], "pass": pass_no,
+            "specs": [[r.proposer_spec, r.following] for r in group.roles], "pass": pass_no,
             "batch_rule": group.batch_rule,
             "paired": "target alone before and after every row"}
     curve = Path(cfg.out_dir) / COST_FILE
@@ -219,7 +221,7 @@ def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
     if cfg.trace_predictor and cfg.trace_prompts:
         _trace_and_refit(cfg, target, draft, settings_of)
     # each builds before the rows: a bad spec fails in a line
-    for spec in [*cfg.policies, *cfg.per_request_policies, *cfg.as_measured_policies]:
+    for spec in [*cfg.policies, *cfg.per_request_policies, *cfg.following_policies]:
         install(settings_of(spec))
     plan = _plan(cfg, target, draft, picks)
     units = _units(prompts, cfg.batch_sizes)

@@ -115,9 +115,9 @@ class RequestStopper:
             as it runs: the curve times vLLM's own proposer, which scores nothing).
         traces: where sent tokens' features and vLLM's verdicts are logged (None: not logged).
         draft_to_cap: every request drafts to its cap and sends it all (tracing: every position gets judged).
-        skip_idle: a step that drafts nothing skips the draft's first forward (``runtimes.vllm.catch_up``), so the
-            batch rule decides before it whether the step drafts at all, forecasting each request's acceptance by its
-            recent rounds around ``prior``.
+        skip_idle: a step in which no request drafts (every cap 0, ``static:0`` included) skips the draft's first
+            forward (``runtimes.vllm.catch_up``); the batch rule then decides before it whether the step drafts at
+            all, forecasting each request's acceptance by its recent rounds around ``prior``.
         prior: the acceptance a request's forecast starts from (vLLM's measured first-position acceptance, where the
             curve file holds it).
         follow: the batch rule prices the curve's draft forwards and verifications at the factors this engine's
@@ -141,7 +141,7 @@ class RequestStopper:
         self.acceptance, self.traces, self.draft_to_cap = acceptance, traces, draft_to_cap
         self.batch_rule = bool(batch_rule and not draft_to_cap and self.curves and not policy.fixed_length
                                and (self.rule.cost_aware or acceptance is not None))
-        self.skip_idle, self.prior = bool(skip_idle and self.batch_rule), min(max(float(prior), 0.0), 1.0)
+        self.skip_idle, self.prior = bool(skip_idle), min(max(float(prior), 0.0), 1.0)
         self.follow, self.met = bool(follow and self.batch_rule), MetCosts()
         self.tally: dict[int, list[float]] = {}
         """Draft position -> [tokens judged, calibrated acceptance summed, accepted] over the tokens vLLM judged there,
@@ -214,9 +214,9 @@ class RequestStopper:
                 self._acceptance, [not r.done for r in self._rounds], self._batch, max(self._caps),
                 forecast=[self._forecast(rid) for rid in ids]):
             self.counts.skipped_steps += 1
-            self._skipped = True
             for r in self._rounds:
                 r.done = True
+        self._skipped = self.skip_idle and self.all_stopped()  # no request drafts: the proposer skips the forward
         self._t_begun, self._scoring = time.perf_counter(), 0.0
 
     def step(self, logits: Tensor) -> tuple[Tensor, bool]:
