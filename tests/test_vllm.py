@@ -1,6 +1,7 @@
 """specstop inside vLLM, the parts that need no vLLM: per-request stopping over a batched draft loop (hand-made
 logits make each request's stop known), the per-batch schedule and its pasteable settings, the replay check's
-pricing, and the one-line refusals. The proposer itself runs in ``.venv-vllm`` (tests/test_vllm_engine.py)."""
+pricing, and the one-line refusals. The proposer itself runs in ``.venv-vllm`` (``pipelines.vllm_bench``,
+``benchmarks/bench_catch_up.py``)."""
 from __future__ import annotations
 
 import pytest
@@ -242,8 +243,7 @@ def test_a_stored_vllm_run_renders_its_rows_and_goals(tmp_path) -> None:
     assert "| `vllm:3 (recommended)` | 12.00 | 1.20x [1.10, 1.30] |  | 8/8 | 0.80 | 0.970 |  |" in block
     assert "ran 1.000x the fastest fixed setting measured" in block
     assert "| `adaedl:0.6` | 1 | 0.86 / 0.84 (100) |" in block  # predicted / vLLM's acceptance (tokens judged)
-    assert ("`adaedl:0.6`, ran 1.10x [1.02, 1.19] vLLM's fastest fixed setting (`vllm:3 (recommended)`)"
-            in vllm_readme_lines(summaries)[0])
+    assert "| 1 | `adaedl:0.6` | 1.10x [1.02, 1.19] (`vllm:3 (recommended)`) |  |  |" in vllm_readme_lines(summaries)[1]
 
 
 def test_the_stored_gpu_check_renders() -> None:

@@ -255,15 +255,17 @@ def markdown(rep: VllmReport) -> str:
     lines = []
     for b in sorted({t["batch"] for t in rep.table}):
         lines += [f"### {b} concurrent request{'s' if b > 1 else ''}", "",
-                  "| row | tokens/s | vs target alone [95% CI] | output = target alone | acceptance | replayed / "
-                  "measured | stopped rows ridden |", "|---|---|---|---|---|---|---|"]
+                  "| row | tokens/s | vs target alone [95% CI] | vs fastest static K in its engine | output = target "
+                  "alone | acceptance | replayed / measured | stopped rows ridden |", "|---|---|---|---|---|---|---|---|"]
         for t in (t for t in rep.table if t["batch"] == b):
             ci = f"{t['speedup']:.2f}x [{t['speedup_lo']:.2f}, {t['speedup_hi']:.2f}]" if t["speedup"] else ""
+            ve = t.get("vs_engine_fixed")
+            engine = f"{ve[0]:.2f}x [{ve[1]:.2f}, {ve[2]:.2f}]" if ve and ve[0] is not None else ""
             acc = f"{t['acceptance']:.2f}" if t["acceptance"] is not None else ""
             rr = f"{t['replay_ratio']:.3f}" if t["replay_ratio"] is not None else ""
             idle = f"{t['idle_share']:.0%}" if t["idle_share"] is not None else ""
-            lines.append(f"| {t['row']} | {t['tokens_per_s']:.2f} | {ci} | {t['identical']}/{t['prompts']} | {acc} "
-                         f"| {rr} | {idle} |")
+            lines.append(f"| {t['row']} | {t['tokens_per_s']:.2f} | {ci} | {engine} | {t['identical']}/{t['prompts']} "
+                         f"| {acc} | {rr} | {idle} |")
         lines.append("")
     lines += ["Recommended:", "", *[f"- {x}" for x in rep.recommendation], "", "Checks:", "",
               "```json", json.dumps(rep.goals, indent=1), "```", ""]

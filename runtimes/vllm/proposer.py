@@ -99,7 +99,7 @@ class PolicySettings:
     follow: bool = False
     """Under the batch rule, price the curve's draft forwards and verifications at the factors the engine's own steps
     meet (``runtimes.vllm.met_costs``) and correct each draft position's calibrated acceptance by vLLM's verdicts
-    there so far; False (the default: in the stored vLLM run following was slower): as measured."""
+    there so far; False (the default: in the vLLM benchmark following was not faster): as measured."""
 
 
 _SETTINGS: PolicySettings | None = None

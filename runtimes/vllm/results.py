@@ -268,44 +268,50 @@ def vllm_block(summaries: list[Summary]) -> str:
 
 
 def vllm_readme_lines(summaries: list[Summary]) -> list[str]:
-    """The README's vLLM paragraph: at each batch size the fastest of specstop's policies inside vLLM's proposer
-    against the fastest of vLLM's fixed settings, with its interval, and the run's noise floor there (the target alone
-    against itself)."""
+    """The README's vLLM paragraph and table (one element each): at each batch size the fastest of specstop's policies inside vLLM's proposer (by its
+    measured tokens/s: the policies share one engine and took turns on each unit) against the fastest of vLLM's fixed
+    settings (paired across engines) and the fastest static K its own engine ran (as measured), with the run's noise
+    floor there (the target alone against itself)."""
     s = newest(summaries, "vllm_benchmark")
     if s is None:
         return []
     d = s.data
     policies = _policy_rows(d)
-    cells = []
+    lines = []
     for b in d["batch_sizes"]:
         rows = [r for r in d["rows"] if r["batch"] == b and (r.get("vs_fastest_fixed") or [None])[0] is not None
                 and r["row"] in policies]
         if not rows:
             continue
-        best = max(rows, key=lambda r: r["tokens_per_s"])
-        vf = best["vs_fastest_fixed"]
-        ci = f"[{vf[1]:.2f}, {vf[2]:.2f}]" if vf[1] != vf[2] else "(one group of requests: no interval)"
-        n = len({r["row"] for r in rows})
-        ve = best.get("vs_engine_fixed")
-        engine = (f" and {_ratio(ve)} the fastest static K its engine ran (`{best['engine_fixed']}`)"
-                  if ve and ve[0] is not None else "")
-        cells.append(f"at {b} concurrent request{'s' if b > 1 else ''} the fastest of specstop's {n} policies, "
-                     f"`{best['row']}`, ran {vf[0]:.2f}x {ci} vLLM's fastest fixed setting (`{best['fastest_fixed']}`)"
-                     + engine + _noise_floor(d, b))
-    if not cells:
+        best = max(rows, key=lambda r: r.get("measured_tokens_per_s") or r["tokens_per_s"])
+        engine = (f"{_one_or_ci(best['vs_engine_fixed'])} (`{best['engine_fixed']}`)"
+                  if (best.get("vs_engine_fixed") or [None])[0] is not None else "")
+        lines.append(f"| {b} | `{best['row']}` | {_one_or_ci(best['vs_fastest_fixed'])} (`{best['fastest_fixed']}`) "
+                     f"| {engine} | {_noise_floor(d, b)} |")
+    if not lines:
         return []
-    return [f"vLLM, measured in vLLM itself ({dated(d)}, {cpu_label(d['machine'])}; "
-            f"[docs/vllm.md](docs/vllm.md)): " + "; ".join(cells) + "."]
+    return [f"vLLM, measured in vLLM itself ({dated(d)}, {cpu_label(d['machine'])}; [docs/vllm.md](docs/vllm.md)): "
+            f"at each load the fastest of specstop's {len(policies)} policies in vLLM's proposer, by its measured "
+            "tokens/s, against vLLM's fastest fixed setting (paired with the target alone across engines) and the "
+            "fastest static K run by the same proposer in the same engine:",
+            "\n".join(["| concurrent requests | fastest policy | vs vLLM's fastest fixed setting [95% CI] | vs fastest "
+                       "static K in its engine [95% CI] | target alone against itself |", "|---|---|---|---|---|",
+                       *lines])]
+
+
+def _one_or_ci(x: list) -> str:
+    """``1.02x [0.98, 1.06]``, or ``1.02x (one group: no interval)`` where the run had one unit."""
+    return f"{x[0]:.2f}x (one group: no interval)" if x[1] == x[2] else _ratio(x)
 
 
 def _noise_floor(d: dict, batch: int) -> str:
-    """", the target alone against itself Rx" at ``batch`` (its second row over its first), or ""."""
+    """The target alone's second row over its first at ``batch`` (``1.01x``), or ""."""
     alone = [r for r in d["rows"] if r["batch"] == batch and r["role"]["what"] == "target"]
     again = [r for r in alone if r["role"].get("again")]
     first = [r for r in alone if r not in again]
     if not again or not first or not first[0]["tokens_per_s"]:
         return ""
-    return f", the target alone against itself {again[0]['tokens_per_s'] / first[0]['tokens_per_s']:.2f}x"
+    return f"{again[0]['tokens_per_s'] / first[0]['tokens_per_s']:.2f}x"
 
 
 def _policy_rows(d: dict) -> set[str]:
