@@ -256,7 +256,7 @@ def markdown(rep: VllmReport) -> str:
     for b in sorted({t["batch"] for t in rep.table}):
         lines += [f"### {b} concurrent request{'s' if b > 1 else ''}", "",
                   "| row | tokens/s | vs target alone [95% CI] | vs fastest static K in its engine | output = target "
-                  "alone | acceptance | replayed / measured | stopped rows ridden |", "|---|---|---|---|---|---|---|---|"]
+                  "alone | acceptance | replayed / measured | stopped rows ridden |", "|---" * 8 + "|"]
         for t in (t for t in rep.table if t["batch"] == b):
             ci = f"{t['speedup']:.2f}x [{t['speedup_lo']:.2f}, {t['speedup_hi']:.2f}]" if t["speedup"] else ""
             ve = t.get("vs_engine_fixed")

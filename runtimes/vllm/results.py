@@ -141,8 +141,9 @@ def _rows_table(s: Summary, batch: int) -> list[str]:
     paired = _paired(s)
     rows = [r for r in s.data["rows"] if r["batch"] == batch]
     engine = any(r.get("vs_engine_fixed") for r in rows)
+    in_engine_head = "| vs fastest static K in its engine [95% CI] " if engine else ""
     lines = ["| row | tokens/s" + (" (paired) | measured tokens/s" if paired else "") + " | vs target alone [95% CI] "
-             "| vs fastest fixed setting [95% CI] " + ("| vs fastest static K in its engine [95% CI] " if engine else "")
+             "| vs fastest fixed setting [95% CI] " + in_engine_head
              + "| output = target alone | acceptance | replayed / measured | rows of stopped requests |",
              "|---|---|---|---|---|---|---|---|" + ("---|" if paired else "") + ("---|" if engine else "")]
     for r in rows:
@@ -268,10 +269,10 @@ def vllm_block(summaries: list[Summary]) -> str:
 
 
 def vllm_readme_lines(summaries: list[Summary]) -> list[str]:
-    """The README's vLLM paragraph and table (one element each): at each batch size the fastest of specstop's policies inside vLLM's proposer (by its
-    measured tokens/s: the policies share one engine and took turns on each unit) against the fastest of vLLM's fixed
-    settings (paired across engines) and the fastest static K its own engine ran (as measured), with the run's noise
-    floor there (the target alone against itself)."""
+    """The README's vLLM paragraph and table (one element each): at each batch size the fastest of specstop's
+    policies inside vLLM's proposer (by its measured tokens/s: the policies share one engine and took turns on each
+    unit) against the fastest of vLLM's fixed settings (paired across engines) and the fastest static K its own engine
+    ran (as measured), with the run's noise floor there (the target alone against itself)."""
     s = newest(summaries, "vllm_benchmark")
     if s is None:
         return []
