@@ -10,7 +10,9 @@ prompts, greedy, at each batch size (1: one request at a time; B: B requests sen
   ``num_speculative_tokens_per_batch_size`` from the per-batch picks (K = 0, no drafting, where speculation does
   not pay);
 - each ``policies`` entry inside vLLM: specstop's proposer (``runtimes.vllm.proposer``) at
-  ``num_speculative_tokens = policy_k``, each request's drafting stopped by its own copy of the policy.
+  ``num_speculative_tokens = policy_k``, each request's drafting stopped by its own copy of the policy;
+- ``static:K (policies' engine)`` for each ``proposer_static_k``: the same proposer at a fixed K (0: no drafting and
+  no draft forward), taking turns with the policies on each unit, so that they compare inside one engine.
 
 One engine per configuration (an engine's speculative config is fixed when it loads). The target alone's engine
 stays loaded for the whole run and runs each unit (a prompt at batch 1, a group of B prompts at batch B) before and
@@ -65,8 +67,8 @@ class RowRole:
     per_request: bool = False
     """A policy whose requests stop by their own rule alone, not their batch's."""
     as_measured: bool = False
-    """A policy priced at vLLM's curve and the calibration as measured, run beside the same policy following what its
-    engine met (runs whose policy rows followed by default)."""
+    """A policy run again priced at vLLM's curve and calibration as measured, beside policy rows that followed what
+    their engine met (kept so that stored rows with this role still load)."""
     following: bool = False
     """A policy whose batch rule prices steps at the factors its engine meets and corrects its calibration by vLLM's
     verdicts (``PolicySettings.follow``), run beside the same policy as measured."""

@@ -208,7 +208,8 @@ def _goal_lines(s: Summary) -> list[str]:
 
 
 def _in_engine(goals_at_b: dict, row: str) -> str:
-    """", and 0.99x [..] the fastest static K in its own engine (`static:1 ...`)" where the row has that ratio."""
+    """The suffix ``, 0.99x [0.95, 1.03] the fastest static K in its own engine (`static:1 ...`)`` where the row has
+    that ratio, else ""."""
     ratio = (goals_at_b.get("policies_vs_engine_fixed") or {}).get(row)
     if not ratio or ratio[0] is None:
         return ""
