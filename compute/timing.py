@@ -33,6 +33,12 @@ __all__ = ["CostModel", "BATCH_CURVES", "lower_envelope", "measure_cost_model", 
 BATCH_CURVES = "batch_curves"
 """Key of ``CostModel.extra`` holding a curve per batch size (vLLM's: ``runtimes.vllm.curve``), batch -> dict."""
 
+SKIP_STEP = "skip_s"
+"""Key of ``CostModel.extra`` holding the seconds of a decode step in which no request drafts and the draft's forward
+is skipped, timed in the speculative engine itself (vLLM: specstop's proposer at ``static:0``); it prices "draft
+nothing" where ``target_s[1]`` is the target alone's own engine, which carries none of the speculative engine's
+per-step work."""
+
 MEASURED_RUNTIMES = ("specstop", "llamacpp", "transformers")
 """The runtimes ``pipelines.measure_costs --runtime`` times on this machine."""
 

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from compute.timing import SKIP_STEP
 from predictors.goodput import batch_lengths, check_cost_model
 
 __all__ = ["BatchCost", "send_lengths", "batch_rate", "worth_drafting", "batch_keep_drafting", "expected_batch_tokens"]
@@ -43,19 +44,26 @@ class BatchCost:
     first_forward_paid: bool = True
     """The runtime runs the draft's first forward even when nothing is drafted (vLLM); False where a step that drafts
     nothing skips it."""
+    skip_s: float | None = None
+    """A step that drafts nothing and skips the draft's forward, timed in the speculative engine itself (the curve's
+    ``extra["skip_s"]``); None: priced as ``target_time(1)``."""
 
     @classmethod
     def from_cost_model(cls, cm: Any, batch: int, first_forward_paid: bool = True) -> BatchCost:
-        """From the ``compute.timing.CostModel`` measured at ``batch`` requests."""
+        """From the ``compute.timing.CostModel`` measured at ``batch`` requests (its skipped step, where it holds one
+        and the step skips the draft)."""
         check_cost_model(cm)
-        return cls(float(cm.draft_s_per_token), cm.target_time, max(1, int(batch)), first_forward_paid)
+        skip = None if first_forward_paid else (getattr(cm, "extra", None) or {}).get(SKIP_STEP)
+        return cls(float(cm.draft_s_per_token), cm.target_time, max(1, int(batch)), first_forward_paid,
+                   None if skip is None else float(skip))
 
     def scaled(self, draft: float, verify: float, extra_draft_s: float = 0.0) -> BatchCost:
         """This step with its draft forwards ``draft`` times and its verifications ``verify`` times as dear, plus
-        ``extra_draft_s`` a forward (what scoring a position adds)."""
+        ``extra_draft_s`` a forward (what scoring a position adds); a skipped step scales with the verifications."""
         target_time = self.target_time
         return replace(self, draft_s=self.draft_s * draft + extra_draft_s,
-                       target_time=lambda n: verify * target_time(n))
+                       target_time=lambda n: verify * target_time(n),
+                       skip_s=None if self.skip_s is None else verify * self.skip_s)
 
     def verify_s(self, sent: float) -> float:
         """One target pass verifying ``sent`` drafted tokens over the batch (each request's + 1)."""
@@ -63,6 +71,8 @@ class BatchCost:
 
     def step_s(self, forwards: int, sent: float) -> float:
         """One step that ran ``forwards`` draft forwards and verifies ``sent`` tokens."""
+        if forwards == 0 and not sent and not self.first_forward_paid and self.skip_s is not None:
+            return self.skip_s
         paid = max(forwards, 1) if self.first_forward_paid else forwards
         return paid * self.draft_s + self.verify_s(sent)
 

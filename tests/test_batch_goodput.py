@@ -180,3 +180,19 @@ def test_the_proposers_inputs_take_the_caught_up_tokens_and_query_boundaries() -
     assert out["common_attn_metadata"].max_query_len == 3 and out["common_attn_metadata"].num_actual_tokens == 5
     assert out["token_indices_to_sample"].tolist() == [1, 4] and out["target_hidden_states"].shape == (5, 4)
     assert caught_up(catch, ["a", "b"], [0, 1, 3], kw) is kw  # nothing remembered: the inputs stand
+
+
+def test_a_step_that_drafts_nothing_is_priced_at_the_speculative_engines_skipped_step() -> None:
+    """``target_s[1]`` is the target alone's own engine; a skipped step in the speculative engine carries its
+    per-step work too (the curve's ``skip_s``), so "draft nothing" is dearer than ``target(1)`` there."""
+    cm = CostModel(draft_s_per_token=0.03, target_s={1: 0.06, 2: 0.085, 3: 0.095})
+    plain = BatchCost.from_cost_model(cm, 4, first_forward_paid=False)
+    cm.extra["skip_s"] = 0.07
+    skip = BatchCost.from_cost_model(cm, 4, first_forward_paid=False)
+    assert plain.step_s(0, 0) == pytest.approx(0.06) and skip.step_s(0, 0) == pytest.approx(0.07)
+    assert skip.step_s(1, 4) == pytest.approx(plain.step_s(1, 4))  # a drafted step as before
+    assert skip.scaled(1.0, 2.0).step_s(0, 0) == pytest.approx(0.14)
+    assert BatchCost.from_cost_model(cm, 4).skip_s is None  # the first forward runs anyway: no skipped step
+    forecast = [0.88] * 4  # 7.52 tokens in 0.115 s against 4 in 0.06 s (no draft) or in 0.07 s (the skipped step)
+    assert not batch_keep_drafting([[]] * 4, [True] * 4, plain, cap=1, forecast=forecast)
+    assert batch_keep_drafting([[]] * 4, [True] * 4, skip, cap=1, forecast=forecast)

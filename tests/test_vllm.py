@@ -121,6 +121,10 @@ def test_replay_check_prices_decode_steps_and_takes_prefill_as_measured() -> Non
                  rounds=[[(1, 2, 3.0), (1, 1, 1.0), (1, 0, 1.0)]])  # the last step skipped the draft's forward
     per = ((2 * 0.01 + cm.target_time(3.0)) + (1 * 0.01 + cm.target_time(1.0)) + cm.target_time(1.0)) / 3
     assert predicted_seconds(pol, {1: cm}, None) == [pytest.approx(0.5 + 2 * per)]
+    skipping = curve()
+    skipping.extra["skip_s"] = 0.12  # the curve's skipped step prices the round that ran no forward
+    per = ((2 * 0.01 + cm.target_time(3.0)) + (1 * 0.01 + cm.target_time(1.0)) + 0.12) / 3
+    assert predicted_seconds(pol, {1: skipping}, None) == [pytest.approx(0.5 + 2 * per)]
     alone = RowRun(name="target", batch=1, spec="target", outputs=[[[1] * 8]], seconds=[0.9], steps=[steps],
                    role=RowRole("target"))
     assert predicted_seconds(alone, {1: cm}, lambda b: 0) == [pytest.approx(0.5 + 2 * cm.target_time(1))]
@@ -314,13 +318,15 @@ def test_the_curve_keeps_each_figures_fastest_round(monkeypatch) -> None:
     import runtimes.vllm.curve as vc
 
     alone = iter([{1: 0.08}, {1: 0.06}])
-    spec = iter([{1: ({2: 0.03, 3: 0.03}, {2: 0.07, 3: 0.09})}, {1: ({2: 0.02, 3: 0.04}, {2: 0.09, 3: 0.07})}])
+    spec = iter([{1: ({2: 0.03, 3: 0.03}, {2: 0.07, 3: 0.09}, 0.075)},
+                 {1: ({2: 0.02, 3: 0.04}, {2: 0.09, 3: 0.07}, 0.07)}])
     monkeypatch.setattr(vc, "_target_only", lambda s: next(alone))
     monkeypatch.setattr(vc, "_speculative", lambda s: next(spec))
     got_alone, got_spec = vc._fastest_rounds(vc.VllmCurveSettings(target="T", draft="D", batches=(1,), rounds=2))
     assert got_alone == {1: 0.06}
-    draft, target = got_spec[1]
+    draft, target, skip = got_spec[1]
     assert target == {2: 0.07, 3: 0.09} and draft == pytest.approx(0.03)  # round 1 at both (a tie keeps the first)
+    assert skip == 0.07  # the skipped step's fastest round
 
 
 def test_only_the_plugin_engine_builds_specstops_proposer(monkeypatch) -> None:

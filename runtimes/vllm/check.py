@@ -17,7 +17,8 @@ size it ran at (``runtimes.vllm.stopper.curve_for_batch``):
   request-steps vLLM's counters say verified drafts, ``draft + target(1)`` for the rest (the draft still runs);
 - a specstop policy: its rounds as the proposer logged them (requests, draft forwards run, mean tokens a request
   verified), each ``forwards * draft + target(mean verified)``, averaged and charged per decode step (a step that
-  skipped the draft ran no forward; otherwise the first runs even when every request stops at once).
+  skipped the draft ran no forward and is priced at the curve's skipped step where it holds one; otherwise the first
+  forward runs even when every request stops at once).
 
 What it leaves out: requests of a batch finishing at different steps share the last steps with fewer rows than the
 curve's batch (priced at the curve of the batch size the step had), and a policy round's mixed lengths are priced at
@@ -34,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from compute.timing import CostModel
+from compute.timing import SKIP_STEP, CostModel
 from runtimes.vllm.bench import RowRun
 from runtimes.vllm.engine import StepLog
 from runtimes.vllm.stopper import curve_for_batch
@@ -57,12 +58,19 @@ Level = tuple[float, float]
 """Factors on the curve's draft forwards and on its target verifications."""
 
 
+def _verify_s(cm: CostModel, forwards: int, mean_len: float) -> float:
+    """A policy round's verification: the curve's skipped step where the round ran no draft forward and the curve
+    holds one (``compute.timing.SKIP_STEP``, as the batch rule prices it), else the target's pass of ``mean_len``."""
+    skip = cm.extra.get(SKIP_STEP)
+    return float(skip) if forwards == 0 and skip is not None else cm.target_time(mean_len)
+
+
 def _policy_step(rounds: list[tuple[int, int, float]], curves: dict[int, CostModel]) -> tuple[float, float] | None:
     """A policy row's mean step: (draft seconds, verification seconds) over its logged rounds."""
     if not rounds:
         return None
     draft = sum(positions * curve_for_batch(curves, batch).draft_s_per_token for batch, positions, _ in rounds)
-    verify = sum(curve_for_batch(curves, batch).target_time(mean_len) for batch, _, mean_len in rounds)
+    verify = sum(_verify_s(curve_for_batch(curves, batch), positions, length) for batch, positions, length in rounds)
     return draft / len(rounds), verify / len(rounds)
 
 

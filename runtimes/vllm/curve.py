@@ -2,7 +2,9 @@
 prompts.
 
 The target alone gives ``target_s[1]`` at batch B; the pair with specstop's proposer running ``static:k`` splits each
-step into the draft's forwards and the rest (``target_s[k + 1]``, vLLM's overheads inside). The two engines are timed in
+step into the draft's forwards and the rest (``target_s[k + 1]``, vLLM's overheads inside), and at ``static:0`` times
+a step that drafts nothing and skips the draft's forward (``extra["skip_s"]``: what the batch rule's "draft nothing"
+costs in that engine, its speculative overheads inside). The two engines are timed in
 turn over ``rounds`` and each figure keeps its fastest round, since a shared host's step time moves by a third within
 minutes (docs/vllm.md). Prompts are random ids: decode cost depends on the cached length, not the text.
 
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compute.cpu import cpu_model
-from compute.timing import BATCH_CURVES, CostModel, lower_envelope
+from compute.timing import BATCH_CURVES, SKIP_STEP, CostModel, lower_envelope
 from runtimes.vllm.engine import EngineSpec, StepClock, build_engine, generate, release, spec_positions
 from runtimes.vllm.proposer import PolicySettings, active, install, uninstall
 
@@ -95,15 +97,19 @@ def _target_only(s: VllmCurveSettings) -> dict[int, float]:
     return out
 
 
-def _speculative(s: VllmCurveSettings) -> dict[int, tuple[dict[int, float], dict[int, float]]]:
-    """Batch -> ({L: draft seconds a token}, {L: target-side seconds of a step verifying L tokens a request})."""
+def _speculative(s: VllmCurveSettings) -> dict[int, tuple[dict[int, float], dict[int, float], float]]:
+    """Batch -> ({L: draft seconds a token}, {L: target-side seconds of a step verifying L tokens a request}, seconds
+    of a step that drafts nothing and skips the draft's forward)."""
     install(PolicySettings(spec="static:1", max_draft_len=s.max_length - 1))
     llm = build_engine(EngineSpec(target=s.target, draft=s.draft, k=s.max_length - 1, max_num_seqs=max(s.batches),
                                   device=s.device))
     clock, proposer = StepClock(llm), active()
-    out: dict[int, tuple[dict[int, float], dict[int, float]]] = {}
+    out: dict[int, tuple[dict[int, float], dict[int, float], float]] = {}
     for b in s.batches:
         draft, target = {}, {}
+        proposer.set_policy(PolicySettings(spec="static:0", max_draft_len=s.max_length - 1))
+        skip, _ = time_steps(llm, clock, b, s.steps, s.prompt_len, f"s{b}-0")
+        log.info("vLLM batch %d, no drafts and no draft forward: step %.1f ms", b, skip * 1e3)
         for k in range(1, s.max_length):
             proposer.set_policy(PolicySettings(spec=f"static:{k}", max_draft_len=s.max_length - 1))
             wall, d = time_steps(llm, clock, b, s.steps, s.prompt_len, f"s{b}-{k}",
@@ -111,28 +117,34 @@ def _speculative(s: VllmCurveSettings) -> dict[int, tuple[dict[int, float], dict
             target[k + 1] = max(wall - d, 1e-6)
             draft[k + 1] = d / k
             log.info("vLLM batch %d, %d drafts a request: step %.1f ms (draft %.1f ms)", b, k, wall * 1e3, d * 1e3)
-        out[b] = (draft, target)
+        out[b] = (draft, target, skip)
     del clock, proposer
     release(llm)
     return out
 
 
-def _fastest_rounds(s: VllmCurveSettings) -> tuple[dict[int, float], dict[int, tuple[float, dict[int, float]]]]:
-    """Both engines timed ``s.rounds`` times in turn: per batch the fastest round of the target alone, per (batch, L)
-    the fastest round's draft / target split."""
+Spec = tuple[float, dict[int, float], float]
+"""At one batch size: the draft's seconds a token, the target side's seconds by L, the skipped step's seconds."""
+
+
+def _fastest_rounds(s: VllmCurveSettings) -> tuple[dict[int, float], dict[int, Spec]]:
+    """Both engines timed ``s.rounds`` times in turn: per batch the fastest round of the target alone and of the
+    skipped step, per (batch, L) the fastest round's draft / target split."""
     alone: dict[int, float] = {}
+    skips: dict[int, float] = {}
     steps: dict[int, dict[int, tuple[float, float]]] = {}  # batch -> L -> (draft a token, target side)
     for r in range(s.rounds):
         log.info("vLLM curve: round %d of %d", r + 1, s.rounds)
         for b, t in _target_only(s).items():
             alone[b] = min(t, alone.get(b, t))
-        for b, (draft, target) in _speculative(s).items():
+        for b, (draft, target, skip) in _speculative(s).items():
+            skips[b] = min(skip, skips.get(b, skip))
             got = steps.setdefault(b, {})
             for length, t in target.items():
                 d = draft[length] * (length - 1)
                 if length not in got or d + t < got[length][0] * (length - 1) + got[length][1]:
                     got[length] = (draft[length], t)
-    spec = {b: (statistics.median(d for d, _ in got.values()), {length: t for length, (_, t) in got.items()})
+    spec = {b: (statistics.median(d for d, _ in got.values()), {length: t for length, (_, t) in got.items()}, skips[b])
             for b, got in steps.items()}
     return alone, spec
 
@@ -146,7 +158,7 @@ def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
     machine = {**(cpu_model() if s.device == "cpu" else {}), "threads": threads, "vllm": vllm.__version__}
     curves = {}
     for b in s.batches:
-        draft, target = spec[b]
+        draft, target, skip = spec[b]
         raw = {1: alone[b], **target}
         curves[b] = CostModel(draft_s_per_token=draft, target_s=lower_envelope(raw), device=s.device,
                               dtype="bfloat16", draft_name=s.draft_name or s.draft,
@@ -154,7 +166,7 @@ def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
                               runtime="vllm", machine=machine,
                               notes=f"vLLM {vllm.__version__} at batch {b}: median of {s.steps} decode steps, "
                                     f"fastest of {s.rounds} rounds, lower monotone envelope over L",
-                              extra={"raw_target_s": raw})
+                              extra={"raw_target_s": raw, SKIP_STEP: skip})
     top = curves[min(s.batches)]
     top.extra[BATCH_CURVES] = {str(b): cm.to_dict() for b, cm in curves.items()}
     return top

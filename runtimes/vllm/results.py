@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from benchmark.verify import Disagreement, MissingRecords, same, stand_ins
+from compute.timing import SKIP_STEP
 from rendering.result_store import (
     SCHEMA,
     Summary,
@@ -61,7 +62,8 @@ def summarize_vllm_benchmark(out_dir: str | Path, command: str, config_name: str
     curve = _read(out / "cost_model.vllm.json")
     machine = machine_facts(curve.get("machine") or {})
     curves = {b: {"draft_ms": round(1e3 * c["draft_s_per_token"], 2),
-                  "target_ms": {L: round(1e3 * t, 2) for L, t in c["target_s"].items()}}
+                  "target_ms": {L: round(1e3 * t, 2) for L, t in c["target_s"].items()},
+                  **({"skip_ms": round(1e3 * c["extra"][SKIP_STEP], 2)} if SKIP_STEP in c.get("extra", {}) else {})}
               for b, c in (curve.get("extra", {}).get("batch_curves") or {}).items()}
     return {
         "schema": SCHEMA, "kind": "vllm_benchmark", "config": config_name, "command": command,
