@@ -107,9 +107,6 @@ def _speculative(s: VllmCurveSettings) -> dict[int, tuple[dict[int, float], dict
     out: dict[int, tuple[dict[int, float], dict[int, float], float]] = {}
     for b in s.batches:
         draft, target = {}, {}
-        proposer.set_policy(PolicySettings(spec="static:0", max_draft_len=s.max_length - 1))
-        skip, _ = time_steps(llm, clock, b, s.steps, s.prompt_len, f"s{b}-0")
-        log.info("vLLM batch %d, no drafts and no draft forward: step %.1f ms", b, skip * 1e3)
         for k in range(1, s.max_length):
             proposer.set_policy(PolicySettings(spec=f"static:{k}", max_draft_len=s.max_length - 1))
             wall, d = time_steps(llm, clock, b, s.steps, s.prompt_len, f"s{b}-{k}",
@@ -117,6 +114,9 @@ def _speculative(s: VllmCurveSettings) -> dict[int, tuple[dict[int, float], dict
             target[k + 1] = max(wall - d, 1e-6)
             draft[k + 1] = d / k
             log.info("vLLM batch %d, %d drafts a request: step %.1f ms (draft %.1f ms)", b, k, wall * 1e3, d * 1e3)
+        proposer.set_policy(PolicySettings(spec="static:0", max_draft_len=s.max_length - 1))  # after the k's: a
+        skip, _ = time_steps(llm, clock, b, s.steps, s.prompt_len, f"s{b}-0")  # batch size's first steps run slower
+        log.info("vLLM batch %d, no drafts and no draft forward: step %.1f ms", b, skip * 1e3)
         out[b] = (draft, target, skip)
     del clock, proposer
     release(llm)
