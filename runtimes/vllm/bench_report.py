@@ -25,7 +25,7 @@ from runtimes.vllm.bench import RowRole, RowRun, VllmBenchConfig
 from runtimes.vllm.settings import BatchPick
 
 __all__ = ["VllmReport", "build_report", "goals_of", "markdown", "paired_rows", "table_entries", "unit_records",
-           "against_engine_fixed"]
+           "against_engine_fixed", "ratio_text"]
 
 
 @dataclass
@@ -42,6 +42,11 @@ class VllmReport:
     ties: list[dict[str, Any]] = field(default_factory=list)
     """Each output that differs from the target alone's, at its first difference, with the target's float32 logit
     gap there (``runtimes.vllm.ties``)."""
+
+
+def ratio_text(x: list | None) -> str:
+    """``1.02x [0.98, 1.06]`` of a stored [ratio, low, high] (empty where there is none)."""
+    return "" if not x or x[0] is None else f"{x[0]:.2f}x [{x[1]:.2f}, {x[2]:.2f}]"
 
 
 def _as_row(r: RowRun) -> Row:
@@ -259,8 +264,7 @@ def markdown(rep: VllmReport) -> str:
                   "alone | acceptance | replayed / measured | stopped rows ridden |", "|---" * 8 + "|"]
         for t in (t for t in rep.table if t["batch"] == b):
             ci = f"{t['speedup']:.2f}x [{t['speedup_lo']:.2f}, {t['speedup_hi']:.2f}]" if t["speedup"] else ""
-            ve = t.get("vs_engine_fixed")
-            engine = f"{ve[0]:.2f}x [{ve[1]:.2f}, {ve[2]:.2f}]" if ve and ve[0] is not None else ""
+            engine = ratio_text(t.get("vs_engine_fixed"))
             acc = f"{t['acceptance']:.2f}" if t["acceptance"] is not None else ""
             rr = f"{t['replay_ratio']:.3f}" if t["replay_ratio"] is not None else ""
             idle = f"{t['idle_share']:.0%}" if t["idle_share"] is not None else ""

@@ -29,7 +29,7 @@ from rendering.result_store import (
     provenance,
 )
 from runtimes.vllm.bench import RowRole, RowRun
-from runtimes.vllm.bench_report import goals_of, table_entries
+from runtimes.vllm.bench_report import goals_of, ratio_text, table_entries
 from runtimes.vllm.settings import BatchPick
 
 __all__ = ["summarize_vllm_benchmark", "verify_vllm_summary", "vllm_block", "vllm_readme_lines"]
@@ -134,11 +134,6 @@ def _paired(s: Summary) -> bool:
     return any((r.get("records") or {}).get("beside_seconds") for r in s.data["rows"])
 
 
-def _ratio(x: list | None) -> str:
-    """``1.02x [0.98, 1.06]`` of a stored [ratio, low, high] (empty where there is none)."""
-    return "" if not x or x[0] is None else f"{x[0]:.2f}x [{x[1]:.2f}, {x[2]:.2f}]"
-
-
 def _rows_table(s: Summary, batch: int) -> list[str]:
     paired = _paired(s)
     rows = [r for r in s.data["rows"] if r["batch"] == batch]
@@ -151,13 +146,14 @@ def _rows_table(s: Summary, batch: int) -> list[str]:
     for r in rows:
         ci = "" if r.get("speedup") is None else (
             f"{r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]")
-        in_engine = f" | {_ratio(r.get('vs_engine_fixed'))}" if engine else ""
+        in_engine = f" | {ratio_text(r.get('vs_engine_fixed'))}" if engine else ""
         acc = "" if r.get("acceptance") is None else f"{r['acceptance']:.2f}"
         rr = "" if r.get("replay_ratio") is None else f"{r['replay_ratio']:.3f}"
         idle = "" if r.get("idle_share") is None else f"{r['idle_share']:.0%}"
         measured = f" | {r.get('measured_tokens_per_s') or r['tokens_per_s']:.2f}" if paired else ""
-        lines.append(f"| `{r['row']}` | {r['tokens_per_s']:.2f}{measured} | {ci} | {_ratio(r.get('vs_fastest_fixed'))}"
-                     f"{in_engine} | {r['identical']}/{r['prompts']} | {acc} | {rr} | {idle} |")
+        fixed = ratio_text(r.get("vs_fastest_fixed"))
+        lines.append(f"| `{r['row']}` | {r['tokens_per_s']:.2f}{measured} | {ci} | {fixed}{in_engine} "
+                     f"| {r['identical']}/{r['prompts']} | {acc} | {rr} | {idle} |")
     return lines
 
 
@@ -182,7 +178,7 @@ def _goal_lines(s: Summary) -> list[str]:
         x = g.get(f"batch_{b}") or {}
         for row, ratio in (x.get("policies_vs_fastest_fixed") or {}).items():
             if ratio and ratio[0] is not None:
-                out.append(f"- {b} concurrent: `{row}` ran {_ratio(ratio)} the fastest fixed setting "
+                out.append(f"- {b} concurrent: `{row}` ran {ratio_text(ratio)} the fastest fixed setting "
                            f"(`{x.get('fastest_fixed')}`)"
                            + _in_engine(x, row))
         for row, gap in (x.get("calibration_gap") or {}).items():
@@ -215,7 +211,7 @@ def _in_engine(goals_at_b: dict, row: str) -> str:
     ratio = (goals_at_b.get("policies_vs_engine_fixed") or {}).get(row)
     if not ratio or ratio[0] is None:
         return ""
-    return f", {_ratio(ratio)} the fastest static K in its own engine (`{goals_at_b['fastest_engine_fixed']}`)"
+    return f", {ratio_text(ratio)} the fastest static K in its own engine (`{goals_at_b['fastest_engine_fixed']}`)"
 
 
 def _calibration_table(s: Summary, positions: int = 4) -> list[str]:
@@ -305,7 +301,7 @@ def vllm_readme_lines(summaries: list[Summary]) -> list[str]:
 
 def _one_or_ci(x: list) -> str:
     """``1.02x [0.98, 1.06]``, or ``1.02x (one group: no interval)`` where the run had one unit."""
-    return f"{x[0]:.2f}x (one group: no interval)" if x[1] == x[2] else _ratio(x)
+    return f"{x[0]:.2f}x (one group: no interval)" if x[1] == x[2] else ratio_text(x)
 
 
 def _noise_floor(d: dict, batch: int) -> str:
