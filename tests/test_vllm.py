@@ -314,19 +314,20 @@ def test_a_differing_output_is_found_at_its_first_difference_against_its_batchs_
                                 "differing_reference_top1_share": 0.5}
 
 
-def test_the_curve_keeps_each_figures_fastest_round(monkeypatch) -> None:
+def test_the_curve_takes_each_batch_sizes_figures_from_its_fastest_round(monkeypatch) -> None:
     import runtimes.vllm.curve as vc
 
-    alone = iter([{1: 0.08}, {1: 0.06}])
-    spec = iter([{1: ({2: 0.03, 3: 0.03}, {2: 0.07, 3: 0.09}, 0.075)},
-                 {1: ({2: 0.02, 3: 0.04}, {2: 0.09, 3: 0.07}, 0.07)}])
+    # batch 1: round 2 sums least (0.390 against 0.395) though round 1 has the faster L = 2 split and skipped step;
+    # batch 4: round 1 is the faster one
+    alone = iter([{1: 0.08, 4: 0.10}, {1: 0.06, 4: 0.20}])
+    spec = iter([{1: ({2: 0.03, 3: 0.03}, {2: 0.07, 3: 0.09}, 0.065), 4: ({2: 0.04}, {2: 0.15}, 0.11)},
+                 {1: ({2: 0.02, 3: 0.04}, {2: 0.09, 3: 0.07}, 0.07), 4: ({2: 0.03}, {2: 0.12}, 0.10)}])
     monkeypatch.setattr(vc, "_target_only", lambda s: next(alone))
     monkeypatch.setattr(vc, "_speculative", lambda s: next(spec))
-    got_alone, got_spec = vc._fastest_rounds(vc.VllmCurveSettings(target="T", draft="D", batches=(1,), rounds=2))
-    assert got_alone == {1: 0.06}
-    draft, target, skip = got_spec[1]
-    assert target == {2: 0.07, 3: 0.09} and draft == pytest.approx(0.03)  # round 1 at both (a tie keeps the first)
-    assert skip == 0.07  # the skipped step's fastest round
+    got_alone, got_spec = vc._fastest_rounds(vc.VllmCurveSettings(target="T", draft="D", batches=(1, 4), rounds=2))
+    assert got_alone == {1: 0.06, 4: 0.10}
+    assert got_spec[1] == (pytest.approx(0.03), {2: 0.09, 3: 0.07}, 0.07)  # every figure from round 2
+    assert got_spec[4] == (pytest.approx(0.04), {2: 0.15}, 0.11)  # every figure from round 1
 
 
 def test_only_the_plugin_engine_builds_specstops_proposer(monkeypatch) -> None:

@@ -5,8 +5,8 @@ The target alone gives ``target_s[1]`` at batch B; the pair with specstop's prop
 step into the draft's forwards and the rest (``target_s[k + 1]``, vLLM's overheads inside), and at ``static:0`` times
 a step that drafts nothing and skips the draft's forward (``extra["skip_s"]``: what the batch rule's "draft nothing"
 costs in that engine, its speculative overheads inside). The two engines are timed in
-turn over ``rounds`` and each figure keeps its fastest round, since a shared host's step time moves by a third within
-minutes (docs/vllm.md). Prompts are random ids: decode cost depends on the cached length, not the text.
+turn over ``rounds`` and each batch size keeps the figures of its fastest round (all from one round, since a shared
+host's step time moves by a third within minutes: docs/vllm.md). Prompts are random ids: decode cost depends on the cached length, not the text.
 
 Usage: .venv-vllm/bin/python -m pipelines.measure_costs --runtime vllm --data_dir outputs/default/data
 """
@@ -43,7 +43,7 @@ class VllmCurveSettings:
     steps: int = 12
     """Decode steps timed per (batch, k) a round; the median is kept."""
     rounds: int = 2
-    """Times each engine is loaded and timed in turn; each figure keeps its fastest round."""
+    """Times each engine is loaded and timed in turn; each batch size keeps its fastest round's figures."""
     prompt_len: int = 128
     device: str = "cpu"
     target_name: str = ""
@@ -126,27 +126,33 @@ def _speculative(s: VllmCurveSettings) -> dict[int, tuple[dict[int, float], dict
 Spec = tuple[float, dict[int, float], float]
 """At one batch size: the draft's seconds a token, the target side's seconds by L, the skipped step's seconds."""
 
+Round = tuple[dict[int, float], dict[int, tuple[dict[int, float], dict[int, float], float]]]
+"""One round: batch -> the target alone's step, batch -> what :func:`_speculative` timed."""
+
+
+def fastest_round(rounds: list[Round]) -> tuple[dict[int, float], dict[int, Spec]]:
+    """Per batch size, every figure from the one round whose steps sum least (the target alone's, each L's, the
+    skipped step's), so that the ratios the batch rule weighs never mix a fast host phase with a slow one."""
+    alone: dict[int, float] = {}
+    spec: dict[int, Spec] = {}
+    for b in rounds[0][1]:
+        def total(r: Round, b: int = b) -> float:
+            draft, target, skip = r[1][b]
+            return r[0][b] + skip + sum(draft[n] * (n - 1) + t for n, t in target.items())
+        best = min(rounds, key=total)
+        draft, target, skip = best[1][b]
+        alone[b] = best[0][b]
+        spec[b] = (statistics.median(draft.values()), dict(target), skip)
+    return alone, spec
+
 
 def _fastest_rounds(s: VllmCurveSettings) -> tuple[dict[int, float], dict[int, Spec]]:
-    """Both engines timed ``s.rounds`` times in turn: per batch the fastest round of the target alone and of the
-    skipped step, per (batch, L) the fastest round's draft / target split."""
-    alone: dict[int, float] = {}
-    skips: dict[int, float] = {}
-    steps: dict[int, dict[int, tuple[float, float]]] = {}  # batch -> L -> (draft a token, target side)
+    """Both engines timed ``s.rounds`` times in turn; per batch size the figures of its fastest round."""
+    rounds: list[Round] = []
     for r in range(s.rounds):
         log.info("vLLM curve: round %d of %d", r + 1, s.rounds)
-        for b, t in _target_only(s).items():
-            alone[b] = min(t, alone.get(b, t))
-        for b, (draft, target, skip) in _speculative(s).items():
-            skips[b] = min(skip, skips.get(b, skip))
-            got = steps.setdefault(b, {})
-            for length, t in target.items():
-                d = draft[length] * (length - 1)
-                if length not in got or d + t < got[length][0] * (length - 1) + got[length][1]:
-                    got[length] = (draft[length], t)
-    spec = {b: (statistics.median(d for d, _ in got.values()), {length: t for length, (_, t) in got.items()}, skips[b])
-            for b, got in steps.items()}
-    return alone, spec
+        rounds.append((_target_only(s), _speculative(s)))
+    return fastest_round(rounds)
 
 
 def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
@@ -165,7 +171,8 @@ def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
                               target_name=s.target_name or s.target, prompt_len=s.prompt_len, compute_path="vllm",
                               runtime="vllm", machine=machine,
                               notes=f"vLLM {vllm.__version__} at batch {b}: median of {s.steps} decode steps, "
-                                    f"fastest of {s.rounds} rounds, lower monotone envelope over L",
+                                    f"the fastest of {s.rounds} rounds (every figure of a batch from one), "
+                                    "lower monotone envelope over L",
                               extra={"raw_target_s": raw, SKIP_STEP: skip})
     top = curves[min(s.batches)]
     top.extra[BATCH_CURVES] = {str(b): cm.to_dict() for b, cm in curves.items()}
