@@ -4,9 +4,9 @@ prompts.
 The target alone gives ``target_s[1]`` at batch B; the pair with specstop's proposer running ``static:k`` splits each
 step into the draft's forwards and the rest (``target_s[k + 1]``, vLLM's overheads inside), and at ``static:0`` times
 a step that drafts nothing and skips the draft's forward (``extra["skip_s"]``: what the batch rule's "draft nothing"
-costs in that engine, its speculative overheads inside). The two engines are timed in
-turn over ``rounds`` and each batch size keeps the figures of its fastest round (all from one round, since a shared
-host's step time moves by a third within minutes: docs/vllm.md). Prompts are random ids: decode cost depends on the cached length, not the text.
+costs in that engine, its speculative overheads inside). The two engines are timed in turn over ``rounds`` and each
+batch size keeps every figure of its fastest round (all from one round, since a shared host's step time moves by a
+third within minutes: docs/vllm.md). Prompts are random ids: decode cost depends on the cached length, not the text.
 
 Usage: .venv-vllm/bin/python -m pipelines.measure_costs --runtime vllm --data_dir outputs/default/data
 """
