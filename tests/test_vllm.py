@@ -168,6 +168,29 @@ def test_replay_check_fits_the_drafts_level_apart_from_the_targets() -> None:
     assert [r["ratio"] for r in check_rows([alone, k3, pol], {1: cm}, k_of)] == [pytest.approx(1.0)] * 3
 
 
+def test_replay_prices_the_policies_engine_at_its_own_static_ks_levels() -> None:
+    """vLLM's K = 3 ran at its curve; the policies' engine ran 1.3x slower: its static K = 3 sets its rows' level,
+    so a policy there replays at 1.0, and a policy stopping per request in another engine keeps vLLM's level."""
+    cm = curve()
+
+    def row(name: str, factor: float, role: RowRole, rounds: list | None = None) -> RowRun:
+        price = factor * step_price(cm, 3)
+        return RowRun(name=name, batch=1, spec=name, outputs=[[[1] * 8]], seconds=[0.5 + 4 * price],
+                      steps=[[StepLog(0.5, 1, False), *[StepLog(price, 1, True)] * 4]], role=role,
+                      rounds=[rounds] if rounds else [])
+
+    vllm3 = row("vllm:3", 1.0, RowRole("static", k=3))
+    ours3 = row("static:3 (policies' engine)", 1.3, RowRole("static", k=3, in_proposer=True), [(1, 3, 4.0)])
+    pol = row("p", 1.3, RowRole("policy", spec="p"), [(1, 3, 4.0)])
+    alone = row("p (per request)", 1.3, RowRole("policy", spec="p", per_request=True), [(1, 3, 4.0)])
+    k_of = {"vllm:3": lambda b: 3, ours3.name: None, "p": None, alone.name: None}
+    got = {r["row"]: r for r in check_rows([vllm3, ours3, pol, alone], {1: cm}, k_of)}
+    assert got["vllm:3"]["ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert got["p"]["ratio"] == pytest.approx(1.0, abs=1e-3) and got["p"]["verify_level"] == pytest.approx(1.3)
+    slower = (0.5 + 4 * 1.3 * step_price(cm, 3)) / (0.5 + 4 * step_price(cm, 3))
+    assert got[alone.name]["ratio"] == pytest.approx(slower, abs=1e-3)
+
+
 def test_curve_file_of_another_runtime_is_refused(tmp_path) -> None:
     path = tmp_path / "cm.json"
     CostModel(draft_s_per_token=0.01, target_s={1: 0.1, 2: 0.11}, runtime="llamacpp").to_json(path)

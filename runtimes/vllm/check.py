@@ -2,11 +2,13 @@
 
 The curve gives the shape of a step's cost (a draft forward against a verification of L tokens, at each batch size);
 its levels come from the steps timed beside the rows: per batch size, one factor on the draft's forwards and one on
-the target's verifications, fitted to the fixed rows' (the target alone, vLLM's K) measured decode seconds
-(:func:`step_levels`). A curve keeps its fastest round, timed apart from the rows; on a host whose speed moves by a
-third the rows then run 1.1-1.5x slower than it says, and not by one factor: with two engines loaded the target's
-steps slowed more than the draft's (the target alone's rows ran 1.1-1.15x off a single level at 2-8 requests). The
-policy rows are priced by those levels, never fitted to themselves.
+the target's verifications, fitted to fixed rows' measured decode seconds (:func:`step_levels`). The rows of the
+policies' engine are priced at the levels of the static Ks run in that engine (``static:K (policies' engine)``,
+seconds apart from them); every other row, and a batch size without such rows, at the levels of vLLM's own fixed rows
+(the target alone, vLLM's K), whose engines run at another pace. A curve keeps its fastest round, timed apart from
+the rows; on a host whose speed moves by a third the rows then run 1.1-1.5x slower than it says, and not by one
+factor: with two engines loaded the target's steps slowed more than the draft's. The policy rows are priced by those
+levels, never fitted to themselves.
 
 A row's unit (a prompt at batch 1, a group at batch B) ran a sequence of engine steps (``StepClock``): its prefill
 steps are taken as measured (the curve prices decoding, not prefill), and each decode step is priced at the batch
@@ -28,6 +30,7 @@ Usage::
 
     levels = step_levels(rows, curves, k_of)
     predicted = predicted_seconds(row, curves, k_of=lambda b: 3, level=levels[row.batch])  # (draft, target) factors
+    checked = check_rows(rows, curves, k_of)  # the policies' engine at its own static Ks' levels
 """
 from __future__ import annotations
 
@@ -118,16 +121,22 @@ def _unit_seconds(row: RowRun, curves: dict[int, CostModel], k_of: Callable[[int
     return out
 
 
+def _engine_fixed(row: RowRun) -> bool:
+    return row.role is not None and row.role.in_proposer
+
+
 def step_levels(rows: list[RowRun], curves: dict[int, CostModel], k_of: dict[str, Callable[[int], int] | None],
-                ) -> dict[int, Level]:
+                fitted: Callable[[RowRun], bool] | None = None) -> dict[int, Level]:
     """Per batch size, the (draft, verification) factors that bring the fixed rows' curve-priced decode seconds
     closest to their measured ones (least squares on each row's relative error); one shared factor where the rows
-    cannot tell the two apart (no speculative fixed row, or a fit that is not positive); (1, 1) without a fixed row."""
+    cannot tell the two apart (no speculative fixed row, or a fit that is not positive); (1, 1) without a fixed row.
+    ``fitted`` picks the fixed rows (default: vLLM's own, those with a K in ``k_of``)."""
+    fitted = fitted or (lambda row: k_of.get(row.name) is not None)
     levels: dict[int, Level] = {}
     for batch in sorted({r.batch for r in rows}):
         parts, measured = [], []
         for row in rows:
-            if row.batch != batch or k_of.get(row.name) is None:
+            if row.batch != batch or not fitted(row):
                 continue
             units = _unit_seconds(row, curves, k_of[row.name])
             parts.append((sum(u[1] for u in units), sum(u[2] for u in units)))
@@ -153,13 +162,18 @@ def _fit(parts: np.ndarray, measured: np.ndarray) -> Level:
 def check_rows(rows: list[RowRun], curves: dict[int, CostModel], k_of: dict[str, Callable[[int], int] | None],
                ) -> list[dict]:
     """Per row and batch size: measured and replayed tokens/s, their ratio (measured seconds / replayed) and the
-    curve's levels at that batch size (:func:`step_levels`: on the draft's forwards, on the verifications)."""
+    curve's levels it was priced at (:func:`step_levels`: on the draft's forwards, on the verifications; for the
+    policies' engine those of its own static Ks where it ran some at that batch size)."""
     levels = step_levels(rows, curves, k_of)
+    beside = step_levels(rows, curves, k_of, fitted=_engine_fixed)
+    engine_fixed = {r.batch for r in rows if _engine_fixed(r)}
     out = []
     for row in rows:
-        pred = sum(predicted_seconds(row, curves, k_of.get(row.name), levels[row.batch]))
+        ours = row.role is not None and row.role.in_policies_engine
+        level = beside[row.batch] if ours and row.batch in engine_fixed else levels[row.batch]
+        pred = sum(predicted_seconds(row, curves, k_of.get(row.name), level))
         meas = sum(row.seconds)
-        draft, verify = levels[row.batch]
+        draft, verify = level
         out.append({"row": row.name, "batch": row.batch, "measured_tokens_per_s": round(row.tokens_per_s, 3),
                     "replayed_tokens_per_s": round(row.tokens / pred, 3) if pred else None,
                     "ratio": round(meas / pred, 4) if pred else None, "draft_level": round(draft, 4),
