@@ -629,3 +629,21 @@ def test_policies_compare_with_their_engines_fastest_static_k_as_measured() -> N
     assert entries[1]["vs_engine_fixed"][0] == pytest.approx(4.0 / 6.0, abs=1e-4)
     assert "vs_engine_fixed" not in entries[2] and "vs_engine_fixed" not in entries[3]  # the fastest; vLLM's own
     assert "vs_engine_fixed" not in entries[4]  # another engine
+
+
+def test_per_request_policies_take_turns_in_the_policies_engine() -> None:
+    """Beside other policies they run in the policies' engine (its static Ks then price and compare them); alone,
+    in an engine of their own; stored rows without the field keep their own engine."""
+    from runtimes.vllm.run import _plan
+
+    both = VllmBenchConfig(batch_sizes=[1], n_prompts=1, static_k=[], default_k=1, policies=["adaedl:0.6"],
+                           per_request_policies=["svip:0.5"], following_policies=[], proposer_static_k=[1])
+    groups = [g for g in _plan(both, "T", "D", []) if g.plugin]
+    assert len(groups) == 1 and groups[0].batch_rule
+    per = next(r for r in groups[0].roles if r.per_request)
+    assert per.with_policies and per.in_policies_engine and per.name == "svip:0.5 (per request)"
+    alone = VllmBenchConfig(batch_sizes=[1], n_prompts=1, static_k=[], default_k=1, policies=[],
+                            per_request_policies=["svip:0.5"], following_policies=[], proposer_static_k=[1])
+    (group,) = [g for g in _plan(alone, "T", "D", []) if g.plugin]
+    assert not group.batch_rule and not group.roles[0].in_policies_engine
+    assert not RowRole("policy", spec="svip:0.5", per_request=True).in_policies_engine

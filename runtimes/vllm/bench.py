@@ -66,6 +66,9 @@ class RowRole:
     """The target alone's second row, run beside its first on every unit (the run's noise floor)."""
     per_request: bool = False
     """A policy whose requests stop by their own rule alone, not their batch's."""
+    with_policies: bool = False
+    """A per-request policy run in the policies' engine, taking turns with its rows (False: in an engine of its own,
+    as stored runs before it ran them)."""
     as_measured: bool = False
     """A policy run again priced at vLLM's curve and calibration as measured, beside policy rows that followed what
     their engine met (kept so that stored rows with this role still load)."""
@@ -105,7 +108,7 @@ class RowRole:
     @property
     def in_policies_engine(self) -> bool:
         """The row ran in the policies' engine (a policy under the batch rule, or a static K there)."""
-        return (self.what == "policy" and not self.per_request) or self.in_proposer
+        return (self.what == "policy" and (not self.per_request or self.with_policies)) or self.in_proposer
 
     @property
     def proposer_spec(self) -> str | None:
@@ -147,7 +150,8 @@ class VllmBenchConfig(HarnessConfig):
     """specstop policies inside vLLM (decoding.policies.build_policy specs), each deciding for its batch where vLLM's
     curve and a calibrated acceptance allow (``predictors.batch_goodput``)."""
     per_request_policies: list[str] = field(default_factory=list)
-    """Policies run again with each request stopping by its own rule alone (rows named ``<spec> (per request)``)."""
+    """Policies run again with each request stopping by its own rule alone (rows named ``<spec> (per request)``), in
+    the policies' engine where it runs."""
     following_policies: list[str] = field(default_factory=list)
     """Policies run again in the policies' engine with the batch rule following what the engine meets (its steps'
     pace, vLLM's verdicts per draft position; rows named ``<spec> (following)``)."""
@@ -399,7 +403,8 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
             marks = [run_unit(*ref, None, prompts, cfg.max_new_tokens)[1]] if ref is not None else []
             for row in turn:
                 if proposer is not None:
-                    proposer.set_policy(settings_of(row.role.proposer_spec, group.batch_rule,
+                    proposer.set_policy(settings_of(row.role.proposer_spec,
+                                                    group.batch_rule and not row.role.per_request,
                                                     follow=row.role.following))
                 runs[row.name] = run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens)
                 if ref is not None:  # the target alone after each row: the next row's run before too

@@ -216,7 +216,7 @@ def _make_class() -> type:
             self.stopper = build_stopper(_SETTINGS) if _SETTINGS is not None else None
             self.catch_up = CatchUp(int(getattr(self, "max_num_tokens", 8192)))
             self.draft_s = 0.0
-            self.tallies: dict[tuple[str, bool], dict[int, list[float]]] = {}
+            self.tallies: dict[tuple[str, bool, bool], dict[int, list[float]]] = {}
             _ACTIVE[:] = [weakref.ref(self)]
 
         def set_policy(self, policy: StopPolicy | PolicySettings) -> None:
@@ -227,7 +227,8 @@ def _make_class() -> type:
             if met is not None:
                 self.stopper.met = met
             if isinstance(policy, PolicySettings):  # vLLM's verdicts on a policy's acceptance, kept across its runs
-                self.stopper.tally = self.tallies.setdefault((policy.spec, policy.follow), self.stopper.tally)
+                self.stopper.tally = self.tallies.setdefault((policy.spec, policy.follow, policy.batch_rule),
+                                                            self.stopper.tally)
             self.draft_s = 0.0
 
         def close_traces(self) -> None:

@@ -117,8 +117,9 @@ def _acceptance(cfg: VllmBenchConfig, cost_path: Path, target: str, draft: str) 
 
 def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick]) -> list[EngineRows]:
     """The engines in the order they load: the target alone (its two rows; its engine stays loaded as every other
-    engine's reference), vLLM's static Ks, the recommended schedule, specstop's policies (with the static Ks run by
-    its proposer), the policies each request of which stops alone."""
+    engine's reference), vLLM's static Ks, the recommended schedule, specstop's policies (with the policies each
+    request of which stops alone, and the static Ks run by its proposer; those policies in an engine of their own when
+    no other policy runs)."""
     seqs = max(cfg.batch_sizes)
     base = EngineSpec(target=target, max_num_seqs=max(seqs, 2), device=cfg.models.device)
     ks = sorted({*cfg.static_k, cfg.default_k, *(p.k for p in picks if p.batch == 1 and p.k)})
@@ -136,9 +137,10 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
     if cfg.policies or cfg.following_policies:  # the static Ks of the policies' engine only beside policies
         roles = [RowRole("policy", spec=p) for p in cfg.policies]
         roles += [RowRole("policy", spec=p, following=True) for p in cfg.following_policies]
+        roles += [RowRole("policy", spec=p, per_request=True, with_policies=True) for p in cfg.per_request_policies]
         roles += [RowRole("static", k=k, in_proposer=True) for k in cfg.proposer_static_k]
         groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k), roles, plugin=True))
-    if cfg.per_request_policies:
+    elif cfg.per_request_policies:
         groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k),
                                  [RowRole("policy", spec=p, per_request=True) for p in cfg.per_request_policies],
                                  plugin=True, batch_rule=False))
