@@ -107,7 +107,8 @@ class RowRole:
 
     @property
     def in_policies_engine(self) -> bool:
-        """The row ran in the policies' engine (a policy under the batch rule, or a static K there)."""
+        """The row ran in the policies' engine (a policy under the batch rule, a per-request one beside them, or a
+        static K there)."""
         return (self.what == "policy" and (not self.per_request or self.with_policies)) or self.in_proposer
 
     @property
