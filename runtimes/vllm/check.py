@@ -38,7 +38,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from compute.timing import SKIP_STEP, CostModel
+from compute.timing import CostModel
+from predictors.batch_goodput import BatchCost
 from runtimes.vllm.bench import RowRun
 from runtimes.vllm.engine import StepLog
 from runtimes.vllm.stopper import curve_for_batch
@@ -62,10 +63,12 @@ Level = tuple[float, float]
 
 
 def _verify_s(cm: CostModel, forwards: int, mean_len: float) -> float:
-    """A policy round's verification: the curve's skipped step where the round ran no draft forward and the curve
-    holds one (``compute.timing.SKIP_STEP``, as the batch rule prices it), else the target's pass of ``mean_len``."""
-    skip = cm.extra.get(SKIP_STEP)
-    return float(skip) if forwards == 0 and skip is not None else cm.target_time(mean_len)
+    """A policy round's verification: a round that ran no draft forward at what the batch rule prices "draft
+    nothing" at (``BatchCost.step_s``: the curve's skipped step where it holds one), else the target's pass of
+    ``mean_len``."""
+    if forwards == 0:
+        return BatchCost.from_cost_model(cm, 1, first_forward_paid=False).step_s(0, 0)
+    return cm.target_time(mean_len)
 
 
 def _policy_step(rounds: list[tuple[int, int, float]], curves: dict[int, CostModel]) -> tuple[float, float] | None:
@@ -165,12 +168,12 @@ def check_rows(rows: list[RowRun], curves: dict[int, CostModel], k_of: dict[str,
     curve's levels it was priced at (:func:`step_levels`: on the draft's forwards, on the verifications; for the
     policies' engine those of its own static Ks where it ran some at that batch size)."""
     levels = step_levels(rows, curves, k_of)
-    beside = step_levels(rows, curves, k_of, fitted=_engine_fixed)
-    engine_fixed = {r.batch for r in rows if _engine_fixed(r)}
+    # the policies' engine's levels, at the batch sizes where it ran static Ks
+    beside = step_levels([r for r in rows if _engine_fixed(r)], curves, k_of, fitted=_engine_fixed)
     out = []
     for row in rows:
         ours = row.role is not None and row.role.in_policies_engine
-        level = beside[row.batch] if ours and row.batch in engine_fixed else levels[row.batch]
+        level = beside.get(row.batch, levels[row.batch]) if ours else levels[row.batch]
         pred = sum(predicted_seconds(row, curves, k_of.get(row.name), level))
         meas = sum(row.seconds)
         draft, verify = level
