@@ -263,7 +263,7 @@ def markdown(rep: VllmReport) -> str:
                   "| row | tokens/s | vs target alone [95% CI] | vs fastest static K in its engine | output = target "
                   "alone | acceptance | replayed / measured | stopped rows ridden |", "|---" * 8 + "|"]
         for t in (t for t in rep.table if t["batch"] == b):
-            ci = f"{t['speedup']:.2f}x [{t['speedup_lo']:.2f}, {t['speedup_hi']:.2f}]" if t["speedup"] else ""
+            ci = ratio_text([t["speedup"], t["speedup_lo"], t["speedup_hi"]])
             engine = ratio_text(t.get("vs_engine_fixed"))
             acc = f"{t['acceptance']:.2f}" if t["acceptance"] is not None else ""
             rr = f"{t['replay_ratio']:.3f}" if t["replay_ratio"] is not None else ""

@@ -144,8 +144,7 @@ def _rows_table(s: Summary, batch: int) -> list[str]:
              + "| output = target alone | acceptance | replayed / measured | rows of stopped requests |",
              "|---|---|---|---|---|---|---|---|" + ("---|" if paired else "") + ("---|" if engine else "")]
     for r in rows:
-        ci = "" if r.get("speedup") is None else (
-            f"{r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]")
+        ci = ratio_text([r.get("speedup"), r.get("speedup_lo"), r.get("speedup_hi")])
         in_engine = f" | {ratio_text(r.get('vs_engine_fixed'))}" if engine else ""
         acc = "" if r.get("acceptance") is None else f"{r['acceptance']:.2f}"
         rr = "" if r.get("replay_ratio") is None else f"{r['replay_ratio']:.3f}"
