@@ -97,14 +97,18 @@ def _target_only(s: VllmCurveSettings) -> dict[int, float]:
     return out
 
 
-def _speculative(s: VllmCurveSettings) -> dict[int, tuple[dict[int, float], dict[int, float], float]]:
+Timed = tuple[dict[int, float], dict[int, float], float]
+"""At one batch size, as timed: {L: the draft's seconds a token}, {L: the target side's seconds}, the skipped step."""
+
+
+def _speculative(s: VllmCurveSettings) -> dict[int, Timed]:
     """Batch -> ({L: draft seconds a token}, {L: target-side seconds of a step verifying L tokens a request}, seconds
     of a step that drafts nothing and skips the draft's forward)."""
     install(PolicySettings(spec="static:1", max_draft_len=s.max_length - 1))
     llm = build_engine(EngineSpec(target=s.target, draft=s.draft, k=s.max_length - 1, max_num_seqs=max(s.batches),
                                   device=s.device))
     clock, proposer = StepClock(llm), active()
-    out: dict[int, tuple[dict[int, float], dict[int, float], float]] = {}
+    out: dict[int, Timed] = {}
     for b in s.batches:
         draft, target = {}, {}
         for k in range(1, s.max_length):
@@ -126,7 +130,7 @@ def _speculative(s: VllmCurveSettings) -> dict[int, tuple[dict[int, float], dict
 Spec = tuple[float, dict[int, float], float]
 """At one batch size: the draft's seconds a token, the target side's seconds by L, the skipped step's seconds."""
 
-Round = tuple[dict[int, float], dict[int, tuple[dict[int, float], dict[int, float], float]]]
+Round = tuple[dict[int, float], dict[int, Timed]]
 """One round: batch -> the target alone's step, batch -> what :func:`_speculative` timed."""
 
 
