@@ -98,6 +98,18 @@ def test_another_pair_or_path_gets_its_own_group():
     assert "vs target-only" in render_readme([a, b, c])
 
 
+def test_a_headline_runs_replay_check_is_rendered_beside_its_table():
+    from rendering.result_store import Summary
+
+    replay = {"replay_rows": [{"row": "disco (val-tuned 0.4)", "measured_tokens_per_s": 9.1,
+                               "predicted_tokens_per_s": 9.5, "ratio": 1.044}],
+              "replay_check": {"worst_row": "disco (val-tuned 0.4)", "worst_error": 0.044, "within_band": 1,
+                               "rows_scored": 1, "band": 0.1}}
+    text = render_docs([Summary(Path("a.json"), bench_summary(**replay))])
+    assert "| `disco (val-tuned 0.4)` | 9.10 | 9.50 | 1.044 |" in text and "1 of 1 rows within 10%" in text
+    assert "The replay against" not in render_docs([Summary(Path("a.json"), bench_summary())])
+
+
 def test_summary_name_and_fill_errors(tmp_path):
     assert summary_name(bench_summary()) == "benchmark-benchmark-full-zen-4-avx-512-bf16-2026-11-25.json"
     with pytest.raises(ValueError, match="no <!-- results:readme -->"):
