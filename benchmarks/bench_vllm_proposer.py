@@ -1,0 +1,135 @@
+"""What does specstop's proposer cost inside vLLM? vLLM's own draft proposer against specstop's at the same K.
+
+Three engines in one process, on the same prompts, in turns (the order reversed every round, so a host's slow phase
+falls on each alike): vLLM's ``DraftModelProposer`` drafting K tokens a step; specstop's proposer running
+``static:K`` in an engine whose ``num_speculative_tokens`` is K; the same in an engine capped at ``--cap`` (as the vLLM
+benchmark's policies' engine is, so that longer policies fit). All three draft the same tokens and verify them alike,
+so their greedy outputs agree and any difference in time is the proposer's (or the cap's). Each engine's decode steps
+split into the time in the proposer's ``propose`` (the draft's forwards and, for specstop's, its scoring) and the rest
+(the target's verification, sampling and scheduling).
+
+Usage (in ``.venv-vllm``, after ``bash scripts/setup.sh --vllm --real``):
+    .venv-vllm/bin/python benchmarks/bench_vllm_proposer.py --prompts 4 --new_tokens 64 --k 3 --cap 8 --batch 1
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtimes.vllm.engine import prepare_env, reexec_with_iomp  # noqa: E402
+
+if __name__ == "__main__":  # vLLM's environment and Intel OpenMP before vLLM and torch load
+    prepare_env(1)
+    reexec_with_iomp(sys.argv)
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from runtimes.vllm import proposer as vllm_proposer  # noqa: E402
+from runtimes.vllm.engine import EngineSpec, StepClock, build_engine, generate, hf_folder  # noqa: E402
+
+TEXTS = ["Write a Python function that returns the n-th Fibonacci number.",
+         "Explain what a hash map is in two sentences.", "def quicksort(xs):", "Write a haiku about the sea.",
+         "Write a SQL query that counts the orders per customer.", "What does the Python GIL do?",
+         "Write a bash loop that renames every .txt file to .md.", "Summarise what a B-tree is for."]
+
+
+def timed_propose(cls: type) -> type:
+    """``cls`` with its ``propose`` timed (seconds summed on the instance as ``propose_s``)."""
+
+    class Timed(cls):  # type: ignore[misc,valid-type]
+        propose_s = 0.0
+
+        def propose(self, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return super().propose(*args, **kwargs)
+            finally:
+                self.propose_s += time.perf_counter() - t0
+
+    return Timed
+
+
+def scoring_s(prop: Any) -> float:
+    """Seconds specstop's stopper has spent deciding (features, policy, batch rule); 0 for vLLM's proposer."""
+    stopper = getattr(prop, "stopper", None)
+    return stopper.counts.decide_s if stopper is not None else 0.0
+
+
+def build(target: str, draft: str, k: int, batch: int, settings: Any | None) -> tuple[Any, StepClock, Any]:
+    """An engine drafting with vLLM's proposer (``settings`` None) or specstop's, its step clock and its proposer."""
+    import vllm.v1.worker.gpu_model_runner as runner
+
+    if settings is None:
+        vllm_proposer.uninstall()
+    else:
+        vllm_proposer.install(settings)
+    runner.DraftModelProposer = timed_propose(runner.DraftModelProposer)
+    built: list[Any] = []
+    init = runner.DraftModelProposer.__init__
+
+    def keep(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    runner.DraftModelProposer.__init__ = keep
+    llm = build_engine(EngineSpec(target=target, draft=draft, k=k, max_num_seqs=max(2, batch)))
+    return llm, StepClock(llm), built[-1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="packaged:qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default="packaged:qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--new_tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=3, help="tokens every step drafts")
+    ap.add_argument("--cap", type=int, default=8, help="num_speculative_tokens of the third engine")
+    ap.add_argument("--batch", type=int, default=1, help="concurrent requests")
+    ap.add_argument("--rounds", type=int, default=2, help="turns of every engine over the prompts")
+    ap.add_argument("--cache_dir", default="~/.cache/specstop", help="where packaged models are converted")
+    args = ap.parse_args()
+    target, draft = hf_folder(args.target, args.cache_dir), hf_folder(args.draft, args.cache_dir)
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+               for t in TEXTS[: args.prompts]]
+    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+    settings = vllm_proposer.PolicySettings(spec=f"static:{args.k}", max_draft_len=max(args.k, args.cap))
+    engines = {f"vLLM's proposer, K = {args.k}": build(target, draft, args.k, args.batch, None),
+               f"specstop's, static:{args.k}, cap {args.k}": build(target, draft, args.k, args.batch, settings),
+               f"specstop's, static:{args.k}, cap {args.cap}": build(target, draft, args.cap, args.batch, settings)}
+    vllm_proposer.uninstall()  # vLLM's runner checks isinstance(drafter, DraftModelProposer): its own class holds all
+    for llm, _, _ in engines.values():
+        generate(llm, [prompts[0]], 8)  # warm-up
+    totals = {name: [0.0, 0.0, 0.0, 0] for name in engines}  # decode s, propose s, scoring s, decode steps
+    outputs: dict[str, list[list[int]]] = {}
+    for r in range(args.rounds):
+        order = list(engines) if r % 2 == 0 else list(reversed(engines))
+        for name in order:
+            llm, clock, prop = engines[name]
+            clock.take()
+            before, scored, outs = prop.propose_s, scoring_s(prop), []
+            for i in range(0, len(prompts), args.batch):
+                outs += generate(llm, prompts[i:i + args.batch], args.new_tokens)[0]
+            steps = [s for s in clock.take() if s.decode]
+            totals[name][0] += sum(s.wall_s for s in steps)
+            totals[name][1] += prop.propose_s - before
+            totals[name][2] += scoring_s(prop) - scored
+            totals[name][3] += len(steps)
+            outputs.setdefault(name, outs)
+    ref_name = next(iter(engines))
+    ref_s = totals[ref_name][0]
+    print(f"{args.prompts} prompts x {args.new_tokens} new tokens, {args.batch} concurrent, {args.rounds} rounds")
+    for name, (dec_s, prop_s, score_s, n) in totals.items():
+        same = sum(a == b for a, b in zip(outputs[name], outputs[ref_name]))
+        print(f"{name:34s} decode {dec_s:6.1f} s ({dec_s / ref_s:.3f}x vLLM's)  {int(n)} steps: "
+              f"{1000 * dec_s / n:6.1f} ms a step, {1000 * prop_s / n:5.1f} of it proposing "
+              f"({1000 * score_s / n:4.1f} deciding)  outputs equal to vLLM's: {same}/{len(outputs[name])}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
