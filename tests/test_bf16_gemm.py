@@ -40,10 +40,10 @@ def test_gemm_equals_float64_of_the_bf16_operands_to_output_rounding(n: int, k: 
     assert ((y.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-4 * k**0.5).all()
 
 
-@pytest.mark.parametrize("n,k", [(48, 64), (200, 320), (17, 2 * 700)])
+@pytest.mark.parametrize("n,k", [(48, 64), (200, 320), (17, 2 * 700), (300, 2 * 600)])
 def test_a_row_has_the_same_bits_alone_in_a_few_rows_and_in_many(n: int, k: int) -> None:
-    """Calls of 1..40 rows (the one-to-16-row path and the tiled many-row path with its spilled input blocks) give
-    every row the bits of its one-row call."""
+    """Calls of 1..40 rows (the one-to-16-row path and the tiled many-row path with its spilled input blocks, one
+    column block a pass and, from 32 rows, groups of blocks) give every row the bits of its one-row call."""
     g = torch.Generator().manual_seed(k)
     wp = bf16_gemm.pack(torch.randn(n, k, generator=g))
     x = torch.randn(40, k, generator=g).to(torch.bfloat16)
@@ -96,7 +96,7 @@ def test_int8_gemm_equals_float64_of_the_dequantized_weights_to_output_rounding(
     assert (y[:, 3] == 0).all() and scale[3] == 1
 
 
-@pytest.mark.parametrize("n,k", [(48, 64), (200, 320), (17, 2 * 700)])
+@pytest.mark.parametrize("n,k", [(48, 64), (200, 320), (17, 2 * 700), (300, 2 * 600)])
 def test_an_int8_row_has_the_same_bits_alone_in_a_few_rows_and_in_many(n: int, k: int) -> None:
     g = torch.Generator().manual_seed(k + 1)
     q, scale = bf16_gemm.pack_int8(torch.randn(n, k, generator=g))
