@@ -3,11 +3,11 @@ of a model and its whole forward, each figure beside its memory floor (the bytes
 measured in the same run).
 
 Part 1 (kernels): each linear shape of the model's layers (q/k/v fused, o, gate/up fused, down) with random weights,
-every kernel at M = 1, 2, 4, 6, 8, 12, 16, 64 rows (the minimum of ``--repeats`` calls), the weights of ``--copies``
-layers in turn so that they stream from memory as in a forward, then the sum over the model's layers. Part 2 (the real
-model): the model loaded once per variant, a forward of L = 1, 2, 4, 8, 16 new tokens over a cached 300-token prefix,
-interleaved per repeat, with the ratio to L = 1 (the verification curve of ``pipelines.measure_costs``) and to the
-floor.
+every kernel at M = 1, 2, 4, 6, 8, 12, 16, 64 rows (``--rows``; the minimum of ``--repeats`` calls), the weights of
+``--copies`` layers in turn so that they stream from memory as in a forward, then the sum over the model's layers.
+Part 2 (the real model): the model loaded once per variant, a forward of L = 1, 2, 4, 8, 16 new tokens over a cached
+300-token prefix, interleaved per repeat, with the ratio to L = 1 (the verification curve of
+``pipelines.measure_costs``) and to the floor.
 
 Variants (``--variants``): ``specstop`` (the process's kernel ISA, ``SPECSTOP_ISA``), ``specstop-avx512`` /
 ``specstop-avx2`` (that ISA's kernel), ``onednn-bf16`` (oneDNN's bf16 kernels, where it has them) and ``packed``
@@ -18,6 +18,7 @@ Usage:
     python benchmarks/bench_bf16_gemm.py                        # the 1.5B target's shapes and forward
     python benchmarks/bench_bf16_gemm.py --model packaged:qwen2.5-coder-0.5b-instruct --skip_model
     python benchmarks/bench_bf16_gemm.py --variants specstop-avx2,specstop-avx512,packed
+    python benchmarks/bench_bf16_gemm.py --skip_model --rows 256,1024,3072 --repeats 3 --copies 1  # labelling's rows
 """
 from __future__ import annotations
 
@@ -172,6 +173,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--copies", type=int, default=4, help="weights per shape taken in turn (part 1)")
     ap.add_argument("--skip_model", action="store_true", help="only part 1 (no real model loaded)")
+    ap.add_argument("--rows", default="1,2,4,6,8,12,16,64",
+                    help="part 1's row counts, comma-separated (labelling passes run up to label_batch_tokens)")
     args = ap.parse_args()
     variants = _variants(args.variants)
     if not variants:
@@ -185,8 +188,8 @@ def main() -> None:
     config = AutoConfig.from_pretrained(path)
     bandwidth = read_bandwidth()
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    kernels(layer_shapes(config), config.num_hidden_layers, [1, 2, 4, 6, 8, 12, 16, 64], variants, args.repeats,
-            args.copies, bandwidth)
+    rows = [int(m) for m in args.rows.split(",")]
+    kernels(layer_shapes(config), config.num_hidden_layers, rows, variants, args.repeats, args.copies, bandwidth)
     if not args.skip_model:
         forward_curve(args.model, variants, [1, 2, 4, 8, 16], args.repeats)
 
