@@ -27,15 +27,10 @@ if __name__ == "__main__":  # vLLM's environment and Intel OpenMP before vLLM an
     prepare_env(1)
     reexec_with_iomp(sys.argv)
 
-from transformers import AutoTokenizer  # noqa: E402
+from vllm_probe import add_pair_args, pair_and_prompts  # noqa: E402
 
 from runtimes.vllm import proposer as vllm_proposer  # noqa: E402
-from runtimes.vllm.engine import EngineSpec, StepClock, build_engine, generate, hf_folder  # noqa: E402
-
-TEXTS = ["Write a Python function that returns the n-th Fibonacci number.",
-         "Explain what a hash map is in two sentences.", "def quicksort(xs):", "Write a haiku about the sea.",
-         "Write a SQL query that counts the orders per customer.", "What does the Python GIL do?",
-         "Write a bash loop that renames every .txt file to .md.", "Summarise what a B-tree is for."]
+from runtimes.vllm.engine import EngineSpec, StepClock, build_engine, generate  # noqa: E402
 
 
 def timed_propose(cls: type) -> type:
@@ -83,21 +78,12 @@ def build(target: str, draft: str, k: int, batch: int, settings: Any | None) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="packaged:qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--draft", default="packaged:qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--new_tokens", type=int, default=64)
+    add_pair_args(ap)
     ap.add_argument("--k", type=int, default=3, help="tokens every step drafts")
     ap.add_argument("--cap", type=int, default=8, help="num_speculative_tokens of the third engine")
-    ap.add_argument("--batch", type=int, default=1, help="concurrent requests")
     ap.add_argument("--rounds", type=int, default=2, help="turns of every engine over the prompts")
-    ap.add_argument("--cache_dir", default="~/.cache/specstop", help="where packaged models are converted")
     args = ap.parse_args()
-    target, draft = hf_folder(args.target, args.cache_dir), hf_folder(args.draft, args.cache_dir)
-    tok = AutoTokenizer.from_pretrained(target)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
-               for t in TEXTS[: args.prompts]]
-    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+    target, draft, prompts = pair_and_prompts(args)
     settings = vllm_proposer.PolicySettings(spec=f"static:{args.k}", max_draft_len=max(args.k, args.cap))
     engines = {f"vLLM's proposer, K = {args.k}": build(target, draft, args.k, args.batch, None),
                f"specstop's, static:{args.k}, cap {args.k}": build(target, draft, args.k, args.batch, settings),
