@@ -83,6 +83,12 @@ def replay_table(s: Summary) -> str:
     return "\n".join(lines)
 
 
+def replay_part(s: Summary) -> list[str]:
+    """The run's replay check under its heading, as lines of a document ([] when the run made no check)."""
+    check = replay_table(s)
+    return ["The replay against the measurement:", "", check, ""] if check else []
+
+
 def curve_line(s: Summary) -> str:
     """The run's curve in one sentence ("" for a summary stored without it)."""
     c = s.data.get("curve")
@@ -103,8 +109,7 @@ def runtime_section(s: Summary) -> str:
     if s.data.get("recommendation"):
         parts += ["The recommendation this run tuned under its own curve:", "",
                   *[f"- {x}" for x in s.data["recommendation"]], ""]
-    check = replay_table(s)
-    parts += ["The replay against the measurement:", "", check] if check else []
+    parts += replay_part(s)
     return "\n".join(parts).rstrip()
 
 

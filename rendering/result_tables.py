@@ -19,7 +19,7 @@ from typing import Any
 from predictors.baselines import ENTROPY_KINDS
 from predictors.round_rules import rule_named
 from rendering.device_results import gpu_block
-from rendering.result_runtimes import RUNTIME_CONFIGS, replay_table, runtime_block, runtime_section
+from rendering.result_runtimes import RUNTIME_CONFIGS, replay_part, runtime_block, runtime_section
 from rendering.result_store import (
     ESTIMATED_NOTE,
     Summary,
@@ -272,10 +272,8 @@ def render_docs(summaries: list[Summary]) -> str:
             elif s.data["config"] in RUNTIME_CONFIGS.values():
                 parts += [f"**Runtime benchmark `{s.data['config']}`**", "", runtime_section(s), ""]
             else:
-                check = replay_table(s)
                 parts += [f"**Benchmark `{s.data['config']}`, {_benchmark_heading(s)}** ({caption(s)}):", "",
-                          benchmark_table(s), "", _verdicts(s), ""]
-                parts += ["The replay against the measurement:", "", check, ""] if check else []
+                          benchmark_table(s), "", _verdicts(s), "", *replay_part(s)]
     return "\n".join(parts).rstrip() if parts else "No stored run yet."
 
 
