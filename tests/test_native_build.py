@@ -26,3 +26,26 @@ def test_a_kernel_builds_past_a_stale_torch_lock(tmp_path) -> None:
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, timeout=300, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_prebuild_builds_each_kernel_once_in_the_background_and_a_caller_waits_for_it(monkeypatch) -> None:
+    import threading
+    import time
+
+    from compute import native
+
+    class Slow(native.NativeExtension):
+        def _build(self) -> None:
+            builds.append((self.name, threading.current_thread().name))
+            time.sleep(0.2)
+            self._module = object()
+
+    builds: list[tuple[str, str]] = []
+    exts = [Slow(f"k{i}", "draft_stats.cpp", f"kernel {i}") for i in range(3)]
+    monkeypatch.setattr(native, "host_extensions", lambda: exts)
+    monkeypatch.setattr(native, "_PREBUILT", [])
+    native.prebuild()
+    assert exts[0].module() is not None  # meets the background build and waits for it instead of building again
+    native.prebuild(wait=True)  # a second call starts nothing new
+    assert sorted(name for name, _ in builds) == ["k0", "k1", "k2"]
+    assert all(thread.startswith("specstop native build") for _, thread in builds)

@@ -20,7 +20,7 @@
 // Speed: up to 16 rows the weights stream from memory once (see few_rows), where oneDNN's bf16 kernels read them again
 // past ~6 rows. More rows run as 8-row tiles over L2-sized column chunks and 256-input blocks, a little slower than
 // oneDNN. OpenMP must be on in the build (compute/native.py): at::parallel_for runs on one thread without it.
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -281,7 +281,9 @@ AMX_TARGET inline void amx_configure(int rows, int tail_pairs) {
     cfg.rows[5] = static_cast<uint8_t>(rows), cfg.colsb[5] = static_cast<uint16_t>(4 * tail_pairs);
     for (int t = 6; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(tail_pairs), cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  // The whole 64 bytes as the operand: GCC's _tile_loadconfig declares a read of 8, which lets the optimiser drop the
+  // stores of the rows and widths above (it does in ggml's AMX kernel, which then dies with SIGILL: docs/llamacpp.md).
+  asm volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
 // One pass: rows [m0, m0 + R) (R <= 16, tiles configured for R) times column block b (and b + 1 when kTwo).

@@ -24,7 +24,7 @@
 // kGroupRows rows (labelling passes: thousands) one block a pass would re-read all of x per block from L3 or memory, so
 // a group of kGroupBlocks blocks shares each chunk: the group's chunk stays in L2 while every row tile, its inputs in
 // L1, runs over the group's blocks (1.04-1.5x at 256-3,072 rows on a Zen 3, the same bits).
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -6,7 +6,7 @@
 // output row rounded to integers in [-127, 127] with one fp32 scale per column (symmetric, max|w| / 127).
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_ext.h"
 
 #include <cstdint>
 #include <optional>

@@ -8,7 +8,7 @@
 // The GEMM and the attention are the kernels of bf16_gemm.cpp (or, built with -DSPECSTOP_GEMM_AVX2 and the AVX2
 // flags, bf16_gemm_avx2.cpp) and row_attention.cpp, compiled into this extension (their bindings left out) and called
 // directly.
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

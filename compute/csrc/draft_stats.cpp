@@ -6,7 +6,7 @@
 // decision). The per-row kernels are in softmax_rows.h (one model's softmax: statistics, sampling) and pair_rows.h
 // (the draft against another model). Built on first use by compute/draft_stats.py (torch.utils.cpp_extension.load);
 // the Python fallback computes the same quantities with torch ops.
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -3,7 +3,7 @@
 // computed with them can sit above a measured forward); here each thread XORs its share of a buffer far larger than
 // the caches into eight independent 64-bit lanes (vectorised, one clone per ISA), which leaves the loads as the only
 // limit: as fast as the bf16 GEMM reads its weights at one row, measured side by side.
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

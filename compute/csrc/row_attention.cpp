@@ -15,7 +15,7 @@
 // dot products (independent chains instead of one reduction per dot) and the weighted values summed in registers for
 // two heads at a time, about twice as fast as the portable loops. A process under SPECSTOP_ISA=avx2 passes
 // allow_avx512 = false and runs the portable loops, as an AVX2 host does.
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
