@@ -70,14 +70,18 @@ class Heartbeat:
         self.resumed = 0.0
         self.note = ""
         self.t0 = time.perf_counter()
+        self.work_t0: float | None = None
+        """When the counted work began (``perf_counter``), if after ``t0``: the rate leaves the set-up before it out."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def update(self, done: float, total: float | None = None, note: str = "", unit: str | None = None,
-               resumed: float | None = None) -> None:
+               resumed: float | None = None, work_t0: float | None = None) -> None:
         """Record ``done`` units of ``total`` (kept when None); ``note`` ends the line; ``resumed`` units were read back
-        and stay out of the rate."""
+        and stay out of the rate; ``work_t0`` (a ``perf_counter`` time) is when the counted work began."""
         self.done = done
+        if work_t0 is not None:
+            self.work_t0 = work_t0
         if resumed is not None:
             self.resumed = resumed
         if total is not None:
@@ -91,7 +95,8 @@ class Heartbeat:
         elapsed = time.perf_counter() - self.t0
         if self.done is None:
             return f"{self.name}: running for {fmt_duration(elapsed)}" + (f"; {self.note}" if self.note else "")
-        rate = (self.done - self.resumed) / elapsed if elapsed > 0 else 0.0
+        working = time.perf_counter() - max(self.t0, self.work_t0 or self.t0)
+        rate = (self.done - self.resumed) / working if working > 0 else 0.0
         of = f"/{self.total:,.0f}" if self.total else ""
         eta = ""
         if self.total and rate > 0:
@@ -224,6 +229,7 @@ class GenerationMeter:
         self.banked_records, self.banked_seconds = 0, 0.0  # finished folders
         self.records, self.seconds = 0, 0.0  # the current folder (its generator's counts)
         self.shards = 0
+        self.work_t0: float | None = None  # when the first folder's shards began: the heartbeat's rate starts there
 
     def folder(self) -> Callable[[dict], None]:
         """The callback for the next data folder (banks the counts of the previous one)."""
@@ -235,6 +241,8 @@ class GenerationMeter:
     def on_shard(self, event: dict) -> None:
         """The generator's callback after each shard (counts since its start); an ``in_shard`` event only moves the
         heartbeat."""
+        if self.work_t0 is None and "seconds" in event:  # loading, packing and the probes stay out of the rate
+            self.work_t0 = time.perf_counter() - float(event["seconds"])
         if "in_shard" in event:
             self._beat(self.banked_records + int(event.get("new_records", 0)))
             return
@@ -262,4 +270,4 @@ class GenerationMeter:
     def _beat(self, records: int) -> None:
         stage = self.chain.current
         if stage is not None and stage.heartbeat is not None:
-            stage.heartbeat.update(records, self.remaining or None)
+            stage.heartbeat.update(records, self.remaining or None, work_t0=self.work_t0)

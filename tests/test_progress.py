@@ -50,3 +50,15 @@ def test_generation_meter_moves_the_stage_heartbeat(caplog, monkeypatch):
     beats = [m for m in msgs if m.startswith("heartbeat: stage generate")]
     assert any("100/1,000 records" in m for m in beats) and any("300/1,000 records" in m for m in beats)
     assert all("ETA" in m for m in beats)
+
+
+def test_generation_heartbeat_rate_leaves_the_set_up_out():
+    """Loading and probing before the first shard do not lower the rate, so the heartbeat's ETA agrees with the
+    shard lines'."""
+    chain = ChainProgress(["generate"], logging.getLogger("x"), disable=True, heartbeat=True)
+    with chain, chain.stage("generate") as stage:
+        stage.heartbeat.t0 -= 300.0  # 5 min of loading, packing and probes before the generator's first event
+        meter = chain.generation(remaining=1000)
+        meter.folder()({"new_records": 100, "seconds": 10.0, "chunk": 0, "chunks": 4})
+        line = stage.heartbeat.line()
+    assert "100/1,000 records" in line and "(10.00 records/s, ETA 2 min" in line, line
