@@ -88,12 +88,20 @@ def machine_facts(machine: dict[str, Any]) -> dict[str, Any]:
             "model": ids.get("model", "")}
 
 
+INTEL_GENERATIONS = {143: "Sapphire Rapids", 207: "Emerald Rapids", 173: "Granite Rapids", 174: "Granite Rapids"}
+"""Intel family 6 models of the Xeons with AMX."""
+
+
 def cpu_generation(machine: dict[str, Any]) -> str:
-    """A readable CPU generation from vendor / family / model where known (Zen 3, Zen 4, Zen 5), else ''."""
+    """A readable CPU generation from vendor / family / model where known (Zen 3-5, the Xeons with AMX), else ''."""
     vendor, family, model = machine.get("vendor", ""), machine.get("family", ""), machine.get("model", "")
-    if vendor != "AuthenticAMD" or not family.isdigit() or not model.isdigit():
+    if not family.isdigit() or not model.isdigit():
         return ""
     fam, mod = int(family), int(model)
+    if vendor == "GenuineIntel":
+        return INTEL_GENERATIONS.get(mod, "") if fam == 6 else ""
+    if vendor != "AuthenticAMD":
+        return ""
     if fam == 25:
         return "Zen 4" if 0x10 <= mod <= 0x1F or 0x60 <= mod <= 0xAF else "Zen 3"
     return {23: "Zen 2", 26: "Zen 5"}.get(fam, "")
@@ -115,10 +123,14 @@ def isa_label(flags: list[str]) -> str:
 
 def cpu_label(machine: dict[str, Any]) -> str:
     """``AMD EPYC (Zen 4, AVX-512 BF16)``: model name, generation where known, ISA class."""
-    gen = cpu_generation(machine)
+    name = " ".join((machine.get("model_name") or "unknown CPU").replace("(R)", "").replace("(TM)", "").split())
+    return f"{name} ({cpu_kind(machine)})"
+
+
+def cpu_kind(machine: dict[str, Any]) -> str:
+    """``Zen 4, AVX-512 BF16``: the CPU's generation where known and its ISA class."""
     isa = machine.get("isa") or isa_label(machine.get("simd_flags", []))
-    inner = ", ".join(x for x in (gen, isa) if x)
-    return f"{machine.get('model_name') or 'unknown CPU'} ({inner})"
+    return ", ".join(x for x in (cpu_generation(machine), isa) if x)
 
 
 ESTIMATED_NOTE = ("\\* estimated, not measured: the row's time is the curve's price of its rounds (an analysis-only "
@@ -336,8 +348,7 @@ def invocation(module: str, argv: list[str] | None) -> tuple[str, str]:
 
 def summary_name(summary: dict[str, Any]) -> str:
     """``benchmark-benchmark-full-zen-4-avx-512-bf16-2026-11-25.json``: kind, config, CPU kind, date."""
-    cpu = cpu_label(summary["machine"]).split("(", 1)[-1].rstrip(")")
-    slug = "-".join(cpu.lower().replace(",", " ").split())
+    slug = "-".join(cpu_kind(summary["machine"]).lower().replace(",", " ").split())
     return f"{summary['kind']}-{summary['config']}-{slug}-{summary['date']}.json"
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipelines import results as results_cli
-from rendering.result_store import SCHEMA, SummaryError, load_summaries, summary_name, write_summary
+from rendering.result_store import SCHEMA, SummaryError, cpu_label, load_summaries, summary_name, write_summary
 from rendering.result_tables import fill, render_docs, render_readme
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +112,10 @@ def test_a_headline_runs_replay_check_is_rendered_beside_its_table():
 
 def test_summary_name_and_fill_errors(tmp_path):
     assert summary_name(bench_summary()) == "benchmark-benchmark-full-zen-4-avx-512-bf16-2026-11-25.json"
+    xeon = {**bench_summary(), "machine": {"model_name": "Intel(R) Xeon(R) Processor", "vendor": "GenuineIntel",
+                                           "family": "6", "model": "207", "simd_flags": ["avx512_bf16", "amx_bf16"]}}
+    assert summary_name(xeon) == "benchmark-benchmark-full-emerald-rapids-amx-bf16-2026-11-25.json"
+    assert cpu_label(xeon["machine"]) == "Intel Xeon Processor (Emerald Rapids, AMX-BF16)"
     with pytest.raises(ValueError, match="no <!-- results:readme -->"):
         fill("no markers", "readme", "x", tmp_path / "README.md")
 
