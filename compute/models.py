@@ -39,7 +39,6 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from compute import native
 from compute.compute_path import (
     COMPUTE_PATHS,
     apply_compute_path,
@@ -174,8 +173,6 @@ def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
         ValueError: for an unknown model source (the message lists the accepted forms) or a compute path the device
             lacks (the message names ``--models.compute``).
     """
-    if spec.device == "cpu" and spec.compute != "eager":
-        native.prebuild()  # the kernels build in background threads while the weights convert and load
     path = resolve_compute_path(spec.compute, spec.device)
     if path != "eager" and spec.dtype != "float32":
         if spec.compute != "auto":

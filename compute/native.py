@@ -4,14 +4,12 @@ Each build runs under an ``fcntl`` lock of its own, so a ``lock`` file a killed 
 ``load`` would wait forever) is known stale and removed. A kernel that cannot be built, or is off with
 ``SPECSTOP_NATIVE=0``, loads as None with the reason logged once; every caller has a torch fallback.
 
-``prebuild()`` builds this host's kernels in background threads, two at a time, while models load: on a fresh
-machine each build takes 10-25 s of one core, which one after another sat in front of the first forward.
+``compute.kernels.prebuild()`` builds this host's kernels ahead, in background threads.
 
 Usage::
 
     ext = NativeExtension("specstop_draft_stats", "draft_stats.cpp", "native draft statistics")
     mod = ext.module()        # the extension, or None (ext.failed says why)
-    prebuild()                # python -m compute.native: the same, waiting for the builds
 """
 from __future__ import annotations
 
@@ -29,7 +27,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NativeExtension", "CFLAGS", "AVX2_CFLAGS", "build_directory", "exclusive_build", "prebuild"]
+__all__ = ["NativeExtension", "CFLAGS", "AVX2_CFLAGS", "build_directory", "exclusive_build"]
 
 CSRC = Path(__file__).with_name("csrc")
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17"]
@@ -74,35 +72,6 @@ class NativeExtension:
             log.warning("%s unavailable (%s); torch ops are used instead (slower)", self.what, self.failed)
 
 
-_PREBUILT: list[threading.Thread] = []
-
-
-def host_extensions() -> list[NativeExtension]:
-    """The kernels this process runs: its ISA's GEMM and decoder layers, and the ISA-free ones (none off x86)."""
-    from compute import bf16_gemm, draft_stats, native_layers, row_attention, timing
-
-    isa = bf16_gemm.isa()
-    if isa == "none":
-        return []
-    return [bf16_gemm._EXTS[isa], native_layers._EXTS[isa], row_attention.ATTENTION, draft_stats._EXT, timing._PROBE]
-
-
-def prebuild(wait: bool = False, workers: int = 2) -> None:
-    """Build :func:`host_extensions` in ``workers`` daemon threads (once per process; a built kernel only loads);
-    ``wait`` joins them."""
-    if not _PREBUILT and os.environ.get("SPECSTOP_NATIVE", "1") != "0":
-        todo = host_extensions()
-        for i in range(max(1, workers)):
-            share = todo[i::max(1, workers)]
-            thread = threading.Thread(target=lambda s=share: [ext.module() for ext in s], daemon=True,
-                                      name=f"specstop native build {i}")
-            thread.start()
-            _PREBUILT.append(thread)
-    if wait:
-        for thread in _PREBUILT:
-            thread.join()
-
-
 def build_directory(name: str) -> Path:
     """Where ``name`` is built: a folder per Python and torch version, so that two torch builds never share objects."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
@@ -125,8 +94,3 @@ def exclusive_build(build_dir: Path) -> Iterator[None]:
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
-
-if __name__ == "__main__":  # python -m compute.native: build this host's kernels now (scripts/setup.sh --real)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    prebuild(wait=True)
-    print("native kernels: " + ", ".join(f"{e.name} {'failed' if e.failed else 'ready'}" for e in host_extensions()))

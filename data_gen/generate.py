@@ -22,6 +22,7 @@ import datasets
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from compute import kernels
 from compute.compute_path import (
     gemm_resume_hint,
     precision_diffs,
@@ -69,6 +70,8 @@ Progress = Callable[[dict], None]
 def load_models(cfg: GenerateConfig, device: str | None = None) -> tuple[LabelModels, PreTrainedTokenizerBase]:
     """Load draft, target and companion of ``cfg.models`` (on ``device`` if given) and check they share a tokenizer."""
     mc = dataclasses.replace(cfg.models, device=device or cfg.models.device)
+    if mc.device == "cpu" and mc.compute != "eager":
+        kernels.prebuild()  # the native kernels build in background threads while the weights convert and load
     draft, tok = load_model(mc.spec(mc.draft, "draft"))
     target, ttok = load_model(mc.spec(mc.target))
     toks = {f"draft ({mc.draft})": tok, f"target ({mc.target})": ttok}

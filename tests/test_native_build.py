@@ -32,7 +32,7 @@ def test_prebuild_builds_each_kernel_once_in_the_background_and_a_caller_waits_f
     import threading
     import time
 
-    from compute import native
+    from compute import kernels, native
 
     class Slow(native.NativeExtension):
         def _build(self) -> None:
@@ -42,10 +42,10 @@ def test_prebuild_builds_each_kernel_once_in_the_background_and_a_caller_waits_f
 
     builds: list[tuple[str, str]] = []
     exts = [Slow(f"k{i}", "draft_stats.cpp", f"kernel {i}") for i in range(3)]
-    monkeypatch.setattr(native, "host_extensions", lambda: exts)
-    monkeypatch.setattr(native, "_PREBUILT", [])
-    native.prebuild()
+    monkeypatch.setattr(kernels, "host_extensions", lambda: exts)
+    monkeypatch.setattr(kernels, "_STARTED", [])
+    kernels.prebuild()
     assert exts[0].module() is not None  # meets the background build and waits for it instead of building again
-    native.prebuild(wait=True)  # a second call starts nothing new
+    kernels.prebuild(wait=True)  # a second call starts nothing new
     assert sorted(name for name, _ in builds) == ["k0", "k1", "k2"]
     assert all(thread.startswith("specstop native build") for _, thread in builds)
