@@ -33,9 +33,9 @@ def prebuild(wait: bool = False, workers: int = 2) -> None:
     """Build :func:`host_extensions` in ``workers`` daemon threads (once per process; a built kernel only loads);
     ``wait`` joins them."""
     if not _STARTED and os.environ.get("SPECSTOP_NATIVE", "1") != "0":
-        todo = host_extensions()
-        for i in range(max(1, workers)):
-            share = todo[i::max(1, workers)]
+        todo, n = host_extensions(), max(1, workers)
+        for i in range(n):
+            share = todo[i::n]
             thread = threading.Thread(target=lambda s=share: [ext.module() for ext in s], daemon=True,
                                       name=f"specstop native build {i}")
             thread.start()

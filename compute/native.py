@@ -93,4 +93,3 @@ def exclusive_build(build_dir: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
