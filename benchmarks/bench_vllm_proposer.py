@@ -1,15 +1,20 @@
 """What does specstop's proposer cost inside vLLM? vLLM's own draft proposer against specstop's at the same K.
 
-Three engines in one process, on the same prompts, in turns (the order reversed every round, so a host's slow phase
-falls on each alike): vLLM's ``DraftModelProposer`` drafting K tokens a step; specstop's proposer running
+Engines in one process, on the same prompts, in turns (the order reversed every round, so a host's slow phase falls
+on each alike); by default three: vLLM's ``DraftModelProposer`` drafting K tokens a step; specstop's proposer running
 ``static:K`` in an engine whose ``num_speculative_tokens`` is K; the same in an engine capped at ``--cap`` (as the vLLM
-benchmark's policies' engine is, so that longer policies fit). All three draft the same tokens and verify them alike,
-so their greedy outputs agree and any difference in time is the proposer's (or the cap's). Each engine's decode steps
-split into the time in the proposer's ``propose`` (the draft's forwards and, for specstop's, its scoring) and the rest
-(the target's verification, sampling and scheduling).
+benchmark's policies' engine is, so that longer policies fit). They draft the same tokens and verify them alike, so
+their greedy outputs agree. Each engine's decode steps split into the time in the proposer's ``propose`` (the draft's
+forwards and, for specstop's, its scoring) and the rest (the target's verification, sampling and scheduling).
+``--engines`` picks the engines and the order they are built in. Two engines differ by more than their code (where
+the host placed their weights, its phase while each ran): one built twice (``vllm,specstop,vllm``) shows by how much,
+and ``detached`` runs vLLM's own ``propose`` in the specstop engine built last, so that the two proposers meet in one
+engine and only their code differs.
 
 Usage (in ``.venv-vllm``, after ``bash scripts/setup.sh --vllm --real``):
     .venv-vllm/bin/python benchmarks/bench_vllm_proposer.py --prompts 4 --new_tokens 64 --k 3 --cap 8 --batch 1
+    .venv-vllm/bin/python benchmarks/bench_vllm_proposer.py --engines vllm,specstop,vllm   # two vLLM engines
+    .venv-vllm/bin/python benchmarks/bench_vllm_proposer.py --engines specstop,detached --rounds 4  # one engine
 """
 from __future__ import annotations
 
@@ -82,21 +87,43 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="tokens every step drafts")
     ap.add_argument("--cap", type=int, default=8, help="num_speculative_tokens of the third engine")
     ap.add_argument("--rounds", type=int, default=2, help="turns of every engine over the prompts")
+    ap.add_argument("--engines", default="vllm,specstop,specstop-cap",
+                    help="engines in the order they are built, from vllm, specstop (cap K) and specstop-cap (cap "
+                         "--cap); a name twice builds it twice (vllm,specstop,vllm: an A/A control of build order); "
+                         "detached runs vLLM's own propose in the specstop engine built last (its stopper detached), "
+                         "so the two proposers meet in one engine")
     args = ap.parse_args()
     target, draft, prompts = pair_and_prompts(args)
     settings = vllm_proposer.PolicySettings(spec=f"static:{args.k}", max_draft_len=max(args.k, args.cap))
-    engines = {f"vLLM's proposer, K = {args.k}": build(target, draft, args.k, args.batch, None),
-               f"specstop's, static:{args.k}, cap {args.k}": build(target, draft, args.k, args.batch, settings),
-               f"specstop's, static:{args.k}, cap {args.cap}": build(target, draft, args.cap, args.batch, settings)}
+    kinds = {"vllm": (f"vLLM's proposer, K = {args.k}", args.k, None),
+             "specstop": (f"specstop's, static:{args.k}, cap {args.k}", args.k, settings),
+             "specstop-cap": (f"specstop's, static:{args.k}, cap {args.cap}", args.cap, settings)}
+    engines: dict[str, tuple[Any, StepClock, Any, Any]] = {}  # name -> engine, its clock, proposer, stopper to run
+    last: tuple[tuple[Any, StepClock, Any, Any], int] | None = None  # the specstop engine built last, its K
+    for i, kind in enumerate(args.engines.split(",")):
+        if kind == "detached":
+            if last is None:
+                ap.error("--engines: detached needs a specstop engine built before it")
+            engines[f"vLLM's proposer, K = {last[1]}, in specstop's engine"] = (*last[0][:3], None)
+            continue
+        if kind not in kinds:
+            ap.error(f"--engines: {kind!r} is not one of {', '.join(kinds)}, detached")
+        name, cap, how = kinds[kind]
+        llm, clock, prop = build(target, draft, cap, args.batch, how)
+        built = engines[name if name not in engines else f"{name} (built {i + 1}.)"] = (
+            llm, clock, prop, getattr(prop, "stopper", None))
+        last = (built, cap) if how is not None else last
     vllm_proposer.uninstall()  # vLLM's runner checks isinstance(drafter, DraftModelProposer): its own class holds all
-    for llm, _, _ in engines.values():
+    for llm, _, _, _ in engines.values():
         generate(llm, [prompts[0]], 8)  # warm-up
     totals = {name: [0.0, 0.0, 0.0, 0] for name in engines}  # decode s, propose s, scoring s, decode steps
     outputs: dict[str, list[list[int]]] = {}
     for r in range(args.rounds):
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
         for name in order:
-            llm, clock, prop = engines[name]
+            llm, clock, prop, stopper = engines[name]
+            if hasattr(prop, "stopper"):
+                prop.stopper = stopper  # None: the base class's propose, vLLM's own loop
             clock.take()
             before, scored, outs = prop.propose_s, scoring_s(prop), []
             for i in range(0, len(prompts), args.batch):
@@ -112,9 +139,10 @@ def main() -> None:
     print(f"{args.prompts} prompts x {args.new_tokens} new tokens, {args.batch} concurrent, {args.rounds} rounds")
     for name, (dec_s, prop_s, score_s, n) in totals.items():
         same = sum(a == b for a, b in zip(outputs[name], outputs[ref_name]))
-        print(f"{name:34s} decode {dec_s:6.1f} s ({dec_s / ref_s:.3f}x vLLM's)  {int(n)} steps: "
+        print(f"{name:34s} decode {dec_s:6.1f} s ({dec_s / ref_s:.3f}x the first)  {int(n)} steps: "
               f"{1000 * dec_s / n:6.1f} ms a step, {1000 * prop_s / n:5.1f} of it proposing "
-              f"({1000 * score_s / n:4.1f} deciding)  outputs equal to vLLM's: {same}/{len(outputs[name])}", flush=True)
+              f"({1000 * score_s / n:4.1f} deciding)  outputs equal to the first's: {same}/{len(outputs[name])}",
+              flush=True)
 
 
 if __name__ == "__main__":

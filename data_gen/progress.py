@@ -103,7 +103,7 @@ class Heartbeat:
             eta = f", ETA {fmt_duration(max(0.0, self.total - self.done) / rate)}"
         note = f"; {self.note}" if self.note else ""
         return (f"{self.name}: {self.done:,.0f}{of} {self.unit} in {fmt_duration(elapsed)} "
-                f"({rate:,.2f} {self.unit}/s{eta}){note}")
+                f"({rate_text(rate, self.unit)}{eta}){note}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -119,6 +119,16 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
+
+
+def rate_text(rate: float, unit: str) -> str:
+    """``rate`` (units a second) in the unit of time that reads best: per second from one a second, else per minute,
+    else the minutes one takes (``0.01 prompts/s`` reads as ``1.7 min a prompt``)."""
+    if rate >= 1.0 or rate <= 0.0:
+        return f"{rate:,.2f} {unit}/s"
+    if rate * 60.0 >= 1.0:
+        return f"{rate * 60.0:,.1f} {unit}/min"
+    return f"{1.0 / rate / 60.0:,.1f} min a {unit.removesuffix('s')}"
 
 
 @dataclass

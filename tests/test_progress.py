@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 
-from data_gen.progress import ChainProgress, Heartbeat
+from data_gen.progress import ChainProgress, Heartbeat, rate_text
 
 
 def test_heartbeat_lines_with_rate_and_eta(caplog, monkeypatch):
@@ -24,7 +24,14 @@ def test_a_resumed_run_leaves_the_read_back_units_out_of_its_rate():
     hb = Heartbeat(logging.getLogger("x"), "benchmark", total=23, unit="prompts", enabled=False)
     hb.t0 -= 100.0  # 100 s of work
     hb.update(12, resumed=11)  # 11 prompts read back from an earlier run, 1 run now
-    assert "12/23 prompts" in hb.line() and "(0.01 prompts/s, ETA 18 min" in hb.line()
+    assert "12/23 prompts" in hb.line() and "(1.7 min a prompt, ETA 18 min" in hb.line()
+
+
+def test_slow_rates_read_per_minute_or_as_minutes_a_unit():
+    assert rate_text(30.3, "records") == "30.30 records/s"
+    assert rate_text(0.5, "prompts") == "30.0 prompts/min"
+    assert rate_text(0.01, "prompts") == "1.7 min a prompt"
+    assert rate_text(0.0, "samples") == "0.00 samples/s"
 
 
 def test_disabled_heartbeat_starts_no_thread():
