@@ -8,8 +8,8 @@ their greedy outputs agree. Each engine's decode steps split into the time in th
 forwards and, for specstop's, its scoring) and the rest (the target's verification, sampling and scheduling).
 ``--engines`` picks the engines and the order they are built in. Two engines differ by more than their code (where
 the host placed their weights, its phase while each ran): one built twice (``vllm,specstop,vllm``) shows by how much,
-and ``detached`` runs vLLM's own ``propose`` in the specstop engine built last, so that the two proposers meet in one
-engine and only their code differs.
+and ``detached`` runs vLLM's own draft loop at K in the specstop engine built last (the spec ``vllm:K``), so that the
+two proposers meet in one engine and only their code differs.
 
 Usage (in ``.venv-vllm``, after ``bash scripts/setup.sh --vllm --real``):
     .venv-vllm/bin/python benchmarks/bench_vllm_proposer.py --prompts 4 --new_tokens 64 --k 3 --cap 8 --batch 1
@@ -90,29 +90,29 @@ def main() -> None:
     ap.add_argument("--engines", default="vllm,specstop,specstop-cap",
                     help="engines in the order they are built, from vllm, specstop (cap K) and specstop-cap (cap "
                          "--cap); a name twice builds it twice (vllm,specstop,vllm: an A/A control of build order); "
-                         "detached runs vLLM's own propose in the specstop engine built last (its stopper detached), "
-                         "so the two proposers meet in one engine")
+                         "detached runs vLLM's own draft loop at K in the specstop engine built last (vllm:K), so "
+                         "that the two proposers meet in one engine")
     args = ap.parse_args()
     target, draft, prompts = pair_and_prompts(args)
     settings = vllm_proposer.PolicySettings(spec=f"static:{args.k}", max_draft_len=max(args.k, args.cap))
     kinds = {"vllm": (f"vLLM's proposer, K = {args.k}", args.k, None),
              "specstop": (f"specstop's, static:{args.k}, cap {args.k}", args.k, settings),
              "specstop-cap": (f"specstop's, static:{args.k}, cap {args.cap}", args.cap, settings)}
-    engines: dict[str, tuple[Any, StepClock, Any, Any]] = {}  # name -> engine, its clock, proposer, stopper to run
-    last: tuple[tuple[Any, StepClock, Any, Any], int] | None = None  # the specstop engine built last, its K
+    engines: dict[str, tuple[Any, StepClock, Any, Any]] = {}  # name -> engine, its clock, proposer, its settings
+    last: tuple[Any, StepClock, Any, Any] | None = None  # the specstop engine built last
     for i, kind in enumerate(args.engines.split(",")):
         if kind == "detached":
             if last is None:
                 ap.error("--engines: detached needs a specstop engine built before it")
-            engines[f"vLLM's proposer, K = {last[1]}, in specstop's engine"] = (*last[0][:3], None)
+            own = vllm_proposer.PolicySettings(spec=f"vllm:{args.k}", max_draft_len=settings.max_draft_len)
+            engines[f"vLLM's own loop, K = {args.k}, in the last"] = (*last[:3], own)
             continue
         if kind not in kinds:
             ap.error(f"--engines: {kind!r} is not one of {', '.join(kinds)}, detached")
         name, cap, how = kinds[kind]
         llm, clock, prop = build(target, draft, cap, args.batch, how)
-        built = engines[name if name not in engines else f"{name} (built {i + 1}.)"] = (
-            llm, clock, prop, getattr(prop, "stopper", None))
-        last = (built, cap) if how is not None else last
+        built = engines[name if name not in engines else f"{name} (built {i + 1}.)"] = (llm, clock, prop, how)
+        last = built if how is not None else last
     vllm_proposer.uninstall()  # vLLM's runner checks isinstance(drafter, DraftModelProposer): its own class holds all
     for llm, _, _, _ in engines.values():
         generate(llm, [prompts[0]], 8)  # warm-up
@@ -121,9 +121,9 @@ def main() -> None:
     for r in range(args.rounds):
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
         for name in order:
-            llm, clock, prop, stopper = engines[name]
-            if hasattr(prop, "stopper"):
-                prop.stopper = stopper  # None: the base class's propose, vLLM's own loop
+            llm, clock, prop, how = engines[name]
+            if how is not None:
+                prop.set_policy(how)
             clock.take()
             before, scored, outs = prop.propose_s, scoring_s(prop), []
             for i in range(0, len(prompts), args.batch):

@@ -592,7 +592,7 @@ def test_the_policies_engine_runs_static_ks_beside_the_policies() -> None:
     from runtimes.vllm.run import _plan
 
     cfg = VllmBenchConfig(batch_sizes=[1], n_prompts=1, policies=["adaedl:0.6"], following_policies=["goodput:x"],
-                          proposer_static_k=[0, 3])
+                          proposer_static_k=[0, 3], engine_vllm_k=[])
     groups = _plan(cfg, "T", "D", [])
     engine = next(g for g in groups if g.plugin)
     assert list(engine.rows.items()) == [("adaedl:0.6", "adaedl:0.6"), ("goodput:x (following)", "goodput:x"),
@@ -603,6 +603,30 @@ def test_the_policies_engine_runs_static_ks_beside_the_policies() -> None:
     assert engine.roles[1].ablation and engine.roles[1].following
     with pytest.raises(ValueError, match="proposer_static_k"):
         VllmBenchConfig(batch_sizes=[1], n_prompts=1, proposer_static_k=[9])
+
+
+def test_vllms_own_loop_runs_beside_the_policies_and_is_priced_as_vllms_k() -> None:
+    """``engine_vllm_k``: vLLM's own draft loop at K in the policies' engine (spec ``vllm:K``), one of the engine's
+    fixed settings (its levels, its in-engine comparison), priced as vLLM's K, not as a policy's logged rounds."""
+    from runtimes.vllm.proposer import own_loop_k
+    from runtimes.vllm.run import _k_of, _plan
+
+    cfg = VllmBenchConfig(batch_sizes=[1], n_prompts=1, static_k=[3], default_k=3, policies=["adaedl:0.6"],
+                          following_policies=[], proposer_static_k=[3], engine_vllm_k=[1, 3])
+    plan = _plan(cfg, "T", "D", [])
+    engine = next(g for g in plan if g.plugin)
+    assert list(engine.rows.items())[-2:] == [("vllm:1 (policies' engine)", "vllm:1"),
+                                              ("vllm:3 (policies' engine)", "vllm:3")]
+    own = engine.roles[-1]
+    assert own.in_proposer and own.in_policies_engine and not own.fixed and not own.ablation
+    k_of = _k_of(plan)
+    assert k_of["vllm:3 (policies' engine)"](4) == 3 and k_of["vllm:3 (defaults)"](4) == 3
+    assert k_of["adaedl:0.6"] is None and k_of["static:3 (policies' engine)"] is None
+    assert own_loop_k("vllm:5") == 5 and own_loop_k("static:5") is None and own_loop_k("adaedl:0.6") is None
+    with pytest.raises(ValueError, match="vllm:K takes a whole K >= 1"):
+        own_loop_k("vllm:0")
+    with pytest.raises(ValueError, match="engine_vllm_k"):
+        VllmBenchConfig(batch_sizes=[1], n_prompts=1, engine_vllm_k=[9])
 
 
 def test_policies_compare_with_their_engines_fastest_static_k_as_measured() -> None:

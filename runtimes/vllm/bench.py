@@ -12,7 +12,10 @@ prompts, greedy, at each batch size (1: one request at a time; B: B requests sen
 - each ``policies`` entry inside vLLM: specstop's proposer (``runtimes.vllm.proposer``) at
   ``num_speculative_tokens = policy_k``, each request's drafting stopped by its own copy of the policy;
 - ``static:K (policies' engine)`` for each ``proposer_static_k``: the same proposer at a fixed K (0: no drafting and
-  no draft forward), taking turns with the policies on each unit, so that they compare inside one engine.
+  no draft forward), and ``vllm:K (policies' engine)`` for each ``engine_vllm_k``: vLLM's own draft loop at K in that
+  engine (the spec ``vllm:K``), both taking turns with the policies on each unit, so that the policies compare with
+  vLLM's fixed settings inside one engine (two engines differ by more than their settings: where the host placed
+  their weights, its phase while each ran).
 
 One engine per configuration (an engine's speculative config is fixed when it loads). The target alone's engine
 stays loaded for the whole run and runs each unit (a prompt at batch 1, a group of B prompts at batch B) before and
@@ -76,16 +79,18 @@ class RowRole:
     """A policy whose batch rule prices steps at the factors its engine meets and corrects its calibration by vLLM's
     verdicts (``PolicySettings.follow``), run beside the same policy as measured."""
     in_proposer: bool = False
-    """A static K run by specstop's proposer in the policies' engine (``static:K``; K = 0 drafts nothing and skips
-    the draft's forward), taking turns with the policies on each unit: the fixed settings they compare with inside
-    one engine, free of what another engine's pace does to a cross-engine ratio."""
+    """A static K run in the policies' engine (``static:K`` by specstop's proposer, K = 0 drafting nothing and
+    skipping the draft's forward; or vLLM's own loop, :attr:`own_loop`), taking turns with the policies on each unit:
+    the fixed settings they compare with inside one engine, free of what another engine's pace does to a ratio."""
+    own_loop: bool = False
+    """With ``in_proposer``: vLLM's own draft loop at K (``vllm:K``), not specstop's ``static:K``."""
 
     @property
     def name(self) -> str:
         if self.what == "target":
             return TARGET_ALONE + (" (again)" if self.again else "")
         if self.what == "static" and self.in_proposer:
-            return f"static:{self.k} (policies' engine)"
+            return f"{'vllm' if self.own_loop else 'static'}:{self.k} (policies' engine)"
         if self.what == "static":
             return (f"vllm:{self.k}" + (" (recommended)" if self.recommended else "")
                     + (" (defaults)" if self.defaults else ""))
@@ -118,7 +123,7 @@ class RowRole:
         if self.what == "policy":
             return self.spec
         if self.in_proposer:
-            return f"static:{self.k}"
+            return f"{'vllm' if self.own_loop else 'static'}:{self.k}"
         return "again" if self.again else None
 
 
@@ -156,10 +161,13 @@ class VllmBenchConfig(HarnessConfig):
     following_policies: list[str] = field(default_factory=list)
     """Policies run again in the policies' engine with the batch rule following what the engine meets (its steps'
     pace, vLLM's verdicts per draft position; rows named ``<spec> (following)``)."""
-    proposer_static_k: list[int] = field(default_factory=lambda: [0, 1, 3])
+    proposer_static_k: list[int] = field(default_factory=lambda: [0, 3])
     """Static Ks run by specstop's proposer in the policies' engine, taking turns with the policies on each unit
     (rows ``static:K (policies' engine)``; 0: no drafting and no draft forward): the policies' fixed comparison
-    inside one engine."""
+    inside one engine (beside ``vllm:K`` of the same K: what specstop's proposer costs over vLLM's loop)."""
+    engine_vllm_k: list[int] = field(default_factory=lambda: [1, 3, 5])
+    """Static Ks run by vLLM's own draft loop in the policies' engine (rows ``vllm:K (policies' engine)``, each K
+    from 1 to ``policy_k``): vLLM's fixed settings beside the policies in one engine."""
     trace_predictor: str | None = None
     """An export whose features are traced in vLLM on ``trace_prompts`` prompts of ``acceptance_split`` (drafting to
     ``policy_k``), written to ``out_dir/traces``, and whose calibration is refitted on them into
@@ -186,6 +194,9 @@ class VllmBenchConfig(HarnessConfig):
         if not all(0 <= k <= self.policy_k for k in self.proposer_static_k):
             raise ValueError(f"--proposer_static_k {self.proposer_static_k}: each K from 0 to policy_k "
                              f"({self.policy_k}), the cap of the policies' engine")
+        if not all(1 <= k <= self.policy_k for k in self.engine_vllm_k):
+            raise ValueError(f"--engine_vllm_k {self.engine_vllm_k}: each K from 1 to policy_k ({self.policy_k}), "
+                             "the cap of the policies' engine")
         if self.acceptance_prompts < 0:
             raise ValueError(f"--acceptance_prompts {self.acceptance_prompts}: give 0 (tune on recommend_data) or more")
         if self.acceptance_prompts and self.acceptance_split == self.split:

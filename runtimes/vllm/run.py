@@ -118,8 +118,8 @@ def _acceptance(cfg: VllmBenchConfig, cost_path: Path, target: str, draft: str) 
 def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick]) -> list[EngineRows]:
     """The engines in the order they load: the target alone (its two rows; its engine stays loaded as every other
     engine's reference), vLLM's static Ks, the recommended schedule, specstop's policies (with the policies each
-    request of which stops alone, and the static Ks run by its proposer; those policies in an engine of their own when
-    no other policy runs)."""
+    request of which stops alone, the static Ks run by its proposer and by vLLM's own loop; those policies in an engine
+    of their own when no other policy runs)."""
     seqs = max(cfg.batch_sizes)
     base = EngineSpec(target=target, max_num_seqs=max(seqs, 2), device=cfg.models.device)
     ks = sorted({*cfg.static_k, cfg.default_k, *(p.k for p in picks if p.batch == 1 and p.k)})
@@ -139,6 +139,7 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
         roles += [RowRole("policy", spec=p, following=True) for p in cfg.following_policies]
         roles += [RowRole("policy", spec=p, per_request=True, with_policies=True) for p in cfg.per_request_policies]
         roles += [RowRole("static", k=k, in_proposer=True) for k in cfg.proposer_static_k]
+        roles += [RowRole("static", k=k, in_proposer=True, own_loop=True) for k in cfg.engine_vllm_k]
         groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k), roles, plugin=True))
     elif cfg.per_request_policies:
         groups.append(EngineRows(replace(base, draft=draft, k=cfg.policy_k),
@@ -286,11 +287,14 @@ def _run_passes(plan: list[EngineRows], cfg: VllmBenchConfig, run: Any) -> list[
 
 
 def _k_of(plan: list[EngineRows]) -> dict[str, Any]:
-    """Row name -> vLLM's K at a batch size (None for policy rows)."""
+    """Row name -> vLLM's K at a batch size (None for rows specstop's proposer decides, priced by its rounds)."""
     out: dict[str, Any] = {}
     for g in plan:
-        for name in g.rows:
-            if g.plugin:
+        for role in g.roles:
+            name = role.name
+            if g.plugin and role.own_loop:  # vLLM's own loop in the policies' engine
+                out[name] = (lambda k: lambda b: k)(role.k)
+            elif g.plugin:
                 out[name] = None
             elif g.engine.per_batch:
                 out[name] = (lambda ranges: lambda b: next(k for s, e, k in ranges if s <= b <= e))(g.engine.per_batch)
