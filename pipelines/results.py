@@ -4,7 +4,8 @@ Every figure the README and docs/results.md quote comes from a summary file (``r
 hand. ``--check`` renders in memory and exits 1, naming the file, when a document differs from what the summaries
 give (the unit suite runs it). ``--verify`` recomputes every rendered figure of each summary from its per-prompt
 records (``benchmark.verify``) and exits 1 naming the first that disagrees. ``--main_job DIR`` /
-``--benchmark DIR`` first store the summary of a finished run, with the provenance the run recorded.
+``--benchmark DIR`` first store the summary of a finished run, with the provenance the run recorded; stored in a
+folder other than ``results/`` (``--results_dir``), nothing is rendered.
 
 Usage:
     python -m pipelines.results                      # rewrite the README's and docs/results.md's blocks
@@ -91,6 +92,12 @@ def store_runs(cfg: ResultsConfig) -> None:
         log.info("stored %s", write_summary(summary, cfg.results_dir))
 
 
+def renders_documents(cfg: ResultsConfig) -> bool:
+    """Whether ``results_dir`` is the repository's ``results/``: the documents render from it alone, so that a summary
+    stored in another folder (a scratch one) never empties their blocks."""
+    return (Path(cfg.root) / cfg.results_dir).resolve() == (Path(cfg.root) / "results").resolve()
+
+
 def render(cfg: ResultsConfig) -> list[Path]:
     """Fill every document's block from the summaries; returns the documents that differ(ed)."""
     summaries = load_summaries(Path(cfg.root) / cfg.results_dir)
@@ -156,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if not cfg.check:
                 store_runs(cfg)
+                if not renders_documents(cfg):
+                    load_summaries(Path(cfg.root) / cfg.results_dir)  # the folder and its summaries still checked
+                    log.info("README and docs not rendered: they render from %s only",
+                             Path(cfg.root) / "results")
+                    return 0
             differ = render(cfg)
         except SummaryError as e:
             raise ValueError(str(e)) from e

@@ -62,6 +62,17 @@ def test_render_then_check_round_trip(tmp_path):
     assert "+0.0020 [+0.0010, +0.0030]" in readme
 
 
+def test_summaries_elsewhere_never_render_the_documents(tmp_path):
+    """Storing into a scratch folder leaves the README and docs as results/ renders them."""
+    (tmp_path / "docs").mkdir()
+    for name, rel in results_cli.DOCUMENTS.items():
+        (tmp_path / rel).write_text(f"# doc\n<!-- results:{name} -->\nold\n<!-- /results:{name} -->\ntail\n")
+    write_summary(bench_summary(), tmp_path / "scratch")
+    before = {rel: (tmp_path / rel).read_text() for rel in results_cli.DOCUMENTS.values()}
+    assert results_cli.main(["--root", str(tmp_path), "--results_dir", "scratch"]) == 0
+    assert {rel: (tmp_path / rel).read_text() for rel in results_cli.DOCUMENTS.values()} == before
+
+
 @pytest.mark.parametrize("mutate, field", [
     (lambda d: d.pop("rows"), "'rows' missing"),
     (lambda d: d.update(schema="x"), "field 'schema'"),
