@@ -271,6 +271,12 @@ def test_a_stored_vllm_run_renders_its_rows_and_goals(tmp_path) -> None:
     assert "ran 1.000x the fastest fixed setting measured" in block
     assert "| `adaedl:0.6` | 1 | 0.86 / 0.84 (100) |" in block  # predicted / vLLM's acceptance (tokens judged)
     assert "| 1 | `adaedl:0.6` | 1.10x [1.02, 1.19] (`vllm:3 (recommended)`) |  |  |" in vllm_readme_lines(summaries)[1]
+    from rendering.result_store import Summary
+
+    xeon = {**summaries[0].data["machine"], "model_name": "Intel(R) Xeon(R) Processor", "family": "6", "model": "207"}
+    later = Summary(tmp_path / "later.json", {**summaries[0].data, "machine": xeon, "date": "2099-01-01"})
+    both = vllm_block([*summaries, later])  # each host kind's newest run, newest first, under its own heading
+    assert both.index("### Intel Xeon") < both.index("### AMD EPYC") and both.count("Measured (") == 2
 
 
 def test_the_stored_gpu_check_renders() -> None:

@@ -257,13 +257,21 @@ def vllm_section(s: Summary) -> str:
 
 
 def vllm_block(summaries: list[Summary]) -> str:
-    """docs/vllm.md's block: the newest stored vLLM benchmark, or how to store one."""
-    s = newest(summaries, "vllm_benchmark")
-    if s is None:
+    """docs/vllm.md's block: the newest stored vLLM benchmark of each host kind, newest first (a host kind prices
+    speculation its own way), or how to store one."""
+    by_host: dict[str, Summary] = {}
+    for s in summaries:  # oldest first: a later run of a host kind replaces its earlier one
+        if s.kind == "vllm_benchmark":
+            by_host.pop(cpu_label(s.data["machine"]), None)
+            by_host[cpu_label(s.data["machine"])] = s
+    if not by_host:
         return ("No stored run yet: run `.venv-vllm/bin/python -m pipelines.vllm_bench --config "
                 "configs/benchmark-vllm.yaml`, then `python -m pipelines.results --benchmark outputs/benchmark-vllm "
                 "--config_name benchmark-vllm`.")
-    return vllm_section(s)
+    runs = list(reversed(by_host.items()))
+    if len(runs) == 1:
+        return vllm_section(runs[0][1])
+    return "\n\n".join(f"### {host}\n\n{vllm_section(s)}" for host, s in runs)
 
 
 def vllm_readme_lines(summaries: list[Summary]) -> list[str]:
