@@ -3,8 +3,8 @@ changes, recorded at a run's start so a stored result names the code that measur
 
 Outside a git checkout both are ``None`` and recording never fails; untracked files do not count as changes.
 
-Usage: ``record_start(out_dir)`` at a run's start, ``record_end(out_dir)`` at its end, ``run_code(out_dir)`` when its
-summary is stored.
+Usage: ``record_start(out_dir, command=...)`` at a run's start, ``record_end(out_dir)`` at its end,
+``run_code(out_dir)`` and ``recorded_command(out_dir)`` when its summary is stored.
 """
 from __future__ import annotations
 
@@ -105,12 +105,12 @@ def _write(out_dir: Path, record: dict[str, Any]) -> None:
     (Path(out_dir) / RUN_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
-def record_start(out_dir: str | Path, root: Path = ROOT) -> dict[str, Any]:
-    """Add this start (commit, dirty, UTC time, host) to ``out_dir/code_version.json`` and return its code; a new start
-    clears an earlier end."""
+def record_start(out_dir: str | Path, root: Path = ROOT, command: str | None = None) -> dict[str, Any]:
+    """Add this start (commit, dirty, UTC time, host and, when given, the command that started it) to
+    ``out_dir/code_version.json`` and return its code; a new start clears an earlier end."""
     record = _record(Path(out_dir))
     now = code_version(root)
-    record["starts"].append({**now, "date": _now(), "host": host_facts()})
+    record["starts"].append({**now, "date": _now(), "host": host_facts(), **({"command": command} if command else {})})
     record.pop("end", None)
     _write(Path(out_dir), record)
     return now
@@ -131,6 +131,12 @@ def record_end(out_dir: str | Path, duration_s: float | None) -> dict[str, Any]:
     record["end"] = {"date": _now(), "duration_s": None if duration_s is None else round(float(duration_s), 1)}
     _write(Path(out_dir), record)
     return record["end"]
+
+
+def recorded_command(out_dir: str | Path) -> str | None:
+    """The command the run in ``out_dir`` was first started with, as its start recorded it (None: not recorded)."""
+    starts = _record(Path(out_dir))["starts"]
+    return starts[0].get("command") if starts else None
 
 
 def run_code(out_dir: str | Path, root: Path = ROOT) -> dict[str, Any]:

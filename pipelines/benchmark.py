@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.getLogger("absl").setLevel(logging.WARNING)  # rouge-score logs once per scorer
     with user_errors("python -m pipelines.benchmark"):
         cfg = parse_config(BenchmarkConfig, argv, __doc__)
-        out_dir = start_run(cfg, "python -m pipelines.benchmark")
+        out_dir = start_run(cfg, "python -m pipelines.benchmark", argv)
         rows, stats = run_benchmark(cfg)
         record_end(out_dir, stats["seconds"])  # the run's end and duration beside its start's code and host
     if cfg.tracking:

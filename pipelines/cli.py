@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import sys
 import types
 import typing
@@ -254,14 +255,15 @@ def quiet_libraries() -> None:
         sys.modules["datasets"].disable_progress_bars()
 
 
-def start_run(cfg: object, prog: str) -> Path:
+def start_run(cfg: object, prog: str, argv: list[str] | None = None) -> Path:
     """Create the run's ``cfg.out_dir``, write its resolved config there as ``config.yaml`` headed by the command that
-    runs it again (``prog --config <that file>``), and record the code of this start
-    (``compute.code_version.record_start``: the stored summary names the code the rows ran on, not the code at storing
-    time). Returns the folder."""
+    runs it again (``prog --config <that file>``), and record the code and the command (``prog`` and ``argv``, the
+    command line's when None) of this start (``compute.code_version.record_start``: the stored summary names the code
+    the rows ran on and the command that ran them, neither typed at storing time). Returns the folder."""
     out_dir = Path(cfg.out_dir)  # type: ignore[attr-defined]
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "config.yaml"
     path.write_text(f"# {prog} --config {path}\n" + yaml.safe_dump(dataclasses.asdict(cfg)))  # type: ignore[arg-type]
-    record_start(out_dir)
+    args = sys.argv[1:] if argv is None else argv
+    record_start(out_dir, command=shlex.join([*shlex.split(prog), *args]))
     return out_dir

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup_logging()
     with user_errors(PROG):
         cfg = parse_config(LlamaCppBenchConfig, argv, __doc__)
-        out_dir = start_run(cfg, PROG)
+        out_dir = start_run(cfg, PROG, argv)
         t0 = time.perf_counter()
         rep = run_llamacpp_benchmark(cfg)
         record_end(out_dir, time.perf_counter() - t0)  # the run's end and duration beside its start's code and host

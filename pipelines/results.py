@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmark.verify import MissingRecords, recomputed_summary, verify_benchmark
+from compute.code_version import recorded_command
 from main_job.verify import NoRecords, verify_main_job
 from pipelines.cli import parse_config, setup_logging, user_errors
 from rendering.device_results import summarize_device_check
@@ -62,7 +63,8 @@ class ResultsConfig:
     config_name: str | None = None
     """The config's name in the summary (default: default for a main job, benchmark for a benchmark)."""
     command: str | None = None
-    """The command that reproduces the stored run (default: the usual command for its config name)."""
+    """The command that reproduces the stored run (default: the one its start recorded, else the usual command for
+    its config name)."""
     device_check: str | None = None
     """Store the summary of a GPU check (``scripts/device_check.sh``'s device-check.json) before rendering."""
     verify: bool = False
@@ -81,13 +83,14 @@ def store_runs(cfg: ResultsConfig) -> None:
         summary = summarize_device_check(cfg.device_check)
         log.info("stored %s", write_summary(summary, cfg.results_dir))
     if cfg.benchmark and (cfg.config_name or "").startswith("benchmark-vllm"):
-        cmd = cfg.command or f"python -m pipelines.vllm_bench --config configs/{cfg.config_name}.yaml"
+        cmd = cfg.command or recorded_command(cfg.benchmark) or (
+            f"python -m pipelines.vllm_bench --config configs/{cfg.config_name}.yaml")
         summary = summarize_vllm_benchmark(cfg.benchmark, cmd, cfg.config_name)
         log.info("stored %s", write_summary(summary, cfg.results_dir))
     elif cfg.benchmark:
         name = cfg.config_name or "benchmark"
         entry = "pipelines.llamacpp_bench" if name.startswith("benchmark-llamacpp") else "pipelines.benchmark"
-        cmd = cfg.command or f"python -m {entry} --config configs/{name}.yaml"
+        cmd = cfg.command or recorded_command(cfg.benchmark) or f"python -m {entry} --config configs/{name}.yaml"
         summary = summarize_benchmark(cfg.benchmark, cmd, name)
         log.info("stored %s", write_summary(summary, cfg.results_dir))
 

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from runtimes.vllm.bench_report import markdown
         from runtimes.vllm.run import run_vllm_benchmark
 
-        out_dir = start_run(cfg, PROG)
+        out_dir = start_run(cfg, PROG, argv)
         resumed = any((Path(cfg.out_dir) / "engines").glob("*.json"))
         if not resumed:
             new_run(out_dir)  # no engine of an earlier run is read back: the run's code is this start's

@@ -17,6 +17,7 @@ from compute.code_version import (
     new_run,
     record_end,
     record_start,
+    recorded_command,
     run_code,
 )
 from rendering import result_store
@@ -155,6 +156,25 @@ def test_a_new_run_in_an_old_folder_names_its_own_start(repo, tmp_path):
     new_run(out)  # the run starts over: the earlier run's start is not its own
     assert run_code(out, repo)["commit"] == git(repo, "rev-parse", "HEAD")
     assert len(json.loads((out / RUN_RECORD).read_text())["starts"]) == 1
+
+
+def test_the_command_a_run_started_with_is_stored_with_it(tmp_path, monkeypatch):
+    """start_run records prog and the arguments; pipelines.results stores that command unless --command is given."""
+    from dataclasses import dataclass
+
+    from pipelines.cli import start_run
+
+    @dataclass
+    class Cfg:
+        out_dir: str
+
+    out = tmp_path / "run"
+    start_run(Cfg(str(out)), "python -m pipelines.vllm_bench", ["--config", "c.yaml", "--max_new_tokens", "64"])
+    assert recorded_command(out) == "python -m pipelines.vllm_bench --config c.yaml --max_new_tokens 64"
+    monkeypatch.setattr("sys.argv", ["x", "--n_prompts", "2"])
+    start_run(Cfg(str(tmp_path / "other")), "python -m pipelines.benchmark")  # the command line's arguments
+    assert recorded_command(tmp_path / "other") == "python -m pipelines.benchmark --n_prompts 2"
+    assert recorded_command(tmp_path / "never") is None
 
 
 def test_a_dirty_start_is_named_dirty(repo, tmp_path):
