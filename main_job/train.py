@@ -137,18 +137,20 @@ def _planned_stages(cfg: TrainJobConfig) -> list[str]:
     return stages
 
 
-def train_all(cfg: TrainJobConfig, extra_data: list[GenerateConfig], progress: bool | None = None) -> dict[str, Any]:
+def train_all(cfg: TrainJobConfig, extra_data: list[GenerateConfig], progress: bool | None = None,
+              command: str | None = None) -> dict[str, Any]:
     """Run the whole chain; returns {"results": rows of the table, "report": path, "data": identity, "seconds",
     "stage_seconds", "from_scratch": whether no stage reused or resumed earlier work}.
 
     Args:
         extra_data: the configs of ``cfg.extra_data``'s files, read by the caller (the entry point parses them).
         progress: show the bar (None: when stderr is a terminal); the per-stage lines are logged either way.
+        command: the command that started the job, recorded beside its code (its summary stores it).
     """
     uri = resolve_tracking_uri(cfg.tracking_uri)
     check_reachable(uri)  # fail before any work when the tracking server is down
     out = Path(cfg.out_dir)
-    record_start(out)  # the stored summary names the code this job ran on, not the code at storing time
+    record_start(out, command=command)  # the stored summary names the code this job ran on, not the code at storing
     with ChainProgress(_planned_stages(cfg), log, disable=None if progress is None else not progress) as chain:
         with chain.stage("generate") as st:
             data_dirs = ensure_data([cfg.data, *extra_data], cfg.generate_if_missing, chain, st)

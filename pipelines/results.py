@@ -76,7 +76,7 @@ def store_runs(cfg: ResultsConfig) -> None:
     """Write the summaries of the runs named by ``--main_job`` / ``--benchmark``."""
     if cfg.main_job:
         name = cfg.config_name or "default"
-        cmd = cfg.command or f"python -m pipelines.train --config configs/{name}.yaml"
+        cmd = cfg.command or recorded_command(cfg.main_job) or f"python -m pipelines.train --config configs/{name}.yaml"
         summary = summarize_main_job(cfg.main_job, cmd, name)
         log.info("stored %s", write_summary(summary, cfg.results_dir, main_job_records(cfg.main_job)))
     if cfg.device_check:

@@ -23,6 +23,7 @@ Usage:
 """
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup_logging()
     with user_errors(PROG):
         cfg = parse_config(TrainJobConfig, argv, __doc__)
-        result = train_all(cfg, [generate_config(p) for p in cfg.extra_data])
+        command = shlex.join([*PROG.split(), *(sys.argv[1:] if argv is None else argv)])
+        result = train_all(cfg, [generate_config(p) for p in cfg.extra_data], command=command)
     # the job's end and duration beside its start's code and host; a job that reused or resumed earlier work records
     # no duration: it is not what the job costs
     seconds = result["seconds"] if result.get("from_scratch") else None
