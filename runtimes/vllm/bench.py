@@ -42,6 +42,7 @@ from typing import Any
 
 from benchmark.config import HarnessConfig
 from data_gen.config import ModelsConfig
+from data_gen.progress import Heartbeat
 from runtimes.vllm import proposer as vllm_proposer
 from runtimes.vllm.engine import EngineSpec, StepClock, StepLog, build_engine, generate, release, spec_counters
 
@@ -404,33 +405,13 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
         clock = StepClock(llm)
     proposer = vllm_proposer.active() if group.plugin else None
     ref = reference.engine() if reference is not None and not own else None
-    out = []
-    for batch, batch_units in units.items():
-        rows = [RowRun(name=r.name, batch=batch, spec=r.proposer_spec or r.name, role=r) for r in group.roles]
-        for engine in [llm] + ([ref[0]] if ref is not None else []):  # a batch size's first steps run slower
-            generate(engine, batch_units[0], 4)
-        for u, prompts in enumerate(batch_units):
-            turn = rows[u % len(rows):] + rows[:u % len(rows)]  # each row first on some units
-            runs: dict[str, UnitRun] = {}
-            marks = [run_unit(*ref, None, prompts, cfg.max_new_tokens)[1]] if ref is not None else []
-            for row in turn:
-                if proposer is not None:
-                    proposer.set_policy(settings_of(row.role.proposer_spec,
-                                                    group.batch_rule and not row.role.per_request,
-                                                    follow=row.role.following))
-                runs[row.name] = run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens)
-                if ref is not None:  # the target alone after each row: the next row's run before too
-                    marks.append(run_unit(*ref, None, prompts, cfg.max_new_tokens)[1])
-            for i, row in enumerate(turn):
-                first = own and row.role.again  # the target's second row is paired with its first
-                beside = (marks[i] + marks[i + 1]) / 2 if ref is not None else None
-                row.add_unit(runs[row.name], runs[rows[0].name][1] if first else beside)
-        for row in rows:
-            log.info("%s at batch %d: %.2f tokens/s", row.name, batch, row.tokens_per_s)
-        if getattr(proposer, "stopper", None) is not None:  # what the batch rule priced steps at
-            log.info("steps met at batch %d: draft forwards %.2fx and verifications %.2fx vLLM's curve", batch,
-                     *proposer.stopper.met.levels(batch))
-        out += rows
+    out: list[RowRun] = []
+    runs_total = sum(len(u) for u in units.values()) * len(group.roles)
+    what = (f"specstop's proposer (K cap {group.engine.k})" if group.plugin else "target alone" if not group.engine.k
+            else "per-batch K" if group.engine.per_batch else f"K = {group.engine.k}")
+    with Heartbeat(log, f"vLLM engine, {what}", total=runs_total, unit="row runs") as beat:
+        for batch, batch_units in units.items():
+            out += _batch_rows(group, batch, batch_units, cfg, settings_of, (llm, clock), proposer, ref, own, beat)
     if proposer is not None:
         proposer.close_traces()
     del proposer
@@ -438,3 +419,37 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
         del clock
         release(llm)
     return out
+
+
+def _batch_rows(group: EngineRows, batch: int, batch_units: list[list[list[int]]], cfg: VllmBenchConfig,
+                settings_of: Any, engine: tuple[Any, StepClock], proposer: Any, ref: tuple[Any, StepClock] | None,
+                own: bool, beat: Heartbeat) -> list[RowRun]:
+    """``group``'s rows at one batch size, taking turns on each unit, the target alone (``ref``) before the first and
+    after each; ``beat`` counts the row runs."""
+    llm, clock = engine
+    rows = [RowRun(name=r.name, batch=batch, spec=r.proposer_spec or r.name, role=r) for r in group.roles]
+    for e in [llm] + ([ref[0]] if ref is not None else []):  # a batch size's first steps run slower
+        generate(e, batch_units[0], 4)
+    for u, prompts in enumerate(batch_units):
+        turn = rows[u % len(rows):] + rows[:u % len(rows)]  # each row first on some units
+        runs: dict[str, UnitRun] = {}
+        marks = [run_unit(*ref, None, prompts, cfg.max_new_tokens)[1]] if ref is not None else []
+        for row in turn:
+            if proposer is not None:
+                proposer.set_policy(settings_of(row.role.proposer_spec,
+                                                group.batch_rule and not row.role.per_request,
+                                                follow=row.role.following))
+            runs[row.name] = run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens)
+            if ref is not None:  # the target alone after each row: the next row's run before too
+                marks.append(run_unit(*ref, None, prompts, cfg.max_new_tokens)[1])
+            beat.update((beat.done or 0) + 1, note=f"{row.name} at batch {batch}")
+        for i, row in enumerate(turn):
+            first = own and row.role.again  # the target's second row is paired with its first
+            beside = (marks[i] + marks[i + 1]) / 2 if ref is not None else None
+            row.add_unit(runs[row.name], runs[rows[0].name][1] if first else beside)
+    for row in rows:
+        log.info("%s at batch %d: %.2f tokens/s", row.name, batch, row.tokens_per_s)
+    if getattr(proposer, "stopper", None) is not None:  # what the batch rule priced steps at
+        log.info("steps met at batch %d: draft forwards %.2fx and verifications %.2fx vLLM's curve", batch,
+                 *proposer.stopper.met.levels(batch))
+    return rows
