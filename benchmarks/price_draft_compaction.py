@@ -23,13 +23,13 @@ from typing import Any
 
 def row_ms(curves: dict[str, Any], batch: int) -> float:
     """The draft forward's cost of one more row at ``batch`` (ms): the curve's slope from the next smaller batch size
-    it measured (0 at its smallest)."""
+    it measured (0 at its smallest, and where the curve falls)."""
     draft = {int(b): float(c["draft_ms"]) for b, c in curves.items()}
     below = [b for b in draft if b < batch]
     if batch not in draft or not below:
         return 0.0
     lo = max(below)
-    return (draft[batch] - draft[lo]) / (batch - lo)
+    return max(0.0, (draft[batch] - draft[lo]) / (batch - lo))  # a host whose curve dips there: no row saves time
 
 
 def priced_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:

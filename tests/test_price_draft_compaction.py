@@ -23,6 +23,7 @@ def summary() -> dict:
 def test_a_row_costs_the_curves_slope_below_its_batch_size():
     assert row_ms(CURVES, 4) == 4.0 and row_ms(CURVES, 2) == 2.0
     assert row_ms(CURVES, 1) == 0.0 and row_ms(CURVES, 8) == 0.0  # nothing below, or not measured
+    assert row_ms({"1": {"draft_ms": 54.0}, "2": {"draft_ms": 53.0}}, 2) == 0.0  # a dip saves nothing
 
 
 def test_idle_rows_are_priced_against_the_rows_measured_seconds():
