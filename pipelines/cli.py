@@ -255,6 +255,12 @@ def quiet_libraries() -> None:
         sys.modules["datasets"].disable_progress_bars()
 
 
+def command_line(prog: str, argv: list[str] | None = None) -> str:
+    """The command that started this process: ``prog`` (``python -m pipelines.x``) and ``argv``, the command line's
+    arguments when None."""
+    return shlex.join([*shlex.split(prog), *(sys.argv[1:] if argv is None else argv)])
+
+
 def start_run(cfg: object, prog: str, argv: list[str] | None = None) -> Path:
     """Create the run's ``cfg.out_dir``, write its resolved config there as ``config.yaml`` headed by the command that
     runs it again (``prog --config <that file>``), and record the code and the command (``prog`` and ``argv``, the
@@ -264,6 +270,5 @@ def start_run(cfg: object, prog: str, argv: list[str] | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "config.yaml"
     path.write_text(f"# {prog} --config {path}\n" + yaml.safe_dump(dataclasses.asdict(cfg)))  # type: ignore[arg-type]
-    args = sys.argv[1:] if argv is None else argv
-    record_start(out_dir, command=shlex.join([*shlex.split(prog), *args]))
+    record_start(out_dir, command=command_line(prog, argv))
     return out_dir

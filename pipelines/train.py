@@ -23,7 +23,6 @@ Usage:
 """
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 from compute.code_version import record_end
 from data_gen.config import GenerateConfig
 from main_job.train import TrainJobConfig, train_all
-from pipelines.cli import parse_config, setup_logging, user_errors
+from pipelines.cli import command_line, parse_config, setup_logging, user_errors
 from rendering.result_store import invocation, main_job_records, summarize_main_job, write_summary
 from rendering.train_results import RESULTS_MD, SUMMARY_NOTE, format_summary
 
@@ -53,8 +52,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup_logging()
     with user_errors(PROG):
         cfg = parse_config(TrainJobConfig, argv, __doc__)
-        command = shlex.join([*PROG.split(), *(sys.argv[1:] if argv is None else argv)])
-        result = train_all(cfg, [generate_config(p) for p in cfg.extra_data], command=command)
+        result = train_all(cfg, [generate_config(p) for p in cfg.extra_data], command=command_line(PROG, argv))
     # the job's end and duration beside its start's code and host; a job that reused or resumed earlier work records
     # no duration: it is not what the job costs
     seconds = result["seconds"] if result.get("from_scratch") else None
