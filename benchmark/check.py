@@ -150,9 +150,9 @@ def predicted_tokens_per_s(row: dict[str, Any], curve_s_per_token: float) -> flo
     prefill apart (transformers'): the replay's own tokens/s.
 
     Not anchored on target-only's measured time (that time over the replayed speedup): target-only is timed through
-    ``generate`` and bracketed (the faster of two runs per prompt), so its per-token time sits below the curve's
-    one-token step while the engine's draft steps and verification passes match the curve, and every prediction would
-    come out too high by that gap."""
+    ``generate`` and bracketed (runs before and after the others, at their fastest pass's pace), so its per-token
+    time sits below the curve's one-token step while the engine's draft steps and verification passes match the
+    curve, and every prediction would come out too high by that gap."""
     pre_row, tokens = row.get("prefill_seconds"), row.get("tokens")
     if not pre_row or not tokens:
         return 1.0 / curve_s_per_token

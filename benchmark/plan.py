@@ -1,6 +1,7 @@
 """The rows of a benchmark (:func:`row_plan`: target-only first) and the order they run in (:func:`run_rows`):
-``order: prompt`` runs every row on one prompt before the next, ``repeats`` times in alternating order keeping each
-row's faster run, so drift of the host hits all rows alike; ``order: row`` runs each row over all prompts in turn."""
+``order: prompt`` runs every row on one prompt before the next, ``repeats`` times in alternating order, each row's
+seconds on it adjusted for each pass's host speed (``benchmark.records.pass_adjusted``), so drift of the host hits all
+rows alike; ``order: row`` runs each row over all prompts in turn."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,7 @@ from dataclasses import replace
 from benchmark.bench import Bench, RunOrder
 from benchmark.config import BenchmarkConfig
 from benchmark.curve import measure_curve
+from benchmark.records import pass_adjusted
 from benchmark.resume import PromptStore
 from benchmark.rows import Row
 from benchmark.runners import run_engine, run_hf, run_hf_policy, run_reference, run_target_only
@@ -121,10 +123,13 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench, how: RunOrder,
 def run_prompt(plan: list[tuple[str, Runner]], view: Bench, how: RunOrder,
                beat: Heartbeat | None = None) -> tuple[dict[str, Row], CostModel | None]:
     """Every row of the plan on the one prompt of ``view`` (one decode of the run: a prompt, or one of its samples),
-    ``repeats`` times in alternating order, each row's faster run kept; then the curve probed once (``curve_probes``,
-    else None)."""
+    ``repeats`` times in alternating order: each row keeps its fastest run's outputs and counters, every run's seconds
+    (``pass_seconds``) and, as its seconds, their pass-adjusted value (``benchmark.records.pass_adjusted``: a pass's
+    slow phase, shared by its rows, cancels in their ratios); then the curve probed once (``curve_probes``, else
+    None)."""
     label = _decode_label(view)
     rows_j: dict[str, Row] = {}
+    runs: dict[str, list[float | None]] = {}  # each row's seconds pass by pass (None: its output differed)
     for r in range(how.repeats):  # target-only first in the first pass: the greedy oracle's look-ahead
         for name, runner in plan if r % 2 == 0 else plan[::-1]:
             if name in rows_j and rows_j[name].reference:
@@ -133,14 +138,18 @@ def run_prompt(plan: list[tuple[str, Runner]], view: Bench, how: RunOrder,
                 beat.note = f"{label}, pass {r + 1}, row {name}"
             row = runner(view)
             if name not in rows_j:
-                rows_j[name] = row
+                rows_j[name], runs[name] = row, [sum(row.seconds)]
                 continue
+            runs[name].append(sum(row.seconds) if row.outputs == rows_j[name].outputs else None)
             kept = _faster(rows_j[name], row, label)
             kept.runs = rows_j[name].runs + 1
             rows_j[name] = kept
     if how.repeats > 1:
-        rows_j[plan[0][0]].note = (f"reference; per prompt the faster of {how.repeats} runs, before and after the "
-                                   "other rows")
+        timed = {name: v for name, v in runs.items() if not rows_j[name].estimated}
+        for name, seconds in pass_adjusted(timed).items():
+            rows_j[name].seconds, rows_j[name].pass_seconds = [seconds], [timed[name]]
+        rows_j[plan[0][0]].note = (f"reference; per prompt {how.repeats} runs, before and after the other rows, "
+                                   "each pass's slow phase taken out (the rows' median)")
     probe = measure_curve(view, repeats=1) if how.curve_probes else None
     return rows_j, probe
 
@@ -152,9 +161,9 @@ def _decode_label(view: Bench) -> str:
 
 
 def _faster(first: Row, again: Row, label: str) -> Row:
-    """One row run twice on one decode (``label``: its prompt and sample): the faster run (a shared VM slows down for
-    several seconds now and then: neither a row nor the denominator of its ratios must carry such a spike), or the
-    first when the outputs differ (then only one run decoded each output; logged)."""
+    """One row run twice on one decode (``label``: its prompt and sample): the faster run (its counters and engine
+    timings are the ones kept), or the first when the outputs differ (then only one run decoded each output;
+    logged)."""
     if again.outputs != first.outputs:
         log.warning("%s gave other tokens on %s the second time; keeping the first run", first.name, label)
         return first

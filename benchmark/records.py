@@ -5,7 +5,8 @@ A row's records are columns of lists, one entry a prompt (or a unit of prompts d
 (full precision: the figures were computed from these very values), rounds, drafted and accepted draft tokens, and a
 short hash of each output's token ids (outputs equal iff hashes equal, without storing the tokens). A run that samples
 each prompt several times has one entry per sample, and two more columns: ``prompt`` (the run's prompt index, what
-the bootstrap resamples: a prompt's samples go with it) and ``sample``.
+the bootstrap resamples: a prompt's samples go with it) and ``sample``. A run that times every row several times a
+prompt (``repeats``) stores each run's seconds too (``pass_seconds``), and ``seconds`` is :func:`pass_adjusted` of them.
 
 Usage::
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,10 +35,12 @@ def output_hash(tokens: Sequence[int]) -> str:
 
 def row_records(outputs: Sequence[Sequence[int]], seconds: Sequence[float], rounds: Sequence[int | None],
                 drafted: Sequence[int | None], accepted: Sequence[int | None],
-                units: Sequence[tuple[int, int]] | None = None) -> dict[str, list[Any]]:
+                units: Sequence[tuple[int, int]] | None = None,
+                pass_seconds: Sequence[Sequence[float | None]] = ()) -> dict[str, list[Any]]:
     """A row's per-prompt records as columns of lists; a counter the row does not count per prompt (a runtime's own
     generate, a batch sharing its counters) is stored as None per prompt. ``units``: each entry's (prompt, sample),
-    when a prompt has several samples (the ``prompt`` and ``sample`` columns)."""
+    when a prompt has several samples (the ``prompt`` and ``sample`` columns); ``pass_seconds``: each entry's runs'
+    seconds, pass by pass, when it ran more than once (the ``pass_seconds`` column)."""
     n = len(outputs)
 
     def column(values: Sequence[int | None]) -> list[int | None]:
@@ -48,7 +52,31 @@ def row_records(outputs: Sequence[Sequence[int]], seconds: Sequence[float], roun
     if units is not None:
         rec["prompt"] = [int(p) for p, _ in units[:n]]
         rec["sample"] = [int(s) for _, s in units[:n]]
+    if len(pass_seconds) == n:
+        rec["pass_seconds"] = [[None if s is None else float(s) for s in runs] for runs in pass_seconds]
     return rec
+
+
+def pass_adjusted(runs: dict[str, Sequence[float | None]]) -> dict[str, float]:
+    """One decode's seconds for each row from every row's runs of it, pass by pass (None: a pass a row did not run,
+    or whose output differed from its first run's). A pass's slowdown is the median over rows (those run more than
+    once) of how much slower each ran in it than in its own median pass, 0 at the fastest pass; a row's seconds is the
+    median over its runs, each divided by its pass's slowdown. A slow phase of the host that a pass's rows share
+    (they run seconds apart) so cancels in every ratio between rows, and one row's spike is outvoted by the others;
+    in one pass, the seconds as they are."""
+    logs = {k: [None if s is None else math.log(s) for s in v] for k, v in runs.items()}
+    n_pass = max((len(v) for v in logs.values()), default=0)
+    if n_pass <= 1:
+        return {k: float(v[0]) for k, v in runs.items() if v and v[0] is not None}
+    typical = {k: float(np.median([x for x in v if x is not None])) for k, v in logs.items()}
+    slow = []
+    for r in range(n_pass):
+        dev = [v[r] - typical[k] for k, v in logs.items() if r < len(v) and v[r] is not None
+               and sum(x is not None for x in v) > 1]
+        slow.append(float(np.median(dev)) if dev else 0.0)
+    floor = min(slow)
+    return {k: math.exp(float(np.median([x - (slow[r] - floor) for r, x in enumerate(v) if x is not None])))
+            for k, v in logs.items() if any(x is not None for x in v)}
 
 
 def n_prompts(prompts: Sequence[int] | None, n_entries: int) -> int:

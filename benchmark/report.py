@@ -234,7 +234,8 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
         f"learned or training-free ({best_t or 'none'}); [95% paired bootstrap interval over prompts]; mean_accepted / "
         "mean_drafted = draft tokens accepted / drafted per round; stop_overhead = one stop decision / one draft "
         "forward; identical_prompts = prompts whose output equals target-only's (greedy); rouge_l against "
-        "target-only's output; runs = the row's timed runs over the prompts, the faster kept per prompt"
+        "target-only's output; runs = the row's timed runs over the prompts; with several a prompt, its seconds are "
+        "the runs' median, each pass's slow phase (the rows' median) taken out"
         f"{_runs_rule(how)}.\n",
         markdown_table(table),
     ]

@@ -27,7 +27,11 @@ class Row:
     kind: str = ""
     """Policy kind (static, svip, disco...) for engine rows; '' for the others."""
     seconds: list[float] = field(default_factory=list)
-    """Seconds per prompt (estimated for analysis-only rows: ``estimated``)."""
+    """Seconds per prompt (estimated for analysis-only rows: ``estimated``; over several runs a prompt,
+    ``benchmark.records.pass_adjusted`` of them)."""
+    pass_seconds: list[list[float | None]] = field(default_factory=list)
+    """Per prompt, each run's seconds pass by pass (None: a run whose output differed from the first's), when the row
+    ran more than once a prompt; else empty."""
     outputs: list[list[int]] = field(default_factory=list, repr=False)
     rounds: int = 0
     accepted: int = 0
@@ -64,7 +68,8 @@ class Row:
     prefill_seconds: list[float] = field(default_factory=list)
     """Engine rows: seconds per prompt spent prefilling the prompt (inside ``seconds``)."""
     runs: int = 1
-    """Runs of the row over its prompts (per prompt 1 up to ``repeats``; the faster one kept)."""
+    """Runs of the row over its prompts (per prompt 1 up to ``repeats``: ``pass_seconds``; the fastest run's outputs,
+    counters and engine timings kept)."""
     decode: DecodeStats | None = field(default=None, repr=False)
     """Engine rows: the engine's counters and timings over the row's prompts (stop decisions, draft steps,
     verification passes: the costs the engine realised)."""
@@ -72,6 +77,7 @@ class Row:
     def extend(self, other: Row) -> None:
         """Append ``other``'s prompts (the same row run on further prompts) and add its counters."""
         self.seconds += other.seconds
+        self.pass_seconds += other.pass_seconds
         self.outputs += other.outputs
         self.prefill_seconds += other.prefill_seconds
         self.prompt_rounds += other.prompt_rounds
@@ -94,7 +100,7 @@ class Row:
         """The row's per-prompt records (``benchmark.records``; ``units``: each entry's (prompt, sample) when a prompt
         has several samples), with ROUGE-L and HumanEval per entry where scored."""
         rec = row_records(self.outputs, self.seconds, self.prompt_rounds, self.prompt_drafted, self.prompt_accepted,
-                          units)
+                          units, self.pass_seconds)
         if self.prompt_rouge_l:
             rec["rouge_l"] = list(self.prompt_rouge_l)
         if self.prompt_humaneval:

@@ -1,9 +1,10 @@
 """Recompute a stored benchmark summary's figures from its per-prompt records (``benchmark.records``), with the
-benchmark's own routines: each row's tokens/s, its ratios and their seeded bootstrap intervals (``Row.metrics``: over
-the prompts, each with its samples where the records hold several), outputs equal to target-only's (the output hashes),
-accepted and drafted tokens a round, ROUGE-L and HumanEval from their per-prompt scores (a prompt's samples averaged
-first), the ratios between rows (llama.cpp's comparisons, transformers' tuned row against its
-defaults) and the verdict sentence. ``python -m pipelines.results --verify`` runs it on every file in ``results/``.
+benchmark's own routines: each prompt's seconds from its runs where a row ran several times a prompt, each row's
+tokens/s, its ratios and their seeded bootstrap intervals (``Row.metrics``: over the prompts, each with its samples
+where the records hold several), outputs equal to target-only's (the output hashes), accepted and drafted tokens a
+round, ROUGE-L and HumanEval from their per-prompt scores (a prompt's samples averaged first), the ratios between rows
+(llama.cpp's comparisons, transformers' tuned row against its defaults) and the verdict sentence. ``python -m
+pipelines.results --verify`` runs it on every file in ``results/``.
 
 Usage::
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from benchmark.records import bootstrap_indices, n_prompts
+from benchmark.records import bootstrap_indices, n_prompts, pass_adjusted
 from benchmark.report import against_defaults, mark_identical, reference_rows, score_means
 from benchmark.rows import Row, ratio_ci
 from rendering.result_store import Disagreement
@@ -91,6 +92,9 @@ def verify_benchmark(data: dict[str, Any]) -> Disagreement | None:
     when it holds none."""
     if data.get("seed") is None or data.get("n_boot") is None:
         raise MissingRecords("no seed and n_boot of its bootstrap")
+    first = verify_pass_seconds(data)
+    if first is not None:
+        return first
     rows, table = recompute_rows(data)
     for stored, new in zip(data["rows"], table):
         shared = None in stored["records"]["rounds"]  # a batch's counters: no per-prompt split to recompute from
@@ -108,6 +112,19 @@ def verify_benchmark(data: dict[str, Any]) -> Disagreement | None:
         for key, value in zip(("ratio", "lo", "hi"), ratio_ci(row, against, boot, prompts)):
             if not same(c.get(key), value):
                 return Disagreement(f"{c['row']} against {c['against']}", key, c.get(key), value)
+    return None
+
+
+def verify_pass_seconds(data: dict[str, Any]) -> Disagreement | None:
+    """The first entry's seconds that its rows' runs (``pass_seconds``, where a row ran more than once a prompt) do not
+    give by ``benchmark.records.pass_adjusted``; None when all agree or no row holds runs."""
+    timed = [r for r in data["rows"] if (r.get("records") or {}).get("pass_seconds")]
+    for e in range(len(timed[0]["records"]["seconds"]) if timed else 0):
+        adjusted = pass_adjusted({r["row"]: r["records"]["pass_seconds"][e] for r in timed})
+        for r in timed:
+            if not same(r["records"]["seconds"][e], adjusted.get(r["row"])):
+                return Disagreement(r["row"], f"seconds of entry {e}", r["records"]["seconds"][e],
+                                    adjusted.get(r["row"]))
     return None
 
 

@@ -125,15 +125,18 @@ def test_paired_bootstrap_interval_brackets_the_ratio():
     assert same == lo == hi == pytest.approx(1.0)
 
 
-def test_rows_repeat_in_alternating_order_and_keep_each_prompts_faster_run():
-    """repeats = 2: every row twice a prompt, in plan order then reversed; per prompt the faster run is kept, the
-    first when the outputs differ; the reference row runs once."""
+def test_rows_repeat_in_alternating_order_and_take_out_each_passs_slow_phase():
+    """repeats = 2: every row twice a prompt, in plan order then reversed; per prompt every run's seconds are kept and
+    each row's seconds are their pass-adjusted median (a pass all rows ran slower in counts as the fast one); the
+    fastest run's outputs are kept, the first's when they differ (that run's seconds dropped); the reference row runs
+    once."""
     from benchmark.bench import Bench, DecodeSettings, RunOrder
     from benchmark.plan import run_rows
     from benchmark.rows import Row
 
     calls: list[tuple[int, str]] = []
-    times = {("a", 0): [3.0, 1.0], ("a", 1): [1.0, 2.0], ("b", 0): [2.0, 1.0], ("b", 1): [1.0, 1.0]}
+    times = {("target-only", 0): [2.0, 1.0], ("a", 0): [4.0, 2.0], ("a", 1): [1.0, 2.0], ("b", 0): [2.0, 1.0],
+             ("b", 1): [1.0, 1.0]}
 
     def runner(name: str, reference: bool = False, outputs: Callable[[int], list[int]] = lambda k: [1, 2]):
         def run(view: Bench) -> Row:
@@ -149,9 +152,13 @@ def test_rows_repeat_in_alternating_order_and_keep_each_prompts_faster_run():
     bench = Bench(DecodeSettings.of(cfg), None, None, None, None, prompts=[[1], [2]], eos=[0])  # type: ignore[arg-type]
     rows = {r.name: r for r in run_rows(plan, bench, RunOrder.of(cfg))}
     assert calls[:7] == [(0, "target-only"), (0, "a"), (0, "b"), (0, "ref"), (0, "b"), (0, "a"), (0, "target-only")]
-    assert rows["a"].seconds == [1.0, 1.0] and rows["ref"].seconds == [1.0, 1.0]  # the faster of each prompt's runs
-    assert rows["b"].seconds == [2.0, 1.0] and rows["b"].outputs == [[0], [0]]  # outputs differ: the first run kept
-    assert "faster of 2 runs" in rows["target-only"].note
+    assert rows["a"].pass_seconds == [[4.0, 2.0], [1.0, 2.0]] and rows["ref"].pass_seconds == [[1.0], [1.0]]
+    assert rows["b"].pass_seconds == [[2.0, None], [1.0, None]] and rows["b"].outputs == [[0], [0]]  # outputs differ
+    # prompt 0: target-only and a ran twice as slow in pass 1 as in pass 2; every row is priced at pass 2's pace, the
+    # rows that ran once in pass 1 (b, whose second output differed, and the reference) too
+    got = [rows[n].seconds[0] for n in ("target-only", "a", "b", "ref")]
+    assert got == pytest.approx([1.0, 2.0, 1.0, 0.5])
+    assert "2 runs" in rows["target-only"].note and "slow phase" in rows["target-only"].note
 
 
 def test_smoke_run(tmp_path, tiny_pair):
@@ -208,7 +215,8 @@ def test_smoke_run(tmp_path, tiny_pair):
     assert ref["exact"] is None and ref["prompt_tokens"] == [3, 3] and "3 new tokens" in ref["note"]
     assert "look-ahead read from target-only's output" in rows["oracle"]["note"]  # greedy oracle: measured time
     assert len(rows["static:3"]["prefill_seconds"]) == 2
-    assert "faster of 2 runs" in rows["target-only"]["note"]  # repeats 2: before and after the other rows
+    assert "2 runs" in rows["target-only"]["note"]  # repeats 2: before and after the other rows
+    assert len(rows["static:3"]["records"]["pass_seconds"]) == 2  # each prompt's runs stored
     assert rows["hf:static:3"]["mean_accepted"] is not None and rows["hf:static:3"]["wasted_per_token"] >= 0
     assert rows["static:3"]["vs_best_entropy"] is not None and rows["target-only"]["vs_best_entropy"] is None
     spr = [r for r in result["rows"] if r["row"].startswith("sprinter")][0]

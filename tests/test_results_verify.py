@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from benchmark.records import pass_adjusted
 from benchmark.report import finish_rows
 from benchmark.rows import Row
 from pipelines import results as results_cli
@@ -70,8 +71,21 @@ def engine_row(name: str, kind: str, rng: random.Random, ref: list[list[int]], *
     return row
 
 
-def benchmark_folder(tmp_path: Path, n: int = 9) -> Path:
-    """A finished benchmark's folder, its report entries computed by ``finish_rows`` from hand-made rows."""
+def run_passes(rows: list[Row], passes: int, rng: random.Random) -> None:
+    """Each prompt timed ``passes`` times a row, each pass at its own host speed and one run in ten a spike: every
+    run's seconds stored (``pass_seconds``), the row's seconds their pass-adjusted value, as ``run_prompt`` sets
+    them."""
+    for j in range(len(rows[0].seconds)):
+        speed = [rng.uniform(1.0, 1.4) for _ in range(passes)]
+        runs = {r.name: [r.seconds[j] * v * (1.5 if rng.random() < 0.1 else 1.0) for v in speed] for r in rows}
+        for r in rows:
+            r.pass_seconds.append(runs[r.name])
+            r.seconds[j] = pass_adjusted(runs)[r.name]
+
+
+def benchmark_folder(tmp_path: Path, n: int = 9, passes: int = 1) -> Path:
+    """A finished benchmark's folder, its report entries computed by ``finish_rows`` from hand-made rows (each timed
+    ``passes`` times a prompt)."""
     rng = random.Random(5)
     ref = [[rng.randrange(50) for _ in range(rng.randint(8, 16))] for _ in range(n)]
     base = Row("target-only", "target.generate", outputs=ref, seconds=[len(o) / 10 for o in ref])
@@ -83,6 +97,8 @@ def benchmark_folder(tmp_path: Path, n: int = 9) -> Path:
             engine_row("goodput:disco", "goodput-disco", rng, ref, verification="goodput")]
     for r in rows[1:3]:
         r.method = "transformers assisted"
+    if passes > 1:
+        run_passes(rows, passes, rng)
     bench = SimpleNamespace(decoding=SimpleNamespace(temperature=0.0, seed=3, samples_per_prompt=1), prompts=[[1]] * n,
                             tokenizer=Tokens())
     table = finish_rows(rows, bench, n_boot=200, quiet=True)
@@ -119,6 +135,24 @@ def test_a_stored_benchmark_verifies_and_a_tampered_copy_names_its_figure(tmp_pa
     tampered = json.loads(path.read_text())
     tampered["rows"][0]["records"]["seconds"][1] *= 1.5  # the reference's time: every ratio moves
     assert "row 'target-only', field 'tokens_per_s'" in verify_summary(Summary(path, tampered))
+
+
+def test_each_prompts_seconds_recompute_from_its_runs(tmp_path):
+    """Rows timed three times a prompt store every run; --verify recomputes each prompt's seconds from them."""
+    summary = summarize_benchmark(benchmark_folder(tmp_path, passes=3), "python -m pipelines.benchmark", "b")
+    assert all(len(runs) == 3 for r in summary["rows"] for runs in r["records"]["pass_seconds"])
+    path = tmp_path / "b.json"
+    assert verify_summary(Summary(path, summary)) is None
+    summary["rows"][3]["records"]["pass_seconds"][2] = [x * 2 for x in summary["rows"][3]["records"]["pass_seconds"][2]]
+    assert "row 'svip:0.3', field 'seconds of entry 2': stored" in verify_summary(Summary(path, summary))
+
+
+def test_a_passs_shared_slow_phase_cancels_and_one_rows_spike_is_outvoted():
+    """Pass 2 ran every row 1.3x slower: no row's seconds move; a spike of one row in pass 3 leaves it at its pace."""
+    runs = {"t": [2.0, 2.6, 2.0], "a": [1.0, 1.3, 1.0], "b": [1.5, 1.95, 4.0]}
+    assert pass_adjusted(runs) == pytest.approx({"t": 2.0, "a": 1.0, "b": 1.5})
+    assert pass_adjusted({"t": [2.0], "a": [1.0]}) == {"t": 2.0, "a": 1.0}  # one pass: as measured
+    assert pass_adjusted({"t": [2.0, 1.0], "a": [1.0, None]}) == pytest.approx({"t": 1.0, "a": 0.5})
 
 
 def test_a_summary_without_records_says_how_to_remeasure(tmp_path):
