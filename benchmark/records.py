@@ -69,10 +69,10 @@ def pass_adjusted(runs: dict[str, Sequence[float | None]]) -> dict[str, float]:
     if n_pass <= 1:
         return {k: float(v[0]) for k, v in runs.items() if v and v[0] is not None}
     typical = {k: float(np.median([x for x in v if x is not None])) for k, v in logs.items()}
+    repeated = {k: v for k, v in logs.items() if sum(x is not None for x in v) > 1}  # rows that show a pass's pace
     slow = []
     for r in range(n_pass):
-        dev = [v[r] - typical[k] for k, v in logs.items() if r < len(v) and v[r] is not None
-               and sum(x is not None for x in v) > 1]
+        dev = [v[r] - typical[k] for k, v in repeated.items() if r < len(v) and v[r] is not None]
         slow.append(float(np.median(dev)) if dev else 0.0)
     floor = min(slow)
     return {k: math.exp(float(np.median([x - (slow[r] - floor) for r, x in enumerate(v) if x is not None])))

@@ -78,9 +78,10 @@ def run_passes(rows: list[Row], passes: int, rng: random.Random) -> None:
     for j in range(len(rows[0].seconds)):
         speed = [rng.uniform(1.0, 1.4) for _ in range(passes)]
         runs = {r.name: [r.seconds[j] * v * (1.5 if rng.random() < 0.1 else 1.0) for v in speed] for r in rows}
+        adjusted = pass_adjusted(runs)
         for r in rows:
             r.pass_seconds.append(runs[r.name])
-            r.seconds[j] = pass_adjusted(runs)[r.name]
+            r.seconds[j] = adjusted[r.name]
 
 
 def benchmark_folder(tmp_path: Path, n: int = 9, passes: int = 1) -> Path:
