@@ -1,10 +1,12 @@
 """The rows of a benchmark (:func:`row_plan`: target-only first) and the order they run in (:func:`run_rows`):
-``order: prompt`` runs every row on one prompt before the next, ``repeats`` times in alternating order, each row's
-seconds on it adjusted for each pass's host speed (``benchmark.records.pass_adjusted``), so drift of the host hits all
-rows alike; ``order: row`` runs each row over all prompts in turn."""
+``order: prompt`` runs every row on one prompt before the next, ``repeats`` times in a seeded shuffled order
+(:func:`pass_order`), each row's seconds on it adjusted for each pass's host speed
+(``benchmark.records.pass_adjusted``), so drift of the host hits all rows alike; ``order: row`` runs each row over all
+prompts in turn."""
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -123,20 +125,20 @@ def run_rows(plan: list[tuple[str, Runner]], bench: Bench, how: RunOrder,
 def run_prompt(plan: list[tuple[str, Runner]], view: Bench, how: RunOrder,
                beat: Heartbeat | None = None) -> tuple[dict[str, Row], CostModel | None]:
     """Every row of the plan on the one prompt of ``view`` (one decode of the run: a prompt, or one of its samples),
-    ``repeats`` times in alternating order: each row keeps its fastest run's outputs and counters, every run's seconds
-    (``pass_seconds``) and, as its seconds, their pass-adjusted value (``benchmark.records.pass_adjusted``: a pass's
-    slow phase, shared by its rows, cancels in their ratios); then the curve probed once (``curve_probes``, else
-    None)."""
+    ``repeats`` times, each pass in :func:`pass_order`: each row keeps its fastest run's outputs and counters, every
+    run's seconds (``pass_seconds``) and, as its seconds, their pass-adjusted value
+    (``benchmark.records.pass_adjusted``: a pass's slow phase, shared by its rows, cancels in their ratios); then the
+    curve probed once (``curve_probes``, else None)."""
     label = _decode_label(view)
     rows_j: dict[str, Row] = {}
     runs: dict[str, list[float | None]] = {}  # each row's seconds pass by pass (None: its output differed)
-    for r in range(how.repeats):  # target-only first in the first pass: the greedy oracle's look-ahead
-        for name, runner in plan if r % 2 == 0 else plan[::-1]:
-            if name in rows_j and rows_j[name].reference:
-                continue
+    last: str | None = None
+    for r in range(how.repeats):
+        todo = [(name, runner) for name, runner in plan if not (name in rows_j and rows_j[name].reference)]
+        for name, runner in pass_order(todo, view.offset, r, last):
             if beat is not None:
                 beat.note = f"{label}, pass {r + 1}, row {name}"
-            row = runner(view)
+            row, last = runner(view), name
             if name not in rows_j:
                 rows_j[name], runs[name] = row, [sum(row.seconds)]
                 continue
@@ -148,10 +150,26 @@ def run_prompt(plan: list[tuple[str, Runner]], view: Bench, how: RunOrder,
         timed = {name: v for name, v in runs.items() if not rows_j[name].estimated}
         for name, seconds in pass_adjusted(timed).items():
             rows_j[name].seconds, rows_j[name].pass_seconds = [seconds], [timed[name]]
-        rows_j[plan[0][0]].note = (f"reference; per prompt {how.repeats} runs, before and after the other rows, "
-                                   "each pass's slow phase taken out (the rows' median)")
+        rows_j[plan[0][0]].note = (f"reference; per prompt {how.repeats} runs in a shuffled order, each pass's slow "
+                                   "phase taken out (the rows' median)")
     probe = measure_curve(view, repeats=1) if how.curve_probes else None
     return rows_j, probe
+
+
+def pass_order(rows: list[tuple[str, Runner]], decode: int, r: int,
+               after: str | None) -> list[tuple[str, Runner]]:
+    """The order of pass ``r`` on decode ``decode``: the rows shuffled by a seed of the decode and the pass (the same
+    order when a run resumes), target-only (the first row) first in the first pass (the greedy oracle's look-ahead),
+    and never ``after`` (the row that ran last) first, so that no row runs twice in a row. A slow phase of the host
+    that lasts two runs then falls on a row's runs in two passes no more often than on any other pair's; alternating
+    order ran the plan's ends back to back at every turn."""
+    rng = random.Random(f"pass-order:{decode}:{r}")
+    head, rest = (rows[:1], rows[1:]) if r == 0 else ([], list(rows))
+    rng.shuffle(rest)
+    order = head + rest
+    if len(order) > 1 and order[0][0] == after:
+        order[0], order[1] = order[1], order[0]
+    return order
 
 
 def _decode_label(view: Bench) -> str:

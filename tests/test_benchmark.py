@@ -125,8 +125,8 @@ def test_paired_bootstrap_interval_brackets_the_ratio():
     assert same == lo == hi == pytest.approx(1.0)
 
 
-def test_rows_repeat_in_alternating_order_and_take_out_each_passs_slow_phase():
-    """repeats = 2: every row twice a prompt, in plan order then reversed; per prompt every run's seconds are kept and
+def test_rows_repeat_in_shuffled_order_and_take_out_each_passs_slow_phase():
+    """repeats = 2: every row twice a prompt, each pass in its seeded order; per prompt every run's seconds are kept and
     each row's seconds are their pass-adjusted median (a pass all rows ran slower in counts as the fast one); the
     fastest run's outputs are kept, the first's when they differ (that run's seconds dropped); the reference row runs
     once."""
@@ -151,7 +151,9 @@ def test_rows_repeat_in_alternating_order_and_take_out_each_passs_slow_phase():
     cfg = BenchmarkConfig(repeats=2, curve_probes=False, n_prompts=2)
     bench = Bench(DecodeSettings.of(cfg), None, None, None, None, prompts=[[1], [2]], eos=[0])  # type: ignore[arg-type]
     rows = {r.name: r for r in run_rows(plan, bench, RunOrder.of(cfg))}
-    assert calls[:7] == [(0, "target-only"), (0, "a"), (0, "b"), (0, "ref"), (0, "b"), (0, "a"), (0, "target-only")]
+    first = [n for j, n in calls if j == 0]
+    assert first[0] == "target-only" and sorted(first[:4]) == ["a", "b", "ref", "target-only"]
+    assert sorted(first[4:]) == ["a", "b", "target-only"]  # the reference row runs once
     assert rows["a"].pass_seconds == [[4.0, 2.0], [1.0, 2.0]] and rows["ref"].pass_seconds == [[1.0], [1.0]]
     assert rows["b"].pass_seconds == [[2.0, None], [1.0, None]] and rows["b"].outputs == [[0], [0]]  # outputs differ
     # prompt 0: target-only and a ran twice as slow in pass 1 as in pass 2; every row is priced at pass 2's pace, the
@@ -159,6 +161,27 @@ def test_rows_repeat_in_alternating_order_and_take_out_each_passs_slow_phase():
     got = [rows[n].seconds[0] for n in ("target-only", "a", "b", "ref")]
     assert got == pytest.approx([1.0, 2.0, 1.0, 0.5])
     assert "2 runs" in rows["target-only"].note and "slow phase" in rows["target-only"].note
+
+
+def test_pass_order_is_seeded_puts_target_only_first_and_never_runs_a_row_twice_in_a_row():
+    """Each pass is a shuffle seeded by its decode and pass (a resumed run repeats it), target-only first in the
+    first pass, the previous pass's last row never first; over many decodes every row opens a pass."""
+    from benchmark.plan import pass_order
+
+    rows = [(n, None) for n in ("target-only", "svip", "adaedl", "disco", "goodput")]
+    openers = set()
+    for decode in range(40):
+        last = None
+        for r in range(3):
+            order = [n for n, _ in pass_order(rows, decode, r, last)]  # type: ignore[arg-type]
+            assert sorted(order) == sorted(n for n, _ in rows) and order[0] != last
+            assert order == [n for n, _ in pass_order(rows, decode, r, last)]  # type: ignore[arg-type]
+            if r == 0:
+                assert order[0] == "target-only"
+            else:
+                openers.add(order[0])
+            last = order[-1]
+    assert openers == {n for n, _ in rows}
 
 
 def test_smoke_run(tmp_path, tiny_pair):

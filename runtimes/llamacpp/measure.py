@@ -13,7 +13,7 @@ on the pair's GGUF files through llama-cpp-python:
 Every speculative row keeps llama.cpp's own verification. The prompts are rendered by the pair's transformers
 tokenizer (``data_gen.prompts``, as ``pipelines.benchmark`` does) and handed to llama.cpp as token ids, so both
 runtimes read the same ids. The rows run through the benchmark's own loop (``benchmark.plan.run_rows``:
-``order: prompt``, each row ``repeats`` times a prompt in alternating order, the faster run kept, the outputs checked
+``order: prompt``, each row ``repeats`` times a prompt in a seeded shuffled order, pass-adjusted, the outputs checked
 equal), and are reported with its rows, intervals and tables (``benchmark.rows``, ``report``): tokens/s,
 speedup over target-only with its paired bootstrap interval, identical outputs, rounds and acceptance, the hook's
 stop-decision cost; then each row against llama.cpp's defaults and each policy against the recommended row. The
