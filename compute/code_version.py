@@ -4,7 +4,8 @@ changes, recorded at a run's start so a stored result names the code that measur
 Outside a git checkout both are ``None`` and recording never fails; untracked files do not count as changes.
 
 Usage: ``record_start(out_dir, command=...)`` at a run's start, ``record_end(out_dir)`` at its end,
-``run_code(out_dir)`` and ``recorded_command(out_dir)`` when its summary is stored.
+``run_code(out_dir)`` and ``recorded_command(out_dir)`` when its summary is stored; a run that resumes part by part
+keeps each part's seconds with a :class:`PartClock`, so that a resumed run still tells its duration.
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def in_history(commit: str, root: Path = ROOT) -> bool | None:
 
 RUN_RECORD = "code_version.json"
 """The file in a run's out_dir listing each start and the run's end: ``{"starts": [{"commit", "dirty", "date",
-"host"}, ...], "end": {"date", "duration_s"}}``."""
+"host"}, ...], "end": {"date", "duration_s"}}``, and for a run that resumes part by part ``"parts": {name: seconds}``
+(:class:`PartClock`)."""
 
 
 def _now() -> str:
@@ -118,10 +120,11 @@ def record_start(out_dir: str | Path, root: Path = ROOT, command: str | None = N
 
 def new_run(out_dir: str | Path) -> None:
     """This start begins a new run in ``out_dir``: keep only its start, so the run names its own code, not an earlier
-    run's."""
+    run's (and the seconds of parts still in out_dir, which it may read back)."""
     record = _record(Path(out_dir))
     if len(record["starts"]) > 1:
-        _write(Path(out_dir), {"starts": record["starts"][-1:]})
+        _write(Path(out_dir), {"starts": record["starts"][-1:], **({"parts": record["parts"]} if "parts" in record
+                                                                   else {})})
 
 
 def record_end(out_dir: str | Path, duration_s: float | None) -> dict[str, Any]:
@@ -131,6 +134,31 @@ def record_end(out_dir: str | Path, duration_s: float | None) -> dict[str, Any]:
     record["end"] = {"date": _now(), "duration_s": None if duration_s is None else round(float(duration_s), 1)}
     _write(Path(out_dir), record)
     return record["end"]
+
+
+class PartClock:
+    """The seconds each finished part of a resumable run took (kept under ``parts`` in ``out_dir/code_version.json``),
+    so that a run stopped and started again tells its whole duration: this start's own seconds plus what the parts it
+    read back took when they ran (the time of a part cut short by the stop is not counted: nothing of it is kept).
+
+    Usage: ``clock.ran(name, seconds)`` when a part is done, ``clock.read_back(name)`` when one is read back instead
+    of run, ``clock.duration(this_start_s)`` at the end (None when a part read back has no seconds recorded)."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.out_dir = Path(out_dir)
+        self.read_back_s: float | None = 0.0
+
+    def ran(self, part: str, seconds: float) -> None:
+        record = _record(self.out_dir)
+        record.setdefault("parts", {})[part] = round(float(seconds), 1)
+        _write(self.out_dir, record)
+
+    def read_back(self, part: str) -> None:
+        seconds = _record(self.out_dir).get("parts", {}).get(part)
+        self.read_back_s = None if seconds is None or self.read_back_s is None else self.read_back_s + seconds
+
+    def duration(self, this_start_s: float) -> float | None:
+        return None if self.read_back_s is None else this_start_s + self.read_back_s
 
 
 def recorded_command(out_dir: str | Path) -> str | None:

@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from compute.code_version import new_run, record_end
+from compute.code_version import PartClock, new_run, record_end
 from pipelines.cli import parse_config, setup_logging, start_run, user_errors
 from runtimes.vllm.bench import VllmBenchConfig
 from runtimes.vllm.engine import reexec_with_iomp
@@ -37,13 +37,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from runtimes.vllm.run import run_vllm_benchmark
 
         out_dir = start_run(cfg, PROG, argv)
-        resumed = any((Path(cfg.out_dir) / "engines").glob("*.json"))
-        if not resumed:
+        if not any((Path(cfg.out_dir) / "engines").glob("*.json")):
             new_run(out_dir)  # no engine of an earlier run is read back: the run's code is this start's
-        t0 = time.time()
-        rep = run_vllm_benchmark(cfg)
-        # the run's end and duration (None where engines were read back from a stopped run: that time is not this run's)
-        record_end(out_dir, None if resumed else time.time() - t0)
+        t0, clock = time.time(), PartClock(out_dir)
+        rep = run_vllm_benchmark(cfg, clock)
+        # the run's end and duration: this start's seconds and those of the parts read back from a stopped start
+        # (None when one of them has no seconds recorded)
+        record_end(out_dir, clock.duration(time.time() - t0))
     print(markdown(rep))
     print(f"full report: {out_dir / 'benchmark.md'}")
     return asdict(rep)

@@ -12,6 +12,7 @@ import pytest
 
 from compute.code_version import (
     RUN_RECORD,
+    PartClock,
     code_version,
     in_history,
     new_run,
@@ -156,6 +157,28 @@ def test_a_new_run_in_an_old_folder_names_its_own_start(repo, tmp_path):
     new_run(out)  # the run starts over: the earlier run's start is not its own
     assert run_code(out, repo)["commit"] == git(repo, "rev-parse", "HEAD")
     assert len(json.loads((out / RUN_RECORD).read_text())["starts"]) == 1
+
+
+def test_a_resumed_run_adds_the_seconds_of_the_parts_it_read_back(repo, tmp_path):
+    """A part's seconds are kept when it finishes; a later start that reads it back adds them to its own, and a new
+    run in the folder keeps them (its parts may be read back); a part read back without seconds leaves no duration."""
+    out = tmp_path / "run"
+    record_start(out, repo)
+    first = PartClock(out)
+    first.ran("curve", 100.0)
+    first.ran("engine a", 50.04)
+    record_start(out, repo)  # stopped, started again
+    new_run(out)
+    again = PartClock(out)
+    again.read_back("curve")
+    again.read_back("engine a")
+    again.ran("engine b", 20.0)
+    assert again.duration(30.0) == pytest.approx(180.0)
+    record_end(out, again.duration(30.0))
+    assert run_code(out, repo)["duration_s"] == 180.0
+    old = PartClock(out)
+    old.read_back("engine written before parts were kept")
+    assert old.duration(30.0) is None
 
 
 def test_the_command_a_run_started_with_is_stored_with_it(tmp_path, monkeypatch):

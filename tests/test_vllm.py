@@ -324,7 +324,11 @@ def test_passes_alternate_the_engine_order_and_keep_each_prompts_faster_run(tmp_
     assert order == ["a", "b", "b", "a"]
     assert [r.seconds for r in rows] == [[1.5, 1.0], [1.0, 0.5]]
     assert rows[1].counters == {"drafts": 1.5}
-    assert _run_passes(plan, cfg, lambda g: pytest.fail("stored passes are read back")) and len(order) == 4
+    from compute.code_version import PartClock
+
+    clock = PartClock(tmp_path)
+    assert _run_passes(plan, cfg, lambda g: pytest.fail("stored passes are read back"), clock) and len(order) == 4
+    assert clock.read_back_s is not None and clock.read_back_s >= 0  # each engine's seconds were kept when it ran
 
 
 def test_a_differing_output_is_found_at_its_first_difference_against_its_batchs_target_alone() -> None:
@@ -404,6 +408,7 @@ def test_vllms_own_acceptance_prices_each_k_and_zero_wins_where_drafting_costs_m
 
 
 def test_a_resumed_run_refuses_a_curve_of_another_machine(tmp_path) -> None:
+    from compute.code_version import PartClock
     from runtimes.vllm.run import COST_FILE, _curves
 
     cm = curve()
@@ -411,7 +416,7 @@ def test_a_resumed_run_refuses_a_curve_of_another_machine(tmp_path) -> None:
     cm.machine = {"model_name": "Some Other CPU", "simd_flags": ["avx2"]}
     cm.to_json(tmp_path / COST_FILE)
     with pytest.raises(ValueError, match="another pair or machine.*Some Other CPU"):
-        _curves(VllmBenchConfig(out_dir=str(tmp_path)), "T", "D")
+        _curves(VllmBenchConfig(out_dir=str(tmp_path)), "T", "D", PartClock(tmp_path))
 
 
 def test_a_k_predicted_inside_the_curves_error_is_not_recommended() -> None:

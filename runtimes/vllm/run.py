@@ -5,17 +5,22 @@ and the report (``runtimes.vllm.bench_report``).
 Usage (in ``.venv-vllm``)::
 
     report = run_vllm_benchmark(VllmBenchConfig(policies=["adaedl:0.648"]))
+
+A stopped run resumes where it stopped: the curve, vLLM's acceptance, the traces and their refit and each engine's
+rows of each pass are read back from ``out_dir``, and a ``PartClock`` adds the seconds they took to the run's duration.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from benchmark.bench import PromptChoice, load_benchmark_prompts
+from compute.code_version import PartClock
 from compute.cpu import cpu_model
 from compute.timing import BATCH_CURVES, CostModel
 from data_gen.prompts import PromptSourceConfig
@@ -81,7 +86,7 @@ def _keep(cm: CostModel, path: Path, cfg: VllmBenchConfig) -> None:
         cm.to_json(Path(cfg.recommend_data) / COST_FILE)
 
 
-def _curves(cfg: VllmBenchConfig, target: str, draft: str) -> tuple[Path, dict[int, CostModel]]:
+def _curves(cfg: VllmBenchConfig, target: str, draft: str, clock: PartClock) -> tuple[Path, dict[int, CostModel]]:
     """vLLM's curve: the file given, else the one a previous run of out_dir measured, else measured now; written to
     out_dir (and, when measured, beside recommend_data)."""
     out = Path(cfg.out_dir) / COST_FILE
@@ -89,6 +94,7 @@ def _curves(cfg: VllmBenchConfig, target: str, draft: str) -> tuple[Path, dict[i
         _check_pair(CostModel.from_json(out), cfg, str(out), "move it aside (with the engines/ folder beside it) or "
                     "give another --out_dir to measure anew")
         log.info("vLLM's curve read back from %s (a resumed run; delete it to measure again)", out)
+        clock.read_back("curve")
         return out, load_curves(out)
     if cfg.cost_file is not None:
         cm = CostModel.from_json(cfg.cost_file)
@@ -96,22 +102,28 @@ def _curves(cfg: VllmBenchConfig, target: str, draft: str) -> tuple[Path, dict[i
                     "measure it again with python -m pipelines.measure_costs --runtime vllm")
         cm.to_json(out)
     else:
+        t0 = time.time()
         cm = measure_vllm_curve(VllmCurveSettings(target=target, draft=draft, batches=tuple(cfg.curve_batches),
                                                   device=cfg.models.device, target_name=cfg.models.target,
                                                   draft_name=cfg.models.draft))
         _keep(cm, out, cfg)
+        clock.ran("curve", time.time() - t0)
     return out, load_curves(out)
 
 
-def _acceptance(cfg: VllmBenchConfig, cost_path: Path, target: str, draft: str) -> list[float]:
+def _acceptance(cfg: VllmBenchConfig, cost_path: Path, target: str, draft: str, clock: PartClock) -> list[float]:
     """vLLM's own acceptance on the validation prompts (``runtimes.vllm.curve.measure_vllm_acceptance``), kept in
     the curve file's ``extra`` (and beside recommend_data's data): read back when there, else measured now."""
     cm = CostModel.from_json(cost_path)
     if ACCEPTANCE not in cm.extra:
+        t0 = time.time()
         prompts, _ = _prompts(cfg, target, cfg.acceptance_split, cfg.acceptance_prompts)
         cm.extra[ACCEPTANCE] = {**measure_vllm_acceptance(target, draft, prompts, cfg.policy_k, cfg.max_new_tokens,
                                                           cfg.models.device), "split": cfg.acceptance_split}
         _keep(cm, cost_path, cfg)
+        clock.ran("acceptance", time.time() - t0)
+    elif cfg.cost_file is None:  # measured by an earlier start of this run (a given cost file's is not this run's)
+        clock.read_back("acceptance")
     return list(cm.extra[ACCEPTANCE]["survival"])
 
 
@@ -167,20 +179,24 @@ def _engine_key(group: EngineRows, cfg: VllmBenchConfig, pass_no: int) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, pass_no: int, run: Any) -> list[RowRun]:
+def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, pass_no: int, run: Any,
+                 clock: PartClock) -> list[RowRun]:
     """One engine's rows in one pass: read back from ``out_dir/engines/<key>.json`` when a previous run of the same
     prompts ran the same engine in that pass (a stopped run resumes engine by engine; a plan that changed reruns only
     what changed), else run and stored; an engine that fails is logged in one line and its rows left out (the others
     still run)."""
-    path = Path(cfg.out_dir) / "engines" / f"{_engine_key(group, cfg, pass_no)}.json"
+    key = _engine_key(group, cfg, pass_no)
+    path = Path(cfg.out_dir) / "engines" / f"{key}.json"
     what = f"pass {pass_no + 1} of {cfg.repeats}, engine {i} of {n}: {', '.join(group.rows)}"
     if path.is_file():
         stored = json.loads(path.read_text())
         if len(stored["rows"]) == len(group.rows) * len(cfg.batch_sizes):
             roles = [role for _ in cfg.batch_sizes for role in group.roles]
             log.info("%s read back from %s", what, path)
+            clock.read_back(f"engine {key}")
             return [replace(row_from_dict(r), name=role.name, role=role) for r, role in zip(stored["rows"], roles)]
     log.info("%s", what)
+    t0 = time.time()
     try:
         rows = run()
     except Exception as e:  # noqa: BLE001 - one engine's failure (vLLM's own) must not lose the others' rows
@@ -189,6 +205,7 @@ def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, pass_n
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"engine": asdict(group.engine), "plugin": group.plugin,
                                 "rows": [asdict(r) for r in rows]}))
+    clock.ran(f"engine {key}", time.time() - t0)
     return rows
 
 
@@ -196,17 +213,19 @@ def _units(prompts: list[list[int]], batches: list[int]) -> dict[int, list[list[
     return {b: [prompts[i:i + b] for i in range(0, len(prompts), b)] for b in batches}
 
 
-def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
-    """Run everything (see the module docstring) and write the report to ``cfg.out_dir``."""
+def run_vllm_benchmark(cfg: VllmBenchConfig, clock: PartClock | None = None) -> VllmReport:
+    """Run everything (see the module docstring) and write the report to ``cfg.out_dir``; ``clock`` keeps each
+    part's seconds (one on ``out_dir`` when not given)."""
+    clock = clock or PartClock(cfg.out_dir)
     check_vllm()
     prepare_env(cfg.kv_cache_gb, device=cfg.models.device)
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
     target = hf_folder(cfg.models.target, cfg.models.cache_dir)
     draft = hf_folder(cfg.models.draft, cfg.models.cache_dir)
     prompts, names = _prompts(cfg, target, cfg.split, cfg.n_prompts)
-    cost_path, curves = _curves(cfg, target, draft)
+    cost_path, curves = _curves(cfg, target, draft, clock)
     if cfg.acceptance_prompts:
-        picks = acceptance_picks(_acceptance(cfg, cost_path, target, draft), curves)
+        picks = acceptance_picks(_acceptance(cfg, cost_path, target, draft, clock), curves)
     elif cfg.recommend_data:
         picks = vllm_batch_picks(load_columns(cfg.recommend_data, ["val", "test"]), curves)
     else:
@@ -222,7 +241,7 @@ def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
                               batch_rule=batch_rule, **more)
 
     if cfg.trace_predictor and cfg.trace_prompts:
-        _trace_and_refit(cfg, target, draft, settings_of)
+        _trace_and_refit(cfg, target, draft, settings_of, clock)
     # each builds before the rows: a bad spec fails in a line
     for spec in [*cfg.policies, *cfg.per_request_policies, *cfg.following_policies]:
         install(settings_of(spec))
@@ -230,7 +249,7 @@ def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
     units = _units(prompts, cfg.batch_sizes)
     reference = Reference(plan[0].engine)
     try:
-        rows = _run_passes(plan, cfg, lambda g: run_engine(g, units, cfg, settings_of, reference))
+        rows = _run_passes(plan, cfg, lambda g: run_engine(g, units, cfg, settings_of, reference), clock)
     finally:
         reference.close()
     k_of = _k_of(plan)
@@ -239,17 +258,22 @@ def run_vllm_benchmark(cfg: VllmBenchConfig) -> VllmReport:
                         if picks else [], _ties(rows, units, target))
 
 
-def _trace_and_refit(cfg: VllmBenchConfig, target: str, draft: str, settings_of: Any) -> Path:
+def _trace_and_refit(cfg: VllmBenchConfig, target: str, draft: str, settings_of: Any, clock: PartClock) -> Path:
     """Trace ``trace_predictor`` in vLLM on ``trace_prompts`` prompts of ``acceptance_split`` (one request at a
     time, drafting to ``policy_k``) into ``out_dir/traces`` and refit its calibration on them into
     ``out_dir/calibrated/<name>``; a finished refit is read back."""
     export = Path(cfg.trace_predictor)
     dest = Path(cfg.out_dir) / "calibrated" / export.parent.name
+    traces = Path(cfg.out_dir) / "traces"
     if (dest / "predictor.json").is_file():
         log.info("vLLM-calibrated export read back from %s", dest)
+        clock.read_back("trace")
+        clock.read_back("refit")
         return dest
-    traces = Path(cfg.out_dir) / "traces"
-    if not list(traces.glob("shard-*.parquet")):
+    if list(traces.glob("shard-*.parquet")):
+        clock.read_back("trace")
+    else:
+        t0 = time.time()
         prompts, _ = _prompts(cfg, target, cfg.acceptance_split, cfg.trace_prompts)
         group = EngineRows(EngineSpec(target=target, draft=draft, k=cfg.policy_k, max_num_seqs=2,
                                       device=cfg.models.device), [RowRole("policy", spec=str(export))], plugin=True,
@@ -257,7 +281,11 @@ def _trace_and_refit(cfg: VllmBenchConfig, target: str, draft: str, settings_of:
         log.info("tracing %s in vLLM on %d %s prompts into %s", export, len(prompts), cfg.acceptance_split, traces)
         run_engine(group, {1: [[p] for p in prompts]}, cfg,
                    lambda spec, batch_rule, **_: settings_of(spec, False, traces_dir=str(traces), trace_all=True))
-    return refit_calibration(traces, export, dest)
+        clock.ran("trace", time.time() - t0)
+    t0 = time.time()
+    refit = refit_calibration(traces, export, dest)
+    clock.ran("refit", time.time() - t0)
+    return refit
 
 
 def _ties(rows: list[RowRun], units: dict[int, list[list[list[int]]]], target: str) -> list[dict]:
@@ -270,13 +298,15 @@ def _ties(rows: list[RowRun], units: dict[int, list[list[list[int]]]], target: s
         return []
 
 
-def _run_passes(plan: list[EngineRows], cfg: VllmBenchConfig, run: Any) -> list[RowRun]:
+def _run_passes(plan: list[EngineRows], cfg: VllmBenchConfig, run: Any,
+                clock: PartClock | None = None) -> list[RowRun]:
     """Every engine's rows over ``cfg.repeats`` passes in alternating order (first to last, then last to first),
-    each prompt's faster run kept (``runtimes.vllm.bench.merge_passes``)."""
+    each prompt's faster run kept (``runtimes.vllm.bench.merge_passes``); ``clock`` keeps each engine's seconds."""
+    clock = clock or PartClock(cfg.out_dir)
     passes: list[dict[int, list[RowRun]]] = []
     for p in range(cfg.repeats):
         order = list(enumerate(plan, 1))
-        passes.append({i: _engine_rows(i, len(plan), g, cfg, p, lambda g=g: run(g))
+        passes.append({i: _engine_rows(i, len(plan), g, cfg, p, lambda g=g: run(g), clock)
                        for i, g in (order if p % 2 == 0 else reversed(order))})
     rows: list[RowRun] = []
     for i in range(1, len(plan) + 1):
