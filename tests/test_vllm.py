@@ -682,3 +682,16 @@ def test_per_request_policies_take_turns_in_the_policies_engine() -> None:
     (group,) = [g for g in _plan(alone, "T", "D", []) if g.plugin]
     assert not group.batch_rule and not group.roles[0].in_policies_engine
     assert not RowRole("policy", spec="svip:0.5", per_request=True).in_policies_engine
+
+
+def test_a_calibration_gap_is_judged_against_the_goal_with_vllms_sampling_error() -> None:
+    """A gap is decided only where the interval of vLLM's accepted share (Wilson, at the tokens judged) puts it wholly
+    inside or outside +-0.03; at a few dozen tokens a position neither is."""
+    from runtimes.vllm.bench_report import calibration_verdict, share_interval
+
+    lo, hi = share_interval(51, 0.882)
+    assert lo < 0.882 < hi and hi - lo == pytest.approx(0.18, abs=0.01)
+    assert calibration_verdict({"1": [128, 0.819, 0.836], "4": [51, 0.897, 0.882]}) == "not decided"
+    assert calibration_verdict({"1": [100_000, 0.80, 0.81], "2": [0, 0.0, 0.0]}) == "within"
+    assert calibration_verdict({"1": [100_000, 0.80, 0.81], "3": [10_000, 0.80, 0.90]}) == "beyond at position 3"
+    assert calibration_verdict({"5": [10_000, 0.80, 0.90]}) == "within"  # only positions 1-4 count

@@ -169,6 +169,29 @@ def _calibration_gap(entry: dict[str, Any], positions: int = 4) -> float | None:
     return round(max(gaps), 4) if gaps else None
 
 
+def share_interval(n: int, share: float, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson 95% interval of an accepted share of ``n`` judged tokens (tokens taken as independent: they cluster
+    by prompt, so the true interval is wider)."""
+    centre, half = share + z * z / (2 * n), z * math.sqrt(share * (1 - share) / n + z * z / (4 * n * n))
+    return (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
+
+
+def calibration_verdict(by_position: dict[str, list], positions: int = 4, tol: float = 0.03) -> str:
+    """Whether a row's calibrated acceptance is within ``tol`` of vLLM's accepted share at draft positions
+    1..``positions``, counting the share's sampling error: ``within`` (every position's interval of predicted - share
+    inside +-tol), ``beyond at position j`` (an interval wholly outside), else ``not decided``."""
+    undecided = False
+    for j, (n, pred, share) in sorted(by_position.items(), key=lambda x: int(x[0])):
+        if int(j) > positions or not n:
+            continue
+        lo, hi = share_interval(int(n), share)
+        gap_lo, gap_hi = pred - hi, pred - lo
+        if gap_lo > tol or gap_hi < -tol:
+            return f"beyond at position {j}"
+        undecided |= gap_lo < -tol or gap_hi > tol
+    return "not decided" if undecided else "within"
+
+
 def goals_of(table: list[dict], picks: list[BatchPick], batch_sizes: list[int], ties: list[dict]) -> dict[str, Any]:
     """The issue's checks from the report's entries: per batch size the recommended setting against the fastest fixed
     one, the per-batch schedule and the recommendation against vLLM's defaults, the policies against them; exact

@@ -29,7 +29,7 @@ from rendering.result_store import (
     provenance,
 )
 from runtimes.vllm.bench import RowRole, RowRun
-from runtimes.vllm.bench_report import goals_of, ratio_text, table_entries
+from runtimes.vllm.bench_report import calibration_verdict, goals_of, ratio_text, share_interval, table_entries
 from runtimes.vllm.settings import BatchPick
 
 __all__ = ["summarize_vllm_benchmark", "verify_vllm_summary", "vllm_block", "vllm_readme_lines"]
@@ -182,8 +182,8 @@ def _goal_lines(s: Summary) -> list[str]:
                            + _in_engine(x, row))
         for row, gap in (x.get("calibration_gap") or {}).items():
             if gap is not None:
-                out.append(f"- {b} concurrent: `{row}`'s calibrated acceptance is within {gap:.3f} of vLLM's at "
-                           "draft positions 1-4")
+                out.append(f"- {b} concurrent: `{row}`'s calibrated acceptance against vLLM's accepted share, the "
+                           f"largest gap at draft positions 1-4: {gap:.3f}; {_calibration_against_goal(s, row, b)}")
     if g.get("recommended_vs_defaults_geomean") is not None:
         out.append(f"- the recommended setting at each batch size against vLLM's defaults (K = 5), geometric mean over "
                    f"the batch sizes: {g['recommended_vs_defaults_geomean']:.3f}x")
@@ -202,6 +202,21 @@ def _goal_lines(s: Summary) -> list[str]:
         out.append(f"- replay against measurement: worst |replayed / measured - 1| = "
                    f"{g['replay_worst_abs_error']:.3f}")
     return out
+
+
+def _calibration_against_goal(s: Summary, row: str, batch: int, tol: float = 0.03) -> str:
+    """The row's calibration against the goal of ``tol``, counting the sampling error of vLLM's accepted share at the
+    tokens judged at each position (``calibration_verdict``)."""
+    entry = next(r for r in s.data["rows"] if r["row"] == row and r["batch"] == batch)
+    counts = [c for j, c in entry["by_position"].items() if int(j) <= 4 and c[0]]
+    verdict = calibration_verdict(entry["by_position"], tol=tol)
+    if verdict == "within":
+        return f"within {tol} at every position beyond sampling error"
+    if verdict.startswith("beyond"):
+        return f"more than {tol} off {verdict[len('beyond '):]} beyond sampling error"
+    widest = max((hi - lo) / 2 for lo, hi in (share_interval(int(n), share) for n, _, share in counts))
+    return (f"against {tol}: not decided at {min(int(c[0]) for c in counts)}-{max(int(c[0]) for c in counts)} "
+            f"tokens judged a position (vLLM's share known to +-{widest:.2f} at 95%)")
 
 
 def _in_engine(goals_at_b: dict, row: str) -> str:
