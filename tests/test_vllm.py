@@ -301,6 +301,7 @@ def test_a_predictor_for_another_draft_is_refused(tmp_path) -> None:
 
 
 def test_passes_alternate_the_engine_order_and_keep_each_prompts_faster_run(tmp_path) -> None:
+    from compute.code_version import PartClock
     from runtimes.vllm.bench import EngineRows, RowRole
     from runtimes.vllm.engine import EngineSpec
     from runtimes.vllm.run import _run_passes
@@ -320,12 +321,10 @@ def test_passes_alternate_the_engine_order_and_keep_each_prompts_faster_run(tmp_
             row.add_unit(([[1, 2]], t, [StepLog(t, 1, True)], {"drafts": t}, [], (0, 0), {}))
         return [row]
 
-    rows = _run_passes(plan, cfg, run)
+    rows = _run_passes(plan, cfg, run, PartClock(tmp_path))
     assert order == ["a", "b", "b", "a"]
     assert [r.seconds for r in rows] == [[1.5, 1.0], [1.0, 0.5]]
     assert rows[1].counters == {"drafts": 1.5}
-    from compute.code_version import PartClock
-
     clock = PartClock(tmp_path)
     assert _run_passes(plan, cfg, lambda g: pytest.fail("stored passes are read back"), clock) and len(order) == 4
     assert clock.read_back_s is not None and clock.read_back_s >= 0  # each engine's seconds were kept when it ran

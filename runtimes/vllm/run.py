@@ -298,11 +298,9 @@ def _ties(rows: list[RowRun], units: dict[int, list[list[list[int]]]], target: s
         return []
 
 
-def _run_passes(plan: list[EngineRows], cfg: VllmBenchConfig, run: Any,
-                clock: PartClock | None = None) -> list[RowRun]:
+def _run_passes(plan: list[EngineRows], cfg: VllmBenchConfig, run: Any, clock: PartClock) -> list[RowRun]:
     """Every engine's rows over ``cfg.repeats`` passes in alternating order (first to last, then last to first),
     each prompt's faster run kept (``runtimes.vllm.bench.merge_passes``); ``clock`` keeps each engine's seconds."""
-    clock = clock or PartClock(cfg.out_dir)
     passes: list[dict[int, list[RowRun]]] = []
     for p in range(cfg.repeats):
         order = list(enumerate(plan, 1))
