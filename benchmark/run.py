@@ -23,7 +23,7 @@ from benchmark.report import finish_rows, write_report
 from benchmark.resume import PROMPTS_DIR, PromptStore, run_identity
 from benchmark.rows import Row
 from benchmark.runners import release_reference, warm_up
-from compute.code_version import new_run
+from compute.code_version import check_resume, new_run
 from compute.compute_path import compute_path_of, cpu_info
 from data_gen.config import GenerateConfig
 from data_gen.generate import load_models
@@ -93,6 +93,7 @@ def load_bench(cfg: BenchmarkConfig, store: PromptStore | None = None) -> tuple[
         bench.cost_model = store.resume(identity, cpu_info(), str(bench.draft.config.name_or_path),
                                         str(bench.target.config.name_or_path), compute_path_of(bench.target))
         if bench.cost_model is not None:
+            check_resume(cfg.out_dir)  # the rows stored so far ran on the first start's code and host kind
             log.info("benchmark: continuing the run in %s (%d of %d %s done) on its first curve", store.folder,
                      len(store.done()), len(bench.prompts), "prompts" if cfg.samples_per_prompt == 1 else "samples")
             return bench, names, p_stats

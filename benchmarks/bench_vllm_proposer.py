@@ -55,14 +55,19 @@ def timed_propose(cls: type) -> type:
 
 
 def scoring_s(prop: Any) -> float:
-    """Seconds specstop's stopper has spent deciding (features, policy, batch rule); 0 for vLLM's proposer."""
+    """Seconds specstop's stopper has spent deciding (features, policy, batch rule); 0 for vLLM's proposer or none."""
     stopper = getattr(prop, "stopper", None)
     return stopper.counts.decide_s if stopper is not None else 0.0
 
 
-def build(target: str, draft: str, k: int, batch: int, settings: Any | None) -> tuple[Any, StepClock, Any]:
-    """An engine drafting with vLLM's proposer (``settings`` None) or specstop's, its step clock and its proposer."""
+def build(target: str, draft: str | None, k: int, batch: int, settings: Any | None) -> tuple[Any, StepClock, Any]:
+    """An engine drafting with vLLM's proposer (``settings`` None) or specstop's, its step clock and its proposer;
+    ``draft`` None: the target alone (no proposer)."""
     import vllm.v1.worker.gpu_model_runner as runner
+
+    if draft is None:
+        llm = build_engine(EngineSpec(target=target, max_num_seqs=max(2, batch)))
+        return llm, StepClock(llm), None
 
     if settings is None:
         vllm_proposer.uninstall()
@@ -88,14 +93,15 @@ def main() -> None:
     ap.add_argument("--cap", type=int, default=8, help="num_speculative_tokens of the third engine")
     ap.add_argument("--rounds", type=int, default=2, help="turns of every engine over the prompts")
     ap.add_argument("--engines", default="vllm,specstop,specstop-cap",
-                    help="engines in the order they are built, from vllm, specstop (cap K) and specstop-cap (cap "
-                         "--cap); a name twice builds it twice (vllm,specstop,vllm: an A/A control of build order); "
-                         "detached runs vLLM's own draft loop at K in the specstop engine built last (vllm:K), so "
-                         "that the two proposers meet in one engine")
+                    help="engines in the order they are built, from target (the target alone), vllm, specstop (cap "
+                         "K) and specstop-cap (cap --cap); a name twice builds it twice (vllm,specstop,vllm: an A/A "
+                         "control of build order); detached runs vLLM's own draft loop at K in the specstop engine "
+                         "built last (vllm:K), so that the two proposers meet in one engine")
     args = ap.parse_args()
     target, draft, prompts = pair_and_prompts(args)
     settings = vllm_proposer.PolicySettings(spec=f"static:{args.k}", max_draft_len=max(args.k, args.cap))
-    kinds = {"vllm": (f"vLLM's proposer, K = {args.k}", args.k, None),
+    kinds = {"target": ("the target alone", 0, None),
+             "vllm": (f"vLLM's proposer, K = {args.k}", args.k, None),
              "specstop": (f"specstop's, static:{args.k}, cap {args.k}", args.k, settings),
              "specstop-cap": (f"specstop's, static:{args.k}, cap {args.cap}", args.cap, settings)}
     engines: dict[str, tuple[Any, StepClock, Any, Any]] = {}  # name -> engine, its clock, proposer, its settings
@@ -110,7 +116,7 @@ def main() -> None:
         if kind not in kinds:
             ap.error(f"--engines: {kind!r} is not one of {', '.join(kinds)}, detached")
         name, cap, how = kinds[kind]
-        llm, clock, prop = build(target, draft, cap, args.batch, how)
+        llm, clock, prop = build(target, None if kind == "target" else draft, cap, args.batch, how)
         built = engines[name if name not in engines else f"{name} (built {i + 1}.)"] = (llm, clock, prop, how)
         last = built if how is not None else last
     vllm_proposer.uninstall()  # vLLM's runner checks isinstance(drafter, DraftModelProposer): its own class holds all
@@ -125,12 +131,12 @@ def main() -> None:
             if how is not None:
                 prop.set_policy(how)
             clock.take()
-            before, scored, outs = prop.propose_s, scoring_s(prop), []
+            before, scored, outs = getattr(prop, "propose_s", 0.0), scoring_s(prop), []
             for i in range(0, len(prompts), args.batch):
                 outs += generate(llm, prompts[i:i + args.batch], args.new_tokens)[0]
             steps = [s for s in clock.take() if s.decode]
             totals[name][0] += sum(s.wall_s for s in steps)
-            totals[name][1] += prop.propose_s - before
+            totals[name][1] += getattr(prop, "propose_s", 0.0) - before
             totals[name][2] += scoring_s(prop) - scored
             totals[name][3] += len(steps)
             outputs.setdefault(name, outs)

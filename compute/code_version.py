@@ -118,6 +118,43 @@ def record_start(out_dir: str | Path, root: Path = ROOT, command: str | None = N
     return now
 
 
+HOST_KIND = ("model_name", "vendor", "family", "model", "simd_flags", "cpus")
+"""The host facts a resumed benchmark must share with its first start (its timings compare only on one host kind)."""
+
+
+def check_resume(out_dir: str | Path) -> None:
+    """A benchmark continuing the run in ``out_dir`` (this start already recorded) must run the code its first start
+    ran (the same commit, not dirtier) on the same host kind: otherwise its rows would mix two codes or two hosts.
+    Raises ValueError naming both in one line and removes this start's record; nothing measured is touched."""
+    record = _record(Path(out_dir))
+    starts = record["starts"]
+    if len(starts) < 2:
+        return
+    first, now = starts[0], starts[-1]
+    diffs = []
+    if first.get("commit") != now.get("commit"):
+        diffs.append(f"it started at commit {str(first.get('commit'))[:7]}, this is {str(now.get('commit'))[:7]}")
+    elif now.get("dirty") and not first.get("dirty"):
+        diffs.append(f"it started on a clean tree at {str(first.get('commit'))[:7]}, this tree has uncommitted changes")
+    was, here = first.get("host") or {}, now.get("host") or {}
+    if was and here and any(was.get(k) != here.get(k) for k in HOST_KIND):
+        diffs.append(f"it started on {_host_line(was)}, this is {_host_line(here)}")
+    if not diffs:
+        return
+    record["starts"].pop()
+    _write(Path(out_dir), record)
+    raise ValueError(f"{out_dir}: a run measured on one code and one host cannot continue here ({'; '.join(diffs)}): "
+                     f"continue it on its code and host kind, or give another --out_dir (or move this one aside) to "
+                     f"start over; nothing in it was changed")
+
+
+def _host_line(host: dict[str, Any]) -> str:
+    flags = host.get("simd_flags") or []
+    isa = "AMX" if any(f.startswith("amx") for f in flags) else "AVX-512" if "avx512f" in flags else "AVX2"
+    return (f"{host.get('model_name')} (family {host.get('family')} model {host.get('model')}, {host.get('cpus')} "
+            f"CPUs, {isa})")
+
+
 def new_run(out_dir: str | Path) -> None:
     """This start begins a new run in ``out_dir``: keep only its start, so the run names its own code, not an earlier
     run's (and the seconds of parts still in out_dir, which it may read back)."""

@@ -16,10 +16,9 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
-from compute.code_version import PartClock, new_run, record_end
+from compute.code_version import PartClock, check_resume, new_run, record_end
 from pipelines.cli import parse_config, setup_logging, start_run, user_errors
 from runtimes.vllm.bench import VllmBenchConfig
 from runtimes.vllm.engine import reexec_with_iomp
@@ -34,11 +33,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cfg = parse_config(VllmBenchConfig, argv, __doc__)
         reexec_with_iomp(["-m", "pipelines.vllm_bench", *(sys.argv[1:] if argv is None else argv)])
         from runtimes.vllm.bench_report import markdown
-        from runtimes.vllm.run import run_vllm_benchmark
+        from runtimes.vllm.run import run_vllm_benchmark, stored_parts
 
         out_dir = start_run(cfg, PROG, argv)
-        if not any((Path(cfg.out_dir) / "engines").glob("*.json")):
-            new_run(out_dir)  # no engine of an earlier run is read back: the run's code is this start's
+        if stored_parts(cfg):
+            check_resume(out_dir)  # what is read back ran on the first start's code and host kind
+        else:
+            new_run(out_dir)  # nothing of an earlier run is read back: the run's code is this start's
         t0, clock = time.time(), PartClock(out_dir)
         rep = run_vllm_benchmark(cfg, clock)
         # the run's end and duration: this start's seconds and those of the parts read back from a stopped start

@@ -95,7 +95,7 @@ def test_another_config_prompts_or_machine_is_refused_with_what_differs(tmp_path
     assert store.done() == [] and len(list(tmp_path.glob("prompts.old-*"))) == 2
 
 
-def test_the_benchmark_resumes_on_tiny_models(tmp_path, caplog):
+def test_the_benchmark_resumes_on_tiny_models(tmp_path, caplog, capsys):
     out = tmp_path / "bench"
     argv = ["--config", str(ROOT / "configs" / "benchmark-smoke.yaml"), "--out_dir", str(out), "--tracking", "false",
             "--n_prompts", "2", "--max_new_tokens", "4", "--policies", '["static:3", "svip:0.3"]', "--hf_rows", "[]",
@@ -112,3 +112,11 @@ def test_the_benchmark_resumes_on_tiny_models(tmp_path, caplog):
         main([*argv, "--max_new_tokens", "5"])
     main([*argv, "--max_new_tokens", "5", "--resume", "false"])  # starting over moves the earlier prompts aside
     assert len(list(out.glob("prompts.old-*"))) == 1
+    from compute import code_version as cv
+
+    other = {"commit": "f" * 40, "dirty": False}
+    with pytest.MonkeyPatch.context() as mp:  # the same run continued on other code: refused, nothing moved
+        mp.setattr(cv, "code_version", lambda root=cv.ROOT: other)
+        with pytest.raises(SystemExit):
+            main([*argv, "--max_new_tokens", "5"])
+    assert "this is fffffff" in capsys.readouterr().err and len(list(out.glob("prompts.old-*"))) == 1

@@ -13,6 +13,7 @@ import pytest
 from compute.code_version import (
     RUN_RECORD,
     PartClock,
+    check_resume,
     code_version,
     in_history,
     new_run,
@@ -179,6 +180,35 @@ def test_a_resumed_run_adds_the_seconds_of_the_parts_it_read_back(repo, tmp_path
     old = PartClock(out)
     old.read_back("engine written before parts were kept")
     assert old.duration(30.0) is None
+
+
+def test_a_benchmark_continues_only_on_the_code_and_host_kind_it_started_on(repo, tmp_path, monkeypatch):
+    """check_resume: the same commit on the same host continues; another commit, a dirty tree over a clean start or
+    another host kind is refused in one line naming both, and the refused start leaves no trace."""
+    from compute import code_version as cv
+
+    out = tmp_path / "run"
+    first = git(repo, "rev-parse", "HEAD")
+    record_start(out, repo)
+    record_start(out, repo)
+    check_resume(out)  # the same code and host: continues
+    (repo / "a.py").write_text("x = 4\n")
+    record_start(out, repo)
+    with pytest.raises(ValueError, match="clean tree .* uncommitted changes"):
+        check_resume(out)
+    git(repo, "commit", "-qam", "four")
+    record_start(out, repo)
+    head = git(repo, "rev-parse", "HEAD")
+    with pytest.raises(ValueError, match=f"started at commit {first[:7]}, this is {head[:7]}"):
+        check_resume(out)
+    git(repo, "checkout", "-q", first)
+    other = {**cv.host_facts(), "model_name": "AMD EPYC 9B45", "family": "26", "simd_flags": ["avx2", "avx512f"]}
+    monkeypatch.setattr(cv, "host_facts", lambda: other)
+    record_start(out, repo)
+    with pytest.raises(ValueError, match=r"this is AMD EPYC 9B45 \(family 26 .*AVX-512\).*another --out_dir"):
+        check_resume(out)
+    starts = json.loads((out / RUN_RECORD).read_text())["starts"]
+    assert len(starts) == 2 and {s["commit"] for s in starts} == {first}  # the refused starts were not kept
 
 
 def test_the_command_a_run_started_with_is_stored_with_it(tmp_path, monkeypatch):

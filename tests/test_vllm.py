@@ -312,13 +312,15 @@ def test_passes_alternate_the_engine_order_and_keep_each_prompts_faster_run(tmp_
     order: list[str] = []
     times = {("a", 0): [2.0, 1.0], ("a", 1): [1.5, 3.0], ("b", 0): [1.0, 1.0], ("b", 1): [2.0, 0.5]}
 
-    def run(group: EngineRows) -> list[RowRun]:
+    def run(group: EngineRows, batches: list[int], done) -> list[RowRun]:
+        assert batches == [1]
         name = next(iter(group.rows))
         pass_no = sum(1 for n in order if n == name)
         order.append(name)
         row = RowRun(name=name, batch=1, spec=name)
         for t in times[(name, pass_no)]:
             row.add_unit(([[1, 2]], t, [StepLog(t, 1, True)], {"drafts": t}, [], (0, 0), {}))
+        done(1, [row])
         return [row]
 
     rows = _run_passes(plan, cfg, run, PartClock(tmp_path))
@@ -326,8 +328,45 @@ def test_passes_alternate_the_engine_order_and_keep_each_prompts_faster_run(tmp_
     assert [r.seconds for r in rows] == [[1.5, 1.0], [1.0, 0.5]]
     assert rows[1].counters == {"drafts": 1.5}
     clock = PartClock(tmp_path)
-    assert _run_passes(plan, cfg, lambda g: pytest.fail("stored passes are read back"), clock) and len(order) == 4
+    assert _run_passes(plan, cfg, lambda *a: pytest.fail("stored passes are read back"), clock) and len(order) == 4
     assert clock.read_back_s is not None and clock.read_back_s >= 0  # each engine's seconds were kept when it ran
+
+
+def test_a_stopped_engine_resumes_at_the_first_batch_size_it_did_not_finish(tmp_path) -> None:
+    from compute.code_version import PartClock
+    from runtimes.vllm.bench import EngineRows, RowRole
+    from runtimes.vllm.engine import EngineSpec
+    from runtimes.vllm.run import _engine_rows
+
+    cfg = VllmBenchConfig(out_dir=str(tmp_path), batch_sizes=[1, 2, 4], n_prompts=4)
+    group = EngineRows(EngineSpec(target="T", draft="D", k=3), [RowRole("policy", spec="a"),
+                                                                 RowRole("policy", spec="b")])
+    asked: list[list[int]] = []
+
+    def rows_at(batch: int) -> list[RowRun]:
+        return [RowRun(name=n, batch=batch, spec=n) for n in group.rows]
+
+    def stopped_at_4(batches: list[int], done) -> list[RowRun]:
+        asked.append(batches)
+        for b in batches:
+            if b == 4:
+                raise RuntimeError("killed")
+            done(b, rows_at(b))
+        return []
+
+    assert _engine_rows(1, 1, group, cfg, 0, stopped_at_4, PartClock(tmp_path)) == []  # failed: no rows this start
+    clock = PartClock(tmp_path)
+
+    def the_rest(batches: list[int], done) -> list[RowRun]:
+        asked.append(batches)
+        for b in batches:
+            done(b, rows_at(b))
+        return []
+
+    rows = _engine_rows(1, 1, group, cfg, 0, the_rest, clock)
+    assert asked == [[1, 2, 4], [4]]  # batch sizes 1 and 2 were kept when they finished
+    assert [(r.batch, r.name) for r in rows] == [(b, n) for b in (1, 2, 4) for n in group.rows]
+    assert clock.read_back_s is not None  # the parts read back had their seconds recorded
 
 
 def test_a_differing_output_is_found_at_its_first_difference_against_its_batchs_target_alone() -> None:
@@ -694,3 +733,18 @@ def test_a_calibration_gap_is_judged_against_the_goal_with_vllms_sampling_error(
     assert calibration_verdict({"1": [100_000, 0.80, 0.81], "2": [0, 0.0, 0.0]}) == "within"
     assert calibration_verdict({"1": [100_000, 0.80, 0.81], "3": [10_000, 0.80, 0.90]}) == "beyond at position 3"
     assert calibration_verdict({"5": [10_000, 0.80, 0.90]}) == "within"  # only positions 1-4 count
+
+
+def test_a_vllm_run_reads_back_its_curve_traces_calibration_and_engine_parts(tmp_path) -> None:
+    from runtimes.vllm.run import stored_parts
+
+    cfg = VllmBenchConfig(out_dir=str(tmp_path))
+    assert stored_parts(cfg) == []  # a new run: nothing of an earlier start is read back
+    (tmp_path / "cost_model.vllm.json").write_text("{}")
+    for part in ["traces/shard-00000.parquet", "calibrated/disco/predictor.json", "engines/0123abcd.json"]:
+        (tmp_path / part).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / part).write_text("{}")
+    assert [p.relative_to(tmp_path).as_posix() for p in stored_parts(cfg)] == [
+        "cost_model.vllm.json", "traces/shard-00000.parquet", "calibrated/disco/predictor.json",
+        "engines/0123abcd.json"]
+    assert len(stored_parts(VllmBenchConfig(out_dir=str(tmp_path), cost_file="given.json"))) == 3  # a given curve

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -388,11 +389,12 @@ def _load(spec: EngineSpec) -> Any:
 
 
 def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: VllmBenchConfig,
-               settings_of: Any, reference: Reference | None = None) -> list[RowRun]:
+               settings_of: Any, reference: Reference | None = None,
+               done: Callable[[int, list[RowRun]], None] | None = None) -> list[RowRun]:
     """Run each of ``group``'s rows once on every unit of every batch size (one pass), the rows taking turns on each
     unit, and the target alone on the same unit before the first row and after each (``reference``; the target
     alone's own group runs in that engine). ``settings_of(spec, batch_rule, **fields)`` gives the proposer's
-    ``PolicySettings`` for a policy row."""
+    ``PolicySettings`` for a policy row; ``done(batch, rows)`` hears each batch size's rows as soon as they ran."""
     own = reference is not None and group.engine == reference.spec and not group.plugin
     if group.plugin:  # specstop's proposer for this engine, vLLM's own for every other speculative one
         vllm_proposer.install(settings_of(next(iter(group.rows.values())), group.batch_rule))
@@ -411,7 +413,10 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
             else "per-batch K" if group.engine.per_batch else f"K = {group.engine.k}")
     with Heartbeat(log, f"vLLM engine, {what}", total=runs_total, unit="row runs") as beat:
         for batch, batch_units in units.items():
-            out += _batch_rows(group, batch, batch_units, cfg, settings_of, (llm, clock), proposer, ref, own, beat)
+            rows = _batch_rows(group, batch, batch_units, cfg, settings_of, (llm, clock), proposer, ref, own, beat)
+            if done is not None:
+                done(batch, rows)
+            out += rows
     if proposer is not None:
         proposer.close_traces()
     del proposer

@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,15 @@ def prompt_ids(sources: list[PromptSourceConfig], target_dir: str, split: str | 
 def _prompts(cfg: VllmBenchConfig, target_dir: str, split: str | None, n: int) -> tuple[list[list[int]], list[str]]:
     return prompt_ids(cfg.prompts, target_dir, split, n, use_chat_template=cfg.use_chat_template,
                       max_prompt_tokens=cfg.max_prompt_tokens, seed=cfg.seed)
+
+
+def stored_parts(cfg: VllmBenchConfig) -> list[Path]:
+    """What a start of the run in ``cfg.out_dir`` would read back instead of measuring: its curve (unless a cost file
+    is given), its traces and refitted calibration, its engines' finished parts."""
+    out = Path(cfg.out_dir)
+    curve = [out / COST_FILE] if cfg.cost_file is None and (out / COST_FILE).is_file() else []
+    return [*curve, *sorted((out / "traces").glob("shard-*.parquet")), *sorted((out / "calibrated").glob("*/*.json")),
+            *sorted((out / "engines").glob("*.json"))]
 
 
 def _check_pair(cm: CostModel, cfg: VllmBenchConfig, where: str, remedy: str) -> None:
@@ -161,15 +171,16 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
 
 
 RUN_FIELDS = ("models", "prompts", "split", "n_prompts", "use_chat_template", "max_prompt_tokens", "max_new_tokens",
-              "batch_sizes", "policy_k", "seed")
-"""The config fields every engine's rows depend on."""
+              "policy_k", "seed")
+"""The config fields every engine's rows depend on (the batch size is the part's own)."""
 
 
-def _engine_key(group: EngineRows, cfg: VllmBenchConfig, pass_no: int) -> str:
-    """What an engine's stored rows of one pass depend on: the run's prompts and lengths, its speculative config, the
-    proposer and the policies in it (not the rows' names, which say what the plan recommends), the pass."""
+def _engine_key(group: EngineRows, cfg: VllmBenchConfig, pass_no: int, batch: int) -> str:
+    """What an engine's stored rows at one batch size in one pass depend on: the run's prompts and lengths, its
+    speculative config, the proposer and the policies in it (not the rows' names, which say what the plan
+    recommends), the pass and the batch size."""
     what = {"run": {k: getattr(cfg, k) for k in RUN_FIELDS}, "engine": asdict(group.engine), "plugin": group.plugin,
-            "specs": [[r.proposer_spec, r.following] for r in group.roles], "pass": pass_no,
+            "specs": [[r.proposer_spec, r.following] for r in group.roles], "pass": pass_no, "batch": batch,
             "batch_rule": group.batch_rule,
             "paired": "target alone before and after every row"}
     curve = Path(cfg.out_dir) / COST_FILE
@@ -179,34 +190,49 @@ def _engine_key(group: EngineRows, cfg: VllmBenchConfig, pass_no: int) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, pass_no: int, run: Any,
+RunEngine = Callable[[list[int], Callable[[int, list[RowRun]], None]], list[RowRun]]
+"""Runs an engine's rows at the batch sizes given, calling back with each batch size's rows as soon as they are done."""
+
+
+def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, pass_no: int, run: RunEngine,
                  clock: PartClock) -> list[RowRun]:
-    """One engine's rows in one pass: read back from ``out_dir/engines/<key>.json`` when a previous run of the same
-    prompts ran the same engine in that pass (a stopped run resumes engine by engine; a plan that changed reruns only
-    what changed), else run and stored; an engine that fails is logged in one line and its rows left out (the others
-    still run)."""
-    key = _engine_key(group, cfg, pass_no)
-    path = Path(cfg.out_dir) / "engines" / f"{key}.json"
-    what = f"pass {pass_no + 1} of {cfg.repeats}, engine {i} of {n}: {', '.join(group.rows)}"
-    if path.is_file():
-        stored = json.loads(path.read_text())
-        if len(stored["rows"]) == len(group.rows) * len(cfg.batch_sizes):
-            roles = [role for _ in cfg.batch_sizes for role in group.roles]
-            log.info("%s read back from %s", what, path)
+    """One engine's rows in one pass, part by part (a batch size each): a part is read back from
+    ``out_dir/engines/<key>.json`` when an earlier start of the run finished it (a stopped run resumes at the first
+    batch size an engine has not finished; a plan that changed reruns only what changed), else run and stored as
+    soon as it is done; an engine that fails is logged in one line and its rows left out (the others still run, and
+    its finished parts stay for a resume)."""
+    got: dict[int, list[RowRun]] = {}
+    for batch in cfg.batch_sizes:
+        key = _engine_key(group, cfg, pass_no, batch)
+        path = Path(cfg.out_dir) / "engines" / f"{key}.json"
+        stored = json.loads(path.read_text())["rows"] if path.is_file() else []
+        if len(stored) == len(group.roles):
+            got[batch] = [replace(row_from_dict(r), name=role.name, role=role) for r, role in zip(stored, group.roles)]
             clock.read_back(f"engine {key}")
-            return [replace(row_from_dict(r), name=role.name, role=role) for r, role in zip(stored["rows"], roles)]
-    log.info("%s", what)
-    t0 = time.time()
-    try:
-        rows = run()
-    except Exception as e:  # noqa: BLE001 - one engine's failure (vLLM's own) must not lose the others' rows
-        log.error("%s failed: %s", what, str(e).splitlines()[0][:300])
-        return []
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"engine": asdict(group.engine), "plugin": group.plugin,
-                                "rows": [asdict(r) for r in rows]}))
-    clock.ran(f"engine {key}", time.time() - t0)
-    return rows
+    what = f"pass {pass_no + 1} of {cfg.repeats}, engine {i} of {n}: {', '.join(group.rows)}"
+    todo = [b for b in cfg.batch_sizes if b not in got]
+    if got:
+        log.info("%s: batch sizes %s read back from %s", what, sorted(got), Path(cfg.out_dir) / "engines")
+    if todo:
+        log.info("%s (batch sizes %s)", what, todo)
+        started = [time.time()]
+
+        def done(batch: int, rows: list[RowRun]) -> None:
+            key = _engine_key(group, cfg, pass_no, batch)
+            path = Path(cfg.out_dir) / "engines" / f"{key}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"engine": asdict(group.engine), "plugin": group.plugin, "batch": batch,
+                                        "rows": [asdict(r) for r in rows]}))
+            clock.ran(f"engine {key}", time.time() - started[0])  # the engine's loading counts to its first part
+            started[0] = time.time()
+            got[batch] = rows
+
+        try:
+            run(todo, done)
+        except Exception as e:  # noqa: BLE001 - one engine's failure (vLLM's own) must not lose the others' rows
+            log.error("%s failed: %s", what, str(e).splitlines()[0][:300])
+            return []
+    return [row for batch in cfg.batch_sizes for row in got[batch]]
 
 
 def _units(prompts: list[list[int]], batches: list[int]) -> dict[int, list[list[list[int]]]]:
@@ -249,7 +275,8 @@ def run_vllm_benchmark(cfg: VllmBenchConfig, clock: PartClock | None = None) -> 
     units = _units(prompts, cfg.batch_sizes)
     reference = Reference(plan[0].engine)
     try:
-        rows = _run_passes(plan, cfg, lambda g: run_engine(g, units, cfg, settings_of, reference), clock)
+        rows = _run_passes(plan, cfg, lambda g, batches, done: run_engine(g, {b: units[b] for b in batches}, cfg,
+                                                                          settings_of, reference, done), clock)
     finally:
         reference.close()
     k_of = _k_of(plan)
@@ -300,11 +327,12 @@ def _ties(rows: list[RowRun], units: dict[int, list[list[list[int]]]], target: s
 
 def _run_passes(plan: list[EngineRows], cfg: VllmBenchConfig, run: Any, clock: PartClock) -> list[RowRun]:
     """Every engine's rows over ``cfg.repeats`` passes in alternating order (first to last, then last to first),
-    each prompt's faster run kept (``runtimes.vllm.bench.merge_passes``); ``clock`` keeps each engine's seconds."""
+    each prompt's faster run kept (``runtimes.vllm.bench.merge_passes``); ``run(group, batch_sizes, done)`` runs an
+    engine's rows (:data:`RunEngine`); ``clock`` keeps each part's seconds."""
     passes: list[dict[int, list[RowRun]]] = []
     for p in range(cfg.repeats):
         order = list(enumerate(plan, 1))
-        passes.append({i: _engine_rows(i, len(plan), g, cfg, p, lambda g=g: run(g), clock)
+        passes.append({i: _engine_rows(i, len(plan), g, cfg, p, lambda todo, done, g=g: run(g, todo, done), clock)
                        for i, g in (order if p % 2 == 0 else reversed(order))})
     rows: list[RowRun] = []
     for i in range(1, len(plan) + 1):
