@@ -191,6 +191,27 @@ def test_replay_prices_the_policies_engine_at_its_own_static_ks_levels() -> None
     assert got[alone.name]["ratio"] == pytest.approx(slower, abs=1e-3)
 
 
+def test_replay_prices_vllms_own_engines_at_the_target_alones_pace_beside_them() -> None:
+    """vLLM's K = 1 ran at the curve's pace, its K = 3 minutes later in a phase 1.4x slower, which the target alone's
+    runs beside it met too: at the target alone's pace both replay at 1.0, where one level for both missed each."""
+    cm = curve()
+    alone_s = 0.5 + 4 * step_price(cm, 0)
+
+    def row(name: str, k: int, slow: float, role: RowRole, beside: list[float]) -> RowRun:
+        price = slow * step_price(cm, k)
+        return RowRun(name=name, batch=1, spec=name, outputs=[[[1] * 8]], seconds=[slow * 0.5 + 4 * price],
+                      steps=[[StepLog(slow * 0.5, 1, False), *[StepLog(price, 1, True)] * 4]], role=role,
+                      beside=beside)
+
+    alone = row("target", 0, 1.0, RowRole("target"), [])
+    k1 = row("vllm:1", 1, 1.0, RowRole("static", k=1), [alone_s])
+    k3 = row("vllm:3", 3, 1.4, RowRole("static", k=3), [1.4 * alone_s])
+    k_of = {"target": lambda b: 0, "vllm:1": lambda b: 1, "vllm:3": lambda b: 3}
+    got = check_rows([alone, k1, k3], {1: cm}, k_of)
+    assert [r["ratio"] for r in got] == [pytest.approx(1.0, abs=1e-3)] * 3
+    assert got[2]["measured_tokens_per_s"] == pytest.approx(8 / (0.5 + 4 * step_price(cm, 3)), rel=1e-3)
+
+
 def test_curve_file_of_another_runtime_is_refused(tmp_path) -> None:
     path = tmp_path / "cm.json"
     CostModel(draft_s_per_token=0.01, target_s={1: 0.1, 2: 0.11}, runtime="llamacpp").to_json(path)

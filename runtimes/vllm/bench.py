@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from benchmark.config import HarnessConfig
@@ -260,6 +260,15 @@ class RowRun:
         idle = self.unit_idle[i] if i < len(self.unit_idle) else (0, 0)
         positions = self.unit_positions[i] if i < len(self.unit_positions) else {}
         return self.outputs[i], self.seconds[i], self.steps[i], counters, self.rounds[i], idle, positions
+
+    def at_pace(self, ref: RowRun) -> RowRun:
+        """This row as if run at the pace ``ref`` (the target alone's first row) ran at: each unit's seconds and steps
+        scaled by ``ref``'s seconds on it over the target alone's beside it (:attr:`beside`); as it is without them."""
+        if not self.beside or len(self.beside) != len(self.seconds) or len(ref.seconds) != len(self.seconds):
+            return self
+        pace = [t / b for t, b in zip(ref.seconds, self.beside)]
+        return replace(self, seconds=[s * f for s, f in zip(self.seconds, pace)],
+                       steps=[[replace(s, wall_s=s.wall_s * f) for s in unit] for unit, f in zip(self.steps, pace)])
 
     @property
     def by_position(self) -> dict[int, tuple[int, float, float]]:

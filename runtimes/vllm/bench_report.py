@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,19 +56,11 @@ def _as_row(r: RowRun) -> Row:
 
 def paired_rows(rows: list[RowRun]) -> list[RowRun]:
     """Each row's seconds on a unit scaled by the target alone's first row's seconds on it over the target alone's
-    seconds beside it (``RowRun.beside``): every row as if run at the pace the target alone's own row ran at, so
+    seconds beside it (``RowRun.at_pace``): every row as if run at the pace the target alone's own row ran at, so
     that a row's ratio to the target alone is the ratio measured seconds apart on each unit. Rows without ``beside``
     (the first target row itself) are kept as measured."""
     first = {r.batch: r for r in rows if r.role is not None and r.role.what == "target" and not r.role.again}
-    out = []
-    for r in rows:
-        ref = first.get(r.batch)
-        if not r.beside or ref is None or len(r.beside) != len(r.seconds) or len(ref.seconds) != len(r.seconds):
-            out.append(r)
-            continue
-        scaled = [s * t / b for s, t, b in zip(r.seconds, ref.seconds, r.beside)]
-        out.append(replace(r, seconds=scaled))
-    return out
+    return [r.at_pace(first[r.batch]) if r.batch in first else r for r in rows]
 
 
 def row_entry(r: RowRun, ref: RowRun, boot: np.ndarray, check: dict[str, Any], measured: RowRun) -> dict[str, Any]:

@@ -5,7 +5,8 @@ its levels come from the steps timed beside the rows: per batch size, one factor
 the target's verifications, fitted to fixed rows' measured decode seconds (:func:`step_levels`). The rows of the
 policies' engine are priced at the levels of the static Ks run in that engine (``static:K (policies' engine)``,
 seconds apart from them); every other row, and a batch size without such rows, at the levels of vLLM's own fixed rows
-(the target alone, vLLM's K), whose engines run at another pace. A curve keeps its fastest round, timed apart from
+(the target alone, vLLM's K), whose engines run at another pace, each unit of vLLM's own engines at the target alone's
+pace beside it (:func:`at_reference_pace`). A curve keeps its fastest round, timed apart from
 the rows; on a host whose speed moves by a third the rows then run 1.1-1.5x slower than it says, and not by one
 factor: with two engines loaded the target's steps slowed more than the draft's. The policy rows are priced by those
 levels, never fitted to themselves.
@@ -162,11 +163,23 @@ def _fit(parts: np.ndarray, measured: np.ndarray) -> Level:
     return one, one
 
 
+def at_reference_pace(rows: list[RowRun]) -> list[RowRun]:
+    """The rows as the replay prices them: each row of an engine of vLLM's own (the target alone's second row, vLLM's
+    Ks, the per-batch schedule) with every unit at the target alone's pace, from its runs right before and after the
+    row's (``RowRun.at_pace``): those engines ran minutes apart, and the host's pace between them moves by more than
+    the curve can tell. The policies' engine's rows stay as measured: its static Ks, seconds apart, set their level."""
+    first = {r.batch: r for r in rows if r.role is not None and r.role.what == "target" and not r.role.again}
+    return [r.at_pace(first[r.batch]) if r.batch in first and not (r.role and r.role.in_policies_engine) else r
+            for r in rows]
+
+
 def check_rows(rows: list[RowRun], curves: dict[int, CostModel], k_of: dict[str, Callable[[int], int] | None],
                ) -> list[dict]:
-    """Per row and batch size: measured and replayed tokens/s, their ratio (measured seconds / replayed) and the
-    curve's levels it was priced at (:func:`step_levels`: on the draft's forwards, on the verifications; for the
-    policies' engine those of its own static Ks where it ran some at that batch size)."""
+    """Per row and batch size: measured and replayed tokens/s and their ratio (measured seconds / replayed), each at
+    the pace the row is priced at (:func:`at_reference_pace`), and the curve's levels it was priced at
+    (:func:`step_levels`: on the draft's forwards, on the verifications; for the policies' engine those of its own
+    static Ks where it ran some at that batch size)."""
+    rows = at_reference_pace(rows)
     levels = step_levels(rows, curves, k_of)
     # the policies' engine's levels, at the batch sizes where it ran static Ks
     beside = step_levels([r for r in rows if _engine_fixed(r)], curves, k_of, fitted=_engine_fixed)
