@@ -308,6 +308,11 @@ class RowRun:
         return self.tokens / total if total else 0.0
 
 
+def reference_rows(rows: list[RowRun]) -> dict[int, RowRun]:
+    """Batch size -> the target alone's first row there: the pace every other row is paired with."""
+    return {r.batch: r for r in rows if r.role is not None and r.role.what == "target" and not r.role.again}
+
+
 def row_from_dict(d: dict[str, Any]) -> RowRun:
     """A :class:`RowRun` from its ``asdict`` form (an engine's stored rows)."""
     d = {k: v for k, v in d.items() if k not in ("counters", "idle_rows", "draft_rows")}  # totals: derived

@@ -21,7 +21,7 @@ import numpy as np
 from benchmark.records import output_hash
 from benchmark.rows import Row, ratio_ci
 from compute.timing import CostModel
-from runtimes.vllm.bench import RowRole, RowRun, VllmBenchConfig
+from runtimes.vllm.bench import RowRole, RowRun, VllmBenchConfig, reference_rows
 from runtimes.vllm.settings import BatchPick
 
 __all__ = ["VllmReport", "build_report", "goals_of", "markdown", "paired_rows", "table_entries", "unit_records",
@@ -59,7 +59,7 @@ def paired_rows(rows: list[RowRun]) -> list[RowRun]:
     seconds beside it (``RowRun.at_pace``): every row as if run at the pace the target alone's own row ran at, so
     that a row's ratio to the target alone is the ratio measured seconds apart on each unit. Rows without ``beside``
     (the first target row itself) are kept as measured."""
-    first = {r.batch: r for r in rows if r.role is not None and r.role.what == "target" and not r.role.again}
+    first = reference_rows(rows)
     return [r.at_pace(first[r.batch]) if r.batch in first else r for r in rows]
 
 

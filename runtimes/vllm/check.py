@@ -41,7 +41,7 @@ import numpy as np
 
 from compute.timing import CostModel
 from predictors.batch_goodput import BatchCost
-from runtimes.vllm.bench import RowRun
+from runtimes.vllm.bench import RowRun, reference_rows
 from runtimes.vllm.engine import StepLog
 from runtimes.vllm.stopper import curve_for_batch
 
@@ -168,7 +168,7 @@ def at_reference_pace(rows: list[RowRun]) -> list[RowRun]:
     Ks, the per-batch schedule) with every unit at the target alone's pace, from its runs right before and after the
     row's (``RowRun.at_pace``): those engines ran minutes apart, and the host's pace between them moves by more than
     the curve can tell. The policies' engine's rows stay as measured: its static Ks, seconds apart, set their level."""
-    first = {r.batch: r for r in rows if r.role is not None and r.role.what == "target" and not r.role.again}
+    first = reference_rows(rows)
     return [r.at_pace(first[r.batch]) if r.batch in first and not (r.role and r.role.in_policies_engine) else r
             for r in rows]
 

@@ -201,14 +201,14 @@ def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, pass_n
     batch size an engine has not finished; a plan that changed reruns only what changed), else run and stored as
     soon as it is done; an engine that fails is logged in one line and its rows left out (the others still run, and
     its finished parts stay for a resume)."""
+    keys = {batch: _engine_key(group, cfg, pass_no, batch) for batch in cfg.batch_sizes}
+    paths = {batch: Path(cfg.out_dir) / "engines" / f"{key}.json" for batch, key in keys.items()}
     got: dict[int, list[RowRun]] = {}
-    for batch in cfg.batch_sizes:
-        key = _engine_key(group, cfg, pass_no, batch)
-        path = Path(cfg.out_dir) / "engines" / f"{key}.json"
+    for batch, path in paths.items():
         stored = json.loads(path.read_text())["rows"] if path.is_file() else []
         if len(stored) == len(group.roles):
             got[batch] = [replace(row_from_dict(r), name=role.name, role=role) for r, role in zip(stored, group.roles)]
-            clock.read_back(f"engine {key}")
+            clock.read_back(f"engine {keys[batch]}")
     what = f"pass {pass_no + 1} of {cfg.repeats}, engine {i} of {n}: {', '.join(group.rows)}"
     todo = [b for b in cfg.batch_sizes if b not in got]
     if got:
@@ -218,12 +218,10 @@ def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, pass_n
         started = [time.time()]
 
         def done(batch: int, rows: list[RowRun]) -> None:
-            key = _engine_key(group, cfg, pass_no, batch)
-            path = Path(cfg.out_dir) / "engines" / f"{key}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"engine": asdict(group.engine), "plugin": group.plugin, "batch": batch,
-                                        "rows": [asdict(r) for r in rows]}))
-            clock.ran(f"engine {key}", time.time() - started[0])  # the engine's loading counts to its first part
+            paths[batch].parent.mkdir(parents=True, exist_ok=True)
+            paths[batch].write_text(json.dumps({"engine": asdict(group.engine), "plugin": group.plugin,
+                                                "batch": batch, "rows": [asdict(r) for r in rows]}))
+            clock.ran(f"engine {keys[batch]}", time.time() - started[0])  # loading counts to the first part
             started[0] = time.time()
             got[batch] = rows
 
