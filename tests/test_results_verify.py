@@ -225,3 +225,33 @@ def test_the_gpu_checks_summary_reads_each_steps_line_from_its_json(tmp_path, mo
     (tmp_path / "device-check.md").unlink()
     (st,) = summarize_device_check(tmp_path / "device-check.json")["steps"]
     assert st["details"] == "21 passed, 0 failed, 0 errors, 0 skipped"
+
+
+def test_the_pace_with_a_group_in_flight_leaves_its_tail_out_and_recomputes_from_the_records():
+    from runtimes.vllm.engine import StepLog
+
+    rng = random.Random(3)
+    ref = [[rng.randrange(50) for _ in range(12)] for _ in range(8)]
+    rows = []
+    for role in (RowRole("target"), RowRole("static", k=3), RowRole("policy", spec="disco")):
+        row = RowRun(name=role.name, batch=4, spec=role.name, role=role)
+        for i in range(0, 8, 4):
+            step = rng.uniform(0.5, 1.0)  # two decode steps with all 4 requests in flight, then one with 1 left
+            steps = [StepLog(0.4, 4, False, 4), StepLog(step, 4, True, 10), StepLog(step, 4, True, 10),
+                     StepLog(5.0, 1, True, 2)]
+            row.add_unit((ref[i:i + 4], 0.4 + 2 * step + 5.0, steps, {}, [], (0, 0), {}))
+        rows.append(row)
+    assert [t for t, _ in rows[2].in_flight()] == [20, 20]  # the tail's step and the prefill left out
+    assert RowRun(name="x", batch=4, spec="x", steps=[[StepLog(1.0, 4, True)]], outputs=[ref[:4]]).in_flight() is None
+    table = table_entries(rows, [4], 0, 300, [])
+    policy = table[2]
+    assert policy["fastest_fixed_in_flight"] in ("vLLM target alone", "vllm:3")
+    lo, hi = policy["vs_fastest_fixed_in_flight"][1:]
+    assert lo <= policy["vs_fastest_fixed_in_flight"][0] <= hi
+    data = {"batch_sizes": [4], "seed": 0, "n_boot": 300, "picks": [],
+            "rows": json.loads(json.dumps([{k: t[k] for k in VLLM_ROW_FIELDS if k in t} for t in table])),
+            "goals": json.loads(json.dumps(goals_of(table, [], [4], [])))}
+    assert data["goals"]["batch_4"]["policies_vs_fastest_fixed_in_flight"] and verify_vllm_summary(data) is None
+    data["rows"][2]["records"]["in_flight_seconds"][0] *= 1.5
+    first = verify_vllm_summary(data)
+    assert (first.row, first.field) == ("disco at batch 4", "in_flight_tokens_per_s")

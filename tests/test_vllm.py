@@ -769,3 +769,28 @@ def test_a_vllm_run_reads_back_its_curve_traces_calibration_and_engine_parts(tmp
         "cost_model.vllm.json", "traces/shard-00000.parquet", "calibrated/disco/predictor.json",
         "engines/0123abcd.json"]
     assert len(stored_parts(VllmBenchConfig(out_dir=str(tmp_path), cost_file="given.json"))) == 3  # a given curve
+
+
+def test_the_step_clock_counts_the_tokens_each_step_emits() -> None:
+    from types import SimpleNamespace
+
+    from runtimes.vllm.engine import StepClock
+
+    class Engine:
+        def __init__(self) -> None:
+            self.output_processor = SimpleNamespace(process_outputs=lambda outs, **kw: outs)
+            self.left, self.engine_core = 2, SimpleNamespace(shutdown=lambda: None)
+
+        def get_num_unfinished_requests(self) -> int:
+            return self.left
+
+        def step(self) -> list:
+            per_request = [[1]] * self.left if not hasattr(self, "began") else [[1, 2, 3], [4]][: self.left]
+            self.began = True
+            return self.output_processor.process_outputs([SimpleNamespace(new_token_ids=t) for t in per_request])
+
+    llm = SimpleNamespace(llm_engine=Engine())
+    clock = StepClock(llm)
+    llm.llm_engine.step()  # the prefill: one token a request
+    llm.llm_engine.step()
+    assert [(s.batch, s.decode, s.tokens) for s in clock.take()] == [(2, False, 2), (2, True, 4)]

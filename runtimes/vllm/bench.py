@@ -270,6 +270,18 @@ class RowRun:
         return replace(self, seconds=[s * f for s, f in zip(self.seconds, pace)],
                        steps=[[replace(s, wall_s=s.wall_s * f) for s in unit] for unit, f in zip(self.steps, pace)])
 
+    def in_flight(self) -> list[tuple[int, float]] | None:
+        """Per unit, (tokens, seconds) of its decode steps that carried every request of the unit: the row's pace
+        while its whole group is in flight, as a server at this concurrency keeps it full; the group's tail, where its
+        last requests finish with fewer in flight, is left out. None where the steps' tokens were not counted."""
+        out = []
+        for unit, steps in zip(self.outputs, self.steps):
+            full = [s for s in steps if s.decode and s.batch >= len(unit)]
+            if not full or not all(s.tokens for s in full):
+                return None
+            out.append((sum(s.tokens for s in full), sum(s.wall_s for s in full)))
+        return out or None
+
     @property
     def by_position(self) -> dict[int, tuple[int, float, float]]:
         """Draft position -> (tokens judged, mean predicted acceptance, vLLM's accepted share), over the units."""

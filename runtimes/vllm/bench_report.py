@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmark.records import output_hash
+from benchmark.records import output_hash, paired_ratio
 from benchmark.rows import Row, ratio_ci
 from compute.timing import CostModel
 from runtimes.vllm.bench import RowRole, RowRun, VllmBenchConfig, reference_rows
@@ -77,15 +77,25 @@ def row_entry(r: RowRun, ref: RowRun, boot: np.ndarray, check: dict[str, Any], m
             "idle_share": round(r.idle_rows / r.draft_rows, 4) if r.draft_rows else None,
             "replayed_tokens_per_s": check.get("replayed_tokens_per_s"), "replay_ratio": check.get("ratio"),
             "unit_seconds": [round(s, 4) for s in measured.seconds], "records": unit_records(measured),
+            "in_flight_tokens_per_s": _rate(r.in_flight()),
             "role": None if r.role is None else asdict(r.role),
             "by_position": {str(j): [n, round(pred, 4), round(obs, 4)] for j, (n, pred, obs) in r.by_position.items()}}
 
 
+def _rate(flight: list[tuple[int, float]] | None) -> float | None:
+    """tokens/s over :meth:`RowRun.in_flight`'s units (None where it has none)."""
+    return None if flight is None else round(sum(t for t, _ in flight) / sum(s for _, s in flight), 3)
+
+
 def unit_records(r: RowRun) -> dict[str, Any]:
     """The row's per-unit records (a unit: the prompts decoded together at its batch size): seconds and vLLM's
-    counters per unit, tokens and an output hash per prompt (``benchmark.records``)."""
+    counters per unit, tokens and an output hash per prompt (``benchmark.records``), and the tokens and seconds of
+    the unit's steps with its whole group in flight (:meth:`RowRun.in_flight`)."""
     counters = [r.unit_counters[i] if i < len(r.unit_counters) else {} for i in range(len(r.seconds))]
+    flight = r.in_flight()
     return {"unit_size": r.batch, "seconds": [float(s) for s in r.seconds],
+            "in_flight_tokens": None if flight is None else [int(t) for t, _ in flight],
+            "in_flight_seconds": None if flight is None else [float(s) for _, s in flight],
             "beside_seconds": [float(s) for s in r.beside] or None,
             "rounds": [int(c.get("drafts", 0)) for c in counters],
             "drafted": [int(c.get("draft_tokens", 0)) for c in counters],
@@ -114,6 +124,21 @@ def against_fastest_fixed(at_b: list[RowRun], entries: list[dict], boot: np.ndar
             sp, lo, hi = ratio_ci(_as_row(r), _as_row(fastest), boot)
             e["vs_fastest_fixed"] = [None if x is None else round(x, 4) for x in (sp, lo, hi)]
             e["fastest_fixed"] = fastest.name
+
+
+def against_fastest_fixed_in_flight(at_b: list[RowRun], entries: list[dict], boot: np.ndarray) -> None:
+    """Each other row against the fastest fixed setting on tokens/s with every request of its group in flight
+    (:meth:`RowRun.in_flight`), with its interval over the units; nothing where a row's tokens were not counted."""
+    fixed = [(r, f) for r in at_b if r.role is not None and r.role.fixed and (f := r.in_flight()) is not None]
+    if not fixed:
+        return
+    fastest, ref = max(fixed, key=lambda x: _rate(x[1]) or 0.0)
+    for r, e in zip(at_b, entries):
+        if (r.role is not None and r.role.fixed) or (f := r.in_flight()) is None or len(f) != len(ref):
+            continue
+        ratio = paired_ratio([t for t, _ in f], [s for _, s in f], [t for t, _ in ref], [s for _, s in ref], boot)
+        e["vs_fastest_fixed_in_flight"] = [round(x, 4) for x in ratio]
+        e["fastest_fixed_in_flight"] = fastest.name
 
 
 def against_engine_fixed(measured: list[RowRun], entries: list[dict], boot: np.ndarray) -> None:
@@ -211,6 +236,11 @@ def goals_of(table: list[dict], picks: list[BatchPick], batch_sizes: list[int], 
                 g["recommended_vs_defaults"] = round(rec["tokens_per_s"] / default["tokens_per_s"], 4)
                 ratios.append(g["recommended_vs_defaults"])
         g["policies_vs_fastest_fixed"] = {t["row"]: t["vs_fastest_fixed"] for t in rows if "vs_fastest_fixed" in t}
+        in_flight = {t["row"]: t["vs_fastest_fixed_in_flight"] for t in rows if "vs_fastest_fixed_in_flight" in t}
+        if in_flight:  # with every request of a group in flight, as a server at this concurrency runs
+            g["fastest_fixed_in_flight"] = next(t["fastest_fixed_in_flight"] for t in rows
+                                                if "fastest_fixed_in_flight" in t)
+            g["policies_vs_fastest_fixed_in_flight"] = in_flight
         in_engine = {t["row"]: t["vs_engine_fixed"] for t in rows if "vs_engine_fixed" in t}
         if in_engine:
             g["fastest_engine_fixed"] = next(t["engine_fixed"] for t in rows if "engine_fixed" in t)
@@ -251,6 +281,7 @@ def table_entries(rows: list[RowRun], batch_sizes: list[int], seed: int, n_boot:
         entries = [row_entry(r, ref, boot, next((x for x in check if x["row"] == r.name and x["batch"] == b), {}), m)
                    for r, m in zip(at_b, measured)]
         against_fastest_fixed(at_b, entries, boot)
+        against_fastest_fixed_in_flight(at_b, entries, boot)
         against_engine_fixed(measured, entries, boot)
         table += entries
     return table
@@ -276,15 +307,18 @@ def markdown(rep: VllmReport) -> str:
     lines = []
     for b in sorted({t["batch"] for t in rep.table}):
         lines += [f"### {b} concurrent request{'s' if b > 1 else ''}", "",
-                  "| row | tokens/s | vs target alone [95% CI] | vs fastest static K in its engine | output = target "
-                  "alone | acceptance | replayed / measured | stopped rows ridden |", "|---" * 8 + "|"]
+                  "| row | tokens/s | vs target alone [95% CI] | vs fastest static K in its engine | tokens/s, group "
+                  "in flight | vs fastest fixed, group in flight | output = target alone | acceptance | replayed / "
+                  "measured | stopped rows ridden |", "|---" * 10 + "|"]
         for t in (t for t in rep.table if t["batch"] == b):
             ci = ratio_text([t["speedup"], t["speedup_lo"], t["speedup_hi"]])
             engine = ratio_text(t.get("vs_engine_fixed"))
             acc = f"{t['acceptance']:.2f}" if t["acceptance"] is not None else ""
             rr = f"{t['replay_ratio']:.3f}" if t["replay_ratio"] is not None else ""
             idle = f"{t['idle_share']:.0%}" if t["idle_share"] is not None else ""
-            lines.append(f"| {t['row']} | {t['tokens_per_s']:.2f} | {ci} | {engine} | {t['identical']}/{t['prompts']} "
+            flight = f"{t['in_flight_tokens_per_s']:.2f}" if t.get("in_flight_tokens_per_s") is not None else ""
+            lines.append(f"| {t['row']} | {t['tokens_per_s']:.2f} | {ci} | {engine} | {flight} "
+                         f"| {ratio_text(t.get('vs_fastest_fixed_in_flight'))} | {t['identical']}/{t['prompts']} "
                          f"| {acc} | {rr} | {idle} |")
         lines.append("")
     lines += ["Recommended:", "", *[f"- {x}" for x in rep.recommendation], "", "Checks:", "",

@@ -9,9 +9,10 @@ steps can be timed and specstop's proposer reached), the V1 model runner (the on
 patches) and Intel OpenMP preloaded (vLLM warns that speculative decoding is slow without it; a preload only takes
 effect at process start, so :func:`reexec_with_iomp` restarts the command once with it).
 
-:class:`StepClock` wraps the engine's ``step``: each step's wall time and how many requests it carried, and whether
-it decoded (every request past its prefill), so that a row's time splits into prefill and decode steps and its
-decode steps can be priced by a curve (``runtimes.vllm.check``).
+:class:`StepClock` wraps the engine's ``step``: each step's wall time, how many requests it carried, whether it
+decoded (every request past its prefill) and how many tokens it emitted, so that a row's time splits into prefill and
+decode steps, its decode steps can be priced by a curve (``runtimes.vllm.check``) and its throughput told apart
+while every request of a group is in flight (``RowRun.in_flight``).
 
 Usage::
 
@@ -101,7 +102,8 @@ def release(llm: Any) -> None:
     """Shut an engine down and free its memory before the next one loads (its KV cache and weights; the caller
     drops its own references, a :class:`StepClock` included)."""
     engine = llm.llm_engine
-    engine.__dict__.pop("step", None)  # a StepClock's wrapper holds the engine in a cycle
+    engine.__dict__.pop("step", None)  # a StepClock's wrappers hold the engine in a cycle
+    engine.output_processor.__dict__.pop("process_outputs", None)
     engine.engine_core.shutdown()
     del engine, llm
     gc.collect()
@@ -116,28 +118,38 @@ class StepLog:
     """Requests unfinished when the step began."""
     decode: bool
     """Every request of the step was past its prefill (a decode step)."""
+    tokens: int = 0
+    """New tokens the step emitted over its requests (0: not counted, as in runs stored before they were)."""
 
 
 @dataclass
 class StepClock:
-    """Times every ``llm.llm_engine.step()`` of an engine (the wrapper stays until :func:`release`). The first step
-    after :meth:`take` is the prefill of the requests added before it (they are added together and their prompts fit
-    one step's token budget); every later step decodes."""
+    """Times every ``llm.llm_engine.step()`` of an engine and counts the tokens it emits (vLLM's output processor
+    sees each request's new tokens; the wrappers stay until :func:`release`). The first step after :meth:`take` is
+    the prefill of the requests added before it (they are added together and their prompts fit one step's token
+    budget); every later step decodes."""
 
     llm: Any
     steps: list[StepLog] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         engine = self.llm.llm_engine
-        inner = engine.step
+        inner, processor = engine.step, engine.output_processor
+        process, emitted = processor.process_outputs, [0]
+
+        def counted(outputs: list, *args: Any, **kwargs: Any) -> Any:
+            emitted[0] += sum(len(o.new_token_ids) for o in outputs)
+            return process(outputs, *args, **kwargs)
 
         def timed_step(*args: Any, **kwargs: Any) -> Any:
-            batch = engine.get_num_unfinished_requests()
+            batch, before = engine.get_num_unfinished_requests(), emitted[0]
             t0 = time.perf_counter()
             outs = inner(*args, **kwargs)
-            self.steps.append(StepLog(time.perf_counter() - t0, batch, decode=bool(self.steps)))
+            self.steps.append(StepLog(time.perf_counter() - t0, batch, decode=bool(self.steps),
+                                      tokens=emitted[0] - before))
             return outs
 
+        processor.process_outputs = counted
         engine.step = timed_step
 
     def take(self) -> list[StepLog]:

@@ -30,20 +30,23 @@ from rendering.result_store import (
 )
 from runtimes.vllm.bench import RowRole, RowRun
 from runtimes.vllm.bench_report import calibration_verdict, goals_of, ratio_text, share_interval, table_entries
+from runtimes.vllm.engine import StepLog
 from runtimes.vllm.settings import BatchPick
 
 __all__ = ["summarize_vllm_benchmark", "verify_vllm_summary", "vllm_block", "vllm_readme_lines"]
 
 VERIFIED = ("tokens_per_s", "measured_tokens_per_s",
             "speedup", "speedup_lo", "speedup_hi", "identical", "prompts", "acceptance", "idle_share",
-            "vs_fastest_fixed", "fastest_fixed", "vs_engine_fixed", "engine_fixed", "by_position")
+            "vs_fastest_fixed", "fastest_fixed", "vs_engine_fixed", "engine_fixed", "by_position",
+            "in_flight_tokens_per_s", "vs_fastest_fixed_in_flight", "fastest_fixed_in_flight")
 """The fields of a stored vLLM row recomputed from its records."""
 
 VLLM_ROW_FIELDS = ("row", "batch", "spec", "tokens_per_s", "measured_tokens_per_s",
                    "speedup", "speedup_lo", "speedup_hi", "identical",
                    "prompts", "acceptance", "idle_share", "replayed_tokens_per_s", "replay_ratio", "tokens",
                    "unit_seconds", "vs_fastest_fixed", "fastest_fixed", "vs_engine_fixed", "engine_fixed",
-                   "by_position", "records", "role")
+                   "by_position", "records", "role", "in_flight_tokens_per_s", "vs_fastest_fixed_in_flight",
+                   "fastest_fixed_in_flight")
 
 
 def _read(path: Path) -> Any:
@@ -95,6 +98,9 @@ def row_from_records(entry: dict[str, Any]) -> RowRun:
                          for r, d, a in zip(rec["rounds"], rec["drafted"], rec["accepted"])]
     row.unit_idle = list(zip(rec["idle_rows"], rec["draft_rows"]))
     row.unit_positions = list(rec["positions"] or [{} for _ in row.seconds])
+    if rec.get("in_flight_tokens"):  # each unit's steps with its group in flight, as one step
+        row.steps = [[StepLog(s, len(unit), decode=True, tokens=t)] for unit, t, s in
+                     zip(row.outputs, rec["in_flight_tokens"], rec["in_flight_seconds"])]
     return row
 
 
@@ -139,10 +145,13 @@ def _rows_table(s: Summary, batch: int) -> list[str]:
     rows = [r for r in s.data["rows"] if r["batch"] == batch]
     engine = any(r.get("vs_engine_fixed") for r in rows)
     in_engine_head = "| vs fastest static K in its engine [95% CI] " if engine else ""
+    flight = any(r.get("in_flight_tokens_per_s") is not None for r in rows)
+    flight_head = "| tokens/s, group in flight | vs fastest fixed, group in flight [95% CI] " if flight else ""
     lines = ["| row | tokens/s" + (" (paired) | measured tokens/s" if paired else "") + " | vs target alone [95% CI] "
-             "| vs fastest fixed setting [95% CI] " + in_engine_head
+             "| vs fastest fixed setting [95% CI] " + in_engine_head + flight_head
              + "| output = target alone | acceptance | replayed / measured | rows of stopped requests |",
-             "|---|---|---|---|---|---|---|---|" + ("---|" if paired else "") + ("---|" if engine else "")]
+             "|---|---|---|---|---|---|---|---|" + ("---|" if paired else "") + ("---|" if engine else "")
+             + ("---|---|" if flight else "")]
     for r in rows:
         ci = ratio_text([r.get("speedup"), r.get("speedup_lo"), r.get("speedup_hi")])
         in_engine = f" | {ratio_text(r.get('vs_engine_fixed'))}" if engine else ""
@@ -151,6 +160,9 @@ def _rows_table(s: Summary, batch: int) -> list[str]:
         idle = "" if r.get("idle_share") is None else f"{r['idle_share']:.0%}"
         measured = f" | {r.get('measured_tokens_per_s') or r['tokens_per_s']:.2f}" if paired else ""
         fixed = ratio_text(r.get("vs_fastest_fixed"))
+        if flight:
+            rate = "" if r.get("in_flight_tokens_per_s") is None else f"{r['in_flight_tokens_per_s']:.2f}"
+            in_engine += f" | {rate} | {ratio_text(r.get('vs_fastest_fixed_in_flight'))}"
         lines.append(f"| `{r['row']}` | {r['tokens_per_s']:.2f}{measured} | {ci} | {fixed}{in_engine} "
                      f"| {r['identical']}/{r['prompts']} | {acc} | {rr} | {idle} |")
     return lines
@@ -180,6 +192,9 @@ def _goal_lines(s: Summary) -> list[str]:
                 out.append(f"- {b} concurrent: `{row}` ran {ratio_text(ratio)} the fastest fixed setting "
                            f"(`{x.get('fastest_fixed')}`)"
                            + _in_engine(x, row))
+        for row, ratio in (x.get("policies_vs_fastest_fixed_in_flight") or {}).items():
+            out.append(f"- {b} concurrent, every request of a group in flight: `{row}` ran {ratio_text(ratio)} the "
+                       f"fastest fixed setting on that measure (`{x.get('fastest_fixed_in_flight')}`)")
         for row, gap in (x.get("calibration_gap") or {}).items():
             if gap is not None:
                 out.append(f"- {b} concurrent: `{row}`'s calibrated acceptance against vLLM's accepted share, the "
