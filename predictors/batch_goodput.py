@@ -14,7 +14,9 @@ After each drafted position, with every request's calibrated acceptances so far:
   expected tokens per second of verification than the batch's rate now;
 - :func:`batch_keep_drafting`: the batch runs another draft forward while some m more forwards over the requests
   still drafting promise a higher batch rate than stopping now (the not-yet-drafted acceptances forecast by each
-  request's last, as the one-request rule does).
+  request's last, as the one-request rule does);
+- :func:`after_position`: both decisions after a drafted position, as vLLM's proposer and the trace simulation
+  (``benchmarks/simulate_batch_rule.py``) take them.
 
 Usage::
 
@@ -30,7 +32,8 @@ from typing import Any
 from compute.timing import SKIP_STEP
 from predictors.goodput import batch_lengths, check_cost_model
 
-__all__ = ["BatchCost", "send_lengths", "batch_rate", "worth_drafting", "batch_keep_drafting", "expected_batch_tokens"]
+__all__ = ["BatchCost", "send_lengths", "batch_rate", "worth_drafting", "batch_keep_drafting", "after_position",
+           "expected_batch_tokens"]
 
 
 @dataclass
@@ -153,3 +156,18 @@ def batch_keep_drafting(acc: Sequence[Sequence[float]], drafting: Sequence[bool]
         if (base_tokens + gain) / cost.step_s(forwards + m, base_sent + m * len(lead)) > now:
             return True
     return False
+
+
+def after_position(acc: Sequence[Sequence[float]], drafting: Sequence[bool], cost: BatchCost, cap: int,
+                   cost_aware: bool) -> tuple[list[bool], bool]:
+    """After a drafted position: which requests draft on (``drafting``: those whose own rule goes on; for a goodput
+    policy, ``cost_aware``, only those whose next token pays its verification, :func:`worth_drafting`) and whether the
+    batch runs another draft forward for them (:func:`batch_keep_drafting`)."""
+    drafting = list(drafting)
+    if not any(drafting):
+        return drafting, False
+    forwards = max((len(a) for a in acc), default=0)
+    now = batch_rate(acc, cost, forwards)
+    if cost_aware:
+        drafting = [d and w for d, w in zip(drafting, worth_drafting(acc, cost, forwards, now))]
+    return drafting, any(drafting) and batch_keep_drafting(acc, drafting, cost, cap, now=now)

@@ -196,3 +196,15 @@ def test_a_step_that_drafts_nothing_is_priced_at_the_speculative_engines_skipped
     forecast = [0.88] * 4  # 7.52 tokens in 0.115 s against 4 in 0.06 s (no draft) or in 0.07 s (the skipped step)
     assert not batch_keep_drafting([[]] * 4, [True] * 4, plain, cap=1, forecast=forecast)
     assert batch_keep_drafting([[]] * 4, [True] * 4, skip, cap=1, forecast=forecast)
+
+
+def test_after_position_keeps_the_requests_whose_next_token_pays_and_stops_the_batch_when_none_pay() -> None:
+    from predictors.batch_goodput import after_position
+
+    c = cost(draft=0.001, per_token=0.001)
+    drafting, go = after_position([[0.99], [0.99], [0.05], []], [True, True, True, False], c, cap=8, cost_aware=True)
+    assert drafting == [True, True, False, False] and go  # the unlikely request stops; a cheap forward runs on
+    assert after_position([[0.99], []], [False, False], c, cap=8, cost_aware=True) == ([False, False], False)
+    dear = cost(draft=5.0, per_token=0.001)
+    assert after_position([[0.99], [0.99], [0.99], [0.99]], [True] * 4, dear, cap=8, cost_aware=False) == (
+        [True] * 4, False)  # a thresholded policy's own stop decides who; no forward is worth 5 s

