@@ -160,10 +160,9 @@ def _rows_table(s: Summary, batch: int) -> list[str]:
         idle = "" if r.get("idle_share") is None else f"{r['idle_share']:.0%}"
         measured = f" | {r.get('measured_tokens_per_s') or r['tokens_per_s']:.2f}" if paired else ""
         fixed = ratio_text(r.get("vs_fastest_fixed"))
-        if flight:
-            rate = "" if r.get("in_flight_tokens_per_s") is None else f"{r['in_flight_tokens_per_s']:.2f}"
-            in_engine += f" | {rate} | {ratio_text(r.get('vs_fastest_fixed_in_flight'))}"
-        lines.append(f"| `{r['row']}` | {r['tokens_per_s']:.2f}{measured} | {ci} | {fixed}{in_engine} "
+        rate = "" if r.get("in_flight_tokens_per_s") is None else f"{r['in_flight_tokens_per_s']:.2f}"
+        in_flight = f" | {rate} | {ratio_text(r.get('vs_fastest_fixed_in_flight'))}" if flight else ""
+        lines.append(f"| `{r['row']}` | {r['tokens_per_s']:.2f}{measured} | {ci} | {fixed}{in_engine}{in_flight} "
                      f"| {r['identical']}/{r['prompts']} | {acc} | {rr} | {idle} |")
     return lines
 
