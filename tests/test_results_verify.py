@@ -255,3 +255,34 @@ def test_the_pace_with_a_group_in_flight_leaves_its_tail_out_and_recomputes_from
     data["rows"][2]["records"]["in_flight_seconds"][0] *= 1.5
     first = verify_vllm_summary(data)
     assert (first.row, first.field) == ("disco at batch 4", "in_flight_tokens_per_s")
+
+
+def test_the_fixed_bar_chosen_on_the_other_groups_is_not_raised_by_the_groups_compared():
+    """Two fixed settings each fast on one group: the fastest-measured bar takes the better total, the fair bar takes
+    on each group the setting fastest on the other one; both figures recompute from the records."""
+    from runtimes.vllm.bench_report import chosen_elsewhere
+
+    assert chosen_elsewhere([[(10, 1.0), (10, 2.0)], [(10, 1.9), (10, 1.2)]]) == [1, 0]
+    assert chosen_elsewhere([[(10, 1.0)], [(10, 2.0)]]) is None  # one group: nothing else to choose on
+    outs = [[[1] * 10], [[2] * 10]]
+    rows = []
+    for role, seconds in ((RowRole("target"), [1.0, 2.0]), (RowRole("static", k=3), [1.9, 1.2]),
+                          (RowRole("policy", spec="disco"), [1.5, 1.5])):
+        row = RowRun(name=role.name, batch=1, spec=role.name, role=role)
+        for unit, s in zip(outs, seconds):
+            row.add_unit((unit, s, [], {}, [], (0, 0), {}))
+        rows.append(row)
+    table = table_entries(rows, [1], 0, 200, [])
+    policy = table[2]
+    assert policy["vs_fastest_fixed"][0] == 1.0 and policy["fastest_fixed"] == TARGET_ALONE
+    assert policy["vs_fixed_chosen_elsewhere"][0] == 1.3
+    assert policy["fixed_chosen_elsewhere"] == ["vllm:3", TARGET_ALONE]
+    assert "vs_fixed_chosen_elsewhere_in_flight" not in policy  # steps without tokens counted
+    data = {"batch_sizes": [1], "seed": 0, "n_boot": 200, "picks": [],
+            "rows": json.loads(json.dumps([{k: t[k] for k in VLLM_ROW_FIELDS if k in t} for t in table])),
+            "goals": json.loads(json.dumps(goals_of(table, [], [1], [])))}
+    assert data["goals"]["batch_1"]["policies_vs_fixed_chosen_elsewhere"]["disco"][0] == 1.3
+    assert verify_vllm_summary(data) is None
+    data["rows"][2]["vs_fixed_chosen_elsewhere"][0] = 1.0
+    first = verify_vllm_summary(data)
+    assert (first.row, first.field) == ("disco at batch 1", "vs_fixed_chosen_elsewhere")

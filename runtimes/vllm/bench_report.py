@@ -2,9 +2,11 @@
 its speedup over vLLM's target alone with a 95% paired bootstrap interval over units (prompts at batch 1, groups at
 batch B), identical outputs, vLLM's acceptance counters, the replay check, and for policy rows the share of draft
 rows that stopped requests rode and their speed against the fastest static K run in their own engine
-(:func:`against_engine_fixed`); then the issue's checks (``goals``): the recommendation against the fastest static
-K, the per-batch setting against one fixed K, the best policy against the recommended static K, exact outputs,
-replay agreement.
+(:func:`against_engine_fixed`), and every row against vLLM's fastest fixed setting: the one fastest on the units
+compared (biased against the row: the best of several noisy rows) and, unit by unit, the one fastest on the run's
+other units (:func:`against_fixed_chosen_elsewhere`); then the issue's checks (``goals``): the recommendation
+against the fastest static K, the per-batch setting against one fixed K, the best policy against the recommended
+static K, exact outputs, replay agreement.
 
 Writes ``benchmark.json`` and ``benchmark.md`` to the run's folder.
 """
@@ -25,7 +27,7 @@ from runtimes.vllm.bench import RowRole, RowRun, VllmBenchConfig, reference_rows
 from runtimes.vllm.settings import BatchPick
 
 __all__ = ["VllmReport", "build_report", "goals_of", "markdown", "paired_rows", "table_entries", "unit_records",
-           "against_engine_fixed", "ratio_text"]
+           "against_engine_fixed", "against_fixed_chosen_elsewhere", "chosen_elsewhere", "ratio_text"]
 
 
 @dataclass
@@ -141,6 +143,51 @@ def against_fastest_fixed_in_flight(at_b: list[RowRun], entries: list[dict], boo
         e["fastest_fixed_in_flight"] = fastest.name
 
 
+def chosen_elsewhere(fixed_units: list[list[tuple[float, float]]]) -> list[int] | None:
+    """Per unit, the index of the fixed setting with the most tokens/s over the run's other units (``fixed_units``:
+    per setting, per unit (tokens, seconds)); None with fewer than two units. The bar a unit is compared with is then
+    not picked on that unit: the noise that makes one of several settings look fastest on a unit does not raise it,
+    as it raises the fastest-measured bar (a winner's curse)."""
+    n = len(fixed_units[0]) if fixed_units else 0
+    if n < 2:
+        return None
+    totals = [(sum(t for t, _ in u), sum(s for _, s in u)) for u in fixed_units]
+
+    def rate_without(i: int, u: int) -> float:
+        seconds = totals[i][1] - fixed_units[i][u][1]
+        return (totals[i][0] - fixed_units[i][u][0]) / seconds if seconds > 0 else 0.0
+
+    return [max(range(len(fixed_units)), key=lambda i: rate_without(i, u)) for u in range(n)]
+
+
+def _whole_units(r: RowRun) -> list[tuple[float, float]]:
+    return [(sum(len(o) for o in outs), s) for outs, s in zip(r.outputs, r.seconds)]
+
+
+def against_fixed_chosen_elsewhere(at_b: list[RowRun], entries: list[dict], boot: np.ndarray,
+                                   in_flight: bool = False) -> None:
+    """Each other row against, on each unit, the fixed setting fastest over the other units (:func:`chosen_elsewhere`),
+    with its interval over the units (the choice made once, not again in each resample): the fair counterpart of
+    :func:`against_fastest_fixed`, whose bar is the best of several noisy rows on the very units compared. On whole
+    groups, or (``in_flight``) on the steps with every request of a group in flight."""
+    def units(r: RowRun) -> list[tuple[float, float]] | None:
+        return r.in_flight() if in_flight else _whole_units(r)
+
+    fixed = [(r, u) for r in at_b if r.role is not None and r.role.fixed and (u := units(r)) is not None]
+    choice = chosen_elsewhere([u for _, u in fixed]) if fixed else None
+    if choice is None:
+        return
+    bar = [fixed[i][1][u] for u, i in enumerate(choice)]
+    suffix = "_in_flight" if in_flight else ""
+    for r, e in zip(at_b, entries):
+        if (r.role is not None and r.role.fixed) or (mine := units(r)) is None or len(mine) != len(bar):
+            continue
+        ratio = paired_ratio([t for t, _ in mine], [s for _, s in mine], [t for t, _ in bar], [s for _, s in bar],
+                             boot)
+        e["vs_fixed_chosen_elsewhere" + suffix] = [round(x, 4) for x in ratio]
+        e["fixed_chosen_elsewhere" + suffix] = [fixed[i][0].name for i in choice]
+
+
 def against_engine_fixed(measured: list[RowRun], entries: list[dict], boot: np.ndarray) -> None:
     """Each row of the policies' engine against the fastest static K run there (specstop's ``static:K`` or vLLM's own
     loop), with its interval: on the seconds as measured, since the rows took turns on each unit seconds apart in one
@@ -241,6 +288,13 @@ def goals_of(table: list[dict], picks: list[BatchPick], batch_sizes: list[int], 
             g["fastest_fixed_in_flight"] = next(t["fastest_fixed_in_flight"] for t in rows
                                                 if "fastest_fixed_in_flight" in t)
             g["policies_vs_fastest_fixed_in_flight"] = in_flight
+        for suffix in ("", "_in_flight"):  # against the fixed setting fastest on the other units
+            elsewhere = {t["row"]: t[f"vs_fixed_chosen_elsewhere{suffix}"] for t in rows
+                         if f"vs_fixed_chosen_elsewhere{suffix}" in t}
+            if elsewhere:
+                g[f"fixed_chosen_elsewhere{suffix}"] = next(t[f"fixed_chosen_elsewhere{suffix}"] for t in rows
+                                                            if f"fixed_chosen_elsewhere{suffix}" in t)
+                g[f"policies_vs_fixed_chosen_elsewhere{suffix}"] = elsewhere
         in_engine = {t["row"]: t["vs_engine_fixed"] for t in rows if "vs_engine_fixed" in t}
         if in_engine:
             g["fastest_engine_fixed"] = next(t["engine_fixed"] for t in rows if "engine_fixed" in t)
@@ -282,6 +336,8 @@ def table_entries(rows: list[RowRun], batch_sizes: list[int], seed: int, n_boot:
                    for r, m in zip(at_b, measured)]
         against_fastest_fixed(at_b, entries, boot)
         against_fastest_fixed_in_flight(at_b, entries, boot)
+        against_fixed_chosen_elsewhere(at_b, entries, boot)
+        against_fixed_chosen_elsewhere(at_b, entries, boot, in_flight=True)
         against_engine_fixed(measured, entries, boot)
         table += entries
     return table
@@ -307,9 +363,9 @@ def markdown(rep: VllmReport) -> str:
     lines = []
     for b in sorted({t["batch"] for t in rep.table}):
         lines += [f"### {b} concurrent request{'s' if b > 1 else ''}", "",
-                  "| row | tokens/s | vs target alone [95% CI] | vs fastest static K in its engine | tokens/s, group "
-                  "in flight | vs fastest fixed, group in flight | output = target alone | acceptance | replayed / "
-                  "measured | stopped rows ridden |", "|---" * 10 + "|"]
+                  "| row | tokens/s | vs target alone [95% CI] | vs fixed fastest on the other groups | vs fastest "
+                  "static K in its engine | tokens/s, group in flight | vs fastest fixed, group in flight | output = "
+                  "target alone | acceptance | replayed / measured | stopped rows ridden |", "|---" * 11 + "|"]
         for t in (t for t in rep.table if t["batch"] == b):
             ci = ratio_text([t["speedup"], t["speedup_lo"], t["speedup_hi"]])
             engine = ratio_text(t.get("vs_engine_fixed"))
@@ -317,7 +373,8 @@ def markdown(rep: VllmReport) -> str:
             rr = f"{t['replay_ratio']:.3f}" if t["replay_ratio"] is not None else ""
             idle = f"{t['idle_share']:.0%}" if t["idle_share"] is not None else ""
             flight = f"{t['in_flight_tokens_per_s']:.2f}" if t.get("in_flight_tokens_per_s") is not None else ""
-            lines.append(f"| {t['row']} | {t['tokens_per_s']:.2f} | {ci} | {engine} | {flight} "
+            elsewhere = ratio_text(t.get("vs_fixed_chosen_elsewhere"))
+            lines.append(f"| {t['row']} | {t['tokens_per_s']:.2f} | {ci} | {elsewhere} | {engine} | {flight} "
                          f"| {ratio_text(t.get('vs_fastest_fixed_in_flight'))} | {t['identical']}/{t['prompts']} "
                          f"| {acc} | {rr} | {idle} |")
         lines.append("")

@@ -38,7 +38,9 @@ __all__ = ["summarize_vllm_benchmark", "verify_vllm_summary", "vllm_block", "vll
 VERIFIED = ("tokens_per_s", "measured_tokens_per_s",
             "speedup", "speedup_lo", "speedup_hi", "identical", "prompts", "acceptance", "idle_share",
             "vs_fastest_fixed", "fastest_fixed", "vs_engine_fixed", "engine_fixed", "by_position",
-            "in_flight_tokens_per_s", "vs_fastest_fixed_in_flight", "fastest_fixed_in_flight")
+            "in_flight_tokens_per_s", "vs_fastest_fixed_in_flight", "fastest_fixed_in_flight",
+            "vs_fixed_chosen_elsewhere", "fixed_chosen_elsewhere", "vs_fixed_chosen_elsewhere_in_flight",
+            "fixed_chosen_elsewhere_in_flight")
 """The fields of a stored vLLM row recomputed from its records."""
 
 VLLM_ROW_FIELDS = ("row", "batch", "spec", "tokens_per_s", "measured_tokens_per_s",
@@ -46,7 +48,8 @@ VLLM_ROW_FIELDS = ("row", "batch", "spec", "tokens_per_s", "measured_tokens_per_
                    "prompts", "acceptance", "idle_share", "replayed_tokens_per_s", "replay_ratio", "tokens",
                    "unit_seconds", "vs_fastest_fixed", "fastest_fixed", "vs_engine_fixed", "engine_fixed",
                    "by_position", "records", "role", "in_flight_tokens_per_s", "vs_fastest_fixed_in_flight",
-                   "fastest_fixed_in_flight")
+                   "fastest_fixed_in_flight", "vs_fixed_chosen_elsewhere", "fixed_chosen_elsewhere",
+                   "vs_fixed_chosen_elsewhere_in_flight", "fixed_chosen_elsewhere_in_flight")
 
 
 def _read(path: Path) -> Any:
@@ -145,12 +148,15 @@ def _rows_table(s: Summary, batch: int) -> list[str]:
     rows = [r for r in s.data["rows"] if r["batch"] == batch]
     engine = any(r.get("vs_engine_fixed") for r in rows)
     in_engine_head = "| vs fastest static K in its engine [95% CI] " if engine else ""
+    elsewhere = any(r.get("vs_fixed_chosen_elsewhere") for r in rows)
+    elsewhere_head = "| vs fixed setting fastest on the other groups [95% CI] " if elsewhere else ""
     flight = any(r.get("in_flight_tokens_per_s") is not None for r in rows)
     flight_head = "| tokens/s, group in flight | vs fastest fixed, group in flight [95% CI] " if flight else ""
     lines = ["| row | tokens/s" + (" (paired) | measured tokens/s" if paired else "") + " | vs target alone [95% CI] "
-             "| vs fastest fixed setting [95% CI] " + in_engine_head + flight_head
+             "| vs fastest fixed setting [95% CI] " + elsewhere_head + in_engine_head + flight_head
              + "| output = target alone | acceptance | replayed / measured | rows of stopped requests |",
-             "|---|---|---|---|---|---|---|---|" + ("---|" if paired else "") + ("---|" if engine else "")
+             "|---|---|---|---|---|---|---|---|" + ("---|" if paired else "") + ("---|" if elsewhere else "")
+             + ("---|" if engine else "")
              + ("---|---|" if flight else "")]
     for r in rows:
         ci = ratio_text([r.get("speedup"), r.get("speedup_lo"), r.get("speedup_hi")])
@@ -160,6 +166,7 @@ def _rows_table(s: Summary, batch: int) -> list[str]:
         idle = "" if r.get("idle_share") is None else f"{r['idle_share']:.0%}"
         measured = f" | {r.get('measured_tokens_per_s') or r['tokens_per_s']:.2f}" if paired else ""
         fixed = ratio_text(r.get("vs_fastest_fixed"))
+        fixed += f" | {ratio_text(r.get('vs_fixed_chosen_elsewhere'))}" if elsewhere else ""
         rate = "" if r.get("in_flight_tokens_per_s") is None else f"{r['in_flight_tokens_per_s']:.2f}"
         in_flight = f" | {rate} | {ratio_text(r.get('vs_fastest_fixed_in_flight'))}" if flight else ""
         lines.append(f"| `{r['row']}` | {r['tokens_per_s']:.2f}{measured} | {ci} | {fixed}{in_engine}{in_flight} "
@@ -191,6 +198,11 @@ def _goal_lines(s: Summary) -> list[str]:
                 out.append(f"- {b} concurrent: `{row}` ran {ratio_text(ratio)} the fastest fixed setting "
                            f"(`{x.get('fastest_fixed')}`)"
                            + _in_engine(x, row))
+        for suffix, where in (("", ""), ("_in_flight", ", every request of a group in flight")):
+            for row, ratio in (x.get(f"policies_vs_fixed_chosen_elsewhere{suffix}") or {}).items():
+                if row in _policy_rows(s.data):
+                    out.append(f"- {b} concurrent{where}: `{row}` ran {ratio_text(ratio)} the fixed setting fastest "
+                               f"on the run's other groups ({_choices(x[f'fixed_chosen_elsewhere{suffix}'])})")
         for row, ratio in (x.get("policies_vs_fastest_fixed_in_flight") or {}).items():
             out.append(f"- {b} concurrent, every request of a group in flight: `{row}` ran {ratio_text(ratio)} the "
                        f"fastest fixed setting on that measure (`{x.get('fastest_fixed_in_flight')}`)")
@@ -216,6 +228,12 @@ def _goal_lines(s: Summary) -> list[str]:
         out.append(f"- replay against measurement: worst |replayed / measured - 1| = "
                    f"{g['replay_worst_abs_error']:.3f}")
     return out
+
+
+def _choices(names: list[str]) -> str:
+    """``vllm:1 for 3 groups, vllm:3 for 1``: which fixed setting each group was compared with."""
+    counts = {n: names.count(n) for n in dict.fromkeys(names)}
+    return ", ".join(f"`{n}` for {c} group{'s' if c > 1 else ''}" for n, c in counts.items())
 
 
 def _calibration_against_goal(s: Summary, row: str, batch: int, tol: float = 0.03) -> str:
