@@ -282,6 +282,12 @@ def test_the_fixed_bar_chosen_on_the_other_groups_is_not_raised_by_the_groups_co
             "rows": json.loads(json.dumps([{k: t[k] for k in VLLM_ROW_FIELDS if k in t} for t in table])),
             "goals": json.loads(json.dumps(goals_of(table, [], [1], [])))}
     assert data["goals"]["batch_1"]["policies_vs_fixed_chosen_elsewhere"]["disco"][0] == 1.3
+    from runtimes.vllm.results import _goal_lines, _rows_table
+
+    shown = Summary(Path("x.json"), data)
+    assert "| vs fixed setting fastest on the other groups [95% CI] |" in _rows_table(shown, 1)[0]
+    assert any("ran 1.30x" in line and "(`vllm:3` for 1 group, `vLLM target alone` for 1 group)" in line
+               for line in _goal_lines(shown))
     assert verify_vllm_summary(data) is None
     data["rows"][2]["vs_fixed_chosen_elsewhere"][0] = 1.0
     first = verify_vllm_summary(data)
