@@ -794,3 +794,21 @@ def test_the_step_clock_counts_the_tokens_each_step_emits() -> None:
     llm.llm_engine.step()  # the prefill: one token a request
     llm.llm_engine.step()
     assert [(s.batch, s.decode, s.tokens) for s in clock.take()] == [(2, False, 2), (2, True, 4)]
+
+
+def test_the_policies_engine_is_priced_at_the_target_alones_pace_without_its_own_static_ks() -> None:
+    """With static Ks beside them in their engine, the policies' rows stay as measured (those rows set their level);
+    without, they are priced at vLLM's engines' levels, so at the target alone's pace as vLLM's own rows are."""
+    from runtimes.vllm.check import at_reference_pace
+
+    def row(role: RowRole, seconds: float, beside: float | None) -> RowRun:
+        r = RowRun(name=role.name, batch=4, spec=role.proposer_spec or role.name, role=role)
+        r.add_unit(([[1] * 8] * 4, seconds, [StepLog(seconds, 4, True, 32)], {}, [], (0, 0), {}), beside)
+        return r
+
+    target = row(RowRole("target"), 2.0, None)
+    policy = row(RowRole("policy", spec="disco"), 1.0, 1.5)  # the host ran faster beside it: 1.5 s for 2.0 s
+    alone = at_reference_pace([target, row(RowRole("static", k=3), 1.2, 2.0), policy])
+    assert alone[2].seconds == [pytest.approx(1.0 * 2.0 / 1.5)]
+    beside = at_reference_pace([target, policy, row(RowRole("static", k=3, in_proposer=True), 1.1, 1.5)])
+    assert beside[1].seconds == [1.0] and beside[2].seconds == [1.1]

@@ -167,10 +167,13 @@ def at_reference_pace(rows: list[RowRun]) -> list[RowRun]:
     """The rows as the replay prices them: each row of an engine of vLLM's own (the target alone's second row, vLLM's
     Ks, the per-batch schedule) with every unit at the target alone's pace, from its runs right before and after the
     row's (``RowRun.at_pace``): those engines ran minutes apart, and the host's pace between them moves by more than
-    the curve can tell. The policies' engine's rows stay as measured: its static Ks, seconds apart, set their level."""
+    the curve can tell. The policies' engine's rows stay as measured where static Ks ran beside them at that batch
+    size (seconds apart, they set their level); without such rows they are priced at vLLM's levels, so at that pace
+    too."""
     first = reference_rows(rows)
-    return [r.at_pace(first[r.batch]) if r.batch in first and not (r.role and r.role.in_policies_engine) else r
-            for r in rows]
+    own_level = {r.batch for r in rows if _engine_fixed(r)}
+    return [r if r.batch not in first or (r.role and r.role.in_policies_engine and r.batch in own_level)
+            else r.at_pace(first[r.batch]) for r in rows]
 
 
 def check_rows(rows: list[RowRun], curves: dict[int, CostModel], k_of: dict[str, Callable[[int], int] | None],
