@@ -21,8 +21,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtimes.vllm.bench_report import ratio_text, table_entries  # noqa: E402
-from runtimes.vllm.results import row_from_records  # noqa: E402
+from runtimes.vllm.bench_report import ratio_text  # noqa: E402
+from runtimes.vllm.results import recomputed_entries  # noqa: E402
 
 
 def read_run(path: Path) -> tuple[list[dict[str, Any]], list[int], int, int]:
@@ -49,8 +49,7 @@ def read_run(path: Path) -> tuple[list[dict[str, Any]], list[int], int, int]:
 def bar_lines(entries: list[dict[str, Any]], batches: list[int], seed: int, n_boot: int) -> list[str]:
     """Per policy row and batch size, its ratio to the fastest-measured fixed setting and to the one fastest on the
     other groups, recomputed by the report's routine from the records."""
-    replay = [{"row": e["row"], "batch": e["batch"], "ratio": e.get("replay_ratio")} for e in entries]
-    table = table_entries([row_from_records(e) for e in entries], batches, seed, n_boot, replay)
+    table = recomputed_entries(entries, batches, seed, n_boot)
     lines = []
     for t in table:
         if t["role"]["what"] != "policy" or "vs_fastest_fixed" not in t:

@@ -33,7 +33,8 @@ from runtimes.vllm.bench_report import calibration_verdict, goals_of, ratio_text
 from runtimes.vllm.engine import StepLog
 from runtimes.vllm.settings import BatchPick
 
-__all__ = ["summarize_vllm_benchmark", "verify_vllm_summary", "vllm_block", "vllm_readme_lines"]
+__all__ = ["summarize_vllm_benchmark", "verify_vllm_summary", "recomputed_entries", "vllm_block",
+           "vllm_readme_lines"]
 
 VERIFIED = ("tokens_per_s", "measured_tokens_per_s",
             "speedup", "speedup_lo", "speedup_hi", "identical", "prompts", "acceptance", "idle_share",
@@ -107,16 +108,23 @@ def row_from_records(entry: dict[str, Any]) -> RowRun:
     return row
 
 
+def recomputed_entries(entries: list[dict[str, Any]], batch_sizes: list[int], seed: int, n_boot: int,
+                       ) -> list[dict[str, Any]]:
+    """Stored rows' report entries computed again from their records by the report's own routine
+    (``bench_report.table_entries``), the replay's ratios as stored, in the stored form (tuples as lists, positions
+    keyed by strings)."""
+    rows = [row_from_records(r) for r in entries]
+    replay = [{"row": r["row"], "batch": r["batch"], "ratio": r.get("replay_ratio"),
+               "replayed_tokens_per_s": r.get("replayed_tokens_per_s")} for r in entries]  # the replay's own
+    return json.loads(json.dumps(table_entries(rows, batch_sizes, seed, n_boot, replay)))
+
+
 def verify_vllm_summary(data: dict[str, Any]) -> Disagreement | None:
     """The first figure of a vLLM summary that its records do not give (None: all agree); MissingRecords when it
     holds none. Each row's entry is computed again by the report's own routine (``bench_report.table_entries``)."""
     if data.get("seed") is None or data.get("n_boot") is None:
         raise MissingRecords("no seed and n_boot of its bootstrap")
-    rows = [row_from_records(r) for r in data["rows"]]
-    replay = [{"row": r["row"], "batch": r["batch"], "ratio": r.get("replay_ratio"),
-               "replayed_tokens_per_s": r.get("replayed_tokens_per_s")} for r in data["rows"]]  # the replay's own
-    table = json.loads(json.dumps(table_entries(rows, data["batch_sizes"], int(data["seed"]), int(data["n_boot"]),
-                                                replay)))  # as stored: tuples as lists, positions keyed by strings
+    table = recomputed_entries(data["rows"], data["batch_sizes"], int(data["seed"]), int(data["n_boot"]))
     for stored, new in zip(data["rows"], table):
         for key in VERIFIED:
             if key in stored and not same(stored[key], new.get(key)):
@@ -191,6 +199,7 @@ def _goal_lines(s: Summary) -> list[str]:
         if x.get("best_policy_vs_recommended") is not None:
             out.append(f"- {b} concurrent: the best specstop policy inside vLLM (`{x['best_policy']}`) ran "
                        f"{x['best_policy_vs_recommended']:.3f}x the recommended setting")
+    policies = _policy_rows(s.data)
     for b in d_batches(s):
         x = g.get(f"batch_{b}") or {}
         for row, ratio in (x.get("policies_vs_fastest_fixed") or {}).items():
@@ -200,7 +209,7 @@ def _goal_lines(s: Summary) -> list[str]:
                            + _in_engine(x, row))
         for suffix, where in (("", ""), ("_in_flight", ", every request of a group in flight")):
             for row, ratio in (x.get(f"policies_vs_fixed_chosen_elsewhere{suffix}") or {}).items():
-                if row in _policy_rows(s.data):
+                if row in policies:
                     out.append(f"- {b} concurrent{where}: `{row}` ran {ratio_text(ratio)} the fixed setting fastest "
                                f"on the run's other groups ({_choices(x[f'fixed_chosen_elsewhere{suffix}'])})")
         for row, ratio in (x.get("policies_vs_fastest_fixed_in_flight") or {}).items():
