@@ -298,6 +298,11 @@ def test_a_stored_vllm_run_renders_its_rows_and_goals(tmp_path) -> None:
     later = Summary(tmp_path / "later.json", {**summaries[0].data, "machine": xeon, "date": "2099-01-01"})
     both = vllm_block([*summaries, later])  # each host kind's newest run, newest first, under its own heading
     assert both.index("### Intel Xeon") < both.index("### AMD EPYC") and both.count("Measured (") == 2
+    from runtimes.vllm.results import vllm_section
+
+    assert "Served from a queue" not in block
+    served = Summary(tmp_path / "served.json", {**summaries[0].data, "queue_groups": 2})
+    assert "a unit is a stream of 2 x B prompts, at most B in flight" in vllm_section(served)
 
 
 def test_the_stored_gpu_check_renders() -> None:
@@ -517,7 +522,7 @@ def test_every_row_runs_each_unit_between_two_runs_of_the_target_alone(monkeypat
     proposer = Proposer()
     monkeypatch.setattr(vb.vllm_proposer, "active", lambda: proposer)
 
-    def run_unit(llm, clock, prop, prompts, max_new):  # noqa: ANN001, ANN202
+    def run_unit(llm, clock, prop, prompts, max_new, batch=None):  # noqa: ANN001, ANN202
         who = prop.spec if prop is not None else llm
         calls.append(who)
         wall = {"engine k=0": 2.0}.get(who, 1.0) * len(calls)  # the host slows down call by call
@@ -771,29 +776,47 @@ def test_a_vllm_run_reads_back_its_curve_traces_calibration_and_engine_parts(tmp
     assert len(stored_parts(VllmBenchConfig(out_dir=str(tmp_path), cost_file="given.json"))) == 3  # a given curve
 
 
-def test_the_step_clock_counts_the_tokens_each_step_emits() -> None:
+def test_the_step_clock_counts_the_tokens_each_step_emits_and_marks_admissions() -> None:
+    """A step that emits some request's first token prefilled it (the unit's first step, or a request admitted from
+    the queue as another finished): not a decode step; a step's batch is the requests it ran."""
     from types import SimpleNamespace
 
     from runtimes.vllm.engine import StepClock
 
+    script = [{"a": [1], "b": [1]}, {"a": [1, 2, 3], "b": [4]}, {"a": [5], "c": [1]}, {"a": [6], "c": [7, 8]}]
+
     class Engine:
         def __init__(self) -> None:
             self.output_processor = SimpleNamespace(process_outputs=lambda outs, **kw: outs)
-            self.left, self.engine_core = 2, SimpleNamespace(shutdown=lambda: None)
+            self.engine_core = SimpleNamespace(shutdown=lambda: None)
 
         def get_num_unfinished_requests(self) -> int:
-            return self.left
+            return 3
 
         def step(self) -> list:
-            per_request = [[1]] * self.left if not hasattr(self, "began") else [[1, 2, 3], [4]][: self.left]
-            self.began = True
-            return self.output_processor.process_outputs([SimpleNamespace(new_token_ids=t) for t in per_request])
+            outs = [SimpleNamespace(request_id=r, new_token_ids=t) for r, t in script.pop(0).items()]
+            return self.output_processor.process_outputs(outs)
 
     llm = SimpleNamespace(llm_engine=Engine())
     clock = StepClock(llm)
-    llm.llm_engine.step()  # the prefill: one token a request
-    llm.llm_engine.step()
-    assert [(s.batch, s.decode, s.tokens) for s in clock.take()] == [(2, False, 2), (2, True, 4)]
+    for _ in range(4):
+        llm.llm_engine.step()
+    assert [(s.batch, s.decode, s.tokens) for s in clock.take()] == [(2, False, 2), (2, True, 4), (2, False, 2),
+                                                                     (2, True, 3)]
+
+
+def test_a_stream_keeps_at_most_its_batch_in_flight_and_its_full_steps_are_in_flight() -> None:
+    """At a batch size below a unit's prompts the unit is a stream: its steps with the batch size's requests are in
+    flight, the tail's and the admissions' are not."""
+    row = RowRun(name="vLLM target alone", batch=2, spec="target", role=RowRole("target"))
+    steps = [StepLog(1.0, 2, False, 2), StepLog(1.0, 2, True, 4), StepLog(1.0, 2, False, 2), StepLog(1.0, 2, True, 2),
+             StepLog(1.0, 1, True, 1)]
+    row.add_unit(([[1] * 5, [1] * 3, [1] * 3], 5.0, steps, {}, [], (0, 0), {}))
+    assert row.in_flight() == [(6, 2.0)]
+    cfg = VllmBenchConfig(batch_sizes=[1, 2, 4], n_prompts=16, queue_groups=2)
+    assert [cfg.unit_size(b) for b in (1, 2, 4)] == [1, 4, 8]
+    with pytest.raises(ValueError, match="--queue_groups 3"):
+        VllmBenchConfig(batch_sizes=[1, 4], n_prompts=16, queue_groups=3)
 
 
 def test_the_policies_engine_is_priced_at_the_target_alones_pace_without_its_own_static_ks() -> None:
@@ -812,3 +835,26 @@ def test_the_policies_engine_is_priced_at_the_target_alones_pace_without_its_own
     assert alone[2].seconds == [pytest.approx(1.0 * 2.0 / 1.5)]
     beside = at_reference_pace([target, policy, row(RowRole("static", k=3, in_proposer=True), 1.1, 1.5)])
     assert beside[1].seconds == [1.0] and beside[2].seconds == [1.1]
+
+
+def test_a_queue_caps_vllms_admissions_for_the_call_and_restores_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    from types import SimpleNamespace
+
+    from runtimes.vllm.engine import generate
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: kw))
+    scheduler = SimpleNamespace(max_num_active_reqs=8, max_num_running_reqs=8)
+    seen = []
+
+    def run(prompts: list, sp: dict, use_tqdm: bool) -> list:
+        seen.append(scheduler.max_num_active_reqs)
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7])]) for _ in prompts]
+
+    llm = SimpleNamespace(generate=run, llm_engine=SimpleNamespace(
+        engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler))))
+    assert generate(llm, [[1], [2], [3]], 4, max_running=2)[0] == [[7]] * 3
+    generate(llm, [[1], [2]], 4)
+    assert seen == [2, 8] and scheduler.max_num_active_reqs == 8
+    with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        generate(SimpleNamespace(generate=run, llm_engine=SimpleNamespace(engine_core=object())), [[1]] * 3, 4, 2)

@@ -184,6 +184,14 @@ class VllmBenchConfig(HarnessConfig):
     """Batch sizes of the curve measured at the start."""
     kv_cache_gb: int = 2
     """vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE on the CPU, a whole number)."""
+    queue_groups: int = 1
+    """At a batch size B > 1, a unit is a stream of ``queue_groups`` x B prompts admitted from a queue, at most B in
+    flight and the next as one finishes (a server at max concurrency B); 1: a closed group of B prompts sent
+    together, whose last requests finish with fewer in flight."""
+
+    def unit_size(self, batch: int) -> int:
+        """Prompts in one unit at ``batch`` concurrent requests (a prompt at 1, a group or stream above)."""
+        return batch * self.queue_groups if batch > 1 else 1
 
     def __post_init__(self) -> None:
         super().__post_init__()  # repeats: passes over the engines in alternating order, each prompt's faster run kept
@@ -191,6 +199,9 @@ class VllmBenchConfig(HarnessConfig):
             raise ValueError(f"--batch_sizes {self.batch_sizes}: give batch sizes >= 1")
         if any(self.n_prompts % b for b in self.batch_sizes):
             raise ValueError(f"--n_prompts {self.n_prompts} must be a multiple of every batch size {self.batch_sizes}")
+        if self.queue_groups < 1 or any(self.n_prompts % self.unit_size(b) for b in self.batch_sizes):
+            raise ValueError(f"--queue_groups {self.queue_groups}: give 1 or more, with --n_prompts {self.n_prompts} a "
+                             f"multiple of queue_groups x every batch size above 1 {self.batch_sizes}")
         if min(self.static_k, default=1) < 1 or self.default_k < 1 or self.policy_k < 1:
             raise ValueError("static_k, default_k and policy_k must be >= 1 (K = 0 is the target-alone row)")
         if not all(0 <= k <= self.policy_k for k in self.proposer_static_k):
@@ -213,8 +224,8 @@ tokens by draft position."""
 
 @dataclass
 class RowRun:
-    """One row at one batch size: per unit (a prompt at batch 1, a group of B prompts at batch B) its outputs and
-    the faster run's seconds and steps."""
+    """One row at one batch size: per unit (a prompt at batch 1, a group or stream of prompts at batch B) its
+    outputs and the faster run's seconds and steps."""
 
     name: str
     batch: int
@@ -271,12 +282,13 @@ class RowRun:
                        steps=[[replace(s, wall_s=s.wall_s * f) for s in unit] for unit, f in zip(self.steps, pace)])
 
     def in_flight(self) -> list[tuple[int, float]] | None:
-        """Per unit, (tokens, seconds) of its decode steps that carried every request of the unit: the row's pace
-        while its whole group is in flight, as a server at this concurrency keeps it full; the group's tail, where its
-        last requests finish with fewer in flight, is left out. None where the steps' tokens were not counted."""
+        """Per unit, (tokens, seconds) of its decode steps that ran the row's batch size of requests (every request of
+        a group; a stream's steps between its first admissions and its tail): the row's pace while full, as a server
+        at this concurrency keeps it; a unit's tail, where its last requests finish with fewer in flight, is left
+        out. None where the steps' tokens were not counted."""
         out = []
         for unit, steps in zip(self.outputs, self.steps):
-            full = [s for s in steps if s.decode and s.batch >= len(unit)]
+            full = [s for s in steps if s.decode and s.batch >= min(self.batch, len(unit))]
             if not full or not all(s.tokens for s in full):
                 return None
             out.append((sum(s.tokens for s in full), sum(s.wall_s for s in full)))
@@ -365,13 +377,15 @@ def _positions(proposer: Any) -> dict[str, list[float]]:
     return {str(j): list(c) for j, c in proposer.stopper.counts.by_position.items()} if proposer is not None else {}
 
 
-def run_unit(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]], max_new: int) -> UnitRun:
-    """Run one unit's prompts together and collect what its row keeps."""
+def run_unit(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]], max_new: int,
+             batch: int | None = None) -> UnitRun:
+    """Run one unit's prompts (together, or a stream at most ``batch`` in flight when it holds more) and collect
+    what its row keeps."""
     before, judged = spec_counters(llm), _positions(proposer)
     n_rounds = len(proposer.stopper.counts.steps) if proposer is not None else 0
     idle0 = (proposer.stopper.counts.idle_rows, proposer.stopper.counts.draft_steps) if proposer is not None else (0, 0)
     clock.take()
-    outs, wall = generate(llm, prompts, max_new)
+    outs, wall = generate(llm, prompts, max_new, batch if batch and len(prompts) > batch else None)
     after = spec_counters(llm)
     rounds, idle = [], (0, 0)
     if proposer is not None:
@@ -460,19 +474,19 @@ def _batch_rows(group: EngineRows, batch: int, batch_units: list[list[list[int]]
     llm, clock = engine
     rows = [RowRun(name=r.name, batch=batch, spec=r.proposer_spec or r.name, role=r) for r in group.roles]
     for e in [llm] + ([ref[0]] if ref is not None else []):  # a batch size's first steps run slower
-        generate(e, batch_units[0], 4)
+        generate(e, batch_units[0][:batch], 4)
     for u, prompts in enumerate(batch_units):
         turn = rows[u % len(rows):] + rows[:u % len(rows)]  # each row first on some units
         runs: dict[str, UnitRun] = {}
-        marks = [run_unit(*ref, None, prompts, cfg.max_new_tokens)[1]] if ref is not None else []
+        marks = [run_unit(*ref, None, prompts, cfg.max_new_tokens, batch)[1]] if ref is not None else []
         for row in turn:
             if proposer is not None:
                 proposer.set_policy(settings_of(row.role.proposer_spec,
                                                 group.batch_rule and not row.role.per_request,
                                                 follow=row.role.following))
-            runs[row.name] = run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens)
+            runs[row.name] = run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens, batch)
             if ref is not None:  # the target alone after each row: the next row's run before too
-                marks.append(run_unit(*ref, None, prompts, cfg.max_new_tokens)[1])
+                marks.append(run_unit(*ref, None, prompts, cfg.max_new_tokens, batch)[1])
             beat.update((beat.done or 0) + 1, note=f"{row.name} at batch {batch}")
         for i, row in enumerate(turn):
             first = own and row.role.again  # the target's second row is paired with its first

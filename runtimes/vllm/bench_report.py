@@ -90,12 +90,12 @@ def _rate(flight: list[tuple[int, float]] | None) -> float | None:
 
 
 def unit_records(r: RowRun) -> dict[str, Any]:
-    """The row's per-unit records (a unit: the prompts decoded together at its batch size): seconds and vLLM's
+    """The row's per-unit records (a unit: a group or stream of prompts at its batch size): seconds and vLLM's
     counters per unit, tokens and an output hash per prompt (``benchmark.records``), and the tokens and seconds of
-    the unit's steps with its whole group in flight (:meth:`RowRun.in_flight`)."""
+    the unit's steps that ran its batch size of requests (:meth:`RowRun.in_flight`)."""
     counters = [r.unit_counters[i] if i < len(r.unit_counters) else {} for i in range(len(r.seconds))]
     flight = r.in_flight()
-    return {"unit_size": r.batch, "seconds": [float(s) for s in r.seconds],
+    return {"unit_size": len(r.outputs[0]) if r.outputs else r.batch, "seconds": [float(s) for s in r.seconds],
             "in_flight_tokens": None if flight is None else [int(t) for t, _ in flight],
             "in_flight_seconds": None if flight is None else [float(s) for _, s in flight],
             "beside_seconds": [float(s) for s in r.beside] or None,

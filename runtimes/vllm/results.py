@@ -81,7 +81,7 @@ def summarize_vllm_benchmark(out_dir: str | Path, command: str, config_name: str
         "batch_sizes": config["batch_sizes"], "n_boot": config.get("n_boot"), "seed": config.get("seed"),
         "rows": [{k: r[k] for k in VLLM_ROW_FIELDS if k in r} for r in bench["table"]],
         "goals": bench.get("goals"), "picks": bench.get("picks"), "recommendation": bench.get("recommendation"),
-        "curves": curves,
+        "curves": curves, **({"queue_groups": config["queue_groups"]} if config.get("queue_groups", 1) > 1 else {}),
     }
 
 
@@ -292,6 +292,11 @@ def vllm_section(s: Summary) -> str:
     parts = [f"Measured ({d['n_prompts']} test prompts x {d['max_new_tokens']} new tokens, greedy, vLLM "
              f"{d.get('vllm') or '?'} on {cpu_label(m)}, {m.get('threads', '?')} threads; {dated(d)}; "
              f"`{d['command']}`):", ""]
+    if d.get("queue_groups", 1) > 1:
+        q = d["queue_groups"]
+        parts += [f"Served from a queue: at B concurrent requests a unit is a stream of {q} x B prompts, at most B in "
+                  "flight and the next admitted as one finishes (a server at max concurrency B); \"group in flight\" "
+                  "counts its steps that ran B requests, its tail and admissions left out.", ""]
     if _paired(s):
         parts += ["Paired: the target alone ran each unit (a prompt, or a group of B prompts) right before an "
                   "engine's first row ran it and right after each row; tokens/s (paired) scales each unit's time by "

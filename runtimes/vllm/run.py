@@ -183,6 +183,8 @@ def _engine_key(group: EngineRows, cfg: VllmBenchConfig, pass_no: int, batch: in
             "specs": [[r.proposer_spec, r.following] for r in group.roles], "pass": pass_no, "batch": batch,
             "batch_rule": group.batch_rule,
             "paired": "target alone before and after every row"}
+    if cfg.queue_groups != 1 and batch > 1:  # streams from a queue (closed groups keep the keys stored before them)
+        what["queue_groups"] = cfg.queue_groups
     curve = Path(cfg.out_dir) / COST_FILE
     if group.plugin and curve.is_file():  # cost-aware policies price rounds with the curve (not the acceptance)
         batches = CostModel.from_json(curve).extra.get(BATCH_CURVES)
@@ -233,8 +235,10 @@ def _engine_rows(i: int, n: int, group: EngineRows, cfg: VllmBenchConfig, pass_n
     return [row for batch in cfg.batch_sizes for row in got[batch]]
 
 
-def _units(prompts: list[list[int]], batches: list[int]) -> dict[int, list[list[list[int]]]]:
-    return {b: [prompts[i:i + b] for i in range(0, len(prompts), b)] for b in batches}
+def _units(prompts: list[list[int]], cfg: VllmBenchConfig) -> dict[int, list[list[list[int]]]]:
+    """Batch size -> its units' prompts (``VllmBenchConfig.unit_size`` each)."""
+    sizes = {b: cfg.unit_size(b) for b in cfg.batch_sizes}
+    return {b: [prompts[i:i + n] for i in range(0, len(prompts), n)] for b, n in sizes.items()}
 
 
 def run_vllm_benchmark(cfg: VllmBenchConfig, clock: PartClock | None = None) -> VllmReport:
@@ -270,7 +274,7 @@ def run_vllm_benchmark(cfg: VllmBenchConfig, clock: PartClock | None = None) -> 
     for spec in [*cfg.policies, *cfg.per_request_policies, *cfg.following_policies]:
         install(settings_of(spec))
     plan = _plan(cfg, target, draft, picks)
-    units = _units(prompts, cfg.batch_sizes)
+    units = _units(prompts, cfg)
     reference = Reference(plan[0].engine)
     try:
         rows = _run_passes(plan, cfg, lambda g, batches, done: run_engine(g, {b: units[b] for b in batches}, cfg,
