@@ -33,8 +33,8 @@ def tail_rows(run_dir: Path) -> list[dict[str, Any]]:
             row = row_from_dict(d)
             if row.batch == 1:
                 continue
-            full = [min(row.batch, len(unit)) for unit in row.outputs]  # a group's requests, or a stream's batch
-            decode = [(n, s) for n, steps in zip(full, row.steps) for s in steps if s.decode]
+            decode = [(row.full_batch(unit), s) for unit, steps in zip(row.outputs, row.steps) for s in steps
+                      if s.decode]
             seconds = sum(s.wall_s for _, s in decode)
             tail = [s for n, s in decode if s.batch < n]
             flight = row.in_flight()

@@ -281,6 +281,10 @@ class RowRun:
         return replace(self, seconds=[s * f for s, f in zip(self.seconds, pace)],
                        steps=[[replace(s, wall_s=s.wall_s * f) for s in unit] for unit, f in zip(self.steps, pace)])
 
+    def full_batch(self, unit: list) -> int:
+        """Requests a step of ``unit`` runs while the row is full: its group's, or a stream's batch size."""
+        return min(self.batch, len(unit))
+
     def in_flight(self) -> list[tuple[int, float]] | None:
         """Per unit, (tokens, seconds) of its decode steps that ran the row's batch size of requests (every request of
         a group; a stream's steps between its first admissions and its tail): the row's pace while full, as a server
@@ -288,7 +292,7 @@ class RowRun:
         out. None where the steps' tokens were not counted."""
         out = []
         for unit, steps in zip(self.outputs, self.steps):
-            full = [s for s in steps if s.decode and s.batch >= min(self.batch, len(unit))]
+            full = [s for s in steps if s.decode and s.batch >= self.full_batch(unit)]
             if not full or not all(s.tokens for s in full):
                 return None
             out.append((sum(s.tokens for s in full), sum(s.wall_s for s in full)))
@@ -385,7 +389,7 @@ def run_unit(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]]
     n_rounds = len(proposer.stopper.counts.steps) if proposer is not None else 0
     idle0 = (proposer.stopper.counts.idle_rows, proposer.stopper.counts.draft_steps) if proposer is not None else (0, 0)
     clock.take()
-    outs, wall = generate(llm, prompts, max_new, batch if batch and len(prompts) > batch else None)
+    outs, wall = generate(llm, prompts, max_new, batch)
     after = spec_counters(llm)
     rounds, idle = [], (0, 0)
     if proposer is not None:

@@ -135,27 +135,26 @@ class StepClock:
     def __post_init__(self) -> None:
         engine = self.llm.llm_engine
         inner, processor = engine.step, engine.output_processor
-        process, step_ids, started = processor.process_outputs, set(), set()
-        emitted = [0, False]  # tokens so far, whether this step emitted a request's first token
+        process, emitted = processor.process_outputs, [0]
+        step_ids: set[str] = set()  # requests this step emitted tokens for
+        started: set[str] = set()  # requests that have emitted their first token
 
         def counted(outputs: list, *args: Any, **kwargs: Any) -> Any:
             for o in outputs:
                 if o.new_token_ids:
                     emitted[0] += len(o.new_token_ids)
                     step_ids.add(o.request_id)
-                    if o.request_id not in started:
-                        started.add(o.request_id)
-                        emitted[1] = True
             return process(outputs, *args, **kwargs)
 
         def timed_step(*args: Any, **kwargs: Any) -> Any:
             unfinished, before = engine.get_num_unfinished_requests(), emitted[0]
             step_ids.clear()
-            emitted[1] = False
             t0 = time.perf_counter()
             outs = inner(*args, **kwargs)
             wall = time.perf_counter() - t0
-            self.steps.append(StepLog(wall, len(step_ids) or unfinished, decode=not emitted[1] and bool(step_ids),
+            admitted = step_ids - started
+            started.update(admitted)
+            self.steps.append(StepLog(wall, len(step_ids) or unfinished, decode=bool(step_ids) and not admitted,
                                       tokens=emitted[0] - before))
             return outs
 
@@ -171,12 +170,12 @@ class StepClock:
 def generate(llm: Any, prompts: list[list[int]], max_new_tokens: int, max_running: int | None = None,
              ) -> tuple[list[list[int]], float]:
     """Greedy outputs (token ids) of ``prompts`` and the wall seconds: decoded together (one batch), or with
-    ``max_running`` as a queue, at most that many in flight and the next admitted as one finishes (vLLM's scheduler
-    admits waiting requests FCFS; its cap is set for the call and restored)."""
+    ``max_running`` below their number as a queue, at most that many in flight and the next admitted as one finishes
+    (vLLM's scheduler admits waiting requests FCFS; its cap is set for the call and restored)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=False, seed=0)
-    scheduler = _scheduler(llm) if max_running else None
+    scheduler = _scheduler(llm) if max_running and len(prompts) > max_running else None
     cap = scheduler.max_num_active_reqs if scheduler is not None else None
     if scheduler is not None:
         scheduler.max_num_active_reqs = min(max_running, scheduler.max_num_running_reqs)
