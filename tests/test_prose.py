@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from rendering.result_tables import block_pattern
+
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = re.compile(r"\d+\.\d+x|\[\s*[-+]?\d+\.\d+,\s*[-+]?\d+\.\d+\]"
                       r"|\d+(\.\d+)? ?(ms|GB/s|tok/s|tokens/s)\b")
@@ -17,16 +19,11 @@ RULE_CONSTANTS = {
 
 
 def figures_outside_rendered_blocks(path: Path) -> list[tuple[int, str]]:
-    """(line, figure) of every measured-looking figure of ``path`` outside its ``<!-- results:... -->`` blocks."""
-    found, inside = [], False
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if line.startswith("<!-- results:"):
-            inside = True
-        elif line.startswith("<!-- /results:"):
-            inside = False
-        elif not inside:
-            found += [(number, m.group(0)) for m in MEASURED.finditer(line)]
-    return found
+    """(line, figure) of every measured-looking figure of ``path`` outside its ``<!-- results:... -->`` blocks (the
+    renderer's own markers, each block's body blanked line for line)."""
+    prose = block_pattern(r"[\w-]+").sub(lambda m: m.group(1) + "\n" * m.group(2).count("\n") + m.group(3),
+                                         path.read_text())
+    return [(number, m.group(0)) for number, line in enumerate(prose.splitlines(), 1) for m in MEASURED.finditer(line)]
 
 
 def test_no_measured_figure_outside_a_rendered_block():
