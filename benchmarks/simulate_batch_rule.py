@@ -8,7 +8,8 @@ each position, what each request sends), or sends K tokens a request for vLLM's 
 come from the curve at B (``pipelines.measure_costs --runtime vllm``; a step that drafts nothing skips the draft's
 forward), its tokens from the traced verdicts. The printed ratio is the rule's tokens/s over the fastest fixed K's
 on the same drawn steps: what the rule buys with every request of the batch in flight, free of a host's noise and of
-a group's tail (``benchmarks/vllm_group_tail.py``).
+a group's tail (``benchmarks/vllm_group_tail.py``). The oracle knows each request's accepted run and sends it, under
+the common cap that makes the step fastest (:func:`oracle_step`): the ceiling of any stopper at that batch size.
 
 What it leaves out: a trace holds a round's tokens up to its first rejection, so a position after it gets a score
 drawn from the traced scores at that position (it can only cost: nothing after a rejection is accepted); rounds are
@@ -105,17 +106,32 @@ def rule_step(batch: list[Round], cost: BatchCost, cap: int, prior: float) -> tu
     return tokens, cost.step_s(forwards, sum(sends)), forwards, sum(sends)
 
 
+def oracle_step(batch: list[Round], cost: BatchCost, cap: int) -> tuple[int, float, int, int]:
+    """One step of a stopper that knows the future: each request sends its accepted run, cut at the common cap
+    (0 .. ``cap``) whose step yields the most tokens a second: (tokens, seconds, draft forwards, sent)."""
+    runs = [emitted(ok, cap) - 1 for _, ok in batch]
+    best = (0.0, 0, 0.0, 0, 0)
+    for c in range(cap + 1):
+        sends = [min(r, c) for r in runs]
+        tokens, forwards = sum(sends) + len(sends), max(sends)
+        seconds = cost.step_s(forwards, sum(sends))
+        if tokens / seconds > best[0]:
+            best = (tokens / seconds, tokens, seconds, forwards, sum(sends))
+    return best[1], best[2], best[3], best[4]
+
+
 def simulate(rounds: list[Round], cm: CostModel, batch: int, steps: int, cap: int, prior: float, ks: list[int],
              seed: int = 0) -> dict[str, Tally]:
     """Fixed ``K`` (each of ``ks``) and the rule on the same ``steps`` draws of ``batch`` rounds."""
     cost = BatchCost.from_cost_model(cm, batch, first_forward_paid=False)
     rng = np.random.default_rng(seed)
-    out = {f"K = {k}": Tally() for k in ks} | {"batch rule": Tally()}
+    out = {f"K = {k}": Tally() for k in ks} | {"batch rule": Tally(), "oracle": Tally()}
     for _ in range(steps):
         drawn = [rounds[i] for i in rng.integers(0, len(rounds), batch)]
         for k in ks:
             out[f"K = {k}"].add(sum(emitted(ok, k) for _, ok in drawn), cost.step_s(k, k * batch), k, k * batch)
         out["batch rule"].add(*rule_step(drawn, cost, cap, prior))
+        out["oracle"].add(*oracle_step(drawn, cost, cap))
     return out
 
 
@@ -136,16 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     ks = [0, 1, 2, 3, 5]
     print(f"{len(rounds)} traced rounds, cap {args.cap}, first-position prior {prior:.3f}, {args.steps} steps a size")
-    head = ["requests", *(f"K = {k}" for k in ks), "batch rule", "rule / fastest K", "draft forwards a step",
-            "sent a request"]
+    head = ["requests", *(f"K = {k}" for k in ks), "batch rule", "rule / fastest K", "oracle / fastest K",
+            "draft forwards a step", "sent a request"]
     print("| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|")
     for b in (int(x) for x in args.batch_sizes.split(",")):
         got = simulate(rounds, curve_for_batch(curves, b), b, args.steps, args.cap, prior, ks, args.seed)
         fixed = max((t.rate, name) for name, t in got.items() if name.startswith("K ="))
-        rule = got["batch rule"]
+        rule, oracle = got["batch rule"], got["oracle"]
         print(f"| {b} | " + " | ".join(f"{got[f'K = {k}'].rate:.1f}" for k in ks) + f" | {rule.rate:.1f} | "
-              f"{rule.rate / fixed[0]:.3f} ({fixed[1]}) | {rule.forwards / args.steps:.2f} | "
-              f"{rule.sent / args.steps / b:.2f} |")
+              f"{rule.rate / fixed[0]:.3f} ({fixed[1]}) | {oracle.rate / fixed[0]:.3f} | "
+              f"{rule.forwards / args.steps:.2f} | {rule.sent / args.steps / b:.2f} |")
     return 0
 
 

@@ -7,9 +7,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from simulate_batch_rule import emitted, main, simulate, traced_rounds  # noqa: E402
+from simulate_batch_rule import emitted, main, oracle_step, simulate, traced_rounds  # noqa: E402
 
 from compute.timing import CostModel  # noqa: E402
+from predictors.batch_goodput import BatchCost  # noqa: E402
 
 
 def curve(draft: float) -> CostModel:
@@ -33,6 +34,18 @@ def test_the_rule_drafts_far_where_tokens_are_sure_and_drafting_is_cheap_and_not
     hopeless = [([0.01] * 8, [False] * 8)]
     got = simulate(hopeless, curve(0.05), batch=4, steps=20, cap=8, prior=0.01, ks=[0, 1])
     assert got["batch rule"].forwards == 0 and got["batch rule"].rate >= got["K = 1"].rate
+
+
+def test_the_oracle_sends_each_accepted_run_under_the_fastest_common_cap() -> None:
+    cost = BatchCost.from_cost_model(curve(0.01), batch=2, first_forward_paid=False)
+    runs = [([0.5] * 4, [True, True, False, False]), ([0.5] * 4, [True, True, True, True])]
+    tokens, seconds, forwards, sent = oracle_step(runs, cost, cap=4)
+    assert (tokens, forwards, sent) == (2 + 1 + 4 + 1, 4, 6)  # cheap forwards: each request's whole run
+    assert seconds == cost.step_s(4, 6)
+    dear = BatchCost.from_cost_model(curve(1.0), batch=2, first_forward_paid=False)
+    assert oracle_step(runs, dear, cap=4)[2:] == (0, 0)  # a forward dearer than the tokens it buys: no drafting
+    got = simulate(runs, curve(0.01), batch=2, steps=50, cap=4, prior=0.5, ks=[1, 3])
+    assert got["oracle"].rate >= max(got["K = 1"].rate, got["K = 3"].rate, got["batch rule"].rate)
 
 
 def test_bad_input_is_one_line(tmp_path, capsys) -> None:
