@@ -9,12 +9,16 @@ forwards and, for specstop's, its scoring) and the rest (the target's verificati
 ``--engines`` picks the engines and the order they are built in. Two engines differ by more than their code (where
 the host placed their weights, its phase while each ran): one built twice (``vllm,specstop,vllm``) shows by how much,
 and ``detached`` runs vLLM's own draft loop at K in the specstop engine built last (the spec ``vllm:K``), so that the
-two proposers meet in one engine and only their code differs.
+two proposers meet in one engine and only their code differs. ``--policy`` runs a specstop policy in the specstop
+engines instead of ``static:K`` (a goodput policy with ``--costs``, vLLM's curve): beside ``detached`` it shows what
+the policy's deciding costs a step against vLLM's own loop in the same engine.
 
 Usage (in ``.venv-vllm``, after ``bash scripts/setup.sh --vllm --real``):
     .venv-vllm/bin/python benchmarks/bench_vllm_proposer.py --prompts 4 --new_tokens 64 --k 3 --cap 8 --batch 1
     .venv-vllm/bin/python benchmarks/bench_vllm_proposer.py --engines vllm,specstop,vllm   # two vLLM engines
     .venv-vllm/bin/python benchmarks/bench_vllm_proposer.py --engines specstop,detached --rounds 4  # one engine
+    .venv-vllm/bin/python benchmarks/bench_vllm_proposer.py --engines specstop-cap,detached --policy \
+        goodput:outputs/benchmark-vllm-serve/calibrated/disco --costs outputs/benchmark-vllm-serve/cost_model.vllm.json
 """
 from __future__ import annotations
 
@@ -97,13 +101,17 @@ def main() -> None:
                          "K) and specstop-cap (cap --cap); a name twice builds it twice (vllm,specstop,vllm: an A/A "
                          "control of build order); detached runs vLLM's own draft loop at K in the specstop engine "
                          "built last (vllm:K), so that the two proposers meet in one engine")
+    ap.add_argument("--policy", default=None, help="the specstop engines' policy spec (default: static:K)")
+    ap.add_argument("--costs", default=None, help="vLLM's curve (cost_model.vllm.json): goodput policies need it")
     args = ap.parse_args()
     target, draft, prompts = pair_and_prompts(args)
-    settings = vllm_proposer.PolicySettings(spec=f"static:{args.k}", max_draft_len=max(args.k, args.cap))
+    spec = args.policy or f"static:{args.k}"
+    settings = vllm_proposer.PolicySettings(spec=spec, costs=args.costs, max_draft_len=max(args.k, args.cap))
+    vllm_proposer.build_stopper(settings)  # a bad spec or a missing curve fails here, before any engine loads
     kinds = {"target": ("the target alone", 0, None),
              "vllm": (f"vLLM's proposer, K = {args.k}", args.k, None),
-             "specstop": (f"specstop's, static:{args.k}, cap {args.k}", args.k, settings),
-             "specstop-cap": (f"specstop's, static:{args.k}, cap {args.cap}", args.cap, settings)}
+             "specstop": (f"specstop's, {spec}, cap {args.k}", args.k, settings),
+             "specstop-cap": (f"specstop's, {spec}, cap {args.cap}", args.cap, settings)}
     engines: dict[str, tuple[Any, StepClock, Any, Any]] = {}  # name -> engine, its clock, proposer, its settings
     last: tuple[Any, StepClock, Any, Any] | None = None  # the specstop engine built last
     for i, kind in enumerate(args.engines.split(",")):
