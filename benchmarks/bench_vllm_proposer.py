@@ -107,7 +107,10 @@ def main() -> None:
     target, draft, prompts = pair_and_prompts(args)
     spec = args.policy or f"static:{args.k}"
     settings = vllm_proposer.PolicySettings(spec=spec, costs=args.costs, max_draft_len=max(args.k, args.cap))
-    vllm_proposer.build_stopper(settings)  # a bad spec or a missing curve fails here, before any engine loads
+    try:  # a bad spec or a missing curve fails here, in one line, before any engine loads
+        vllm_proposer.build_stopper(settings)
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(f"--policy {spec}: {e}")
     kinds = {"target": ("the target alone", 0, None),
              "vllm": (f"vLLM's proposer, K = {args.k}", args.k, None),
              "specstop": (f"specstop's, {spec}, cap {args.k}", args.k, settings),
