@@ -110,14 +110,11 @@ def oracle_step(batch: list[Round], cost: BatchCost, cap: int) -> tuple[int, flo
     """One step of a stopper that knows the future: each request sends its accepted run, cut at the common cap
     (0 .. ``cap``) whose step yields the most tokens a second: (tokens, seconds, draft forwards, sent)."""
     runs = [emitted(ok, cap) - 1 for _, ok in batch]
-    best = (0.0, 0, 0.0, 0, 0)
+    steps = []
     for c in range(cap + 1):
         sends = [min(r, c) for r in runs]
-        tokens, forwards = sum(sends) + len(sends), max(sends)
-        seconds = cost.step_s(forwards, sum(sends))
-        if tokens / seconds > best[0]:
-            best = (tokens / seconds, tokens, seconds, forwards, sum(sends))
-    return best[1], best[2], best[3], best[4]
+        steps.append((sum(sends) + len(sends), cost.step_s(max(sends), sum(sends)), max(sends), sum(sends)))
+    return max(steps, key=lambda step: step[0] / step[1])  # the first of equals: the smallest cap
 
 
 def simulate(rounds: list[Round], cm: CostModel, batch: int, steps: int, cap: int, prior: float, ks: list[int],
