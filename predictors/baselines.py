@@ -69,7 +69,30 @@ class HFHeuristic(StopPolicy):
         self.k = self.initial
 
 
-class MaxConfidence(StopPolicy):
+class OnlineThreshold(StopPolicy):
+    """A thresholded policy that moves its threshold during a sequence: every sequence starts again at ``initial``
+    (``start_at`` sets it), forgetting what the updates learned (:meth:`_forget`)."""
+
+    def __init__(self, threshold: float, max_draft_len: int) -> None:
+        super().__init__(threshold, max_draft_len)
+        self.initial = float(threshold)
+
+    @property
+    def start_threshold(self) -> float:
+        return self.initial
+
+    def start_at(self, threshold: float) -> None:
+        self.threshold = self.initial = float(threshold)
+
+    def reset(self) -> None:
+        self.threshold = self.initial
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop the online state beyond the threshold (a new sequence starts)."""
+
+
+class MaxConfidence(OnlineThreshold):
     """Stop when the top-1 draft probability falls below the threshold (AdaEDL's Max-Confidence baseline,
     transformers' ``assistant_confidence_threshold``).
 
@@ -84,7 +107,6 @@ class MaxConfidence(StopPolicy):
 
     def __init__(self, threshold: float = 0.4, max_draft_len: int = 40, online_roc: bool = False) -> None:
         super().__init__(threshold, max_draft_len)
-        self.initial = float(threshold)
         self.online_roc = online_roc
         self._probs: list[float] = []
         self._matches: list[bool] = []
@@ -105,15 +127,7 @@ class MaxConfidence(StopPolicy):
             best = int(np.argmin(cost))
             self.threshold = float(min(thresholds[best], 1.0))
 
-    @property
-    def start_threshold(self) -> float:
-        return self.initial
-
-    def start_at(self, threshold: float) -> None:
-        self.threshold = self.initial = float(threshold)
-
-    def reset(self) -> None:
-        self.threshold = self.initial
+    def _forget(self) -> None:
         self._probs.clear()
         self._matches.clear()
 
@@ -153,7 +167,7 @@ class SVIP(StopPolicy):
         return entropy_bound(features, self.gamma)
 
 
-class AdaEDL(StopPolicy):
+class AdaEDL(OnlineThreshold):
     """AdaEDL: stop when 1 - sqrt(gamma * H(q)) < lambda, lambda updated online by Algorithm 1 of the paper."""
 
     kind = "adaedl"
@@ -170,8 +184,7 @@ class AdaEDL(StopPolicy):
         eps: float = 0.01,
         alpha: float = 0.9,
     ) -> None:
-        super().__init__(threshold=lam, max_draft_len=max_draft_len)
-        self.initial = float(lam)
+        super().__init__(lam, max_draft_len)
         self.gamma, self.online = gamma, online
         self.beta1, self.beta2, self.eps, self.alpha = beta1, beta2, eps, alpha
         self.acceptance_rate: float | None = None
@@ -194,15 +207,7 @@ class AdaEDL(StopPolicy):
             new = lam
         self.threshold = self.beta2 * lam + (1 - self.beta2) * new
 
-    @property
-    def start_threshold(self) -> float:
-        return self.initial
-
-    def start_at(self, threshold: float) -> None:
-        self.threshold = self.initial = float(threshold)
-
-    def reset(self) -> None:
-        self.threshold = self.initial
+    def _forget(self) -> None:
         self.acceptance_rate = None
 
 
