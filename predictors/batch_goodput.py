@@ -16,7 +16,8 @@ After each drafted position, with every request's calibrated acceptances so far:
   still drafting promise a higher batch rate than stopping now (the not-yet-drafted acceptances forecast by each
   request's last, as the one-request rule does);
 - :func:`after_position`: both decisions after a drafted position, as vLLM's proposer and the trace simulation
-  (``benchmarks/simulate_batch_rule.py``) take them.
+  (``benchmarks/simulate_batch_rule.py``) take them;
+- :class:`RecentShare`: a request's acceptance before its round drafts (the forecast whether a step drafts at all).
 
 Usage::
 
@@ -33,7 +34,7 @@ from compute.timing import SKIP_STEP
 from predictors.goodput import batch_lengths, check_cost_model
 
 __all__ = ["BatchCost", "send_lengths", "batch_rate", "worth_drafting", "batch_keep_drafting", "after_position",
-           "expected_batch_tokens"]
+           "expected_batch_tokens", "RecentShare"]
 
 
 @dataclass
@@ -78,6 +79,23 @@ class BatchCost:
             return self.skip_s
         paid = max(forwards, 1) if self.first_forward_paid else forwards
         return paid * self.draft_s + self.verify_s(sent)
+
+
+@dataclass
+class RecentShare:
+    """A request's recent acceptance: its rounds' accepted and tried tokens (up to the first rejection), older rounds
+    weighing 0.9 each round; before a round drafts, its forecast adds two pseudo-tokens at ``prior``."""
+
+    accepted: float = 0.0
+    tried: float = 0.0
+
+    def seen(self, accepted: int, sent: int) -> None:
+        """A verified round: ``sent`` tokens, the first ``accepted`` of them accepted."""
+        self.accepted = 0.9 * self.accepted + accepted
+        self.tried = 0.9 * self.tried + min(accepted + 1, sent)
+
+    def forecast(self, prior: float) -> float:
+        return (self.accepted + 2.0 * prior) / (self.tried + 2.0)
 
 
 def expected_batch_tokens(acc: Sequence[Sequence[float]], lengths: Sequence[int]) -> float:

@@ -9,7 +9,7 @@ import torch
 
 from compute.timing import CostModel
 from decoding.policies import build_policy
-from predictors.batch_goodput import BatchCost, batch_keep_drafting, send_lengths, worth_drafting
+from predictors.batch_goodput import BatchCost, RecentShare, batch_keep_drafting, send_lengths, worth_drafting
 from predictors.calibration import Calibrator
 from runtimes.vllm.stopper import RequestStopper
 from runtimes.vllm.traces import TraceWriter
@@ -208,3 +208,16 @@ def test_after_position_keeps_the_requests_whose_next_token_pays_and_stops_the_b
     dear = cost(draft=5.0, per_token=0.001)
     assert after_position([[0.99], [0.99], [0.99], [0.99]], [True] * 4, dear, cap=8, cost_aware=False) == (
         [True] * 4, False)  # a thresholded policy's own stop decides who; no forward is worth 5 s
+
+
+def test_a_request_s_forecast_starts_at_the_prior_and_follows_its_recent_rounds() -> None:
+    recent = RecentShare()
+    assert recent.forecast(0.6) == 0.6
+    for _ in range(20):
+        recent.seen(accepted=4, sent=4)  # every token accepted: tried 4 a round
+    assert 0.95 < recent.forecast(0.6) < 1.0
+    for _ in range(40):
+        recent.seen(accepted=0, sent=3)  # the first token rejected: tried 1 a round
+    assert recent.forecast(0.6) < 0.2
+    recent.seen(accepted=0, sent=0)  # a round that sent nothing counts nothing new, the old rounds fade
+    assert recent.tried < 10

@@ -55,7 +55,7 @@ from decoding.draft_steps import (
 )
 from predictors import goodput
 from predictors.base import RoundFeedback, StopPolicy
-from predictors.batch_goodput import BatchCost, after_position, batch_keep_drafting, send_lengths
+from predictors.batch_goodput import BatchCost, RecentShare, after_position, batch_keep_drafting, send_lengths
 from predictors.calibration import Calibrator
 from predictors.counts import RoundCounts
 from runtimes.vllm.met_costs import MetCosts
@@ -150,7 +150,7 @@ class RequestStopper:
         self._t_begun, self._scoring = 0.0, 0.0
         self._last: tuple[int, float, frozenset[str], float] | None = None
         """The last proposal's (requests, mean tokens a request verifies, request ids, when it was sent)."""
-        self._recent: dict[str, list[float]] = {}
+        self._recent: dict[str, RecentShare] = {}
         self._batch_costs: dict[int, BatchCost] = {}
         self._batch: BatchCost | None = None
         self._own_s: dict[int, float] = {}
@@ -201,7 +201,7 @@ class RequestStopper:
                 self.counts.accepted += acc
                 self._judge(self.counts.by_position, predicted, acc)
                 self._judge(self.tally, calibrated, acc)  # before the correction: what it follows
-                self._seen(rid, acc, n)
+                self._recent.setdefault(rid, RecentShare()).seen(acc, n)
                 pol.update(RoundFeedback.leading(n, acc, qs))
                 if self.traces is not None:
                     self.traces.verdicts(rid, acc, len(ids))
@@ -212,7 +212,7 @@ class RequestStopper:
             self._rounds.append(RequestRound(done=cap == 0))
         if self.skip_idle and self._batch is not None and not self.all_stopped() and not batch_keep_drafting(
                 self._acceptance, [not r.done for r in self._rounds], self._batch, max(self._caps),
-                forecast=[self._forecast(rid) for rid in ids]):
+                forecast=[self._recent.get(rid, RecentShare()).forecast(self.prior) for rid in ids]):
             self.counts.skipped_steps += 1
             for r in self._rounds:
                 r.done = True
@@ -247,12 +247,6 @@ class RequestStopper:
         self._own_s[b] = 0.9 * self._own_s.get(b, took) + 0.1 * took
         return tokens, all(r.done for r in self._rounds)
 
-    def _seen(self, rid: str, accepted: int, sent: int) -> None:
-        """Count a round's tokens tried (up to the first rejection) and accepted, older rounds weighing 0.9."""
-        cell = self._recent.setdefault(rid, [0.0, 0.0])
-        cell[0] = 0.9 * cell[0] + accepted
-        cell[1] = 0.9 * cell[1] + min(accepted + 1, sent)
-
     def _met_verification(self, ids: list[str], now: float) -> None:
         """The last proposal's verification step, timed from its sending to this round's start, against the curve; a
         step that also took a new request in (its prefill) is left out."""
@@ -269,11 +263,6 @@ class RequestStopper:
             per_forward = (now - self._t_begun - self._scoring) / forwards
             batch = len(self._ids)
             self.met.draft(batch, per_forward / curve_for_batch(self.curves, batch).draft_s_per_token)
-
-    def _forecast(self, rid: str) -> float:
-        """A request's acceptance before its round drafts: its recent share, two pseudo-tokens at the prior."""
-        acc, tried = self._recent.get(rid, (0.0, 0.0))
-        return (acc + 2.0 * self.prior) / (tried + 2.0)
 
     @staticmethod
     def _judge(cells: dict[int, list[float]], predicted: list[float], accepted: int) -> None:
