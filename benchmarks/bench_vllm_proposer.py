@@ -43,10 +43,11 @@ from runtimes.vllm.engine import EngineSpec, StepClock, build_engine, generate  
 
 
 def timed_propose(cls: type) -> type:
-    """``cls`` with its ``propose`` timed (seconds summed on the instance as ``propose_s``)."""
+    """``cls`` with its ``propose`` timed and counted (on the instance: seconds ``propose_s``, calls ``propose_n``)."""
 
     class Timed(cls):  # type: ignore[misc,valid-type]
         propose_s = 0.0
+        propose_n = 0
 
         def propose(self, *args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -54,6 +55,7 @@ def timed_propose(cls: type) -> type:
                 return super().propose(*args, **kwargs)
             finally:
                 self.propose_s += time.perf_counter() - t0
+                self.propose_n += 1
 
     return Timed
 
@@ -62,6 +64,14 @@ def scoring_s(prop: Any) -> float:
     """Seconds specstop's stopper has spent deciding (features, policy, batch rule); 0 for vLLM's proposer or none."""
     stopper = getattr(prop, "stopper", None)
     return stopper.counts.decide_s if stopper is not None else 0.0
+
+
+def forwards(prop: Any, k: int) -> int:
+    """Draft forwards ``prop`` has run: specstop's stopper counts its positions; vLLM's own loop runs K a proposal."""
+    stopper = getattr(prop, "stopper", None)
+    if stopper is not None and getattr(prop, "own_k", None) is None:
+        return stopper.counts.draft_steps
+    return getattr(prop, "propose_n", 0) * k
 
 
 def build(target: str, draft: str | None, k: int, batch: int, settings: Any | None) -> tuple[Any, StepClock, Any]:
@@ -133,7 +143,7 @@ def main() -> None:
     vllm_proposer.uninstall()  # vLLM's runner checks isinstance(drafter, DraftModelProposer): its own class holds all
     for llm, _, _, _ in engines.values():
         generate(llm, [prompts[0]], 8)  # warm-up
-    totals = {name: [0.0, 0.0, 0.0, 0] for name in engines}  # decode s, propose s, scoring s, decode steps
+    totals = {name: [0.0, 0.0, 0.0, 0, 0] for name in engines}  # decode s, propose s, scoring s, steps, forwards
     outputs: dict[str, list[list[int]]] = {}
     for r in range(args.rounds):
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
@@ -142,7 +152,7 @@ def main() -> None:
             if how is not None:
                 prop.set_policy(how)
             clock.take()
-            before, scored, outs = getattr(prop, "propose_s", 0.0), scoring_s(prop), []
+            before, scored, ran, outs = getattr(prop, "propose_s", 0.0), scoring_s(prop), forwards(prop, args.k), []
             for i in range(0, len(prompts), args.batch):
                 outs += generate(llm, prompts[i:i + args.batch], args.new_tokens)[0]
             steps = [s for s in clock.take() if s.decode]
@@ -150,16 +160,18 @@ def main() -> None:
             totals[name][1] += getattr(prop, "propose_s", 0.0) - before
             totals[name][2] += scoring_s(prop) - scored
             totals[name][3] += len(steps)
+            totals[name][4] += forwards(prop, args.k) - ran
             outputs.setdefault(name, outs)
     ref_name = next(iter(engines))
     ref_s = totals[ref_name][0]
     print(f"{args.prompts} prompts x {args.new_tokens} new tokens, {args.batch} concurrent, {args.rounds} rounds")
-    for name, (dec_s, prop_s, score_s, n) in totals.items():
+    for name, (dec_s, prop_s, score_s, n, fw) in totals.items():
         same = sum(a == b for a, b in zip(outputs[name], outputs[ref_name]))
+        per_forward = f", {1000 * prop_s / fw:5.1f} ms a forward" if fw else ""
         print(f"{name:34s} decode {dec_s:6.1f} s ({dec_s / ref_s:.3f}x the first)  {int(n)} steps: "
               f"{1000 * dec_s / n:6.1f} ms a step, {1000 * prop_s / n:5.1f} of it proposing "
-              f"({1000 * score_s / n:4.1f} deciding)  outputs equal to the first's: {same}/{len(outputs[name])}",
-              flush=True)
+              f"({1000 * score_s / n:4.1f} deciding; {fw / n:.2f} draft forwards a step{per_forward})  "
+              f"outputs equal to the first's: {same}/{len(outputs[name])}", flush=True)
 
 
 if __name__ == "__main__":
