@@ -3,8 +3,7 @@
 A folder of vLLM serving traces (``runtimes.vllm.traces``: every sent token's features and whether vLLM accepted it)
 holds, per request, its rounds in order; laid end to end they give the request's output position by position: the
 calibrated acceptance of the draft's token there (scored by the policy) and whether vLLM accepted it
-(:func:`traced_texts`).
-B requests are walked along their outputs together, each step decided as vLLM's proposer decides it
+(:func:`traced_texts`). B requests are walked along their outputs together, each step decided as the proposer does
 (``predictors.batch_goodput``: whether the step drafts at all, from each request's recent acceptance as the proposer
 forecasts it, :func:`~predictors.batch_goodput.after_position` after each position, what each request sends), or with
 K tokens a request for vLLM's fixed settings; a request moves on by the tokens it emitted (its accepted run and the
@@ -149,9 +148,8 @@ def oracle_step(cost: BatchCost, cap: int) -> Decide:
     whose step yields the most tokens a second."""
     def decide(batch: list[Round], _: list[float]) -> tuple[list[int], int]:
         runs = [emitted(ok, cap) - 1 for _, ok in batch]
-        best = max(range(cap + 1), key=lambda c: (sum(min(r, c) for r in runs) + len(runs))
-                   / cost.step_s(max(min(r, c) for r in runs), sum(min(r, c) for r in runs)))
-        sends = [min(r, best) for r in runs]
+        by_cap = [[min(r, c) for r in runs] for c in range(cap + 1)]
+        sends = max(by_cap, key=lambda s: (sum(s) + len(s)) / cost.step_s(max(s), sum(s)))  # of equals, the first
         return sends, max(sends)
     return decide
 
@@ -179,12 +177,15 @@ def walk(texts: list[Text], queue: list[int], batch: int, decide: Decide, cost: 
         sends, forwards = decide(rounds, [w.recent.forecast(prior) for w in flight])
         tokens = [emitted(ok, n) for (_, ok), n in zip(rounds, sends)]
         out.add(sum(tokens), cost.step_s(forwards, sum(sends)), forwards, sum(sends))
-        for i, (w, n, t) in enumerate(zip(flight, sends, tokens)):
+        moved = []
+        for w, n, t in zip(flight, sends, tokens):
             w.recent.seen(t - 1, n)  # as the proposer counts it, a round that sent nothing too
             w.at += t
-            if w.at >= len(w.text[1]):
-                flight[i] = Walker(texts[todo.pop(0)]) if todo else None  # type: ignore[call-overload]
-        flight = [w for w in flight if w is not None]
+            if w.at < len(w.text[1]):
+                moved.append(w)
+            elif todo:  # its output ended: the next request takes its place
+                moved.append(Walker(texts[todo.pop(0)]))
+        flight = moved
     return out
 
 
