@@ -220,3 +220,17 @@ def test_a_sampled_verdict_leaves_out_sprinter_and_weighs_its_rouge_against_the_
     assert "0.360-0.360 for the exact rows" in text and "0.370 for sprinter (val-tuned 0.5), outside that range" in text
     assert "6% of target-only's answers and 6%-12% of the other rows'" in text
     assert sampled_quality(Summary(Path("g.json"), bench_summary())) == ""  # greedy: identical outputs say it
+
+
+def test_the_verdict_names_the_fastest_entropy_bound_when_two_round_to_one() -> None:
+    """The rows' ratios are to the fastest entropy bound; another within rounding of it is not the reference."""
+    from rendering.result_store import Summary
+    from rendering.result_tables import verdict
+
+    data = bench_summary()
+    bounds = [r for r in data["rows"] if r.get("kind") in ("svip", "adaedl")]
+    assert len(bounds) >= 1
+    twin = {**bounds[0], "row": "adaedl:0.6 (val-tuned)", "kind": "adaedl", "vs_best_entropy": 1.0,
+            "tokens_per_s": bounds[0]["tokens_per_s"] - 0.01}  # 0.999x the fastest: shown as 1.00x
+    data["rows"].insert(1, twin)
+    assert f"the best entropy bound ({bounds[0]['row']})" in verdict(Summary(Path("x.json"), data))
