@@ -250,7 +250,8 @@ def render_readme(summaries: list[Summary], runtime_lines: list[str] = ()) -> st
     times = times_table(summaries)
     if times:
         parts += ["", "Wall time on 2 cores, from a run's start to its table (the main job's first model conversion "
-                  "excluded):", "", times]
+                  "excluded; a run stopped and resumed: the seconds its starts ran, the pause between them left out):",
+                  "", times]
     if not parts:
         parts = ["No stored run yet: `python -m pipelines.train --results_dir results` writes one."]
     return "\n".join(parts).rstrip()
