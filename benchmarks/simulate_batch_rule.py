@@ -164,11 +164,11 @@ class Walker:
 
 
 def walk(texts: list[Text], queue: list[int], batch: int, decide: Decide, cost: BatchCost, cap: int, prior: float,
-         seed: int = 0) -> Tally:
+         pool: np.ndarray, seed: int = 0) -> Tally:
     """Walk ``queue`` (indices into ``texts``) with ``batch`` requests in flight under ``decide``, each step priced by
-    ``cost``; the steps with fewer in flight (the queue's end) are left out."""
+    ``cost`` (past an output's end, scores drawn from ``pool``); the steps with fewer in flight (the queue's end) are
+    left out."""
     rng = np.random.default_rng(seed)
-    pool = np.array([a for t in texts for a, ok in zip(*t) if ok] or [0.5])
     todo = list(queue)
     flight = [Walker(texts[todo.pop(0)]) for _ in range(min(batch, len(todo)))]
     out = Tally()
@@ -196,9 +196,11 @@ def simulate(texts: list[Text], cm: CostModel, batch: int, cap: int, prior: floa
     cost = BatchCost.from_cost_model(cm, batch, first_forward_paid=False)
     rng = np.random.default_rng(seed)
     queue = [int(i) for _ in range(cycles) for i in rng.permutation(len(texts))]
+    pool = np.array([a for t in texts for a, ok in zip(*t) if ok] or [0.5])  # the accepted positions' scores
     settings = {f"K = {k}": fixed_step(k) for k in ks} | {"batch rule": rule_step(cost, cap),
                                                             "oracle": oracle_step(cost, cap)}
-    return {name: walk(texts, queue, batch, decide, cost, cap, prior, seed) for name, decide in settings.items()}
+    return {name: walk(texts, queue, batch, decide, cost, cap, prior, pool, seed)
+            for name, decide in settings.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
