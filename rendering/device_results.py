@@ -24,13 +24,17 @@ def _read(path: Path) -> Any:
         raise SummaryError(f"{path}: missing (is the run finished?)") from e
 
 def summarize_device_check(path: str | Path, command: str = "bash scripts/device_check.sh") -> dict[str, Any]:
-    """The summary of ``scripts/device_check.sh``'s ``device-check.json`` (its commit as it recorded it)."""
+    """The summary of ``scripts/device_check.sh``'s ``device-check.json``: its commit as it recorded it at its start
+    (``DEVICE_CHECK_COMMIT`` on a copied tree), its start, end and seconds as it timed them."""
     d = _read(Path(path))
     host = d.get("host") or {}
     commit = d.get("commit") or {}
+    started = d.get("started")
     return {
-        "schema": SCHEMA, "kind": "device_check", "config": "smoke", "command": command, "date": d["date"][:10],
-        "commit": commit.get("commit"), "dirty": commit.get("dirty"), "commit_note": commit.get("note"),
+        "schema": SCHEMA, "kind": "device_check", "config": "smoke", "command": command,
+        "date": (started or d["date"])[:10], "commit": commit.get("commit"), "dirty": commit.get("dirty"),
+        "commit_note": commit.get("note"), "code_recorded": "at start" if started else "at storing",
+        "started": started, "ended": d.get("ended"), "duration_s": d.get("seconds"),
         "machine": {"model_name": host.get("gpu") or "unknown GPU", "isa": f"CUDA {host.get('torch_cuda')}",
                     "torch": host.get("torch"), "python": host.get("python"), "nvidia_smi": host.get("nvidia_smi")},
         "compute_path": d.get("device", "cuda"), "pair": {"draft": "tiny:1", "target": "tiny:2:32:3"},

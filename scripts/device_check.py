@@ -308,11 +308,17 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_summary(steps: list[Step], facts: dict, device: str, budget: int, t0: float) -> dict:
-    """device-check.json and device-check.md in $OUT, from the steps run so far."""
+def utc_now() -> str:
+    """The time now, UTC, as the runs' code records write it (``2026-11-30T15:04:05Z``)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def write_summary(steps: list[Step], facts: dict, device: str, budget: int, t0: float, started: str) -> dict:
+    """device-check.json and device-check.md in $OUT, from the steps run so far (``started``: the check's start, UTC;
+    ``ended`` is when this summary was written)."""
     passed = sum(s.status == "pass" for s in steps)
     summary = {
-        "kind": "device_check", "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "kind": "device_check", "date": utc_now(), "started": started, "ended": utc_now(),
         "commit": commit_facts(), "device": device, "host": facts, "budget_s": budget,
         "seconds": round(time.monotonic() - t0, 1), "passed_steps": passed,
         "result": "PASS" if passed == len(steps) else "FAIL",
@@ -332,7 +338,7 @@ def run(py: str) -> int:
         why = facts.get("torch_error") or "torch.cuda.is_available() is false"
         print(f"device_check: no CUDA GPU here ({why}); run it on a GPU host, or --dry-run to see the plan")
         return 2
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), utc_now()
     budget = int(os.environ.get("DEVICE_CHECK_BUDGET", "480"))
     work, out = work_dir(), out_dir()
     shutil.rmtree(work, ignore_errors=True)
@@ -342,11 +348,11 @@ def run(py: str) -> int:
     for step in steps:
         run_step(step, env, t0 + budget)
         print(f"device_check: {step.name}: {step.status} in {step.seconds:.0f} s {step_line(step)}", flush=True)
-        write_summary(steps, facts, device, budget, t0)
+        write_summary(steps, facts, device, budget, t0, started)
     bench_md = work / "benchmark" / "benchmark.md"
     if bench_md.is_file():
         shutil.copy2(bench_md, out / "benchmark.md")
-    summary = write_summary(steps, facts, device, budget, t0)
+    summary = write_summary(steps, facts, device, budget, t0, started)
     print(f"device_check: {summary['result']} ({summary['passed_steps']}/{len(steps)} steps) in "
           f"{summary['seconds']:.0f} s; summary in {out}/device-check.md")
     return 0 if summary["result"] == "PASS" else 1

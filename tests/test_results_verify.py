@@ -221,10 +221,15 @@ def test_the_gpu_checks_summary_reads_each_steps_line_from_its_json(tmp_path, mo
     monkeypatch.setattr(dc, "commit_facts", lambda: {"commit": "abc", "dirty": False})
     step = dc.Step(name="pytest", cap=10, argv=["x"], status="pass", seconds=3.0, returncode=0, tail="",
                    details={"passed": 21, "failures": 0, "errors": 0, "skipped": 0})
-    dc.write_summary([step], {"gpu": "H200", "torch": "2", "python": "3.12"}, "cuda", 600, time.monotonic())
+    dc.write_summary([step], {"gpu": "H200", "torch": "2", "python": "3.12"}, "cuda", 600, time.monotonic(),
+                     "2026-11-30T15:00:00Z")
     (tmp_path / "device-check.md").unlink()
-    (st,) = summarize_device_check(tmp_path / "device-check.json")["steps"]
+    summary = summarize_device_check(tmp_path / "device-check.json")
+    (st,) = summary["steps"]
     assert st["details"] == "21 passed, 0 failed, 0 errors, 0 skipped"
+    assert (summary["started"], summary["date"], summary["code_recorded"]) == ("2026-11-30T15:00:00Z", "2026-11-30",
+                                                                               "at start")
+    assert summary["ended"].endswith("Z") and summary["duration_s"] is not None
 
 
 def test_the_pace_with_a_group_in_flight_leaves_its_tail_out_and_recomputes_from_the_records():
