@@ -64,6 +64,7 @@ class RunOrder(SettingsOf):
     order: str
     repeats: int
     curve_probes: bool
+    interleave: bool
 
 
 @dataclass

@@ -40,8 +40,9 @@ class HarnessConfig:
     policies: list[str] = field(default_factory=list)
     """specstop policies the benchmark runs (decoding.policies.build_policy specs)."""
     repeats: int = 2
-    """Runs of every row per prompt, in plan order and then reversed, keeping each row's faster run (the minimum, as
-    ``timeit`` advises: a shared host's slow phases fall on early and late rows alike; the outputs must agree)."""
+    """Runs of every row per prompt (order prompt), each pass in a seeded shuffled order; a row's seconds on a prompt
+    are the median of its runs, each pass's slow phase (the rows' median) taken out (``benchmark.records
+    .pass_adjusted``); the outputs must agree."""
     cost_file: str | None = None
     """The runtime's verification curve (python -m pipelines.measure_costs); measured at the start of the run when
     unset."""
@@ -107,6 +108,11 @@ class BenchmarkConfig(HarnessConfig, TrackingConfig):
     order: str = "prompt"
     """prompt: every row on one prompt before the next (drift hits all rows alike), ``repeats`` times (the reference
     row once); row: one row over all prompts."""
+    interleave: bool = False
+    """order prompt: target-only and the engine's rows decode each prompt together, a step at a time, the row with the
+    fewest new tokens next, each step timed alone (``benchmark.interleave``): a slow phase of the host falls on every
+    row's tokens alike. Target-only then runs the target's forward a token at a time (greedy: ``generate``'s tokens);
+    the other rows run after them, one by one."""
     batch_size: int = 1
     """Engine rows decode this many prompts per batch (left padding, per-sequence draft lengths)."""
     tune_data_dir: str | None = None
@@ -155,6 +161,9 @@ class BenchmarkConfig(HarnessConfig, TrackingConfig):
             raise ValueError(f"batch_size={self.batch_size}: must be >= 1")
         if self.order not in ("prompt", "row"):
             raise ValueError(f"order={self.order!r}: use prompt (rows side by side per prompt) or row")
+        if self.interleave and self.order != "prompt":
+            raise ValueError(f"interleave=true steps the rows of one prompt together: use order prompt, not "
+                             f"{self.order!r}")
         if self.order == "prompt" and self.batch_size > 1:
             raise ValueError("order=prompt decodes one prompt at a time: use batch_size 1, or order row for batches")
         if self.reference_max_new_tokens is not None and self.reference_max_new_tokens < 1:

@@ -1,23 +1,33 @@
 """The rows of a benchmark (:func:`row_plan`: target-only first) and the order they run in (:func:`run_rows`):
 ``order: prompt`` runs every row on one prompt before the next, ``repeats`` times in a seeded shuffled order
 (:func:`pass_order`), each row's seconds on it adjusted for each pass's host speed
-(``benchmark.records.pass_adjusted``), so drift of the host hits all rows alike; ``order: row`` runs each row over all
-prompts in turn."""
+(``benchmark.records.pass_adjusted``), so drift of the host hits all rows alike; with ``interleave`` the rows that can
+(target-only, the engine's) decode the prompt together a step at a time (``benchmark.interleave``); ``order: row``
+runs each row over all prompts in turn."""
 from __future__ import annotations
 
 import logging
 import random
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 from benchmark.bench import Bench, RunOrder
 from benchmark.config import BenchmarkConfig
 from benchmark.curve import measure_curve
+from benchmark.interleave import Lane, interleave
 from benchmark.records import pass_adjusted
 from benchmark.resume import PromptStore
 from benchmark.rows import Row
-from benchmark.runners import run_engine, run_hf, run_hf_policy, run_reference, run_target_only
+from benchmark.runners import (
+    engine_lane,
+    run_engine,
+    run_hf,
+    run_hf_policy,
+    run_reference,
+    run_target_only,
+    target_only_lane,
+)
 from benchmark.tuning import tune_on_validation, tune_predictors, tune_runtime
 from compute.timing import CostModel
 from data_gen.progress import Heartbeat
@@ -29,6 +39,18 @@ Runner = Callable[[Bench], Row]
 """Runs one row on the prompts of the bench it is given (all of them, or one in ``order: prompt``)."""
 
 
+@dataclass(frozen=True)
+class SteppedRunner:
+    """A :data:`Runner` whose row can also decode a one-prompt bench a step at a time (``lane``: its
+    :class:`~benchmark.interleave.Lane`, or None where it cannot), for ``interleave``."""
+
+    run: Runner
+    lane: Callable[[Bench], Lane | None]
+
+    def __call__(self, bench: Bench) -> Row:
+        return self.run(bench)
+
+
 def row_plan(cfg: BenchmarkConfig, bench: Bench) -> list[tuple[str, Runner]]:
     """(name, runner) for every row, in order; target-only first. What is tuned on validation is tuned first."""
     tuned = tune_on_validation(cfg.policies, bench, cfg.tune_data_dir, cfg.max_static)
@@ -37,7 +59,7 @@ def row_plan(cfg: BenchmarkConfig, bench: Bench) -> list[tuple[str, Runner]]:
     hf_settings = {}  # hf row kind -> its tuned settings (the recommended row's)
     if "recommended" in cfg.hf_rows:
         hf_settings["recommended"] = tune_runtime("transformers", bench, cfg.tune_data_dir).settings()
-    plan: list[tuple[str, Runner]] = [("target-only", lambda b: run_target_only(b))]
+    plan: list[tuple[str, Runner]] = [("target-only", SteppedRunner(run_target_only, target_only_lane))]
     for kind in cfg.hf_rows:
         settings = hf_settings.get(kind)
         plan.append((f"hf:{kind}", lambda b, k=kind, s=settings: run_hf(b, k, s)))
@@ -46,9 +68,10 @@ def row_plan(cfg: BenchmarkConfig, bench: Bench) -> list[tuple[str, Runner]]:
             plan.append((spec, lambda b, s=spec[4:]: run_hf_policy(b, s)))
         elif spec in tuned:
             pol, label, rebuild = tuned[spec]
-            plan.append((label, lambda b, p=pol, lb=label, rb=rebuild: run_engine(b, p, lb, rb)))
+            plan.append((label, SteppedRunner(lambda b, p=pol, lb=label, rb=rebuild: run_engine(b, p, lb, rb),
+                                              lambda b, p=pol, lb=label, rb=rebuild: engine_lane(b, p, lb, rb))))
         else:
-            plan.append((spec, lambda b, s=spec: run_engine(b, s)))
+            plan.append((spec, SteppedRunner(lambda b, s=spec: run_engine(b, s), lambda b, s=spec: engine_lane(b, s))))
     if cfg.reference_compute and cfg.reference_compute != cfg.models.compute:
         models = replace(cfg.models, compute=cfg.reference_compute)
         n_new = cfg.reference_max_new_tokens or cfg.max_new_tokens
@@ -135,10 +158,9 @@ def run_prompt(plan: list[tuple[str, Runner]], view: Bench, how: RunOrder,
     last: str | None = None
     for r in range(how.repeats):
         todo = [(name, runner) for name, runner in plan if not (name in rows_j and rows_j[name].reference)]
-        for name, runner in pass_order(todo, view.offset, r, last):
-            if beat is not None:
-                beat.note = f"{label}, pass {r + 1}, row {name}"
-            row, last = runner(view), name
+        for name, row in _pass_rows(pass_order(todo, view.offset, r, last), view, how.interleave,
+                                    f"{label}, pass {r + 1}", beat):
+            last = name
             if name not in rows_j:
                 rows_j[name], runs[name] = row, [sum(row.seconds)]
                 continue
@@ -154,6 +176,32 @@ def run_prompt(plan: list[tuple[str, Runner]], view: Bench, how: RunOrder,
                                    "phase taken out (the rows' median)")
     probe = measure_curve(view, repeats=1) if how.curve_probes else None
     return rows_j, probe
+
+
+def _pass_rows(order: list[tuple[str, Runner]], view: Bench, together: bool, label: str,
+               beat: Heartbeat | None) -> Iterator[tuple[str, Row]]:
+    """Each row of one pass on the view's one decode, in ``order``; ``together`` (``interleave``): the rows that can
+    (a :class:`SteppedRunner`'s lane) first, decoding it side by side a step at a time, then the others."""
+    lanes: list[Lane] = []
+    if together:
+        alone = []
+        for name, runner in order:
+            lane = runner.lane(view) if isinstance(runner, SteppedRunner) else None
+            if lane is None:
+                alone.append((name, runner))
+            else:
+                lane.name = name
+                lanes.append(lane)
+        order = alone
+    if lanes:
+        if beat is not None:
+            beat.note = f"{label}, {len(lanes)} rows interleaved"
+        rows = interleave(lanes, view.target.device)
+        yield from ((lane.name, rows[lane.name]) for lane in lanes)
+    for name, runner in order:
+        if beat is not None:
+            beat.note = f"{label}, row {name}"
+        yield name, runner(view)
 
 
 def pass_order(rows: list[tuple[str, Runner]], decode: int, r: int,

@@ -19,7 +19,8 @@ def plot_speedups(rows: list[dict[str, Any]], path: Path) -> None:
     vals = np.array([r["speedup"] or 0.0 for r in rows])
     lo = np.array([r["speedup_lo"] if r["speedup_lo"] is not None else v for r, v in zip(rows, vals)])
     hi = np.array([r["speedup_hi"] if r["speedup_hi"] is not None else v for r, v in zip(rows, vals)])
-    colors = ["grey" if r["method"] == "target.generate" else "tab:orange" if r["method"].startswith("transformers")
+    target_only = ("target.generate", "target forward loop")
+    colors = ["grey" if r["method"] in target_only else "tab:orange" if r["method"].startswith("transformers")
               else "tab:green" if r["kind"] in ENTROPY_KINDS else "tab:blue" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4.5))
     ax.bar(range(len(rows)), vals, color=colors, yerr=[vals - lo, hi - vals], capsize=3)

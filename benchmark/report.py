@@ -252,6 +252,8 @@ def write_report(table: list[dict[str, Any]], bench: Bench, names: list[str], ou
 
 
 def _runs_rule(how: RunOrder) -> str:
+    steps = ("; target-only and the engine's rows decode each prompt together, a step of the row with the fewest "
+             "tokens at a time, each step timed alone") if how.order == "prompt" and how.interleave else ""
     if how.order != "prompt" or how.repeats == 1:
-        return " (one run per prompt)"
-    return f" ({how.repeats} per prompt)"
+        return f" (one run per prompt{steps})"
+    return f" ({how.repeats} per prompt{steps})"

@@ -1,21 +1,25 @@
 """Running one row on the prompts of a bench: target-only (``target.generate``, and on the reference compute path),
 transformers' assisted generation, a stop policy inside transformers' generate, and the engine with one policy. Every
 runner decodes through :func:`timed_prompts` (seeded, timed alone, in inference mode) except the engine, which
-decodes in batches of ``batch_size``."""
+decodes in batches of ``batch_size``. Target-only and the engine also run one prompt a step at a time
+(:func:`target_only_lane`, :func:`engine_lane`) for ``benchmark.interleave``."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from benchmark.bench import Bench
+from benchmark.interleave import Lane
 from benchmark.rows import HF_METHOD, Row
 from compute.models import load_model
 from compute.timing import clock
 from data_gen.config import ModelsConfig
+from decoding.engine import DecodeStats, SpeculativeDecoder
 from decoding.policies import build_decoder, build_policy, policy_label
+from decoding.sampling import TokenSampler
 from predictors.runtime_rules import TransformersRule
 from runtimes.transformers.assisted import generate_with_policy
 
@@ -68,6 +72,47 @@ def run_target_only(bench: Bench, name: str = "target-only", target: PreTrainedM
         bench.reference = row.outputs
         row.prefill_seconds = [prefill_seconds(model, ids) for ids in bench.prompts]
     return row
+
+
+TARGET_LOOP = "target forward loop"
+"""The ``method`` of target-only decoded a token a step (:func:`target_only_lane`)."""
+
+
+def target_only_lane(bench: Bench) -> Lane:
+    """Target-only on the bench's one prompt a token a step: the target's forward over its cache, the token picked as
+    the engine picks (greedy: ``generate``'s tokens; sampling: seeded by the prompt, ``generate``'s distribution)."""
+    model, ids = bench.target, bench.prompts[0]
+    row = Row("target-only", TARGET_LOOP, note="reference")
+
+    def finish(out: list[int], seconds: float) -> Row:
+        row.outputs.append(out)
+        row.seconds.append(seconds)
+        row.target_calls = len(out)
+        row.count_prompt(0, 0, 0)
+        bench.reference = row.outputs
+        row.prefill_seconds = [prefill_seconds(model, ids)]
+        return row
+
+    return Lane(row.name, _target_steps(model, ids, bench), finish)
+
+
+@torch.inference_mode()
+def _target_steps(model: PreTrainedModel, ids: list[int], bench: Bench) -> Generator[int, None, list[int]]:
+    """One target forward a step (the prompt's with the first token), yielding the new tokens so far; returns them."""
+    d, eos = bench.decoding, set(bench.eos)
+    sampler, gen = TokenSampler(d.temperature, d.top_p), None
+    if d.temperature > 0:
+        gen = torch.Generator(device=model.device)
+        gen.manual_seed(bench.seed_of(0))
+    cache = DynamicCache(config=model.config)
+    x, out = torch.tensor([ids], device=model.device), []
+    while True:
+        logits = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        out.append(int(sampler.pick(logits.float(), gen)[0]))
+        if out[-1] in eos or len(out) >= d.max_new_tokens:
+            return out
+        yield len(out)
+        x = torch.tensor([[out[-1]]], device=model.device)
 
 
 @torch.inference_mode()
@@ -175,9 +220,10 @@ def run_hf_policy(bench: Bench, spec: str) -> Row:
     return row
 
 
-def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild: dict[str, Any] | None = None) -> Row:
-    """The engine with one policy (a spec or a ready policy), prompts in batches of ``batch_size``; ``rebuild``
-    ({"spec", "threshold"}) records how a ready policy is built again (default: the spec itself)."""
+def engine_row(bench: Bench, spec: str | Any, label: str | None = None,
+               rebuild: dict[str, Any] | None = None) -> tuple[Row, SpeculativeDecoder]:
+    """An engine row's decoder (a spec or a ready policy) and its empty row; ``rebuild`` ({"spec", "threshold"})
+    records how a ready policy is built again (default: the spec itself)."""
     d = bench.decoding
     dec = build_decoder(
         bench.draft, bench.target, spec, draft_tokenizer=bench.tokenizer, target_tokenizer=bench.tokenizer,
@@ -190,6 +236,34 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
               thresholded=pol.has_threshold and pol.round_rule.exact and pol.round_rule.sends_all)
     info = rebuild or {"spec": spec if isinstance(spec, str) else ""}
     row.spec, row.threshold = info.get("spec", ""), info.get("threshold")
+    return row, dec
+
+
+def engine_lane(bench: Bench, spec: str | Any, label: str | None = None,
+                rebuild: dict[str, Any] | None = None) -> Lane | None:
+    """The engine row on the bench's one prompt a round at a time (``benchmark.interleave``); None for a policy
+    whose time is not all measured (the sampling oracle's look-ahead) or that needs target-only's output first."""
+    row, dec = engine_row(bench, spec, label, rebuild)
+    if dec.policy.needs_target or len(bench.prompts) != 1:
+        return None
+    ids = bench.prompts[0]
+    x = torch.tensor([ids], device=bench.target.device)
+    steps = dec.decode_steps(x, None, bench.decoding.max_new_tokens, bench.eos, bench.seed_of(0))
+
+    def finish(result: tuple[torch.Tensor, DecodeStats], seconds: float) -> Row:
+        out, st = result
+        add_engine_decode(row, bench, out, st, len(ids), 1, seconds)
+        return close_engine_row(row, st, dec)
+
+    return Lane(row.name, steps, finish)
+
+
+def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild: dict[str, Any] | None = None) -> Row:
+    """The engine with one policy (a spec or a ready policy), prompts in batches of ``batch_size``; ``rebuild``
+    ({"spec", "threshold"}) records how a ready policy is built again (default: the spec itself)."""
+    d = bench.decoding
+    row, dec = engine_row(bench, spec, label, rebuild)
+    pol = dec.policy
     total = None
     pad = bench.tokenizer.pad_token_id if bench.tokenizer.pad_token_id is not None else bench.eos[0]
     for start in range(0, len(bench.prompts), d.batch_size):
@@ -203,23 +277,34 @@ def run_engine(bench: Bench, spec: str | Any, label: str | None = None, rebuild:
         look_ahead = None
         if pol.needs_target and d.temperature == 0 and bench.reference is not None:
             look_ahead = bench.reference[start : start + len(chunk)]  # the greedy oracle: no target steps
-        out, st = dec.generate(x, m, d.max_new_tokens, bench.eos, bench.seed_of(start),
-                               reference=look_ahead)
+        out, st = dec.generate(x, m, d.max_new_tokens, bench.eos, bench.seed_of(start), reference=look_ahead)
         total = st if total is None else total + st
-        seconds = st.wall_time
-        row.prefill_seconds += [st.prefill_time / len(chunk)] * len(chunk)
-        if st.analysis_time > 0:  # sampling oracle: the look-ahead replaced by one priced verification per round
-            assert bench.cost_model is not None
-            seconds = st.wall_time - st.analysis_time - st.target_time
-            seconds += sum(bench.cost_model.target_time(k + 1) for k in st.drafted_lengths)
-        for b in range(len(chunk)):  # a batch's time is shared by its prompts in proportion to their tokens
-            row.outputs.append(new_tokens(bench, out[b], width))
-        n_new = [len(o) for o in row.outputs[-len(chunk):]]
-        row.seconds += [seconds * n / max(sum(n_new), 1) for n in n_new]
-        for _ in chunk:  # a batch's counters cover its prompts together: per prompt only at batch size 1
-            one = len(chunk) == 1
-            row.count_prompt(st.rounds if one else None, st.drafted if one else None, st.accepted if one else None)
+        add_engine_decode(row, bench, out, st, width, len(chunk), st.wall_time)
     assert total is not None
+    return close_engine_row(row, total, dec)
+
+
+def add_engine_decode(row: Row, bench: Bench, out: torch.Tensor, st: DecodeStats, width: int, n: int,
+                      seconds: float) -> None:
+    """One engine decode of ``n`` prompts (left-padded to ``width``) into ``row``: outputs, seconds (``seconds``
+    measured, shared in proportion to tokens), prefill and round counters."""
+    row.prefill_seconds += [st.prefill_time / n] * n
+    if st.analysis_time > 0:  # sampling oracle: the look-ahead replaced by one priced verification per round
+        assert bench.cost_model is not None
+        seconds = st.wall_time - st.analysis_time - st.target_time
+        seconds += sum(bench.cost_model.target_time(k + 1) for k in st.drafted_lengths)
+    for b in range(n):  # a batch's time is shared by its prompts in proportion to their tokens
+        row.outputs.append(new_tokens(bench, out[b], width))
+    n_new = [len(o) for o in row.outputs[-n:]]
+    row.seconds += [seconds * k / max(sum(n_new), 1) for k in n_new]
+    for _ in range(n):  # a batch's counters cover its prompts together: per prompt only at batch size 1
+        one = n == 1
+        row.count_prompt(st.rounds if one else None, st.drafted if one else None, st.accepted if one else None)
+
+
+def close_engine_row(row: Row, total: DecodeStats, dec: SpeculativeDecoder) -> Row:
+    """An engine row's totals and note from its decodes' summed counters."""
+    pol = dec.policy
     row.rounds, row.accepted = total.rounds, total.accepted
     row.target_calls = total.target_calls - total.prompt_passes  # target passes after each prompt's (the prefill's)
     row.draft_tokens, row.decode = total.drafted, total

@@ -32,10 +32,12 @@ attention mask), and the caches are cropped to the longest live sequence after e
 Usage:
     dec = SpeculativeDecoder(draft, target, StaticLength(5))
     out, stats = dec.generate(input_ids, attention_mask=None, max_new_tokens=64, eos_token_id=tok.eos_token_id, seed=0)
+    steps = dec.decode_steps(input_ids, ...)   # the same a round at a time (next(steps): new tokens so far)
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from contextlib import contextmanager
 
 import torch
@@ -196,17 +198,39 @@ class SpeculativeDecoder:
         Returns:
             ([B, T + N] prompt + new tokens, right-padded with the pad / eos id), stats.
         """
+        steps = self.decode_steps(input_ids, attention_mask, max_new_tokens, eos_token_id, seed, reference)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return end.value
+
+    @torch.inference_mode()
+    def decode_steps(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        max_new_tokens: int = 64,
+        eos_token_id: int | list[int] | None = None,
+        seed: int | None = None,
+        reference: list[list[int]] | None = None,
+    ) -> Generator[int, None, tuple[Tensor, DecodeStats]]:
+        """:meth:`generate` a step at a time: yields the fewest new tokens of any sequence so far after the prefill
+        and after every round, and returns what ``generate`` returns. Decodes stepped in turn share the host's slow
+        phases (the benchmark's ``interleave``); ``stats.wall_time`` then spans the others' steps too."""
         t_start = time.perf_counter()
         input_ids, mask = self._check_prompt(input_ids, attention_mask, max_new_tokens)
         st = self._prefill(input_ids, mask, max_new_tokens, eos_token_id, seed)
         st.stats.prefill_time = clock(st.device) - t_start
         self._use_reference(st, reference)
+        yield 0
         while not all(st.done):
             rnd = self._draft_batch(st)
             n_sent = self._verification_lengths(st, rnd)
             self.verifier.verify_round(st, rnd, n_sent)
             for s in st.streams():
                 s.crop()
+            yield min(len(o) for o in st.outputs)
         st.stats.wall_time = clock(st.device) - t_start
         return torch.cat([input_ids, self._padded_outputs(st)], dim=1), st.stats
 
