@@ -2,7 +2,8 @@
 
 On the same held-out prompts (HumanEval and MT-Bench test split, half each, by default) and in one run, all rows on
 the same model objects (so every row runs on the same compute path, ``--models.compute``):
-- ``target-only``: ``target.generate``, the exact reference output and the speed baseline; ``target-only (eager)`` also
+- ``target-only``: ``target.generate`` (with ``interleave``, the target's forward a token at a time: the same tokens),
+  the exact reference output and the speed baseline; ``target-only (eager)`` also
   times the target on ``reference_compute`` (default eager fp32: the speed of a plain transformers load);
 - transformers assisted generation (``assistant_model=draft``): ``hf:static:K`` (K tokens, constant schedule),
   ``hf:heuristic`` (+2 / -1 from 5) and ``hf:default`` (20 tokens, confidence 0.4: transformers' defaults);
@@ -16,7 +17,9 @@ the same model objects (so every row runs on the same compute path, ``--models.c
 
 Rows run side by side (``order: prompt``, the default): every row decodes prompt 1, then every row prompt 2, and so on,
 so a machine that slows down or speeds up during the run (a shared VM does) moves every row alike and the paired
-ratios stay fair; ``order: row`` runs each row over all prompts in turn. The reference row
+ratios stay fair; with ``interleave: true`` target-only and the engine's rows decode each prompt together a step at a
+time, each step timed alone, so that even a slow phase of seconds falls on every row alike (``benchmark.interleave``);
+``order: row`` runs each row over all prompts in turn. The reference row
 (``reference_compute``) decodes ``reference_max_new_tokens`` per prompt (its tokens/s is what it is compared on).
 In greedy decoding the oracle reads target-only's output as its look-ahead (exact decoding emits it token for token),
 so its rounds verify like any policy's and its time is measured; in sampling it runs the target one step per drafted
