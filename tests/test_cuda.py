@@ -1,7 +1,8 @@
 """The CUDA path on the tiny models (marker ``cuda``; skipped where torch sees no GPU): each predictor fits through
 Lightning on the GPU; the engine's greedy output equals the target alone's and its sampling runs, seeded, for every
 policy kind (static, SVIP, AdaEDL, exported DISCO / SPRINTER / SV predictors, goodput); exact speculative sampling
-keeps the target's distribution; the generator's labels on CUDA equal the CPU's; the smoke benchmark runs on CUDA.
+keeps the target's distribution; the generator's labels on CUDA equal the CPU's; the smoke benchmark runs on CUDA;
+rows stepped side by side (``benchmark.interleave``) give the target's tokens.
 
 Usage::
 
@@ -231,3 +232,27 @@ def test_the_smoke_benchmark_runs_on_the_device(tmp_path):
         assert row["tokens_per_s"] > 0, row["row"]
         assert row["exact"] in (True, None), row["row"]  # None: the reference rows themselves
     assert f"device {DEVICE}" in (out / "benchmark.md").read_text()
+
+
+def test_interleaved_rows_on_the_device_give_the_target_alones_tokens():
+    """``benchmark.interleave`` on the device: target-only's forward loop and an engine row stepped side by side give
+    ``generate``'s greedy tokens, each row timed."""
+    from benchmark.bench import Bench, DecodeSettings
+    from benchmark.config import BenchmarkConfig
+    from benchmark.interleave import interleave
+    from benchmark.runners import engine_lane, target_only_lane
+
+    draft, tok = load_model(ModelSpec("tiny:1"))
+    target, _ = load_model(ModelSpec("tiny:2:32:3"))
+    draft, target = draft.to(DEVICE), target.to(DEVICE)
+    ids = tok("def add(a, b):")["input_ids"]
+    view = Bench(DecodeSettings.of(BenchmarkConfig(max_new_tokens=16, n_prompts=1)), draft, target, None, tok,
+                 prompts=[ids], eos=[tok.eos_token_id])
+    lanes = [target_only_lane(view), engine_lane(view, "static:4")]
+    rows = interleave([lane for lane in lanes if lane is not None], torch.device(DEVICE))
+    x = torch.tensor([ids], device=DEVICE)
+    ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=16,
+                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    cut = ref[: ref.index(tok.eos_token_id) + 1] if tok.eos_token_id in ref else ref
+    assert [r.outputs for r in rows.values()] == [[cut], [cut]]
+    assert all(r.seconds[0] > 0 for r in rows.values())
