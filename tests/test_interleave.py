@@ -96,3 +96,17 @@ def test_interleave_needs_order_prompt():
 
     with pytest.raises(ValueError, match="interleave=true .* use order prompt"):
         BenchmarkConfig(interleave=True, order="row")
+
+
+def test_sampled_lanes_repeat_under_their_seed(view):
+    """Temperature 1: target-only's loop and an engine lane draw from their own seeded generators, so a second
+    interleaved run of the same decode gives the same tokens (the rows' seeds, not the step order, decide them)."""
+    from dataclasses import replace
+
+    from benchmark.runners import engine_lane, target_only_lane
+
+    sampled = replace(view, decoding=replace(view.decoding, temperature=1.0))
+    runs = [interleave([target_only_lane(sampled), engine_lane(sampled, "static:3")], sampled.target.device)
+            for _ in range(2)]
+    assert [r.outputs for r in runs[0].values()] == [r.outputs for r in runs[1].values()]
+    assert all(len(r.outputs[0]) > 0 for r in runs[0].values())
