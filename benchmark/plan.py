@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 from benchmark.bench import Bench, RunOrder
 from benchmark.config import BenchmarkConfig
@@ -68,16 +69,20 @@ def row_plan(cfg: BenchmarkConfig, bench: Bench) -> list[tuple[str, Runner]]:
             plan.append((spec, lambda b, s=spec[4:]: run_hf_policy(b, s)))
         elif spec in tuned:
             pol, label, rebuild = tuned[spec]
-            plan.append((label, SteppedRunner(lambda b, p=pol, lb=label, rb=rebuild: run_engine(b, p, lb, rb),
-                                              lambda b, p=pol, lb=label, rb=rebuild: engine_lane(b, p, lb, rb))))
+            plan.append((label, _engine_runner(pol, label, rebuild)))
         else:
-            plan.append((spec, SteppedRunner(lambda b, s=spec: run_engine(b, s), lambda b, s=spec: engine_lane(b, s))))
+            plan.append((spec, _engine_runner(spec)))
     if cfg.reference_compute and cfg.reference_compute != cfg.models.compute:
         models = replace(cfg.models, compute=cfg.reference_compute)
         n_new = cfg.reference_max_new_tokens or cfg.max_new_tokens
         warm = cfg.warmup
         plan.append((f"target-only ({cfg.reference_compute})", lambda b: run_reference(b, models, n_new, warm)))
     return plan
+
+
+def _engine_runner(spec: str | Any, label: str | None = None, rebuild: dict[str, Any] | None = None) -> SteppedRunner:
+    """An engine row's runner, whole (``run_engine``) or a round at a time (``engine_lane``), on the same arguments."""
+    return SteppedRunner(lambda b: run_engine(b, spec, label, rebuild), lambda b: engine_lane(b, spec, label, rebuild))
 
 
 PromptDone = Callable[[list[Row], int], None]

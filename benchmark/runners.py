@@ -243,8 +243,10 @@ def engine_lane(bench: Bench, spec: str | Any, label: str | None = None,
                 rebuild: dict[str, Any] | None = None) -> Lane | None:
     """The engine row on the bench's one prompt a round at a time (``benchmark.interleave``); None for a policy
     whose time is not all measured (the sampling oracle's look-ahead) or that needs target-only's output first."""
+    if len(bench.prompts) != 1:
+        return None
     row, dec = engine_row(bench, spec, label, rebuild)
-    if dec.policy.needs_target or len(bench.prompts) != 1:
+    if dec.policy.needs_target:
         return None
     ids = bench.prompts[0]
     x = torch.tensor([ids], device=bench.target.device)
