@@ -12,32 +12,34 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
-from benchmark.rows import Row
 from compute.timing import clock
 
 __all__ = ["Lane", "interleave"]
 
+R = TypeVar("R")
+
 
 @dataclass
-class Lane:
+class Lane(Generic[R]):
     """One row's decode of a prompt: ``steps`` yields its new tokens so far after each step and returns its result;
-    ``finish(result, seconds)`` makes the row from the result and the steps' summed seconds."""
+    ``finish(result, seconds)`` makes the row (the benchmark's ``Row``, a vLLM unit's run) from the result and the
+    steps' summed seconds."""
 
     name: str
     steps: Generator[int, None, Any]
-    finish: Callable[[Any, float], Row]
+    finish: Callable[[Any, float], R]
 
 
-def interleave(lanes: list[Lane], device: torch.device) -> dict[str, Row]:
+def interleave(lanes: list[Lane[R]], device: torch.device | str) -> dict[str, R]:
     """Every lane to its end, always stepping the one with the fewest new tokens so far (the first in ``lanes`` on a
     tie); each step timed alone, each row's seconds its own steps' sum."""
     seconds = {lane.name: 0.0 for lane in lanes}
     tokens = {lane.name: -1 for lane in lanes}
-    rows: dict[str, Row] = {}
+    rows: dict[str, R] = {}
     live = list(lanes)
     while live:
         lane = min(live, key=lambda x: tokens[x.name])

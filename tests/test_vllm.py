@@ -551,6 +551,56 @@ def test_every_row_runs_each_unit_between_two_runs_of_the_target_alone(monkeypat
     assert paired[1].seconds == pytest.approx([2.0 * 2.0 / 4.0, 9.0 * 8.0 / 18.0])  # as if at the target's own pace
 
 
+def test_interleaved_rows_step_beside_the_target_alone_and_take_its_seconds_there(monkeypatch) -> None:
+    """With ``interleave``, each row runs each unit together with the target alone, their engine steps in turns (the
+    one with fewer new tokens next); the row's seconds are its own steps' and its pace reference the target alone's
+    steps of the same interleave; the target's second row still runs after its first in its own engine."""
+    import benchmark.interleave as il
+    import runtimes.vllm.bench as vb
+    from runtimes.vllm.engine import EngineSpec
+
+    with pytest.raises(ValueError, match="following_policies"):
+        VllmBenchConfig(interleave=True, following_policies=["goodput:x"])
+    clock = Clock()
+    monkeypatch.setattr(il, "clock", lambda device: clock())
+    monkeypatch.setattr(vb, "_load", lambda spec: f"engine k={spec.k}")
+    monkeypatch.setattr(vb, "StepClock", lambda llm: "clock")
+    monkeypatch.setattr(vb, "release", lambda llm: None)
+    monkeypatch.setattr(vb, "generate", lambda llm, prompts, n: None)
+    monkeypatch.setattr(vb.vllm_proposer, "install", lambda s: None)
+    monkeypatch.setattr(vb.vllm_proposer, "uninstall", lambda: None)
+    monkeypatch.setattr(vb.vllm_proposer, "active", lambda: None)
+    steps: list[str] = []
+
+    def unit_steps(llm, clock_, prop, prompts, max_new, batch=None, stepped=True):  # noqa: ANN001, ANN202
+        per_step, took = (1, 0.5) if llm == "engine k=0" else (2, 1.0)  # the target a token a step; the row two
+        for done in range(per_step, 5, per_step):
+            steps.append(llm)
+            clock.t += took
+            yield done
+        return [[1] * 4 for _ in prompts], 99.0, [], {}, [], (0, 0), {}
+
+    def run_unit(llm, clock_, prop, prompts, max_new, batch=None):  # noqa: ANN001, ANN202
+        steps.append(f"{llm} whole")
+        return [[1] * 4 for _ in prompts], 3.0, [], {}, [], (0, 0), {}
+
+    monkeypatch.setattr(vb, "unit_steps", unit_steps)
+    monkeypatch.setattr(vb, "run_unit", run_unit)
+    cfg = VllmBenchConfig(batch_sizes=[1], n_prompts=1, interleave=True)
+    settings = lambda spec, batch_rule, **kw: PolicySettings(spec=spec, batch_rule=batch_rule, **kw)  # noqa: E731
+    target = EngineSpec(target="T")
+    ref = vb.Reference(target)
+    alone = vb.run_engine(vb.EngineRows(target, [vb.RowRole("target"), vb.RowRole("target", again=True)]),
+                          {1: [[[1]]]}, cfg, settings, ref)
+    assert steps == ["engine k=0 whole"] * 2 and alone[1].beside == [3.0]  # one engine: one run after the other
+    steps.clear()
+    (row,) = vb.run_engine(vb.EngineRows(EngineSpec(target="T", draft="D", k=3), [vb.RowRole("static", k=3)]),
+                           {1: [[[1]]]}, cfg, settings, ref)
+    t, k = "engine k=0", "engine k=3"
+    assert steps == [k, t, t, k, t, t]  # fewest tokens next, the row first on a tie
+    assert row.seconds == [2.0] and row.beside == [2.0]  # each its own steps: 2 x 1.0 s and 4 x 0.5 s
+
+
 class Clock:
     """A stand-in for ``time.perf_counter`` that moves only when a test moves it."""
 

@@ -22,7 +22,9 @@ stays loaded for the whole run and runs each unit (a prompt at batch 1, a group 
 after each of every other engine's rows on it: each row's time on a unit is paired with the mean of the target
 alone's two runs of the same unit that bracket it, seconds apart (``RowRun.beside``), so that a slow phase of the
 host (on a shared 2-core machine the same step's time moves by a third within minutes) scales both and cancels in
-their ratio (``runtimes.vllm.bench_report.paired_rows``). The rows of one engine (the policies in specstop's
+their ratio (``runtimes.vllm.bench_report.paired_rows``). With ``interleave`` the pairing is closer still: the row
+and the target alone run the unit together, their engine steps in turns (``run_beside``), so that both meet the same
+seconds of the host. The rows of one engine (the policies in specstop's
 proposer) take turns on each unit, one run of the target alone between two rows. The target alone runs every unit
 twice in its own engine, its two rows paired the same way: their ratio is the run's noise floor. With ``repeats`` >
 1 the engines run again in reverse order and each unit's faster run is kept. Each output is checked against
@@ -37,20 +39,30 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from benchmark.config import HarnessConfig
+from benchmark.interleave import Lane, interleave
 from data_gen.config import ModelsConfig
 from data_gen.progress import Heartbeat
 from runtimes.vllm import proposer as vllm_proposer
-from runtimes.vllm.engine import EngineSpec, StepClock, StepLog, build_engine, generate, release, spec_counters
+from runtimes.vllm.engine import (
+    EngineSpec,
+    StepClock,
+    StepLog,
+    build_engine,
+    generate,
+    generate_steps,
+    release,
+    spec_counters,
+)
 
 log = logging.getLogger("pipelines.vllm_bench")
 
-__all__ = ["VllmBenchConfig", "EngineRows", "Reference", "RowRole", "RowRun", "run_engine", "run_unit",
-           "row_from_dict", "merge_passes", "TARGET_ALONE"]
+__all__ = ["VllmBenchConfig", "EngineRows", "Reference", "RowRole", "RowRun", "run_engine", "run_unit", "unit_steps",
+           "run_beside", "drain", "row_from_dict", "merge_passes", "TARGET_ALONE"]
 
 TARGET_ALONE = "vLLM target alone"
 
@@ -184,6 +196,13 @@ class VllmBenchConfig(HarnessConfig):
     """Batch sizes of the curve measured at the start."""
     kv_cache_gb: int = 2
     """vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE on the CPU, a whole number)."""
+    interleave: bool = False
+    """Each row of an engine runs each unit together with the target alone's run of it, their engine steps in turns
+    (the one with fewer new tokens next, each step timed alone: ``benchmark.interleave``), so that a slow phase of
+    the host falls on both alike; the row's seconds are its own steps' and the target alone's beside it those of the
+    same interleave. false: the target alone runs the unit before the first row and after each (the mean of the two
+    around a row is its pace). The target alone's own second row runs after its first either way (one engine cannot
+    step beside itself)."""
     queue_groups: int = 1
     """At a batch size B > 1, a unit is a stream of ``queue_groups`` x B prompts admitted from a queue, at most B in
     flight and the next as one finishes (a server at max concurrency B); 1: a closed group of B prompts sent
@@ -210,6 +229,10 @@ class VllmBenchConfig(HarnessConfig):
         if not all(1 <= k <= self.policy_k for k in self.engine_vllm_k):
             raise ValueError(f"--engine_vllm_k {self.engine_vllm_k}: each K from 1 to policy_k ({self.policy_k}), "
                              "the cap of the policies' engine")
+        if self.interleave and self.following_policies:
+            raise ValueError(f"--following_policies {self.following_policies} with interleave: a following policy "
+                             "times a verification from its proposal to its next round, which the other engine's "
+                             "steps would fill; set interleave false or following_policies []")
         if self.acceptance_prompts < 0:
             raise ValueError(f"--acceptance_prompts {self.acceptance_prompts}: give 0 (tune on recommend_data) or more")
         if self.acceptance_prompts and self.acceptance_split == self.split:
@@ -385,11 +408,21 @@ def run_unit(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]]
              batch: int | None = None) -> UnitRun:
     """Run one unit's prompts (together, or a stream at most ``batch`` in flight when it holds more) and collect
     what its row keeps."""
+    return drain(unit_steps(llm, clock, proposer, prompts, max_new, batch, stepped=False))
+
+
+def unit_steps(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]], max_new: int,
+               batch: int | None = None, stepped: bool = True) -> Generator[int, None, UnitRun]:
+    """:func:`run_unit` as a generator: with ``stepped``, yields the unit's new tokens after each engine step (so
+    that another engine's unit can step in between, ``benchmark.interleave``); without, runs it whole."""
     before, judged = spec_counters(llm), _positions(proposer)
     n_rounds = len(proposer.stopper.counts.steps) if proposer is not None else 0
     idle0 = (proposer.stopper.counts.idle_rows, proposer.stopper.counts.draft_steps) if proposer is not None else (0, 0)
     clock.take()
-    outs, wall = generate(llm, prompts, max_new, batch)
+    if stepped:
+        outs, wall = yield from generate_steps(llm, prompts, max_new, batch)
+    else:
+        outs, wall = generate(llm, prompts, max_new, batch)
     after = spec_counters(llm)
     rounds, idle = [], (0, 0)
     if proposer is not None:
@@ -400,6 +433,31 @@ def run_unit(llm: Any, clock: StepClock, proposer: Any, prompts: list[list[int]]
     positions = {j: [x - y for x, y in zip(cell, judged.get(j, [0.0] * 3))] for j, cell in now.items()}
     return (outs, wall, clock.take(), {k: after[k] - before[k] for k in after}, rounds, idle,
             {j: cell for j, cell in positions.items() if cell[0]})
+
+
+def drain(steps: Generator[Any, None, Any]) -> Any:
+    """Run a generator to its end and return its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
+def run_beside(row: tuple[Any, StepClock, Any], ref: tuple[Any, StepClock], prompts: list[list[int]], max_new: int,
+               batch: int, device: Any) -> tuple[UnitRun, float]:
+    """One unit run by a row's engine and by the target alone's together, their steps in turns (the one with fewer
+    new tokens next, each step timed alone: ``benchmark.interleave``): the row's run, its seconds the sum of its own
+    steps, and the target alone's seconds on the unit, measured in the same seconds of the host."""
+    lanes = [Lane("row", unit_steps(*row, prompts, max_new, batch), _timed),
+             Lane("target alone", unit_steps(*ref, None, prompts, max_new, batch), _timed)]
+    got = interleave(lanes, device)
+    return got["row"], got["target alone"][1]
+
+
+def _timed(run: UnitRun, seconds: float) -> UnitRun:
+    """A unit's run with its seconds those of its own steps (an interleaved run's wall holds the other's too)."""
+    return (run[0], seconds, *run[2:])
 
 
 @dataclass
@@ -482,23 +540,31 @@ def _batch_rows(group: EngineRows, batch: int, batch_units: list[list[list[int]]
     for u, prompts in enumerate(batch_units):
         turn = rows[u % len(rows):] + rows[:u % len(rows)]  # each row first on some units
         runs: dict[str, UnitRun] = {}
-        marks = [run_unit(*ref, None, prompts, cfg.max_new_tokens, batch)[1]] if ref is not None else []
+        stepped = cfg.interleave and ref is not None
+        marks = [run_unit(*ref, None, prompts, cfg.max_new_tokens, batch)[1]] if ref is not None and not stepped else []
+        besides: list[float] = []
         for row in turn:
             if proposer is not None:
                 proposer.set_policy(settings_of(row.role.proposer_spec,
                                                 group.batch_rule and not row.role.per_request,
                                                 follow=row.role.following))
-            runs[row.name] = run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens, batch)
-            if ref is not None:  # the target alone after each row: the next row's run before too
+            if stepped:  # the row and the target alone on the unit together, a step at a time
+                runs[row.name], alone = run_beside((llm, clock, proposer), ref, prompts, cfg.max_new_tokens, batch,
+                                                   cfg.models.device)
+                besides.append(alone)
+            else:
+                runs[row.name] = run_unit(llm, clock, proposer, prompts, cfg.max_new_tokens, batch)
+            if ref is not None and not stepped:  # the target alone after each row: the next row's run before too
                 marks.append(run_unit(*ref, None, prompts, cfg.max_new_tokens, batch)[1])
             beat.update((beat.done or 0) + 1, note=f"{row.name} at batch {batch}")
         for i, row in enumerate(turn):
             first = own and row.role.again  # the target's second row is paired with its first
-            beside = (marks[i] + marks[i + 1]) / 2 if ref is not None else None
+            beside = besides[i] if stepped else (marks[i] + marks[i + 1]) / 2 if ref is not None else None
             row.add_unit(runs[row.name], runs[rows[0].name][1] if first else beside)
     for row in rows:
         log.info("%s at batch %d: %.2f tokens/s", row.name, batch, row.tokens_per_s)
-    if getattr(proposer, "stopper", None) is not None:  # what the batch rule priced steps at
+    if getattr(proposer, "stopper", None) is not None and not cfg.interleave:  # interleaved, the other engine's
+        # steps fall between a proposal and its next round, where the met verification is timed
         log.info("steps met at batch %d: draft forwards %.2fx and verifications %.2fx vLLM's curve", batch,
                  *proposer.stopper.met.levels(batch))
     return rows

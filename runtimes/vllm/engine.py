@@ -23,16 +23,19 @@ Usage::
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import itertools
 import os
 import sys
 import time
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = ["EngineSpec", "StepClock", "StepLog", "prepare_env", "reexec_with_iomp", "build_engine", "generate",
-           "hf_folder", "spec_counters", "spec_positions", "release"]
+           "generate_steps", "admitting", "hf_folder", "spec_counters", "spec_positions", "release"]
 
 
 def prepare_env(kv_cache_gb: int, threads: int | None = None, device: str = "cpu") -> None:
@@ -172,21 +175,61 @@ def generate(llm: Any, prompts: list[list[int]], max_new_tokens: int, max_runnin
     """Greedy outputs (token ids) of ``prompts`` and the wall seconds: decoded together (one batch), or with
     ``max_running`` below their number as a queue, at most that many in flight and the next admitted as one finishes
     (vLLM's scheduler admits waiting requests FCFS; its cap is set for the call and restored)."""
+    with admitting(llm, max_running, len(prompts)):
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(max_new_tokens), use_tqdm=False)
+        wall = time.perf_counter() - t0
+    return [list(o.outputs[0].token_ids) for o in outs], wall
+
+
+def generate_steps(llm: Any, prompts: list[list[int]], max_new_tokens: int, max_running: int | None = None,
+                   ) -> Generator[int, None, tuple[list[list[int]], float]]:
+    """:func:`generate` an engine step at a time, so that other engines can step in between (a benchmark's rows
+    side by side): yields the new tokens emitted so far after each step; returns the outputs and the seconds from
+    the first request to the last step (whatever ran in between included)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    params = _greedy(max_new_tokens, output_kind=RequestOutputKind.DELTA)  # each step's new tokens
+    ids = [f"specstop-{next(_REQUEST_IDS)}" for _ in prompts]
+    outs: dict[str, list[int]] = {rid: [] for rid in ids}
+    emitted = 0
+    with admitting(llm, max_running, len(prompts)):
+        t0 = time.perf_counter()
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, {"prompt_token_ids": p}, params)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                new = list(o.outputs[0].token_ids)
+                outs[o.request_id] += new
+                emitted += len(new)
+            yield emitted
+        wall = time.perf_counter() - t0
+    return [outs[rid] for rid in ids], wall
+
+
+_REQUEST_IDS = itertools.count()
+
+
+def _greedy(max_new_tokens: int, **kwargs: Any) -> Any:
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=False, seed=0)
-    scheduler = _scheduler(llm) if max_running and len(prompts) > max_running else None
+    return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=False, seed=0, **kwargs)
+
+
+@contextlib.contextmanager
+def admitting(llm: Any, max_running: int | None, n_requests: int) -> Iterator[None]:
+    """Within it, vLLM's scheduler admits at most ``max_running`` requests at a time when ``n_requests`` exceed it
+    (a queue; the cap restored after); otherwise nothing changes."""
+    scheduler = _scheduler(llm) if max_running and n_requests > max_running else None
     cap = scheduler.max_num_active_reqs if scheduler is not None else None
     if scheduler is not None:
         scheduler.max_num_active_reqs = min(max_running, scheduler.max_num_running_reqs)
     try:
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        wall = time.perf_counter() - t0
+        yield
     finally:
         if scheduler is not None:
             scheduler.max_num_active_reqs = cap
-    return [list(o.outputs[0].token_ids) for o in outs], wall
 
 
 def _scheduler(llm: Any) -> Any:

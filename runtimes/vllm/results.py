@@ -82,6 +82,7 @@ def summarize_vllm_benchmark(out_dir: str | Path, command: str, config_name: str
         "rows": [{k: r[k] for k in VLLM_ROW_FIELDS if k in r} for r in bench["table"]],
         "goals": bench.get("goals"), "picks": bench.get("picks"), "recommendation": bench.get("recommendation"),
         "curves": curves, **({"queue_groups": config["queue_groups"]} if config.get("queue_groups", 1) > 1 else {}),
+        **({"interleave": True} if config.get("interleave") else {}),
     }
 
 
@@ -297,7 +298,13 @@ def vllm_section(s: Summary) -> str:
         parts += [f"Served from a queue: at B concurrent requests a unit is a stream of {q} x B prompts, at most B in "
                   "flight and the next admitted as one finishes (a server at max concurrency B); \"group in flight\" "
                   "counts its steps that ran B requests, its tail and admissions left out.", ""]
-    if _paired(s):
+    if _paired(s) and d.get("interleave"):
+        parts += ["Interleaved: each row ran each unit (a prompt, or a group of B prompts) together with the target "
+                  "alone, their engine steps in turns (the one with fewer new tokens next), each step timed alone; "
+                  "tokens/s (paired) scales each unit's time by the target alone's own row over its steps beside the "
+                  "row, so each ratio is measured in the same seconds of the host; the target alone's second row ran "
+                  "after its first in its engine (one engine cannot step beside itself).", ""]
+    elif _paired(s):
         parts += ["Paired: the target alone ran each unit (a prompt, or a group of B prompts) right before an "
                   "engine's first row ran it and right after each row; tokens/s (paired) scales each unit's time by "
                   "the target alone's own row over the mean of its two runs around the row, so each ratio is measured "
