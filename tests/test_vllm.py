@@ -887,6 +887,42 @@ def test_the_policies_engine_is_priced_at_the_target_alones_pace_without_its_own
     assert beside[1].seconds == [1.0] and beside[2].seconds == [1.1]
 
 
+def test_a_stepped_generation_gathers_each_steps_new_tokens_and_yields_between_steps(monkeypatch) -> None:
+    """``generate_steps`` adds the unit's requests, steps the engine until none is unfinished, yields the new tokens
+    emitted so far after each step (another engine can step in between) and returns each prompt's output in order,
+    with the queue's admission cap held only while it runs."""
+    import sys
+    from types import SimpleNamespace
+
+    from runtimes.vllm.bench import drain
+    from runtimes.vllm.engine import generate_steps
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: kw))
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params",
+                        SimpleNamespace(RequestOutputKind=SimpleNamespace(DELTA="delta")))
+    scheduler = SimpleNamespace(max_num_active_reqs=8, max_num_running_reqs=8)
+    added: list[tuple[str, dict]] = []
+    caps: list[int] = []
+
+    def out(i: int, tokens: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(request_id=added[i][0], outputs=[SimpleNamespace(token_ids=tokens)])
+
+    script = [lambda: [out(0, [1, 2]), out(1, [9])], lambda: [out(0, [3]), out(2, [5])]]
+
+    def step() -> list:
+        caps.append(scheduler.max_num_active_reqs)
+        return script.pop(0)()
+
+    engine = SimpleNamespace(add_request=lambda rid, prompt, params: added.append((rid, params)), step=step,
+                             has_unfinished_requests=lambda: bool(script),
+                             engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler)))
+    steps = generate_steps(SimpleNamespace(llm_engine=engine), [[1], [2], [3]], 4, max_running=2)
+    assert next(steps) == 3 and next(steps) == 5
+    outs, _ = drain(steps)
+    assert outs == [[1, 2, 3], [9], [5]] and caps == [2, 2] and scheduler.max_num_active_reqs == 8
+    assert all(params["output_kind"] == "delta" and params["max_tokens"] == 4 for _, params in added)
+
+
 def test_a_queue_caps_vllms_admissions_for_the_call_and_restores_them(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
     from types import SimpleNamespace
