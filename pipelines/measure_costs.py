@@ -69,7 +69,8 @@ class MeasureCostsConfig:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     """runtime vllm: the batch sizes (concurrent requests) whose curve is timed."""
     repeats: int = 5
-    """Timing repeats per length; the minimum is kept."""
+    """Timing repeats per length; the minimum is kept (runtime vllm: max(repeats, 8) + 4 cycles of every drafting
+    length, the median of each figure)."""
     prompt_len: int = 128
     """Cached prefix length (random tokens)."""
     runtime: str = "specstop"
@@ -147,7 +148,7 @@ def measure_vllm(cfg: MeasureCostsConfig) -> CostModel:
     target, draft = hf_folder(m.target, m.cache_dir), hf_folder(m.draft, m.cache_dir)
     cm = measure_vllm_curve(VllmCurveSettings(
         target=target, draft=draft, batches=tuple(cfg.batch_sizes), max_length=cfg.max_length,
-        steps=max(cfg.repeats, 8) + 4, prompt_len=cfg.prompt_len, device=m.device, target_name=m.target,
+        cycles=max(cfg.repeats, 8) + 4, prompt_len=cfg.prompt_len, device=m.device, target_name=m.target,
         draft_name=m.draft))
     if cfg.data_dir and cfg.acceptance_prompts:
         data = read_data_config(cfg.data_dir)["data"]

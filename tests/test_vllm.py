@@ -411,20 +411,33 @@ def test_a_differing_output_is_found_at_its_first_difference_against_its_batchs_
                                 "differing_reference_top1_share": 0.5}
 
 
-def test_the_curve_takes_each_batch_sizes_figures_from_its_fastest_round(monkeypatch) -> None:
-    import runtimes.vllm.curve as vc
+def test_the_curve_cycles_every_drafting_length_and_ends_each_cycle_with_a_skipped_step() -> None:
+    from runtimes.vllm.curve import schedule
 
-    # batch 1: round 2 sums least (0.390 against 0.395) though round 1 has the faster L = 2 split and skipped step;
-    # batch 4: round 1 is the faster one
-    alone = iter([{1: 0.08, 4: 0.10}, {1: 0.06, 4: 0.20}])
-    spec = iter([{1: ({2: 0.03, 3: 0.03}, {2: 0.07, 3: 0.09}, 0.065), 4: ({2: 0.04}, {2: 0.15}, 0.11)},
-                 {1: ({2: 0.02, 3: 0.04}, {2: 0.09, 3: 0.07}, 0.07), 4: ({2: 0.03}, {2: 0.12}, 0.10)}])
-    monkeypatch.setattr(vc, "_target_only", lambda s: next(alone))
-    monkeypatch.setattr(vc, "_speculative", lambda s: next(spec))
-    got_alone, got_spec = vc._fastest_rounds(vc.VllmCurveSettings(target="T", draft="D", batches=(1, 4), rounds=2))
-    assert got_alone == {1: 0.06, 4: 0.10}
-    assert got_spec[1] == (pytest.approx(0.03), {2: 0.09, 3: 0.07}, 0.07)  # every figure from round 2
-    assert got_spec[4] == (pytest.approx(0.04), {2: 0.15}, 0.11)  # every figure from round 1
+    ks = schedule(3, 4, seed=1)
+    assert len(ks) == 4 * 5
+    for c in range(4):
+        cycle = ks[c * 5:(c + 1) * 5]
+        assert sorted(cycle[:3]) == [1, 2, 3] and cycle[3:] == [0, 0]
+    assert schedule(3, 4, seed=1) == ks
+
+
+def test_the_curve_prices_each_step_by_what_it_verified_and_drafted() -> None:
+    from runtimes.vllm.curve import CurveStep, curve_figures
+
+    # draft 10 ms a token; target side 100 ms + 5 ms a verified token beyond the first; a step verifies the drafts
+    # proposed the step before. A skipped step (0 then 0) runs 98 ms; the catch-up step after it drafts 40 ms more.
+    def step(before: int, k: int, draft: float = 0.01) -> CurveStep:
+        return CurveStep(before, k, 0.1 + 0.005 * before + k * draft, k * draft)
+
+    steps = [step(3, 1), step(1, 3), step(3, 2), step(2, 0), CurveStep(0, 0, 0.098, 0.0),
+             CurveStep(0, 2, 0.1 + 0.06, 0.06), step(2, 1, draft=0.012)]
+    alone, draft, target, skip = curve_figures([0.09, 0.095, 0.2], steps)
+    assert alone == 0.095 and skip == 0.098
+    assert draft == pytest.approx(0.01)  # the catch-up step left out
+    assert target == pytest.approx({2: 0.105, 3: 0.11, 4: 0.115})  # 2: the steps after 1 draft (both 105 ms)
+    with pytest.raises(ValueError, match="skipped steps"):
+        curve_figures([0.09], steps[:3])
 
 
 def test_only_the_plugin_engine_builds_specstops_proposer(monkeypatch) -> None:

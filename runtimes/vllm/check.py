@@ -7,7 +7,7 @@ policies' engine are priced at the levels of the static Ks run in that engine (`
 seconds apart from them); every other row, and a batch size without such rows, at the levels of vLLM's own fixed rows
 (the target alone, vLLM's K), whose engines run at another pace, each unit of vLLM's own engines (and of the
 policies' engine where it borrows their levels) at the target alone's pace beside it (:func:`at_reference_pace`).
-A curve keeps its fastest round, timed apart from the rows; on a host whose speed moves by a third the rows then run
+A curve is timed apart from the rows; on a host whose speed moves by a third the rows then run
 1.1-1.5x slower than it says, and not by one factor: with two engines loaded the target's steps slowed more than the
 draft's. The policy rows are priced by those levels, never fitted to themselves.
 

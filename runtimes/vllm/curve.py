@@ -1,12 +1,16 @@
 """vLLM's own verification curve on this machine, per batch size, and the acceptance vLLM's draft meets on validation
 prompts.
 
-The target alone gives ``target_s[1]`` at batch B; the pair with specstop's proposer running ``static:k`` splits each
-step into the draft's forwards and the rest (``target_s[k + 1]``, vLLM's overheads inside), and at ``static:0`` times
-a step that drafts nothing and skips the draft's forward (``extra["skip_s"]``: what the batch rule's "draft nothing"
-costs in that engine, its speculative overheads inside). The two engines are timed in turn over ``rounds`` and each
-batch size keeps every figure of its fastest round (all from one round, since a shared host's step time moves by a
-third within minutes: docs/vllm.md). Prompts are random ids: decode cost depends on the cached length, not the text.
+Two engines run side by side, the target alone and the pair with specstop's proposer, and their decode steps are
+taken in turns, one of each: the target alone's step gives ``target_s[1]`` at batch B. The pair's proposer drafts
+``k`` tokens a request at each step, ``k`` cycling through a shuffled 1 .. max_length - 1 and then two steps of 0 per
+cycle, so that every figure is timed over the same minutes of the host (a shared host's step time moves by a third
+within minutes: figures timed one after another would mix a fast phase with a slow one in the ratios the batch rule
+weighs). vLLM verifies at a step what the proposer drafted at the step before, so a step splits into the draft's
+forwards (``k`` now, timed inside the proposer) and the rest, ``target_s[k_before + 1]`` (vLLM's overheads inside); a
+step after a 0 that drafts 0 again skips the draft's forward altogether (``extra["skip_s"]``: what the batch rule's
+"draft nothing" costs in that engine). Each figure is the median of its ``cycles`` steps. Prompts are random ids:
+decode cost depends on the cached length, not the text.
 
 Usage: .venv-vllm/bin/python -m pipelines.measure_costs --runtime vllm --data_dir outputs/default/data
 """
@@ -17,9 +21,9 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from compute.cpu import cpu_model
 from compute.timing import BATCH_CURVES, SKIP_STEP, CostModel, lower_envelope
@@ -28,7 +32,8 @@ from runtimes.vllm.proposer import PolicySettings, active, install, uninstall
 
 log = logging.getLogger("pipelines.measure_costs")
 
-__all__ = ["VllmCurveSettings", "measure_vllm_curve", "measure_vllm_acceptance", "time_steps"]
+__all__ = ["VllmCurveSettings", "CurveStep", "curve_figures", "schedule", "measure_vllm_curve",
+           "measure_vllm_acceptance"]
 
 
 @dataclass(frozen=True)
@@ -40,14 +45,55 @@ class VllmCurveSettings:
     batches: tuple[int, ...] = (1, 2, 4, 8)
     max_length: int = 9
     """Verification lengths L = 1 .. max_length (k = L - 1 drafts a request)."""
-    steps: int = 12
-    """Decode steps timed per (batch, k) a round; the median is kept."""
-    rounds: int = 2
-    """Times each engine is loaded and timed in turn; each batch size keeps its fastest round's figures."""
+    cycles: int = 12
+    """Cycles of drafting lengths per batch size: every figure is the median of this many steps."""
     prompt_len: int = 128
     device: str = "cpu"
     target_name: str = ""
     draft_name: str = ""
+    seed: int = 0
+
+
+class CurveStep(NamedTuple):
+    """One timed decode step of the pair: drafts a request verified (proposed the step before), drafts a request
+    proposed now, wall seconds, the draft's seconds inside."""
+
+    verified: int
+    drafted: int
+    wall_s: float
+    draft_s: float
+
+
+Figures = tuple[float, float, dict[int, float], float]
+"""At one batch size: the target alone's step, the draft's seconds a token, {L: target-side seconds}, skipped step."""
+
+
+def schedule(max_k: int, cycles: int, seed: int = 0) -> list[int]:
+    """Drafts a request at each timed step: per cycle a shuffled 1 .. ``max_k``, then 0, 0 (the second 0 verifies
+    one token a request and skips the draft's forward)."""
+    rng = random.Random(seed)
+    out: list[int] = []
+    for _ in range(cycles):
+        ks = list(range(1, max_k + 1))
+        rng.shuffle(ks)
+        out += [*ks, 0, 0]
+    return out
+
+
+def curve_figures(alone: list[float], steps: list[CurveStep]) -> Figures:
+    """Medians over the interleaved steps: the target alone's step; the draft's seconds a token (steps that drafted
+    and did not catch up skipped tokens); the target side (wall less the draft's forwards) by the length verified;
+    the step that verified one token a request and ran no draft forward."""
+    draft = [s.draft_s / s.drafted for s in steps if s.drafted and s.verified]
+    target: dict[int, list[float]] = defaultdict(list)
+    for s in steps:
+        if s.verified:
+            target[s.verified + 1].append(max(s.wall_s - s.draft_s, 1e-6))
+    skip = [s.wall_s for s in steps if not s.verified and not s.drafted]
+    if not (alone and draft and skip):
+        raise ValueError("the curve needs target-alone steps, drafting steps and skipped steps")
+    return (statistics.median(alone), statistics.median(draft),
+            {n: statistics.median(v) for n, v in sorted(target.items())}, statistics.median(skip))
 
 
 def _add(engine: Any, n: int, prompt_len: int, tag: str) -> list[str]:
@@ -61,10 +107,8 @@ def _add(engine: Any, n: int, prompt_len: int, tag: str) -> list[str]:
     return ids
 
 
-def time_steps(llm: Any, clock: StepClock, batch: int, steps: int, prompt_len: int, tag: str,
-               on_step: Callable[[], float] | None = None) -> tuple[float, float]:
-    """Median seconds of ``steps`` decode steps of ``batch`` requests, and the median of ``on_step()`` (the draft's
-    seconds) per step, after prefill and two warm-up steps."""
+def _to_decode(llm: Any, clock: StepClock, batch: int, prompt_len: int, tag: str) -> list[str]:
+    """``batch`` requests added to ``llm`` and stepped past their prefill and two warm-up steps."""
     engine = llm.llm_engine
     ids = _add(engine, batch, prompt_len, tag)
     clock.take()
@@ -72,110 +116,79 @@ def time_steps(llm: Any, clock: StepClock, batch: int, steps: int, prompt_len: i
         engine.step()
     for _ in range(2):
         engine.step()
-    walls, extras = [], []
-    for _ in range(steps):
-        before = on_step() if on_step else 0.0
-        t0 = time.perf_counter()
-        engine.step()
-        walls.append(time.perf_counter() - t0)
-        extras.append((on_step() - before) if on_step else 0.0)
+    return ids
+
+
+def _drop(llm: Any, ids: list[str]) -> None:
+    engine = llm.llm_engine
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(walls), statistics.median(extras)
 
 
-def _target_only(s: VllmCurveSettings) -> dict[int, float]:
-    llm = build_engine(EngineSpec(target=s.target, max_num_seqs=max(s.batches), device=s.device))
-    clock = StepClock(llm)
-    out = {}
+def _timed(llm: Any) -> float:
+    t0 = time.perf_counter()
+    llm.llm_engine.step()
+    return time.perf_counter() - t0
+
+
+def _batch_figures(alone: tuple[Any, StepClock], pair: tuple[Any, StepClock], proposer: Any, batch: int,
+                   s: VllmCurveSettings) -> Figures:
+    """One batch size: both engines' decode steps in turns over the drafting schedule (:func:`schedule`)."""
+    max_k = s.max_length - 1
+    proposer.set_policy(PolicySettings(spec=f"static:{max_k}", max_draft_len=max_k))
+    ids = (_to_decode(*alone, batch, s.prompt_len, f"t{batch}"), _to_decode(*pair, batch, s.prompt_len, f"s{batch}"))
+    before, alone_s, steps = max_k, [], []
+    for k in schedule(max_k, s.cycles, s.seed + batch):
+        proposer.set_policy(PolicySettings(spec=f"static:{k}", max_draft_len=max_k))
+        alone_s.append(_timed(alone[0]))
+        d0 = proposer.draft_s
+        wall = _timed(pair[0])
+        steps.append(CurveStep(before, k, wall, proposer.draft_s - d0))
+        before = k
+    _drop(alone[0], ids[0])
+    _drop(pair[0], ids[1])
+    return curve_figures(alone_s, steps)
+
+
+def _measure(s: VllmCurveSettings) -> dict[int, Figures]:
+    """Per batch size, the figures of both engines stepped in turns."""
+    max_k = s.max_length - 1
+    alone = build_engine(EngineSpec(target=s.target, max_num_seqs=max(s.batches), device=s.device))
+    install(PolicySettings(spec="static:1", max_draft_len=max_k))
+    pair = build_engine(EngineSpec(target=s.target, draft=s.draft, k=max_k, max_num_seqs=max(s.batches),
+                                   device=s.device))
+    engines, proposer = ((alone, StepClock(alone)), (pair, StepClock(pair))), active()
+    out: dict[int, Figures] = {}
     for b in s.batches:
-        out[b], _ = time_steps(llm, clock, b, s.steps, s.prompt_len, f"t{b}")
-        log.info("vLLM target alone, batch %d: %.1f ms a step", b, out[b] * 1e3)
-    del clock
-    release(llm)
+        out[b] = _batch_figures(*engines, proposer, b, s)
+        one, draft, target, skip = out[b]
+        log.info("vLLM curve, batch %d: target alone %.1f ms a step, draft %.1f ms a token, verification %s ms, "
+                 "skipped step %.1f ms", b, one * 1e3, draft * 1e3,
+                 " ".join(f"{n}:{t * 1e3:.0f}" for n, t in target.items()), skip * 1e3)
+    del engines, proposer
+    release(pair)
+    release(alone)
     return out
-
-
-Timed = tuple[dict[int, float], dict[int, float], float]
-"""At one batch size, as timed: {L: the draft's seconds a token}, {L: the target side's seconds}, the skipped step."""
-
-
-def _speculative(s: VllmCurveSettings) -> dict[int, Timed]:
-    """Batch -> ({L: draft seconds a token}, {L: target-side seconds of a step verifying L tokens a request}, seconds
-    of a step that drafts nothing and skips the draft's forward)."""
-    install(PolicySettings(spec="static:1", max_draft_len=s.max_length - 1))
-    llm = build_engine(EngineSpec(target=s.target, draft=s.draft, k=s.max_length - 1, max_num_seqs=max(s.batches),
-                                  device=s.device))
-    clock, proposer = StepClock(llm), active()
-    out: dict[int, Timed] = {}
-    for b in s.batches:
-        draft, target = {}, {}
-        for k in range(1, s.max_length):
-            proposer.set_policy(PolicySettings(spec=f"static:{k}", max_draft_len=s.max_length - 1))
-            wall, d = time_steps(llm, clock, b, s.steps, s.prompt_len, f"s{b}-{k}",
-                                 lambda p=proposer: p.draft_s)
-            target[k + 1] = max(wall - d, 1e-6)
-            draft[k + 1] = d / k
-            log.info("vLLM batch %d, %d drafts a request: step %.1f ms (draft %.1f ms)", b, k, wall * 1e3, d * 1e3)
-        proposer.set_policy(PolicySettings(spec="static:0", max_draft_len=s.max_length - 1))  # after the k's: a
-        skip, _ = time_steps(llm, clock, b, s.steps, s.prompt_len, f"s{b}-0")  # batch size's first steps run slower
-        log.info("vLLM batch %d, no drafts and no draft forward: step %.1f ms", b, skip * 1e3)
-        out[b] = (draft, target, skip)
-    del clock, proposer
-    release(llm)
-    return out
-
-
-Spec = tuple[float, dict[int, float], float]
-"""At one batch size: the draft's seconds a token, the target side's seconds by L, the skipped step's seconds."""
-
-Round = tuple[dict[int, float], dict[int, Timed]]
-"""One round: batch -> the target alone's step, batch -> what :func:`_speculative` timed."""
-
-
-def fastest_round(rounds: list[Round]) -> tuple[dict[int, float], dict[int, Spec]]:
-    """Per batch size, every figure from the one round whose steps sum least (the target alone's, each L's, the
-    skipped step's), so that the ratios the batch rule weighs never mix a fast host phase with a slow one."""
-    alone: dict[int, float] = {}
-    spec: dict[int, Spec] = {}
-    for b in rounds[0][1]:
-        def total(r: Round, b: int = b) -> float:
-            draft, target, skip = r[1][b]
-            return r[0][b] + skip + sum(draft[n] * (n - 1) + t for n, t in target.items())
-        best = min(rounds, key=total)
-        draft, target, skip = best[1][b]
-        alone[b] = best[0][b]
-        spec[b] = (statistics.median(draft.values()), dict(target), skip)
-    return alone, spec
-
-
-def _fastest_rounds(s: VllmCurveSettings) -> tuple[dict[int, float], dict[int, Spec]]:
-    """Both engines timed ``s.rounds`` times in turn; per batch size the figures of its fastest round."""
-    rounds: list[Round] = []
-    for r in range(s.rounds):
-        log.info("vLLM curve: round %d of %d", r + 1, s.rounds)
-        rounds.append((_target_only(s), _speculative(s)))
-    return fastest_round(rounds)
 
 
 def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
     """vLLM's curve at each batch size, batch 1's at the top level and every batch's under ``extra.batch_curves``."""
     import vllm
 
-    alone, spec = _fastest_rounds(s)
+    figures = _measure(s)
     threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
     machine = {**(cpu_model() if s.device == "cpu" else {}), "threads": threads, "vllm": vllm.__version__}
     curves = {}
     for b in s.batches:
-        draft, target, skip = spec[b]
-        raw = {1: alone[b], **target}
+        alone, draft, target, skip = figures[b]
+        raw = {1: alone, **target}
         curves[b] = CostModel(draft_s_per_token=draft, target_s=lower_envelope(raw), device=s.device,
                               dtype="bfloat16", draft_name=s.draft_name or s.draft,
                               target_name=s.target_name or s.target, prompt_len=s.prompt_len, compute_path="vllm",
                               runtime="vllm", machine=machine,
-                              notes=f"vLLM {vllm.__version__} at batch {b}: median of {s.steps} decode steps, "
-                                    f"the fastest of {s.rounds} rounds (every figure of a batch from one), "
+                              notes=f"vLLM {vllm.__version__} at batch {b}: both engines' decode steps in turns, "
+                                    f"drafting lengths cycled {s.cycles} times, the median of each figure, "
                                     "lower monotone envelope over L",
                               extra={"raw_target_s": raw, SKIP_STEP: skip})
     top = curves[min(s.batches)]

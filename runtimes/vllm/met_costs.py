@@ -2,7 +2,7 @@
 forwards and one on the target's verifications, each a running average of the steps seen (the latest ten weighing
 most).
 
-The curve keeps each figure's fastest round, timed apart from serving. On a shared host a step's price moves by a
+The curve is timed apart from serving. On a shared host a step's price moves by a
 third within minutes, and not by one factor for the draft and the target (with a second engine loaded beside it, the
 target's steps slowed more than the draft's). The batch rule weighs a draft forward against verification, so a curve
 off by different factors on the two drafts too much or too little; the stopper prices steps at the factors it meets
