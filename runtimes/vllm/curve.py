@@ -20,7 +20,6 @@ import logging
 import os
 import random
 import statistics
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -126,10 +125,10 @@ def _drop(llm: Any, ids: list[str]) -> None:
         engine.step()
 
 
-def _timed(llm: Any) -> float:
-    t0 = time.perf_counter()
+def _step(llm: Any, clock: StepClock) -> float:
+    """One engine step; its wall seconds as the engine's ``StepClock`` timed it."""
     llm.llm_engine.step()
-    return time.perf_counter() - t0
+    return clock.steps[-1].wall_s
 
 
 def _batch_figures(alone: tuple[Any, StepClock], pair: tuple[Any, StepClock], proposer: Any, batch: int,
@@ -141,9 +140,9 @@ def _batch_figures(alone: tuple[Any, StepClock], pair: tuple[Any, StepClock], pr
     before, alone_s, steps = max_k, [], []
     for k in schedule(max_k, s.cycles, s.seed + batch):
         proposer.set_policy(PolicySettings(spec=f"static:{k}", max_draft_len=max_k))
-        alone_s.append(_timed(alone[0]))
+        alone_s.append(_step(*alone))
         d0 = proposer.draft_s
-        wall = _timed(pair[0])
+        wall = _step(*pair)
         steps.append(CurveStep(before, k, wall, proposer.draft_s - d0))
         before = k
     _drop(alone[0], ids[0])
