@@ -564,6 +564,40 @@ def test_every_row_runs_each_unit_between_two_runs_of_the_target_alone(monkeypat
     assert paired[1].seconds == pytest.approx([2.0 * 2.0 / 4.0, 9.0 * 8.0 / 18.0])  # as if at the target's own pace
 
 
+def test_a_second_build_of_the_target_alone_runs_beside_the_first(monkeypatch) -> None:
+    """``second_build``: the target alone's second row gets an engine of its own (built anew though its spec is the
+    reference's) and is paired with the reference's runs around it, like any other engine's row; the noise floor's
+    name says which it was."""
+    import runtimes.vllm.bench as vb
+    from runtimes.vllm.run import _plan
+
+    groups = _plan(VllmBenchConfig(batch_sizes=[1], n_prompts=2, second_build=True), "T", "D", [])
+    first, second = groups[:2]
+    assert list(first.rows) == ["vLLM target alone"] and not first.fresh
+    assert list(second.rows.items()) == [("vLLM target alone (second build)", "second build")] and second.fresh
+    assert second.engine == first.engine and not second.roles[0].fixed
+    loads: list[str] = []
+    monkeypatch.setattr(vb, "_load", lambda spec: loads.append("built") or f"build {len(loads)}")
+    monkeypatch.setattr(vb, "StepClock", lambda llm: "clock")
+    monkeypatch.setattr(vb, "release", lambda llm: None)
+    monkeypatch.setattr(vb, "generate", lambda llm, prompts, n: None)
+    monkeypatch.setattr(vb.vllm_proposer, "uninstall", lambda: None)
+    calls: list[str] = []
+
+    def run_unit(llm, clock, prop, prompts, max_new, batch=None):  # noqa: ANN001, ANN202
+        calls.append(llm)
+        return [[1] * 4 for _ in prompts], float(len(calls)), [], {}, [], (0, 0), {}
+
+    monkeypatch.setattr(vb, "run_unit", run_unit)
+    ref = vb.Reference(first.engine)
+    settings = lambda spec, batch_rule, **kw: PolicySettings(spec=spec, batch_rule=batch_rule, **kw)  # noqa: E731
+    rows = vb.run_engine(second, {1: [[[1]]]}, VllmBenchConfig(batch_sizes=[1], n_prompts=1), settings, ref)
+    # its own engine built first, then the reference, which runs the unit before and after the row
+    assert loads == ["built", "built"] and calls == ["build 2", "build 1", "build 2"]
+    assert rows[0].beside == [2.0]  # the mean of the reference's runs around it (1 s and 3 s)
+    assert rows[0].name == "vLLM target alone (second build)"
+
+
 def test_interleaved_rows_step_beside_the_target_alone_and_take_its_seconds_there(monkeypatch) -> None:
     """With ``interleave``, each row runs each unit together with the target alone, their engine steps in turns (the
     one with fewer new tokens next); the row's seconds are its own steps' and its pace reference the target alone's

@@ -26,7 +26,9 @@ their ratio (``runtimes.vllm.bench_report.paired_rows``). With ``interleave`` th
 and the target alone run the unit together, their engine steps in turns (``run_beside``), so that both meet the same
 seconds of the host. The rows of one engine (the policies in specstop's
 proposer) take turns on each unit, one run of the target alone between two rows. The target alone runs every unit
-twice in its own engine, its two rows paired the same way: their ratio is the run's noise floor. With ``repeats`` >
+twice in its own engine, its two rows paired the same way: their ratio is the run's noise floor (with
+``second_build`` its second row runs in a second build of its engine, beside the first like any other engine's row:
+how far two builds of one engine differ on the host, which a ratio of two engines carries too). With ``repeats`` >
 1 the engines run again in reverse order and each unit's faster run is kept. Each output is checked against
 target-alone's at the same batch size. vLLM's metrics count drafts and accepted tokens; every engine step is timed
 (``runtimes.vllm.engine.StepClock``) so that ``runtimes.vllm.check`` can price the row's own steps with vLLM's curve
@@ -81,6 +83,10 @@ class RowRole:
     """The static K standing for vLLM's defaults."""
     again: bool = False
     """The target alone's second row, run beside its first on every unit (the run's noise floor)."""
+    rebuilt: bool = False
+    """With ``again``: the second row ran in a second build of the target alone's engine, stepped beside the first
+    like any other engine's row (how far two builds of one engine differ: the floor under a ratio of two engines),
+    not again in the first build."""
     per_request: bool = False
     """A policy whose requests stop by their own rule alone, not their batch's."""
     with_policies: bool = False
@@ -102,7 +108,7 @@ class RowRole:
     @property
     def name(self) -> str:
         if self.what == "target":
-            return TARGET_ALONE + (" (again)" if self.again else "")
+            return TARGET_ALONE + (" (second build)" if self.rebuilt else " (again)" if self.again else "")
         if self.what == "static" and self.in_proposer:
             return f"{'vllm' if self.own_loop else 'static'}:{self.k} (policies' engine)"
         if self.what == "static":
@@ -138,7 +144,7 @@ class RowRole:
             return self.spec
         if self.in_proposer:
             return f"{'vllm' if self.own_loop else 'static'}:{self.k}"
-        return "again" if self.again else None
+        return ("second build" if self.rebuilt else "again") if self.again else None
 
 
 @dataclass
@@ -202,7 +208,11 @@ class VllmBenchConfig(HarnessConfig):
     the host falls on both alike; the row's seconds are its own steps' and the target alone's beside it those of the
     same interleave. false: the target alone runs the unit before the first row and after each (the mean of the two
     around a row is its pace). The target alone's own second row runs after its first either way (one engine cannot
-    step beside itself)."""
+    step beside itself), unless ``second_build``."""
+    second_build: bool = False
+    """The target alone's second row runs in a second build of its engine, beside the first like any other engine's
+    row: its ratio to the first is how far two builds of one engine differ on this host (where the memory landed),
+    the floor under every ratio of two engines. false: it runs again in the first build, after the first row."""
     queue_groups: int = 1
     """At a batch size B > 1, a unit is a stream of ``queue_groups`` x B prompts admitted from a queue, at most B in
     flight and the next as one finishes (a server at max concurrency B); 1: a closed group of B prompts sent
@@ -393,6 +403,8 @@ class EngineRows:
     roles: list[RowRole]
     plugin: bool = False
     batch_rule: bool = True
+    fresh: bool = False
+    """Built anew even where its spec is the reference's (the target alone's second build)."""
 
     @property
     def rows(self) -> dict[str, str | None]:
@@ -497,7 +509,7 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
     unit, and the target alone on the same unit before the first row and after each (``reference``; the target
     alone's own group runs in that engine). ``settings_of(spec, batch_rule, **fields)`` gives the proposer's
     ``PolicySettings`` for a policy row; ``done(batch, rows)`` hears each batch size's rows as soon as they ran."""
-    own = reference is not None and group.engine == reference.spec and not group.plugin
+    own = reference is not None and group.engine == reference.spec and not group.plugin and not group.fresh
     if group.plugin:  # specstop's proposer for this engine, vLLM's own for every other speculative one
         vllm_proposer.install(settings_of(next(iter(group.rows.values())), group.batch_rule))
     else:

