@@ -10,8 +10,9 @@ Part 2 (the real model): the model loaded once per variant, a forward of L = 1, 
 ``pipelines.measure_costs``) and to the floor.
 
 Variants (``--variants``): ``specstop`` (the process's kernel ISA, ``SPECSTOP_ISA``), ``specstop-avx512`` /
-``specstop-avx2`` (that ISA's kernel), ``onednn-bf16`` (oneDNN's bf16 kernels, where it has them) and ``packed``
-(oneDNN fp32). To time an AVX2 host's options on an AVX-512 one, run with ``ATEN_CPU_CAPABILITY=avx2
+``specstop-avx2`` (that ISA's kernel), ``onednn-bf16`` (oneDNN's bf16 kernels, where it has them), ``packed``
+(oneDNN fp32) and ``vllm-onednn`` (the oneDNN GEMM vLLM's CPU build runs its linears with, ``onednn_mm``; part 1
+only, in ``.venv-vllm``). To time an AVX2 host's options on an AVX-512 one, run with ``ATEN_CPU_CAPABILITY=avx2
 ONEDNN_MAX_CPU_ISA=AVX2``.
 
 Usage:
@@ -19,10 +20,13 @@ Usage:
     python benchmarks/bench_bf16_gemm.py --model packaged:qwen2.5-coder-0.5b-instruct --skip_model
     python benchmarks/bench_bf16_gemm.py --variants specstop-avx2,specstop-avx512,packed
     python benchmarks/bench_bf16_gemm.py --skip_model --rows 256,1024,3072 --repeats 3 --copies 1  # labelling's rows
+    .venv-vllm/bin/python benchmarks/bench_bf16_gemm.py --skip_model --variants vllm-onednn,onednn-bf16 \\
+        --rows 1,2,3,4,6,8
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import time
 from collections.abc import Callable
@@ -37,7 +41,7 @@ from compute.models import ModelSpec, load_model
 from compute.packaged import ensure_packaged
 from compute.timing import crop, forward_bytes, prefill, read_bandwidth
 
-VARIANTS = ("specstop", "specstop-avx512", "specstop-avx2", "onednn-bf16", "packed")
+VARIANTS = ("specstop", "specstop-avx512", "specstop-avx2", "onednn-bf16", "packed", "vllm-onednn")
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:
@@ -73,6 +77,11 @@ def _kernel_calls(variant: str, w: torch.Tensor) -> tuple[Callable[[torch.Tensor
     if isa is not None:
         wp = bf16_gemm.pack(w, isa)
         return (lambda x: bf16_gemm.gemm(x, wp, n, which=isa)), wp.numel() * wp.element_size()
+    if variant == "vllm-onednn":  # vLLM's CPU linear: a oneDNN handler made once per weight, as its dispatch makes it
+        import vllm._custom_ops as ops
+
+        handler = ops.create_onednn_mm(w.t(), 32)
+        return (lambda x: ops.onednn_mm(handler, x, None)), w.numel() * w.element_size()
     dtype = torch.bfloat16 if variant == "onednn-bf16" else torch.float32
     wp = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
 
@@ -127,7 +136,7 @@ def _load(name: str, variant: str) -> torch.nn.Module:
 
 def forward_curve(name: str, variants: list[str], lengths: list[int], repeats: int) -> None:
     """Part 2: the real model on every variant, a forward of L new tokens over a cached prefix, beside its floor."""
-    models = {v: _load(name, v) for v in variants}
+    models = {v: _load(name, v) for v in variants if v != "vllm-onednn"}  # vLLM's GEMM runs in vLLM's engines
     bandwidth = read_bandwidth()
     floors = {v: forward_bytes(m) / bandwidth * 1e3 for v, m in models.items()}
     prefix = torch.randint(0, 1000, (1, 300))
@@ -161,6 +170,8 @@ def _variants(arg: str) -> list[str]:
             print(f"{v} left out: {bf16_gemm.unavailable_reason(isa)}")
         elif v == "onednn-bf16" and not native_bf16():
             print(f"{v} left out: oneDNN has no bf16 kernels on this CPU")
+        elif v == "vllm-onednn" and importlib.util.find_spec("vllm") is None:
+            print(f"{v} left out: vLLM is not installed here (bash scripts/setup.sh --vllm; run in .venv-vllm)")
         else:
             out.append(v)
     return out

@@ -133,7 +133,7 @@ def report(names: list[str], seconds: dict[str, list[float]], steps: dict[str, l
         ratio, draws = s.sum() / base.sum(), s[boot].sum(1) / base[boot].sum(1)
         lo, hi = np.percentile(draws, [2.5, 97.5])
         parts = {p: statistics.median(st.get(p, 0.0) for st in steps[name]) * 1e3 for p in [*PARTS, "step"]}
-        rest = parts["step"] - sum(parts[p] for p in PARTS)
+        rest = statistics.median(st["step"] - sum(st.get(p, 0.0) for p in PARTS) for st in steps[name]) * 1e3
         same = sum(a == b for a, b in zip(outputs[name], outputs[ref]))
         print(f"{name:22s} {s.sum():7.1f} s  {ratio:.3f}x [{lo:.3f}, {hi:.3f}] the first's | median ms a step: "
               + " ".join(f"{p} {v:.2f}" for p, v in parts.items()) + f" rest {rest:.2f} | outputs equal "
