@@ -40,6 +40,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -213,11 +214,19 @@ def folder_fingerprint(folder: str | Path, name: str) -> dict:
             "compute_path": "vllm"}
 
 
-def _proposer_base() -> type:
-    check_vllm()
-    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+_PATCHED = {"DraftModelProposer": "vllm.v1.spec_decode.draft_model",
+            "RejectionSampler": "vllm.v1.sample.rejection_sampler"}
+"""The vLLM classes :func:`install` subclasses (by the name the runner module imports them under) and their modules."""
 
-    return DraftModelProposer
+
+def _vllm_class(name: str) -> type:
+    """vLLM's own class ``name`` of :data:`_PATCHED` (the runner module's name may hold specstop's subclass)."""
+    check_vllm()
+    return getattr(importlib.import_module(_PATCHED[name]), name)
+
+
+def _proposer_base() -> type:
+    return _vllm_class("DraftModelProposer")
 
 
 def no_draft_sampler() -> type:
@@ -225,10 +234,7 @@ def no_draft_sampler() -> type:
     target alone's engine does (the same call, so the same tokens and log-probabilities); steps with drafts go to
     vLLM's rejection sampling unchanged. vLLM runs every step of a speculative engine through rejection sampling,
     zero drafts included: about half a millisecond a step on a 2-core CPU that a step drafting nothing need not pay."""
-    check_vllm()
-    from vllm.v1.sample.rejection_sampler import RejectionSampler
-
-    class NoDraftSampler(RejectionSampler):  # type: ignore[misc,valid-type]
+    class NoDraftSampler(_vllm_class("RejectionSampler")):  # type: ignore[misc,valid-type]
         def forward(self, metadata: Any, draft_probs: Any, logits: torch.Tensor, sampling_metadata: Any) -> Any:
             if metadata.max_spec_len == 0 and logits.shape[0] == metadata.bonus_logits_indices.shape[0]:
                 return self.sampler(logits=logits, sampling_metadata=sampling_metadata)  # one row a request
@@ -363,11 +369,10 @@ def uninstall() -> None:
     this draft K tokens for every request, as vLLM does without specstop); an engine already built keeps its own."""
     global _SETTINGS
     import vllm.v1.worker.gpu_model_runner as runner
-    from vllm.v1.sample.rejection_sampler import RejectionSampler
 
     _SETTINGS = None
     runner.DraftModelProposer = _proposer_base()
-    runner.RejectionSampler = RejectionSampler
+    runner.RejectionSampler = _vllm_class("RejectionSampler")
 
 
 def register() -> None:
