@@ -84,6 +84,15 @@ def test_batch_lengths_pick_the_confident_sequence():
     assert goodput.batch_lengths([[], []], lat) == [0, 0]
 
 
+def test_batch_lengths_send_more_where_a_longer_pass_costs_less():
+    """A pass over 4 tokens a sequence that costs less than one over 2 (vLLM's CPU GEMM): one more token alone does
+    not pay, three do, and the scan over every prefix finds them."""
+    cm = CostModel(draft_s_per_token=0.0, target_s={1: 1.0, 2: 1.3, 3: 1.3, 4: 1.0, 5: 1.6})
+    lat = lambda n: cm.round_time(n)  # noqa: E731
+    assert goodput.batch_lengths([[0.9, 0.9, 0.9]], lat) == [3]
+    assert goodput.batch_lengths([[0.9, 0.9, 0.9, 0.9]], lat) == [3]  # the fourth's pass costs more than it brings
+
+
 def test_keep_drafting_and_best_prefix_equal_their_array_forms():
     """The rule's Python-float loops give the decisions and rates of the array formulas (expected_tokens / the
     forecast by the last acceptance) on random rounds, curves and caps."""

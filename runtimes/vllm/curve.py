@@ -9,8 +9,10 @@ within minutes: figures timed one after another would mix a fast phase with a sl
 weighs). vLLM verifies at a step what the proposer drafted at the step before, so a step splits into the draft's
 forwards (``k`` now, timed inside the proposer) and the rest, ``target_s[k_before + 1]`` (vLLM's overheads inside); a
 step after a 0 that drafts 0 again skips the draft's forward altogether (``extra["skip_s"]``: what the batch rule's
-"draft nothing" costs in that engine). Each figure is the median of its ``cycles`` steps. Prompts are random ids:
-decode cost depends on the cached length, not the text.
+"draft nothing" costs in that engine). Each figure is the median of its ``cycles`` steps, kept as measured (no monotone
+envelope over L): vLLM's CPU GEMM can run a pass over more tokens faster than one over fewer (2 rows slower than 4),
+and the rules that price the curve should send the cheaper, longer pass there. Prompts are random ids: decode cost
+depends on the cached length, not the text.
 
 Usage: .venv-vllm/bin/python -m pipelines.measure_costs --runtime vllm --data_dir outputs/default/data
 """
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from compute.cpu import cpu_model
-from compute.timing import BATCH_CURVES, SKIP_STEP, CostModel, lower_envelope
+from compute.timing import BATCH_CURVES, SKIP_STEP, CostModel
 from runtimes.vllm.engine import EngineSpec, StepClock, build_engine, generate, release, spec_positions
 from runtimes.vllm.proposer import PolicySettings, active, install, uninstall
 
@@ -182,14 +184,14 @@ def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
     for b in s.batches:
         alone, draft, target, skip = figures[b]
         raw = {1: alone, **target}
-        curves[b] = CostModel(draft_s_per_token=draft, target_s=lower_envelope(raw), device=s.device,
+        curves[b] = CostModel(draft_s_per_token=draft, target_s=raw, device=s.device,
                               dtype="bfloat16", draft_name=s.draft_name or s.draft,
                               target_name=s.target_name or s.target, prompt_len=s.prompt_len, compute_path="vllm",
                               runtime="vllm", machine=machine,
                               notes=f"vLLM {vllm.__version__} at batch {b}: both engines' decode steps in turns, "
-                                    f"drafting lengths cycled {s.cycles} times, the median of each figure, "
-                                    "lower monotone envelope over L",
-                              extra={"raw_target_s": raw, SKIP_STEP: skip})
+                                    f"drafting lengths cycled {s.cycles} times, the median of each figure "
+                                    "(no envelope over L: the measured shape)",
+                              extra={SKIP_STEP: skip})
     top = curves[min(s.batches)]
     top.extra[BATCH_CURVES] = {str(b): cm.to_dict() for b, cm in curves.items()}
     return top
