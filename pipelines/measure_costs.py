@@ -38,7 +38,7 @@ from pipelines.cli import parse_config, setup_logging, user_errors
 from runtimes.llamacpp.llama import load_pair, measure_llamacpp_curve
 from runtimes.transformers.costs import measure_transformers_costs
 from runtimes.vllm.curve import VllmCurveSettings, measure_vllm_acceptance, measure_vllm_curve
-from runtimes.vllm.engine import hf_folder, prepare_env, reexec_with_iomp
+from runtimes.vllm.engine import check_dtype, hf_folder, prepare_env, reexec_with_iomp
 from runtimes.vllm.proposer import check_vllm
 from runtimes.vllm.run import prompt_ids
 from runtimes.vllm.settings import ACCEPTANCE
@@ -79,6 +79,8 @@ class MeasureCostsConfig:
     models.draft / models.target: packaged:<name> or .gguf paths; the companion is not timed) or vllm (vLLM's own
     engine steps at each of batch_sizes, on the pair's Hugging Face folders; run it with .venv-vllm/bin/python,
     installed by bash scripts/setup.sh --vllm)."""
+    vllm_dtype: str = "bfloat16"
+    """runtime vllm: vLLM's dtype for both models, bfloat16 or float32 (docs/vllm.md, "Precision")."""
     threads: int | None = None
     """runtime llamacpp: llama.cpp's threads (default: torch's thread count)."""
     acceptance_prompts: int = 8
@@ -89,6 +91,7 @@ class MeasureCostsConfig:
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime={self.runtime!r}: use one of {', '.join(RUNTIMES)}")
+        check_dtype(self.vllm_dtype)
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads={self.threads}: must be >= 1")
         if self.max_length is None:
@@ -148,15 +151,15 @@ def measure_vllm(cfg: MeasureCostsConfig) -> CostModel:
     target, draft = hf_folder(m.target, m.cache_dir), hf_folder(m.draft, m.cache_dir)
     cm = measure_vllm_curve(VllmCurveSettings(
         target=target, draft=draft, batches=tuple(cfg.batch_sizes), max_length=cfg.max_length,
-        cycles=max(cfg.repeats, 8) + 4, prompt_len=cfg.prompt_len, device=m.device, target_name=m.target,
-        draft_name=m.draft))
+        cycles=max(cfg.repeats, 8) + 4, prompt_len=cfg.prompt_len, device=m.device, dtype=cfg.vllm_dtype,
+        target_name=m.target, draft_name=m.draft))
     if cfg.data_dir and cfg.acceptance_prompts:
         data = read_data_config(cfg.data_dir)["data"]
         sources = [PromptSourceConfig(**src) for src in data["prompts"]]
         prompts, _ = prompt_ids(sources, target, "val", cfg.acceptance_prompts,
                                 use_chat_template=data.get("use_chat_template", True))
         cm.extra[ACCEPTANCE] = {**measure_vllm_acceptance(target, draft, prompts, cfg.max_length - 1,
-                                                          device=m.device), "split": "val"}
+                                                          device=m.device, dtype=cfg.vllm_dtype), "split": "val"}
     return cm
 
 

@@ -492,8 +492,22 @@ def test_a_resumed_run_refuses_a_curve_of_another_machine(tmp_path) -> None:
     cm.draft_name, cm.target_name = "packaged:qwen2.5-coder-0.5b-instruct", "packaged:qwen2.5-coder-1.5b-instruct"
     cm.machine = {"model_name": "Some Other CPU", "simd_flags": ["avx2"]}
     cm.to_json(tmp_path / COST_FILE)
-    with pytest.raises(ValueError, match="another pair or machine.*Some Other CPU"):
+    with pytest.raises(ValueError, match="another pair, dtype or machine.*Some Other CPU"):
         _curves(VllmBenchConfig(out_dir=str(tmp_path)), "T", "D", PartClock(tmp_path))
+
+
+def test_a_curve_of_another_dtype_is_refused_and_a_dtype_vllm_does_not_run_named(tmp_path) -> None:
+    from compute.code_version import PartClock
+    from runtimes.vllm.run import _curves
+
+    cm = curve()
+    cm.dtype = "bfloat16"
+    cm.to_json(tmp_path / "bf16.json")
+    cfg = VllmBenchConfig(out_dir=str(tmp_path / "run"), cost_file=str(tmp_path / "bf16.json"), vllm_dtype="float32")
+    with pytest.raises(ValueError, match="dtype: measured bfloat16, run float32"):
+        _curves(cfg, "T", "D", PartClock(tmp_path))
+    with pytest.raises(ValueError, match="vllm_dtype='float16': use bfloat16 or float32"):
+        VllmBenchConfig(vllm_dtype="float16")
 
 
 def test_a_k_predicted_inside_the_curves_error_is_not_recommended() -> None:

@@ -55,6 +55,7 @@ from runtimes.vllm.engine import (
     StepClock,
     StepLog,
     build_engine,
+    check_dtype,
     generate,
     generate_steps,
     release,
@@ -156,6 +157,9 @@ class VllmBenchConfig(HarnessConfig):
     """Folder for benchmark.md / .json, cost_model.vllm.json and config.yaml (created)."""
     models: ModelsConfig = field(default_factory=ModelsConfig)
     """models.draft / models.target: packaged:<name> (converted once to Hugging Face folders) or folders; device."""
+    vllm_dtype: str = "bfloat16"
+    """vLLM's dtype for both models: bfloat16, or float32 on a CPU without AVX-512 BF16 or AMX (docs/vllm.md,
+    "Precision"); the curve, the traces and every engine run in it."""
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4])
     """Concurrent requests: 1 runs the prompts one by one; B sends B prompts together (n_prompts / B groups)."""
     static_k: list[int] = field(default_factory=lambda: [1, 3, 5])
@@ -224,6 +228,7 @@ class VllmBenchConfig(HarnessConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # repeats: passes over the engines in alternating order, each prompt's faster run kept
+        check_dtype(self.vllm_dtype)
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"--batch_sizes {self.batch_sizes}: give batch sizes >= 1")
         if any(self.n_prompts % b for b in self.batch_sizes):

@@ -50,6 +50,8 @@ class VllmCurveSettings:
     """Cycles of drafting lengths per batch size: every figure is the median of this many steps."""
     prompt_len: int = 128
     device: str = "cpu"
+    dtype: str = "bfloat16"
+    """vLLM's dtype for both engines (``runtimes.vllm.engine.VLLM_DTYPES``)."""
     target_name: str = ""
     draft_name: str = ""
     seed: int = 0
@@ -155,10 +157,10 @@ def _batch_figures(alone: tuple[Any, StepClock], pair: tuple[Any, StepClock], pr
 def _measure(s: VllmCurveSettings) -> dict[int, Figures]:
     """Per batch size, the figures of both engines stepped in turns."""
     max_k = s.max_length - 1
-    alone = build_engine(EngineSpec(target=s.target, max_num_seqs=max(s.batches), device=s.device))
+    alone = build_engine(EngineSpec(target=s.target, max_num_seqs=max(s.batches), device=s.device, dtype=s.dtype))
     install(PolicySettings(spec="static:1", max_draft_len=max_k))
     pair = build_engine(EngineSpec(target=s.target, draft=s.draft, k=max_k, max_num_seqs=max(s.batches),
-                                   device=s.device))
+                                   device=s.device, dtype=s.dtype))
     engines, proposer = ((alone, StepClock(alone)), (pair, StepClock(pair))), active()
     out: dict[int, Figures] = {}
     for b in s.batches:
@@ -185,7 +187,7 @@ def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
         alone, draft, target, skip = figures[b]
         raw = {1: alone, **target}
         curves[b] = CostModel(draft_s_per_token=draft, target_s=raw, device=s.device,
-                              dtype="bfloat16", draft_name=s.draft_name or s.draft,
+                              dtype=s.dtype, draft_name=s.draft_name or s.draft,
                               target_name=s.target_name or s.target, prompt_len=s.prompt_len, compute_path="vllm",
                               runtime="vllm", machine=machine,
                               notes=f"vLLM {vllm.__version__} at batch {b}: both engines' decode steps in turns, "
@@ -198,11 +200,11 @@ def measure_vllm_curve(s: VllmCurveSettings) -> CostModel:
 
 
 def measure_vllm_acceptance(target: str, draft: str, prompts: list[list[int]], k: int = 8, max_new_tokens: int = 128,
-                            device: str = "cpu") -> dict[str, Any]:
+                            device: str = "cpu", dtype: str = "bfloat16") -> dict[str, Any]:
     """How far vLLM's draft-model speculation is accepted on ``prompts`` (greedy, K = ``k``), from vLLM's counters:
     ``survival[j - 1]`` = S(j), the share of rounds whose first j drafts were all accepted."""
     uninstall()  # vLLM's own proposer: K drafts every round
-    llm = build_engine(EngineSpec(target=target, draft=draft, k=k, max_num_seqs=2, device=device))
+    llm = build_engine(EngineSpec(target=target, draft=draft, k=k, max_num_seqs=2, device=device, dtype=dtype))
     for p in prompts:
         generate(llm, [p], max_new_tokens)
     drafts, per_pos = spec_positions(llm)

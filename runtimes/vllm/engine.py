@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineSpec", "StepClock", "StepLog", "prepare_env", "reexec_with_iomp", "build_engine", "generate",
-           "generate_steps", "admitting", "hf_folder", "spec_counters", "spec_positions", "release"]
+__all__ = ["EngineSpec", "VLLM_DTYPES", "check_dtype", "StepClock", "StepLog", "prepare_env", "reexec_with_iomp",
+           "build_engine", "generate", "generate_steps", "admitting", "hf_folder", "spec_counters", "spec_positions",
+           "release"]
 
 
 def prepare_env(kv_cache_gb: int, threads: int | None = None, device: str = "cpu") -> None:
@@ -60,6 +61,19 @@ def reexec_with_iomp(argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, *argv], env)
 
 
+VLLM_DTYPES = ("bfloat16", "float32")
+"""The dtypes specstop runs vLLM's CPU build in: bfloat16 has its fast kernels where the CPU has AVX-512 BF16 or AMX;
+without them (an AVX2 host) its bf16 matmuls run a slow path whose cost grows with every row, float32's do not
+(docs/vllm.md, "Precision")."""
+
+
+def check_dtype(dtype: str, where: str = "vllm_dtype") -> str:
+    """``dtype`` when vLLM's CPU runs in it; ValueError in one line naming ``where`` otherwise."""
+    if dtype not in VLLM_DTYPES:
+        raise ValueError(f"{where}={dtype!r}: use {' or '.join(VLLM_DTYPES)} (vLLM's dtype for both models)")
+    return dtype
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """One vLLM engine: the target alone, or with draft-model speculation."""
@@ -75,6 +89,7 @@ class EngineSpec:
     max_num_seqs: int = 8
     max_model_len: int = 1024
     dtype: str = "bfloat16"
+    """vLLM's ``dtype`` for both models (``VLLM_DTYPES``)."""
     device: str = "cpu"
 
     def speculative_config(self) -> dict[str, Any] | None:

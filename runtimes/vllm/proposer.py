@@ -153,9 +153,10 @@ def load_curves(path: str | Path | None) -> dict[int, CostModel]:
     return {int(b): CostModel.from_dict(d) for b, d in batches.items()}
 
 
-def build_stopper(settings: PolicySettings) -> RequestStopper:
-    """The policy and the stopper for ``settings`` (errors are the user's: a bad spec, a foreign predictor); for
-    ``vllm:K`` a stopper that never runs (vLLM's own loop drafts), whose counts stay as they are."""
+def build_stopper(settings: PolicySettings, precision: str = "bfloat16") -> RequestStopper:
+    """The policy and the stopper for ``settings`` (errors are the user's: a bad spec, a foreign predictor), its
+    traces tagged with vLLM's ``precision``; for ``vllm:K`` a stopper that never runs (vLLM's own loop drafts), whose
+    counts stay as they are."""
     if own_loop_k(settings.spec) is not None:
         return RequestStopper(build_policy("static:0"))
     policy = build_policy(settings.spec, max_draft_len=settings.max_draft_len,
@@ -166,7 +167,7 @@ def build_stopper(settings: PolicySettings) -> RequestStopper:
                           where=settings.spec)
     return RequestStopper(policy, load_curves(settings.costs), max_draft_len=settings.max_draft_len,
                           top_k=settings.top_k, acceptance=_acceptance_map(settings, policy),
-                          batch_rule=settings.batch_rule, traces=_trace_writer(settings),
+                          batch_rule=settings.batch_rule, traces=_trace_writer(settings, precision),
                           draft_to_cap=settings.trace_all, skip_idle=settings.skip_idle,
                           prior=prior_acceptance(settings.costs), follow=settings.follow)
 
@@ -193,24 +194,25 @@ def _acceptance_map(settings: PolicySettings, policy: StopPolicy) -> Calibrator 
     return wrapped.calibrations.get("greedy") if isinstance(wrapped, GoodputPolicy) else None
 
 
-def _trace_writer(settings: PolicySettings) -> TraceWriter | None:
-    """The serving-trace writer of ``settings.traces_dir`` (None when not asked)."""
+def _trace_writer(settings: PolicySettings, precision: str) -> TraceWriter | None:
+    """The serving-trace writer of ``settings.traces_dir`` (None when not asked), its traces tagged with vLLM's
+    ``precision`` (the dtype its engine runs in)."""
     if not settings.traces_dir:
         return None
-    tags = {"runtime": "vllm", "precision": "bfloat16", "fingerprints": {"draft": settings.draft_fingerprint}}
+    tags = {"runtime": "vllm", "precision": precision, "fingerprints": {"draft": settings.draft_fingerprint}}
     return TraceWriter(settings.traces_dir, tags)
 
 
-def folder_fingerprint(folder: str | Path, name: str) -> dict:
+def folder_fingerprint(folder: str | Path, name: str, dtype: str = "bfloat16") -> dict:
     """The identity of the draft vLLM loads from ``folder`` (named ``name`` as specstop's data names it), in the form
     exported predictors record (``compute.models.model_fingerprint``): name, vocabulary and hidden size, vocabulary
-    hash, and vLLM's precision (bfloat16, compute path ``vllm``)."""
+    hash, and vLLM's precision (``dtype``, compute path ``vllm``)."""
 
     from transformers import AutoTokenizer
 
     config = json.loads((Path(folder) / "config.json").read_text())
     return {"name": name, "vocab_size": int(config["vocab_size"]), "hidden_size": int(config["hidden_size"]),
-            "vocab_sha": vocab_fingerprint(AutoTokenizer.from_pretrained(str(folder))), "dtype": "bfloat16",
+            "vocab_sha": vocab_fingerprint(AutoTokenizer.from_pretrained(str(folder))), "dtype": dtype,
             "compute_path": "vllm"}
 
 
@@ -256,7 +258,8 @@ def _make_class() -> type:
             self.model_runner = kwargs.get("runner")  # the base class does not keep it; its batch names the rows
             if self.use_heterogeneous_vocab:
                 raise ValueError("specstop's vLLM proposer needs draft and target with one vocabulary")
-            self.stopper = build_stopper(_SETTINGS) if _SETTINGS is not None else None
+            self.precision = str(self.dtype).removeprefix("torch.")  # vLLM's model dtype: the traces' precision
+            self.stopper = build_stopper(_SETTINGS, self.precision) if _SETTINGS is not None else None
             self.own_k = own_loop_k(_SETTINGS.spec) if _SETTINGS is not None else None
             """K of vLLM's own draft loop where the spec was ``vllm:K`` (the stopper then sits idle), else None."""
             self.catch_up = CatchUp(int(getattr(self, "max_num_tokens", 8192)))
@@ -268,7 +271,8 @@ def _make_class() -> type:
             """Stop with another policy from the next proposal on (in-process runs between benchmark rows)."""
             self.close_traces()
             met = self.stopper.met if self.stopper is not None else None  # the engine's, whatever the policy
-            self.stopper = build_stopper(policy) if isinstance(policy, PolicySettings) else RequestStopper(policy)
+            self.stopper = (build_stopper(policy, self.precision) if isinstance(policy, PolicySettings)
+                            else RequestStopper(policy))
             self.own_k = own_loop_k(policy.spec) if isinstance(policy, PolicySettings) else None
             if met is not None:
                 self.stopper.met = met

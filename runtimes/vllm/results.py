@@ -76,6 +76,7 @@ def summarize_vllm_benchmark(out_dir: str | Path, command: str, config_name: str
         "schema": SCHEMA, "kind": "vllm_benchmark", "config": config_name, "command": command,
         **provenance(out, duration_s), "config_hash": config_hash(config),
         "machine": machine, "compute_path": "vllm", "vllm": machine.get("vllm"),
+        "vllm_dtype": curve.get("dtype") or "bfloat16",
         "pair": {"draft": config["models"]["draft"], "target": config["models"]["target"]},
         "n_prompts": config["n_prompts"], "max_new_tokens": config["max_new_tokens"],
         "batch_sizes": config["batch_sizes"], "n_boot": config.get("n_boot"), "seed": config.get("seed"),

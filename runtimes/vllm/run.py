@@ -82,10 +82,14 @@ def stored_parts(cfg: VllmBenchConfig) -> list[Path]:
 
 
 def _check_pair(cm: CostModel, cfg: VllmBenchConfig, where: str, remedy: str) -> None:
-    """Refuse a curve measured for another pair, or (on the CPU) on another machine, naming ``where`` it came from."""
+    """Refuse a curve measured for another pair or dtype, or (on the CPU) on another machine, naming ``where`` it came
+    from."""
     machine = cpu_model() if cfg.models.device == "cpu" else None
-    if why := cm.mismatch(cfg.models.draft, cfg.models.target, machine=machine):
-        raise ValueError(f"{where}: measured for another pair or machine ({'; '.join(why)}); {remedy}")
+    why = cm.mismatch(cfg.models.draft, cfg.models.target, machine=machine)
+    if cm.dtype != cfg.vllm_dtype:
+        why.append(f"dtype: measured {cm.dtype}, run {cfg.vllm_dtype}")
+    if why:
+        raise ValueError(f"{where}: measured for another pair, dtype or machine ({'; '.join(why)}); {remedy}")
 
 
 def _keep(cm: CostModel, path: Path, cfg: VllmBenchConfig) -> None:
@@ -115,7 +119,7 @@ def _curves(cfg: VllmBenchConfig, target: str, draft: str, clock: PartClock) -> 
         t0 = time.time()
         cm = measure_vllm_curve(VllmCurveSettings(target=target, draft=draft, batches=tuple(cfg.curve_batches),
                                                   device=cfg.models.device, target_name=cfg.models.target,
-                                                  draft_name=cfg.models.draft))
+                                                  draft_name=cfg.models.draft, dtype=cfg.vllm_dtype))
         _keep(cm, out, cfg)
         clock.ran("curve", time.time() - t0)
     return out, load_curves(out)
@@ -129,7 +133,8 @@ def _acceptance(cfg: VllmBenchConfig, cost_path: Path, target: str, draft: str, 
         t0 = time.time()
         prompts, _ = _prompts(cfg, target, cfg.acceptance_split, cfg.acceptance_prompts)
         cm.extra[ACCEPTANCE] = {**measure_vllm_acceptance(target, draft, prompts, cfg.policy_k, cfg.max_new_tokens,
-                                                          cfg.models.device), "split": cfg.acceptance_split}
+                                                          cfg.models.device, cfg.vllm_dtype),
+                                "split": cfg.acceptance_split}
         _keep(cm, cost_path, cfg)
         clock.ran("acceptance", time.time() - t0)
     elif cfg.cost_file is None:  # measured by an earlier start of this run (a given cost file's is not this run's)
@@ -143,7 +148,7 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
     schedule, specstop's policies (with the policies each request of which stops alone, the static Ks run by its
     proposer and by vLLM's own loop; those policies in an engine of their own when no other policy runs)."""
     seqs = max(cfg.batch_sizes)
-    base = EngineSpec(target=target, max_num_seqs=max(seqs, 2), device=cfg.models.device)
+    base = EngineSpec(target=target, max_num_seqs=max(seqs, 2), device=cfg.models.device, dtype=cfg.vllm_dtype)
     ks = sorted({*cfg.static_k, cfg.default_k, *(p.k for p in picks if p.batch == 1 and p.k)})
     one = next((p.k for p in picks if p.batch == 1), None)
     if cfg.second_build:
@@ -174,8 +179,8 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
     return groups
 
 
-RUN_FIELDS = ("models", "prompts", "split", "n_prompts", "use_chat_template", "max_prompt_tokens", "max_new_tokens",
-              "policy_k", "seed")
+RUN_FIELDS = ("models", "vllm_dtype", "prompts", "split", "n_prompts", "use_chat_template", "max_prompt_tokens",
+              "max_new_tokens", "policy_k", "seed")
 """The config fields every engine's rows depend on (the batch size is the part's own)."""
 
 
@@ -265,7 +270,7 @@ def run_vllm_benchmark(cfg: VllmBenchConfig, clock: PartClock | None = None) -> 
     for line in paste_lines(picks, draft, max(cfg.batch_sizes)) if picks else []:
         log.info("recommended: %s", line)
 
-    fingerprint = folder_fingerprint(draft, cfg.models.draft)
+    fingerprint = folder_fingerprint(draft, cfg.models.draft, cfg.vllm_dtype)
 
     def settings_of(spec: str, batch_rule: bool = True, **more: Any) -> PolicySettings:
         return PolicySettings(spec=spec, costs=str(cost_path), max_draft_len=cfg.policy_k,
@@ -308,9 +313,9 @@ def _trace_and_refit(cfg: VllmBenchConfig, target: str, draft: str, settings_of:
     else:
         t0 = time.time()
         prompts, _ = _prompts(cfg, target, cfg.acceptance_split, cfg.trace_prompts)
-        group = EngineRows(EngineSpec(target=target, draft=draft, k=cfg.policy_k, max_num_seqs=2,
-                                      device=cfg.models.device), [RowRole("policy", spec=str(export))], plugin=True,
-                           batch_rule=False)
+        spec = EngineSpec(target=target, draft=draft, k=cfg.policy_k, max_num_seqs=2, device=cfg.models.device,
+                          dtype=cfg.vllm_dtype)
+        group = EngineRows(spec, [RowRole("policy", spec=str(export))], plugin=True, batch_rule=False)
         log.info("tracing %s in vLLM on %d %s prompts into %s", export, len(prompts), cfg.acceptance_split, traces)
         run_engine(group, {1: [[p] for p in prompts]}, cfg,
                    lambda spec, batch_rule, **_: settings_of(spec, False, traces_dir=str(traces), trace_all=True))
