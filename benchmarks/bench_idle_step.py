@@ -91,9 +91,9 @@ def split_parts(llm: Any) -> dict[str, float]:
 
 
 def run_unit(engines: list[tuple[str, Any, dict]], unit: list[list[int]], max_new: int, tag: str
-             ) -> dict[str, tuple[float, list[dict[str, float]], list[list[int]]]]:
+             ) -> dict[str, tuple[float, list[dict[str, float]], list[list[int]], float]]:
     """The unit on every engine, one step each in turn: per engine its decode seconds, each decode step's parts
-    (``step`` the whole) and its outputs. The prefill step of each is left out."""
+    (``step`` the whole), its outputs and its first (prefill) step's seconds, which the decode figures leave out."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new, seed=0)
@@ -101,7 +101,7 @@ def run_unit(engines: list[tuple[str, Any, dict]], unit: list[list[int]], max_ne
     for name, llm, _ in engines:
         for j, p in enumerate(unit):
             llm.llm_engine.add_request(f"{name}-{tag}-{j}", {"prompt_token_ids": p}, params)
-        got[name] = [0.0, [], {}, True]
+        got[name] = [0.0, [], {}, True, 0.0]
     live = list(engines)
     while live:
         for e in list(live):
@@ -111,7 +111,9 @@ def run_unit(engines: list[tuple[str, Any, dict]], unit: list[list[int]], max_ne
             outs = llm.llm_engine.step()
             wall = time.perf_counter() - t0
             rec = got[name]
-            if not rec[3]:
+            if rec[3]:
+                rec[4] = wall
+            else:
                 rec[0] += wall
                 rec[1].append({**acc, "step": wall})
             rec[3] = False
@@ -119,7 +121,7 @@ def run_unit(engines: list[tuple[str, Any, dict]], unit: list[list[int]], max_ne
                 rec[2][o.request_id] = list(o.outputs[0].token_ids)
             if not llm.llm_engine.has_unfinished_requests():
                 live.remove(e)
-    return {n: (r[0], r[1], [r[2][k] for k in sorted(r[2])]) for n, r in got.items()}
+    return {n: (r[0], r[1], [r[2][k] for k in sorted(r[2])], r[4]) for n, r in got.items()}
 
 
 def report(names: list[str], seconds: dict[str, list[float]], steps: dict[str, list[dict[str, float]]],
@@ -161,7 +163,7 @@ def main() -> None:
     units = [prompts[u:u + args.batch] for u in range(0, len(prompts), args.batch)]
     for r in range(args.rounds):
         for u, unit in enumerate(units):
-            for name, (sec, st, outs) in run_unit(engines, unit, args.new_tokens, f"{r}-{u}").items():
+            for name, (sec, st, outs, _) in run_unit(engines, unit, args.new_tokens, f"{r}-{u}").items():
                 seconds[name].append(sec)
                 steps[name] += st
                 if r == 0:

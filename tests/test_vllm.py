@@ -1005,3 +1005,13 @@ def test_a_queue_caps_vllms_admissions_for_the_call_and_restores_them(monkeypatc
     assert seen == [2, 8] and scheduler.max_num_active_reqs == 8
     with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
         generate(SimpleNamespace(generate=run, llm_engine=SimpleNamespace(engine_core=object())), [[1]] * 3, 4, 2)
+
+
+def test_traces_are_tagged_with_the_dtype_vllm_runs_in(tmp_path) -> None:
+    import json
+
+    stopper = build_stopper(PolicySettings(spec="static:2", traces_dir=str(tmp_path / "t")), precision="float32")
+    stopper.traces.close()
+    assert json.loads((tmp_path / "t" / "config.json").read_text())["precision"] == "float32"
+    with pytest.raises(ValueError, match="another precision"):  # a bfloat16 engine may not append to them
+        build_stopper(PolicySettings(spec="static:2", traces_dir=str(tmp_path / "t")), precision="bfloat16")

@@ -292,7 +292,8 @@ def vllm_section(s: Summary) -> str:
     d = s.data
     m = d["machine"]
     parts = [f"Measured ({d['n_prompts']} test prompts x {d['max_new_tokens']} new tokens, greedy, vLLM "
-             f"{d.get('vllm') or '?'} on {cpu_label(m)}, {m.get('threads', '?')} threads; {dated(d)}; "
+             f"{d.get('vllm') or '?'} in {d.get('vllm_dtype', 'bfloat16')} on {cpu_label(m)}, {m.get('threads', '?')} "
+             f"threads; {dated(d)}; "
              f"`{d['command']}`):", ""]
     if d.get("queue_groups", 1) > 1:
         q = d["queue_groups"]
