@@ -1015,3 +1015,22 @@ def test_traces_are_tagged_with_the_dtype_vllm_runs_in(tmp_path) -> None:
     assert json.loads((tmp_path / "t" / "config.json").read_text())["precision"] == "float32"
     with pytest.raises(ValueError, match="another precision"):  # a bfloat16 engine may not append to them
         build_stopper(PolicySettings(spec="static:2", traces_dir=str(tmp_path / "t")), precision="bfloat16")
+
+
+def test_an_engine_that_cannot_fit_the_free_memory_is_refused_in_one_line(tmp_path, monkeypatch) -> None:
+    import json
+
+    from runtimes.vllm import engine
+
+    for name, mib in (("t", 64), ("d", 16)):  # float32 safetensors, as packaged models are converted
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+        (tmp_path / name / "model.safetensors").write_bytes(b"\0" * (mib << 20))
+    assert engine.weight_bytes(str(tmp_path / "t"), "bfloat16") == 32 << 20
+    assert engine.weight_bytes(None, "float32") == 0
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
+    monkeypatch.setattr(engine, "available_bytes", lambda _: 100 << 20)
+    spec = engine.EngineSpec(target=str(tmp_path / "t"), draft=str(tmp_path / "d"), k=3, dtype="float32")
+    with pytest.raises(ValueError, match=r"t with a draft in float32 needs about 0.1 GiB .* give vllm_dtype bfloat16"):
+        engine.check_memory(spec)  # 1.3 x 80 MiB = 104 MiB > 100 MiB
+    engine.check_memory(engine.EngineSpec(target=str(tmp_path / "t"), draft=str(tmp_path / "d"), k=3))  # bf16 fits
