@@ -124,6 +124,26 @@ def run_unit(engines: list[tuple[str, Any, dict]], unit: list[list[int]], max_ne
     return {n: (r[0], r[1], [r[2][k] for k in sorted(r[2])], r[4]) for n, r in got.items()}
 
 
+def run_rounds(engines: list[tuple[str, Any, dict]], prompts: list[list[int]], batch: int, max_new: int,
+               rounds: int) -> dict[str, dict[str, list]]:
+    """``rounds`` passes over ``prompts`` in units of ``batch``, every unit on every engine (:func:`run_unit`): per
+    engine its decode and prefill seconds a unit, its decode steps' parts and its first pass's outputs."""
+    got: dict[str, dict[str, list]] = {n: {"decode": [], "prefill": [], "steps": [], "outputs": []}
+                                       for n, _, _ in engines}
+    units = [prompts[u:u + batch] for u in range(0, len(prompts), batch)]
+    for r in range(rounds):
+        for u, unit in enumerate(units):
+            for name, (sec, steps, outs, first) in run_unit(engines, unit, max_new, f"{r}-{u}").items():
+                g = got[name]
+                g["decode"].append(sec)
+                g["prefill"].append(first)
+                g["steps"] += steps
+                if r == 0:
+                    g["outputs"] += outs
+        print(f"round {r + 1}/{rounds} done", flush=True)
+    return got
+
+
 def report(names: list[str], seconds: dict[str, list[float]], steps: dict[str, list[dict[str, float]]],
            outputs: dict[str, list[list[int]]], n_boot: int = 2000) -> None:
     """Per engine: ms a step in each part (medians), decode seconds over the first engine's [95% CI], outputs."""
@@ -157,21 +177,11 @@ def main() -> None:
         generate(llm, prompts[: args.batch], 4)  # a batch size's first steps run slower
         engines.append((f"{i + 1}. {kind}", llm, split_parts(llm)))
     names = [n for n, _, _ in engines]
-    seconds: dict[str, list[float]] = {n: [] for n in names}
-    steps: dict[str, list[dict[str, float]]] = {n: [] for n in names}
-    outputs: dict[str, list[list[int]]] = {n: [] for n in names}
-    units = [prompts[u:u + args.batch] for u in range(0, len(prompts), args.batch)]
-    for r in range(args.rounds):
-        for u, unit in enumerate(units):
-            for name, (sec, st, outs, _) in run_unit(engines, unit, args.new_tokens, f"{r}-{u}").items():
-                seconds[name].append(sec)
-                steps[name] += st
-                if r == 0:
-                    outputs[name] += outs
-        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    got = run_rounds(engines, prompts, args.batch, args.new_tokens, args.rounds)
     print(f"{len(prompts)} prompts x {args.new_tokens} new tokens at {args.batch} request(s) a unit, "
           f"{args.rounds} rounds; engines stepped in turns")
-    report(names, seconds, steps, outputs)
+    report(names, {n: got[n]["decode"] for n in names}, {n: got[n]["steps"] for n in names},
+           {n: got[n]["outputs"] for n in names})
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ vLLM's CPU build runs bfloat16 matmuls on its fast kernels where the CPU has AVX
 them (AVX2) its bf16 path costs about as much for every row a step carries, where float32's matmuls cost about the
 same for 1 row as for 8. Which dtype serves faster then depends on the load: this script tells it for the host.
 Engines are named ``DTYPE:K`` (K = 0: the target alone, else vLLM's own draft loop at K), built in the order given
-and stepped in turns, one step each, on the same prompts (``run_unit`` of ``bench_idle_step.py``). Printed per engine:
+and stepped in turns, one step each, on the same prompts (``run_rounds`` of ``bench_idle_step.py``). Printed per engine:
 its prefill seconds, its decode seconds over the first engine's with a 95% paired bootstrap interval over units,
 whole-request seconds (prefill included) likewise, and whether its outputs equal the first's (two dtypes round apart:
 a greedy output may part at a near tie).
@@ -31,7 +31,7 @@ if __name__ == "__main__":  # a 1 GB KV cache an engine (several live at once), 
     reexec_with_iomp(sys.argv)
 
 import numpy as np  # noqa: E402
-from bench_idle_step import run_unit  # noqa: E402
+from bench_idle_step import run_rounds  # noqa: E402
 from vllm_probe import add_pair_args, pair_and_prompts  # noqa: E402
 
 from benchmark.records import bootstrap_indices  # noqa: E402
@@ -80,28 +80,21 @@ def main() -> None:
         generate(llm, prompts[: args.batch], 4)  # a batch size's first steps run slower
         engines.append((f"{dtype}:{k}", llm, {}))
     names = [n for n, _, _ in engines]
-    decode: dict[str, list[float]] = {n: [] for n in names}
-    whole: dict[str, list[float]] = {n: [] for n in names}
-    outputs: dict[str, list[list[int]]] = {n: [] for n in names}
-    units = [prompts[u:u + args.batch] for u in range(0, len(prompts), args.batch)]
-    for r in range(args.rounds):
-        for u, unit in enumerate(units):
-            for name, (sec, _, outs, first) in run_unit(engines, unit, args.new_tokens, f"{r}-{u}").items():
-                decode[name].append(sec)
-                whole[name].append(sec + first)
-                if r == 0:
-                    outputs[name] += outs
-        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    got = run_rounds(engines, prompts, args.batch, args.new_tokens, args.rounds)
     print(f"{len(prompts)} prompts x {args.new_tokens} new tokens at {args.batch} request(s) a unit, {args.rounds} "
           "rounds; engines stepped in turns; seconds over the first engine's")
-    ref = names[0]
-    boot = bootstrap_indices(0, 2000, len(decode[ref]))
+    ref = got[names[0]]
+    ref_d = np.asarray(ref["decode"])
+    ref_w = ref_d + np.asarray(ref["prefill"])
+    boot = bootstrap_indices(0, 2000, len(ref_d))
     for name in names:
-        d, w = np.asarray(decode[name]), np.asarray(whole[name])
-        same = sum(a == b for a, b in zip(outputs[name], outputs[ref]))
-        print(f"{name:12s} prefill {w.sum() - d.sum():7.1f} s | decode {d.sum():7.1f} s "
-              f"{interval(d, np.asarray(decode[ref]), boot)} | whole {w.sum():7.1f} s "
-              f"{interval(w, np.asarray(whole[ref]), boot)} | outputs equal {same}/{len(outputs[name])}", flush=True)
+        g = got[name]
+        d = np.asarray(g["decode"])
+        w = d + np.asarray(g["prefill"])
+        same = sum(a == b for a, b in zip(g["outputs"], ref["outputs"]))
+        print(f"{name:12s} prefill {w.sum() - d.sum():7.1f} s | decode {d.sum():7.1f} s {interval(d, ref_d, boot)} | "
+              f"whole {w.sum():7.1f} s {interval(w, ref_w, boot)} | outputs equal {same}/{len(g['outputs'])}",
+              flush=True)
 
 
 if __name__ == "__main__":
