@@ -68,7 +68,7 @@ def reexec_with_iomp(argv: list[str]) -> None:
 
 VLLM_DTYPES = ("bfloat16", "float32")
 """The dtypes specstop runs vLLM's CPU build in: bfloat16 has its fast kernels where the CPU has AVX-512 BF16 or AMX;
-without them (an AVX2 host) its bf16 matmuls run a slow path whose cost grows with every row, float32's do not
+without them (an AVX2 host) its bf16 matmuls run a slow path whose cost grows with every row, float32's barely
 (docs/vllm.md, "Precision")."""
 
 
