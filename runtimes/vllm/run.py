@@ -179,9 +179,9 @@ def _plan(cfg: VllmBenchConfig, target: str, draft: str, picks: list[BatchPick])
     return groups
 
 
-RUN_FIELDS = ("models", "vllm_dtype", "prompts", "split", "n_prompts", "use_chat_template", "max_prompt_tokens",
-              "max_new_tokens", "policy_k", "seed")
-"""The config fields every engine's rows depend on (the batch size is the part's own)."""
+RUN_FIELDS = ("models", "prompts", "split", "n_prompts", "use_chat_template", "max_prompt_tokens", "max_new_tokens",
+              "policy_k", "seed")
+"""The config fields every engine's rows depend on (the batch size is the part's own; vLLM's dtype is its engine's)."""
 
 
 def _engine_key(group: EngineRows, cfg: VllmBenchConfig, pass_no: int, batch: int) -> str:
