@@ -519,13 +519,15 @@ def run_engine(group: EngineRows, units: dict[int, list[list[list[int]]]], cfg: 
         vllm_proposer.install(settings_of(next(iter(group.rows.values())), group.batch_rule))
     else:
         vllm_proposer.uninstall()
+    # the target alone first: an engine built later re-registers vLLM's Prometheus metrics for the whole process,
+    # and one without a draft would leave this engine's speculative counters unread (a resumed run builds it late)
+    ref = reference.engine() if reference is not None and not own else None
     if own:
         llm, clock = reference.engine()
     else:
         llm = _load(group.engine)
         clock = StepClock(llm)
     proposer = vllm_proposer.active() if group.plugin else None
-    ref = reference.engine() if reference is not None and not own else None
     out: list[RowRun] = []
     runs_total = sum(len(u) for u in units.values()) * len(group.roles)
     what = (f"specstop's proposer (K cap {group.engine.k})" if group.plugin else "target alone" if not group.engine.k
