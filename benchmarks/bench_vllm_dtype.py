@@ -10,10 +10,11 @@ whole-request seconds (prefill included) likewise, and whether its outputs equal
 a greedy output may part at a near tie).
 
 Usage (in ``.venv-vllm``, after ``bash scripts/setup.sh --vllm --real``):
-    .venv-vllm/bin/python benchmarks/bench_vllm_dtype.py --engines bfloat16:0,float32:0,float32:3 --batch 4
+    .venv-vllm/bin/python benchmarks/bench_vllm_dtype.py --engines bfloat16:0,float32:3 --batch 4
 
-Memory: a float32 engine of the 1.5B target holds about 8 GB (weights and a 1 GB KV cache), with the draft about
-11 GB; a bfloat16 target alone about 5 GB. Name at most what fits (three of the above fit in 24 GB).
+Memory (resident, a 1 GB KV cache each): the 1.5B target alone about 5 GB in bfloat16 and 11 GB in float32, with the
+0.5B draft about 6.5 and 14.5 GB. Name at most what fits (an engine that does not is refused before it loads): in
+24 GB, two of them.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def interval(values: np.ndarray, base: np.ndarray, boot: np.ndarray) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_pair_args(ap)
-    ap.add_argument("--engines", default="bfloat16:0,float32:0,float32:3",
+    ap.add_argument("--engines", default="bfloat16:0,float32:3",
                     help="DTYPE:K in build order, comma-separated (K = 0: the target alone)")
     ap.add_argument("--rounds", type=int, default=2, help="passes over the prompts")
     args = ap.parse_args()
