@@ -166,12 +166,12 @@ class CostModel:
         return {"draft_s": self.extra["draft_bytes"] / bw, "target_s": self.extra["target_bytes"] / bw}
 
     def mismatch(self, draft_name: str, target_name: str, compute_path: str | None = None,
-                 machine: dict[str, Any] | None = None) -> list[str]:
-        """What differs between this measurement and a run with these models, path and machine (empty: none), each entry
-        naming both sides, e.g. ``"target: measured packaged:a, run packaged:b"``."""
+                 machine: dict[str, Any] | None = None, dtype: str | None = None) -> list[str]:
+        """What differs between this measurement and a run with these models, path, dtype and machine (empty: none),
+        each entry naming both sides, e.g. ``"target: measured packaged:a, run packaged:b"``."""
         out = []
         for what, mine, theirs in (("draft", self.draft_name, draft_name), ("target", self.target_name, target_name),
-                                   ("compute path", self.compute_path, compute_path)):
+                                   ("compute path", self.compute_path, compute_path), ("dtype", self.dtype, dtype)):
             if mine and theirs and mine != theirs:
                 out.append(f"{what}: measured {mine}, run {theirs}")
         if machine and self.machine:

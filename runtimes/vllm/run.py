@@ -85,10 +85,7 @@ def _check_pair(cm: CostModel, cfg: VllmBenchConfig, where: str, remedy: str) ->
     """Refuse a curve measured for another pair or dtype, or (on the CPU) on another machine, naming ``where`` it came
     from."""
     machine = cpu_model() if cfg.models.device == "cpu" else None
-    why = cm.mismatch(cfg.models.draft, cfg.models.target, machine=machine)
-    if cm.dtype != cfg.vllm_dtype:
-        why.append(f"dtype: measured {cm.dtype}, run {cfg.vllm_dtype}")
-    if why:
+    if why := cm.mismatch(cfg.models.draft, cfg.models.target, machine=machine, dtype=cfg.vllm_dtype):
         raise ValueError(f"{where}: measured for another pair, dtype or machine ({'; '.join(why)}); {remedy}")
 
 
