@@ -120,3 +120,10 @@ def paired_ratio(tok: Sequence[float], sec: Sequence[float], ref_tok: Sequence[f
     ratios = (t[boot].sum(1) / s[boot].sum(1)) / (rt[boot].sum(1) / rs[boot].sum(1))
     lo, hi = np.percentile(ratios, [2.5, 97.5])
     return float(point), float(lo), float(hi)
+
+
+def seconds_ratio(seconds: Sequence[float], base: Sequence[float], boot: np.ndarray) -> tuple[float, float, float]:
+    """Summed ``seconds`` over summed ``base`` seconds, unit by unit paired, with its 95% bootstrap interval:
+    :func:`paired_ratio` of one token a unit (a ratio of rates is the inverse ratio of seconds)."""
+    ones = np.ones(len(seconds))
+    return paired_ratio(ones, base, ones, seconds, boot)

@@ -34,7 +34,7 @@ if __name__ == "__main__":  # vLLM's environment and Intel OpenMP before vLLM an
 import numpy as np  # noqa: E402
 from vllm_probe import add_pair_args, pair_and_prompts  # noqa: E402
 
-from benchmark.records import bootstrap_indices  # noqa: E402
+from benchmark.records import bootstrap_indices, seconds_ratio  # noqa: E402
 from compute.timing import BATCH_CURVES, CostModel, lower_envelope  # noqa: E402
 from runtimes.vllm import proposer as vllm_proposer  # noqa: E402
 from runtimes.vllm.engine import EngineSpec, build_engine, generate  # noqa: E402
@@ -116,12 +116,11 @@ def report(rec: dict[str, dict[str, list]], args: argparse.Namespace, n_boot: in
     for name in names:
         got = rec[name]
         s = np.asarray(got["seconds"])
-        draws = base[boot].sum(1) / s[boot].sum(1)
-        lo, hi = np.percentile(draws, [2.5, 97.5])
+        speedup, lo, hi = seconds_ratio(base, s, boot)
         rounds = sum(got["rounds"])
         sent = f"{sum(got['sent']) / rounds:.2f} sent a round" if rounds else "vLLM's loop"
         same = sum(a == b for a, b in zip(got["outputs"], first["outputs"]))
-        print(f"{name:60s} {sum(got['tokens']) / s.sum():6.2f} tok/s  {base.sum() / s.sum():.3f}x [{lo:.3f}, "
+        print(f"{name:60s} {sum(got['tokens']) / s.sum():6.2f} tok/s  {speedup:.3f}x [{lo:.3f}, "
               f"{hi:.3f}]  {sent}  outputs equal {same}/{len(got['outputs'])}", flush=True)
 
 

@@ -37,7 +37,7 @@ if __name__ == "__main__":  # vLLM's environment (a 1 GB KV cache an engine: sev
 import numpy as np  # noqa: E402
 from vllm_probe import add_pair_args, pair_and_prompts  # noqa: E402
 
-from benchmark.records import bootstrap_indices  # noqa: E402
+from benchmark.records import bootstrap_indices, seconds_ratio  # noqa: E402
 from runtimes.vllm import proposer as vllm_proposer  # noqa: E402
 from runtimes.vllm.engine import EngineSpec, build_engine, generate  # noqa: E402
 
@@ -152,8 +152,7 @@ def report(names: list[str], seconds: dict[str, list[float]], steps: dict[str, l
     base = np.asarray(seconds[ref])
     for name in names:
         s = np.asarray(seconds[name])
-        ratio, draws = s.sum() / base.sum(), s[boot].sum(1) / base[boot].sum(1)
-        lo, hi = np.percentile(draws, [2.5, 97.5])
+        ratio, lo, hi = seconds_ratio(s, base, boot)
         parts = {p: statistics.median(st.get(p, 0.0) for st in steps[name]) * 1e3 for p in [*PARTS, "step"]}
         rest = statistics.median(st["step"] - sum(st.get(p, 0.0) for p in PARTS) for st in steps[name]) * 1e3
         same = sum(a == b for a, b in zip(outputs[name], outputs[ref]))

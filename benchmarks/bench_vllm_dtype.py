@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from bench_idle_step import run_rounds  # noqa: E402
 from vllm_probe import add_pair_args, pair_and_prompts  # noqa: E402
 
-from benchmark.records import bootstrap_indices, paired_ratio  # noqa: E402
+from benchmark.records import bootstrap_indices, seconds_ratio  # noqa: E402
 from runtimes.vllm import proposer as vllm_proposer  # noqa: E402
 from runtimes.vllm.engine import EngineSpec, build_engine, check_dtype, generate  # noqa: E402
 
@@ -60,10 +60,8 @@ def build(dtype: str, k: int, target: str, draft: str, batch: int) -> Any:
 
 
 def interval(values: np.ndarray, base: np.ndarray, boot: np.ndarray) -> str:
-    """Sum of ``values`` over sum of ``base`` with its 95% paired bootstrap interval over units: ``paired_ratio`` of
-    one token a unit, the base's seconds against ``values``' (a ratio of rates is the inverse ratio of seconds)."""
-    ones = np.ones(len(values))
-    point, lo, hi = paired_ratio(ones, base, ones, values, boot)
+    """Sum of ``values`` over sum of ``base`` with its 95% paired bootstrap interval over units."""
+    point, lo, hi = seconds_ratio(values, base, boot)
     return f"{point:.3f}x [{lo:.3f}, {hi:.3f}]"
 
 

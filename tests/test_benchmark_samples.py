@@ -11,7 +11,7 @@ import pytest
 
 from benchmark.bench import SAMPLE_SEED_STRIDE, Bench, DecodeSettings, RunOrder, decode_units
 from benchmark.config import BenchmarkConfig
-from benchmark.records import bootstrap_indices, paired_ratio, prompt_means
+from benchmark.records import bootstrap_indices, paired_ratio, prompt_means, seconds_ratio
 from benchmark.resume import PromptStore, run_identity
 from benchmark.rows import Row
 from compute.timing import CostModel
@@ -78,6 +78,16 @@ def test_the_cluster_bootstrap_narrows_as_samples_average_out_the_lengths():
     tok, sec = [10, 20, 30], [1.0, 1.5, 2.0]
     boot = bootstrap_indices(0, 200, 3)
     assert paired_ratio(tok, sec, tok[::-1], sec, boot) == paired_ratio(tok, sec, tok[::-1], sec, boot, [0, 1, 2])
+
+
+def test_a_ratio_of_seconds_resamples_the_units_in_pairs():
+    rng = np.random.default_rng(2)
+    sec, base = rng.uniform(1, 3, 12), rng.uniform(1, 3, 12)
+    boot = bootstrap_indices(0, 500, 12)
+    point, lo, hi = seconds_ratio(sec, base, boot)
+    draws = sec[boot].sum(1) / base[boot].sum(1)
+    assert point == pytest.approx(sec.sum() / base.sum())
+    assert (lo, hi) == pytest.approx(tuple(np.percentile(draws, [2.5, 97.5])))
 
 
 def test_quality_is_averaged_per_prompt_before_the_prompts():
