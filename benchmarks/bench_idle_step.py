@@ -5,7 +5,10 @@ host); each step is split into the target's forward (logits included), sampling,
 (``propose_draft_token_ids``: vLLM's input preparation and specstop's ``propose``) and the rest (scheduling,
 bookkeeping). Kinds: ``target`` (the target alone), ``static0`` (specstop's proposer at ``static:0``: no draft
 forward, the no-draft sampler of ``runtimes.vllm.proposer.no_draft_sampler``), ``static0-rejection`` (the same with
-vLLM's rejection sampler on every step, as before that sampler), ``vllm1`` (vLLM's own K = 1 engine, for scale).
+vLLM's rejection sampler on every step, as before that sampler), ``vllmK`` (vLLM's own engine at K, e.g. ``vllm1``),
+``proposer-vllmK`` (vLLM's own draft loop at K inside specstop's proposer in an engine of K = 8, as the vLLM
+benchmark's policies' engine runs its ``vllm:K`` rows) and ``proposer-vllmK-kN`` (the same in an engine of K = N):
+what hosting the policies costs vLLM's own settings.
 A kind named twice is built twice: two builds of one engine differ only by where their memory landed, the floor
 under any ratio of two engines. Each engine's decode seconds are printed over the first engine's with a 95% paired
 bootstrap interval over units (prompts, or groups of ``--batch``), and whether its outputs equal the first's.
@@ -20,6 +23,7 @@ An engine of the 1.5B pair holds about 6-7 GB here (weights, oneDNN's packed cop
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -41,22 +45,29 @@ from benchmark.records import bootstrap_indices, seconds_ratio  # noqa: E402
 from runtimes.vllm import proposer as vllm_proposer  # noqa: E402
 from runtimes.vllm.engine import EngineSpec, build_engine, generate  # noqa: E402
 
-KINDS = ("target", "static0", "static0-rejection", "vllm1")
+KINDS = ("target", "static0", "static0-rejection", "vllmK", "proposer-vllmK", "proposer-vllmK-kN")
+KIND = re.compile(r"(target|static0|static0-rejection)|(proposer-)?vllm(\d+)(?:-k(\d+))?")
 PARTS = {"forward": ("model", "forward"), "logits": ("model", "compute_logits"), "sampling": ("runner", "_sample"),
          "drafter": ("runner", "propose_draft_token_ids")}
 
 
 def build(kind: str, target: str, draft: str, batch: int) -> Any:
     """One engine of ``kind`` (see the module docstring)."""
-    if kind not in KINDS:
+    got = KIND.fullmatch(kind)
+    if got is None or (got[4] is not None and got[2] is None):
         raise SystemExit(f"--engines: unknown kind {kind!r}; use {', '.join(KINDS)}")
     seqs = max(2, batch)
     if kind == "target":
         vllm_proposer.uninstall()
         return build_engine(EngineSpec(target=target, max_num_seqs=seqs))
-    if kind == "vllm1":
+    if got[3] is not None and got[2] is None:  # vLLM's own engine at K
         vllm_proposer.uninstall()
-        return build_engine(EngineSpec(target=target, draft=draft, k=1, max_num_seqs=seqs))
+        return build_engine(EngineSpec(target=target, draft=draft, k=int(got[3]), max_num_seqs=seqs))
+    if got[2] is not None:  # vLLM's loop at K inside specstop's proposer, the engine at N (8: the policies' engine)
+        vllm_proposer.install(vllm_proposer.PolicySettings(spec=f"vllm:{got[3]}", max_draft_len=8))
+        llm = build_engine(EngineSpec(target=target, draft=draft, k=int(got[4] or 8), max_num_seqs=seqs))
+        vllm_proposer.uninstall()
+        return llm
     vllm_proposer.install(vllm_proposer.PolicySettings(spec="static:0", max_draft_len=8))
     if kind == "static0-rejection":
         import vllm.v1.worker.gpu_model_runner as runner
