@@ -8,7 +8,8 @@ drafted token up to the round's first rejection is kept with the policy's score,
 and the target's final-norm state at the position that chose the round's first token (the state vLLM passes the
 proposer for that request: the target has not read the tokens drafted after it). Then ROC AUC, grouped by prompt in
 4 folds: the policy's score alone, a logistic model of the score and the position, and the same with the target's
-state (standardised, PCA to k dimensions fitted on the training folds) beside them; AUC at the first position too.
+state (standardised, PCA to k dimensions fitted on the training folds) beside them; AUC at the first position too,
+and each model's AUC less the score-and-position model's with a 95% bootstrap interval over prompts.
 
 Usage:
     python benchmarks/target_state_signal.py outputs/default/train/disco/export --prompts 40 --new_tokens 64 \\
@@ -134,9 +135,15 @@ def report(d: dict[str, np.ndarray]) -> None:
     rows = [("the policy's score", d["score"]), ("logistic: score, position", grouped_auc(x, y, groups))]
     rows += [(f"  + target state, PCA {k}, C {c}", grouped_auc(x, y, groups, d["states"], rounds, k, c))
              for k in (8, 32, 128) for c in (0.01, 0.1)]
+    base = rows[1][1]
+    boot = [np.concatenate([np.nonzero(groups == g)[0] for g in pick])
+            for pick in np.random.default_rng(0).choice(np.unique(groups), (500, len(np.unique(groups))))]
     for name, pred in rows:
+        gain = [roc_auc_score(y[i], pred[i]) - roc_auc_score(y[i], base[i]) for i in boot]
+        lo, hi = np.percentile(gain, [2.5, 97.5])
         print(f"{name:34s} AUC {roc_auc_score(y, pred):.3f}   first position "
-              f"{roc_auc_score(y[first], pred[first]):.3f}")
+              f"{roc_auc_score(y[first], pred[first]):.3f}   against score and position "
+              f"{roc_auc_score(y, pred) - roc_auc_score(y, base):+.3f} [{lo:+.3f}, {hi:+.3f}]")
 
 
 def main() -> None:
