@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch_sizes", default="1,2,4,8")
     ap.add_argument("--cycles", type=int, default=4, help="passes over the traced requests, each in a seeded order")
     ap.add_argument("--cap", type=int, default=8, help="most positions a step drafts (num_speculative_tokens)")
+    ap.add_argument("--prior", type=float, default=None,
+                    help="the first-position acceptance a request's forecast starts from (default: as the proposer "
+                         "reads it, the curve file's measured one, else the policy export's traced one)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
@@ -249,7 +252,8 @@ def _inputs(args: argparse.Namespace) -> tuple[list[Text], dict[int, CostModel],
     scores = policy_scores(policy, as_tensor_dict({k: np.array(v) for k, v in columns.items()}))  # writable copies
     texts = traced_texts(np.asarray(scores, dtype=float), np.asarray(columns["position"]),
                          np.asarray(columns["greedy_match"]) > 0.5, requests, np.random.default_rng(args.seed))
-    return texts, load_curves(args.costs), prior_acceptance(args.costs)
+    prior = prior_acceptance(args.costs, args.policy) if args.prior is None else args.prior
+    return texts, load_curves(args.costs), prior
 
 
 if __name__ == "__main__":

@@ -68,3 +68,18 @@ def test_bad_input_is_one_line(tmp_path, capsys) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"kind": "vllm_traces"}))
     assert main([str(tmp_path), str(tmp_path / "costs.json"), "--policy", "static:3"]) == 1
     assert "decides for goodput policies" in capsys.readouterr().err
+
+
+def test_a_forecast_started_too_low_never_drafts_where_a_skipped_step_is_cheap() -> None:
+    """A request's forecast learns only from rounds it drafts: started below what drafting needs (a skipped step
+    cheaper than a drafting one, as on a host whose draft forward is cheap), it never drafts; started at the
+    acceptance vLLM was measured or traced at, it drafts and beats drafting nothing."""
+    from compute.timing import SKIP_STEP
+
+    cm = CostModel(draft_s_per_token=0.024, target_s={L: 0.065 for L in range(1, 10)})
+    cm.extra[SKIP_STEP] = 0.057
+    texts = [text(0.85, True, 80)] * 3
+    low = simulate(texts, cm, batch=1, cap=6, prior=0.5, ks=[0, 2], cycles=2)
+    measured = simulate(texts, cm, batch=1, cap=6, prior=0.85, ks=[0, 2], cycles=2)
+    assert low["batch rule"].forwards == 0 and low["batch rule"].rate == low["K = 0"].rate
+    assert measured["batch rule"].forwards > 0 and measured["batch rule"].rate > 1.3 * measured["K = 0"].rate

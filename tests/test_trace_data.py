@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from runtimes.vllm.traces import TraceWriter, fit_splits, trace_folder, trace_split
+from runtimes.vllm.traces import TraceWriter, fit_splits, refit_calibration, trace_folder, trace_split
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,3 +59,27 @@ def test_the_main_job_trains_disco_on_traces_and_the_refit_leaves_its_train_requ
     assert str(traces) in json.loads((export / "predictor.json").read_text())["data_dir"]
     assert fit_splits(export, traces) == ["val"] and fit_splits(tmp_path / "plain" / "disco" / "export",
                                                                  traces) == ["train", "val"]
+    refit = refit_calibration(traces, tmp_path / "plain" / "disco" / "export", tmp_path / "refit")
+    first = json.loads((refit / "predictor.json").read_text())["vllm_first_acceptance"]
+    assert first["share"] == 1.0 and 0 < first["tokens"] < 100  # every traced request's first token was accepted
+
+
+def test_the_first_drafted_token_s_traced_share_is_where_forecasts_start_without_an_acceptance_run(tmp_path) -> None:
+    from compute.timing import CostModel
+    from runtimes.vllm.proposer import prior_acceptance
+    from runtimes.vllm.settings import ACCEPTANCE
+    from runtimes.vllm.traces import FIRST_ACCEPTANCE, first_acceptance
+
+    cols = {"position": [0, 1, 2, 0, 0, 1, 0], "greedy_match": [1, 1, 0, 0, 1, 0, 1]}
+    assert first_acceptance(cols) == {"share": 0.75, "tokens": 4}
+    assert first_acceptance({"position": [1, 2], "greedy_match": [1, 0]}) is None
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "predictor.json").write_text(json.dumps({FIRST_ACCEPTANCE: {"share": 0.84, "tokens": 75}}))
+    curve = CostModel(draft_s_per_token=0.02, target_s={1: 0.1, 2: 0.1})
+    curve.to_json(tmp_path / "plain.json")
+    curve.extra[ACCEPTANCE] = {"survival": [0.9, 0.8]}
+    curve.to_json(tmp_path / "measured.json")
+    assert prior_acceptance(str(tmp_path / "measured.json"), f"goodput:{export}") == 0.9  # an acceptance run first
+    assert prior_acceptance(str(tmp_path / "plain.json"), f"goodput:{export}") == 0.84  # then vLLM's traced verdicts
+    assert prior_acceptance(str(tmp_path / "plain.json"), "svip") == 0.5

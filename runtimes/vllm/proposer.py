@@ -57,12 +57,12 @@ from compute.timing import BATCH_CURVES, CostModel
 from decoding.policies import build_policy
 from predictors.base import StopPolicy
 from predictors.calibration import Calibrator
-from predictors.export import check_fingerprint, read_metadata
+from predictors.export import METADATA_FILE, check_fingerprint, read_metadata
 from predictors.goodput import GoodputPolicy
 from runtimes.vllm.catch_up import CatchUp
 from runtimes.vllm.settings import ACCEPTANCE
 from runtimes.vllm.stopper import RequestStopper
-from runtimes.vllm.traces import TraceWriter
+from runtimes.vllm.traces import FIRST_ACCEPTANCE, TraceWriter
 
 log = logging.getLogger(__name__)
 
@@ -169,14 +169,25 @@ def build_stopper(settings: PolicySettings, precision: str = "bfloat16") -> Requ
                           top_k=settings.top_k, acceptance=_acceptance_map(settings, policy),
                           batch_rule=settings.batch_rule, traces=_trace_writer(settings, precision),
                           draft_to_cap=settings.trace_all, skip_idle=settings.skip_idle,
-                          prior=prior_acceptance(settings.costs), follow=settings.follow)
+                          prior=prior_acceptance(settings.costs, settings.spec), follow=settings.follow)
 
 
-def prior_acceptance(costs: str | None) -> float:
-    """vLLM's own acceptance of the first drafted token, where the curve file holds it (``pipelines.measure_costs
-    --runtime vllm --data_dir``), else 1/2: what a request's forecast starts from."""
+def prior_acceptance(costs: str | None, spec: str | None = None) -> float:
+    """What a request's forecast of its acceptance starts from: vLLM's own acceptance of the first drafted token where
+    the curve file holds it (``pipelines.measure_costs --runtime vllm --data_dir``), else the share vLLM accepted of
+    the first tokens traced for ``spec``'s export (its calibration refitted on vLLM's traces), else 1/2. A forecast too
+    low never drafts and so never learns otherwise (one line says so where no measurement gives it)."""
     survival = (CostModel.from_json(costs).extra.get(ACCEPTANCE) or {}).get("survival") if costs else None
-    return float(survival[0]) if survival else 0.5
+    if survival:
+        return float(survival[0])
+    folder = Path(spec.removeprefix("goodput:")).expanduser() if spec else None
+    traced = read_metadata(folder).get(FIRST_ACCEPTANCE) if folder and (folder / METADATA_FILE).is_file() else None
+    if traced:
+        return float(traced["share"])
+    if costs:
+        log.info("specstop: no measured acceptance of vLLM's first drafted token (the curve file has no acceptance "
+                 "run, %s no traced one): forecasts start at 0.5", spec)
+    return 0.5
 
 
 def _acceptance_map(settings: PolicySettings, policy: StopPolicy) -> Calibrator | None:

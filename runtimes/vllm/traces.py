@@ -35,10 +35,12 @@ from predictors.export import load_predictor, read_metadata, update_metadata
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TraceWriter", "TRACE_TAGS", "trace_split", "refit_calibration", "trace_folder", "is_trace_folder",
-           "fit_splits"]
+__all__ = ["TraceWriter", "TRACE_TAGS", "trace_split", "refit_calibration", "first_acceptance", "FIRST_ACCEPTANCE",
+           "trace_folder", "is_trace_folder", "fit_splits"]
 
 CONFIG_FILE = "config.json"
+FIRST_ACCEPTANCE = "vllm_first_acceptance"
+"""The field of a refitted export's ``predictor.json``: :func:`first_acceptance` of the traces it was fitted on."""
 TRACE_TAGS = ("runtime", "precision", "fingerprints")
 """The fields of ``config.json`` a folder's traces must share: appending traces of another pair or precision to it is
 refused."""
@@ -141,6 +143,15 @@ def fit_splits(export: str | Path | None, traces: str | Path) -> list[str]:
     return ["val"] if any(Path(d).resolve() == Path(traces).resolve() for d in seen) else ["train", "val"]
 
 
+def first_acceptance(cols: dict[str, Any]) -> dict[str, float] | None:
+    """The share of traced first drafted tokens vLLM accepted, and how many (None: no first token traced): where a
+    request's forecast of its acceptance starts when vLLM's curve file holds no acceptance run."""
+    first = np.asarray(cols["position"]) == 0
+    if not first.any():
+        return None
+    return {"share": float(np.mean(np.asarray(cols["greedy_match"])[first] > 0.5)), "tokens": int(first.sum())}
+
+
 def refit_calibration(traces_dir: str | Path, export: str | Path, dest: str | Path, method: str = "auto") -> Path:
     """Copy ``export`` to ``dest`` with its greedy calibration map refitted on traced requests it did not learn from
     (vLLM's verdicts on its own drafts; the ``test`` requests are left out): what a goodput policy serving in vLLM
@@ -156,6 +167,7 @@ def refit_calibration(traces_dir: str | Path, export: str | Path, dest: str | Pa
     if "greedy" not in maps:
         raise ValueError(f"{traces}: too few traced tokens of {' and '.join(splits)} requests to fit a map")
     shutil.copytree(export, dest, dirs_exist_ok=True)
-    update_metadata(dest, calibration={"greedy": maps["greedy"].to_dict()})
+    update_metadata(dest, calibration={"greedy": maps["greedy"].to_dict()},
+                    **({FIRST_ACCEPTANCE: traced} if (traced := first_acceptance(subset(cols, fit))) else {}))
     log.info("calibration of %s refitted on %d traced tokens of vLLM: %s", export, int(fit.sum()), dest)
     return dest
