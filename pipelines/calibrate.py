@@ -28,7 +28,7 @@ from evaluation.calibration import calibrate_policies
 from evaluation.data import draft_fingerprint, load_columns, subset
 from evaluation.report import markdown_table
 from pipelines.cli import parse_config, setup_logging, user_errors
-from predictors.export import METADATA_FILE, export_predictor, load_predictor, update_metadata
+from predictors.export import METADATA_FILE, export_predictor, load_predictor, read_metadata, update_metadata
 from predictors.tracking import TrackingURI
 from runtimes.vllm.traces import FIRST_ACCEPTANCE, first_acceptance, fit_splits, is_trace_folder
 
@@ -97,7 +97,8 @@ def calibrate_export(cfg: CalibrateConfig) -> dict[str, Any]:
     else:
         folder = export_predictor(pol, cfg.out_dir, {})
     traced = first_acceptance(subset(cols, np.isin(split, fit))) if is_trace_folder(cfg.data_dir) else None
-    update_metadata(folder, calibration=stored, **({FIRST_ACCEPTANCE: traced} if traced else {}))
+    stale = FIRST_ACCEPTANCE in read_metadata(folder)  # a map fitted on other data: vLLM's share no longer holds
+    update_metadata(folder, calibration=stored, **({FIRST_ACCEPTANCE: traced} if traced or stale else {}))
     return {"folder": folder, "table": res.table, "maps": res.maps[ref]}
 
 

@@ -62,6 +62,10 @@ def test_the_main_job_trains_disco_on_traces_and_the_refit_leaves_its_train_requ
     refit = refit_calibration(traces, tmp_path / "plain" / "disco" / "export", tmp_path / "refit")
     first = json.loads((refit / "predictor.json").read_text())["vllm_first_acceptance"]
     assert first["share"] == 1.0 and 0 < first["tokens"] < 100  # every traced request's first token was accepted
+    from pipelines.calibrate import main as calibrate
+
+    calibrate(["--data_dir", str(tmp_path / "data"), "--predictor", str(refit)])  # in place, on labelled data
+    assert json.loads((refit / "predictor.json").read_text())["vllm_first_acceptance"] is None  # no longer vLLM's
 
 
 def test_the_first_drafted_token_s_traced_share_is_where_forecasts_start_without_an_acceptance_run(tmp_path) -> None:
