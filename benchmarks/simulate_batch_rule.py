@@ -19,7 +19,8 @@ What it leaves out: a traced round ends at its first rejection, so a round that 
 next traced round's scores there (the draft would have drafted from its own wrong token; nothing past a rejection is
 accepted either way); the position after a round whose tokens were all accepted (the target's bonus token, never
 drafted) counts as accepted, its score drawn from the accepted tokens'; the curve's fastest rounds stand for the
-host's pace.
+host's pace; a calibration refitted on the same traces (the benchmark's ``calibrated`` exports: their train and val
+requests) is walked in sample, so the rule's acceptances are as well calibrated as they will ever be.
 
 Usage:
     python benchmarks/simulate_batch_rule.py outputs/benchmark-vllm/traces \\
