@@ -26,6 +26,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from sklearn.decomposition import PCA
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import roc_auc_score
+from sklearn.model_selection import GroupKFold
+from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -45,8 +50,6 @@ COLUMNS = ("prompt", "position", "score", "accepted", "round")
 def draft_rounds(draft, policy: StopPolicy, out: list[int], start: int, cap: int) -> tuple[list[tuple], list[int]]:
     """Greedy rounds along ``out`` (the target's greedy output after its first ``start`` tokens): per drafted token up
     to its round's first rejection (position, score, accepted, round), and each round's first token's index."""
-    from transformers import DynamicCache
-
     cache, rows, starts = DynamicCache(), [], []
     draft(torch.tensor([out[:start]]), past_key_values=cache, use_cache=True)
     t = start  # the round's first token: the target's (its correction or bonus), the draft reads it first
@@ -102,10 +105,6 @@ def grouped_auc(x: np.ndarray, y: np.ndarray, groups: np.ndarray, states: np.nda
                 rounds: np.ndarray | None = None, k: int = 0, c: float = 1.0) -> np.ndarray:
     """Out-of-fold probabilities of a logistic model on ``x`` (and, with ``states``, the PCA-``k`` of each token's
     round's state, fitted on the training folds), 4 folds grouped by prompt."""
-    from sklearn.decomposition import PCA
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import GroupKFold
-
     pred = np.zeros(len(y))
     for tr, te in GroupKFold(4).split(x, y, groups):
         feats = x
@@ -123,8 +122,6 @@ def grouped_auc(x: np.ndarray, y: np.ndarray, groups: np.ndarray, states: np.nda
 
 def report(d: dict[str, np.ndarray]) -> None:
     """AUC of the score, of score + position, and of both with the target's state at several sizes."""
-    from sklearn.metrics import roc_auc_score
-
     y, pos, groups = d["accepted"].astype(int), d["position"].astype(int), d["prompt"]
     rounds = d["round"].astype(int)
     p = np.clip(d["score"], 1e-4, 1 - 1e-4)
