@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _inputs(args: argparse.Namespace) -> tuple[list[Text], dict[int, CostModel], float]:
     """The traced outputs scored by the policy, vLLM's curves by batch size and its first-position acceptance."""
+    if args.prior is not None and not 0.0 <= args.prior <= 1.0:
+        raise ValueError(f"--prior {args.prior}: an acceptance, between 0 and 1")
     if not is_trace_folder(args.traces):
         raise ValueError(f"{args.traces}: not a folder of vLLM serving traces (its config.json says kind vllm_traces)")
     policy = build_policy(args.policy, max_draft_len=args.cap)

@@ -68,6 +68,8 @@ def test_bad_input_is_one_line(tmp_path, capsys) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"kind": "vllm_traces"}))
     assert main([str(tmp_path), str(tmp_path / "costs.json"), "--policy", "static:3"]) == 1
     assert "decides for goodput policies" in capsys.readouterr().err
+    assert main([str(tmp_path), str(tmp_path / "costs.json"), "--policy", "goodput:svip", "--prior", "1.5"]) == 1
+    assert "--prior 1.5: an acceptance, between 0 and 1" in capsys.readouterr().err
 
 
 def test_a_forecast_started_too_low_never_drafts_where_a_skipped_step_is_cheap() -> None:
