@@ -143,24 +143,32 @@ def report(d: dict[str, np.ndarray]) -> None:
               f"{roc_auc_score(y, pred) - roc_auc_score(y, base):+.3f} [{lo:+.3f}, {hi:+.3f}]")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("policy", help="the stopper whose score is compared (an export folder, adaedl, ...)")
     ap.add_argument("--prompts", type=int, default=40)
-    ap.add_argument("--split", default="val", help="the prompts' split (never the test prompts)")
+    ap.add_argument("--split", default="val", choices=["train", "val"], help="the prompts' split (never the test's)")
     ap.add_argument("--new_tokens", type=int, default=64)
     ap.add_argument("--cap", type=int, default=6, help="tokens a round drafts")
     ap.add_argument("--rows", default=None, help="an .npz of the collected rows: read when it exists, else written")
-    args = ap.parse_args()
-    policy = build_policy(args.policy, max_draft_len=args.cap)
-    if args.rows and Path(args.rows).is_file():
-        d = dict(np.load(args.rows))
-    else:
-        d = collect(args, policy)
-        if args.rows:
-            np.savez(args.rows, **d)
-    report(d)
+    args = ap.parse_args(argv)
+    try:
+        if args.prompts < 4 or args.cap < 1 or args.new_tokens < 2:
+            raise ValueError(f"--prompts {args.prompts} --cap {args.cap} --new_tokens {args.new_tokens}: four prompts "
+                             "at least (four folds), a cap of 1 and 2 new tokens at least")
+        policy = build_policy(args.policy, max_draft_len=args.cap)
+        if args.rows and Path(args.rows).is_file():
+            d = dict(np.load(args.rows))
+        else:
+            d = collect(args, policy)
+            if args.rows:
+                np.savez(args.rows, **d)
+        report(d)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"target_state_signal: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,7 +7,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from target_state_signal import draft_rounds, grouped_auc  # noqa: E402
+from target_state_signal import draft_rounds, grouped_auc, main  # noqa: E402
 
 from decoding.policies import build_policy  # noqa: E402
 
@@ -53,3 +53,11 @@ def test_a_state_that_carries_the_label_raises_the_grouped_auc() -> None:
     without = roc_auc_score(y, grouped_auc(x, y, groups))
     with_state = roc_auc_score(y, grouped_auc(x, y, groups, states, rounds, k=4, c=1.0))
     assert without < 0.6 and with_state > 0.85  # out of fold, a signal-free model scores about 0.5 or below
+
+
+def test_bad_input_is_one_line(tmp_path, capsys) -> None:
+    assert main(["no-such-policy", "--rows", str(tmp_path / "r.npz")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("target_state_signal: ") and err.count("\n") == 1
+    assert main(["svip", "--prompts", "2"]) == 1
+    assert "four prompts at least" in capsys.readouterr().err
