@@ -255,7 +255,7 @@ def _inputs(args: argparse.Namespace) -> tuple[list[Text], dict[int, CostModel],
     scores = policy_scores(policy, as_tensor_dict({k: np.array(v) for k, v in columns.items()}))  # writable copies
     texts = traced_texts(np.asarray(scores, dtype=float), np.asarray(columns["position"]),
                          np.asarray(columns["greedy_match"]) > 0.5, requests, np.random.default_rng(args.seed))
-    prior = prior_acceptance(args.costs, args.policy) if args.prior is None else args.prior
+    prior = prior_acceptance(args.costs, policy) if args.prior is None else args.prior
     return texts, load_curves(args.costs), prior
 
 

@@ -77,13 +77,18 @@ def test_the_first_drafted_token_s_traced_share_is_where_forecasts_start_without
     cols = {"position": [0, 1, 2, 0, 0, 1, 0], "greedy_match": [1, 1, 0, 0, 1, 0, 1]}
     assert first_acceptance(cols) == {"share": 0.75, "tokens": 4}
     assert first_acceptance({"position": [1, 2], "greedy_match": [1, 0]}) is None
-    export = tmp_path / "export"
-    export.mkdir()
-    (export / "predictor.json").write_text(json.dumps({FIRST_ACCEPTANCE: {"share": 0.84, "tokens": 75}}))
+    from decoding.policies import build_policy
+    from predictors.calibration import Calibrator
+    from predictors.goodput import GoodputPolicy
+
+    export = build_policy("svip")  # as loaded from an export whose map was refitted on traces
+    export.metadata = {FIRST_ACCEPTANCE: {"share": 0.84, "tokens": 75}}
+    wrapped = GoodputPolicy(export, {"greedy": Calibrator("isotonic", [0.0, 1.0], [0.0, 1.0])})
     curve = CostModel(draft_s_per_token=0.02, target_s={1: 0.1, 2: 0.1})
     curve.to_json(tmp_path / "plain.json")
     curve.extra[ACCEPTANCE] = {"survival": [0.9, 0.8]}
     curve.to_json(tmp_path / "measured.json")
-    assert prior_acceptance(str(tmp_path / "measured.json"), f"goodput:{export}") == 0.9  # an acceptance run first
-    assert prior_acceptance(str(tmp_path / "plain.json"), f"goodput:{export}") == 0.84  # then vLLM's traced verdicts
-    assert prior_acceptance(str(tmp_path / "plain.json"), "svip") == 0.5
+    assert prior_acceptance(str(tmp_path / "measured.json"), wrapped) == 0.9  # an acceptance run first
+    assert prior_acceptance(str(tmp_path / "plain.json"), wrapped) == 0.84  # then vLLM's traced verdicts
+    assert prior_acceptance(str(tmp_path / "plain.json"), export) == 0.84
+    assert prior_acceptance(str(tmp_path / "plain.json"), build_policy("svip")) == 0.5

@@ -57,7 +57,7 @@ from compute.timing import BATCH_CURVES, CostModel
 from decoding.policies import build_policy
 from predictors.base import StopPolicy
 from predictors.calibration import Calibrator
-from predictors.export import METADATA_FILE, check_fingerprint, read_metadata
+from predictors.export import check_fingerprint, read_metadata
 from predictors.goodput import GoodputPolicy
 from runtimes.vllm.catch_up import CatchUp
 from runtimes.vllm.settings import ACCEPTANCE
@@ -169,24 +169,24 @@ def build_stopper(settings: PolicySettings, precision: str = "bfloat16") -> Requ
                           top_k=settings.top_k, acceptance=_acceptance_map(settings, policy),
                           batch_rule=settings.batch_rule, traces=_trace_writer(settings, precision),
                           draft_to_cap=settings.trace_all, skip_idle=settings.skip_idle,
-                          prior=prior_acceptance(settings.costs, settings.spec), follow=settings.follow)
+                          prior=prior_acceptance(settings.costs, policy), follow=settings.follow)
 
 
-def prior_acceptance(costs: str | None, spec: str | None = None) -> float:
+def prior_acceptance(costs: str | None, policy: StopPolicy | None = None) -> float:
     """What a request's forecast of its acceptance starts from: vLLM's own acceptance of the first drafted token where
     the curve file holds it (``pipelines.measure_costs --runtime vllm --data_dir``), else the share vLLM accepted of
-    the first tokens traced for ``spec``'s export (its calibration refitted on vLLM's traces), else 1/2. A forecast too
-    low never drafts and so never learns otherwise (one line says so where no measurement gives it)."""
+    the first tokens traced for ``policy``'s export (its calibration refitted on vLLM's traces), else 1/2. A forecast
+    too low never drafts and so never learns otherwise (one line says so where no measurement gives it)."""
     survival = (CostModel.from_json(costs).extra.get(ACCEPTANCE) or {}).get("survival") if costs else None
     if survival:
         return float(survival[0])
-    folder = Path(spec.removeprefix("goodput:")).expanduser() if spec else None
-    traced = read_metadata(folder).get(FIRST_ACCEPTANCE) if folder and (folder / METADATA_FILE).is_file() else None
+    export = policy.inner if isinstance(policy, GoodputPolicy) else policy  # the export a goodput policy wraps
+    traced = export.metadata.get(FIRST_ACCEPTANCE) if export is not None else None
     if traced:
         return float(traced["share"])
     if costs:
         log.info("specstop: no measured acceptance of vLLM's first drafted token (the curve file has no acceptance "
-                 "run, %s no traced one): forecasts start at 0.5", spec)
+                 "run, %s no traced one): forecasts start at 0.5", getattr(policy, "kind", None))
     return 0.5
 
 
