@@ -28,9 +28,9 @@ from evaluation.calibration import calibrate_policies
 from evaluation.data import draft_fingerprint, load_columns, subset
 from evaluation.report import markdown_table
 from pipelines.cli import parse_config, setup_logging, user_errors
-from predictors.export import METADATA_FILE, export_predictor, load_predictor, read_metadata, update_metadata
+from predictors.export import METADATA_FILE, export_predictor, load_predictor, update_metadata
 from predictors.tracking import TrackingURI
-from runtimes.vllm.traces import FIRST_ACCEPTANCE, first_acceptance, fit_splits, is_trace_folder
+from runtimes.vllm.traces import first_acceptance_field, fit_splits, is_trace_folder
 
 
 @dataclass
@@ -96,9 +96,8 @@ def calibrate_export(cfg: CalibrateConfig) -> dict[str, Any]:
         shutil.copytree(download_model(ref, tracking_uri=cfg.tracking_uri), folder, dirs_exist_ok=True)
     else:
         folder = export_predictor(pol, cfg.out_dir, {})
-    traced = first_acceptance(subset(cols, np.isin(split, fit))) if is_trace_folder(cfg.data_dir) else None
-    stale = FIRST_ACCEPTANCE in read_metadata(folder)  # a map fitted on other data: vLLM's share no longer holds
-    update_metadata(folder, calibration=stored, **({FIRST_ACCEPTANCE: traced} if traced or stale else {}))
+    traced = subset(cols, np.isin(split, fit)) if is_trace_folder(cfg.data_dir) else None
+    update_metadata(folder, calibration=stored, **first_acceptance_field(folder, traced))
     return {"folder": folder, "table": res.table, "maps": res.maps[ref]}
 
 

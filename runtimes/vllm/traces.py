@@ -36,7 +36,7 @@ from predictors.export import load_predictor, read_metadata, update_metadata
 log = logging.getLogger(__name__)
 
 __all__ = ["TraceWriter", "TRACE_TAGS", "trace_split", "refit_calibration", "first_acceptance", "FIRST_ACCEPTANCE",
-           "trace_folder", "is_trace_folder", "fit_splits"]
+           "first_acceptance_field", "trace_folder", "is_trace_folder", "fit_splits"]
 
 CONFIG_FILE = "config.json"
 FIRST_ACCEPTANCE = "vllm_first_acceptance"
@@ -152,6 +152,14 @@ def first_acceptance(cols: dict[str, Any]) -> dict[str, float] | None:
     return {"share": float(np.mean(np.asarray(cols["greedy_match"])[first] > 0.5)), "tokens": int(first.sum())}
 
 
+def first_acceptance_field(folder: str | Path, fitted: dict[str, Any] | None) -> dict[str, Any]:
+    """The :data:`FIRST_ACCEPTANCE` entry for the export in ``folder`` whose greedy map was just fitted on ``fitted``
+    (a trace folder's fit rows; None: other data): the traces' share, else None over a share an earlier refit left
+    (it no longer describes the map), else nothing."""
+    traced = first_acceptance(fitted) if fitted is not None else None
+    return {FIRST_ACCEPTANCE: traced} if traced or FIRST_ACCEPTANCE in read_metadata(folder) else {}
+
+
 def refit_calibration(traces_dir: str | Path, export: str | Path, dest: str | Path, method: str = "auto") -> Path:
     """Copy ``export`` to ``dest`` with its greedy calibration map refitted on traced requests it did not learn from
     (vLLM's verdicts on its own drafts; the ``test`` requests are left out): what a goodput policy serving in vLLM
@@ -168,6 +176,6 @@ def refit_calibration(traces_dir: str | Path, export: str | Path, dest: str | Pa
         raise ValueError(f"{traces}: too few traced tokens of {' and '.join(splits)} requests to fit a map")
     shutil.copytree(export, dest, dirs_exist_ok=True)
     update_metadata(dest, calibration={"greedy": maps["greedy"].to_dict()},
-                    **({FIRST_ACCEPTANCE: traced} if (traced := first_acceptance(subset(cols, fit))) else {}))
+                    **first_acceptance_field(dest, subset(cols, fit)))
     log.info("calibration of %s refitted on %d traced tokens of vLLM: %s", export, int(fit.sum()), dest)
     return dest
